@@ -1,0 +1,77 @@
+"""The checker: one pass that collects every problem of a graph.
+
+`check_graph` runs structural lint, dim/dtype unification along every edge and batch
+arithmetic, and returns a `CheckResult` holding all diagnostics (sorted by position)
+plus what unification inferred, which `viz` and the compiler reuse.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from flowgraph.check.batch import check_batches
+from flowgraph.check.shapes import DimEnv, EdgeInfo, PortShape, ShapeResult, infer_shapes
+from flowgraph.check.structure import (
+    Resolved,
+    check_cycles,
+    check_models,
+    check_params,
+    check_ports,
+    check_unused,
+    resolve_kinds,
+)
+from flowgraph.diagnostics import Diagnostic, error, sort_key
+from flowgraph.errors import PluginError
+from flowgraph.ir import Graph
+from flowgraph.registry import Registry
+
+__all__ = ["CheckResult", "DimEnv", "EdgeInfo", "PortShape", "Resolved", "check_graph"]
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """Diagnostics plus the inferred facts about a graph."""
+
+    graph: Graph
+    diagnostics: tuple[Diagnostic, ...]
+    table: dict[str, Resolved]
+    shapes: ShapeResult
+    registry: Registry
+    dp: int
+
+    @property
+    def ok(self) -> bool:
+        return not any(d.is_error for d in self.diagnostics)
+
+    @property
+    def errors(self) -> tuple[Diagnostic, ...]:
+        return tuple(d for d in self.diagnostics if d.is_error)
+
+
+def _load_plugins(graph: Graph, registry: Registry, out: list[Diagnostic]) -> None:
+    for plugin in graph.plugins:
+        try:
+            registry.load_plugins([plugin.module])
+        except PluginError as exc:
+            out.append(error("FG113", str(exc), plugin.pos,
+                             hint="is the package installed, and the module name spelt as "
+                                  "you would `import` it?"))
+
+
+def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None = None
+                ) -> CheckResult:
+    """Check everything; `dp` (data-parallel size) defaults to `resources.nproc`."""
+    registry = registry or Registry.default()
+    dp = dp or graph.resources.nproc
+    out: list[Diagnostic] = []
+    _load_plugins(graph, registry, out)
+    table = resolve_kinds(graph, registry, out)
+    check_ports(table, out)
+    check_params(table, out)
+    check_models(graph, table, out)
+    on_cycle = check_cycles(graph, out)
+    check_unused(graph, table, out)
+    shapes = infer_shapes(graph, table, on_cycle, out)
+    check_batches(table, shapes, dp, out)
+    diags = tuple(sorted(dict.fromkeys(out), key=sort_key))
+    return CheckResult(graph, diags, table, shapes, registry, dp)

@@ -1,0 +1,217 @@
+"""The `flowgraph` command: small subcommands over typed options.
+
+    flowgraph check FILE... [--format text|json|github] [--nproc N]
+    flowgraph compile FILE --target local|fsdp|ray [--nproc N] [-o plan.json]
+    flowgraph viz FILE -o out.mmd|out.dot|out.svg
+    flowgraph schema
+
+Exit codes: 0 clean (warnings allowed), 1 errors in a graph, 2 usage or unreadable
+input. No input file can make it print a Python traceback. Modules behind each
+subcommand are imported only when it runs, so `check` starts fast and never imports
+torch for graphs made of built-in kinds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TextIO
+
+from flowgraph.diagnostics import Diagnostic
+from flowgraph.errors import FlowgraphError
+
+EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        sys.stderr.write(f"flowgraph: error: {message}\n")
+        raise SystemExit(EXIT_USAGE)
+
+
+def _lines_of(cache: dict[str, list[str] | None]) -> Callable[[str], list[str] | None]:
+    def read(file: str) -> list[str] | None:
+        if file not in cache:
+            try:
+                cache[file] = Path(file).read_text(encoding="utf-8").splitlines()
+            except (OSError, UnicodeDecodeError):
+                cache[file] = None
+        return cache[file]
+
+    return read
+
+
+def _use_color(stream: TextIO) -> bool:
+    return stream.isatty() and "NO_COLOR" not in os.environ
+
+
+def _unreadable(diags: Sequence[Diagnostic]) -> bool:
+    return any(d.code in ("FG001", "FG008") for d in diags)
+
+
+# --- check ---------------------------------------------------------------------------
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from flowgraph.check import check_graph
+    from flowgraph.diagnostics import render_github, render_json
+    from flowgraph.frontend import load_graph
+
+    files, overrides = split_overrides(args.files)
+    if not files:
+        raise FlowgraphError("check needs at least one graph FILE")
+    all_diags: list[Diagnostic] = []
+    status = EXIT_OK
+    for file in files:
+        graph, diags = load_graph(file, overrides)
+        if graph is not None:
+            diags += list(check_graph(graph, dp=args.nproc).diagnostics)
+        all_diags += diags
+        if graph is None and _unreadable(diags):
+            status = max(status, EXIT_USAGE)
+        elif any(d.is_error for d in diags):
+            status = max(status, EXIT_ERRORS)
+    out = sys.stdout
+    if args.format == "json":
+        print(render_json(all_diags), file=out)
+    elif args.format == "github":
+        if all_diags:
+            print(render_github(all_diags), file=out)
+    else:
+        _print_text(all_diags, files, out)
+    return status
+
+
+def split_overrides(args: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Positional `key=value` words are overrides, the rest are files."""
+    files = [a for a in args if "=" not in a or Path(a).exists()]
+    return files, [a for a in args if a not in files]
+
+
+def _print_text(diags: list[Diagnostic], files: list[str], out: TextIO) -> None:
+    from flowgraph.diagnostics import render_text
+
+    if diags:
+        print(render_text(diags, _lines_of({}), color=_use_color(out)), file=out)
+    errors = sum(d.is_error for d in diags)
+    warnings = sum(d.severity == "warning" for d in diags)
+    verdict = "ok" if not errors else "failed"
+    print(f"{verdict}: {len(files)} file(s), {errors} error(s), {warnings} warning(s)", file=out)
+
+
+# --- compile -------------------------------------------------------------------------
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from flowgraph.passes import PassPipeline, compile_graph
+
+    pipeline = PassPipeline.default(disabled=tuple(args.disable_pass))
+    if args.print_passes:
+        print(pipeline.describe())
+        return EXIT_OK
+    if not args.file:
+        raise FlowgraphError("compile needs a graph FILE (or --print-passes)")
+    result = compile_graph(args.file, target=args.target, nproc=args.nproc,
+                           overrides=args.overrides, pipeline=pipeline,
+                           dump_after=tuple(args.dump_after), dump=sys.stderr)
+    return _finish_compile(result, args)
+
+
+def _finish_compile(result: object, args: argparse.Namespace) -> int:
+    from flowgraph.diagnostics import render_text
+    from flowgraph.passes import CompileResult
+
+    assert isinstance(result, CompileResult)
+    if result.diagnostics:
+        print(render_text(result.diagnostics, _lines_of({}), color=_use_color(sys.stderr)),
+              file=sys.stderr)
+    if result.plan is None:
+        return EXIT_USAGE if _unreadable(result.diagnostics) else EXIT_ERRORS
+    if args.output:
+        Path(args.output).write_text(result.plan.to_json(), encoding="utf-8")
+    print(result.plan.summary())
+    if args.output:
+        print(f"plan written to {args.output}")
+    return EXIT_OK
+
+
+# --- viz, schema ---------------------------------------------------------------------
+
+
+def cmd_viz(args: argparse.Namespace) -> int:
+    from flowgraph.viz import write_viz
+
+    return write_viz(args.file, args.output, overrides=args.overrides, fmt=args.format)
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    import json
+
+    from flowgraph.schema import graph_schema
+
+    print(json.dumps(graph_schema(), indent=2))
+    return EXIT_OK
+
+
+# --- parser --------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="flowgraph", description="Dataflow-graph compiler for RL post-training.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    c = sub.add_parser("check", help="check graph files: contracts, batch arithmetic")
+    c.add_argument("files", nargs="+", metavar="FILE [KEY=VALUE]",
+                   help="graph files, then overrides such as trainer.steps=20")
+    c.add_argument("--format", choices=("text", "json", "github"), default="text")
+    c.add_argument("--nproc", type=int, default=None, help="data-parallel size to check for")
+    c.set_defaults(func=cmd_check)
+
+    k = sub.add_parser("compile", help="run the pass pipeline and write an execution plan")
+    k.add_argument("file", nargs="?", metavar="FILE")
+    k.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    k.add_argument("--target", choices=("local", "fsdp", "ray"), default="local")
+    k.add_argument("--nproc", type=int, default=None)
+    k.add_argument("-o", "--output", metavar="PLAN.json")
+    k.add_argument("--print-passes", action="store_true", help="list the passes and exit")
+    k.add_argument("--disable-pass", action="append", default=[], metavar="NAME")
+    k.add_argument("--dump-after", action="append", default=[], metavar="NAME",
+                   help="print the graph (YAML) after this pass")
+    k.set_defaults(func=cmd_compile)
+
+    v = sub.add_parser("viz", help="draw a graph: Mermaid, Graphviz DOT or SVG")
+    v.add_argument("file", metavar="FILE")
+    v.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    v.add_argument("-o", "--output", required=True, metavar="OUT.{mmd,dot,svg}")
+    v.add_argument("--format", choices=("mmd", "dot", "svg"), default=None,
+                   help="default: from the output's extension")
+    v.set_defaults(func=cmd_viz)
+
+    s = sub.add_parser("schema", help="print a JSON Schema for graph files")
+    s.set_defaults(func=cmd_schema)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "nproc", None) is not None and args.nproc < 1:
+        parser.error("--nproc must be >= 1")
+    try:
+        return int(args.func(args))
+    except FlowgraphError as exc:
+        print(f"flowgraph: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("flowgraph: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

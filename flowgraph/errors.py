@@ -1,0 +1,48 @@
+"""The error hierarchy of flowgraph.
+
+Every error a user can cause derives from `FlowgraphError`; the CLI turns these into
+a message and an exit code, never a traceback. Internal invariants use plain
+exceptions (a bug in flowgraph should show its traceback).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from flowgraph.diagnostics import Diagnostic
+
+
+class FlowgraphError(Exception):
+    """Base class of every user-facing error."""
+
+
+class UsageError(FlowgraphError):
+    """A command was called wrongly (unknown option, missing file, bad override)."""
+
+
+class GraphFileError(FlowgraphError):
+    """A graph file could not be read or parsed into a document."""
+
+
+class GraphError(FlowgraphError):
+    """A graph failed its checks; carries every diagnostic, not just the first."""
+
+    def __init__(self, diagnostics: tuple[Diagnostic, ...]) -> None:
+        self.diagnostics = diagnostics
+        errors = [d for d in diagnostics if d.severity == "error"]
+        lines = [f"{len(errors)} error(s) in the graph:"]
+        lines += [f"  {d.one_line()}" for d in errors]
+        super().__init__("\n".join(lines))
+
+
+class DimError(FlowgraphError):
+    """A dimension string does not parse (`"B T--1"`) or cannot be evaluated."""
+
+
+class RegistryError(FlowgraphError):
+    """A node kind was declared wrongly or registered twice with different contracts."""
+
+
+class PluginError(FlowgraphError):
+    """A plugin module listed under `plugins:` could not be imported."""

@@ -1,0 +1,553 @@
+"""The YAML front end: a located document -> `Graph`, and `Graph` -> YAML.
+
+Structure is checked here (unknown keys with a "did you mean", wrong value types,
+missing required keys), every problem collected; what the registry knows (kinds,
+ports, params) is checked by the checker. A graph file looks like:
+
+    name: ppo
+    dims: {Bp: 8, N: 1, P: 32, T: 32}
+    models:
+      actor: {path: "builtin:tiny-lm", trainable: true, optimizer: {lr: 1.0e-5}}
+    data:
+      train: {kind: prompts, path: "builtin:arith"}
+    nodes:
+      gen:
+        kind: generate
+        model: actor
+        inputs: {prompts: train.input_ids, prompt_mask: train.attention_mask}
+        params: {max_new_tokens: 32}
+    trainer: {steps: 20, seed: 0}
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flowgraph.diagnostics import Diagnostic, error
+from flowgraph.document import (
+    YMap,
+    YNode,
+    YScalar,
+    YSeq,
+    apply_override,
+    did_you_mean,
+    parse_override,
+    plain,
+    read_document,
+)
+from flowgraph.errors import FlowgraphError
+from flowgraph.ir import (
+    NAME_RE,
+    DataSpec,
+    DimBinding,
+    Graph,
+    ModelSpec,
+    NodeSpec,
+    OptimizerSpec,
+    Param,
+    Params,
+    ParamValue,
+    Plugin,
+    PoolSpec,
+    PortRef,
+    ResourceSpec,
+    TrainerSpec,
+    from_python,
+)
+from flowgraph.source import SourcePos
+
+MAX_FILE_BYTES = 16 * 1024 * 1024
+REF_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)$")
+
+# Expected value types per key: a tuple of Python types (int is not a float here;
+# `_typed` widens int to float where float is expected).
+_T = tuple[type, ...]
+TOP: dict[str, _T] = {
+    "version": (int,), "name": (str,), "description": (str,), "dims": (dict,),
+    "models": (dict,), "data": (dict,), "nodes": (dict,), "trainer": (dict,),
+    "resources": (dict,), "plugins": (list,),
+}
+MODEL: dict[str, _T] = {
+    "path": (str,), "trainable": (bool,), "dtype": (str,), "optimizer": (dict,),
+    "tokenizer": (str,), "gradient_checkpointing": (bool,), "config": (dict,),
+}
+OPTIMIZER: dict[str, _T] = {
+    "name": (str,), "lr": (float,), "weight_decay": (float,), "betas": (list,),
+    "eps": (float,), "warmup_steps": (int,), "schedule": (str,), "grad_clip": (float,),
+}
+NODE: dict[str, _T] = {
+    "kind": (str,), "model": (str,), "inputs": (dict,), "params": (dict,), "hoisted": (bool,),
+}
+TRAINER: dict[str, _T] = {
+    "steps": (int,), "seed": (int,), "run_dir": (str,), "checkpoint_every": (int,),
+    "eval_every": (int,), "resume": (bool,), "strict": (bool,), "on_nonfinite": (str,),
+    "step_timeout_s": (float,), "metrics_port": (int, type(None)),
+}
+RESOURCES: dict[str, _T] = {
+    "device": (str,), "nproc": (int,), "memory_gib": (float, type(None)), "pools": (dict,),
+}
+POOL: dict[str, _T] = {"size": (int,), "models": (list,)}
+DEVICES = ("auto", "cpu", "cuda")
+OPTIMIZERS = ("adamw", "adam", "sgd")
+SCHEDULES = ("constant", "linear", "cosine")
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class _Reader:
+    """Turns a located document into IR records, collecting diagnostics."""
+
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.diags: list[Diagnostic] = []
+
+    def err(self, code: str, message: str, pos: SourcePos, **kw: Any) -> None:
+        self.diags.append(error(code, message, pos, **kw))
+
+    def typed(self, node: YNode, types: _T, where: str) -> Any:
+        """The plain value if its type is one of `types`, else a diagnostic and None."""
+        value = plain(node)
+        if float in types and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if isinstance(value, float) and not math.isfinite(value):
+            self.err("FG004", f"`{where}` must be a finite number, got {value}", node.pos)
+            return None
+        if isinstance(value, bool) and bool not in types:
+            ok = False
+        else:
+            ok = isinstance(value, types)
+        if not ok:
+            names = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
+            self.err("FG004", f"`{where}` must be {names}, got {_describe(value)}", node.pos)
+            return None
+        return value
+
+    def section(self, node: YNode, schema: dict[str, _T], where: str) -> dict[str, Any]:
+        """Check keys and value types of a mapping against `schema`."""
+        if not isinstance(node, YMap):
+            self.err("FG004", f"`{where}` must be a mapping, got {_describe(plain(node))}",
+                     node.pos)
+            return {}
+        out: dict[str, Any] = {}
+        for key, value in node.items:
+            name = str(key.value)
+            if name not in schema:
+                self.err("FG003", f"unknown key `{name}` in {where}", key.pos,
+                         hint=did_you_mean(name, tuple(schema)))
+                continue
+            if schema[name] == (dict,) or schema[name] == (list,):
+                out[name] = value if _shape_ok(value, schema[name]) else self._bad(
+                    value, schema[name], f"{where}.{name}")
+                continue
+            typed = self.typed(value, schema[name], f"{where}.{name}")
+            if typed is not None or type(None) in schema[name]:
+                out[name] = typed
+        return {k: v for k, v in out.items() if v is not _BAD}
+
+    def _bad(self, node: YNode, types: _T, where: str) -> object:
+        names = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
+        self.err("FG004", f"`{where}` must be {names}, got {_describe(plain(node))}", node.pos)
+        return _BAD
+
+    def named_entries(self, node: YNode | None, where: str) -> list[tuple[YScalar, YNode]]:
+        if node is None:
+            return []
+        if not isinstance(node, YMap):
+            self.err("FG004", f"`{where}` must be a mapping of names", node.pos)
+            return []
+        out = []
+        for key, value in node.items:
+            if not NAME_RE.match(str(key.value)):
+                self.err("FG004", f"`{key.value}` is not a valid name in {where}", key.pos,
+                         hint="use letters, digits and `_`, starting with a letter")
+                continue
+            out.append((key, value))
+        return out
+
+    def params(self, node: YNode | None, where: str) -> Params:
+        if node is None:
+            return Params()
+        if not isinstance(node, YMap):
+            self.err("FG004", f"`{where}` must be a mapping", node.pos)
+            return Params()
+        return Params(tuple(Param(str(k.value), _freeze(v), v.pos) for k, v in node.items))
+
+
+_BAD = object()
+_TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
+               dict: "a mapping", list: "a list", type(None): "null"}
+
+
+def _shape_ok(node: YNode, types: _T) -> bool:
+    return isinstance(node, YMap) if types == (dict,) else isinstance(node, YSeq)
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, dict):
+        return "a mapping"
+    if isinstance(value, list):
+        return "a list"
+    if value is None:
+        return "null"
+    text = repr(value)
+    return f"{_TYPE_NAMES.get(type(value), type(value).__name__)} {text[:40]}"
+
+
+def _freeze(node: YNode) -> ParamValue:
+    if isinstance(node, YScalar):
+        return node.value
+    if isinstance(node, YSeq):
+        return tuple(_freeze(i) for i in node.items)
+    return Params(tuple(Param(str(k.value), _freeze(v), v.pos) for k, v in node.items))
+
+
+# --- sections ----------------------------------------------------------------------
+
+
+def _read_models(r: _Reader, node: YNode | None) -> tuple[ModelSpec, ...]:
+    out = []
+    for key, value in r.named_entries(node, "models"):
+        f = r.section(value, MODEL, f"models.{key.value}")
+        if "path" not in f:
+            if isinstance(value, YMap) and value.get("path") is None:
+                r.err("FG007", f"model `{key.value}` has no `path`", key.pos,
+                      hint="a local directory, a hub id, or builtin:tiny-lm")
+            continue
+        opt = _read_optimizer(r, f.get("optimizer"), f"models.{key.value}.optimizer")
+        config = r.params(f.get("config"), f"models.{key.value}.config")
+        dtype = f.get("dtype", "float32")
+        if dtype not in MODEL_DTYPES:
+            r.err("FG004", f"model dtype `{dtype}` is not supported", value.pos,
+                  hint=did_you_mean(dtype, MODEL_DTYPES))
+            dtype = "float32"
+        out.append(ModelSpec(
+            name=str(key.value), path=f["path"], trainable=f.get("trainable", False),
+            dtype=dtype, optimizer=opt, tokenizer=f.get("tokenizer"),
+            gradient_checkpointing=f.get("gradient_checkpointing", False), config=config,
+            pos=key.pos))
+    return tuple(out)
+
+
+def _read_optimizer(r: _Reader, node: YNode | None, where: str) -> OptimizerSpec | None:
+    if node is None:
+        return None
+    f = r.section(node, OPTIMIZER, where)
+    checks = (("name", OPTIMIZERS), ("schedule", SCHEDULES))
+    for key, allowed in checks:
+        if key in f and f[key] not in allowed:
+            r.err("FG004", f"`{where}.{key}` is `{f[key]}`", node.pos,
+                  hint=did_you_mean(f[key], allowed))
+            del f[key]
+    if "betas" in f:
+        betas = plain(f["betas"])
+        ok = isinstance(betas, list) and len(betas) == 2 and all(
+            isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)
+        if ok:
+            f["betas"] = (float(betas[0]), float(betas[1]))  # type: ignore[index]
+        else:
+            r.err("FG004", f"`{where}.betas` must be two numbers", f["betas"].pos)
+            del f["betas"]
+    return OptimizerSpec(**f, pos=node.pos)
+
+
+def _read_data(r: _Reader, node: YNode | None) -> tuple[DataSpec, ...]:
+    out = []
+    for key, value in r.named_entries(node, "data"):
+        if not isinstance(value, YMap):
+            r.err("FG004", f"`data.{key.value}` must be a mapping", value.pos)
+            continue
+        kind, path = value.get("kind"), value.get("path")
+        missing = [k for k, v in (("kind", kind), ("path", path)) if v is None]
+        if missing:
+            r.err("FG007", f"data source `{key.value}` has no `{'` or `'.join(missing)}`",
+                  key.pos, hint="e.g. {kind: prompts, path: data/train.parquet}")
+            continue
+        assert kind is not None and path is not None
+        kind_v = r.typed(kind, (str,), f"data.{key.value}.kind")
+        path_v = r.typed(path, (str,), f"data.{key.value}.path")
+        if kind_v is None or path_v is None:
+            continue
+        rest = YMap(tuple((k, v) for k, v in value.items if k.value not in ("kind", "path")),
+                    value.pos)
+        out.append(DataSpec(str(key.value), kind_v, path_v,
+                            r.params(rest, f"data.{key.value}"), key.pos))
+    return tuple(out)
+
+
+def _read_nodes(r: _Reader, node: YNode | None) -> tuple[NodeSpec, ...]:
+    out = []
+    for key, value in r.named_entries(node, "nodes"):
+        where = f"nodes.{key.value}"
+        f = r.section(value, NODE, where)
+        if "kind" not in f:
+            if isinstance(value, YMap) and value.get("kind") is None:
+                r.err("FG007", f"node `{key.value}` has no `kind`", key.pos,
+                      hint="name a kind from the registry, e.g. `kind: gae` "
+                           "(`flowgraph schema` lists them)")
+            continue
+        out.append(NodeSpec(
+            name=str(key.value), kind=f["kind"], model=f.get("model"),
+            inputs=_read_inputs(r, f.get("inputs"), where),
+            params=r.params(f.get("params"), f"{where}.params"),
+            hoisted=f.get("hoisted", False), pos=key.pos))
+    return tuple(out)
+
+
+def _read_inputs(r: _Reader, node: YNode | None, where: str) -> tuple[tuple[str, PortRef], ...]:
+    if node is None:
+        return ()
+    assert isinstance(node, YMap)
+    out = []
+    for key, value in node.items:
+        port = str(key.value)
+        text = plain(value)
+        m = REF_RE.match(text) if isinstance(text, str) else None
+        if not NAME_RE.match(port) or m is None:
+            r.err("FG115", f"input `{where}.inputs.{port}` must be `node.port`, got "
+                  f"{_describe(text)}", value.pos,
+                  hint="write the upstream node's name and its output port, e.g. "
+                       "`gen.responses`")
+            continue
+        out.append((port, PortRef(m.group(1), m.group(2), value.pos)))
+    return tuple(out)
+
+
+def _read_dims(r: _Reader, node: YNode | None) -> tuple[DimBinding, ...]:
+    out = []
+    for key, value in r.named_entries(node, "dims"):
+        v = plain(value)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            r.err("FG206", f"dim `{key.value}` must be a positive integer or null "
+                  f"(symbolic), got {_describe(v)}", value.pos)
+            continue
+        out.append(DimBinding(str(key.value), v, key.pos))
+    return tuple(out)
+
+
+def _read_trainer(r: _Reader, node: YNode | None) -> TrainerSpec:
+    if node is None:
+        return TrainerSpec()
+    f = r.section(node, TRAINER, "trainer")
+    for key in ("steps", "checkpoint_every", "eval_every", "seed"):
+        if key in f and f[key] < 0:
+            r.err("FG004", f"`trainer.{key}` must be >= 0, got {f[key]}", node.pos)
+            del f[key]
+    if f.get("on_nonfinite", "stop") not in ("stop", "skip"):
+        r.err("FG004", f"`trainer.on_nonfinite` is `{f['on_nonfinite']}`", node.pos,
+              hint="use `stop` (the default) or `skip`")
+        del f["on_nonfinite"]
+    return TrainerSpec(**f, pos=node.pos)
+
+
+def _read_resources(r: _Reader, node: YNode | None) -> ResourceSpec:
+    if node is None:
+        return ResourceSpec()
+    f = r.section(node, RESOURCES, "resources")
+    if f.get("device", "auto") not in DEVICES:
+        r.err("FG004", f"`resources.device` is `{f['device']}`", node.pos,
+              hint=did_you_mean(f["device"], DEVICES))
+        del f["device"]
+    if f.get("nproc", 1) < 1:
+        r.err("FG004", "`resources.nproc` must be >= 1", node.pos)
+        del f["nproc"]
+    pools = []
+    for key, value in r.named_entries(f.pop("pools", None), "resources.pools"):
+        p = r.section(value, POOL, f"resources.pools.{key.value}")
+        models = plain(p["models"]) if "models" in p else []
+        if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+            r.err("FG004", f"`resources.pools.{key.value}.models` must be a list of model "
+                  "names", value.pos)
+            continue
+        pools.append(PoolSpec(str(key.value), p.get("size", 1), tuple(models), key.pos))
+    return ResourceSpec(**f, pools=tuple(pools), pos=node.pos)
+
+
+def _read_plugins(r: _Reader, node: YNode | None) -> tuple[Plugin, ...]:
+    if node is None:
+        return ()
+    out = []
+    assert isinstance(node, YSeq)
+    for item in node.items:
+        name = r.typed(item, (str,), "plugins[]")
+        if name is not None:
+            out.append(Plugin(name, item.pos))
+    return tuple(out)
+
+
+def graph_from_document(doc: YNode, file: str) -> tuple[Graph | None, list[Diagnostic]]:
+    """Build the IR from a located document."""
+    r = _Reader(file)
+    top = r.section(doc, TOP, "the graph file")
+    if not isinstance(doc, YMap):
+        return None, r.diags
+    if "nodes" not in top and doc.get("nodes") is None:
+        r.err("FG007", "the graph has no `nodes:` section", doc.pos,
+              hint="see graphs/ppo.yaml for a complete example")
+    version = top.get("version", 1)
+    if version != 1:
+        r.err("FG004", f"graph file version {version} is not supported (this is version 1)",
+              doc.pos)
+    graph = Graph(
+        name=top.get("name", Path(file).stem),
+        nodes=_read_nodes(r, top.get("nodes")),
+        models=_read_models(r, top.get("models")),
+        data=_read_data(r, top.get("data")),
+        dims=_read_dims(r, top.get("dims")),
+        trainer=_read_trainer(r, top.get("trainer")),
+        resources=_read_resources(r, top.get("resources")),
+        plugins=_read_plugins(r, top.get("plugins")),
+        source=file,
+    )
+    return graph, r.diags
+
+
+def load_graph(
+    path: str | Path, overrides: Sequence[str] = (), text: str | None = None
+) -> tuple[Graph | None, list[Diagnostic]]:
+    """Read a graph file, apply `key=value` overrides, build the IR.
+
+    Returns the graph (None when the file cannot be read into one) and every
+    diagnostic found on the way. Never raises for bad input.
+    """
+    file = str(path)
+    if text is None:
+        loaded = _read_text(file)
+        if isinstance(loaded, Diagnostic):
+            return None, [loaded]
+        text = loaded
+    doc, diags = read_document(text, file)
+    doc, override_diags = apply_overrides(doc, overrides)
+    diags += override_diags
+    if doc is None:
+        return None, diags
+    graph, more = graph_from_document(doc, file)
+    return graph, diags + more
+
+
+def apply_overrides(doc: YNode | None, overrides: Sequence[str]
+                    ) -> tuple[YNode | None, list[Diagnostic]]:
+    diags: list[Diagnostic] = []
+    for i, text in enumerate(overrides):
+        parsed = parse_override(text, i)
+        if isinstance(parsed, Diagnostic):
+            diags.append(parsed)
+            continue
+        result = apply_override(doc, parsed[0], parsed[1], text)
+        if isinstance(result, Diagnostic):
+            diags.append(result)
+        else:
+            doc = result
+    return doc, diags
+
+
+def _read_text(file: str) -> str | Diagnostic:
+    pos = SourcePos(file, 0, 0)
+    try:
+        p = Path(file)
+        if p.is_dir():
+            return error("FG001", f"`{file}` is a directory, not a graph file", pos)
+        if p.stat().st_size > MAX_FILE_BYTES:
+            return error("FG008", f"`{file}` is larger than {MAX_FILE_BYTES >> 20} MiB", pos)
+        data = p.read_bytes()
+    except OSError as exc:
+        return error("FG001", f"cannot read `{file}`: {exc.strerror or exc}", pos)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        return error("FG001", f"`{file}` is not UTF-8 text (byte {exc.start})",
+                     SourcePos(file, line, 1))
+
+
+# --- IR -> YAML --------------------------------------------------------------------
+
+
+def graph_to_document(graph: Graph) -> dict[str, object]:
+    """Plain data that `graph_from_document` reads back into an equal graph."""
+    doc: dict[str, object] = {"version": 1, "name": graph.name}
+    if graph.dims:
+        doc["dims"] = {d.name: d.value for d in graph.dims}
+    if graph.models:
+        doc["models"] = {m.name: _model_doc(m) for m in graph.models}
+    if graph.data:
+        doc["data"] = {d.name: {"kind": d.kind, "path": d.path, **d.params.to_python()}
+                       for d in graph.data}
+    doc["nodes"] = {n.name: _node_doc(n) for n in graph.nodes}
+    _put_non_default(doc, "trainer", graph.trainer, TrainerSpec())
+    res = _non_default(graph.resources, ResourceSpec(), skip=("pools",))
+    if graph.resources.pools:
+        res["pools"] = {p.name: {"size": p.size, "models": list(p.models)}
+                        for p in graph.resources.pools}
+    if res:
+        doc["resources"] = res
+    if graph.plugins:
+        doc["plugins"] = [p.module for p in graph.plugins]
+    return doc
+
+
+def _non_default(obj: Any, default: Any, skip: tuple[str, ...] = ()) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for f in fields(obj):
+        if f.name == "pos" or f.name in skip:
+            continue
+        value = getattr(obj, f.name)
+        if value != getattr(default, f.name):
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _put_non_default(doc: dict[str, object], key: str, obj: Any, default: Any) -> None:
+    values = _non_default(obj, default)
+    if values:
+        doc[key] = values
+
+
+def _model_doc(m: ModelSpec) -> dict[str, object]:
+    out: dict[str, object] = {"path": m.path}
+    out.update(_non_default(m, ModelSpec(m.name, m.path), skip=("name", "optimizer", "config")))
+    if m.optimizer is not None:
+        out["optimizer"] = _non_default(m.optimizer, OptimizerSpec())
+    if m.config.items:
+        out["config"] = m.config.to_python()
+    return out
+
+
+def _node_doc(n: NodeSpec) -> dict[str, object]:
+    out: dict[str, object] = {"kind": n.kind}
+    if n.model is not None:
+        out["model"] = n.model
+    if n.inputs:
+        out["inputs"] = {port: str(ref) for port, ref in n.inputs}
+    if n.params.items:
+        out["params"] = n.params.to_python()
+    if n.hoisted:
+        out["hoisted"] = True
+    return out
+
+
+def graph_to_yaml(graph: Graph) -> str:
+    return yaml.safe_dump(graph_to_document(graph), sort_keys=False, default_flow_style=None,
+                          width=100)
+
+
+def graph_from_yaml(text: str, file: str = "<string>") -> Graph:
+    """Read YAML text; raises `FlowgraphError` listing the problems if there are any."""
+    graph, diags = load_graph(file, text=text)
+    errors = [d for d in diags if d.is_error]
+    if graph is None or errors:
+        raise FlowgraphError("\n".join(d.one_line() for d in errors) or "no graph")
+    return graph
+
+
+def with_params(node: NodeSpec, **values: object) -> NodeSpec:
+    """A copy of `node` with some params replaced or added (used by passes and tests)."""
+    kept = tuple(p for p in node.params.items if p.name not in values)
+    added = tuple(Param(k, from_python(v), node.pos) for k, v in values.items())
+    return replace(node, params=Params(kept + added))
+

@@ -1,0 +1,298 @@
+"""The graph IR: frozen, self-verifying records that both front ends produce.
+
+A `Graph` holds models, data sources, nodes wired by `PortRef`s, dims, the trainer
+and resource settings, and the plugin modules it may import. Every element keeps its
+`SourcePos`; positions never take part in equality, so a graph written to YAML and
+read back is equal to the original. Passes build new graphs (`dataclasses.replace`)
+instead of mutating.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import TypeAlias, Union
+
+from flowgraph.errors import FlowgraphError
+from flowgraph.source import UNKNOWN_POS, SourcePos
+
+NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+"""Names of nodes, models, data sources, ports and params."""
+
+Scalar: TypeAlias = Union[str, int, float, bool, None]
+ParamValue: TypeAlias = Union[Scalar, tuple["ParamValue", ...], "Params"]
+
+
+class IRError(FlowgraphError, ValueError):
+    """An IR record was built with values that break its invariants."""
+
+
+def _check_name(what: str, name: str) -> None:
+    if not isinstance(name, str) or not NAME_RE.match(name):
+        raise IRError(
+            f"{what} name {name!r} is not valid: use letters, digits and `_`, "
+            "starting with a letter or `_`"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """One parameter value, possibly nested."""
+
+    name: str
+    value: ParamValue
+    pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Params:
+    """An ordered, frozen mapping of parameters."""
+
+    items: tuple[Param, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.items]
+        if len(names) != len(set(names)):
+            raise IRError(f"duplicate parameter names in {names}")
+
+    def get(self, name: str, default: ParamValue = None) -> ParamValue:
+        for p in self.items:
+            if p.name == name:
+                return p.value
+        return default
+
+    def find(self, name: str) -> Param | None:
+        return next((p for p in self.items if p.name == name), None)
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.items)
+
+    def to_python(self) -> dict[str, object]:
+        return {p.name: to_python(p.value) for p in self.items}
+
+    @staticmethod
+    def of(mapping: Mapping[str, object], pos: SourcePos = UNKNOWN_POS) -> Params:
+        return Params(tuple(Param(k, from_python(v, pos), pos) for k, v in mapping.items()))
+
+
+def to_python(value: ParamValue) -> object:
+    """Plain dicts and lists, for JSON and YAML output."""
+    if isinstance(value, Params):
+        return value.to_python()
+    if isinstance(value, tuple):
+        return [to_python(v) for v in value]
+    return value
+
+
+def from_python(value: object, pos: SourcePos = UNKNOWN_POS) -> ParamValue:
+    """Freeze plain Python values (dicts, lists, scalars) into a `ParamValue`."""
+    if isinstance(value, Params):
+        return value
+    if isinstance(value, Mapping):
+        return Params(tuple(Param(str(k), from_python(v, pos), pos) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(from_python(v, pos) for v in value)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise IRError(f"parameter value {value!r} of type {type(value).__name__} is not plain data")
+
+
+@dataclass(frozen=True, slots=True)
+class PortRef:
+    """`node.port`: an output of a node or data source."""
+
+    node: str
+    port: str
+    pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.node}.{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """One computation: a kind from the registry, its model, inputs and params."""
+
+    name: str
+    kind: str
+    """Registry name, e.g. `gae`."""
+    inputs: tuple[tuple[str, PortRef], ...] = ()
+    """(input port, upstream output) pairs, in the order written."""
+    model: str | None = None
+    """The model this node runs, a key of `Graph.models`."""
+    params: Params = Params()
+    hoisted: bool = False
+    """Computed once before the training loop (set by loop-invariant hoisting)."""
+    pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_name("node", self.name)
+        ports = [p for p, _ in self.inputs]
+        if len(ports) != len(set(ports)):
+            raise IRError(f"node `{self.name}` binds an input port twice: {ports}")
+
+    def input(self, port: str) -> PortRef | None:
+        return next((ref for p, ref in self.inputs if p == port), None)
+
+
+@dataclass(frozen=True, slots=True)
+class OptimizerSpec:
+    """Optimizer and learning-rate schedule of a trainable model."""
+
+    name: str = "adamw"
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    """`constant`, `linear` or `cosine` decay after warm-up."""
+    grad_clip: float = 1.0
+    """Max global grad norm; 0 disables clipping."""
+    pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    """A model: where its weights come from and whether it is trained."""
+
+    name: str
+    path: str
+    """Local directory, hub id, or `builtin:<name>` for the embedded tiny models."""
+    trainable: bool = False
+    dtype: str = "float32"
+    optimizer: OptimizerSpec | None = None
+    tokenizer: str | None = None
+    """Defaults to `path`."""
+    gradient_checkpointing: bool = False
+    config: Params = Params()
+    """Architecture fields (hidden_size, num_hidden_layers, …) for the memory estimate
+    when `path` has no readable config.json."""
+    pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_name("model", self.name)
+
+
+@dataclass(frozen=True, slots=True)
+class DataSpec:
+    """A data source; it acts as a node with no inputs and the outputs of its kind."""
+
+    name: str
+    kind: str
+    """`prompts` or `preferences` (or a plugin's data kind)."""
+    path: str
+    """Parquet or JSONL file, or `builtin:<task>` for the embedded toy tasks."""
+    params: Params = Params()
+    pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_name("data source", self.name)
+
+
+@dataclass(frozen=True, slots=True)
+class DimBinding:
+    """`dims: {N: 4}` binds N; `dims: {T: null}` declares T symbolic."""
+
+    name: str
+    value: int | None
+    pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_name("dim", self.name)
+        if self.value is not None and (isinstance(self.value, bool) or self.value < 1):
+            raise IRError(f"dim `{self.name}` must be a positive integer or null, got {self.value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerSpec:
+    """The training loop around the graph."""
+
+    steps: int = 10
+    seed: int = 0
+    run_dir: str = "runs/flowgraph"
+    checkpoint_every: int = 0
+    """0: only at the end."""
+    eval_every: int = 0
+    """0: never."""
+    resume: bool = False
+    strict: bool = False
+    """Check every tensor on every edge at every step (the first step always is)."""
+    on_nonfinite: str = "stop"
+    """`stop` or `skip` a batch with NaN/inf in rewards, advantages, losses or grads."""
+    step_timeout_s: float = 0.0
+    """A worker with no progress for this long is treated as dead; 0 disables."""
+    metrics_port: int | None = None
+    pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise IRError(f"trainer.on_nonfinite must be `stop` or `skip`, got {self.on_nonfinite!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """A resource pool: `size` workers that host the listed models together."""
+
+    name: str
+    size: int
+    models: tuple[str, ...]
+    pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class ResourceSpec:
+    """Where the graph runs; the CLI's `--nproc` overrides `nproc`."""
+
+    device: str = "auto"
+    """`cpu`, `cuda` or `auto`."""
+    nproc: int = 1
+    """Data-parallel size: ranks (fsdp) or workers per pool (ray)."""
+    memory_gib: float | None = None
+    """Memory of one device; the compiler's estimate must fit."""
+    pools: tuple[PoolSpec, ...] = ()
+    """Declared resource pools; empty lets the compiler infer them."""
+    pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Plugin:
+    """A module the graph may import to register custom kinds."""
+
+    module: str
+    pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Graph:
+    """A whole RL pipeline."""
+
+    name: str
+    nodes: tuple[NodeSpec, ...] = ()
+    models: tuple[ModelSpec, ...] = ()
+    data: tuple[DataSpec, ...] = ()
+    dims: tuple[DimBinding, ...] = ()
+    trainer: TrainerSpec = TrainerSpec()
+    resources: ResourceSpec = ResourceSpec()
+    plugins: tuple[Plugin, ...] = ()
+    source: str = field(default="<python>", compare=False)
+    """The file the graph was read from."""
+
+    def node(self, name: str) -> NodeSpec | None:
+        return next((n for n in self.nodes if n.name == name), None)
+
+    def model(self, name: str) -> ModelSpec | None:
+        return next((m for m in self.models if m.name == name), None)
+
+    def data_source(self, name: str) -> DataSpec | None:
+        return next((d for d in self.data if d.name == name), None)
+
+    def dim_values(self) -> dict[str, int | None]:
+        return {d.name: d.value for d in self.dims}
+
+    def edges(self) -> Iterator[tuple[PortRef, NodeSpec, str]]:
+        """(upstream output, consuming node, input port) for every wired input."""
+        for n in self.nodes:
+            for port, ref in n.inputs:
+                yield ref, n, port

@@ -1,0 +1,349 @@
+"""Built-in node kinds, as plain data.
+
+Contracts use the canonical global dims (Bp prompts, N samples per prompt, P prompt
+length, T response length, V vocabulary) and one node-local dim, `b`: the batch a
+node is given. `b` is bound from the node's first wired input and every other input
+must agree, so a `(Bp,)` tensor meeting a `(Bp*N,)` one is caught with the chain of
+bindings that led there. `generate` multiplies its batch by its own `n` (the param,
+or the global N).
+
+Notation: b batch of the node, B = Bp*N, P prompt length, T response length.
+"""
+
+from __future__ import annotations
+
+from flowgraph.contracts import TensorSpec
+from flowgraph.registry import KindSpec, ParamSpec, PortSpec
+
+
+def _p(name: str, dims: str, dtype: str = "float", *constraints: str, optional: bool = False,
+       doc: str = "") -> PortSpec:
+    return PortSpec(name, TensorSpec(dims, dtype, tuple(constraints)), optional, doc)
+
+
+def _f(name: str, default: float | None, doc: str = "", minimum: float | None = None) -> ParamSpec:
+    types = ("float",) if default is not None else ("float", "null")
+    return ParamSpec(name, types, default, doc=doc, minimum=minimum)
+
+
+def _i(name: str, default: int | None, doc: str = "", dim: str | None = None,
+       minimum: float | None = 1) -> ParamSpec:
+    types = ("int",) if default is not None else ("int", "null")
+    return ParamSpec(name, types, default, doc=doc, dim=dim, minimum=minimum)
+
+
+def _b(name: str, default: bool, doc: str = "") -> ParamSpec:
+    return ParamSpec(name, ("bool",), default, doc=doc)
+
+
+def _s(name: str, default: str | None, choices: tuple[str, ...] = (), doc: str = "") -> ParamSpec:
+    types = ("str",) if default is not None else ("str", "null")
+    return ParamSpec(name, types, default, choices=choices, doc=doc)
+
+
+# Port groups shared by many kinds: a tokenised prompt and its sampled response.
+SEQUENCE_INPUTS = (
+    _p("prompts", "b P", "int"),
+    _p("prompt_mask", "b P", "mask", "binary"),
+    _p("responses", "b T", "int"),
+    _p("response_mask", "b T", "mask", "binary"),
+)
+LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+ADV_OUTPUTS = (
+    _p("advantages", "b T", "float", "finite"),
+    _p("returns", "b T", "float", "finite"),
+)
+MASK = _p("response_mask", "b T", "mask", "binary")
+SCORES = _p("scores", "b", "float", "finite")
+INDEX = _p("index", "b", "int", doc="group id: samples of one prompt share it")
+TOKEN_REWARDS = _p("token_level_rewards", "b T", "float", "finite")
+MINI_BATCH = (
+    _i("ppo_epochs", 1, "passes over the batch per step"),
+    _i("mini_batch_size", None, "sequences per optimizer step on one data-parallel rank; "
+       "null: the whole per-rank batch"),
+    _i("micro_batch_size", None, "sequences per forward/backward (gradient accumulation); "
+       "null: the mini-batch"),
+    _s("loss_agg_mode", "token-mean", LOSS_AGG),
+)
+
+_KINDS = (
+    # --- data sources ------------------------------------------------------------
+    KindSpec(
+        "prompts", "data", "Prompt dataset (verl parquet layout, or JSONL).",
+        outputs=(
+            _p("input_ids", "Bp P", "int"),
+            _p("attention_mask", "Bp P", "mask", "binary"),
+            _p("ground_truth", "Bp", "str", optional=True),
+            _p("data_source", "Bp", "str", optional=True),
+            _p("uid", "Bp", "int", doc="row id in the dataset"),
+        ),
+        params=(
+            _s("format", "auto", ("auto", "parquet", "jsonl", "builtin")),
+            _s("prompt_key", "prompt"),
+            _i("max_prompt_length", None, "left-pad/truncate prompts to this", dim="P"),
+            _b("shuffle", True),
+            _s("eval_path", None, doc="held-out prompts for evaluation"),
+            _b("apply_chat_template", True),
+        ),
+        impl="flowgraph.nodes.data:prompt_source",
+    ),
+    KindSpec(
+        "preferences", "data", "Preference pairs (TRL layout: prompt, chosen, rejected).",
+        outputs=(
+            _p("prompts", "Bp P", "int"),
+            _p("prompt_mask", "Bp P", "mask", "binary"),
+            _p("chosen", "Bp T", "int"),
+            _p("chosen_mask", "Bp T", "mask", "binary"),
+            _p("rejected", "Bp T", "int"),
+            _p("rejected_mask", "Bp T", "mask", "binary"),
+            _p("uid", "Bp", "int", doc="row id in the dataset"),
+        ),
+        params=(
+            _s("format", "auto", ("auto", "parquet", "jsonl", "builtin")),
+            _i("max_prompt_length", None, dim="P"),
+            _i("max_response_length", None, dim="T"),
+            _b("shuffle", True),
+            _s("eval_path", None),
+        ),
+        impl="flowgraph.nodes.data:preference_source",
+    ),
+    # --- rollout and model passes ------------------------------------------------
+    KindSpec(
+        "generate", "rollout",
+        "Sample n responses per prompt with Hugging Face generate or vLLM.",
+        inputs=(
+            _p("prompts", "b P", "int"),
+            _p("prompt_mask", "b P", "mask", "binary"),
+            _p("ground_truth", "b", "str", optional=True),
+        ),
+        outputs=(
+            _p("prompts", "b*n P", "int"),
+            _p("prompt_mask", "b*n P", "mask", "binary"),
+            _p("responses", "b*n T", "int"),
+            _p("response_mask", "b*n T", "mask", "binary"),
+            _p("rollout_log_prob", "b*n T", "float", "nonpositive", optional=True),
+            _p("index", "b*n", "int", doc="group id: the prompt's position in the batch"),
+            _p("ground_truth", "b*n", "str", optional=True),
+        ),
+        params=(
+            _s("backend", "hf", ("hf", "vllm")),
+            _i("n", None, "samples per prompt; null: the global N", dim="n"),
+            _f("temperature", 1.0, minimum=0.0),
+            _f("top_p", 1.0, minimum=0.0),
+            _i("top_k", 0, "0: off", minimum=0),
+            _i("max_new_tokens", None, "response length; binds T", dim="T"),
+            _b("do_sample", True),
+            _f("gpu_memory_utilization", 0.3, "vLLM only", minimum=0.0),
+        ),
+        model="required",
+        impl="flowgraph.nodes.generate:generate",
+        dim_defaults=(("n", "N"),),
+    ),
+    KindSpec(
+        "logprob", "model", "Per-token log-probs (and entropy) of responses, in chunks.",
+        inputs=SEQUENCE_INPUTS,
+        outputs=(
+            _p("log_prob", "b T", "float", "nonpositive", "finite"),
+            _p("entropy", "b T", "float", "nonnegative", optional=True),
+        ),
+        params=(
+            _i("chunk_size", 1024, "tokens per chunk of the vocabulary projection"),
+            _f("temperature", 1.0, minimum=0.0),
+            _i("micro_batch_size", None),
+        ),
+        model="required",
+        impl="flowgraph.nodes.logprob:logprob",
+    ),
+    KindSpec(
+        "sequence_logprob", "model", "Summed response log-prob per sequence (DPO).",
+        inputs=SEQUENCE_INPUTS,
+        outputs=(_p("log_prob", "b", "float", "nonpositive", "finite"),),
+        params=(_i("chunk_size", 1024), _i("micro_batch_size", None)),
+        model="required",
+        impl="flowgraph.nodes.logprob:sequence_logprob",
+    ),
+    KindSpec(
+        "values", "model", "Critic: causal-LM backbone + scalar value head, one value per token.",
+        inputs=SEQUENCE_INPUTS,
+        outputs=(_p("values", "b T", "float", "finite"),),
+        params=(_i("micro_batch_size", None),),
+        model="required",
+        impl="flowgraph.nodes.values:values",
+    ),
+    # --- rewards -------------------------------------------------------------------
+    KindSpec(
+        "reward", "reward",
+        "Rule-based outcome reward; the model binding (optional) lends its tokenizer.",
+        inputs=(
+            _p("responses", "b T", "int"),
+            _p("response_mask", "b T", "mask", "binary"),
+            _p("ground_truth", "b", "str", optional=True),
+        ),
+        outputs=(SCORES,),
+        params=(
+            _s("fn", "exact_match", ("exact_match", "format", "length_penalty")),
+            _f("correct_score", 1.0),
+            _f("format_score", 0.0),
+            _i("target_length", None),
+            _f("length_coef", 0.01),
+        ),
+        model="optional",
+        impl="flowgraph.nodes.reward:rule_reward",
+    ),
+    KindSpec(
+        "reward_model", "reward", "Sequence classifier scored at the last valid token.",
+        inputs=SEQUENCE_INPUTS,
+        outputs=(SCORES,),
+        params=(_i("micro_batch_size", None),),
+        model="required",
+        impl="flowgraph.nodes.reward:reward_model",
+    ),
+    KindSpec(
+        "token_reward", "transform", "Place an outcome score on the last valid response token.",
+        inputs=(SCORES, MASK),
+        outputs=(_p("token_level_scores", "b T", "float", "finite"),),
+        impl="flowgraph.nodes.reward:token_reward",
+    ),
+    KindSpec(
+        "kl_penalty", "transform",
+        "Subtract kl_coef * KL(actor || ref) per token from the token scores.",
+        inputs=(
+            _p("token_level_scores", "b T", "float", "finite"),
+            _p("log_prob", "b T", "float", "nonpositive"),
+            _p("ref_log_prob", "b T", "float", "nonpositive"),
+            MASK,
+        ),
+        outputs=(TOKEN_REWARDS, _p("kl", "b T", "float", "finite", optional=True)),
+        params=(
+            _f("kl_coef", 0.001, minimum=0.0),
+            _s("penalty", "kl", ("kl", "abs", "mse", "low_var_kl")),
+            _f("target_kl", None, "adaptive controller target (Ziegler et al. 2019)"),
+            _i("horizon", 10000),
+        ),
+        impl="flowgraph.nodes.losses:kl_penalty_node",
+    ),
+    # --- advantage estimators -------------------------------------------------------
+    KindSpec(
+        "gae", "advantage", "Generalised advantage estimation (Schulman et al. 2016).",
+        inputs=(TOKEN_REWARDS, _p("values", "b T", "float", "finite"), MASK),
+        outputs=ADV_OUTPUTS,
+        params=(_f("gamma", 1.0, minimum=0.0), _f("lam", 1.0, minimum=0.0), _b("whiten", True)),
+        impl="flowgraph.nodes.advantage:gae",
+    ),
+    KindSpec(
+        "grpo", "advantage", "Group-normalised outcome advantage (Shao et al. 2024).",
+        inputs=(SCORES, MASK, INDEX),
+        outputs=ADV_OUTPUTS,
+        params=(_f("epsilon", 1e-6, minimum=0.0), _b("norm_by_std", True)),
+        grouped=True,
+        impl="flowgraph.nodes.advantage:grpo",
+    ),
+    KindSpec(
+        "rloo", "advantage", "Leave-one-out baseline (Ahmadian et al. 2024).",
+        inputs=(SCORES, MASK, INDEX),
+        outputs=ADV_OUTPUTS,
+        grouped=True,
+        impl="flowgraph.nodes.advantage:rloo",
+    ),
+    KindSpec(
+        "reinforce_pp", "advantage", "REINFORCE++: discounted return, whitened (Hu 2025).",
+        inputs=(TOKEN_REWARDS, MASK),
+        outputs=ADV_OUTPUTS,
+        params=(_f("gamma", 1.0, minimum=0.0),),
+        impl="flowgraph.nodes.advantage:reinforce_pp",
+    ),
+    KindSpec(
+        "reinforce_pp_baseline", "advantage", "REINFORCE++ with a group-mean baseline.",
+        inputs=(SCORES, MASK, INDEX),
+        outputs=ADV_OUTPUTS,
+        params=(_f("epsilon", 1e-6, minimum=0.0),),
+        grouped=True,
+        impl="flowgraph.nodes.advantage:reinforce_pp_baseline",
+    ),
+    KindSpec(
+        "remax", "advantage", "ReMax: return minus the greedy rollout's reward (Li et al. 2023).",
+        inputs=(TOKEN_REWARDS, _p("reward_baselines", "b", "float", "finite"), MASK),
+        outputs=ADV_OUTPUTS,
+        impl="flowgraph.nodes.advantage:remax",
+    ),
+    # --- losses and updates ---------------------------------------------------------
+    KindSpec(
+        "dpo_loss", "transform", "Per-pair DPO loss and implicit rewards (Rafailov et al. 2023).",
+        inputs=(
+            _p("policy_chosen_logps", "b", "float", "nonpositive"),
+            _p("policy_rejected_logps", "b", "float", "nonpositive"),
+            _p("ref_chosen_logps", "b", "float", "nonpositive"),
+            _p("ref_rejected_logps", "b", "float", "nonpositive"),
+        ),
+        outputs=(
+            _p("losses", "b", "float", "finite"),
+            _p("chosen_rewards", "b", "float", "finite"),
+            _p("rejected_rewards", "b", "float", "finite"),
+        ),
+        params=(
+            _f("beta", 0.1, minimum=0.0),
+            _s("loss_type", "sigmoid", ("sigmoid", "ipo", "hinge")),
+            _f("label_smoothing", 0.0, minimum=0.0),
+        ),
+        impl="flowgraph.nodes.losses:dpo_loss",
+    ),
+    KindSpec(
+        "ppo_actor_update", "update", "PPO clipped policy-gradient update of the actor.",
+        inputs=(
+            *SEQUENCE_INPUTS,
+            _p("old_log_prob", "b T", "float", "nonpositive"),
+            _p("advantages", "b T", "float", "finite"),
+            _p("ref_log_prob", "b T", "float", "nonpositive", optional=True,
+               doc="wire it for a KL loss (GRPO) instead of a KL reward penalty"),
+        ),
+        params=(
+            _f("clip_ratio_low", 0.2, minimum=0.0),
+            _f("clip_ratio_high", 0.2, minimum=0.0),
+            _f("clip_ratio_c", 3.0, minimum=1.0),
+            _f("entropy_coeff", 0.0),
+            _f("kl_loss_coef", 0.001, minimum=0.0),
+            _s("kl_loss_type", "low_var_kl", ("kl", "abs", "mse", "low_var_kl")),
+            *MINI_BATCH,
+        ),
+        model="required",
+        trains=True,
+        impl="flowgraph.nodes.update:ppo_actor_update",
+    ),
+    KindSpec(
+        "ppo_critic_update", "update", "Clipped value-loss update of the critic.",
+        inputs=(
+            *SEQUENCE_INPUTS,
+            _p("values", "b T", "float", "finite"),
+            _p("returns", "b T", "float", "finite"),
+        ),
+        params=(_f("cliprange_value", 0.5, minimum=0.0), *MINI_BATCH),
+        model="required",
+        trains=True,
+        impl="flowgraph.nodes.update:ppo_critic_update",
+    ),
+    KindSpec(
+        "dpo_update", "update", "DPO update of the policy on preference pairs.",
+        inputs=(
+            _p("prompts", "b P", "int"),
+            _p("prompt_mask", "b P", "mask", "binary"),
+            _p("chosen", "b T", "int"),
+            _p("chosen_mask", "b T", "mask", "binary"),
+            _p("rejected", "b T", "int"),
+            _p("rejected_mask", "b T", "mask", "binary"),
+            _p("ref_chosen_logps", "b", "float", "nonpositive"),
+            _p("ref_rejected_logps", "b", "float", "nonpositive"),
+        ),
+        params=(
+            _f("beta", 0.1, minimum=0.0),
+            _s("loss_type", "sigmoid", ("sigmoid", "ipo", "hinge")),
+            _f("label_smoothing", 0.0, minimum=0.0),
+            *MINI_BATCH,
+        ),
+        model="required",
+        trains=True,
+        impl="flowgraph.nodes.update:dpo_update",
+    ),
+)
+
+BUILTIN_KINDS: dict[str, KindSpec] = {k.name: k for k in _KINDS}
+"""Every built-in kind by name."""
