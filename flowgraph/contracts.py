@@ -95,7 +95,11 @@ def spec_from_annotation(annotation: Any, constraints: tuple[str, ...] = ()) -> 
     dtypes = getattr(annotation, "dtypes", None)
     if not isinstance(dim_str, str) or dtypes is None:
         return None
-    return TensorSpec(dim_str, _family(frozenset(str(d) for d in dtypes)), constraints)
+    try:
+        names = frozenset(str(d) for d in dtypes)
+    except TypeError:  # jaxtyping's Shaped carries a non-iterable "any dtype" marker
+        names = frozenset()
+    return TensorSpec(dim_str, _family(names), constraints)
 
 
 def _family(dtypes: frozenset[str]) -> str:

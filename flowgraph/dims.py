@@ -268,7 +268,8 @@ class Shape:
         return out
 
     def __str__(self) -> str:
-        return "(" + ", ".join(str(a) for a in self.axes) + ("," if len(self.axes) == 1 else "") + ")"
+        inner = ", ".join(str(a) for a in self.axes)
+        return f"({inner},)" if len(self.axes) == 1 else f"({inner})"
 
 
 def _parse_axis(tok: str, first: bool) -> Axis:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import re
 from dataclasses import dataclass
-from typing import TypeAlias, Union
+from typing import TypeAlias
 
 import yaml
 from yaml.constructor import SafeConstructor
@@ -59,7 +59,7 @@ class YMap:
         return [str(k.value) for k, _ in self.items]
 
 
-YNode: TypeAlias = Union[YScalar, YSeq, YMap]
+YNode: TypeAlias = YScalar | YSeq | YMap
 
 
 def plain(node: YNode) -> object:
@@ -107,6 +107,7 @@ class _Converter:
         try:
             if isinstance(node, yaml.SequenceNode):
                 return self.sequence(node, depth)
+            assert isinstance(node, yaml.MappingNode)
             return self.mapping(node, depth)
         finally:
             self.active.discard(id(node))
@@ -132,8 +133,10 @@ class _Converter:
             return None
         if not isinstance(value, (str, int, float, bool)) and value is not None:
             value = str(node.value)  # a timestamp: keep the text
-        elif isinstance(value, str) and node.style is None and _EXP_FLOAT.match(value):
-            value = float(value)  # YAML 1.1 reads `1e-5` as a string; everyone means a number
+        elif isinstance(value, str) and not node.style and _EXP_FLOAT.match(value):
+            # YAML 1.1 reads `1e-5` as a string; everyone means a number. A plain scalar's
+            # style is None from PyYAML's parser but '' from libyaml's.
+            value = float(value)
         return YScalar(value, pos)
 
     def sequence(self, node: yaml.SequenceNode, depth: int) -> YSeq | None:

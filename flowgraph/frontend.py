@@ -118,10 +118,7 @@ class _Reader:
         if isinstance(value, float) and not math.isfinite(value):
             self.err("FG004", f"`{where}` must be a finite number, got {value}", node.pos)
             return None
-        if isinstance(value, bool) and bool not in types:
-            ok = False
-        else:
-            ok = isinstance(value, types)
+        ok = False if isinstance(value, bool) and bool not in types else isinstance(value, types)
         if not ok:
             names = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
             self.err("FG004", f"`{where}` must be {names}, got {_describe(value)}", node.pos)

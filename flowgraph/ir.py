@@ -20,7 +20,7 @@ from flowgraph.source import UNKNOWN_POS, SourcePos
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 """Names of nodes, models, data sources, ports and params."""
 
-Scalar: TypeAlias = Union[str, int, float, bool, None]
+Scalar: TypeAlias = str | int | float | bool | None
 ParamValue: TypeAlias = Union[Scalar, tuple["ParamValue", ...], "Params"]
 
 
@@ -202,7 +202,9 @@ class DimBinding:
     def __post_init__(self) -> None:
         _check_name("dim", self.name)
         if self.value is not None and (isinstance(self.value, bool) or self.value < 1):
-            raise IRError(f"dim `{self.name}` must be a positive integer or null, got {self.value!r}")
+            raise IRError(
+                f"dim `{self.name}` must be a positive integer or null, got {self.value!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +230,9 @@ class TrainerSpec:
 
     def __post_init__(self) -> None:
         if self.on_nonfinite not in ("stop", "skip"):
-            raise IRError(f"trainer.on_nonfinite must be `stop` or `skip`, got {self.on_nonfinite!r}")
+            raise IRError(
+                f"trainer.on_nonfinite must be `stop` or `skip`, got {self.on_nonfinite!r}"
+            )
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,7 +72,7 @@ _KINDS = (
         "prompts", "data", "Prompt dataset (verl parquet layout, or JSONL).",
         outputs=(
             _p("input_ids", "Bp P", "int"),
-            _p("attention_mask", "Bp P", "mask", "binary"),
+            _p("attention_mask", "Bp P", "int", "binary"),
             _p("ground_truth", "Bp", "str", optional=True),
             _p("data_source", "Bp", "str", optional=True),
             _p("uid", "Bp", "int", doc="row id in the dataset"),
@@ -91,11 +91,11 @@ _KINDS = (
         "preferences", "data", "Preference pairs (TRL layout: prompt, chosen, rejected).",
         outputs=(
             _p("prompts", "Bp P", "int"),
-            _p("prompt_mask", "Bp P", "mask", "binary"),
+            _p("prompt_mask", "Bp P", "int", "binary"),
             _p("chosen", "Bp T", "int"),
-            _p("chosen_mask", "Bp T", "mask", "binary"),
+            _p("chosen_mask", "Bp T", "int", "binary"),
             _p("rejected", "Bp T", "int"),
-            _p("rejected_mask", "Bp T", "mask", "binary"),
+            _p("rejected_mask", "Bp T", "int", "binary"),
             _p("uid", "Bp", "int", doc="row id in the dataset"),
         ),
         params=(
@@ -118,9 +118,9 @@ _KINDS = (
         ),
         outputs=(
             _p("prompts", "b*n P", "int"),
-            _p("prompt_mask", "b*n P", "mask", "binary"),
+            _p("prompt_mask", "b*n P", "int", "binary"),
             _p("responses", "b*n T", "int"),
-            _p("response_mask", "b*n T", "mask", "binary"),
+            _p("response_mask", "b*n T", "int", "binary"),
             _p("rollout_log_prob", "b*n T", "float", "nonpositive", optional=True),
             _p("index", "b*n", "int", doc="group id: the prompt's position in the batch"),
             _p("ground_truth", "b*n", "str", optional=True),

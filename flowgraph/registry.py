@@ -85,7 +85,9 @@ class KindSpec:
         if not NAME_RE.match(self.name):
             raise RegistryError(f"kind name {self.name!r} is not an identifier")
         if self.category not in CATEGORIES:
-            raise RegistryError(f"kind `{self.name}`: category {self.category!r} not in {CATEGORIES}")
+            raise RegistryError(
+                f"kind `{self.name}`: category {self.category!r} not in {CATEGORIES}"
+            )
         if self.model not in ("none", "required", "optional"):
             raise RegistryError(f"kind `{self.name}`: model must be none/required/optional")
         for group in (self.inputs, self.outputs, self.params):
@@ -213,7 +215,10 @@ def _param_from_signature(name: str, p: inspect.Parameter, hint: Any) -> ParamSp
 
 
 def _output_specs(
-    fn: Callable[..., Any], ret: Any, names: tuple[str, ...], constraints: dict[str, tuple[str, ...]]
+    fn: Callable[..., Any],
+    ret: Any,
+    names: tuple[str, ...],
+    constraints: dict[str, tuple[str, ...]],
 ) -> tuple[PortSpec, ...]:
     single = spec_from_annotation(ret)
     parts = (ret,) if single is not None else tuple(getattr(ret, "__args__", ()))
@@ -225,7 +230,7 @@ def _output_specs(
         )
     return tuple(
         PortSpec(n, TensorSpec(s.dims, s.dtype, constraints.get(n, ())))
-        for n, s in zip(names, specs)
+        for n, s in zip(names, specs, strict=False)
         if s is not None
     )
 
@@ -235,16 +240,18 @@ class Registry:
     """The kinds one graph may use: the built-ins plus what its plugins declared."""
 
     kinds: dict[str, KindSpec] = field(default_factory=dict)
+    _missing: set[str] = field(default_factory=set)
+    """Kinds already looked for among entry points, in vain."""
 
     @staticmethod
     def default() -> Registry:
         from flowgraph.kinds import BUILTIN_KINDS
 
-        return Registry({**BUILTIN_KINDS, **_DECLARED})
+        return Registry(dict(BUILTIN_KINDS))
 
     def get(self, name: str) -> KindSpec | None:
         kind = self.kinds.get(name)
-        if kind is None and name not in self.kinds:
+        if kind is None and name not in self._missing:
             kind = self._from_entry_point(name)
         return kind
 
@@ -252,8 +259,9 @@ class Registry:
         return sorted(self.kinds)
 
     def load_plugins(self, modules: Iterable[str]) -> None:
-        """Import each module; the kinds it declares join this registry."""
+        """Import each module; the kinds it (or its submodules) declares join this registry."""
         for module in modules:
+            before = set(_DECLARED)
             try:
                 importlib.import_module(module)
             except Exception as exc:
@@ -261,11 +269,15 @@ class Registry:
                     f"plugin module `{module}` could not be imported: "
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
-        self.kinds.update(_DECLARED)
+            for name, kind in _DECLARED.items():
+                inside = kind.source == module or kind.source.startswith(module + ".")
+                if inside or name not in before:
+                    self.kinds[name] = kind
 
     def _from_entry_point(self, name: str) -> KindSpec | None:
         from importlib.metadata import entry_points
 
+        found = None
         for ep in entry_points(group=ENTRY_POINT_GROUP, name=name):
             try:
                 ep.load()
@@ -274,5 +286,9 @@ class Registry:
                     f"entry point `{ep.name} = {ep.value}` (group {ENTRY_POINT_GROUP}) failed "
                     f"to load: {type(exc).__name__}: {exc}"
                 ) from exc
-        self.kinds.update(_DECLARED)
-        return self.kinds.get(name)
+            found = _DECLARED.get(name)
+        if found is None:
+            self._missing.add(name)
+        else:
+            self.kinds[name] = found
+        return found

@@ -46,7 +46,7 @@ def _check_update(r: Resolved, batch: int, dp: int, out: list[Diagnostic]) -> No
     if batch % dp:
         out.append(error("FG301", f"`{r.name}`: the batch of {batch} sequences does not split "
                          f"evenly over {dp} data-parallel ranks", r.pos, node=r.name,
-                         expected=f"batch % dp == 0", actual=f"{batch} % {dp} = {batch % dp}",
+                         expected="batch % dp == 0", actual=f"{batch} % {dp} = {batch % dp}",
                          hint=f"use a data-parallel size among {_divisors(batch)}, or change "
                               "Bp/N"))
         return
@@ -90,7 +90,7 @@ def _check_groups(r: Resolved, batch: int, dp: int, table: dict[str, Resolved], 
         out.append(error("FG302", f"`{r.name}` ({r.kind.name if r.kind else '?'}) needs whole "
                          f"groups, but {groups} groups of {n} samples do not split evenly over "
                          f"{dp} data-parallel ranks", r.pos, node=r.name,
-                         expected=f"groups % dp == 0 (Bp % dp == 0)",
+                         expected="groups % dp == 0 (Bp % dp == 0)",
                          actual=f"{groups} % {dp} = {groups % dp}",
                          hint=f"a group split across ranks gets a wrong baseline; use Bp "
                               f"divisible by {dp}, or a data-parallel size among {ok_dp}"))

@@ -300,10 +300,10 @@ def _align(e: _Edge, env: DimEnv, out: list[Diagnostic]
     if len(cons) == len(prod) or (flexible and len(prod) >= len(cons)):
         k = len(cons)
         tail = prod[len(prod) - k:] if k else ()
-        return [(a.size, a.broadcast, p) for a, p in zip(cons, tail)]
+        return [(a.size, a.broadcast, p) for a, p in zip(cons, tail, strict=False)]
     if flexible and e.shape.variadic:
         k = len(prod)
-        return [(a.size, a.broadcast, p) for a, p in zip(cons[len(cons) - k:], prod)]
+        return [(a.size, a.broadcast, p) for a, p in zip(cons[len(cons) - k:], prod, strict=False)]
     expected = _expected_label(e, env)
     actual = env.label(prod)
     out.append(error("FG201", f"edge `{e.text}`: `{e.port}` takes {len(cons)} axes {expected}, "

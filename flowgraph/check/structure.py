@@ -6,7 +6,7 @@ Every check appends to one list and goes on; nothing stops at the first problem.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from flowgraph.diagnostics import Diagnostic, error, warning
@@ -38,7 +38,8 @@ def resolve_kinds(graph: Graph, registry: Registry, out: list[Diagnostic]) -> di
     """Name -> resolved producer; unknown kinds and clashing names are reported."""
     table: dict[str, Resolved] = {}
     known = registry.names()
-    for spec in (*graph.data, *graph.nodes):
+    specs: list[Producer] = [*graph.data, *graph.nodes]
+    for spec in specs:
         if spec.name in table:
             first = table[spec.name].pos
             out.append(error("FG101", f"the name `{spec.name}` is used twice", spec.pos,
@@ -83,7 +84,7 @@ def check_models(graph: Graph, table: dict[str, Resolved], out: list[Diagnostic]
                                   "dpo_update) with this model, or set `trainable: false`"))
 
 
-def _check_binding(node: NodeSpec, kind: KindSpec, declared: dict[str, object],
+def _check_binding(node: NodeSpec, kind: KindSpec, declared: Mapping[str, object],
                    out: list[Diagnostic]) -> None:
     if node.model is None and kind.model == "required":
         out.append(error("FG111", f"node `{node.name}` (kind {kind.name}) needs a model",

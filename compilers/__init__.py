@@ -1,0 +1,1 @@
+"""flowgraph.compilers: executors that run an execution plan (local, fsdp, ray)."""

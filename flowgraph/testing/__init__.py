@@ -1,0 +1,33 @@
+"""flowgraph.testing: helpers for testing graphs and custom nodes in your own CI.
+
+* `check_file(path)` returns the `CheckResult` of a graph file and raises
+  `GraphError` (listing every error) when it does not check clean;
+* the pytest plugin (installed with flowgraph) provides the same as the fixture
+  `flowgraph_check`;
+* `flowgraph.testing.strategies` holds hypothesis strategies (imported on demand).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+from flowgraph.check import CheckResult, check_graph
+from flowgraph.diagnostics import render_text
+from flowgraph.errors import FlowgraphError, GraphError
+from flowgraph.frontend import load_graph
+
+__all__ = ["check_file"]
+
+
+def check_file(path: str | Path, overrides: Sequence[str] = (), dp: int | None = None
+               ) -> CheckResult:
+    """Load and check a graph file; raise `GraphError` when it has errors."""
+    graph, diags = load_graph(path, overrides)
+    if graph is None:
+        raise FlowgraphError(render_text(diags, lambda _: None))
+    result = check_graph(graph, dp=dp)
+    every = tuple(diags) + result.diagnostics
+    if any(d.is_error for d in every):
+        raise GraphError(every)
+    return result

@@ -1,0 +1,138 @@
+"""The checker: every problem collected, each with code, position, edge and hint."""
+
+from pathlib import Path
+
+import pytest
+
+from flowgraph.check import check_graph
+from flowgraph.frontend import load_graph
+
+ROOT = Path(__file__).resolve().parents[2]
+GRPO = (ROOT / "graphs" / "grpo.yaml").read_text()
+
+
+def _check(text: str, overrides: tuple[str, ...] = (), dp: int | None = None):
+    graph, diags = load_graph("g.yaml", overrides, text=text)
+    assert graph is not None, diags
+    assert not [d for d in diags if d.is_error], diags
+    return check_graph(graph, dp=dp).diagnostics
+
+
+def _last_line_of(text: str, needle: str) -> int:
+    return max(i for i, line in enumerate(text.splitlines(), 1) if needle in line)
+
+
+def test_grpo_checks_clean() -> None:
+    assert _check(GRPO) == ()
+
+
+# (replace this, with this) in grpo.yaml -> expected code, edge, words in the message
+CASES = [
+    ("kind: grpo", "kind: grpoo", "FG102", None, "unknown node kind `grpoo`"),
+    ("index: gen.index}", "idx: gen.index}", "FG103", "gen.index -> adv.idx",
+     "has no input `idx`"),
+    ("scores: reward.scores,", "scores: rewad.scores,", "FG105", "rewad.scores -> adv.scores",
+     "`rewad` is not a node"),
+    ("scores: reward.scores,", "scores: reward.score,", "FG106", "reward.score -> adv.scores",
+     "has no output `score`"),
+    ("    model: ref\n", "    model: reff\n", "FG109", None, "not declared"),
+    ("kind: grpo\n    inputs: {scores: reward.scores,",
+     "kind: grpo\n    model: actor\n    inputs: {scores: reward.scores,",
+     "FG111", None, "takes no model"),
+    ("scores: reward.scores,", "scores: old_logprob.log_prob,", "FG201",
+     "old_logprob.log_prob -> adv.scores", "takes 1 axes"),
+    ("index: gen.index}", "index: reward.scores}", "FG203", "reward.scores -> adv.index",
+     "takes int"),
+    ("ground_truth: gen.ground_truth", "ground_truth: train.ground_truth", "FG202",
+     "train.ground_truth -> reward.ground_truth", "which differs from the expected Bp*N=16"),
+    ("params: {norm_by_std: true}", "params: {norm_by_sdt: true}", "FG112", None,
+     "no parameter `norm_by_sdt`"),
+    ("params: {norm_by_std: true}", "params: {norm_by_std: 3}", "FG112", None,
+     "expected bool"),
+    ("params: {backend: hf, temperature: 1.0}", "params: {backend: hf, max_new_tokens: 9}",
+     "FG205", None, "but T = 8"),
+]
+
+
+@pytest.mark.parametrize(("old", "new", "code", "edge", "words"), CASES,
+                         ids=[c[2] + "-" + c[4][:20] for c in CASES])
+def test_single_bugs_are_reported_precisely(old: str, new: str, code: str, edge: str | None,
+                                            words: str) -> None:
+    assert old in GRPO
+    text = GRPO.replace(old, new, 1)
+    errors = [d for d in _check(text) if d.is_error]
+    assert code in [d.code for d in errors], errors
+    d = next(d for d in errors if d.code == code)
+    assert words in d.message
+    assert d.edge == edge or edge is None
+    assert d.pos is not None and d.pos.file == "g.yaml" and d.pos.line > 0
+    assert d.hint
+
+
+def test_binding_chain_is_shown() -> None:
+    text = GRPO.replace("ground_truth: gen.ground_truth", "ground_truth: train.ground_truth")
+    d = next(d for d in _check(text) if d.code == "FG202")
+    # reported at the reward's input, not at gen's identical-looking line above it
+    assert d.pos is not None
+    assert d.pos.line == _last_line_of(text, "ground_truth: train.ground_truth")
+    assert any("`b` of `reward` = Bp*N=16, from edge gen.responses -> reward.responses" in n
+               for n in d.notes)
+    assert any(n.startswith("N = 4 from dims") for n in d.notes)
+    assert "per prompt (Bp)" in (d.hint or "")
+
+
+def test_everything_is_collected_not_just_the_first() -> None:
+    text = (GRPO.replace("kind: grpo", "kind: grpoo")
+            .replace("scores: reward.scores,", "scores: rewad.scores,")
+            .replace("    model: ref\n", "    model: reff\n"))
+    graph, _ = load_graph("g.yaml", text=text)
+    assert graph is not None
+    codes = sorted(d.code for d in check_graph(graph).diagnostics if d.is_error)
+    # the unknown kind hides adv's ports, so the missing `rewad` is not reported twice
+    assert codes == ["FG102", "FG109"]
+    text2 = GRPO.replace("    model: ref\n", "    model: reff\n").replace(
+        "scores: reward.scores,", "scores: rewad.scores,")
+    graph2, _ = load_graph("g.yaml", text=text2)
+    assert graph2 is not None
+    assert sorted(d.code for d in check_graph(graph2).diagnostics if d.is_error) == [
+        "FG105", "FG109"]
+
+
+def test_cycle_is_reported_with_its_path() -> None:
+    text = GRPO.replace("      prompts: train.input_ids", "      prompts: old_logprob.log_prob")
+    cycles = [d for d in _check(text) if d.code == "FG107"]
+    assert len(cycles) == 1
+    assert "cycle: gen -> old_logprob -> gen" in cycles[0].message
+
+
+def test_trainable_model_without_update_and_unused_outputs() -> None:
+    text = GRPO.replace("kind: ppo_actor_update", "kind: ppo_actor_updat")
+    codes = {d.code for d in _check(text)}
+    assert "FG102" in codes
+    graph, _ = load_graph("g.yaml", text=GRPO.replace("ref: {path", "ref: {trainable: true, path"))
+    assert graph is not None
+    d = [d for d in check_graph(graph).diagnostics if d.code == "FG110"]
+    assert len(d) == 1 and "`ref` is trainable" in d[0].message
+
+
+@pytest.mark.parametrize(
+    ("overrides", "dp", "code", "words"),
+    [
+        (("nodes.update_actor.params.mini_batch_size=6",), 1, "FG301",
+         "global batch 16 is not divisible by mini_batch_size 6"),
+        ((), 3, "FG301", "does not split evenly over 3"),
+        (("dims.Bp=6",), 4, "FG302", "6 groups of 4 samples"),
+        (("nodes.update_actor.params.micro_batch_size=3",), 1, "FG303",
+         "mini_batch_size 8 is not divisible by micro_batch_size 3"),
+    ],
+)
+def test_batch_arithmetic(overrides: tuple[str, ...], dp: int, code: str, words: str) -> None:
+    diags = _check(GRPO, overrides, dp=dp)
+    hits = [d for d in diags if d.code == code]
+    assert hits and words in hits[0].message, diags
+    assert hits[0].hint
+
+
+def test_groups_fit_when_bp_divides_dp() -> None:
+    # Bp=4 prompts x N=4 over dp=2: 2 whole groups per rank, mini-batch 8 per rank divides 8.
+    assert _check(GRPO, dp=2) == ()

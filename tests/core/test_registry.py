@@ -1,0 +1,159 @@
+"""Registry: built-in kinds as data, plugins, entry points, jaxtyping-declared kinds."""
+
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from flowgraph.check import check_graph
+from flowgraph.errors import RegistryError
+from flowgraph.frontend import load_graph
+from flowgraph.kinds import BUILTIN_KINDS
+from flowgraph.registry import Registry
+
+DESIGN_KINDS = [
+    "generate", "logprob", "values", "reward", "kl_penalty", "gae", "grpo", "rloo",
+    "reinforce_pp", "remax", "ppo_actor_update", "ppo_critic_update", "dpo_loss", "dpo_update",
+    "prompts", "preferences",
+]
+
+
+@pytest.mark.parametrize("kind", DESIGN_KINDS)
+def test_every_design_kind_is_registered(kind: str) -> None:
+    spec = BUILTIN_KINDS[kind]
+    assert spec.impl.startswith("flowgraph.nodes.")
+    assert spec.inputs or spec.outputs
+
+
+def test_update_kinds_are_sinks_and_need_a_model() -> None:
+    for spec in BUILTIN_KINDS.values():
+        if spec.trains:
+            assert spec.sink and spec.model == "required" and not spec.outputs
+
+
+PLUGIN = '''
+from jaxtyping import Float, Int
+from torch import Tensor
+from flowgraph.registry import node_kind
+
+@node_kind("shifted_reward", outputs=["token_level_scores"])
+def shifted_reward(response_mask: Int[Tensor, "b T"], scale: float = 1.0
+                   ) -> Float[Tensor, "b T-1"]:
+    """A buggy reward: one position short."""
+    return response_mask[:, 1:].float() * scale
+'''
+
+GRAPH = '''
+dims: {{Bp: 2, N: 1, P: 4, T: 8}}
+plugins: [{module}]
+models:
+  actor: {{path: "builtin:tiny-lm", trainable: true}}
+data:
+  train: {{kind: prompts, path: "builtin:arith"}}
+nodes:
+  gen:
+    kind: generate
+    model: actor
+    inputs: {{prompts: train.input_ids, prompt_mask: train.attention_mask}}
+  lp:
+    kind: logprob
+    model: actor
+    inputs: &seq
+      prompts: gen.prompts
+      prompt_mask: gen.prompt_mask
+      responses: gen.responses
+      response_mask: gen.response_mask
+  rew:
+    kind: shifted_reward
+    inputs: {{response_mask: gen.response_mask}}
+    params: {{scale: 2.0}}
+  adv:
+    kind: reinforce_pp
+    inputs:
+      token_level_rewards: rew.token_level_scores
+      response_mask: gen.response_mask
+  upd:
+    kind: ppo_actor_update
+    model: actor
+    inputs:
+      <<: *seq
+      old_log_prob: lp.log_prob
+      advantages: adv.advantages
+'''
+
+
+def _write_plugin(tmp_path: Path, module: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / f"{module}.py").write_text(PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_plugin_kind_contract_comes_from_jaxtyping(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    _write_plugin(tmp_path, "fg_plugin_a", monkeypatch)
+    path = tmp_path / "g.yaml"
+    path.write_text(GRAPH.format(module="fg_plugin_a"))
+    graph, diags = load_graph(path)
+    assert graph is not None and not diags
+    result = check_graph(graph)
+    kind = result.registry.get("shifted_reward")
+    assert kind is not None
+    assert [p.name for p in kind.params] == ["scale"]
+    assert kind.outputs[0].spec.dims == "b T-1"
+    # The (b, T-1) output meets reinforce_pp's (b, T): one error on that edge, at its line.
+    errors = [d for d in result.diagnostics if d.is_error]
+    assert [(d.code, d.edge) for d in errors] == [
+        ("FG202", "rew.token_level_scores -> adv.token_level_rewards")
+    ]
+    assert errors[0].pos is not None and errors[0].pos.line == 28
+    assert "off-by-one" in (errors[0].hint or "")
+
+
+def test_only_listed_plugins_are_imported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _write_plugin(tmp_path, "fg_plugin_unlisted", monkeypatch)
+    text = GRAPH.format(module="fg_plugin_missing_xyz")
+    graph, _ = load_graph(tmp_path / "g.yaml", text=text)
+    assert graph is not None
+    result = check_graph(graph)
+    codes = {d.code for d in result.diagnostics if d.is_error}
+    assert "FG113" in codes  # the listed module does not exist
+    assert "FG102" in codes  # so its kind is unknown
+    assert "fg_plugin_unlisted" not in sys.modules
+
+
+def test_entry_point_is_loaded_only_for_its_kind(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    module = "fg_ep_plugin"
+    (tmp_path / f"{module}.py").write_text(PLUGIN.replace("shifted_reward", "ep_reward"))
+    dist = tmp_path / "fg_ep_plugin-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: fg-ep-plugin\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        f"[flowgraph.nodes]\nep_reward = {module}:ep_reward\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registry = Registry.default()
+    assert module not in sys.modules
+    assert registry.get("no_such_kind_here") is None
+    assert module not in sys.modules
+    kind = registry.get("ep_reward")
+    assert kind is not None and kind.source == module
+
+
+def test_redeclaring_a_builtin_kind_is_an_error() -> None:
+    from flowgraph.registry import KindSpec, register_kind
+
+    with pytest.raises(RegistryError, match="built in"):
+        register_kind(KindSpec("gae", "custom", "mine"))
+
+
+def test_bad_return_annotation_is_a_clear_error() -> None:
+    from flowgraph.registry import node_kind
+
+    with pytest.raises(RegistryError, match="return annotation"):
+        @node_kind("bad_ret", outputs=["a", "b"])
+        def bad(x: float) -> float:
+            return x
+
+
+def test_plugin_source_text() -> None:
+    assert textwrap.dedent(PLUGIN).count("@node_kind") == 1
