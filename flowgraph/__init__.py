@@ -1,29 +1,44 @@
 """flowgraph: a declarative dataflow-graph compiler for RL post-training of LLMs.
 
-Importing flowgraph (and running `flowgraph check`) never imports torch.
+Importing flowgraph (and running `flowgraph check`) never imports torch. Public names
+are loaded on first use (PEP 562), so the CLI pays only for what a command needs.
 """
 
-from flowgraph.builder import GraphBuilder
-from flowgraph.check import CheckResult, check_graph
-from flowgraph.contracts import TensorSpec
-from flowgraph.diagnostics import Diagnostic
-from flowgraph.errors import FlowgraphError, GraphError
-from flowgraph.frontend import graph_from_yaml, graph_to_yaml, load_graph
-from flowgraph.ir import (
-    DataSpec,
-    DimBinding,
-    Graph,
-    ModelSpec,
-    NodeSpec,
-    OptimizerSpec,
-    Params,
-    PortRef,
-    ResourceSpec,
-    TrainerSpec,
-)
-from flowgraph.registry import KindSpec, ParamSpec, PortSpec, Registry, node_kind, register_kind
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+_EXPORTS: dict[str, str] = {
+    "GraphBuilder": "flowgraph.builder",
+    "CheckResult": "flowgraph.check",
+    "check_graph": "flowgraph.check",
+    "TensorSpec": "flowgraph.contracts",
+    "Diagnostic": "flowgraph.diagnostics",
+    "FlowgraphError": "flowgraph.errors",
+    "GraphError": "flowgraph.errors",
+    "graph_from_yaml": "flowgraph.frontend",
+    "graph_to_yaml": "flowgraph.frontend",
+    "load_graph": "flowgraph.frontend",
+    "DataSpec": "flowgraph.ir",
+    "DimBinding": "flowgraph.ir",
+    "Graph": "flowgraph.ir",
+    "ModelSpec": "flowgraph.ir",
+    "NodeSpec": "flowgraph.ir",
+    "OptimizerSpec": "flowgraph.ir",
+    "Params": "flowgraph.ir",
+    "PortRef": "flowgraph.ir",
+    "ResourceSpec": "flowgraph.ir",
+    "TrainerSpec": "flowgraph.ir",
+    "KindSpec": "flowgraph.registry",
+    "ParamSpec": "flowgraph.registry",
+    "PortSpec": "flowgraph.registry",
+    "Registry": "flowgraph.registry",
+    "node_kind": "flowgraph.registry",
+    "register_kind": "flowgraph.registry",
+}
 
 __all__ = [
     "CheckResult",
@@ -53,3 +68,45 @@ __all__ = [
     "node_kind",
     "register_kind",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flowgraph' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+if TYPE_CHECKING:
+    from flowgraph.builder import GraphBuilder
+    from flowgraph.check import CheckResult, check_graph
+    from flowgraph.contracts import TensorSpec
+    from flowgraph.diagnostics import Diagnostic
+    from flowgraph.errors import FlowgraphError, GraphError
+    from flowgraph.frontend import graph_from_yaml, graph_to_yaml, load_graph
+    from flowgraph.ir import (
+        DataSpec,
+        DimBinding,
+        Graph,
+        ModelSpec,
+        NodeSpec,
+        OptimizerSpec,
+        Params,
+        PortRef,
+        ResourceSpec,
+        TrainerSpec,
+    )
+    from flowgraph.registry import (
+        KindSpec,
+        ParamSpec,
+        PortSpec,
+        Registry,
+        node_kind,
+        register_kind,
+    )

@@ -118,39 +118,39 @@ class _Reader:
         if isinstance(value, float) and not math.isfinite(value):
             self.err("FG004", f"`{where}` must be a finite number, got {value}", node.pos)
             return None
-        ok = False if isinstance(value, bool) and bool not in types else isinstance(value, types)
-        if not ok:
-            names = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
-            self.err("FG004", f"`{where}` must be {names}, got {_describe(value)}", node.pos)
+        if not _is_a(value, types):
+            self.type_error(node, types, where)
             return None
         return value
 
+    def type_error(self, node: YNode, types: _T, where: str) -> None:
+        names = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
+        self.err("FG004", f"`{where}` must be {names}, got {_describe(plain(node))}", node.pos)
+
     def section(self, node: YNode, schema: dict[str, _T], where: str) -> dict[str, Any]:
-        """Check keys and value types of a mapping against `schema`."""
+        """Check keys and value types of a mapping against `schema`.
+
+        Scalars come back as plain values, mappings and lists as located nodes.
+        """
         if not isinstance(node, YMap):
-            self.err("FG004", f"`{where}` must be a mapping, got {_describe(plain(node))}",
-                     node.pos)
+            self.type_error(node, (dict,), where)
             return {}
         out: dict[str, Any] = {}
         for key, value in node.items:
-            name = str(key.value)
-            if name not in schema:
+            name, types = str(key.value), schema.get(str(key.value))
+            if types is None:
                 self.err("FG003", f"unknown key `{name}` in {where}", key.pos,
                          hint=did_you_mean(name, tuple(schema)))
-                continue
-            if schema[name] == (dict,) or schema[name] == (list,):
-                out[name] = value if _shape_ok(value, schema[name]) else self._bad(
-                    value, schema[name], f"{where}.{name}")
-                continue
-            typed = self.typed(value, schema[name], f"{where}.{name}")
-            if typed is not None or type(None) in schema[name]:
-                out[name] = typed
-        return {k: v for k, v in out.items() if v is not _BAD}
-
-    def _bad(self, node: YNode, types: _T, where: str) -> object:
-        names = " or ".join(_TYPE_NAMES.get(t, t.__name__) for t in types)
-        self.err("FG004", f"`{where}` must be {names}, got {_describe(plain(node))}", node.pos)
-        return _BAD
+            elif types in ((dict,), (list,)):
+                if isinstance(value, YMap if types == (dict,) else YSeq):
+                    out[name] = value
+                else:
+                    self.type_error(value, types, f"{where}.{name}")
+            else:
+                typed = self.typed(value, types, f"{where}.{name}")
+                if typed is not None or (plain(value) is None and type(None) in types):
+                    out[name] = typed
+        return out
 
     def named_entries(self, node: YNode | None, where: str) -> list[tuple[YScalar, YNode]]:
         if node is None:
@@ -176,13 +176,17 @@ class _Reader:
         return Params(tuple(Param(str(k.value), _freeze(v), v.pos) for k, v in node.items))
 
 
-_BAD = object()
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
                dict: "a mapping", list: "a list", type(None): "null"}
 
 
-def _shape_ok(node: YNode, types: _T) -> bool:
-    return isinstance(node, YMap) if types == (dict,) else isinstance(node, YSeq)
+def _is_a(value: object, types: _T) -> bool:
+    """isinstance, except that a bool is not an int and an int is a float."""
+    if isinstance(value, bool):
+        return bool in types
+    if isinstance(value, int) and float in types:
+        return True
+    return isinstance(value, types)
 
 
 def _describe(value: object) -> str:

@@ -157,3 +157,10 @@ def test_bad_return_annotation_is_a_clear_error() -> None:
 
 def test_plugin_source_text() -> None:
     assert textwrap.dedent(PLUGIN).count("@node_kind") == 1
+
+
+def test_public_api_names_resolve() -> None:
+    import flowgraph
+
+    for name in flowgraph.__all__:
+        assert getattr(flowgraph, name) is not None
