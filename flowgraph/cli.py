@@ -3,7 +3,7 @@
     flowgraph check FILE... [--format text|json|github] [--nproc N]
     flowgraph compile FILE --target local|fsdp|ray [--nproc N] [-o plan.json]
     flowgraph viz FILE -o out.mmd|out.dot|out.svg
-    flowgraph schema
+    flowgraph schema [-o FILE] [--plugin MODULE]
 
 Exit codes: 0 clean (warnings allowed), 1 errors in a graph, 2 usage or unreadable
 input. No input file can make it print a Python traceback. Modules behind each
@@ -149,11 +149,20 @@ def cmd_viz(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
-    import json
+    from flowgraph.registry import Registry
+    from flowgraph.schema import schema_json
 
-    from flowgraph.schema import graph_schema
-
-    print(json.dumps(graph_schema(), indent=2))
+    registry = Registry.default()
+    registry.load_plugins(args.plugin)
+    text = schema_json(registry)
+    if not args.output:
+        sys.stdout.write(text)
+        return EXIT_OK
+    try:
+        Path(args.output).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise FlowgraphError(f"cannot write `{args.output}`: {exc.strerror or exc}") from exc
+    print(f"schema written to {args.output}")
     return EXIT_OK
 
 
@@ -191,7 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="default: from the output's extension")
     v.set_defaults(func=cmd_viz)
 
-    s = sub.add_parser("schema", help="print a JSON Schema for graph files")
+    s = sub.add_parser("schema", help="print a JSON Schema for graph files (for editors)")
+    s.add_argument("-o", "--output", metavar="SCHEMA.json", help="write it here, not to stdout")
+    s.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="also describe the kinds this module declares (repeatable)")
     s.set_defaults(func=cmd_schema)
     return p
 
