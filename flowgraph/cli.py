@@ -210,7 +210,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse stops taking positionals after an option; `compile FILE --target ray k=v`
+    # still means k=v is an override.
+    late = [e for e in extra if "=" in e and not e.startswith("-")]
+    if late and hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, *late]
+        extra = [e for e in extra if e not in late]
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if getattr(args, "nproc", None) is not None and args.nproc < 1:
         parser.error("--nproc must be >= 1")
     try:

@@ -1,0 +1,52 @@
+"""Pass `hoist`: loop-invariant hoisting.
+
+A node is invariant when it computes the same rows at every step: every input comes
+from a data source or another invariant node, its model (if any) is frozen, and its
+kind is deterministic and row-wise. Invariant nodes get `hoisted: true`; the schedule
+runs them once, over the whole dataset, before the loop, and each step reads the rows
+of its batch. Offline DPO's reference log-probs are the classic case (Rafailov et al.
+2023 precompute them once). The pass decides every node's mark afresh, so a wrong
+`hoisted: true` in a file is cleared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from flowgraph.check.shapes import topo_order
+from flowgraph.ir import NodeSpec
+from flowgraph.passes.program import Program
+
+HOISTABLE_CATEGORIES = ("model", "reward", "transform")
+"""Deterministic, row-wise kinds. Not `rollout` (sampling), not `update` (changes
+weights), not `advantage` (batch statistics such as whitening would change if computed
+over the whole dataset), not `custom` (nothing is known about it)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HoistInvariants:
+    """Mark loop-invariant nodes `hoisted`: computed once, before the training loop."""
+
+    name: ClassVar[str] = "hoist"
+    requires: ClassVar[tuple[str, ...]] = ()
+
+    def apply(self, program: Program) -> Program:
+        graph = program.graph
+        invariant = {d.name for d in graph.data}
+        # Topological order: a node's producers are decided before the node.
+        for node in topo_order(graph, set()):
+            if _invariant(node, program, invariant):
+                invariant.add(node.name)
+        nodes = tuple(replace(n, hoisted=n.name in invariant) for n in graph.nodes)
+        return replace(program, graph=replace(graph, nodes=nodes))
+
+
+def _invariant(node: NodeSpec, program: Program, invariant: set[str]) -> bool:
+    kind = program.kind(node.name)
+    if kind.category not in HOISTABLE_CATEGORIES or kind.trains:
+        return False
+    model = program.graph.model(node.model) if node.model else None
+    if model is not None and model.trainable:
+        return False
+    return all(ref.node in invariant for _, ref in node.inputs)

@@ -1,0 +1,499 @@
+"""Pass `memory`: estimate the memory of each device of each pool, before anything starts.
+
+Model sizes come from the model's config: the embedded `builtin:<name>` models, else
+`<path>/config.json` when `path` is a local directory (read as JSON; no transformers
+import), else `models.<name>.config`. Parameters are counted for a llama-style decoder
+(`count_parameters`). Per device of a pool, with s = P+T tokens per sequence, h hidden
+size, L layers, a attention heads, V vocabulary, m the micro-batch on one worker:
+
+    weights      params x dtype bytes / shards
+    grads        params x dtype bytes / shards                    (trainable models)
+    optimizer    params x 8 / shards: AdamW's exp_avg and exp_avg_sq in fp32
+    activations  training: L x s*m*h*(34 + 5*a*s/h) bytes for 16-bit activations,
+                 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+                 Transformer Models", eq. 1, no recompute, no tensor parallelism),
+                 scaled by dtype bytes / 2; with gradient checkpointing the 2*s*m*h
+                 bytes of each layer's input plus one layer's activations (sec. 4.1);
+                 inference: one layer's activations
+    logits       the fp32 logits of the tokens projected at once: m x T x V x 4 in an
+                 update, min(chunk_size, m x T) x V x 4 in a logprob node
+    kv_cache     per-worker rollouts x s x L x 2 x kv_heads x head_dim x dtype bytes
+    vllm         vLLM reserves gpu_memory_utilization x the device memory when
+                 `resources.memory_gib` is declared; otherwise its KV cache plus its
+                 own copy of the weights
+
+`shards` is the pool's size for FSDP-sharded models, 1 otherwise. Weights, grads and
+optimizer state stay resident; the other items live while their node runs, and the
+nodes of a pool run one at a time, so a device's peak is the resident memory plus
+the largest node's. When `resources.memory_gib` is declared and a pool's peak exceeds
+it, FG401 says by how much and what each fix would save, by estimating the changed
+plan again.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import ClassVar
+
+from flowgraph.builtin_models import builtin_config
+from flowgraph.check import CheckResult
+from flowgraph.check.structure import Resolved, param_value
+from flowgraph.diagnostics import Diagnostic, error, warning
+from flowgraph.frontend import with_params
+from flowgraph.ir import Graph, ModelSpec, NodeSpec, OptimizerSpec
+from flowgraph.passes.program import Placement, Program
+from flowgraph.plan import GIB, MemoryItem, PoolMemory, PoolPlan, gib
+from flowgraph.registry import KindSpec
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0}
+"""Bytes of optimizer state per parameter: Adam keeps two fp32 moments; plain SGD none."""
+SCALAR_HEAD_KINDS = frozenset({"values", "ppo_critic_update", "reward_model"})
+"""Kinds that put a scalar head on the backbone instead of the LM head (verl's critic
+and reward model); a model only these kinds use has no V x h projection."""
+SEQUENCES_PER_ROW = {"dpo_update": 2}
+"""An update that runs several sequences per batch row: DPO concatenates the chosen and
+the rejected response of each pair into one forward pass."""
+CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "vocab_size")
+CONFIG_MAX_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """The architecture numbers the estimate needs (Hugging Face config names)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    head_dim: int
+    tie_word_embeddings: bool = False
+
+    @staticmethod
+    def parse(fields: Mapping[str, object]) -> ModelConfig | str:
+        """The config, or why it cannot be read."""
+        bad = [k for k in CONFIG_FIELDS if not _positive_int(fields.get(k))]
+        if bad:
+            return f"the config lacks positive integer(s) {', '.join(bad)}"
+        h, heads = int(str(fields["hidden_size"])), int(str(fields["num_attention_heads"]))
+        kv = fields.get("num_key_value_heads", heads)
+        head_dim = fields.get("head_dim") or h // heads
+        if not _positive_int(kv) or not _positive_int(head_dim):
+            return "num_key_value_heads and head_dim must be positive integers"
+        return ModelConfig(h, int(str(fields["intermediate_size"])),
+                           int(str(fields["num_hidden_layers"])), heads, int(str(kv)),
+                           int(str(fields["vocab_size"])), int(str(head_dim)),
+                           fields.get("tie_word_embeddings") is True)
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def read_config(model: ModelSpec) -> ModelConfig | str:
+    """The model's config from the first source that has one, or why none does."""
+    builtin = builtin_config(model.path)
+    if builtin is not None:
+        return ModelConfig.parse(builtin)
+    directory = Path(model.path)
+    if directory.is_dir():
+        return _config_json(directory / "config.json")
+    if model.config.items:
+        return ModelConfig.parse(model.config.to_python())
+    return (f"`{model.path}` is neither a built-in model nor a local directory, and "
+            f"`models.{model.name}.config` is empty")
+
+
+def _config_json(file: Path) -> ModelConfig | str:
+    try:
+        if file.stat().st_size > CONFIG_MAX_BYTES:
+            return f"{file} is larger than {CONFIG_MAX_BYTES} bytes"
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return f"cannot read {file}: {exc}"
+    if not isinstance(data, dict):
+        return f"{file} does not hold a JSON object"
+    return ModelConfig.parse(data)
+
+
+def count_parameters(cfg: ModelConfig, lm_head: bool = True) -> int:
+    """Parameters of a llama-style decoder: embeddings, per layer q/k/v/o projections,
+    gate/up/down MLP and two RMSNorms, the final norm, and the LM head (shared with the
+    embeddings when tied) or a scalar h -> 1 head. No biases."""
+    h = cfg.hidden_size
+    q_dim = cfg.num_attention_heads * cfg.head_dim
+    kv_dim = cfg.num_key_value_heads * cfg.head_dim
+    attention = h * q_dim + 2 * h * kv_dim + q_dim * h
+    mlp = 3 * h * cfg.intermediate_size
+    layer = attention + mlp + 2 * h
+    embeddings = cfg.vocab_size * h
+    if not lm_head:
+        head = h  # the scalar value / score head
+    elif cfg.tie_word_embeddings:
+        head = 0
+    else:
+        head = cfg.vocab_size * h
+    return embeddings + cfg.num_hidden_layers * layer + h + head
+
+
+def layer_activation_bytes(cfg: ModelConfig, micro: int, seq: int, dtype_bytes: int) -> int:
+    """Korthikanti et al. 2022 eq. 1 for one layer, s*b*h*(34 + 5*a*s/h) bytes at 16 bits,
+    written as s*b*(34*h + 5*a*s) to stay in integers, scaled to the model's dtype."""
+    a = cfg.num_attention_heads
+    return seq * micro * (34 * cfg.hidden_size + 5 * a * seq) * dtype_bytes // 2
+
+
+def training_activation_bytes(cfg: ModelConfig, micro: int, seq: int, dtype_bytes: int,
+                              checkpointing: bool) -> int:
+    layer = layer_activation_bytes(cfg, micro, seq, dtype_bytes)
+    if not checkpointing:
+        return cfg.num_hidden_layers * layer
+    # Full recompute keeps each layer's input (2*s*b*h bytes at 16 bits) and rebuilds one
+    # layer's activations at a time during the backward pass.
+    inputs = cfg.num_hidden_layers * seq * micro * cfg.hidden_size * dtype_bytes
+    return inputs + layer
+
+
+def kv_cache_bytes(cfg: ModelConfig, rows: int, seq: int, dtype_bytes: int) -> int:
+    return (rows * seq * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
+            * dtype_bytes)
+
+
+# --- the pass ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Inputs:
+    """What one estimate depends on; a what-if for a hint changes one of these."""
+
+    graph: Graph
+    placement: Placement
+    kinds: dict[str, KindSpec]
+    rows: dict[str, int]
+    """Global rows (sequences) per node: its largest known batch axis."""
+    configs: dict[str, ModelConfig]
+    lm_head: dict[str, bool]
+    seq: tuple[int, int] | None
+    """(P, T), when both are bound."""
+
+
+@dataclass(frozen=True, slots=True)
+class EstimateMemory:
+    """Estimate memory per device and pool from model configs and dims; check it fits."""
+
+    name: ClassVar[str] = "memory"
+    requires: ClassVar[tuple[str, ...]] = ("infer_dims", "placement")
+
+    def apply(self, program: Program) -> Program:
+        assert program.placement is not None and program.check is not None
+        placed = [m for p in program.placement.pools for m in p.models]
+        diags: list[Diagnostic] = []
+        configs: dict[str, ModelConfig] = {}
+        for mp in placed:
+            spec = program.graph.model(mp.name)
+            assert spec is not None
+            cfg = read_config(spec)
+            if isinstance(cfg, str):
+                diags.append(_no_config(spec, cfg))
+            else:
+                configs[mp.name] = cfg
+        inp = _inputs(program, program.placement, program.check, configs)
+        memory = tuple(_estimate_pool(inp, p) for p in program.placement.pools if p.models)
+        diags += [d for m in memory if (d := _unestimated_nodes(inp, m)) is not None]
+        diags += [d for m in memory if (d := _over(inp, program, m)) is not None]
+        return replace(program, memory=memory).add(*diags)
+
+
+def _inputs(program: Program, placement: Placement, check: CheckResult,
+            configs: dict[str, ModelConfig]) -> _Inputs:
+    graph = program.graph
+    dims = {d.name: d.value for d in program.dims}
+    users: dict[str, set[str]] = {}
+    for n in graph.nodes:
+        if n.model is not None:
+            users.setdefault(n.model, set()).add(n.kind)
+    lm_head = {m: not kinds <= SCALAR_HEAD_KINDS for m, kinds in users.items()}
+    rows = {n.name: r for n in graph.nodes if (r := _rows(check, n.name)) is not None}
+    seq = (dims["P"], dims["T"]) if "P" in dims and "T" in dims else None
+    kinds = {n.name: program.kind(n.name) for n in graph.nodes}
+    return _Inputs(graph, placement, kinds, rows, configs, lm_head, seq)
+
+
+def _rows(check: CheckResult, name: str) -> int | None:
+    """The node's largest known batch axis over its inputs and outputs (a generate's
+    outputs hold n rows per prompt)."""
+    env = check.shapes.env
+    sizes = [check.shapes.batch.get(name)]
+    sizes += [env.value(s.dims[0]) for (node, _), s in check.shapes.outputs.items()
+              if node == name and s.dims]
+    return max((s for s in sizes if s is not None), default=None)
+
+
+def _estimate_pool(inp: _Inputs, pool: PoolPlan) -> PoolMemory:
+    """The memory of one device of `pool`."""
+    items: list[MemoryItem] = []
+    missing = [m.name for m in pool.models if m.name not in inp.configs]
+    for mp in pool.models:
+        if mp.name in inp.configs:
+            items += _state_items(inp, pool, mp.name)
+    for node in inp.graph.nodes:
+        if not _runs_in(inp, node, pool) or node.model not in inp.configs:
+            continue
+        node_items = _node_items(inp, pool, node)
+        if node_items is None:
+            missing.append(node.name)
+        else:
+            items += node_items
+    return PoolMemory.of(pool.name, items, tuple(missing))
+
+
+def _runs_in(inp: _Inputs, node: NodeSpec, pool: PoolPlan) -> bool:
+    return (inp.kinds[node.name].model == "required"
+            and inp.placement.of(node.name).pool == pool.name)
+
+
+def _state_items(inp: _Inputs, pool: PoolPlan, name: str) -> list[MemoryItem]:
+    model = inp.graph.model(name)
+    assert model is not None
+    n = count_parameters(inp.configs[name], inp.lm_head.get(name, True))
+    shards = pool.shards(name)
+    weights = math.ceil(n * DTYPE_BYTES[model.dtype] / shards)
+    items = [MemoryItem("weights", name, weights, False)]
+    if model.trainable:
+        state = OPTIMIZER_STATE_BYTES[(model.optimizer or OptimizerSpec()).name]
+        items += [MemoryItem("grads", name, weights, False),
+                  MemoryItem("optimizer", name, math.ceil(n * state / shards), False)]
+    return items
+
+
+def _node_items(inp: _Inputs, pool: PoolPlan, node: NodeSpec) -> list[MemoryItem] | None:
+    """Transient memory of one model node; None when its dims are not bound."""
+    per_worker = _per_worker(inp, pool, node)
+    if per_worker is None or inp.seq is None:
+        return None
+    kind = inp.kinds[node.name]
+    if kind.category == "rollout":
+        return _rollout_items(inp, node, kind, per_worker)
+    micro = _micro(node, kind, per_worker)[0]
+    if kind.trains:
+        return _training_items(inp, node, kind, micro)
+    return _forward_items(inp, node, kind, micro)
+
+
+def _per_worker(inp: _Inputs, pool: PoolPlan, node: NodeSpec) -> int | None:
+    rows = inp.rows.get(node.name)
+    if rows is None:
+        return None
+    dp = pool.size if inp.placement.of(node.name).data_parallel else 1
+    return -(-rows // dp)
+
+
+def _int_param(node: NodeSpec, kind: KindSpec, name: str) -> int | None:
+    value = param_value(Resolved(node, kind), name)
+    return value if isinstance(value, int) and _positive_int(value) else None
+
+
+def _micro(node: NodeSpec, kind: KindSpec, per_worker: int) -> tuple[int, int]:
+    """(micro-batch, what it must divide): the sequences one worker runs per forward (and
+    backward) pass. An update's micro-batch defaults to its mini-batch, which defaults to
+    the worker's whole batch (verl's per-rank normalisation); a forward node's to the
+    worker's batch."""
+    limit = (_int_param(node, kind, "mini_batch_size") if kind.trains else None) or per_worker
+    return _int_param(node, kind, "micro_batch_size") or limit, limit
+
+
+def _training_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
+                    ) -> list[MemoryItem]:
+    assert inp.seq is not None and node.model is not None
+    model, cfg = inp.graph.model(node.model), inp.configs[node.model]
+    assert model is not None
+    p, t = inp.seq
+    m = micro * SEQUENCES_PER_ROW.get(kind.name, 1)
+    act = training_activation_bytes(cfg, m, p + t, DTYPE_BYTES[model.dtype],
+                                    model.gradient_checkpointing)
+    items = [MemoryItem("activations", node.name, act, True)]
+    if inp.lm_head.get(node.model, True):
+        items.append(MemoryItem("logits", node.name, m * t * cfg.vocab_size * 4, True))
+    return items
+
+
+def _forward_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
+                   ) -> list[MemoryItem]:
+    assert inp.seq is not None and node.model is not None
+    model, cfg = inp.graph.model(node.model), inp.configs[node.model]
+    assert model is not None
+    p, t = inp.seq
+    act = layer_activation_bytes(cfg, micro, p + t, DTYPE_BYTES[model.dtype])
+    items = [MemoryItem("activations", node.name, act, True)]
+    if inp.lm_head.get(node.model, True):
+        tokens = micro * t
+        chunk = min(_int_param(node, kind, "chunk_size") or tokens, tokens)
+        items.append(MemoryItem("logits", node.name, chunk * cfg.vocab_size * 4, True))
+    return items
+
+
+def _rollout_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, per_worker: int
+                   ) -> list[MemoryItem]:
+    assert inp.seq is not None and node.model is not None
+    model, cfg = inp.graph.model(node.model), inp.configs[node.model]
+    assert model is not None
+    dtype = DTYPE_BYTES[model.dtype]
+    kv = kv_cache_bytes(cfg, per_worker, sum(inp.seq), dtype)
+    if param_value(Resolved(node, kind), "backend") != "vllm":
+        return [MemoryItem("kv_cache", node.name, kv, True)]
+    declared = inp.graph.resources.memory_gib
+    if declared is not None:
+        util = _utilization(node, kind)
+        return [MemoryItem("vllm", node.name, int(util * declared * GIB), False)]
+    # Without a device size vLLM's pool is unknown: count what it must hold at least.
+    copy = count_parameters(cfg) * dtype
+    return [MemoryItem("kv_cache", node.name, kv, False),
+            MemoryItem("vllm", node.name, copy, False)]
+
+
+def _utilization(node: NodeSpec, kind: KindSpec) -> float:
+    value = param_value(Resolved(node, kind), "gpu_memory_utilization")
+    return float(value) if isinstance(value, (int, float)) else 0.0
+
+
+# --- diagnostics ---------------------------------------------------------------------------
+
+
+def _no_config(model: ModelSpec, why: str) -> Diagnostic:
+    fields = ", ".join((*CONFIG_FIELDS, "num_key_value_heads"))
+    return warning("FG402", f"cannot estimate memory for model `{model.name}`: {why}",
+                   model.pos, hint=f"point `path` at a local directory with a config.json, or "
+                   f"give `models.{model.name}.config: {{{fields}}}`; the estimate leaves "
+                   "this model out")
+
+
+def _unestimated_nodes(inp: _Inputs, mem: PoolMemory) -> Diagnostic | None:
+    nodes = [n for n in mem.missing if inp.graph.node(n) is not None]
+    if not nodes:
+        return None
+    bound = {d.name for d in inp.graph.dims if d.value is not None}
+    unbound = [d for d in ("Bp", "N", "P", "T") if d not in bound]
+    return warning("FG402", f"cannot estimate the activation memory of {', '.join(nodes)} in "
+                   f"pool `{mem.pool}`: the dims of their batch or sequence ({', '.join(unbound)}"
+                   ") are not all bound", inp.graph.dims[0].pos if inp.graph.dims else None,
+                   hint="bind them under `dims:` (max_new_tokens binds T, max_prompt_length P)")
+
+
+def _over(inp: _Inputs, program: Program, mem: PoolMemory) -> Diagnostic | None:
+    declared = inp.graph.resources.memory_gib
+    if declared is None or mem.total_bytes <= declared * GIB:
+        return None
+    pool = inp.placement.pool(mem.pool)
+    counted = [i for i in mem.items if not i.transient or i.owner == mem.peak_node]
+    largest = sorted(counted, key=lambda i: -i.bytes)[:4]
+    need_gib = math.ceil(mem.total_bytes / GIB * 1000) / 1000
+    return error(
+        "FG401", f"plan needs {gib(mem.total_bytes)} on each device of pool `{pool.name}`, "
+        f"declared {gib(declared * GIB)}: over by {gib(mem.total_bytes - declared * GIB)}",
+        inp.graph.resources.pos, expected=f"<= {gib(declared * GIB)} per device",
+        actual=gib(mem.total_bytes),
+        notes=tuple(f"{i.what} of {i.owner}: {gib(i.bytes)}" for i in largest),
+        hint="; ".join([*_fixes(inp, program, pool, mem),
+                        f"or declare resources.memory_gib >= {need_gib:g}"]))
+
+
+Option = tuple[_Inputs, PoolPlan, str]
+"""The changed estimate inputs, the changed pool, and the change in words ('' if none)."""
+
+
+def _fixes(inp: _Inputs, program: Program, pool: PoolPlan, mem: PoolMemory) -> list[str]:
+    """Each applicable change with what it saves per device of this pool, largest first.
+    Savings come from estimating the changed plan again, so a change that only moves the
+    peak to another node claims no more than it really saves."""
+    options = [_smaller_micro_batches(inp, pool), _checkpointing(inp, pool),
+               _less_vllm(inp, pool), _more_workers(inp, program, pool)]
+    found = [(mem.total_bytes - _estimate_pool(changed, p).total_bytes, text)
+             for changed, p, text in options if text]
+    return [f"{text} (saves {gib(saved)})" for saved, text in sorted(found, reverse=True)
+            if saved > 0]
+
+
+def _smaller_micro_batches(inp: _Inputs, pool: PoolPlan) -> Option:
+    """Every node of the pool with a micro-batch takes the next smaller valid one."""
+    graph, changes = inp.graph, []
+    for node in inp.graph.nodes:
+        kind = inp.kinds[node.name]
+        per_worker = _per_worker(inp, pool, node)
+        if per_worker is None or kind.param("micro_batch_size") is None \
+                or not _runs_in(inp, node, pool):
+            continue
+        micro, limit = _micro(node, kind, per_worker)
+        # The largest smaller micro-batch that still divides the mini-batch (FG303).
+        smaller = max((d for d in range(1, micro) if limit % d == 0), default=None)
+        if smaller is not None:
+            graph = _with_node(graph, with_params(node, micro_batch_size=smaller))
+            changes.append(f"{node.name} {micro}→{smaller}")
+    text = f"set params.micro_batch_size of {', '.join(changes)}" if changes else ""
+    return replace(inp, graph=graph), pool, text
+
+
+def _checkpointing(inp: _Inputs, pool: PoolPlan) -> Option:
+    names = {m.name for m in pool.models}
+    off = [m.name for m in inp.graph.models
+           if m.name in names and m.trainable and not m.gradient_checkpointing]
+    models = tuple(replace(m, gradient_checkpointing=True) if m.name in off else m
+                   for m in inp.graph.models)
+    text = ", ".join(f"models.{m}.gradient_checkpointing: true" for m in off)
+    return replace(inp, graph=replace(inp.graph, models=models)), pool, text and f"set {text}"
+
+
+def _less_vllm(inp: _Inputs, pool: PoolPlan) -> Option:
+    graph, changes = inp.graph, []
+    for node in inp.graph.nodes:
+        kind = inp.kinds[node.name]
+        if not _runs_in(inp, node, pool) or param_value(Resolved(node, kind), "backend") != "vllm":
+            continue
+        util = _utilization(node, kind)
+        graph = _with_node(graph, with_params(node, gpu_memory_utilization=util / 2))
+        changes.append(f"{node.name} {util:g}→{util / 2:g}")
+    text = f"set params.gpu_memory_utilization of {', '.join(changes)}" if changes else ""
+    return replace(inp, graph=graph), pool, text
+
+
+def _more_workers(inp: _Inputs, program: Program, pool: PoolPlan) -> Option:
+    """Twice the workers: sharded state and per-worker batches halve."""
+    local = program.target == "local"
+    size = 2 if local else pool.size * 2
+    models = tuple(replace(m, sharding="full_shard") for m in pool.models) if local \
+        else pool.models
+    bigger = replace(pool, size=size, models=models, bundles=pool.bundles[:1] * size)
+    nodes = tuple(replace(n, data_parallel=True) if n.pool == pool.name else n
+                  for n in inp.placement.nodes)
+    placement = Placement(tuple(bigger if p is pool else p for p in inp.placement.pools), nodes)
+    if not _splits_evenly(inp, pool, size):
+        text = ""
+    elif local:
+        text = "compile with --target fsdp --nproc 2"
+    elif any(p.name == pool.name for p in inp.graph.resources.pools):
+        text = f"set resources.pools.{pool.name}.size {pool.size}→{size}"
+    else:
+        text = f"use --nproc {pool.size}→{size}"
+    return replace(inp, placement=placement), bigger, text
+
+
+def _splits_evenly(inp: _Inputs, pool: PoolPlan, size: int) -> bool:
+    """The batch arithmetic `validate` checks (FG301) still holds with `size` workers."""
+    for node in inp.graph.nodes:
+        kind, rows = inp.kinds[node.name], inp.rows.get(node.name)
+        if not kind.trains or rows is None or not _runs_in(inp, node, pool):
+            continue
+        mini = _int_param(node, kind, "mini_batch_size") or 1
+        if rows % size or (rows // size) % mini:
+            return False
+    return True
+
+
+def _with_node(graph: Graph, node: NodeSpec) -> Graph:
+    return replace(graph, nodes=tuple(node if n.name == node.name else n for n in graph.nodes))

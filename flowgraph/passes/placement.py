@@ -1,0 +1,166 @@
+"""Pass `placement`: worker pools, which models they host, and where each node runs.
+
+A node *runs a model* when its kind requires one (generate, logprob, values,
+reward_model, the updates); such a node runs where its model lives, data-parallel.
+A kind whose model is optional uses it for its tokenizer only (the rule reward), so
+it runs with the model-free nodes. Per target:
+
+* `local`: one pool `main` of one process hosting every model; every node sees the
+  whole batch;
+* `fsdp`: one SPMD pool `spmd` of nproc ranks; every model is FSDP2-sharded per
+  transformer block over the ranks (frozen ones too, unless `shard_frozen` is off);
+  model nodes run data-parallel, model-free nodes run on every rank over the whole
+  batch (cheap, and the numbers equal the local target's);
+* `ray`: the `driver` (single controller) runs the model-free nodes; the worker pools
+  are `resources.pools` when declared, else inferred as in verl: `actor_rollout_ref`
+  (the policy, every model a `generate` uses, frozen reference models), `critic`
+  (models `ppo_critic_update` trains) and `reward` (models `reward_model` nodes use),
+  each of nproc workers.
+
+Declared pools are checked on every target: each model a node runs is in exactly one
+pool, sizes are >= 1, model names exist (FG403).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+from flowgraph.diagnostics import Diagnostic, error
+from flowgraph.document import did_you_mean
+from flowgraph.ir import Graph, ModelSpec, PoolSpec
+from flowgraph.passes.program import NodePlacement, Placement, Program
+from flowgraph.plan import DRIVER, Bundle, ModelPlacement, PoolPlan
+
+INFERRED_POOLS = ("actor_rollout_ref", "critic", "reward")
+"""Pool names inferred for target ray, in plan order."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlaceNodes:
+    """Group models into worker pools and put every node on a pool."""
+
+    name: ClassVar[str] = "placement"
+    requires: ClassVar[tuple[str, ...]] = ()
+    shard_frozen: bool = True
+    """Shard frozen models (the reference) over the pool like trainable ones; off:
+    every worker holds a whole copy."""
+
+    def apply(self, program: Program) -> Program:
+        runs = _model_nodes(program)
+        problems = check_pools(program.graph, runs)
+        if problems:
+            return program.add(*problems)
+        pools = self._pools(program, runs)
+        home = {m.name: p.name for p in pools for m in p.models}
+        default = {"local": "main", "fsdp": "spmd", "ray": DRIVER}[program.target]
+        nodes = tuple(
+            NodePlacement(name, home[runs[name]] if name in runs else default,
+                          name in runs and program.target != "local")
+            for name in program.producers())
+        return replace(program, placement=Placement(pools, nodes))
+
+    def _pools(self, program: Program, runs: dict[str, str]) -> tuple[PoolPlan, ...]:
+        graph = program.graph
+        used = [m for m in graph.models if m.name in runs.values()]
+        bundle = Bundle(cpu=1, gpu=1 if program.device == "cuda" else 0)
+        if program.target == "local":
+            device = "cuda:0" if program.device == "cuda" else "cpu"
+            models = tuple(ModelPlacement(m.name, m.trainable, "none") for m in used)
+            return (PoolPlan("main", 1, device, models, (bundle,)),)
+        if program.target == "fsdp":
+            return (self._pool("spmd", program.nproc, program.device, used, bundle),)
+        groups = _declared(graph) or _inferred(program, runs, used, program.nproc)
+        driver = PoolPlan(DRIVER, 1, "cpu", (), ())
+        return (driver, *(self._pool(name, size, program.device,
+                                     [m for m in graph.models if m.name in names], bundle)
+                          for name, size, names in groups))
+
+    def _pool(self, name: str, size: int, device: str, models: list[ModelSpec],
+              bundle: Bundle) -> PoolPlan:
+        placed = tuple(ModelPlacement(m.name, m.trainable, self._sharding(m)) for m in models)
+        return PoolPlan(name, size, device, placed, (bundle,) * size)
+
+    def _sharding(self, model: ModelSpec) -> str:
+        return "full_shard" if model.trainable or self.shard_frozen else "none"
+
+
+Group = tuple[str, int, tuple[str, ...]]
+"""(pool name, workers, model names)."""
+
+
+def _model_nodes(program: Program) -> dict[str, str]:
+    """Node -> the model it runs, for nodes whose kind requires a model."""
+    return {n.name: n.model for n in program.graph.nodes
+            if n.model is not None and program.kind(n.name).model == "required"}
+
+
+def _declared(graph: Graph) -> list[Group]:
+    return [(p.name, p.size, p.models) for p in graph.resources.pools]
+
+
+def _inferred(program: Program, runs: dict[str, str], used: list[ModelSpec], size: int
+              ) -> list[Group]:
+    kinds: dict[str, set[str]] = {m.name: set() for m in used}
+    for node, model in runs.items():
+        kinds[model].add(program.kind(node).name)
+    role = {m.name: _role(m, kinds[m.name]) for m in used}
+    groups = [(pool, size, tuple(m for m in role if role[m] == pool)) for pool in INFERRED_POOLS]
+    return [g for g in groups if g[2]]
+
+
+def _role(model: ModelSpec, kinds: set[str]) -> str:
+    if "ppo_critic_update" in kinds:
+        return "critic"
+    if "reward_model" in kinds and not model.trainable:
+        return "reward"
+    # The policy, what generate uses, and frozen reference models share one pool, so
+    # weights sync from the trained actor to the rollout engine stays on-device.
+    return "actor_rollout_ref"
+
+
+# --- declared pools -------------------------------------------------------------------------
+
+
+def check_pools(graph: Graph, runs: dict[str, str]) -> list[Diagnostic]:
+    """Every problem with `resources.pools` (FG403); none when no pool is declared."""
+    pools = graph.resources.pools
+    if not pools:
+        return []
+    out = [d for p in pools for d in _check_pool(graph, p)]
+    first: dict[str, PoolSpec] = {}
+    for p in pools:
+        for m in p.models:
+            if m in first and first[m] is not p:
+                out.append(error("FG403", f"model `{m}` is in pools `{first[m].name}` and "
+                                 f"`{p.name}`", p.pos, notes=(f"first listed at {first[m].pos}",),
+                                 hint="a model lives in exactly one pool; remove it from one"))
+            first.setdefault(m, p)
+    out += [_unpooled(graph, model, runs) for model in dict.fromkeys(runs.values())
+            if model not in first]
+    return out
+
+
+def _check_pool(graph: Graph, pool: PoolSpec) -> list[Diagnostic]:
+    out = []
+    if pool.name == DRIVER:
+        out.append(error("FG403", f"pool name `{DRIVER}` is reserved for the single controller",
+                         pool.pos, hint="rename the pool, e.g. `workers`"))
+    if pool.size < 1:
+        out.append(error("FG403", f"pool `{pool.name}` has size {pool.size}", pool.pos,
+                         expected="size >= 1", hint="give the number of workers, e.g. `size: 2`"))
+    known = [m.name for m in graph.models]
+    out += [error("FG403", f"pool `{pool.name}` lists model `{m}`, which is not declared under "
+                  "`models:`", pool.pos, hint=did_you_mean(m, known))
+            for m in pool.models if m not in known]
+    return out
+
+
+def _unpooled(graph: Graph, model: str, runs: dict[str, str]) -> Diagnostic:
+    nodes = ", ".join(n for n, m in runs.items() if m == model)
+    spec = graph.model(model)
+    names = ", ".join(p.name for p in graph.resources.pools)
+    return error("FG403", f"model `{model}` runs in node(s) {nodes} but no pool in "
+                 "`resources.pools` lists it", spec.pos if spec else graph.resources.pos,
+                 hint=f"add `{model}` to the `models:` of one pool ({names}), or remove "
+                      "`resources.pools` to let the compiler infer the pools")

@@ -1,0 +1,193 @@
+"""`Program`: the typed record the compile passes transform, and what passes are.
+
+A pass is a small frozen dataclass with a `name`, the names of the passes whose
+results it reads (`requires`), and one `apply(program) -> program` that builds a new
+record with `dataclasses.replace`; nothing is mutated. Each field of `Program` is set
+by one pass and read by later ones; `to_plan` lowers the finished program to the
+`ExecutionPlan` executors run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import ClassVar, Protocol
+
+from flowgraph.check import CheckResult
+from flowgraph.diagnostics import Diagnostic
+from flowgraph.frontend import graph_to_yaml
+from flowgraph.ir import Graph
+from flowgraph.plan import (
+    DimValue,
+    EdgePlan,
+    ExecutionPlan,
+    InputPlan,
+    NodePlan,
+    PoolMemory,
+    PoolPlan,
+    StagePlan,
+    gib,
+)
+from flowgraph.registry import KindSpec
+
+
+@dataclass(frozen=True, slots=True)
+class PortLabel:
+    """The resolved dims of one output, e.g. `gen.responses`: `(Bp*N, T) = (16, 8)`."""
+
+    ref: str
+    """`node.port`."""
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlacement:
+    """Where one node or data source runs."""
+
+    node: str
+    pool: str
+    data_parallel: bool
+    """Each worker of the pool gets a slice of the batch; False: the whole batch."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """The pools and every producer's place (pass `placement`)."""
+
+    pools: tuple[PoolPlan, ...]
+    nodes: tuple[NodePlacement, ...]
+
+    def of(self, node: str) -> NodePlacement:
+        return next(p for p in self.nodes if p.node == node)
+
+    def pool(self, name: str) -> PoolPlan:
+        return next(p for p in self.pools if p.name == name)
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """Stages and per-edge dispatch (pass `schedule`)."""
+
+    stages: tuple[StagePlan, ...]
+    edges: tuple[EdgePlan, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """A graph on its way to a plan, with what each pass has found out so far."""
+
+    graph: Graph
+    target: str
+    """`local`, `fsdp` or `ray`."""
+    nproc: int
+    """Data-parallel size: `--nproc`, else `resources.nproc`."""
+    device: str
+    """`cpu` or `cuda`: `resources.device`, or the caller's choice when it says `auto`."""
+    check: CheckResult | None = None
+    """Set by `validate`: the kinds of every producer and the inferred shapes."""
+    dims: tuple[DimValue, ...] = ()
+    """Set by `infer_dims`: every global dim bound to a number (B = Bp*N included)."""
+    labels: tuple[PortLabel, ...] = ()
+    """Set by `infer_dims`: the resolved dims of every output."""
+    dropped: tuple[str, ...] = ()
+    """Set by `dce`: removed nodes and data sources, in file order."""
+    placement: Placement | None = None
+    schedule: Schedule | None = None
+    memory: tuple[PoolMemory, ...] | None = None
+    """Set by `memory`: the estimate per pool hosting models."""
+    diagnostics: tuple[Diagnostic, ...] = ()
+
+    @property
+    def failed(self) -> bool:
+        return any(d.is_error for d in self.diagnostics)
+
+    def add(self, *diags: Diagnostic) -> Program:
+        return replace(self, diagnostics=self.diagnostics + diags)
+
+    def kind(self, name: str) -> KindSpec:
+        """The kind of a producer; `validate` resolved every one or stopped the pipeline."""
+        if self.check is None:
+            raise RuntimeError("pass `validate` has not run")
+        kind = self.check.table[name].kind
+        if kind is None:
+            raise RuntimeError(f"`{name}` has no resolved kind")
+        return kind
+
+    def producers(self) -> tuple[str, ...]:
+        """Data sources, then nodes, in file order."""
+        return tuple(d.name for d in self.graph.data) + tuple(n.name for n in self.graph.nodes)
+
+    def model_of(self, name: str) -> str | None:
+        node = self.graph.node(name)
+        return node.model if node is not None else None
+
+    def describe(self) -> str:
+        """The graph as YAML, then what the passes added, as YAML comments."""
+        return graph_to_yaml(self.graph) + "".join(f"# {line}\n" for line in self._facts())
+
+    def _facts(self) -> list[str]:
+        lines = []
+        if self.dims:
+            lines.append("dims: " + " ".join(f"{d.name}={d.value}" for d in self.dims))
+        lines += [f"shape {p.ref}: {p.label}" for p in self.labels]
+        if self.dropped:
+            lines.append(f"dropped: {', '.join(self.dropped)}")
+        return lines + self._placement_facts() + self._schedule_facts() + self._memory_facts()
+
+    def _placement_facts(self) -> list[str]:
+        if self.placement is None:
+            return []
+        lines = [f"pool {p.name}: {p.size} x {p.device}, models "
+                 f"{', '.join(f'{m.name} ({m.sharding})' for m in p.models) or '-'}"
+                 for p in self.placement.pools]
+        return lines + [f"node {n.node} -> {n.pool}{' (data-parallel)' if n.data_parallel else ''}"
+                        for n in self.placement.nodes]
+
+    def _schedule_facts(self) -> list[str]:
+        if self.schedule is None:
+            return []
+        lines = [f"stage {s.name}: {', '.join(s.nodes)}" for s in self.schedule.stages]
+        return lines + [f"edge {e.src} -> {e.dst}: {e.dispatch}"
+                        f"{' (group-aligned)' if e.group_aligned else ''}"
+                        for e in self.schedule.edges]
+
+    def _memory_facts(self) -> list[str]:
+        lines = []
+        for m in self.memory or ():
+            lines.append(f"memory {m.pool}: {gib(m.total_bytes)} per device, peak node "
+                         f"{m.peak_node}")
+            lines += [f"  {i.what} {i.owner}: {i.bytes} bytes"
+                      f"{' (transient)' if i.transient else ''}" for i in m.items]
+        return lines
+
+    def to_plan(self) -> ExecutionPlan:
+        """Lower the finished program; `placement` and `schedule` must have run."""
+        if self.placement is None or self.schedule is None:
+            raise RuntimeError("passes `placement` and `schedule` must run before lowering")
+        stage_of = {n: s.name for s in self.schedule.stages for n in s.nodes}
+        labels = {p.ref: p.label for p in self.labels}
+        nodes = tuple(self._node_plan(n, stage_of[n], labels) for n in self.producers())
+        return ExecutionPlan(
+            graph=self.graph, target=self.target, nproc=self.nproc, device=self.device,
+            dims=self.dims, nodes=nodes, pools=self.placement.pools,
+            stages=self.schedule.stages, edges=self.schedule.edges, memory=self.memory or (),
+            dropped=self.dropped, source=self.graph.source)
+
+    def _node_plan(self, name: str, stage: str, labels: dict[str, str]) -> NodePlan:
+        assert self.placement is not None
+        kind = self.kind(name)
+        place = self.placement.of(name)
+        node = self.graph.node(name)
+        inputs = tuple(InputPlan(port, str(ref), labels.get(str(ref), ""))
+                       for port, ref in (node.inputs if node else ()))
+        return NodePlan(name, kind.name, kind.impl, self.model_of(name), place.pool,
+                        place.data_parallel, stage, bool(node and node.hoisted), inputs)
+
+
+class Pass(Protocol):
+    """One step of the pipeline."""
+
+    name: ClassVar[str]
+    requires: ClassVar[tuple[str, ...]]
+    """Passes whose results `apply` reads; they cannot be disabled while this one runs."""
+
+    def apply(self, program: Program) -> Program: ...

@@ -1,0 +1,503 @@
+"""The execution plan: what runs where, in which order, and how each edge's batch moves.
+
+`flowgraph compile` lowers a graph to an `ExecutionPlan` and writes it as JSON; the
+executors (`flowgraph.compilers.local`, `fsdp`, `ray`) consume only the plan. Every
+record is frozen and checks itself; `ExecutionPlan.from_json(plan.to_json()) == plan`.
+
+Vocabulary:
+
+* a **pool** is a group of `size` identical workers (processes) that host some models
+  together; `driver` (ray only) is the single controller, a pool without bundles that
+  runs in the launching process and hosts no model;
+* a node is **data-parallel** when each worker of its pool holds a 1/size slice of the
+  batch; otherwise it sees the whole batch (the driver, the local process, or every
+  fsdp rank running a model-free node redundantly on the whole batch);
+* a **stage** is a set of nodes that depend only on earlier stages; the `prologue`
+  stage runs once before the training loop (hoisted nodes, over the whole dataset, in
+  the listed order) and the `step.K` stages run at every step;
+* an edge's **dispatch** says how its tensor moves: `local` (same pool, same
+  sharding), `split` (a whole batch cut into per-worker slices), `gather` (slices
+  concatenated into the whole batch), `broadcast` (a tensor with no batch axis, copied
+  to every worker) and `reshard` (slices of one pool re-cut for another pool, through
+  the driver). `group_aligned` splits cut only between groups of samples of one prompt.
+
+Notation: B = Bp*N sequences, Bp prompts, N samples per prompt, P prompt length,
+T response length, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from collections.abc import Iterable
+from dataclasses import dataclass, fields, is_dataclass
+from typing import Any, Union, get_args, get_origin, get_type_hints
+
+from flowgraph.document import YMap, YNode, YScalar, YSeq
+from flowgraph.errors import FlowgraphError
+from flowgraph.frontend import graph_from_document, graph_to_document
+from flowgraph.ir import NAME_RE, Graph
+from flowgraph.source import SourcePos
+
+PLAN_VERSION = 1
+"""Format version of the JSON plan; `from_json` refuses any other."""
+TARGETS = ("local", "fsdp", "ray")
+DEVICES = ("cpu", "cuda")
+DISPATCHES = ("local", "split", "gather", "broadcast", "reshard")
+SHARDINGS = ("none", "full_shard")
+MEMORY_ITEMS = ("weights", "grads", "optimizer", "activations", "logits", "kv_cache", "vllm")
+DRIVER = "driver"
+"""The single controller's pool (target ray)."""
+GIB = 1 << 30
+
+
+class PlanError(FlowgraphError, ValueError):
+    """A plan was built, or read from JSON, with values that break its invariants."""
+
+
+def _require(problems: list[str], where: str) -> None:
+    if problems:
+        raise PlanError(f"invalid {where}: " + "; ".join(problems))
+
+
+def _bad_name(name: str) -> bool:
+    return not isinstance(name, str) or not NAME_RE.match(name)
+
+
+@dataclass(frozen=True, slots=True)
+class DimValue:
+    """A global dim bound to a number."""
+
+    name: str
+    value: int
+
+    def __post_init__(self) -> None:
+        _require(["value must be >= 1"] if self.value < 1 else [], f"dim `{self.name}`")
+
+
+@dataclass(frozen=True, slots=True)
+class InputPlan:
+    """One wired input of a node."""
+
+    port: str
+    src: str
+    """The upstream output, `node.port`."""
+    shape: str
+    """Resolved dims of the tensor, e.g. `(Bp*N, T) = (16, 8)`; empty when the dims were
+    not inferred (pass `infer_dims` disabled)."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """A node or data source and where and when it runs."""
+
+    name: str
+    kind: str
+    impl: str
+    """`module:function` of the implementation, imported by executors."""
+    model: str | None
+    pool: str
+    data_parallel: bool
+    """Each worker of the pool gets a 1/size slice of the batch; False: the whole batch."""
+    stage: str
+    hoisted: bool
+    inputs: tuple[InputPlan, ...] = ()
+
+    def __post_init__(self) -> None:
+        _require(["name is not an identifier"] if _bad_name(self.name) else [],
+                 f"node `{self.name}`")
+
+
+@dataclass(frozen=True, slots=True)
+class Bundle:
+    """Resources of one worker: a Ray placement-group bundle, or one fsdp rank."""
+
+    cpu: int = 1
+    gpu: int = 0
+
+    def __post_init__(self) -> None:
+        _require(["cpu and gpu must be >= 0"] if min(self.cpu, self.gpu) < 0 else [], "bundle")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelPlacement:
+    """A model hosted by a pool."""
+
+    name: str
+    trainable: bool
+    sharding: str
+    """`full_shard`: FSDP2 `fully_shard` per transformer block over the pool's workers;
+    `none`: every worker holds the whole model."""
+
+    def __post_init__(self) -> None:
+        bad = self.sharding not in SHARDINGS
+        _require([f"sharding must be one of {SHARDINGS}"] if bad else [], f"model `{self.name}`")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolPlan:
+    """A group of `size` workers hosting `models` together."""
+
+    name: str
+    size: int
+    device: str
+    """`cpu`, `cuda` (each worker its own GPU) or `cuda:0` (target local)."""
+    models: tuple[ModelPlacement, ...]
+    bundles: tuple[Bundle, ...]
+    """One per worker; empty for the driver, which runs in the launching process."""
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.size < 1:
+            problems.append(f"size must be >= 1, got {self.size}")
+        if self.bundles and len(self.bundles) != self.size:
+            problems.append(f"{len(self.bundles)} bundles for {self.size} workers")
+        if not self.bundles and self.models:
+            problems.append("a pool without bundles (the driver) cannot host models")
+        if self.device.split(":")[0] not in DEVICES:
+            problems.append(f"device `{self.device}` is not one of {DEVICES}")
+        _require(problems, f"pool `{self.name}`")
+
+    def shards(self, model: str) -> int:
+        """How many ways the model's weights, grads and optimizer state are split."""
+        mp = next(m for m in self.models if m.name == model)
+        return self.size if mp.sharding == "full_shard" else 1
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    """Nodes that run after every earlier stage; `once`: the prologue."""
+
+    name: str
+    nodes: tuple[str, ...]
+    once: bool = False
+    """Runs once before the loop over the whole dataset, nodes in the listed order;
+    otherwise the nodes are independent and run at every step."""
+
+
+@dataclass(frozen=True, slots=True)
+class EdgePlan:
+    """How the tensor on one edge moves from producer to consumer."""
+
+    src: str
+    """`node.port` of the producer."""
+    dst: str
+    """`node.port` of the consumer."""
+    dispatch: str
+    group_aligned: bool = False
+    """Slices hold whole groups (the N samples of one prompt stay on one worker)."""
+
+    def __post_init__(self) -> None:
+        bad = self.dispatch not in DISPATCHES
+        _require([f"dispatch must be one of {DISPATCHES}"] if bad else [],
+                 f"edge `{self.src} -> {self.dst}`")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryItem:
+    """One contribution to a device's memory."""
+
+    what: str
+    """One of `MEMORY_ITEMS`."""
+    owner: str
+    """The model (weights, grads, optimizer) or node (the rest) it belongs to."""
+    bytes: int
+    transient: bool
+    """Alive only while its node runs; nodes of a pool run one at a time, so only the
+    largest node's transient memory counts towards the peak."""
+
+    def __post_init__(self) -> None:
+        problems = [] if self.what in MEMORY_ITEMS else [f"`{self.what}` not in {MEMORY_ITEMS}"]
+        problems += ["bytes must be >= 0"] if self.bytes < 0 else []
+        _require(problems, f"memory item of `{self.owner}`")
+
+
+def peak_of(items: Iterable[MemoryItem]) -> tuple[int, str | None]:
+    """(bytes, node): persistent memory plus the largest node's transient memory."""
+    items = tuple(items)
+    per_node: dict[str, int] = {}
+    for i in items:
+        if i.transient:
+            per_node[i.owner] = per_node.get(i.owner, 0) + i.bytes
+    persistent = sum(i.bytes for i in items if not i.transient)
+    node = max(per_node, key=lambda n: per_node[n], default=None)
+    return persistent + (per_node[node] if node else 0), node
+
+
+@dataclass(frozen=True, slots=True)
+class PoolMemory:
+    """Estimated memory of each device of one pool."""
+
+    pool: str
+    items: tuple[MemoryItem, ...]
+    total_bytes: int
+    """Persistent items plus the transient items of `peak_node`."""
+    peak_node: str | None
+    missing: tuple[str, ...] = ()
+    """Models and nodes left out for want of a config or bound dims: a lower bound then."""
+
+    def __post_init__(self) -> None:
+        total, node = peak_of(self.items)
+        problems = [] if total == self.total_bytes else [f"total {self.total_bytes} != {total}"]
+        problems += [] if node == self.peak_node else [f"peak node {self.peak_node} != {node}"]
+        _require(problems, f"memory of pool `{self.pool}`")
+
+    @staticmethod
+    def of(pool: str, items: Iterable[MemoryItem], missing: tuple[str, ...] = ()) -> PoolMemory:
+        items = tuple(items)
+        total, node = peak_of(items)
+        return PoolMemory(pool, items, total, node, missing)
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionPlan:
+    """Everything an executor needs to run a graph on one target."""
+
+    graph: Graph
+    """The graph after the passes (dead nodes dropped, `hoisted` set)."""
+    target: str
+    nproc: int
+    """Data-parallel size: fsdp ranks, or workers per inferred ray pool."""
+    device: str
+    dims: tuple[DimValue, ...]
+    nodes: tuple[NodePlan, ...]
+    """Data sources and nodes, in file order."""
+    pools: tuple[PoolPlan, ...]
+    stages: tuple[StagePlan, ...]
+    edges: tuple[EdgePlan, ...]
+    memory: tuple[PoolMemory, ...] = ()
+    """Per pool with models; empty when pass `memory` was disabled."""
+    dropped: tuple[str, ...] = ()
+    """Nodes and data sources removed by dead-node elimination."""
+    source: str = "<python>"
+    """The graph file."""
+    version: int = PLAN_VERSION
+
+    def __post_init__(self) -> None:
+        _require(_plan_problems(self), "execution plan")
+
+    def node(self, name: str) -> NodePlan:
+        return next(n for n in self.nodes if n.name == name)
+
+    def pool(self, name: str) -> PoolPlan:
+        return next(p for p in self.pools if p.name == name)
+
+    def edge(self, src: str, dst: str) -> EdgePlan:
+        return next(e for e in self.edges if e.src == src and e.dst == dst)
+
+    def to_json(self) -> str:
+        return json.dumps(_encode(self), indent=2) + "\n"
+
+    @staticmethod
+    def from_json(text: str) -> ExecutionPlan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"the plan is not valid JSON: {exc}") from exc
+        source = data.get("source") if isinstance(data, dict) else None
+        plan = _decode(ExecutionPlan, data, "plan", source if isinstance(source, str) else "<plan>")
+        assert isinstance(plan, ExecutionPlan)
+        return plan
+
+    def summary(self) -> str:
+        return "\n".join(_summary_lines(self))
+
+
+# --- validation ------------------------------------------------------------------------
+
+
+def _plan_problems(plan: ExecutionPlan) -> list[str]:
+    problems = []
+    if plan.version != PLAN_VERSION:
+        problems.append(f"format version {plan.version}, this flowgraph reads {PLAN_VERSION}")
+    if plan.target not in TARGETS:
+        problems.append(f"target `{plan.target}` is not one of {TARGETS}")
+    if plan.device not in DEVICES:
+        problems.append(f"device `{plan.device}` is not one of {DEVICES}")
+    if plan.nproc < 1:
+        problems.append(f"nproc must be >= 1, got {plan.nproc}")
+    return problems + _graph_problems(plan) + _reference_problems(plan) + _stage_problems(plan)
+
+
+def _graph_problems(plan: ExecutionPlan) -> list[str]:
+    """The node records describe exactly the producers of the plan's graph."""
+    kinds = {d.name: d.kind for d in plan.graph.data} | {n.name: n.kind for n in plan.graph.nodes}
+    problems = [f"node `{n.name}` is kind `{n.kind}` in the plan, `{kinds[n.name]}` in its graph"
+                for n in plan.nodes if n.name in kinds and kinds[n.name] != n.kind]
+    planned = {n.name for n in plan.nodes}
+    problems += [f"node `{n}` is not in the plan's graph" for n in planned - kinds.keys()]
+    problems += [f"the graph's `{n}` has no node record" for n in kinds.keys() - planned]
+    return problems
+
+
+def _twice(names: Iterable[str]) -> list[str]:
+    seen: set[str] = set()
+    twice: set[str] = set()
+    for n in names:
+        if n in seen:
+            twice.add(n)
+        seen.add(n)
+    return sorted(twice)
+
+
+def _reference_problems(plan: ExecutionPlan) -> list[str]:
+    nodes = {n.name for n in plan.nodes}
+    pools = {p.name for p in plan.pools}
+    problems = [f"node `{n}` is listed twice" for n in _twice(n.name for n in plan.nodes)]
+    problems += [f"pool `{p}` is listed twice" for p in _twice(p.name for p in plan.pools)]
+    problems += [f"node `{n.name}` runs on unknown pool `{n.pool}`" for n in plan.nodes
+                 if n.pool not in pools]
+    problems += [f"edge `{e.src} -> {e.dst}` names an unknown node" for e in plan.edges
+                 if not {e.src.split(".")[0], e.dst.split(".")[0]} <= nodes]
+    problems += [f"memory of unknown pool `{m.pool}`" for m in plan.memory if m.pool not in pools]
+    problems += [f"dropped node `{n}` is still planned" for n in plan.dropped if n in nodes]
+    return problems
+
+
+def _stage_problems(plan: ExecutionPlan) -> list[str]:
+    staged = [n for s in plan.stages for n in s.nodes]
+    problems = [f"node `{n}` is in two stages" for n in _twice(staged)]
+    problems += [f"stage lists unknown node `{n}`" for n in staged
+                 if n not in {p.name for p in plan.nodes}]
+    stage_of = {n: s.name for s in plan.stages for n in s.nodes}
+    problems += [f"node `{n.name}` says stage `{n.stage}`, the stages say "
+                 f"`{stage_of.get(n.name)}`" for n in plan.nodes if stage_of.get(n.name) != n.stage]
+    return problems
+
+
+# --- JSON ------------------------------------------------------------------------------
+
+
+def _encode(value: object) -> object:
+    if isinstance(value, Graph):
+        return graph_to_document(value)
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _encode(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, tuple):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(tp: Any, data: object, where: str, source: str) -> object:
+    """Rebuild a typed value from JSON data, guided by the dataclasses' type hints;
+    `source` is the graph file, for the positions of the rebuilt graph."""
+    if tp is Graph:
+        return _graph(data, where, source)
+    if is_dataclass(tp):
+        return _record(tp, data, where, source)
+    origin, args = get_origin(tp), get_args(tp)
+    if origin is tuple:
+        items = _expect(data, list, where)
+        return tuple(_decode(args[0], v, f"{where}[{i}]", source) for i, v in enumerate(items))
+    if origin in (Union, types.UnionType):
+        if data is None and type(None) in args:
+            return None
+        return _decode(next(a for a in args if a is not type(None)), data, where, source)
+    return _expect(data, tp, where)
+
+
+def _expect(data: object, tp: type, where: str) -> Any:
+    # bool is an int in Python; a plan field typed int must not read `true`.
+    if not isinstance(data, tp) or (tp is int and isinstance(data, bool)):
+        raise PlanError(f"`{where}` must be {tp.__name__}, got {type(data).__name__} {data!r:.40}")
+    return data
+
+
+def _record(cls: Any, data: object, where: str, source: str) -> object:
+    obj = _expect(data, dict, where)
+    hints = get_type_hints(cls)
+    unknown = sorted(set(obj) - {f.name for f in fields(cls)})
+    if unknown:
+        raise PlanError(f"`{where}` has unknown field(s) {unknown}")
+    values = {k: _decode(hints[k], v, f"{where}.{k}", source) for k, v in obj.items()}
+    try:
+        return cls(**values)
+    except TypeError as exc:  # a missing field
+        raise PlanError(f"`{where}`: {exc}") from exc
+
+
+def _graph(data: object, where: str, source: str) -> Graph:
+    pos = SourcePos(source, 0, 0)
+    graph, diags = graph_from_document(_ynode(data, pos, where), source)
+    errors = [d.one_line() for d in diags if d.is_error]
+    if graph is None or errors:
+        raise PlanError(f"`{where}` is not a valid graph: " + "; ".join(errors))
+    return graph
+
+
+def _ynode(value: object, pos: SourcePos, where: str) -> YNode:
+    """Plain JSON data as the located document tree the YAML front end reads."""
+    if isinstance(value, dict):
+        return YMap(tuple((YScalar(str(k), pos), _ynode(v, pos, where)) for k, v in value.items()),
+                    pos)
+    if isinstance(value, list):
+        return YSeq(tuple(_ynode(v, pos, where) for v in value), pos)
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return YScalar(value, pos)
+    raise PlanError(f"`{where}` holds {type(value).__name__}, not plain data")
+
+
+# --- summary ---------------------------------------------------------------------------
+
+
+def gib(n_bytes: float) -> str:
+    """Bytes as GiB, with enough digits to tell tiny models apart."""
+    v = n_bytes / GIB
+    return f"{v:.2f} GiB" if v >= 1 else f"{v:.3g} GiB"
+
+
+def _summary_lines(plan: ExecutionPlan) -> list[str]:
+    dims = " ".join(f"{d.name}={d.value}" for d in plan.dims) or "(none bound)"
+    lines = [f"plan for `{plan.graph.name}` ({plan.source}): target {plan.target}, "
+             f"nproc {plan.nproc}, device {plan.device}",
+             f"dims: {dims}", "", "pools:"]
+    width = max(len(p.name) for p in plan.pools)
+    for p in plan.pools:
+        lines.append(f"  {p.name:<{width}}  {_workers(p)}")
+        lines += [f"  {'':<{width}}    model {m.name} ({'trainable' if m.trainable else 'frozen'}"
+                  f", {_sharding(m, p)})" for m in p.models]
+        lines.append(f"  {'':<{width}}    nodes: "
+                     + ", ".join(n.name for n in plan.nodes if n.pool == p.name))
+    lines += ["", "stages:"]
+    lines += [f"  {s.name:<10} {', '.join(s.nodes)}{'  (once, before the loop)' if s.once else ''}"
+              for s in plan.stages]
+    lines += ["", "edges: " + _edge_counts(plan)]
+    if plan.dropped:
+        lines.append(f"dropped (dead): {', '.join(plan.dropped)}")
+    return lines + _memory_lines(plan)
+
+
+def _workers(p: PoolPlan) -> str:
+    if not p.bundles:
+        return "1 process (the single controller)"
+    b = p.bundles[0]
+    res = f"CPU: {b.cpu}" + (f", GPU: {b.gpu}" if b.gpu else "")
+    return f"{p.size} worker(s) on {p.device}, each {{{res}}}"
+
+
+def _sharding(m: ModelPlacement, p: PoolPlan) -> str:
+    return f"FSDP-sharded {p.size} ways" if m.sharding == "full_shard" else "unsharded"
+
+
+def _edge_counts(plan: ExecutionPlan) -> str:
+    parts = []
+    for d in DISPATCHES:
+        n = sum(e.dispatch == d for e in plan.edges)
+        aligned = sum(e.dispatch == d and e.group_aligned for e in plan.edges)
+        if n:
+            parts.append(f"{n} {d}" + (f" ({aligned} group-aligned)" if aligned else ""))
+    return ", ".join(parts) or "none"
+
+
+def _memory_lines(plan: ExecutionPlan) -> list[str]:
+    if not plan.memory:
+        return []
+    lines = ["", "memory per device (estimate):"]
+    for m in plan.memory:
+        peak = f", peak in node {m.peak_node}" if m.peak_node else ""
+        lines.append(f"  {m.pool}: {gib(m.total_bytes)}{peak}")
+        counted = [i for i in m.items if not i.transient or i.owner == m.peak_node]
+        lines += [f"    {i.what:<12} {i.owner:<16} {gib(i.bytes)}" for i in counted]
+        if m.missing:
+            lines.append(f"    (a lower bound: no estimate for {', '.join(m.missing)})")
+    return lines

@@ -1,0 +1,537 @@
+"""The compile passes: dce, hoist, placement, schedule, memory, and the pipeline itself."""
+
+from __future__ import annotations
+
+import io
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import yaml
+
+from flowgraph.errors import FlowgraphError, UsageError
+from flowgraph.frontend import graph_from_yaml
+from flowgraph.ir import Graph
+from flowgraph.passes import PASSES, CompileResult, PassPipeline, Program, compile_graph
+from flowgraph.passes.memory import (
+    ModelConfig,
+    count_parameters,
+    layer_activation_bytes,
+    read_config,
+    training_activation_bytes,
+)
+from flowgraph.passes.placement import PlaceNodes
+from flowgraph.plan import GIB, Bundle, ExecutionPlan
+from flowgraph.registry import _DECLARED
+
+GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
+TINY = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2}
+
+
+def doc_of(name: str) -> dict[str, Any]:
+    data = yaml.safe_load((GRAPHS / f"{name}.yaml").read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def graph_of(doc: dict[str, Any]) -> Graph:
+    return graph_from_yaml(yaml.safe_dump(doc, sort_keys=False), "test.yaml")
+
+
+def plan_of(file: str | Graph, **kw: Any) -> ExecutionPlan:
+    result = compile_graph(GRAPHS / file if isinstance(file, str) else file, **kw)
+    assert result.plan is not None, [d.one_line() for d in result.diagnostics]
+    return result.plan
+
+
+# --- dce -------------------------------------------------------------------------------------
+
+
+def ppo_with_dead_nodes() -> Graph:
+    """PPO plus a reward model whose score feeds only a token_reward nobody reads."""
+    doc = doc_of("ppo")
+    doc["models"]["rm"] = {"path": "builtin:tiny-lm"}
+    seq = {p: f"gen.{p}" for p in ("prompts", "prompt_mask", "responses", "response_mask")}
+    doc["nodes"]["dead_rm"] = {"kind": "reward_model", "model": "rm", "inputs": seq}
+    doc["nodes"]["dead_tok"] = {"kind": "token_reward", "inputs": {
+        "scores": "dead_rm.scores", "response_mask": "gen.response_mask"}}
+    return graph_of(doc)
+
+
+def test_dce_drops_a_dead_chain_transitively() -> None:
+    plan = plan_of(ppo_with_dead_nodes(), target="ray", nproc=2)
+    assert plan.dropped == ("dead_rm", "dead_tok")
+    assert {"dead_rm", "dead_tok"}.isdisjoint(n.name for n in plan.nodes)
+    assert plan.graph.node("dead_rm") is None and plan.graph.node("dead_tok") is None
+    # The reward model only the dead node used gets no pool (no `reward` pool at all).
+    assert [p.name for p in plan.pools] == ["driver", "actor_rollout_ref", "critic"]
+
+
+def test_dce_keeps_everything_without_a_sink() -> None:
+    doc = doc_of("grpo")
+    doc["models"]["actor"]["trainable"] = False
+    for name in ("reward", "adv", "update_actor"):
+        del doc["nodes"][name]
+    result = compile_graph(graph_of(doc))
+    assert result.plan is not None and result.plan.dropped == ()
+    assert [n.name for n in result.plan.nodes] == ["train", "gen", "old_logprob", "ref_logprob"]
+    assert not any(d.is_error for d in result.diagnostics)
+
+
+def test_dce_keeps_the_example_graphs_whole() -> None:
+    for file in sorted(GRAPHS.glob("*.yaml")):
+        assert plan_of(file.name).dropped == (), file
+
+
+# --- hoist -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("graph", "hoisted"), [
+    ("dpo", {"ref_chosen", "ref_rejected"}),
+    ("ppo", set()),
+    ("grpo", set()),
+    ("rloo", set()),
+    ("reinforce_pp", set()),
+    ("remax", set()),
+])
+def test_hoisted_nodes(graph: str, hoisted: set[str]) -> None:
+    plan = plan_of(f"{graph}.yaml")
+    assert {n.name for n in plan.nodes if n.hoisted} == hoisted
+    assert {n.name for n in plan.graph.nodes if n.hoisted} == hoisted
+    prologue = [s for s in plan.stages if s.once]
+    assert [set(s.nodes) for s in prologue] == ([hoisted] if hoisted else [])
+
+
+def test_dpo_reference_runs_in_the_prologue_before_the_loop() -> None:
+    plan = plan_of("dpo.yaml")
+    assert [(s.name, s.nodes, s.once) for s in plan.stages] == [
+        ("prologue", ("ref_chosen", "ref_rejected"), True),
+        ("step.0", ("pairs",), False),
+        ("step.1", ("update",), False),
+    ]
+
+
+def test_a_trainable_model_is_not_invariant() -> None:
+    doc = doc_of("dpo")
+    doc["nodes"]["ref_chosen"]["model"] = "policy"
+    plan = plan_of(graph_of(doc))
+    assert {n.name for n in plan.nodes if n.hoisted} == {"ref_rejected"}
+
+
+def test_a_wrong_hoisted_mark_in_the_file_is_cleared() -> None:
+    doc = doc_of("ppo")
+    doc["nodes"]["adv"]["hoisted"] = True
+    assert not plan_of(graph_of(doc)).node("adv").hoisted
+
+
+# --- placement -------------------------------------------------------------------------------
+
+
+def models_of(plan: ExecutionPlan, pool: str) -> list[tuple[str, str]]:
+    return [(m.name, m.sharding) for m in plan.pool(pool).models]
+
+
+def test_placement_local() -> None:
+    plan = plan_of("ppo.yaml", target="local")
+    (pool,) = plan.pools
+    assert (pool.name, pool.size, pool.device, pool.bundles) == ("main", 1, "cpu", (Bundle(1, 0),))
+    assert models_of(plan, "main") == [("actor", "none"), ("ref", "none"), ("critic", "none")]
+    assert {(n.pool, n.data_parallel) for n in plan.nodes} == {("main", False)}
+
+
+def test_placement_local_on_a_gpu() -> None:
+    plan = plan_of("ppo.yaml", target="local", device="cuda")
+    assert (plan.device, plan.pools[0].device, plan.pools[0].bundles) == (
+        "cuda", "cuda:0", (Bundle(1, 1),))
+
+
+def test_placement_fsdp() -> None:
+    plan = plan_of("ppo.yaml", target="fsdp", nproc=2)
+    (pool,) = plan.pools
+    assert (pool.name, pool.size, pool.bundles) == ("spmd", 2, (Bundle(1, 0),) * 2)
+    assert models_of(plan, "spmd") == [("actor", "full_shard"), ("ref", "full_shard"),
+                                       ("critic", "full_shard")]
+    dp = {n.name for n in plan.nodes if n.data_parallel}
+    assert dp == {"gen", "old_logprob", "ref_logprob", "values", "update_actor", "update_critic"}
+
+
+def test_placement_ray_infers_verl_pools() -> None:
+    plan = plan_of("ppo.yaml", target="ray", nproc=2)
+    assert [(p.name, p.size, len(p.bundles)) for p in plan.pools] == [
+        ("driver", 1, 0), ("actor_rollout_ref", 2, 2), ("critic", 2, 2)]
+    assert [m for m, _ in models_of(plan, "actor_rollout_ref")] == ["actor", "ref"]
+    assert [m for m, _ in models_of(plan, "critic")] == ["critic"]
+    pool_of = {n.name: n.pool for n in plan.nodes}
+    assert {n for n, p in pool_of.items() if p == "driver"} == {
+        "train", "reward", "token_reward", "kl", "adv"}
+    assert pool_of["values"] == pool_of["update_critic"] == "critic"
+    assert pool_of["gen"] == pool_of["ref_logprob"] == "actor_rollout_ref"
+
+
+def test_placement_ray_reward_model_pool_and_gpu_bundles() -> None:
+    doc = doc_of("ppo")
+    doc["models"]["rm"] = {"path": "builtin:tiny-lm"}
+    seq = {p: f"gen.{p}" for p in ("prompts", "prompt_mask", "responses", "response_mask")}
+    doc["nodes"]["reward"] = {"kind": "reward_model", "model": "rm", "inputs": seq}
+    plan = plan_of(graph_of(doc), target="ray", nproc=2, device="cuda")
+    assert models_of(plan, "reward") == [("rm", "full_shard")]
+    assert plan.pool("reward").bundles == (Bundle(cpu=1, gpu=1),) * 2
+
+
+def test_placement_can_keep_frozen_models_whole() -> None:
+    passes = tuple(PlaceNodes(shard_frozen=False) if cls is PlaceNodes else cls()
+                   for cls in PASSES.values())
+    plan = plan_of("ppo.yaml", target="fsdp", nproc=2, pipeline=PassPipeline(passes))
+    assert dict(models_of(plan, "spmd")) == {"actor": "full_shard", "ref": "none",
+                                             "critic": "full_shard"}
+
+
+def test_declared_pools_are_used_on_ray() -> None:
+    doc = doc_of("ppo")
+    doc["resources"] = {"nproc": 2, "pools": {"gpus": {"size": 4, "models": ["actor", "ref"]},
+                                              "small": {"size": 1, "models": ["critic"]}}}
+    plan = plan_of(graph_of(doc), target="ray")
+    assert [(p.name, p.size) for p in plan.pools] == [("driver", 1), ("gpus", 4), ("small", 1)]
+    assert plan.node("values").pool == "small"
+    assert plan.edge("gen.responses", "values.responses").dispatch == "reshard"
+
+
+@pytest.mark.parametrize(("pools", "message"), [
+    ({"driver": {"size": 1, "models": ["actor", "ref", "critic"]}},
+     "pool name `driver` is reserved for the single controller"),
+    ({"p": {"size": 0, "models": ["actor", "ref", "critic"]}}, "pool `p` has size 0"),
+    ({"p": {"size": 1, "models": ["actor", "ref", "critic", "critc"]}},
+     "pool `p` lists model `critc`, which is not declared under `models:`"),
+    ({"p": {"size": 1, "models": ["actor", "ref", "critic"]}, "q": {"size": 1, "models": ["ref"]}},
+     "model `ref` is in pools `p` and `q`"),
+    ({"p": {"size": 1, "models": ["actor", "ref"]}},
+     "model `critic` runs in node(s) values, update_critic but no pool in `resources.pools` "
+     "lists it"),
+])
+def test_declared_pools_are_checked(pools: dict[str, Any], message: str) -> None:
+    doc = doc_of("ppo")
+    doc["resources"] = {"pools": pools}
+    result = compile_graph(graph_of(doc), target="ray")
+    errors = [d for d in result.diagnostics if d.is_error]
+    assert result.plan is None
+    assert [(d.code, d.message) for d in errors] == [("FG403", message)]
+    assert errors[0].pos is not None and errors[0].pos.line > 0
+
+
+# --- schedule --------------------------------------------------------------------------------
+
+
+def test_ppo_stages_are_topological_generations() -> None:
+    plan = plan_of("ppo.yaml")
+    assert [(s.name, s.nodes) for s in plan.stages] == [
+        ("step.0", ("train",)),
+        ("step.1", ("gen",)),
+        ("step.2", ("old_logprob", "ref_logprob", "values", "reward")),
+        ("step.3", ("token_reward",)),
+        ("step.4", ("kl",)),
+        ("step.5", ("adv",)),
+        ("step.6", ("update_actor", "update_critic")),
+    ]
+
+
+def test_every_edge_is_local_on_the_local_target() -> None:
+    plan = plan_of("grpo.yaml", target="local")
+    assert {e.dispatch for e in plan.edges} == {"local"}
+    assert not any(e.group_aligned for e in plan.edges)
+
+
+@pytest.mark.parametrize(("src", "dst", "dispatch", "aligned"), [
+    ("train.input_ids", "gen.prompts", "split", False),   # prompts: no groups yet
+    ("gen.responses", "old_logprob.responses", "local", False),
+    ("gen.responses", "reward.responses", "gather", False),
+    ("gen.index", "adv.index", "gather", False),
+    ("reward.scores", "adv.scores", "local", False),       # both on the driver
+    ("adv.advantages", "update_actor.advantages", "split", True),  # grouped producer
+])
+def test_grpo_dispatch_on_ray(src: str, dst: str, dispatch: str, aligned: bool) -> None:
+    edge = plan_of("grpo.yaml", target="ray", nproc=2).edge(src, dst)
+    assert (edge.dispatch, edge.group_aligned) == (dispatch, aligned)
+
+
+def test_a_tensor_of_generated_groups_splits_group_aligned() -> None:
+    """Critic values of GRPO samples (Bp*N rows, N = 4) computed on another pool: the
+    reshard keeps each prompt's 4 samples on one worker; with N = 1 (PPO) it need not."""
+    doc = doc_of("ppo")
+    doc["dims"]["N"] = 4
+    doc["dims"]["Bp"] = 4
+    grouped = plan_of(graph_of(doc), target="ray", nproc=2)
+    single = plan_of("ppo.yaml", target="ray", nproc=2)
+    for plan, aligned in ((grouped, True), (single, False)):
+        edge = plan.edge("gen.responses", "values.responses")
+        assert (edge.dispatch, edge.group_aligned) == ("reshard", aligned)
+
+
+SCALAR_PLUGIN = """
+from flowgraph.contracts import TensorSpec
+from flowgraph.kinds import BUILTIN_KINDS
+from flowgraph.registry import KindSpec, PortSpec, register_kind
+
+register_kind(KindSpec("fgtest_temperature", "custom", "A scalar.", source=__name__,
+                       outputs=(PortSpec("t", TensorSpec("")),)))
+register_kind(KindSpec("fgtest_scaled", "custom", "Log-probs at a temperature.",
+                       inputs=(*BUILTIN_KINDS["logprob"].inputs, PortSpec("t", TensorSpec(""))),
+                       outputs=(PortSpec("log_prob", TensorSpec("b T")),), model="required",
+                       source=__name__))
+"""
+
+
+@pytest.fixture
+def scalar_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A plugin module declaring a model-free kind with a scalar output and a model kind
+    that takes it."""
+    (tmp_path / "fgtest_scalar_plugin.py").write_text(SCALAR_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "fgtest_scalar_plugin"
+    for name in ("fgtest_temperature", "fgtest_scaled"):
+        _DECLARED.pop(name, None)
+    sys.modules.pop("fgtest_scalar_plugin", None)
+
+
+def test_a_tensor_without_batch_axis_is_broadcast(scalar_plugin: str) -> None:
+    doc = doc_of("grpo")
+    doc["plugins"] = [scalar_plugin]
+    doc["models"]["actor"]["trainable"] = False
+    for name in ("reward", "adv", "update_actor", "old_logprob", "ref_logprob"):
+        del doc["nodes"][name]
+    seq = {p: f"gen.{p}" for p in ("prompts", "prompt_mask", "responses", "response_mask")}
+    doc["nodes"]["temp"] = {"kind": "fgtest_temperature"}
+    doc["nodes"]["lp"] = {"kind": "fgtest_scaled", "model": "actor",
+                          "inputs": {**seq, "t": "temp.t"}}
+    plan = plan_of(graph_of(doc), target="ray", nproc=2)
+    assert plan.edge("temp.t", "lp.t").dispatch == "broadcast"
+    assert plan.edge("gen.responses", "lp.responses").dispatch == "local"
+    assert (plan.node("temp").pool, plan.node("lp").pool) == ("driver", "actor_rollout_ref")
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+
+def test_parameter_count_of_tiny_lm() -> None:
+    # V=512, h=128, i=256, L=2, 2 heads of 64, 2 kv heads, untied:
+    #   embeddings 512*128 = 65,536
+    #   per layer: q, k, v, o 4*128*128 = 65,536; gate, up, down 3*128*256 = 98,304;
+    #              2 RMSNorms 256 -> 164,096; two layers 328,192
+    #   final norm 128; lm_head 512*128 = 65,536
+    #   total 65,536 + 328,192 + 128 + 65,536 = 459,392 (= LlamaForCausalLM's numel)
+    cfg = read_config(graph_of(doc_of("ppo")).models[0])
+    assert isinstance(cfg, ModelConfig)
+    assert count_parameters(cfg) == 459_392
+    # A critic swaps the LM head for a 128 -> 1 value head: 459,392 - 65,536 + 128.
+    assert count_parameters(cfg, lm_head=False) == 393_984
+
+
+def test_parameter_count_with_gqa_and_tied_embeddings() -> None:
+    # h=256, 2 heads of 128, 1 kv head: q, o 2*256*256 = 131,072; k, v 2*256*128 = 65,536;
+    # MLP 3*256*256 = 196,608; norms 512 -> 393,728 per layer, 787,456 for two;
+    # embeddings 512*256 = 131,072; final norm 256; tied head 0 -> 918,784.
+    cfg = ModelConfig.parse({**TINY, "hidden_size": 256, "num_key_value_heads": 1,
+                             "tie_word_embeddings": True})
+    assert isinstance(cfg, ModelConfig)
+    assert count_parameters(cfg) == 918_784
+
+
+def test_activation_formulas() -> None:
+    cfg = ModelConfig.parse(TINY)
+    assert isinstance(cfg, ModelConfig)
+    # One layer, s=24, b=8, fp32: s*b*(34h + 5as) * 4/2 = 192 * (4352 + 240) * 2 = 1,763,328.
+    assert layer_activation_bytes(cfg, 8, 24, 4) == 1_763_328
+    assert training_activation_bytes(cfg, 8, 24, 4, checkpointing=False) == 2 * 1_763_328
+    # Checkpointing: the layer inputs L*s*b*h*4 = 2*24*8*128*4 = 196,608, plus one layer.
+    assert training_activation_bytes(cfg, 8, 24, 4, checkpointing=True) == 196_608 + 1_763_328
+
+
+def test_memory_of_ppo_on_local() -> None:
+    # Persistent, fp32: actor 459,392 * (4 weights + 4 grads + 8 AdamW) = 7,350,272;
+    # ref 459,392 * 4 = 1,837,568; critic (value head) 393,984 * 16 = 6,303,744.
+    # Peak node: old_logprob over the whole batch of 16 (s = 24): one layer
+    # 24*16*(34*128 + 5*2*24)*2 = 3,526,656 plus logits min(1024, 16*8)*512*4 = 262,144,
+    # which beats update_actor (micro 8: 2 layers 3,526,656 + logits 131,072).
+    (mem,) = plan_of("ppo.yaml", target="local").memory
+    assert mem.pool == "main" and mem.peak_node == "old_logprob"
+    assert mem.total_bytes == 7_350_272 + 1_837_568 + 6_303_744 + 3_526_656 + 262_144
+    assert mem.missing == ()
+
+
+def test_memory_shards_state_over_the_pool() -> None:
+    plan = plan_of("ppo.yaml", target="ray", nproc=2)
+    weights = {(m.pool, i.owner): i.bytes for m in plan.memory for i in m.items
+               if i.what == "weights"}
+    assert weights == {("actor_rollout_ref", "actor"): 459_392 * 4 // 2,
+                       ("actor_rollout_ref", "ref"): 459_392 * 4 // 2,
+                       ("critic", "critic"): 393_984 * 4 // 2}
+
+
+def test_memory_over_the_declared_device_is_fg401() -> None:
+    result = compile_graph(GRAPHS / "ppo.yaml", overrides=["resources.memory_gib=0.0001"])
+    (err,) = [d for d in result.diagnostics if d.is_error]
+    need = 19_280_384 / GIB  # the total of test_memory_of_ppo_on_local
+    assert result.plan is None and err.code == "FG401"
+    assert err.message == (f"plan needs {need:.3g} GiB on each device of pool `main`, declared "
+                           f"0.0001 GiB: over by {need - 0.0001:.3g} GiB")
+    # Fixes, re-estimated: fsdp over 2 halves the 15,491,584 resident bytes and the batch,
+    # leaving 7,745,792 + update_actor's 3,657,728: saves 7,876,864 (0.00734 GiB). Halving
+    # every micro-batch leaves old_logprob at 1,763,328 + 131,072 = 1,894,400 as the peak:
+    # saves 3,788,800 - 1,894,400 = 1,894,400 (0.00176 GiB).
+    assert err.hint == (
+        "compile with --target fsdp --nproc 2 (saves 0.00734 GiB); set params.micro_batch_size "
+        "of old_logprob 16→8, ref_logprob 16→8, values 16→8, update_actor 8→4, update_critic "
+        "8→4 (saves 0.00176 GiB); or declare resources.memory_gib >= 0.018")
+
+
+def fg401_hint(file: str, **kw: Any) -> str:
+    result = compile_graph(GRAPHS / file, overrides=["resources.memory_gib=0.001"], **kw)
+    (err,) = [d for d in result.diagnostics if d.code == "FG401"][:1]
+    assert err.hint is not None
+    return err.hint
+
+
+def test_fg401_suggests_gradient_checkpointing_when_an_update_is_the_peak() -> None:
+    # DPO's update runs chosen and rejected together (16 sequences): its 2 layers of
+    # activations dwarf the reference nodes' one layer over 8, so checkpointing helps.
+    assert "set models.policy.gradient_checkpointing: true (saves" in fg401_hint("dpo.yaml")
+
+
+def test_fg401_suggests_more_workers_only_when_the_batch_still_splits() -> None:
+    # PPO: 16 sequences, mini-batch 8 per rank: 2 ranks fit, 4 would not (FG301).
+    assert "use --nproc 1→2 (saves" in fg401_hint("ppo.yaml", target="ray", nproc=1)
+    assert "--nproc" not in fg401_hint("ppo.yaml", target="ray", nproc=2)
+    # DPO: 8 pairs with a mini-batch of 8 cannot split at all.
+    assert "--target fsdp" not in fg401_hint("dpo.yaml")
+
+
+def test_vllm_reserves_its_share_of_the_declared_device() -> None:
+    plan = plan_of("grpo.yaml", overrides=["nodes.gen.params.backend=vllm",
+                                           "resources.memory_gib=80"])
+    (item,) = [i for i in plan.memory[0].items if i.what == "vllm"]
+    assert (item.owner, item.bytes, item.transient) == ("gen", int(0.3 * 80 * GIB), False)
+
+
+@pytest.mark.parametrize("where", ["dir", "config"])
+def test_model_config_from_a_directory_or_the_graph(tmp_path: Path, where: str) -> None:
+    import json
+
+    cfg = {**TINY, "vocab_size": 1000}
+    doc = doc_of("grpo")
+    if where == "dir":
+        (tmp_path / "config.json").write_text(json.dumps(cfg))
+        doc["models"]["ref"] = {"path": str(tmp_path)}
+    else:
+        doc["models"]["ref"] = {"path": "org/some-model", "config": cfg}
+    plan = plan_of(graph_of(doc))
+    weights = {i.owner: i.bytes for i in plan.memory[0].items if i.what == "weights"}
+    # 459,392 + 2 * (1000 - 512) * 128 more embedding and head parameters, fp32.
+    assert weights["ref"] == (459_392 + 2 * 488 * 128) * 4
+
+
+def test_no_config_is_a_warning_and_a_lower_bound() -> None:
+    doc = doc_of("grpo")
+    doc["models"]["ref"] = {"path": "Qwen/Qwen2.5-7B"}
+    result = compile_graph(graph_of(doc))
+    (warn,) = [d for d in result.diagnostics if d.code == "FG402"]
+    assert warn.severity == "warning"
+    assert warn.message.startswith("cannot estimate memory for model `ref`: ")
+    assert result.plan is not None and result.plan.memory[0].missing == ("ref",)
+
+
+# --- the pipeline ----------------------------------------------------------------------------
+
+
+def test_describe_numbers_the_passes_and_marks_disabled_ones() -> None:
+    text = PassPipeline.default(disabled=("hoist",)).describe()
+    lines = text.splitlines()
+    assert [line.split()[:2] for line in lines] == [
+        ["1.", "validate"], ["2.", "infer_dims"], ["3.", "dce"], ["4.", "hoist"],
+        ["5.", "placement"], ["6.", "schedule"], ["7.", "memory"]]
+    assert [line.endswith("[disabled]") for line in lines] == [
+        False, False, False, True, False, False, False]
+
+
+@pytest.mark.parametrize(("disabled", "message"), [
+    (("hoisting",), "unknown pass `hoisting`; the passes are: validate, infer_dims, dce, hoist, "
+                    "placement, schedule, memory"),
+    (("validate",), "pass `validate` cannot be disabled: the plan is built from its result"),
+    (("schedule",), "pass `schedule` cannot be disabled: the plan is built from its result"),
+    (("infer_dims",), "pass `infer_dims` cannot be disabled while `memory` runs: `memory` reads "
+                      "its result (disable `memory` too)"),
+])
+def test_disabling_a_pass_wrongly_is_a_usage_error(disabled: tuple[str, ...], message: str
+                                                   ) -> None:
+    with pytest.raises(UsageError) as exc:
+        PassPipeline.default(disabled=disabled)
+    assert str(exc.value) == message
+
+
+def test_disabling_hoist_changes_the_plan() -> None:
+    plan = plan_of("dpo.yaml", pipeline=PassPipeline.default(disabled=("hoist",)))
+    assert not any(n.hoisted for n in plan.nodes)
+    assert [s.name for s in plan.stages] == ["step.0", "step.1", "step.2"]
+    assert plan.stages[1].nodes == ("ref_chosen", "ref_rejected")
+
+
+def test_disabling_memory_and_infer_dims_gives_a_plan_without_them() -> None:
+    plan = plan_of("ppo.yaml", pipeline=PassPipeline.default(disabled=("memory", "infer_dims")))
+    assert plan.memory == () and plan.dims == ()
+    assert {i.shape for n in plan.nodes for i in n.inputs} == {""}
+
+
+def test_dump_after_writes_the_graph_as_yaml() -> None:
+    out = io.StringIO()
+    compile_graph(ppo_with_dead_nodes(), dump_after=("dce",), dump=out)
+    text = out.getvalue()
+    assert text.startswith("# --- after pass `dce` ---\n")
+    dumped = yaml.safe_load(text)
+    assert "dead_rm" not in dumped["nodes"] and "update_critic" in dumped["nodes"]
+    assert "# dropped: dead_rm, dead_tok\n" in text
+
+
+def test_dump_after_placement_shows_the_pools() -> None:
+    out = io.StringIO()
+    compile_graph(GRAPHS / "ppo.yaml", target="ray", nproc=2, dump_after=("placement",), dump=out)
+    assert "# pool critic: 2 x cpu, models critic (full_shard)\n" in out.getvalue()
+    assert "# node values -> critic (data-parallel)\n" in out.getvalue()
+
+
+@dataclass(frozen=True, slots=True)
+class Broken:
+    """Fails."""
+
+    name: ClassVar[str] = "broken"
+    requires: ClassVar[tuple[str, ...]] = ()
+
+    def apply(self, program: Program) -> Program:
+        raise KeyError("boom")
+
+
+def test_a_failing_pass_is_named_with_the_passes_before_it() -> None:
+    passes = (*(cls() for cls in list(PASSES.values())[:3]), Broken())
+    with pytest.raises(FlowgraphError) as exc:
+        compile_graph(GRAPHS / "ppo.yaml", pipeline=PassPipeline(passes))
+    assert str(exc.value) == ("pass `broken` failed: KeyError: 'boom' (passes run before it: "
+                              "validate, infer_dims, dce)")
+
+
+def test_graph_errors_stop_the_pipeline_after_validate() -> None:
+    result: CompileResult = compile_graph(GRAPHS / "dpo.yaml", nproc=2)
+    assert result.plan is None and [d.code for d in result.diagnostics] == ["FG301"]
+    assert result.program is not None and result.program.placement is None
+
+
+@pytest.mark.parametrize(("kw", "message"), [
+    ({"target": "slurm"}, "unknown target `slurm`; the targets are: local, fsdp, ray"),
+    ({"nproc": 0}, "nproc must be >= 1, got 0"),
+    ({"dump_after": ("nope",)}, "--dump-after `nope`: no such pass; the passes are: validate, "
+                                "infer_dims, dce, hoist, placement, schedule, memory"),
+])
+def test_wrong_calls_are_usage_errors(kw: dict[str, Any], message: str) -> None:
+    with pytest.raises(UsageError) as exc:
+        compile_graph(GRAPHS / "ppo.yaml", **kw)
+    assert str(exc.value) == message

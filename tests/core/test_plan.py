@@ -1,0 +1,205 @@
+"""ExecutionPlan: JSON round trip, self-validation, the summary."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowgraph.frontend import load_graph
+from flowgraph.passes import compile_graph
+from flowgraph.plan import (
+    Bundle,
+    EdgePlan,
+    ExecutionPlan,
+    MemoryItem,
+    PlanError,
+    PoolMemory,
+    PoolPlan,
+)
+
+GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
+GOOD_GRAPHS = sorted(p for p in GRAPHS.rglob("*.yaml") if "broken" not in p.parts)
+
+
+def plan_of(file: Path, **kw: Any) -> ExecutionPlan:
+    result = compile_graph(file, **kw)
+    assert result.plan is not None, [d.one_line() for d in result.diagnostics]
+    return result.plan
+
+
+def test_every_example_graph_is_covered() -> None:
+    assert {p.stem for p in GOOD_GRAPHS} >= {"ppo", "grpo", "dpo", "rloo", "reinforce_pp",
+                                              "remax"}
+
+
+@pytest.mark.parametrize("target", ["local", "fsdp", "ray"])
+@pytest.mark.parametrize("file", GOOD_GRAPHS, ids=lambda p: p.stem)
+def test_json_round_trip(file: Path, target: str) -> None:
+    plan = plan_of(file, target=target)
+    text = plan.to_json()
+    again = ExecutionPlan.from_json(text)
+    assert again == plan
+    assert again.to_json() == text
+    assert again.graph.source == again.source == str(file)
+
+
+def test_json_round_trip_on_gpus_with_two_workers() -> None:
+    plan = plan_of(GRAPHS / "grpo.yaml", target="ray", nproc=2, device="cuda")
+    assert ExecutionPlan.from_json(plan.to_json()) == plan
+
+
+def test_the_plan_graph_rebuilds_the_compiled_ir() -> None:
+    """Executors rebuild the graph from the plan: hoisting marks survive JSON."""
+    plan = ExecutionPlan.from_json(plan_of(GRAPHS / "dpo.yaml").to_json())
+    original, _ = load_graph(GRAPHS / "dpo.yaml")
+    assert original is not None
+    assert [n.name for n in plan.graph.nodes] == [n.name for n in original.nodes]
+    assert [n.hoisted for n in plan.graph.nodes] == [True, True, False]
+    assert plan.graph.models == original.models and plan.graph.trainer == original.trainer
+
+
+def test_json_layout() -> None:
+    data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
+    assert list(data) == ["graph", "target", "nproc", "device", "dims", "nodes", "pools",
+                          "stages", "edges", "memory", "dropped", "source", "version"]
+    assert data["version"] == 1
+    assert data["graph"]["nodes"]["ref_chosen"]["hoisted"] is True
+    assert data["pools"] == [{
+        "name": "main", "size": 1, "device": "cpu",
+        "models": [{"name": "policy", "trainable": True, "sharding": "none"},
+                   {"name": "ref", "trainable": False, "sharding": "none"}],
+        "bundles": [{"cpu": 1, "gpu": 0}]}]
+    assert data["nodes"][1]["inputs"][2] == {"port": "responses", "src": "pairs.chosen",
+                                             "shape": "(Bp, T) = (8, 8)"}
+    assert data["dims"] == [{"name": "Bp", "value": 8}, {"name": "P", "value": 16},
+                            {"name": "T", "value": 8}]
+
+
+Edit = Callable[[dict[str, Any]], None]
+
+
+def _set(path: str, value: object) -> Edit:
+    def edit(data: dict[str, Any]) -> None:
+        *head, last = path.split("/")
+        target: Any = data
+        for key in head:
+            target = target[int(key)] if key.isdigit() else target[key]
+        target[last if not last.isdigit() else int(last)] = value
+    return edit
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (_set("version", 2), "invalid execution plan: format version 2, this flowgraph reads 1"),
+    (_set("target", "slurm"),
+     "invalid execution plan: target `slurm` is not one of ('local', 'fsdp', 'ray')"),
+    (_set("nproc", True), "`plan.nproc` must be int, got bool True"),
+    (_set("nodes/0/pool", "gpus"), "invalid execution plan: node `pairs` runs on unknown pool "
+                                   "`gpus`"),
+    (_set("nodes/0/stage", "step.9"), "invalid execution plan: node `pairs` says stage `step.9`, "
+                                      "the stages say `step.0`"),
+    (_set("edges/0/dispatch", "teleport"), "invalid edge `pairs.prompts -> ref_chosen.prompts`: "
+     "dispatch must be one of ('local', 'split', 'gather', 'broadcast', 'reshard')"),
+    (_set("pools/0/size", 0), "invalid pool `main`: size must be >= 1, got 0; 1 bundles for 0 "
+                              "workers"),
+    # 459,392 * 16 + 459,392 * 4 resident + the update's 7,053,312 + 262,144 = 16,503,296.
+    (_set("memory/0/total_bytes", 1), "invalid memory of pool `main`: total 1 != 16503296"),
+    (_set("stages/0/colour", "red"), "`plan.stages[0]` has unknown field(s) ['colour']"),
+    (_set("graph/nodes/update/kind", "dpo_updat"), "invalid execution plan: node `update` is "
+     "kind `dpo_update` in the plan, `dpo_updat` in its graph"),
+    (_set("graph/nodes/update/inputs", 5), "`plan.graph` is not a valid graph: "),
+    (_set("graph/dims/Bp", 0), "`plan.graph` is not a valid graph: "),
+])
+def test_from_json_rejects_a_broken_plan(edit: Edit, message: str) -> None:
+    data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
+    edit(data)
+    with pytest.raises(PlanError) as exc:
+        ExecutionPlan.from_json(json.dumps(data))
+    assert str(exc.value).startswith(message)
+
+
+def test_an_invalid_plan_graph_names_the_problem() -> None:
+    data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
+    data["graph"]["nodes"]["update"]["inputs"] = 5
+    with pytest.raises(PlanError) as exc:
+        ExecutionPlan.from_json(json.dumps(data))
+    assert "error[FG004]: `nodes.update.inputs` must be a mapping, got an integer 5" in str(
+        exc.value)
+
+
+def test_from_json_rejects_text_that_is_not_json() -> None:
+    with pytest.raises(PlanError, match="the plan is not valid JSON"):
+        ExecutionPlan.from_json("{nope")
+
+
+def test_from_json_rejects_a_missing_field() -> None:
+    data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
+    del data["stages"]
+    with pytest.raises(PlanError, match="missing 1 required positional argument: 'stages'"):
+        ExecutionPlan.from_json(json.dumps(data))
+
+
+@pytest.mark.parametrize(("build", "message"), [
+    (lambda: PoolPlan("p", 2, "cpu", (), (Bundle(),)), "invalid pool `p`: 1 bundles for 2 workers"),
+    (lambda: PoolPlan("p", 1, "tpu", (), (Bundle(),)),
+     "invalid pool `p`: device `tpu` is not one of ('cpu', 'cuda')"),
+    (lambda: EdgePlan("a.x", "b.y", "scatter"), "invalid edge `a.x -> b.y`: dispatch must be"),
+    (lambda: MemoryItem("weights", "m", -1, False), "invalid memory item of `m`: bytes must be"),
+    (lambda: PoolMemory("p", (MemoryItem("weights", "m", 3, False),), 3, "m"),
+     "invalid memory of pool `p`: peak node m != None"),
+    (lambda: Bundle(cpu=-1), "invalid bundle: cpu and gpu must be >= 0"),
+])
+def test_records_check_themselves(build: Callable[[], object], message: str) -> None:
+    with pytest.raises(PlanError) as exc:
+        build()
+    assert str(exc.value).startswith(message)
+
+
+def test_pool_memory_counts_only_the_largest_nodes_transient_memory() -> None:
+    items = (MemoryItem("weights", "actor", 100, False),
+             MemoryItem("activations", "update", 30, True), MemoryItem("logits", "update", 5, True),
+             MemoryItem("kv_cache", "gen", 20, True))
+    mem = PoolMemory.of("p", items)
+    assert (mem.total_bytes, mem.peak_node) == (135, "update")
+
+
+def test_summary() -> None:
+    # Memory, fp32: policy 459,392 params * (4 + 4 + 8) bytes, ref 459,392 * 4; the update
+    # runs 8 pairs = 16 sequences of P+T = 24 tokens: 2 layers of 24*16*(34*128 + 5*2*24)*2
+    # = 7,053,312 bytes of activations and 16*8*512*4 = 262,144 of logits.
+    assert plan_of(GRAPHS / "dpo.yaml").summary() == f"""\
+plan for `dpo` ({GRAPHS / "dpo.yaml"}): target local, nproc 1, device cpu
+dims: Bp=8 P=16 T=8
+
+pools:
+  main  1 worker(s) on cpu, each {{CPU: 1}}
+          model policy (trainable, unsharded)
+          model ref (frozen, unsharded)
+          nodes: pairs, ref_chosen, ref_rejected, update
+
+stages:
+  prologue   ref_chosen, ref_rejected  (once, before the loop)
+  step.0     pairs
+  step.1     update
+
+edges: 16 local
+
+memory per device (estimate):
+  main: 0.0154 GiB, peak in node update
+    weights      policy           0.00171 GiB
+    grads        policy           0.00171 GiB
+    optimizer    policy           0.00342 GiB
+    weights      ref              0.00171 GiB
+    activations  update           0.00657 GiB
+    logits       update           0.000244 GiB"""
+
+
+def test_summary_on_ray_names_pools_workers_and_dispatch() -> None:
+    text = plan_of(GRAPHS / "grpo.yaml", target="ray", nproc=2, device="cuda").summary()
+    assert "  driver             1 process (the single controller)\n" in text
+    assert "  actor_rollout_ref  2 worker(s) on cuda, each {CPU: 1, GPU: 1}\n" in text
+    assert "model ref (frozen, FSDP-sharded 2 ways)" in text
+    assert "edges: 15 local, 4 split (1 group-aligned), 5 gather" in text
