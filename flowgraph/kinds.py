@@ -220,7 +220,7 @@ _KINDS = (
             _f("target_kl", None, "adaptive controller target (Ziegler et al. 2019)"),
             _i("horizon", 10000),
         ),
-        impl="flowgraph.nodes.losses:kl_penalty_node",
+        impl="flowgraph.nodes.kl:kl_penalty",
     ),
     # --- advantage estimators -------------------------------------------------------
     KindSpec(

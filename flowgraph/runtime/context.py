@@ -1,0 +1,48 @@
+"""The calling convention between an executor and a node implementation.
+
+A kind's implementation (`KindSpec.impl`, `module:function`) is called with its wired
+inputs as keyword arguments named after the input ports, its params as keyword
+arguments named after the params, and — only if the function declares them — these
+resources by name:
+
+    ctx        the `NodeContext` below (update nodes, stateful nodes)
+    model      the node's bound model (an nn.Module), `None` when unbound
+    tokenizer  the bound model's tokenizer
+
+It returns either a mapping from output-port name to value, or a tuple in the order
+of the kind's outputs (so pure functions such as `gae` are used as they are). A sink
+(update node) returns an empty mapping and reports through `ctx.metrics`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class NodeContext:
+    """Per-call resources and sinks; the executor makes one per node per step."""
+
+    node: str
+    """The node's name in the graph."""
+    kind: str
+    step: int
+    """0-based training step (the prologue of hoisted nodes runs at step -1)."""
+    seed: int
+    """The run's seed; derive per-sample randomness from (seed, step, sample index)."""
+    device: str = "cpu"
+    model: Any = None
+    tokenizer: Any = None
+    optimizer: Any = None
+    """For update nodes: the torch optimizer of the bound model."""
+    scheduler: Any = None
+    """For update nodes: the LR scheduler, stepped once per optimizer step."""
+    grad_clip: float = 0.0
+    """Max global grad norm from the model's optimizer settings; 0 disables clipping."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Scalar metrics, verl names (`actor/pg_loss`); the executor logs them per step."""
+    state: dict[str, Any] = field(default_factory=dict)
+    """State that lives across steps (a KL controller's coefficient); checkpointed."""
+    dp_rank: int = 0
+    dp_size: int = 1

@@ -1,0 +1,370 @@
+"""Prompt and preference datasets read with pyarrow, batched and exactly resumable.
+
+Layouts:
+* prompts (verl): `prompt` is a string or a chat-message list (rendered with the
+  tokenizer's chat template and the generation prompt), the ground truth sits in
+  `reward_model.ground_truth` (a struct column) or `ground_truth`, and `data_source`
+  is optional.
+* preferences (TRL): `prompt`, `chosen`, `rejected`; each a string or a message list.
+  Responses end with EOS, as sampled responses do.
+
+Files are parquet (`.parquet`, `.pq`) or JSON lines (`.jsonl`, `.json`); `builtin:arith`
+(and `builtin:arith:test`, its held-out fifth) is a generated toy task: single-digit
+sums and differences such as `3+4=`, whose answers are one or two tokens, so even a
+random tiny model samples a correct answer now and then and RL has a signal to
+climb. `builtin:arith-pairs[:test]` pairs each problem's answer with a wrong one.
+
+A batch is drawn without replacement from a per-epoch order (shuffled by seed and
+epoch); an epoch's last incomplete batch is dropped, as verl's sampler does. The
+cursor (`state_dict()`: epoch and position) makes a resumed run see the same batches.
+Prompts are left-padded (and left-truncated: the end of a prompt, where the
+generation prompt sits, is kept); responses are right-padded and right-truncated.
+
+Notation: Bp prompts in a batch, P prompt length, T response length.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.json as pa_json
+import pyarrow.parquet as pq
+import torch
+from torch import Tensor
+
+from flowgraph.builtin_models import BUILTIN_PREFIX
+from flowgraph.errors import FlowgraphError
+
+__all__ = [
+    "PreferenceDataset",
+    "PromptDataset",
+    "Splits",
+    "arith_problems",
+    "preference_source",
+    "prompt_source",
+]
+
+_SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
+
+
+def arith_problems(split: str = "train") -> list[tuple[str, str]]:
+    """(question, answer) pairs of `builtin:arith`: a+b and a−b (a ≥ b) over digits 0-9.
+
+    155 problems; a fixed fifth (31) is held out as `test`.
+    """
+    problems = [(f"{a}+{b}=", str(a + b)) for a in range(10) for b in range(10)]
+    problems += [(f"{a}-{b}=", str(a - b)) for a in range(10) for b in range(a + 1)]
+    random.Random(0).shuffle(problems)
+    n_test = len(problems) // 5
+    return problems[:n_test] if split == "test" else problems[n_test:]
+
+
+def _wrong_answer(question: str, answer: str) -> str:
+    candidates = [str(x) for x in range(19) if str(x) != answer]
+    return random.Random(question).choice(candidates)
+
+
+def _builtin_table(name: str) -> pa.Table:
+    task, _, split = name.partition(":")
+    if task not in ("arith", "arith-pairs") or split not in ("", "train", "test"):
+        raise FlowgraphError(
+            f"unknown built-in dataset `{BUILTIN_PREFIX}{name}`; known: "
+            f"builtin:arith, builtin:arith-pairs (suffix `:test` for held-out)"
+        )
+    problems = arith_problems(split or "train")
+    prompts = [[{"role": "user", "content": q}] for q, _ in problems]
+    if task == "arith-pairs":
+        return pa.table(
+            {
+                "prompt": prompts,
+                "chosen": [a for _, a in problems],
+                "rejected": [_wrong_answer(q, a) for q, a in problems],
+            }
+        )
+    return pa.table(
+        {
+            "prompt": prompts,
+            "data_source": ["arith"] * len(problems),
+            "reward_model": [{"ground_truth": a} for _, a in problems],
+        }
+    )
+
+
+def _read_table(path: str, fmt: str) -> pa.Table:
+    if path.startswith(BUILTIN_PREFIX) and fmt in ("auto", "builtin"):
+        return _builtin_table(path[len(BUILTIN_PREFIX) :])
+    file = Path(path).expanduser()
+    fmt = _SUFFIXES.get(file.suffix, "") if fmt == "auto" else fmt
+    if fmt not in ("parquet", "jsonl"):
+        raise FlowgraphError(
+            f"dataset `{path}`: cannot tell its format from the suffix; "
+            f"set the param format to parquet or jsonl"
+        )
+    if not file.is_file():
+        raise FlowgraphError(f"dataset file `{path}` does not exist")
+    try:
+        return pq.read_table(file) if fmt == "parquet" else pa_json.read_json(file)
+    except (OSError, pa.ArrowException) as exc:
+        raise FlowgraphError(f"cannot read dataset `{path}` as {fmt}: {exc}") from exc
+
+
+def _check_rendering(tokenizer: Any, chat: bool, table: pa.Table, key: str, path: str) -> None:
+    """Fail at start-up, not at the batch that first meets an unrenderable prompt."""
+    if chat and getattr(tokenizer, "chat_template", None) is None:
+        raise FlowgraphError(
+            f"dataset `{path}`: the tokenizer has no chat template; set "
+            f"apply_chat_template: false to tokenize the prompts as raw text"
+        )
+    kind = table.schema.field(key).type
+    if not chat and (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+        raise FlowgraphError(
+            f"dataset `{path}`: column `{key}` holds chat-message lists ({kind}); "
+            f"set apply_chat_template: true to render them"
+        )
+
+
+def _render_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], chat: bool) -> list[int]:
+    """Token ids of a prompt: the chat template with the generation prompt, or raw text."""
+    if not chat:
+        return list(tokenizer(prompt).input_ids)
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _render_response(tokenizer: Any, response: str | list[dict[str, str]]) -> list[int]:
+    text = response if isinstance(response, str) else "".join(m["content"] for m in response)
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    return [*tokenizer(text, add_special_tokens=False).input_ids, *eos]
+
+
+def _pad(
+    seqs: Sequence[list[int]], length: int | None, pad_id: int, left: bool
+) -> tuple[Tensor, Tensor]:
+    """(ids, mask), each (len(seqs), L) int64; L = `length` or the longest sequence."""
+    L = length or max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), L), pad_id, dtype=torch.int64)
+    mask = torch.zeros((len(seqs), L), dtype=torch.int64)
+    for i, s in enumerate(seqs):
+        s = s[-L:] if left else s[:L]
+        cols = slice(L - len(s), L) if left else slice(0, len(s))
+        ids[i, cols] = torch.tensor(s, dtype=torch.int64)
+        mask[i, cols] = 1
+    return ids, mask
+
+
+def _pad_id(tokenizer: Any) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pad or 0)
+
+
+class _TableDataset:
+    """A pyarrow table read once, and the cursor over its rows."""
+
+    def __init__(
+        self, path: str, fmt: str, required: Sequence[str], shuffle: bool, seed: int
+    ) -> None:
+        self.path = path
+        self.table = _read_table(path, fmt)
+        missing = [c for c in required if c not in self.table.column_names]
+        if missing:
+            raise FlowgraphError(
+                f"dataset `{path}` has no column {', '.join(f'`{c}`' for c in missing)}; "
+                f"its columns: {', '.join(self.table.column_names)}"
+            )
+        self.shuffle, self.seed = shuffle, seed
+        self.epoch, self.position = 0, 0
+        self._order: tuple[int, list[int]] | None = None
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+    def _epoch_order(self) -> list[int]:
+        if self._order is None or self._order[0] != self.epoch:
+            order = list(range(len(self)))
+            if self.shuffle:
+                random.Random(f"{self.seed}:{self.epoch}").shuffle(order)
+            self._order = (self.epoch, order)
+        return self._order[1]
+
+    def _next_rows(self, batch_size: int) -> tuple[list[int], list[dict[str, Any]]]:
+        if not 1 <= batch_size <= len(self):
+            raise FlowgraphError(
+                f"dataset `{self.path}` has {len(self)} rows; cannot draw batches of {batch_size}"
+            )
+        if self.position + batch_size > len(self):
+            self.epoch, self.position = self.epoch + 1, 0
+        ids = self._epoch_order()[self.position : self.position + batch_size]
+        self.position += batch_size
+        return ids, self.table.take(ids).to_pylist()
+
+
+class PromptDataset(_TableDataset):
+    """Prompts for rollouts; `next_batch(Bp)` gives the outputs of the `prompts` kind."""
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: Any,
+        prompt_key: str = "prompt",
+        max_prompt_length: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        apply_chat_template: bool = True,
+        format: str = "auto",
+    ) -> None:
+        super().__init__(path, format, [prompt_key], shuffle, seed)
+        _check_rendering(tokenizer, apply_chat_template, self.table, prompt_key, path)
+        self.tokenizer, self.prompt_key = tokenizer, prompt_key
+        self.max_prompt_length, self.chat = max_prompt_length, apply_chat_template
+        self._ground_truth = _ground_truth_getter(self.table)
+
+    def next_batch(self, batch_size: int) -> dict[str, Any]:
+        """input_ids, attention_mask (Bp, P) int64; uid (Bp,) int64; ground_truth and
+        data_source list[str] (Bp) when the dataset has them."""
+        ids, rows = self._next_rows(batch_size)
+        prompts = [_render_prompt(self.tokenizer, r[self.prompt_key], self.chat) for r in rows]
+        input_ids, attention_mask = _pad(
+            prompts, self.max_prompt_length, _pad_id(self.tokenizer), left=True
+        )
+        batch: dict[str, Any] = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "uid": torch.tensor(ids, dtype=torch.int64),
+        }
+        if self._ground_truth is not None:
+            batch["ground_truth"] = [str(self._ground_truth(r)) for r in rows]
+        if "data_source" in self.table.column_names:
+            batch["data_source"] = [str(r["data_source"]) for r in rows]
+        return batch
+
+
+def _ground_truth_getter(table: pa.Table) -> Callable[[dict[str, Any]], Any] | None:
+    """How to read a row's ground truth: verl's nested field first, then a flat column."""
+    names = table.column_names
+    if "reward_model" in names:
+        kind = table.schema.field("reward_model").type
+        if pa.types.is_struct(kind) and kind.get_field_index("ground_truth") >= 0:
+            return lambda row: row["reward_model"]["ground_truth"]
+    if "ground_truth" in names:
+        return lambda row: row["ground_truth"]
+    return None
+
+
+class PreferenceDataset(_TableDataset):
+    """Preference pairs; `next_batch(Bp)` gives the outputs of the `preferences` kind."""
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: Any,
+        max_prompt_length: int | None = None,
+        max_response_length: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        apply_chat_template: bool = True,
+        format: str = "auto",
+    ) -> None:
+        super().__init__(path, format, ["prompt", "chosen", "rejected"], shuffle, seed)
+        _check_rendering(tokenizer, apply_chat_template, self.table, "prompt", path)
+        self.tokenizer, self.chat = tokenizer, apply_chat_template
+        self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
+
+    def next_batch(self, batch_size: int) -> dict[str, Tensor]:
+        """prompts, prompt_mask (Bp, P); chosen, chosen_mask, rejected, rejected_mask
+        (Bp, T), one T for both; uid (Bp,); all int64."""
+        ids, rows = self._next_rows(batch_size)
+        pad = _pad_id(self.tokenizer)
+        prompts = [_render_prompt(self.tokenizer, r["prompt"], self.chat) for r in rows]
+        chosen = [_render_response(self.tokenizer, r["chosen"]) for r in rows]
+        rejected = [_render_response(self.tokenizer, r["rejected"]) for r in rows]
+        T = self.max_response_length or max(len(s) for s in chosen + rejected)
+        prompt_ids, prompt_mask = _pad(prompts, self.max_prompt_length, pad, left=True)
+        chosen_ids, chosen_mask = _pad(chosen, T, pad, left=False)
+        rejected_ids, rejected_mask = _pad(rejected, T, pad, left=False)
+        return {
+            "prompts": prompt_ids,
+            "prompt_mask": prompt_mask,
+            "chosen": chosen_ids,
+            "chosen_mask": chosen_mask,
+            "rejected": rejected_ids,
+            "rejected_mask": rejected_mask,
+            "uid": torch.tensor(ids, dtype=torch.int64),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Splits:
+    """The datasets of one data source."""
+
+    train: Any
+    """A PromptDataset or PreferenceDataset, shuffled."""
+    eval: Any | None
+    """Held-out rows in file order: `eval_path`, or a built-in's `:test` split."""
+
+
+def _eval_path(path: str, eval_path: str | None) -> str | None:
+    if eval_path is None and path.startswith(BUILTIN_PREFIX) and path.count(":") == 1:
+        return f"{path}:test"
+    return eval_path
+
+
+def prompt_source(
+    path: str,
+    *,
+    tokenizer: Any,
+    format: str = "auto",
+    prompt_key: str = "prompt",
+    max_prompt_length: int | None = None,
+    shuffle: bool = True,
+    eval_path: str | None = None,
+    apply_chat_template: bool = True,
+    seed: int = 0,
+) -> Splits:
+    """The `prompts` kind: train (and eval) PromptDatasets from its params."""
+    kw = {
+        "prompt_key": prompt_key,
+        "max_prompt_length": max_prompt_length,
+        "apply_chat_template": apply_chat_template,
+        "format": format,
+    }
+    held_out = _eval_path(path, eval_path)
+    return Splits(
+        PromptDataset(path, tokenizer, shuffle=shuffle, seed=seed, **kw),
+        None if held_out is None else PromptDataset(held_out, tokenizer, shuffle=False, **kw),
+    )
+
+
+def preference_source(
+    path: str,
+    *,
+    tokenizer: Any,
+    format: str = "auto",
+    max_prompt_length: int | None = None,
+    max_response_length: int | None = None,
+    shuffle: bool = True,
+    eval_path: str | None = None,
+    seed: int = 0,
+) -> Splits:
+    """The `preferences` kind: train (and eval) PreferenceDatasets from its params."""
+    kw = {
+        "max_prompt_length": max_prompt_length,
+        "max_response_length": max_response_length,
+        "format": format,
+    }
+    held_out = _eval_path(path, eval_path)
+    return Splits(
+        PreferenceDataset(path, tokenizer, shuffle=shuffle, seed=seed, **kw),
+        None if held_out is None else PreferenceDataset(held_out, tokenizer, shuffle=False, **kw),
+    )

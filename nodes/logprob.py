@@ -1,0 +1,230 @@
+"""Per-token log-probabilities (and entropy) of responses, computed in chunks.
+
+The backbone runs once over `[prompt | response]` (prompts left-padded, responses
+right-padded, position ids counted over the attention mask). The hidden state at
+position P-1+t predicts response token t. Only the valid response tokens go through
+the LM head, `chunk_size` tokens at a time:
+
+    log π(y_t | ·) = z_{y_t}/τ − logsumexp(z/τ),    H_t = logsumexp(z/τ) − Σ_v p_v z_v/τ
+
+so the extra peak memory is O(chunk_size·V) instead of O(B·T·V). With gradients each
+chunk is wrapped in `torch.utils.checkpoint`, so backward also materialises one
+chunk of logits at a time (it recomputes that chunk's matmul), and the softmax part
+has a hand-written backward (`_TokenStats`) that needs one (chunk, V) buffer. The LM
+head is called as a module, so a tied head (or one with its own FSDP hooks) works
+unchanged. This is the fused "linear + cross-entropy" of Liger-Kernel and Apple's
+Cut-Cross-Entropy (Wijmans et al. 2024), in plain torch.
+
+Notation: B sequences, P prompt length, T response length, H hidden size, V vocab,
+n valid response tokens in the batch (n ≤ B·T), τ temperature.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["forward_hidden", "head_logprob", "logprob", "sequence_logprob"]
+
+
+def _check_sequences(
+    prompts: Tensor, prompt_mask: Tensor, responses: Tensor, response_mask: Tensor
+) -> None:
+    shapes = {
+        "prompts": prompts.shape,
+        "prompt_mask": prompt_mask.shape,
+        "responses": responses.shape,
+        "response_mask": response_mask.shape,
+    }
+    ok = (
+        prompts.shape == prompt_mask.shape
+        and responses.shape == response_mask.shape
+        and prompts.dim() == 2
+        and responses.dim() == 2
+        and len(prompts) == len(responses)
+    )
+    if not ok:
+        listed = ", ".join(f"{k}={tuple(v)}" for k, v in shapes.items())
+        raise ValueError(
+            f"expected prompts/prompt_mask (B, P) and responses/response_mask "
+            f"(B, T) with one B; got {listed}"
+        )
+
+
+def forward_hidden(
+    model: nn.Module,
+    prompts: Tensor,
+    prompt_mask: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    *,
+    on_tokens: bool = False,
+) -> Tensor:
+    """Last hidden states (B, T, H) of the positions that predict the response tokens.
+
+    `model` is a Hugging Face model (its `base_model` runs) or a bare backbone. With
+    `on_tokens` the states sit on the response tokens instead (positions P .. P+T-1),
+    which is where a sequence classifier reads its score.
+    """
+    _check_sequences(prompts, prompt_mask, responses, response_mask)
+    backbone = getattr(model, "base_model", model)
+    input_ids = torch.cat([prompts, responses], dim=1)
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    # Left padding: count positions over real tokens only (HF generate does the same).
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
+    out = backbone(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=False,
+    )
+    P, T = prompts.shape[1], responses.shape[1]
+    start = P if on_tokens else P - 1
+    return out.last_hidden_state[:, start : start + T]
+
+
+class _TokenStats(torch.autograd.Function):
+    """log π(y) [and entropy] from one chunk of logits z (c, V), y (c,): (c,) [, (c,)].
+
+    The backward is written out so that it allocates one (c, V) buffer (two with
+    entropy), where autograd's logsumexp + gather would keep several. With s = τ⁻¹z,
+    ℓ = s − logsumexp(s) (log-probs) and p = exp ℓ:
+        ∂log π(y)/∂s = onehot(y) − p,        ∂H/∂s = −p ⊙ (ℓ + H).
+    """
+
+    @staticmethod
+    def forward(
+        ctx: Any, z: Tensor, y: Tensor, inv_tau: float, with_entropy: bool
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        s = z if inv_tau == 1.0 else z * inv_tau
+        lse = torch.logsumexp(s, dim=-1)
+        log_p = s.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse
+        ctx.inv_tau, ctx.with_entropy = inv_tau, with_entropy
+        if not with_entropy:
+            ctx.save_for_backward(z, y, lse)
+            return log_p
+        log_p_all = s - lse.unsqueeze(-1)
+        entropy = -log_p_all.exp().mul_(log_p_all).sum(-1)
+        ctx.save_for_backward(z, y, lse, entropy)
+        return log_p, entropy.clamp_min(0.0)  # rounding can leave -1e-7
+
+    @staticmethod
+    def backward(
+        ctx: Any, g_log_p: Tensor, g_entropy: Tensor | None = None
+    ) -> tuple[Tensor, None, None, None]:
+        z, y, lse, *entropy = ctx.saved_tensors
+        log_p_all = z.mul(ctx.inv_tau).sub_(lse.unsqueeze(-1))  # ℓ, the one (c, V) buffer
+        if ctx.with_entropy:
+            p = log_p_all.exp()
+            # −p ⊙ (g_logp + g_H (ℓ + H)), computed in ℓ's buffer
+            grad = log_p_all.add_(entropy[0].unsqueeze(-1)).mul_(g_entropy.unsqueeze(-1))
+            grad = grad.add_(g_log_p.unsqueeze(-1)).mul_(p).neg_()
+        else:
+            grad = log_p_all.exp_().mul_(-g_log_p.unsqueeze(-1))
+        grad.scatter_add_(-1, y.unsqueeze(-1), g_log_p.unsqueeze(-1))
+        return grad.mul_(ctx.inv_tau), None, None, None
+
+
+def _chunk_stats(
+    lm_head: nn.Module, h: Tensor, y: Tensor, inv_tau: float, with_entropy: bool
+) -> tuple[Tensor, ...]:
+    """The head on one chunk of c tokens, h (c, H), in float32 whatever the model dtype."""
+    out = _TokenStats.apply(lm_head(h).float(), y, inv_tau, with_entropy)
+    return out if with_entropy else (out,)
+
+
+def head_logprob(
+    lm_head: nn.Module,
+    hidden: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> dict[str, Tensor]:
+    """The chunked LM-head part: hidden (B, T, H) -> log_prob (B, T) [, entropy (B, T)].
+
+    Float32 outputs, 0 on masked positions. `temperature` divides the logits as the
+    sampler did; 0 (greedy sampling) scores the untempered distribution, as there is
+    no τ→0 distribution to score.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    inv_tau = 1.0 / temperature if temperature > 0 else 1.0
+    mask = response_mask.bool()
+    h, y = hidden[mask], responses[mask]  # (n, H), (n,): padding never reaches the head
+    grad = torch.is_grad_enabled() and (
+        h.requires_grad or any(p.requires_grad for p in lm_head.parameters())
+    )
+    parts = []
+    for i in range(0, len(y), chunk_size):
+        args = (lm_head, h[i : i + chunk_size], y[i : i + chunk_size], inv_tau, with_entropy)
+        parts.append(
+            checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args)
+        )
+    zeros = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)
+    names = ("log_prob", "entropy")[: 1 + with_entropy]
+    if not parts:  # no valid response token
+        return {name: zeros.clone() for name in names}
+    return {
+        name: zeros.masked_scatter(mask, torch.cat(col))
+        for name, col in zip(names, zip(*parts, strict=True), strict=True)
+    }
+
+
+def logprob(
+    model: nn.Module,
+    prompts: Tensor,
+    prompt_mask: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    chunk_size: int = 1024,
+    temperature: float = 1.0,
+    micro_batch_size: int | None = None,
+    with_entropy: bool = False,
+) -> dict[str, Tensor]:
+    """log_prob (B, T) of each response token (0 where masked); entropy (B, T) if asked."""
+    step = micro_batch_size or len(prompts)
+    parts = []
+    for i in range(0, len(prompts), step):
+        rows = slice(i, i + step)
+        hidden = forward_hidden(
+            model, prompts[rows], prompt_mask[rows], responses[rows], response_mask[rows]
+        )
+        parts.append(
+            head_logprob(
+                model.get_output_embeddings(),
+                hidden,
+                responses[rows],
+                response_mask[rows],
+                chunk_size,
+                temperature,
+                with_entropy,
+            )
+        )
+    return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+
+
+def sequence_logprob(
+    model: nn.Module,
+    prompts: Tensor,
+    prompt_mask: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    chunk_size: int = 1024,
+    micro_batch_size: int | None = None,
+) -> dict[str, Tensor]:
+    """Σ_t log π(y_t | ·) over the valid response tokens: log_prob (B,) (DPO's log π(y|x))."""
+    tokens = logprob(
+        model,
+        prompts,
+        prompt_mask,
+        responses,
+        response_mask,
+        chunk_size=chunk_size,
+        micro_batch_size=micro_batch_size,
+    )
+    return {"log_prob": tokens["log_prob"].sum(-1)}

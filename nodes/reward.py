@@ -1,0 +1,181 @@
+"""Outcome rewards: rule-based scores, a learned reward model, and their token placement.
+
+* `rule_reward` decodes each response and scores it: `exact_match` (GSM8K style, as
+  verl's `gsm8k.compute_score`: the number after `####`, else the last number in
+  the text), `format` (is the `#### <number>` marker there) or `length_penalty`
+  (−c·|len − target|, in tokens).
+* `reward_model` reads a scalar from a sequence classifier at the last valid token
+  (the reward model of Ouyang et al. 2022).
+* `token_reward` puts a sequence score on the last valid response token, the sparse
+  reward that PPO's per-token advantage (GAE) consumes.
+
+Your own reward is a plain function whose jaxtyping annotations are its contract.
+List its module under `plugins:` in the graph, and `flowgraph check` reads the
+contract without running anything:
+
+    from jaxtyping import Float, Int
+    from torch import Tensor
+    from flowgraph.registry import node_kind
+
+    @node_kind("brevity", outputs=["scores"], category="reward")
+    def brevity(responses: Int[Tensor, "b T"], response_mask: Int[Tensor, "b T"],
+                scale: float = 0.1) -> Float[Tensor, "b"]:
+        return -scale * response_mask.sum(-1).float()
+
+Notation: B sequences, P prompt length, T response length.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+from flowgraph.nodes.logprob import forward_hidden
+from torch import Tensor, nn
+
+__all__ = ["extract_answer", "reward_model", "rule_reward", "token_reward"]
+
+_MARKED = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _normalise(answer: str) -> str:
+    """`1,234.` -> `1234`: drop thousands commas, spaces, `$` and a final full stop."""
+    return re.sub(r"[\s,$]", "", answer).rstrip(".")
+
+
+def extract_answer(text: str) -> str | None:
+    """The final answer of a response: after `####`, else the last number; None if none."""
+    marked = _MARKED.search(text)
+    if marked is not None:
+        return _normalise(marked.group(1))
+    numbers = _NUMBER.findall(text)
+    return _normalise(numbers[-1]) if numbers else None
+
+
+def _texts(tokenizer: object, responses: Tensor, response_mask: Tensor, fn: str) -> list[str]:
+    if tokenizer is None:
+        raise ValueError(
+            f"reward fn `{fn}` decodes the responses: bind a model (its "
+            f"tokenizer) to the reward node, or pass tokenizer="
+        )
+    mask = response_mask.bool()
+    return [
+        tokenizer.decode(r[m].tolist(), skip_special_tokens=True)  # type: ignore[attr-defined]
+        for r, m in zip(responses, mask, strict=True)
+    ]
+
+
+def rule_reward(
+    responses: Tensor,
+    response_mask: Tensor,
+    ground_truth: Sequence[str] | None = None,
+    *,
+    tokenizer: object = None,
+    fn: str = "exact_match",
+    correct_score: float = 1.0,
+    format_score: float = 0.0,
+    target_length: int | None = None,
+    length_coef: float = 0.01,
+) -> dict[str, Tensor]:
+    """scores (B,) float32 of one rule.
+
+    exact_match: correct_score if the answer equals ground_truth, format_score if an
+    answer was found but is wrong, 0 if none. format: correct_score if the `####`
+    marker with a number is present, else 0. length_penalty: −length_coef·|len − target|.
+    """
+    if fn == "length_penalty":
+        if target_length is None:
+            raise ValueError("reward fn `length_penalty` needs the param target_length")
+        length = response_mask.sum(-1).float()
+        return {"scores": -length_coef * (length - target_length).abs()}
+    texts = _texts(tokenizer, responses, response_mask, fn)
+    if fn == "format":
+        scores = [correct_score if _MARKED.search(t) else 0.0 for t in texts]
+    elif fn == "exact_match":
+        if ground_truth is None or len(ground_truth) != len(texts):
+            got = "none" if ground_truth is None else f"{len(ground_truth)} values"
+            raise ValueError(
+                f"reward fn `exact_match` needs one ground_truth per response "
+                f"({len(texts)}); got {got}. Wire the data's ground_truth."
+            )
+        answers = [extract_answer(t) for t in texts]
+        scores = [
+            0.0 if a is None else correct_score if a == _normalise(str(g)) else format_score
+            for a, g in zip(answers, ground_truth, strict=True)
+        ]
+    else:
+        raise ValueError(f"unknown reward fn `{fn}`; known: exact_match, format, length_penalty")
+    return {"scores": torch.tensor(scores, dtype=torch.float32)}
+
+
+def _score_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(backbone, head) of a `ValueModel` or a Hugging Face *ForSequenceClassification."""
+    if hasattr(model, "value_head"):
+        return model.backbone, model.value_head
+    head = getattr(model, "score", None)
+    if head is None:
+        raise TypeError(
+            f"reward_model needs a ValueModel or an AutoModelForSequenceClassification "
+            f"with a `score` head; got {type(model).__name__}"
+        )
+    return model.base_model, head
+
+
+def reward_model(
+    model: nn.Module,
+    prompts: Tensor,
+    prompt_mask: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    micro_batch_size: int | None = None,
+) -> dict[str, Tensor]:
+    """scores (B,) float32: r(x, y) read at the last valid response token (0 if none)."""
+    backbone, head = _score_head(model)
+    step = micro_batch_size or len(prompts)
+    parts = []
+    for i in range(0, len(prompts), step):
+        rows = slice(i, i + step)
+        hidden = forward_hidden(
+            backbone,
+            prompts[rows],
+            prompt_mask[rows],
+            responses[rows],
+            response_mask[rows],
+            on_tokens=True,
+        )
+        r = head(hidden)  # (b, T, 1)
+        if r.shape[-1] != 1:
+            raise ValueError(
+                f"the reward head returned shape {tuple(r.shape)}; "
+                f"a reward model needs num_labels=1"
+            )
+        last, valid = _last_valid(response_mask[rows])
+        parts.append(r.squeeze(-1).float().gather(-1, last.unsqueeze(-1)).squeeze(-1) * valid)
+    return {"scores": torch.cat(parts)}
+
+
+def _last_valid(response_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """Index of the last valid token of each row (B,) and whether the row has one (B,)."""
+    T = response_mask.shape[-1]
+    position = torch.arange(1, T + 1, device=response_mask.device)
+    last = (response_mask.bool() * position).argmax(-1)
+    return last, response_mask.bool().any(-1)
+
+
+def token_reward(scores: Tensor, response_mask: Tensor) -> dict[str, Tensor]:
+    """token_level_scores (B, T): scores[i] at row i's last valid token, 0 elsewhere.
+
+    A row without a valid token gets nothing (its score has nowhere to go).
+    """
+    if scores.shape != response_mask.shape[:1]:
+        raise ValueError(
+            f"token_reward: scores must be (B,) = ({len(response_mask)},) to match "
+            f"response_mask {tuple(response_mask.shape)}; got {tuple(scores.shape)}"
+        )
+    last, valid = _last_valid(response_mask)
+    out = torch.zeros(response_mask.shape, dtype=scores.dtype, device=scores.device)
+    return {
+        "token_level_scores": out.scatter(-1, last.unsqueeze(-1), (scores * valid).unsqueeze(-1))
+    }

@@ -1,0 +1,220 @@
+"""Prompt and preference datasets: file layouts, padding, shuffling, resume, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from flowgraph.nodes.data import (
+    PreferenceDataset,
+    PromptDataset,
+    arith_problems,
+    preference_source,
+    prompt_source,
+)
+from flowgraph.nodes.models import build_tiny_tokenizer
+
+from flowgraph.errors import FlowgraphError
+
+TOK = build_tiny_tokenizer()
+
+# verl layout: chat-list prompts, ground truth nested in `reward_model`.
+ROWS = [
+    {
+        "prompt": [{"role": "user", "content": f"{a}+{a}="}],
+        "data_source": "toy",
+        "reward_model": {"ground_truth": str(2 * a), "style": "rule"},
+    }
+    for a in range(10)
+]
+
+
+def _write(path: Path, rows: list[dict[str, Any]]) -> Path:
+    if path.suffix == ".parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a
+    )
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_verl_layout_round_trip(tmp_path: Path, suffix: str) -> None:
+    ds = PromptDataset(
+        str(_write(tmp_path / f"d{suffix}", ROWS)), TOK, max_prompt_length=10, shuffle=False
+    )
+    batch = ds.next_batch(3)
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == (3, 10)
+    assert batch["input_ids"].dtype == batch["attention_mask"].dtype == torch.int64
+    assert batch["uid"].tolist() == [0, 1, 2]
+    assert batch["ground_truth"] == ["0", "2", "4"]
+    assert batch["data_source"] == ["toy"] * 3
+    # left padding: <|user|> 1 + 1 = <|assistant|> is 6 tokens, behind 4 pads
+    assert batch["attention_mask"][1].tolist() == [0] * 4 + [1] * 6
+    assert (batch["input_ids"][1, :4] == TOK.pad_token_id).all()
+    assert TOK.decode(batch["input_ids"][1, 4:]) == "<|user|>1+1=<|assistant|>"
+
+
+def test_string_prompts_flat_ground_truth_and_raw_text(tmp_path: Path) -> None:
+    rows = [{"question": f"what is {a} plus 1?", "ground_truth": a + 1} for a in range(4)]
+    path = str(_write(tmp_path / "q.jsonl", rows))
+    chat = PromptDataset(path, TOK, prompt_key="question", shuffle=False).next_batch(2)
+    raw = PromptDataset(
+        path, TOK, prompt_key="question", shuffle=False, apply_chat_template=False
+    ).next_batch(2)
+    assert chat["ground_truth"] == ["1", "2"]  # JSON numbers become strings
+    assert "data_source" not in chat
+    text = TOK.decode(chat["input_ids"][0][chat["attention_mask"][0].bool()])
+    assert text == "<|user|>what is 0 plus 1?<|assistant|>"
+    assert TOK.decode(raw["input_ids"][0]) == "what is 0 plus 1?"
+    assert raw["attention_mask"].all()  # the longest prompt sets P when no max is given
+
+
+def test_long_prompts_keep_their_end(tmp_path: Path) -> None:
+    ds = PromptDataset(
+        str(_write(tmp_path / "d.parquet", ROWS)), TOK, max_prompt_length=4, shuffle=False
+    )
+    ids = ds.next_batch(1)["input_ids"][0]
+    assert TOK.decode(ids) == "+0=<|assistant|>"  # the last 4 of 6 tokens
+
+
+def test_cursor_resume_gives_the_same_batches(tmp_path: Path) -> None:
+    path = str(_write(tmp_path / "d.parquet", ROWS))
+    ds = PromptDataset(path, TOK, seed=3)
+    for _ in range(4):  # 10 rows, batches of 3: into the second epoch
+        ds.next_batch(3)
+    state = ds.state_dict()
+    assert state == {"epoch": 1, "position": 3}
+    expected = [ds.next_batch(3) for _ in range(3)]
+    resumed = PromptDataset(path, TOK, seed=3)
+    resumed.load_state_dict(state)
+    assert all(_equal(resumed.next_batch(3), want) for want in expected)
+
+
+def _epoch_orders(seed: int, epochs: int = 2) -> list[list[int]]:
+    ds = PromptDataset("builtin:arith", TOK, seed=seed)
+    n = len(ds) // 4  # 124 rows: 31 batches of 4 per epoch, none dropped
+    return [torch.cat([ds.next_batch(4)["uid"] for _ in range(n)]).tolist() for _ in range(epochs)]
+
+
+def test_shuffling_is_deterministic_per_seed_and_epoch() -> None:
+    first, again, other = _epoch_orders(0), _epoch_orders(0), _epoch_orders(1)
+    assert first == again
+    assert first != other
+    assert first[0] != first[1]  # a new order each epoch
+    assert sorted(first[0]) == sorted(first[1]) == list(range(124))  # without replacement
+
+
+def test_the_last_incomplete_batch_is_dropped(tmp_path: Path) -> None:
+    ds = PromptDataset(str(_write(tmp_path / "d.parquet", ROWS)), TOK, shuffle=False)
+    assert [ds.next_batch(4)["uid"].tolist() for _ in range(3)] == [
+        [0, 1, 2, 3],
+        [4, 5, 6, 7],
+        [0, 1, 2, 3],
+    ]
+
+
+def test_builtin_arith_is_small_and_learnable() -> None:
+    train, test = arith_problems("train"), arith_problems("test")
+    assert (len(train), len(test)) == (124, 31)
+    assert not {q for q, _ in train} & {q for q, _ in test}
+    assert all(len(TOK(a, add_special_tokens=False).input_ids) <= 2 for _, a in train + test)
+    splits = prompt_source("builtin:arith", tokenizer=TOK, max_prompt_length=16)
+    assert (len(splits.train), len(splits.eval)) == (124, 31)
+    batch = splits.eval.next_batch(31)
+    assert batch["attention_mask"].sum(-1).max() <= 16
+    questions = [TOK.decode(ids, skip_special_tokens=True) for ids in batch["input_ids"]]
+    assert [(q, a) for q, a in zip(questions, batch["ground_truth"], strict=True)] == test
+
+
+def test_builtin_arith_pairs() -> None:
+    splits = preference_source("builtin:arith-pairs", tokenizer=TOK, max_response_length=4)
+    batch = splits.train.next_batch(8)
+    for name in ("chosen", "rejected"):
+        assert batch[name].shape == batch[f"{name}_mask"].shape == (8, 4)
+    assert batch["prompts"].shape[0] == 8
+    chosen_eos = batch["chosen"].gather(1, batch["chosen_mask"].sum(1, keepdim=True) - 1)
+    assert (chosen_eos == TOK.eos_token_id).all()  # responses end with EOS
+    answers = dict(arith_problems("train"))
+    for p, c, r in zip(batch["prompts"], batch["chosen"], batch["rejected"], strict=True):
+        question = TOK.decode(p, skip_special_tokens=True)
+        assert TOK.decode(c, skip_special_tokens=True) == answers[question]
+        assert TOK.decode(r, skip_special_tokens=True) != answers[question]
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_preference_file_with_message_lists(tmp_path: Path, suffix: str) -> None:
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": "2+2="}],
+            "chosen": [{"role": "assistant", "content": "4"}],
+            "rejected": [{"role": "assistant", "content": "five"}],
+        }
+    ]
+    ds = PreferenceDataset(str(_write(tmp_path / f"p{suffix}", rows)), TOK)
+    batch = ds.next_batch(1)
+    assert TOK.decode(batch["chosen"][0][batch["chosen_mask"][0].bool()]) == "4<|eos|>"
+    assert TOK.decode(batch["rejected"][0][batch["rejected_mask"][0].bool()]) == "five<|eos|>"
+    assert batch["chosen"].shape == batch["rejected"].shape
+
+
+@pytest.mark.parametrize(
+    ("make", "needles"),
+    [
+        (
+            lambda d: PromptDataset(str(_write(d / "d.parquet", ROWS)), TOK, prompt_key="question"),
+            ["d.parquet", "`question`", "prompt, data_source, reward_model"],
+        ),
+        (
+            lambda d: PreferenceDataset(str(_write(d / "d.jsonl", ROWS)), TOK),
+            ["d.jsonl", "`chosen`, `rejected`", "its columns: prompt"],
+        ),
+        (lambda d: PromptDataset(str(d / "nope.parquet"), TOK), ["nope.parquet", "does not exist"]),
+        (
+            lambda d: PromptDataset(str(_garbage(d / "bad.parquet")), TOK),
+            ["bad.parquet", "cannot read", "as parquet"],
+        ),
+        (
+            lambda d: PromptDataset(str(_garbage(d / "bad.jsonl")), TOK),
+            ["bad.jsonl", "cannot read", "as jsonl"],
+        ),
+        (lambda d: PromptDataset(str(d / "data.csv"), TOK), ["data.csv", "set the param format"]),
+        (lambda d: PromptDataset("builtin:nope", TOK), ["builtin:nope", "builtin:arith"]),
+        (
+            lambda d: PromptDataset("builtin:arith", TOK, apply_chat_template=False),
+            [
+                "builtin:arith",
+                "column `prompt` holds chat-message lists",
+                "apply_chat_template: true",
+            ],
+        ),
+        (lambda d: PromptDataset("builtin:arith", TOK).next_batch(500), ["124 rows", "500"]),
+    ],
+)
+def test_errors_name_the_file_and_the_column(tmp_path: Path, make: Any, needles: list[str]) -> None:
+    with pytest.raises(FlowgraphError) as exc:
+        make(tmp_path)
+    for needle in needles:
+        assert needle in str(exc.value)
+
+
+def test_a_tokenizer_without_chat_template_is_refused() -> None:
+    tok = build_tiny_tokenizer()
+    tok.chat_template = None
+    with pytest.raises(FlowgraphError, match="apply_chat_template: false"):
+        PromptDataset("builtin:arith", tok)
+
+
+def _garbage(path: Path) -> Path:
+    path.write_bytes(b"\x00not a table{")
+    return path

@@ -1,0 +1,182 @@
+"""Chunked log-probs and entropy against a plain log_softmax + gather reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flowgraph.nodes.logprob import forward_hidden, head_logprob, logprob, sequence_logprob
+from torch import Tensor, nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from flowgraph.builtin_models import BUILTIN_MODELS
+
+B, P, T, H, V = 3, 5, 7, 16, 50
+CHUNKS = [1, 3, 4, 11, 1000]  # n = 11 valid tokens: 3 and 4 leave a short last chunk
+
+
+def _batch(seed: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Left-padded prompts; response rows: full, a hole and a short tail, empty."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, V, (B, P), generator=g)
+    prompt_mask = torch.ones(B, P, dtype=torch.int64)
+    prompt_mask[1, :2] = 0
+    prompt_mask[2, :4] = 0
+    responses = torch.randint(3, V, (B, T), generator=g)
+    response_mask = torch.ones(B, T, dtype=torch.int64)
+    response_mask[1, 2] = 0  # a masked tool-output token in the middle
+    response_mask[1, 5:] = 0
+    response_mask[2, :] = 0
+    return prompts, prompt_mask, responses, response_mask
+
+
+def _reference(logits: Tensor, responses: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """The plain O(B·T·V) computation the chunked path must equal."""
+    log_p_all = torch.log_softmax(logits.float(), dim=-1)
+    log_p = log_p_all.gather(-1, responses.unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_p_all.exp() * log_p_all).sum(-1)
+    return log_p * mask, entropy * mask
+
+
+def _head() -> tuple[nn.Linear, Tensor]:
+    torch.manual_seed(0)
+    lm_head = nn.Linear(H, V, bias=True)
+    hidden = 3 * torch.randn(B, T, H)  # peaked distributions, not near-uniform ones
+    return lm_head, hidden
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk_size", CHUNKS)
+def test_head_logprob_equals_reference(chunk_size: int, temperature: float) -> None:
+    lm_head, hidden = _head()
+    _, _, responses, mask = _batch()
+    with torch.no_grad():
+        out = head_logprob(
+            lm_head, hidden, responses, mask, chunk_size, temperature, with_entropy=True
+        )
+        ref_lp, ref_ent = _reference(lm_head(hidden) / temperature, responses, mask)
+    torch.testing.assert_close(out["log_prob"], ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["entropy"], ref_ent, atol=1e-5, rtol=0)
+    assert out["log_prob"].dtype == torch.float32
+    assert (out["log_prob"][mask == 0] == 0).all() and (out["entropy"] >= 0).all()
+
+
+@pytest.mark.parametrize(("temperature", "entropy_coef"), [(1.0, 0.0), (1.0, 0.1), (0.7, 0.1)])
+@pytest.mark.parametrize("chunk_size", CHUNKS)
+def test_head_logprob_gradients_equal_reference(
+    chunk_size: int, temperature: float, entropy_coef: float
+) -> None:
+    lm_head, hidden = _head()
+    _, _, responses, mask = _batch()
+    weights = torch.randn(B, T)  # an arbitrary upstream gradient
+
+    def grads(fn: str) -> list[Tensor]:
+        h = hidden.clone().requires_grad_(True)
+        lm_head.zero_grad()
+        if fn == "chunked":
+            out = head_logprob(
+                lm_head, h, responses, mask, chunk_size, temperature, with_entropy=entropy_coef > 0
+            )
+            log_p, entropy = out["log_prob"], out.get("entropy", torch.zeros(()))
+        else:
+            log_p, entropy = _reference(lm_head(h) / temperature, responses, mask)
+        ((weights * log_p).sum() + entropy_coef * (weights * entropy).sum()).backward()
+        return [h.grad, lm_head.weight.grad, lm_head.bias.grad]
+
+    for got, want in zip(grads("chunked"), grads("reference"), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_autograd_keeps_no_full_logits() -> None:
+    """With grad, nothing of size n·V outlives a chunk: checkpoint recomputes instead."""
+    lm_head, hidden = _head()
+    _, _, responses, mask = _batch()
+    n, chunk = int(mask.sum()), 4
+    saved: list[int] = []
+
+    def pack(t: Tensor) -> Tensor:
+        saved.append(t.numel())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        head_logprob(
+            lm_head, hidden.requires_grad_(True), responses, mask, chunk, with_entropy=True
+        )
+    assert max(saved) < chunk * V < n * V
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _reference(lm_head(hidden), responses, mask)
+    assert max(saved) >= n * V  # the plain path does keep them: the check can fail
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    config = {k: v for k, v in BUILTIN_MODELS["tiny-lm"].items() if k != "model_type"}
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(**{**config, "vocab_size": V})).eval()
+
+
+def _model_reference(model: LlamaForCausalLM) -> tuple[Tensor, Tensor]:
+    """Full logits of [prompt | response]; the logit at P-1+t predicts response token t."""
+    prompts, prompt_mask, responses, mask = _batch()
+    attention = torch.cat([prompt_mask, mask], 1)
+    positions = (attention.cumsum(-1) - 1).clamp_min(0)
+    logits = model(
+        input_ids=torch.cat([prompts, responses], 1),
+        attention_mask=attention,
+        position_ids=positions,
+    ).logits[:, P - 1 : P + T - 1]
+    return _reference(logits, responses, mask)
+
+
+@pytest.mark.parametrize(("chunk_size", "micro_batch_size"), [(3, None), (1024, 2), (5, 1)])
+def test_logprob_equals_full_model_logits(
+    model: LlamaForCausalLM, chunk_size: int, micro_batch_size: int | None
+) -> None:
+    with torch.no_grad():
+        out = logprob(
+            model,
+            *_batch(),
+            chunk_size=chunk_size,
+            micro_batch_size=micro_batch_size,
+            with_entropy=True,
+        )
+        ref_lp, ref_ent = _model_reference(model)
+    assert out["log_prob"].shape == out["entropy"].shape == (B, T)
+    torch.testing.assert_close(out["log_prob"], ref_lp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(out["entropy"], ref_ent, atol=1e-5, rtol=0)
+    assert "entropy" not in logprob(model, *_batch(), chunk_size=chunk_size)
+
+
+def test_logprob_gradients_reach_the_backbone(model: LlamaForCausalLM) -> None:
+    model.zero_grad()
+    logprob(model, *_batch(), chunk_size=4)["log_prob"].sum().backward()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    _model_reference(model)[0].sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, atol=1e-5, rtol=0, msg=name)
+    model.zero_grad()
+
+
+def test_sequence_logprob_is_the_masked_sum(model: LlamaForCausalLM) -> None:
+    with torch.no_grad():
+        tokens = logprob(model, *_batch(), chunk_size=3)["log_prob"]
+        seq = sequence_logprob(model, *_batch(), chunk_size=3)["log_prob"]
+    assert seq.shape == (B,)
+    torch.testing.assert_close(seq, tokens.sum(-1))
+    assert seq[2] == 0  # the empty response
+
+
+def test_forward_hidden_positions(model: LlamaForCausalLM) -> None:
+    prompts, prompt_mask, responses, mask = _batch()
+    with torch.no_grad():
+        before = forward_hidden(model, prompts, prompt_mask, responses, mask)
+        on = forward_hidden(model, prompts, prompt_mask, responses, mask, on_tokens=True)
+    assert before.shape == on.shape == (B, T, model.config.hidden_size)
+    torch.testing.assert_close(before[:, 1:], on[:, :-1])  # shifted by one position
+
+
+def test_mismatched_shapes_are_named(model: LlamaForCausalLM) -> None:
+    prompts, prompt_mask, responses, mask = _batch()
+    with pytest.raises(ValueError, match=r"response_mask=\(3, 6\)"):
+        logprob(model, prompts, prompt_mask, responses, mask[:, :6])

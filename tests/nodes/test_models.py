@@ -1,0 +1,141 @@
+"""The embedded tiny model and tokenizer: built once, cached, reloaded identically."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from flowgraph.nodes import models
+from flowgraph.nodes.models import build_tiny_tokenizer, builtin_dir, load_model, load_tokenizer
+
+from flowgraph.builtin_models import BUILTIN_MODELS
+from flowgraph.errors import FlowgraphError
+
+VOCAB = BUILTIN_MODELS["tiny-lm"]["vocab_size"]
+
+
+def test_tokenizer_is_deterministic_with_the_configured_vocab() -> None:
+    a, b = build_tiny_tokenizer(), build_tiny_tokenizer()
+    assert len(a) == VOCAB
+    assert a.get_vocab() == b.get_vocab()
+    assert (a.pad_token_id, a.bos_token_id, a.eos_token_id) == (0, 1, 2)
+
+
+def test_tokenizer_spells_digits_one_per_token_and_round_trips() -> None:
+    tok = build_tiny_tokenizer()
+    ids = tok("12+7=19", add_special_tokens=False).input_ids
+    assert [tok.decode([i]) for i in ids] == ["1", "2", "+", "7", "=", "1", "9"]
+    text = "The answer is #### 1,234."
+    assert tok.decode(tok(text, add_special_tokens=False).input_ids) == text
+
+
+def test_chat_template_is_short() -> None:
+    tok = build_tiny_tokenizer()
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "3+4="}], add_generation_prompt=True, tokenize=False
+    )
+    assert text == "<|user|>3+4=<|assistant|>"
+    # role tokens are single special tokens: <|user|> 3 + 4 = <|assistant|>
+    assert len(tok(text, add_special_tokens=False).input_ids) == 6
+
+
+def test_builtin_builds_once_and_reloads_identically(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = torch.random.get_rng_state()
+    first = load_model("builtin:tiny-lm", cache_dir=tmp_path)
+    assert torch.equal(rng, torch.random.get_rng_state()), "building must not consume the RNG"
+    weights = tmp_path / "builtin" / "tiny-lm" / "model.safetensors"
+    stamp = weights.stat().st_mtime_ns
+
+    def no_rebuild(name: str, target: Path) -> None:
+        raise AssertionError("the cache was rebuilt")
+
+    monkeypatch.setattr(models, "_build_builtin", no_rebuild)
+    second = load_model("builtin:tiny-lm", cache_dir=tmp_path)
+    assert weights.stat().st_mtime_ns == stamp
+    for (name, p), q in zip(first.state_dict().items(), second.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+    assert first.config.vocab_size == VOCAB
+    assert len(load_tokenizer("builtin:tiny-lm", cache_dir=tmp_path)) == VOCAB
+
+
+def test_builtin_weights_are_the_same_in_every_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(models.CACHE_ENV, str(tmp_path / "env"))
+    assert builtin_dir("tiny-lm") == tmp_path / "env" / "builtin" / "tiny-lm"
+    a = load_model("builtin:tiny-lm")
+    b = load_model("builtin:tiny-lm", cache_dir=tmp_path / "other")
+    assert (tmp_path / "env" / "builtin" / "tiny-lm" / "config.json").exists()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_concurrent_builds_publish_one_complete_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    build = models._build_builtin
+    both_building = threading.Barrier(2, timeout=30)
+
+    def overlapping(name: str, target: Path) -> None:
+        build(name, target)
+        both_building.wait()  # both builders are done before either publishes
+
+    monkeypatch.setattr(models, "_build_builtin", overlapping)
+    results: list[Path | BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(models._ensure_builtin("tiny-lm", tmp_path))
+        except BaseException as exc:
+            results.append(exc)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    final = tmp_path / "builtin" / "tiny-lm"
+    assert results == [final, final]
+    assert sorted(p.name for p in final.parent.iterdir()) == ["tiny-lm"], "temp folders remain"
+    load_model("builtin:tiny-lm", cache_dir=tmp_path)
+
+
+def test_trainable_controls_mode_and_gradients(tmp_path: Path) -> None:
+    frozen = load_model("builtin:tiny-lm", cache_dir=tmp_path)
+    trained = load_model(
+        "builtin:tiny-lm", trainable=True, cache_dir=tmp_path, dtype=torch.bfloat16
+    )
+    assert not frozen.training and not any(p.requires_grad for p in frozen.parameters())
+    assert trained.training and all(p.requires_grad for p in trained.parameters())
+    assert next(trained.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("path", ["/no/such/model", "./missing-model", "a/b/c", "~/nope"])
+def test_missing_local_path_fails_before_loading(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("from_pretrained must not be reached")
+
+    monkeypatch.setattr(models.AutoModelForCausalLM, "from_pretrained", no_load)
+    monkeypatch.setattr(models.AutoTokenizer, "from_pretrained", no_load)
+    with pytest.raises(FlowgraphError, match="does not exist") as exc:
+        load_model(path)
+    assert path in str(exc.value)
+    with pytest.raises(FlowgraphError, match="does not exist"):
+        load_tokenizer(path)
+
+
+def test_unknown_builtin_lists_the_known_ones(tmp_path: Path) -> None:
+    with pytest.raises(FlowgraphError, match="builtin:tiny-lm"):
+        load_model("builtin:huge-lm", cache_dir=tmp_path)
+
+
+def test_a_folder_that_is_not_a_model_is_named(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(FlowgraphError, match=f"cannot load model `{tmp_path}`"):
+        load_model(str(tmp_path))

@@ -1,0 +1,224 @@
+"""Rule rewards, the reward model, token placement, and a user-declared reward kind."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from flowgraph.nodes.logprob import forward_hidden
+from flowgraph.nodes.models import build_tiny_tokenizer
+from flowgraph.nodes.reward import extract_answer, reward_model, rule_reward, token_reward
+from flowgraph.nodes.values import ValueModel
+from jaxtyping import Float, Int
+from torch import Tensor
+from transformers import LlamaConfig, LlamaForSequenceClassification, LlamaModel
+
+from flowgraph.builder import GraphBuilder
+from flowgraph.builtin_models import BUILTIN_MODELS
+from flowgraph.check import check_graph
+from flowgraph.registry import node_kind
+
+CONFIG = {k: v for k, v in BUILTIN_MODELS["tiny-lm"].items() if k != "model_type"}
+
+
+@pytest.mark.parametrize(
+    ("text", "answer"),
+    [
+        ("#### 42", "42"),
+        ("so 3+4=7\n#### 7", "7"),  # the marker wins over later/earlier numbers
+        ("#### 1,234 and then 5", "1234"),  # thousands commas dropped
+        ("the answer is 12.", "12"),  # last number; the full stop is not a decimal
+        ("3 apples and 2.5 pears", "2.5"),
+        ("it is -3", "-3"),
+        ("no digits here", None),
+        ("", None),
+    ],
+)
+def test_extract_answer(text: str, answer: str | None) -> None:
+    assert extract_answer(text) == answer
+
+
+def _encode(texts: list[str]) -> tuple[object, Tensor, Tensor]:
+    """Right-padded token ids of `texts` and their mask, with the tiny tokenizer."""
+    tok = build_tiny_tokenizer()
+    ids = [[*tok(t, add_special_tokens=False).input_ids, tok.eos_token_id] for t in texts]
+    L = max(map(len, ids))
+    responses = torch.tensor([s + [tok.pad_token_id] * (L - len(s)) for s in ids])
+    mask = torch.tensor([[1] * len(s) + [0] * (L - len(s)) for s in ids])
+    return tok, responses, mask
+
+
+TEXTS = ["7", "so #### 1,234", "3 then 12.", "no number", "#### 5"]
+
+
+def test_exact_match_scores() -> None:
+    tok, responses, mask = _encode(TEXTS)
+    scores = rule_reward(
+        responses,
+        mask,
+        ["7", "1234", " 12 ", "1", "6"],
+        tokenizer=tok,
+        correct_score=1.0,
+        format_score=0.1,
+    )["scores"]
+    # right, right (commas), right (whitespace in the truth), no answer, wrong answer
+    assert scores.tolist() == pytest.approx([1.0, 1.0, 1.0, 0.0, 0.1])
+    assert scores.dtype == torch.float32
+
+
+def test_format_and_length_penalty_scores() -> None:
+    tok, responses, mask = _encode(TEXTS)
+    fmt = rule_reward(responses, mask, tokenizer=tok, fn="format", correct_score=2.0)["scores"]
+    assert fmt.tolist() == [0.0, 2.0, 0.0, 0.0, 2.0]
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]])
+    pen = rule_reward(
+        torch.zeros_like(mask), mask, fn="length_penalty", target_length=2, length_coef=0.5
+    )["scores"]
+    assert pen.tolist() == [-0.5, -0.5, -1.0]  # -0.5·|3-2|, -0.5·|1-2|, -0.5·|0-2|
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"fn": "exact_match"}, "needs one ground_truth per response"),
+        ({"fn": "exact_match", "ground_truth": ["1"]}, r"\(5\); got 1 values"),
+        ({"fn": "length_penalty"}, "needs the param target_length"),
+        ({"fn": "bleu"}, "unknown reward fn `bleu`"),
+    ],
+)
+def test_rule_reward_errors(kwargs: dict[str, object], message: str) -> None:
+    tok, responses, mask = _encode(TEXTS)
+    with pytest.raises(ValueError, match=message):
+        rule_reward(responses, mask, tokenizer=tok, **kwargs)  # type: ignore[arg-type]
+
+
+def test_text_rules_need_a_tokenizer() -> None:
+    _, responses, mask = _encode(TEXTS)
+    with pytest.raises(ValueError, match="bind a model"):
+        rule_reward(responses, mask, ["7"] * 5)
+
+
+def test_token_reward_on_hand_examples() -> None:
+    scores = torch.tensor([1.0, -2.0, 3.0, 4.0])
+    mask = torch.tensor(
+        [
+            [1, 1, 1, 1],  # full row: the last token
+            [1, 1, 0, 0],  # right-padded: token 1
+            [0, 0, 0, 0],  # empty: nothing anywhere
+            [1, 0, 1, 0],  # a hole: the last valid token is 2
+        ]
+    )
+    want = torch.tensor(
+        [
+            [0.0, 0.0, 0.0, 1.0],
+            [0.0, -2.0, 0.0, 0.0],
+            [0.0, 0.0, 0.0, 0.0],
+            [0.0, 0.0, 4.0, 0.0],
+        ]
+    )
+    assert torch.equal(token_reward(scores, mask)["token_level_scores"], want)
+    with pytest.raises(ValueError, match=r"scores must be \(B,\) = \(4,\)"):
+        token_reward(scores[:3], mask)
+
+
+def _sequences() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 500, (3, 4), generator=g)
+    responses = torch.randint(3, 500, (3, 5), generator=g)
+    response_mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0]])
+    return prompts, torch.ones_like(prompts), responses * response_mask, response_mask
+
+
+def test_reward_model_matches_hf_sequence_classifier() -> None:
+    torch.manual_seed(0)
+    clf = LlamaForSequenceClassification(LlamaConfig(**CONFIG, num_labels=1, pad_token_id=0)).eval()
+    prompts, prompt_mask, responses, mask = _sequences()
+    with torch.no_grad():
+        scores = reward_model(clf, prompts, prompt_mask, responses, mask)["scores"]
+        # HF pools at the last non-pad token; rows 0 and 1 have no left padding.
+        want = clf(input_ids=torch.cat([prompts, responses], 1)).logits.squeeze(-1)
+    assert scores.shape == (3,)
+    torch.testing.assert_close(scores[:2], want[:2], atol=1e-5, rtol=0)
+    assert scores[2] == 0  # no valid response token
+
+
+def test_reward_model_accepts_a_value_model() -> None:
+    torch.manual_seed(0)
+    critic = ValueModel(LlamaModel(LlamaConfig(**CONFIG)), int(CONFIG["hidden_size"])).eval()
+    prompts, prompt_mask, responses, mask = _sequences()
+    with torch.no_grad():
+        scores = reward_model(critic, prompts, prompt_mask, responses, mask, micro_batch_size=2)[
+            "scores"
+        ]
+        hidden = forward_hidden(
+            critic.backbone, prompts, prompt_mask, responses, mask, on_tokens=True
+        )
+        on_tokens = critic.value_head(hidden).squeeze(-1)
+    torch.testing.assert_close(scores[:2], torch.stack([on_tokens[0, 4], on_tokens[1, 1]]))
+
+
+# A user's reward, declared with its contract (the example of nodes/reward.py). pyflakes
+# reads jaxtyping's dim strings as forward references, hence the suppressions.
+@node_kind("brevity_test", outputs=["scores"], category="reward")
+def brevity(
+    responses: Int[Tensor, "b T"],
+    response_mask: Int[Tensor, "b T"],
+    scale: float = 0.1,
+) -> Float[Tensor, "b"]:  # noqa: F821, UP037
+    return -scale * response_mask.sum(-1).float()
+
+
+def test_user_reward_kind_reads_its_contract() -> None:
+    kind = brevity.__flowgraph_kind__
+    assert [(p.name, p.spec.dims, p.spec.dtype) for p in kind.inputs] == [
+        ("responses", "b T", "int"),
+        ("response_mask", "b T", "int"),
+    ]
+    assert [(p.name, p.spec.dims) for p in kind.outputs] == [("scores", "b")]
+    assert kind.param("scale").default == 0.1
+    assert brevity(
+        torch.zeros(2, 3, dtype=torch.int64), torch.tensor([[1, 1, 0], [1, 0, 0]])
+    ).tolist() == pytest.approx([-0.2, -0.1])
+
+
+@pytest.mark.parametrize(
+    ("advantage", "port", "ok"),
+    [
+        ("grpo", "scores", True),  # (b,) scores meet a (b,) port
+        ("reinforce_pp", "token_level_rewards", False),  # (b,) scores meet a (b, T) port
+    ],
+)
+def test_user_reward_kind_is_checked_in_a_graph(advantage: str, port: str, ok: bool) -> None:
+    g = GraphBuilder("brevity")
+    g.plugin(brevity.__module__)  # as `plugins: [my_pkg.rewards]` in a graph file
+    g.dims(Bp=2, N=2, P=8, T=4)
+    g.model("actor", "builtin:tiny-lm", trainable=True)
+    data = g.data("train", "prompts", "builtin:arith")
+    gen = g.node(
+        "gen", "generate", model="actor", prompts=data.input_ids, prompt_mask=data.attention_mask
+    )
+    seq = {
+        "prompts": gen.prompts,
+        "prompt_mask": gen.prompt_mask,
+        "responses": gen.responses,
+        "response_mask": gen.response_mask,
+    }
+    old = g.node("old", "logprob", model="actor", **seq)
+    reward = g.node(
+        "reward", "brevity_test", responses=gen.responses, response_mask=gen.response_mask
+    )
+    group = {"index": gen.index} if advantage == "grpo" else {}
+    adv = g.node(
+        "adv", advantage, response_mask=gen.response_mask, **group, **{port: reward.scores}
+    )
+    g.node(
+        "update",
+        "ppo_actor_update",
+        model="actor",
+        old_log_prob=old.log_prob,
+        advantages=adv.advantages,
+        **seq,
+    )
+    result = check_graph(g.build())
+    messages = [d.one_line() for d in result.errors]
+    assert result.ok == ok, messages
+    assert ok or any("reward.scores" in m for m in messages)
