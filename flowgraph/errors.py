@@ -46,3 +46,11 @@ class RegistryError(FlowgraphError):
 
 class PluginError(FlowgraphError):
     """A plugin module listed under `plugins:` could not be imported."""
+
+
+class NonFiniteError(FlowgraphError):
+    """NaN or infinity in a reward, advantage, loss or gradient."""
+
+    def __init__(self, node: str, step: int, what: str) -> None:
+        self.node, self.step, self.what = node, step, what
+        super().__init__(f"non-finite {what} in node `{node}` at step {step}")

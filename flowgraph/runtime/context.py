@@ -44,5 +44,7 @@ class NodeContext:
     """Scalar metrics, verl names (`actor/pg_loss`); the executor logs them per step."""
     state: dict[str, Any] = field(default_factory=dict)
     """State that lives across steps (a KL controller's coefficient); checkpointed."""
+    dims: dict[str, int] = field(default_factory=dict)
+    """The graph's bound global dims (Bp, N, P, T, …), for params that default to them."""
     dp_rank: int = 0
     dp_size: int = 1
