@@ -2,6 +2,8 @@
 
     flowgraph check FILE... [--format text|json|github] [--nproc N]
     flowgraph compile FILE --target local|fsdp|ray [--nproc N] [-o plan.json]
+    flowgraph run FILE [KEY=VALUE...] [--resume] [--strict]
+    flowgraph export RUN_DIR --model NAME -o DIR
     flowgraph viz FILE -o out.mmd|out.dot|out.svg
     flowgraph schema [-o FILE] [--plugin MODULE]
 
@@ -139,6 +141,38 @@ def _finish_compile(result: object, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# --- run, export ---------------------------------------------------------------------
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from flowgraph.diagnostics import render_text
+    from flowgraph.passes import compile_graph
+
+    result = compile_graph(args.file, target=args.target, nproc=args.nproc,
+                           overrides=args.overrides, dump=sys.stderr)
+    if result.diagnostics:
+        print(render_text(result.diagnostics, _lines_of({}), color=_use_color(sys.stderr)),
+              file=sys.stderr)
+    if result.plan is None:
+        return EXIT_USAGE if _unreadable(result.diagnostics) else EXIT_ERRORS
+    if args.target != "local":
+        raise FlowgraphError(f"`flowgraph run --target {args.target}` is not available yet; "
+                             "run with --target local (the plan is the same)")
+    from flowgraph.compilers.local import run_plan
+
+    run_plan(result.plan, strict=args.strict, resume=args.resume)
+    print(f"run finished: {result.plan.graph.trainer.run_dir}/metrics.jsonl")
+    return EXIT_OK
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from flowgraph.compilers.export import export_model
+
+    out = export_model(Path(args.run_dir), args.model, Path(args.output), step=args.step)
+    print(f"exported `{args.model}` to {out}")
+    return EXIT_OK
+
+
 # --- viz, schema ---------------------------------------------------------------------
 
 
@@ -191,6 +225,24 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--dump-after", action="append", default=[], metavar="NAME",
                    help="print the graph (YAML) after this pass")
     k.set_defaults(func=cmd_compile)
+
+    r = sub.add_parser("run", help="train: run the graph's loop (local target)")
+    r.add_argument("file", metavar="FILE")
+    r.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    r.add_argument("--target", choices=("local", "fsdp", "ray"), default="local")
+    r.add_argument("--nproc", type=int, default=None)
+    r.add_argument("--resume", action="store_true",
+                   help="continue from the run dir's latest checkpoint")
+    r.add_argument("--strict", action="store_true",
+                   help="check every tensor on every edge at every step, not just the first")
+    r.set_defaults(func=cmd_run)
+
+    e = sub.add_parser("export", help="save a trained model as a Hugging Face model folder")
+    e.add_argument("run_dir", metavar="RUN_DIR")
+    e.add_argument("--model", required=True, help="the model's name in the graph")
+    e.add_argument("-o", "--output", required=True, metavar="DIR")
+    e.add_argument("--step", type=int, default=None, help="default: the latest checkpoint")
+    e.set_defaults(func=cmd_export)
 
     v = sub.add_parser("viz", help="draw a graph: Mermaid, Graphviz DOT or SVG")
     v.add_argument("file", metavar="FILE")

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from flowgraph.contracts import TensorSpec, spec_from_annotation
 from flowgraph.errors import PluginError, RegistryError
 from flowgraph.ir import NAME_RE, ParamValue
+from flowgraph.runtime.context import RESOURCE_ARGS
 
 PARAM_TYPES = ("float", "int", "bool", "str", "list", "mapping", "any", "null")
 CATEGORIES = ("data", "rollout", "model", "reward", "transform", "advantage", "update", "custom")
@@ -176,6 +177,8 @@ def kind_from_function(
     inputs: list[PortSpec] = []
     params: list[ParamSpec] = []
     for pname, p in inspect.signature(fn).parameters.items():
+        if pname in RESOURCE_ARGS:
+            continue  # supplied by the executor, not by the graph
         spec = spec_from_annotation(hints.get(pname), constraints.get(pname, ()))
         if spec is not None:
             inputs.append(PortSpec(pname, spec, optional=p.default is not inspect.Parameter.empty))

@@ -42,6 +42,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "build_tiny_tokenizer",
     "builtin_dir",
+    "check_model_path",
     "load_model",
     "load_tokenizer",
 ]
@@ -195,6 +196,11 @@ def _resolve(path: str, cache_dir: str | Path | None) -> str:
             f"(`org/name`) or a built-in model ({builtins})"
         )
     return path
+
+
+def check_model_path(path: str, cache_dir: str | Path | None = None) -> None:
+    """Fail fast, before anything loads, when `path` names no model."""
+    _resolve(path, cache_dir)
 
 
 def load_model(

@@ -6,7 +6,8 @@ arguments named after the params, and — only if the function declares them —
 resources by name:
 
     ctx        the `NodeContext` below (update nodes, stateful nodes)
-    model      the node's bound model (an nn.Module), `None` when unbound
+    model      the node's bound model (an nn.Module), `None` when unbound; a parameter
+               named `critic` receives it too
     tokenizer  the bound model's tokenizer
 
 It returns either a mapping from output-port name to value, or a tuple in the order
@@ -18,6 +19,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
+
+RESOURCE_ARGS = ("ctx", "model", "critic", "tokenizer")
+"""Parameter names through which an implementation receives executor resources."""
 
 
 @dataclass

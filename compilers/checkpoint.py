@@ -1,0 +1,103 @@
+"""Atomic checkpoints: `run_dir/checkpoints/step_N/`, written whole or not at all.
+
+A checkpoint is built in `step_N.tmp-<pid>` and renamed into place; a rename is
+atomic, so a SIGKILL mid-write leaves the previous checkpoints untouched and at most
+a `*.tmp-*` folder, which the next run removes. It holds every model's weights, each
+optimizer and scheduler, the data cursors, per-node state (KL controllers) and the
+RNG states — everything a resumed run needs to produce the same numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+    """(step, folder) of the newest complete checkpoint, or None."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return None
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name))]
+    return max(found) if found else None
+
+
+def remove_partial(run_dir: Path) -> None:
+    """Remove folders a killed writer left behind."""
+    root = checkpoint_root(run_dir)
+    if root.is_dir():
+        for p in root.iterdir():
+            if ".tmp-" in p.name:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+def save_checkpoint(run_dir: Path, step: int, *, modules: dict[str, Any],
+                    state: dict[str, Any], keep: int = 2) -> Path:
+    """Write `step_<step>` atomically; keep the newest `keep` checkpoints.
+
+    `modules` maps a file stem to an object with `state_dict()` (models, optimizers,
+    schedulers); `state` is JSON-able run state (step, cursors, node state).
+    """
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step}"
+    tmp = root / f"step_{step}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for stem, obj in modules.items():
+        torch.save(obj.state_dict(), tmp / f"{stem}.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+    _fsync_dir(tmp)
+    if final.exists():
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _prune(root, keep)
+    return final
+
+
+def load_checkpoint(folder: Path, *, modules: dict[str, Any]) -> dict[str, Any]:
+    """Load every module's state; restore the RNGs; return the JSON state."""
+    for stem, obj in modules.items():
+        obj.load_state_dict(torch.load(folder / f"{stem}.pt", weights_only=False))
+    set_rng_state(torch.load(folder / "rng.pt", weights_only=False))
+    state: dict[str, Any] = json.loads((folder / "state.json").read_text())
+    return state
+
+
+def _fsync_dir(path: Path) -> None:
+    for p in [*path.iterdir(), path] if path.is_dir() else [path]:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _prune(root: Path, keep: int) -> None:
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)))
+    for _, p in steps[:-keep] if keep > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)

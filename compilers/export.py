@@ -1,0 +1,56 @@
+"""`flowgraph export`: a trained model from a run's checkpoint as a Hugging Face folder.
+
+The run dir holds `plan.json` (the graph, so the model's source path and dtype are
+known) and `checkpoints/step_N/model.<name>.pt`; the model is rebuilt from its source,
+the checkpoint's weights are loaded, and `save_pretrained` writes weights and
+tokenizer, loadable with `AutoModelForCausalLM.from_pretrained(DIR)`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from flowgraph.compilers.checkpoint import checkpoint_root, latest_checkpoint
+
+from flowgraph.errors import FlowgraphError
+from flowgraph.plan import ExecutionPlan
+
+
+def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = None) -> Path:
+    from flowgraph.compilers.local import model_roles
+    from flowgraph.nodes.models import load_model, load_tokenizer
+
+    plan_file = run_dir / "plan.json"
+    if not plan_file.exists():
+        raise FlowgraphError(f"`{run_dir}` is not a flowgraph run dir (no plan.json)")
+    graph = ExecutionPlan.from_json(plan_file.read_text()).graph
+    spec = graph.model(model)
+    if spec is None:
+        names = ", ".join(m.name for m in graph.models)
+        raise FlowgraphError(f"the run has no model `{model}`; its models: {names}")
+    if model_roles(graph).get(model) != "causal":
+        raise FlowgraphError(f"model `{model}` is not a causal LM (a critic or reward model); "
+                             "only causal LMs export as Hugging Face models")
+    folder = _checkpoint(run_dir, step)
+    weights = folder / f"model.{model}.pt"
+    if not weights.exists():
+        raise FlowgraphError(f"checkpoint `{folder}` holds no weights for `{model}`")
+    lm = load_model(spec.path)
+    lm.load_state_dict(torch.load(weights, weights_only=False))
+    out.mkdir(parents=True, exist_ok=True)
+    lm.save_pretrained(out)
+    load_tokenizer(spec.tokenizer or spec.path).save_pretrained(out)
+    return out
+
+
+def _checkpoint(run_dir: Path, step: int | None) -> Path:
+    if step is not None:
+        folder = checkpoint_root(run_dir) / f"step_{step}"
+        if not folder.is_dir():
+            raise FlowgraphError(f"no checkpoint for step {step} in `{run_dir}`")
+        return folder
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        raise FlowgraphError(f"`{run_dir}` holds no checkpoint yet")
+    return found[1]

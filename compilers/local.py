@@ -1,0 +1,586 @@
+"""The reference executor: one process, CPU or one GPU, node by node in plan order.
+
+An interpreter in the style of torch.fx's: `run()` loops over steps, `run_step()` over
+the plan's stages, `run_node()` calls one kind's implementation through the calling
+convention of `flowgraph.runtime.context`. Every error a node raises comes back as
+"while executing node X (kind K) at step S". Strict mode checks every tensor on every
+edge against its contract on the first step this process runs (every step with
+`--strict`); outputs that must be finite (rewards, advantages, losses) are checked on
+every step, so a NaN stops the run with the node and step named (or skips the batch
+with `trainer.on_nonfinite=skip`), keeping the last good checkpoint.
+
+Hoisted nodes (loop-invariant, e.g. DPO's reference log-probs) are computed once per
+dataset row and cached by the row's `uid`.
+
+`fsdp.py` and `ray.py` subclass this and override placement and dispatch only.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from flowgraph.compilers.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    remove_partial,
+    save_checkpoint,
+)
+
+from flowgraph.check import CheckResult, check_graph
+from flowgraph.errors import FlowgraphError, NonFiniteError
+from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec
+from flowgraph.plan import ExecutionPlan
+from flowgraph.registry import KindSpec
+from flowgraph.runtime.context import RESOURCE_ARGS, NodeContext
+from flowgraph.runtime.metrics import MetricsLog
+from flowgraph.runtime.strict import RuntimeContracts
+
+CRITIC_KINDS = frozenset({"values", "ppo_critic_update", "reward_model"})
+"""Kinds whose model is a backbone with a scalar head (`ValueModel`)."""
+TOKENIZER_ONLY = frozenset({"reward"})
+"""Kinds that use their model binding for its tokenizer only."""
+
+
+class NodeError(FlowgraphError):
+    """A node's implementation failed; the message names node, kind and step."""
+
+
+# --- implementations ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Impl:
+    """A kind's implementation and how to call it."""
+
+    fn: Callable[..., Any]
+    accepts: frozenset[str]
+    """Keyword parameters the function declares."""
+
+    @staticmethod
+    def load(kind: KindSpec) -> Impl:
+        module, _, attr = kind.impl.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise FlowgraphError(f"kind `{kind.name}`: implementation `{kind.impl}` cannot be "
+                                 f"imported: {exc}") from exc
+        params = inspect.signature(fn).parameters
+        return Impl(fn, frozenset(params))
+
+    def verify(self, node: NodeSpec, kind: KindSpec) -> None:
+        """Every declared input and param must be accepted, before any step runs."""
+        names = [p.name for p in kind.inputs] + [p.name for p in kind.params]
+        missing = [n for n in names if n not in self.accepts]
+        if missing:
+            raise FlowgraphError(
+                f"node `{node.name}` (kind {kind.name}): implementation `{kind.impl}` does not "
+                f"accept {', '.join(f'`{m}`' for m in missing)} that the kind declares")
+
+
+def _outputs(kind: KindSpec, result: Any) -> dict[str, Any]:
+    if isinstance(result, dict):
+        return result
+    if isinstance(result, tuple):
+        return dict(zip([p.name for p in kind.outputs], result, strict=False))
+    if len(kind.outputs) == 1:
+        return {kind.outputs[0].name: result}
+    raise TypeError(f"returned {type(result).__name__}; expected a dict of outputs or a tuple")
+
+
+# --- models, optimizers, data ---------------------------------------------------------
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}[name]
+
+
+def model_roles(graph: Graph) -> dict[str, str]:
+    """Model name -> `causal`, `critic` (backbone + scalar head) or `tokenizer` only."""
+    roles: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.model is None:
+            continue
+        role = ("critic" if node.kind in CRITIC_KINDS else
+                "tokenizer" if node.kind in TOKENIZER_ONLY else "causal")
+        have = roles.get(node.model, "tokenizer")
+        if have != "tokenizer" and role not in ("tokenizer", have):
+            raise FlowgraphError(f"model `{node.model}` is used both as a causal LM and as a "
+                                 f"critic/reward model (node `{node.name}`); declare two models")
+        roles[node.model] = have if role == "tokenizer" else role
+    return roles
+
+
+def _lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
+    def factor(i: int) -> float:
+        if warmup and i < warmup:
+            return (i + 1) / warmup
+        if schedule == "constant" or total <= warmup:
+            return 1.0
+        frac = min((i - warmup) / max(total - warmup, 1), 1.0)
+        if schedule == "linear":
+            return 1.0 - frac
+        return 0.5 * (1.0 + math.cos(math.pi * frac))
+
+    return factor
+
+
+@dataclass
+class Resources:
+    """Everything loaded once per run."""
+
+    models: dict[str, Any] = field(default_factory=dict)
+    tokenizers: dict[str, Any] = field(default_factory=dict)
+    optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
+    schedulers: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    """Data source -> flowgraph.nodes.data.Splits."""
+
+
+# --- the executor ---------------------------------------------------------------------
+
+
+@dataclass
+class RunOptions:
+    run_dir: Path
+    device: str = "cpu"
+    strict: bool = False
+    resume: bool = False
+    out: TextIO | None = None
+    tensorboard: bool = True
+
+
+class LocalExecutor:
+    """Runs an `ExecutionPlan` in this process."""
+
+    def __init__(self, plan: ExecutionPlan, options: RunOptions) -> None:
+        self.plan, self.graph, self.opts = plan, plan.graph, options
+        self.check: CheckResult = check_graph(self.graph)
+        if not self.check.ok:
+            raise FlowgraphError("the plan's graph does not check clean:\n" + "\n".join(
+                d.one_line() for d in self.check.errors))
+        self.kinds: dict[str, KindSpec] = {
+            name: r.kind for name, r in self.check.table.items() if r.kind is not None}
+        self.dims = {d.name: d.value for d in plan.dims}
+        self.nodes = {n.name: n for n in self.graph.nodes}
+        stage_nodes = [name for stage in plan.stages for name in stage.nodes]
+        self.order = [n for n in stage_nodes if n in self.nodes]
+        self.consumed = {(ref.node, ref.port) for ref, _, _ in self.graph.edges()}
+        self.contracts = RuntimeContracts(self.check)
+        self.impls: dict[str, Impl] = {}
+        self.res = Resources()
+        self.node_state: dict[str, dict[str, Any]] = {n: {} for n in self.nodes}
+        self.hoist_cache: dict[str, dict[tuple[str, int], dict[str, Any]]] = {}
+        self.start_step = 0
+
+    # -- setup ------------------------------------------------------------------------
+
+    def setup(self) -> None:
+        """Check paths first, then load models, optimizers, data; verify implementations."""
+        from flowgraph.nodes.models import check_model_path
+
+        for m in self.graph.models:
+            check_model_path(m.path)
+        for name, node in self.nodes.items():
+            impl = Impl.load(self.kinds[name])
+            impl.verify(node, self.kinds[name])
+            self.impls[name] = impl
+        self._load_models()
+        self._load_data()
+
+    def _load_models(self) -> None:
+        from flowgraph.nodes.models import load_model, load_tokenizer
+        from flowgraph.nodes.values import ValueModel
+
+        roles = model_roles(self.graph)
+        for m in self.graph.models:
+            self.res.tokenizers[m.name] = load_tokenizer(m.tokenizer or m.path)
+            role = roles.get(m.name, "tokenizer")
+            if role == "tokenizer":
+                continue
+            kw = {"dtype": _dtype(m.dtype), "trainable": m.trainable}
+            model = (ValueModel.from_pretrained(m.path, **kw) if role == "critic"
+                     else load_model(m.path, **kw))
+            if m.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+                model.gradient_checkpointing_enable()
+            self.res.models[m.name] = model.to(self.opts.device)
+            if m.trainable:
+                self._make_optimizer(m, model)
+
+    def _make_optimizer(self, m: ModelSpec, model: torch.nn.Module) -> None:
+        from flowgraph.ir import OptimizerSpec
+
+        spec = m.optimizer or OptimizerSpec()
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt: torch.optim.Optimizer
+        if spec.name == "sgd":
+            opt = torch.optim.SGD(params, lr=spec.lr, weight_decay=spec.weight_decay)
+        else:
+            cls = torch.optim.AdamW if spec.name == "adamw" else torch.optim.Adam
+            opt = cls(params, lr=spec.lr, betas=spec.betas, eps=spec.eps,
+                      weight_decay=spec.weight_decay)
+        total = self.graph.trainer.steps * self._optimizer_steps_per_step(m.name)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, _lr_lambda(spec.warmup_steps, total, spec.schedule))
+        self.res.optimizers[m.name], self.res.schedulers[m.name] = opt, sched
+
+    def _optimizer_steps_per_step(self, model: str) -> int:
+        total = 0
+        for node in self.graph.nodes:
+            kind = self.kinds.get(node.name)
+            if node.model != model or kind is None or not kind.trains:
+                continue
+            batch = self.check.shapes.batch.get(node.name) or 1
+            mini = node.params.get("mini_batch_size") or batch
+            epochs = node.params.get("ppo_epochs") or 1
+            total += int(epochs) * max(batch // int(mini), 1)  # type: ignore[call-overload]
+        return max(total, 1)
+
+    def _data_tokenizer(self, d: DataSpec) -> Any:
+        for node in self.graph.nodes:
+            if node.model and any(ref.node == d.name for _, ref in node.inputs):
+                return self.res.tokenizers[node.model]
+        if not self.graph.models:
+            raise FlowgraphError(f"data source `{d.name}` needs a tokenizer: declare a model")
+        return self.res.tokenizers[self.graph.models[0].name]
+
+    def _load_data(self) -> None:
+        for d in self.graph.data:
+            impl = Impl.load(self.kinds[d.name])
+            params = {k: v for k, v in d.params.to_python().items() if k in impl.accepts}
+            if "max_prompt_length" in impl.accepts:
+                params.setdefault("max_prompt_length", self.dims.get("P"))
+            if "max_response_length" in impl.accepts:
+                params.setdefault("max_response_length", self.dims.get("T"))
+            self.res.data[d.name] = impl.fn(d.path, tokenizer=self._data_tokenizer(d),
+                                            seed=self.graph.trainer.seed, **params)
+
+    # -- running ------------------------------------------------------------------------
+
+    def ctx(self, name: str, step: int) -> NodeContext:
+        node = self.nodes[name]
+        spec = self.graph.model(node.model) if node.model else None
+        optimizer = self.res.optimizers.get(node.model or "")
+        return NodeContext(
+            node=name, kind=node.kind, step=step, seed=self.graph.trainer.seed,
+            device=self.opts.device, model=self.res.models.get(node.model or ""),
+            tokenizer=self.res.tokenizers.get(node.model or ""),
+            optimizer=optimizer if self.kinds[name].trains else None,
+            scheduler=self.res.schedulers.get(node.model or "") if self.kinds[name].trains
+            else None,
+            grad_clip=spec.optimizer.grad_clip if spec and spec.optimizer else 0.0,
+            state=self.node_state[name], dims=dict(self.dims))
+
+    def call(self, name: str, env: dict[tuple[str, str], Any], step: int,
+             params: dict[str, Any], metrics: dict[str, float]) -> tuple[dict[str, Any], float]:
+        """Call one node's implementation; (outputs, seconds spent inside it)."""
+        node, kind, impl = self.nodes[name], self.kinds[name], self.impls[name]
+        kw: dict[str, Any] = {port: env[(ref.node, ref.port)] for port, ref in node.inputs}
+        kw.update({k: v for k, v in params.items() if k in impl.accepts})
+        for p in kind.outputs:
+            if p.optional and (name, p.name) in self.consumed and f"with_{p.name}" in impl.accepts:
+                kw[f"with_{p.name}"] = True
+        ctx = self.ctx(name, step)
+        for arg in RESOURCE_ARGS:
+            if arg in impl.accepts:
+                kw[arg] = (ctx if arg == "ctx" else ctx.tokenizer if arg == "tokenizer"
+                           else ctx.model)
+        t0 = time.perf_counter()
+        try:
+            result = impl.fn(**kw)
+        except (NonFiniteError, NodeError):
+            raise
+        except Exception as exc:
+            raise NodeError(f"while executing node `{name}` (kind {kind.name}, "
+                            f"{node.pos}) at step {step}: {type(exc).__name__}: {exc}") from exc
+        seconds = time.perf_counter() - t0
+        metrics.update(ctx.metrics)
+        return _outputs(kind, result), seconds
+
+    def params_of(self, name: str, *, evaluation: bool = False) -> dict[str, Any]:
+        node, kind = self.nodes[name], self.kinds[name]
+        values = {p.name: p.default for p in kind.params}
+        values.update(node.params.to_python())
+        if evaluation and kind.name == "generate":
+            values["do_sample"] = False  # held-out prompts are scored greedily
+        return values
+
+    def run_node(self, name: str, env: dict[tuple[str, str], Any], step: int, *,
+                 strict: bool, metrics: dict[str, float], split: str = "train") -> float:
+        node, kind = self.nodes[name], self.kinds[name]
+        if strict:
+            for port, ref in node.inputs:
+                spec = kind.input(port)
+                assert spec is not None
+                self.contracts.check_edge(ref, name, port, spec.spec, env[(ref.node, ref.port)],
+                                          step)
+        params = self.params_of(name, evaluation=split != "train")
+        if node.hoisted:
+            outputs, seconds = self._hoisted(name, env, step, params, metrics, split)
+        else:
+            outputs, seconds = self.call(name, env, step, params, metrics)
+        self._store(name, kind, outputs, env, step, strict)
+        return seconds
+
+    def _store(self, name: str, kind: KindSpec, outputs: dict[str, Any],
+               env: dict[tuple[str, str], Any], step: int, strict: bool) -> None:
+        for p in kind.outputs:
+            if p.name not in outputs:
+                if p.optional or (name, p.name) not in self.consumed:
+                    continue
+                raise NodeError(f"while executing node `{name}` (kind {kind.name}) at step "
+                                f"{step}: it returned no output `{p.name}`")
+            value = outputs[p.name]
+            if strict:
+                self.contracts.check_output(name, p.name, p.spec, value, step,
+                                            self.nodes[name].pos)
+            if "finite" in p.spec.constraints and isinstance(value, torch.Tensor) \
+                    and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                raise NonFiniteError(name, step, f"output `{p.name}`")
+            env[(name, p.name)] = value
+
+    def _hoisted(self, name: str, env: dict[tuple[str, str], Any], step: int,
+                 params: dict[str, Any], metrics: dict[str, float], split: str
+                 ) -> tuple[dict[str, Any], float]:
+        """Compute only rows not seen before (once per dataset row), then assemble."""
+        source = self._hoist_source(name)
+        uids = env[(source, "uid")].tolist()
+        cache = self.hoist_cache.setdefault(name, {})
+        todo = [i for i, u in enumerate(uids) if (split, u) not in cache]
+        seconds = 0.0
+        if todo:
+            rows = torch.tensor(todo)
+            sub = {k: (v[rows] if isinstance(v, torch.Tensor) else [v[i] for i in todo])
+                   for k, v in env.items()}
+            with torch.no_grad():
+                out, seconds = self.call(name, sub, step, params, metrics)
+            for j, i in enumerate(todo):
+                cache[(split, uids[i])] = {k: v[j] for k, v in out.items()}
+        kind = self.kinds[name]
+        outputs = {p.name: torch.stack([cache[(split, u)][p.name] for u in uids])
+                   for p in kind.outputs if p.name in cache[(split, uids[0])]}
+        return outputs, seconds
+
+    def _hoist_source(self, name: str) -> str:
+        node = self.nodes[name]
+        for _, ref in node.inputs:
+            if self.graph.data_source(ref.node) is not None:
+                return ref.node
+            if ref.node in self.nodes:
+                return self._hoist_source(ref.node)
+        raise FlowgraphError(f"hoisted node `{name}` reads no data source")
+
+    def next_batches(self, env: dict[tuple[str, str], Any], split: str = "train") -> None:
+        for d in self.graph.data:
+            splits = self.res.data[d.name]
+            dataset = splits.train if split == "train" else splits.eval
+            batch = dataset.next_batch(self.dims["Bp"])
+            for port, value in batch.items():
+                env[(d.name, port)] = value
+
+    def run_step(self, step: int, *, strict: bool) -> dict[str, float]:
+        t0 = time.perf_counter()
+        env: dict[tuple[str, str], Any] = {}
+        metrics: dict[str, float] = {}
+        self.next_batches(env)
+        inside = 0.0
+        for name in self.order:
+            seconds = self.run_node(name, env, step, strict=strict, metrics=metrics)
+            metrics[f"timing_s/{name}"] = seconds
+            inside += seconds
+        metrics.update(step_metrics(self.graph, self.kinds, env))
+        wall = time.perf_counter() - t0
+        metrics["timing_s/step"] = wall
+        metrics["perf/orchestration_frac"] = max(wall - inside, 0.0) / wall if wall else 0.0
+        tokens = metrics.get("perf/tokens", 0.0)
+        if tokens:
+            metrics["perf/throughput"] = tokens / wall
+        return metrics
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out prompts, greedy; every node but the updates; `val/...` metrics."""
+        out: dict[str, float] = {}
+        if not all(self.res.data[d.name].eval is not None for d in self.graph.data):
+            return out
+        evals = [self.res.data[d.name].eval for d in self.graph.data]
+        for ev in evals:
+            ev.load_state_dict({"epoch": 0, "position": 0})
+        rows = min(len(ev) for ev in evals)
+        batches = max(rows // self.dims["Bp"], 1)
+        sums: dict[str, float] = {}
+        with torch.no_grad():
+            for _ in range(batches):
+                env: dict[tuple[str, str], Any] = {}
+                self.next_batches(env, split="eval")
+                scratch: dict[str, float] = {}
+                for name in self.order:
+                    if not self.kinds[name].trains:
+                        self.run_node(name, env, step, strict=False, metrics=scratch,
+                                      split="eval")
+                for k, v in step_metrics(self.graph, self.kinds, env).items():
+                    sums[k] = sums.get(k, 0.0) + v / batches
+        for k, v in sums.items():
+            if not k.startswith("perf/"):
+                out["val/" + k.removeprefix("critic/")] = v
+        return out
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def checkpoint_modules(self) -> dict[str, Any]:
+        mods: dict[str, Any] = {}
+        for name, model in self.res.models.items():
+            mods[f"model.{name}"] = model
+        for name, opt in self.res.optimizers.items():
+            mods[f"optim.{name}"] = opt
+            mods[f"sched.{name}"] = self.res.schedulers[name]
+        return mods
+
+    def save(self, step: int) -> None:
+        state = {
+            "step": step,
+            "cursors": {d: s.train.state_dict() for d, s in self.res.data.items()},
+            "node_state": self.node_state,
+            "plan": self.plan.graph.name,
+        }
+        save_checkpoint(self.opts.run_dir, step, modules=self.checkpoint_modules(), state=state)
+
+    def restore(self) -> int:
+        """Load the latest checkpoint; return the next step to run (0 when none)."""
+        found = latest_checkpoint(self.opts.run_dir)
+        if found is None:
+            return 0
+        _step, folder = found
+        state = load_checkpoint(folder, modules=self.checkpoint_modules())
+        for d, cursor in state["cursors"].items():
+            self.res.data[d].train.load_state_dict(cursor)
+        for name, node_state in state["node_state"].items():
+            self.node_state.setdefault(name, {}).update(node_state)
+        return int(state["step"]) + 1
+
+    def run(self) -> list[dict[str, float]]:
+        """The training loop; returns the metric rows this process produced."""
+        trainer, run_dir = self.graph.trainer, self.opts.run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        remove_partial(run_dir)
+        (run_dir / "plan.json").write_text(self.plan.to_json())
+        self.start_step = self.restore() if self.opts.resume else 0
+        log = MetricsLog(run_dir, tensorboard=self.opts.tensorboard, out=self.opts.out,
+                         total_steps=trainer.steps)
+        log.truncate_after(self.start_step - 1)
+        rows = []
+        try:
+            for step in range(self.start_step, trainer.steps):
+                metrics = self._guarded_step(step)
+                if trainer.eval_every and (step + 1) % trainer.eval_every == 0:
+                    metrics.update(self.evaluate(step))
+                log.write(step, metrics)
+                rows.append(metrics)
+                last = step == trainer.steps - 1
+                every = trainer.checkpoint_every
+                if (every and (step + 1) % every == 0) or last:
+                    self.save(step)
+        finally:
+            log.close()
+        return rows
+
+    def _guarded_step(self, step: int) -> dict[str, float]:
+        strict = self.graph.trainer.strict or self.opts.strict or step == self.start_step
+        try:
+            return self.run_step(step, strict=strict)
+        except NonFiniteError as exc:
+            if self.graph.trainer.on_nonfinite != "skip":
+                raise
+            print(f"step {step}: skipped the batch: {exc}", file=self.opts.out)
+            return {"skipped": 1.0}
+
+
+# --- metrics from a step's values --------------------------------------------------------
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    m = mask.float()
+    return float((x.float() * m).sum() / m.sum().clamp_min(1.0))
+
+
+def step_metrics(graph: Graph, kinds: dict[str, KindSpec],
+                 env: dict[tuple[str, str], Any]) -> dict[str, float]:
+    """verl's batch metrics: score, rewards, advantages, returns, values, lengths, tokens."""
+    out: dict[str, float] = {}
+    for node in graph.nodes:
+        kind = kinds[node.name].name
+        mask_ref = node.input("response_mask")
+        mask = env.get((mask_ref.node, mask_ref.port)) if mask_ref else None
+        if kind == "generate":
+            resp = env[(node.name, "response_mask")].float()
+            out.setdefault("response_length/mean", float(resp.sum(-1).mean()))
+            prompt = env[(node.name, "prompt_mask")].float()
+            out["perf/tokens"] = out.get("perf/tokens", 0.0) + float(resp.sum() + prompt.sum())
+        elif kinds[node.name].category == "reward" and (node.name, "scores") in env:
+            out.setdefault("critic/score/mean", float(env[(node.name, "scores")].mean()))
+        elif kind == "kl_penalty" and mask is not None:
+            rewards = env[(node.name, "token_level_rewards")]
+            out["critic/rewards/mean"] = float((rewards * mask).sum(-1).mean())
+        elif kinds[node.name].category == "advantage" and mask is not None:
+            out["critic/advantages/mean"] = _masked_mean(env[(node.name, "advantages")], mask)
+            out["critic/returns/mean"] = _masked_mean(env[(node.name, "returns")], mask)
+        elif kind == "values" and mask is not None:
+            out["critic/values/mean"] = _masked_mean(env[(node.name, "values")], mask)
+    if "critic/score/mean" in out:
+        out.setdefault("critic/rewards/mean", out["critic/score/mean"])
+    return out
+
+
+# --- entry point ---------------------------------------------------------------------------
+
+
+def _quiet_hf() -> None:
+    """Hugging Face's per-load progress bars would drown the one line per step."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+
+
+def pick_device(requested: str) -> str:
+    if requested == "cpu":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda:0"
+    if requested == "cuda":
+        raise FlowgraphError("resources.device is `cuda` but torch sees no CUDA device")
+    return "cpu"
+
+
+def run_plan(plan: ExecutionPlan, *, strict: bool = False, resume: bool = False,
+             out: TextIO | None = None, tensorboard: bool = True) -> list[dict[str, float]]:
+    """Set up and run a local plan; refuses to overwrite an existing run without `resume`."""
+    _quiet_hf()
+    trainer = plan.graph.trainer
+    run_dir = Path(trainer.run_dir)
+    resume = resume or trainer.resume
+    if not resume and (latest_checkpoint(run_dir) or (run_dir / "metrics.jsonl").exists()):
+        raise FlowgraphError(
+            f"`{run_dir}` already holds a run; continue it with --resume, or give another "
+            "directory: trainer.run_dir=runs/new")
+    torch.manual_seed(trainer.seed)
+    device = pick_device(plan.graph.resources.device)
+    executor = LocalExecutor(plan, RunOptions(run_dir, device, strict, resume, out,
+                                              tensorboard))
+    executor.setup()
+    return executor.run()
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,81 @@
+"""Run artefacts a person reads: metrics.jsonl, TensorBoard events, one line per step.
+
+`metrics.jsonl` holds one JSON object per step with `step` and verl-compatible names
+(`timing_s/gen`, `actor/pg_loss`, `critic/score/mean`, …). On resume, rows after the
+checkpoint are dropped first, so the file ends with every step exactly once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, TextIO
+
+KEY_METRICS = (
+    "critic/score/mean",
+    "critic/rewards/mean",
+    "actor/pg_loss",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "critic/vf_loss",
+    "actor/dpo_loss",
+    "rewards/accuracies",
+    "response_length/mean",
+    "perf/throughput",
+)
+"""Shown on the per-step console line, when present."""
+
+
+def _jsonable(value: float) -> float | str:
+    return value if math.isfinite(value) else str(value)
+
+
+class MetricsLog:
+    """Appends step rows to `run_dir/metrics.jsonl` and mirrors them to TensorBoard."""
+
+    def __init__(self, run_dir: Path, *, tensorboard: bool = True, out: TextIO | None = None,
+                 total_steps: int = 0) -> None:
+        self.path = run_dir / "metrics.jsonl"
+        self.out = out or sys.stdout
+        self.total = total_steps
+        self._tb: Any = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def truncate_after(self, step: int) -> None:
+        """Drop rows of steps > `step` (they are re-run after a resume)."""
+        if not self.path.exists():
+            return
+        keep = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", -1) <= step]
+        self.path.write_text("".join(line + "\n" for line in keep))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        row = {"step": step, **{k: _jsonable(float(v)) for k, v in sorted(metrics.items())}}
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in metrics.items():
+                if math.isfinite(float(v)):
+                    self._tb.add_scalar(k, float(v), step)
+            self._tb.flush()
+        print(self.line(step, metrics), file=self.out, flush=True)
+
+    def line(self, step: int, metrics: dict[str, float]) -> str:
+        """`step 3/40 [gen] 1.24s [ref] 0.87s … | score 0.250 pg_loss -0.013`."""
+        timings = " ".join(
+            f"[{k.removeprefix('timing_s/')}] {v:.2f}s" for k, v in metrics.items()
+            if k.startswith("timing_s/") and k != "timing_s/step")
+        keys = " ".join(f"{k.split('/')[-2] if k.endswith('/mean') else k.split('/')[-1]} "
+                        f"{metrics[k]:.4g}" for k in KEY_METRICS if k in metrics)
+        total = f"/{self.total}" if self.total else ""
+        step_s = metrics.get("timing_s/step", float("nan"))
+        return f"step {step}{total} {timings} (step {step_s:.2f}s) | {keys}"
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()

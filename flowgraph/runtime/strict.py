@@ -1,0 +1,127 @@
+"""Runtime strict mode: every tensor on every edge checked against its contract.
+
+The checker resolved each port's dims in global terms (`(Bp*N, T)`); dims the graph
+left symbolic are bound here from the first tensor that shows them, and must agree
+ever after. Dtype families and value constraints (a mask is 0/1, log-probs are <= 0,
+no NaN) are checked on the real values. A violation names the node, the edge,
+expected vs actual and the graph file's line.
+
+Notation: B sequences, Bp prompts, N samples per prompt, P prompt length, T response
+length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from flowgraph.check import CheckResult
+from flowgraph.contracts import TensorSpec
+from flowgraph.dims import Poly
+from flowgraph.errors import FlowgraphError
+from flowgraph.ir import PortRef
+from flowgraph.source import SourcePos
+
+
+class ContractViolation(FlowgraphError):
+    """A tensor broke its edge's contract at run time."""
+
+
+@dataclass
+class RuntimeContracts:
+    """Checks values against the contracts the checker resolved for one graph."""
+
+    check: CheckResult
+    bound: dict[str, int] = field(default_factory=dict)
+    """Global dims bound from real tensors (those `dims:` left open)."""
+
+    def expected_dims(self, node: str, spec: TensorSpec) -> tuple[Poly | None, ...]:
+        env = self.check.shapes.env
+        return tuple(env.qualify(a.size, node) if a.size is not None else None
+                     for a in spec.shape.fixed_axes())
+
+    def check_edge(self, ref: PortRef, node: str, port: str, spec: TensorSpec, value: Any,
+                   step: int) -> None:
+        """Raise `ContractViolation` unless `value` honours the input port's contract."""
+        where = f"edge `{ref} -> {node}.{port}` ({ref.pos}) at step {step}"
+        problem = self._problem(node, spec, value)
+        if problem is not None:
+            raise ContractViolation(f"{where}: {problem}; the contract is {spec.describe()}")
+
+    def check_output(self, node: str, port: str, spec: TensorSpec, value: Any, step: int,
+                     pos: SourcePos) -> None:
+        """Raise `ContractViolation` unless a node's output honours its declared contract."""
+        problem = self._problem(node, spec, value)
+        if problem is not None:
+            raise ContractViolation(f"output `{node}.{port}` ({pos}) at step {step}: {problem}; "
+                                    f"the kind declares {spec.describe()}")
+
+    def _problem(self, node: str, spec: TensorSpec, value: Any) -> str | None:
+        if spec.dtype == "str":
+            return self._list_problem(node, spec, value)
+        shape = getattr(value, "shape", None)
+        if shape is None:
+            return f"expected a tensor, got {type(value).__name__}"
+        dtype = str(value.dtype).removeprefix("torch.")
+        if dtype not in spec.dtypes:
+            return f"dtype is {dtype}, expected {spec.dtype}"
+        problem = self._shape_problem(node, spec, tuple(int(s) for s in shape))
+        return problem or _constraint_problem(spec.constraints, value)
+
+    def _list_problem(self, node: str, spec: TensorSpec, value: Any) -> str | None:
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            return f"expected a list of strings, got {type(value).__name__}"
+        return self._shape_problem(node, spec, (len(value),))
+
+    def _shape_problem(self, node: str, spec: TensorSpec, actual: tuple[int, ...]
+                       ) -> str | None:
+        want = self.expected_dims(node, spec)
+        variadic = spec.shape.variadic
+        if len(actual) != len(want) and not (variadic and len(actual) >= len(want)):
+            return f"shape is {actual}, expected {len(want)} axes {self._show(want)}"
+        tail = actual[len(actual) - len(want):] if want else ()
+        for i, (w, a) in enumerate(zip(want, tail, strict=True)):
+            problem = self._axis_problem(w, a)
+            if problem is not None:
+                return f"shape is {actual}, expected {self._show(want)}: axis {i + 1} {problem}"
+        return None
+
+    def _axis_problem(self, want: Poly | None, actual: int) -> str | None:
+        if want is None:
+            return None
+        env = self.check.shapes.env
+        value = env.numeric(want).subs({k: Poly.const(v) for k, v in self.bound.items()})
+        if value.is_const():
+            got = value.const_value()
+            return None if got == actual else f"is {actual}, expected {want} = {got}"
+        free = sorted(value.symbols())
+        sol = value.linear_in(free[0]) if len(free) == 1 else None
+        if sol is None or sol[0] != 1:
+            return None  # not determined by one axis; the other edges pin it down
+        self.bound[free[0]] = actual - sol[1].const_value()
+        return None
+
+    def _show(self, dims: tuple[Poly | None, ...]) -> str:
+        env = self.check.shapes.env
+        return env.label(dims)
+
+
+def _constraint_problem(constraints: tuple[str, ...], value: Any) -> str | None:
+    if not constraints or value.numel() == 0:
+        return None
+    import torch
+
+    x = value.detach()
+    checks = {
+        "binary": lambda: bool(((x == 0) | (x == 1)).all()),
+        "finite": lambda: bool(torch.isfinite(x).all()) if x.is_floating_point() else True,
+        "nonpositive": lambda: bool((x <= 1e-6).all()),
+        "nonnegative": lambda: bool((x >= -1e-6).all()),
+        "probability": lambda: bool(((x >= 0) & (x <= 1)).all()),
+    }
+    # `finite` first: a NaN would otherwise be reported as breaking `nonpositive`.
+    for name in sorted(constraints, key=lambda c: c != "finite"):
+        if not checks[name]():
+            return f"values break `{name}` (min {x.min().item():.4g}, max {x.max().item():.4g})"
+    return None

@@ -1,0 +1,425 @@
+"""Update nodes: PPO actor (Schulman et al. 2017), PPO critic, DPO (Rafailov et al. 2023).
+
+Each is a sink: it trains `ctx.model` with `ctx.optimizer` and reports through
+`ctx.metrics`. All three share one loop, verl's `dp_actor.update_policy`:
+
+    for epoch in range(ppo_epochs):              # permutation seeded by (seed, step, epoch)
+        for each mini-batch of M sequences:       # one optimizer step
+            for each micro-batch k of m:          # gradient accumulation
+                (w_k · L_k).backward()
+            clip (or measure) the grad norm; non-finite → NonFiniteError, model untouched
+            optimizer.step(); scheduler.step()
+
+Micro-batch weights. L_k is micro-batch k's own loss, aggregated as `loss_agg_mode`
+says, and w_k = n_k / Σ_j n_j, with n the aggregation's denominator: valid tokens
+(token-mean), sequences (seq-mean-token-sum), sequences with a valid token
+(seq-mean-token-mean), pairs (DPO). Then Σ_k w_k L_k *is* the mini-batch loss, so the
+accumulated gradient equals the one-shot mini-batch gradient for every mode and every
+m. For token-mean this is verl's global-token normalisation (`agg_loss` with
+`batch_num_tokens`); for the seq-mean modes it is verl's `1/gradient_accumulation`
+whenever no sequence is fully masked. Reported metrics are weighted the same way
+within a mini-batch, then averaged over the optimizer steps.
+
+The shuffle uses its own `torch.Generator`, so the global RNG is untouched and a
+resumed step reshuffles exactly as the original run did.
+
+Notation: B sequences (pairs for DPO) on this rank, M mini_batch_size, m
+micro_batch_size, P prompt length, T response length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import defaultdict
+from collections.abc import Callable
+from functools import partial
+from typing import NoReturn
+
+import torch
+from flowgraph.nodes._agg import agg_loss, masked_mean
+from flowgraph.nodes.logprob import forward_hidden, head_logprob, sequence_logprob
+from flowgraph.nodes.losses import dpo_loss, kl_penalty, ppo_policy_loss, value_loss
+from flowgraph.nodes.values import values as predict_values
+from torch import Tensor, nn
+
+from flowgraph.errors import NonFiniteError
+from flowgraph.runtime import NodeContext
+
+__all__ = ["dpo_update", "ppo_actor_update", "ppo_critic_update"]
+
+Batch = dict[str, Tensor]
+LossFn = Callable[[Batch], tuple[Tensor, dict[str, float]]]
+"""A micro-batch → (its loss, aggregated over the micro-batch; metrics by full name)."""
+SizeFn = Callable[[Batch], float]
+"""A (micro-)batch → the denominator its loss aggregation divides by."""
+SEQUENCES = ("prompts", "prompt_mask", "responses", "response_mask")
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def _schedule(B: int, ppo_epochs: int, mini: int | None, micro: int | None) -> tuple[int, int]:
+    """(M, m) with M | B and m | M; the message names the numbers that do not fit."""
+    M = mini or B
+    m = micro or M
+    if B < 1 or ppo_epochs < 1:
+        raise ValueError(
+            f"an update needs B >= 1 and ppo_epochs >= 1; got B={B}, ppo_epochs={ppo_epochs}"
+        )
+    if B % M:
+        raise ValueError(
+            f"mini_batch_size={M} does not divide the batch of {B} sequences on "
+            f"this rank; use a divisor of {B}, or null for the whole batch"
+        )
+    if M % m:
+        raise ValueError(
+            f"micro_batch_size={m} does not divide mini_batch_size={M}; use a "
+            f"divisor of {M}, or null for the whole mini-batch"
+        )
+    return M, m
+
+
+def _permutation(ctx: NodeContext, epoch: int, B: int) -> Tensor:
+    """A permutation of range(B) that depends on (seed, step, epoch) only."""
+    key = hashlib.blake2b(f"{ctx.seed}/{ctx.step}/{epoch}".encode(), digest_size=8).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(key, "little"))
+    return torch.randperm(B, generator=generator)
+
+
+def _rows(batch: Batch, rows: Tensor) -> Batch:
+    return {k: v[rows.to(v.device)] for k, v in batch.items()}
+
+
+def _mini_batches(batch: Batch, order: Tensor, M: int, m: int) -> list[list[Batch]]:
+    """The rows of `batch` in `order`, as B/M mini-batches of M/m micro-batches of m."""
+    return [[_rows(batch, rows) for rows in mini.split(m)] for mini in order.split(M)]
+
+
+def _abort(ctx: NodeContext, what: str) -> NoReturn:
+    ctx.model.zero_grad(set_to_none=True)  # nothing of the bad step survives
+    raise NonFiniteError(ctx.node, ctx.step, what)
+
+
+def _grad_norm(ctx: NodeContext) -> Tensor:
+    """Global L2 grad norm before clipping; clips to `ctx.grad_clip` when that is > 0."""
+    params = [p for p in ctx.model.parameters() if p.grad is not None]
+    if ctx.grad_clip > 0:
+        return nn.utils.clip_grad_norm_(params, ctx.grad_clip)
+    return nn.utils.get_total_norm([p.grad for p in params])
+
+
+def _optimizer_step(
+    ctx: NodeContext, micro_batches: list[Batch], loss_fn: LossFn, size_fn: SizeFn
+) -> dict[str, float]:
+    """Accumulate w_k·L_k over the micro-batches, then one optimizer step."""
+    sizes = [size_fn(mb) for mb in micro_batches]
+    total = sum(sizes)
+    metrics: dict[str, float] = defaultdict(float)
+    ctx.model.zero_grad(set_to_none=True)
+    for mb, n in zip(micro_batches, sizes, strict=True):
+        # No valid token anywhere: every L_k is 0, any weights do.
+        w = n / total if total else 1 / len(sizes)
+        loss, stats = loss_fn(mb)
+        if not math.isfinite(loss.item()):
+            _abort(ctx, "loss")
+        if loss.requires_grad:  # else no valid token reached the model: a zero gradient
+            (w * loss).backward()
+        for name, value in stats.items():
+            metrics[name] += w * value
+    grad_norm = float(_grad_norm(ctx))
+    if not math.isfinite(grad_norm):
+        _abort(ctx, "gradient norm")
+    metrics["grad_norm"], metrics["lr"] = grad_norm, ctx.optimizer.param_groups[0]["lr"]
+    ctx.optimizer.step()
+    if ctx.scheduler is not None:
+        ctx.scheduler.step()
+    ctx.model.zero_grad(set_to_none=True)
+    return metrics
+
+
+def _train(
+    ctx: NodeContext,
+    batch: Batch,
+    loss_fn: LossFn,
+    size_fn: SizeFn,
+    prefix: str,
+    *,
+    ppo_epochs: int,
+    mini_batch_size: int | None,
+    micro_batch_size: int | None,
+) -> None:
+    """Epochs × shuffled mini-batches × micro-batches; metric means into `ctx.metrics`."""
+    if ctx.model is None or ctx.optimizer is None:
+        raise ValueError(
+            f"update node `{ctx.node}` needs ctx.model and ctx.optimizer; got "
+            f"model={type(ctx.model).__name__}, "
+            f"optimizer={type(ctx.optimizer).__name__}"
+        )
+    B = len(next(iter(batch.values())))
+    M, m = _schedule(B, ppo_epochs, mini_batch_size, micro_batch_size)
+    plan = (
+        mini
+        for epoch in range(ppo_epochs)
+        for mini in _mini_batches(batch, _permutation(ctx, epoch, B), M, m)
+    )
+    with torch.enable_grad():  # an executor may call nodes under no_grad
+        steps = [_optimizer_step(ctx, micro, loss_fn, size_fn) for micro in plan]
+    for name in steps[0]:
+        full = f"{prefix}/{name}" if name in ("grad_norm", "lr") else name
+        ctx.metrics[full] = sum(s[name] for s in steps) / len(steps)
+
+
+def _agg_size(mode: str, mb: Batch) -> float:
+    """The denominator of `agg_loss(·, response_mask, mode)` on this (micro-)batch."""
+    mask = mb["response_mask"]
+    if mode == "token-mean":
+        return float(mask.sum())
+    if mode == "seq-mean-token-sum":
+        return float(len(mask))
+    return float((mask != 0).any(-1).sum())
+
+
+# --------------------------------------------------------------------------- PPO actor
+
+
+def _actor_loss(
+    model: nn.Module,
+    mb: Batch,
+    *,
+    clip: dict[str, float],
+    entropy_coeff: float,
+    kl_loss_coef: float,
+    kl_loss_type: str,
+    mode: str,
+) -> tuple[Tensor, dict[str, float]]:
+    """L = L_clip − c_H·H + c_KL·KL(π ‖ π_ref), each aggregated by `mode` (verl's actor)."""
+    mask, responses, head = mb["response_mask"], mb["responses"], model.get_output_embeddings()
+    hidden = forward_hidden(model, *(mb[k] for k in SEQUENCES))
+    out = head_logprob(head, hidden, responses, mask, with_entropy=entropy_coeff != 0)
+    log_prob, entropy_t = out["log_prob"], out.get("entropy")
+    if entropy_t is None:  # for the metric only: keep the entropy out of the backward pass
+        with torch.no_grad():
+            entropy_t = head_logprob(head, hidden, responses, mask, with_entropy=True)["entropy"]
+    pg_loss, pg = ppo_policy_loss(
+        mb["old_log_prob"], log_prob, mb["advantages"], mask, **clip, loss_agg_mode=mode
+    )
+    entropy = agg_loss(entropy_t, mask, mode)
+    metrics = {"actor/pg_loss": pg_loss.item(), "actor/entropy": entropy.item()}
+    metrics |= {f"actor/{k}": v for k, v in pg.items()}
+    loss = pg_loss - entropy_coeff * entropy if entropy_coeff else pg_loss
+    if "ref_log_prob" in mb:
+        kl = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], kl_loss_type), mask, mode)
+        loss = loss + kl_loss_coef * kl
+        metrics["actor/kl_loss"] = kl.item()
+    return loss, metrics
+
+
+def ppo_actor_update(
+    ctx: NodeContext,
+    *,
+    prompts: Tensor,
+    prompt_mask: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    ref_log_prob: Tensor | None = None,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float = 3.0,
+    entropy_coeff: float = 0.0,
+    kl_loss_coef: float = 0.001,
+    kl_loss_type: str = "low_var_kl",
+    ppo_epochs: int = 1,
+    mini_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+    loss_agg_mode: str = "token-mean",
+) -> dict[str, Tensor]:
+    """Dual-clip PPO on the actor `ctx.model` (a causal LM); all tensors (B, P) or (B, T).
+
+    Log-probs are recomputed at temperature 1. A wired `ref_log_prob` adds GRPO's KL
+    loss. Metrics: actor/{pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy,
+    kl_loss (with ref_log_prob), grad_norm, lr}.
+    """
+    batch = {
+        "prompts": prompts,
+        "prompt_mask": prompt_mask,
+        "responses": responses,
+        "response_mask": response_mask,
+        "old_log_prob": old_log_prob,
+        "advantages": advantages,
+    }
+    if ref_log_prob is not None:
+        batch["ref_log_prob"] = ref_log_prob
+    clip = {
+        "clip_ratio_low": clip_ratio_low,
+        "clip_ratio_high": clip_ratio_high,
+        "clip_ratio_c": clip_ratio_c,
+    }
+    loss_fn = partial(
+        _actor_loss,
+        ctx.model,
+        clip=clip,
+        entropy_coeff=entropy_coeff,
+        kl_loss_coef=kl_loss_coef,
+        kl_loss_type=kl_loss_type,
+        mode=loss_agg_mode,
+    )
+    _train(
+        ctx,
+        batch,
+        loss_fn,
+        partial(_agg_size, loss_agg_mode),
+        "actor",
+        ppo_epochs=ppo_epochs,
+        mini_batch_size=mini_batch_size,
+        micro_batch_size=micro_batch_size,
+    )
+    return {}
+
+
+# --------------------------------------------------------------------------- PPO critic
+
+
+def _critic_loss(
+    critic: nn.Module, mb: Batch, *, cliprange_value: float, mode: str
+) -> tuple[Tensor, dict[str, float]]:
+    """½·agg(max((v̂ − R)², (clip(v̂, V ± c) − R)²)) with v̂ recomputed with grad."""
+    mask = mb["response_mask"]
+    vpreds = predict_values(critic, *(mb[k] for k in SEQUENCES))["values"]
+    loss, clipfrac = value_loss(vpreds, mb["values"], mb["returns"], mask, cliprange_value, mode)
+    return loss, {
+        "critic/vf_loss": loss.item(),
+        "critic/vf_clipfrac": clipfrac,
+        "critic/vpred_mean": masked_mean(vpreds.detach(), mask).item(),
+    }
+
+
+def ppo_critic_update(
+    ctx: NodeContext,
+    *,
+    prompts: Tensor,
+    prompt_mask: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    values: Tensor,
+    returns: Tensor,
+    cliprange_value: float = 0.5,
+    ppo_epochs: int = 1,
+    mini_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+    loss_agg_mode: str = "token-mean",
+) -> dict[str, Tensor]:
+    """Clipped value regression of the critic `ctx.model` (a `ValueModel`) onto `returns`.
+
+    `values` (B, T) are the rollout-time values V, the centre of the clip. Metrics:
+    critic/{vf_loss, vf_clipfrac, vpred_mean, grad_norm, lr}.
+    """
+    batch = {
+        "prompts": prompts,
+        "prompt_mask": prompt_mask,
+        "responses": responses,
+        "response_mask": response_mask,
+        "values": values,
+        "returns": returns,
+    }
+    loss_fn = partial(_critic_loss, ctx.model, cliprange_value=cliprange_value, mode=loss_agg_mode)
+    _train(
+        ctx,
+        batch,
+        loss_fn,
+        partial(_agg_size, loss_agg_mode),
+        "critic",
+        ppo_epochs=ppo_epochs,
+        mini_batch_size=mini_batch_size,
+        micro_batch_size=micro_batch_size,
+    )
+    return {}
+
+
+# --------------------------------------------------------------------------- DPO
+
+
+def _dpo_loss(
+    model: nn.Module, mb: Batch, *, beta: float, loss_type: str, label_smoothing: float
+) -> tuple[Tensor, dict[str, float]]:
+    """Mean DPO loss over the pairs; chosen and rejected share one forward pass (TRL)."""
+    n = len(mb["prompts"])
+    logps = sequence_logprob(
+        model,
+        mb["prompts"].repeat(2, 1),
+        mb["prompt_mask"].repeat(2, 1),
+        torch.cat([mb["chosen"], mb["rejected"]]),
+        torch.cat([mb["chosen_mask"], mb["rejected_mask"]]),
+    )["log_prob"]
+    losses, chosen, rejected = dpo_loss(
+        logps[:n],
+        logps[n:],
+        mb["ref_chosen_logps"],
+        mb["ref_rejected_logps"],
+        beta,
+        loss_type,
+        label_smoothing,
+    )
+    loss = losses.mean()
+    return loss, {
+        "actor/dpo_loss": loss.item(),
+        "rewards/chosen": chosen.mean().item(),
+        "rewards/rejected": rejected.mean().item(),
+        "rewards/accuracies": (chosen > rejected).float().mean().item(),
+        "rewards/margins": (chosen - rejected).mean().item(),
+    }
+
+
+def dpo_update(
+    ctx: NodeContext,
+    *,
+    prompts: Tensor,
+    prompt_mask: Tensor,
+    chosen: Tensor,
+    chosen_mask: Tensor,
+    rejected: Tensor,
+    rejected_mask: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    ppo_epochs: int = 1,
+    mini_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+    loss_agg_mode: str = "token-mean",
+) -> dict[str, Tensor]:
+    """DPO on the policy `ctx.model`: prompts (B, P), chosen/rejected (B, T), ref logps (B,).
+
+    log π(y|x) is the sum over the valid response tokens (`sequence_logprob`), and the
+    loss is the mean over pairs, so `loss_agg_mode` (a shared mini-batch param) has no
+    effect here. Metrics (TRL names): actor/dpo_loss, rewards/{chosen, rejected,
+    accuracies, margins}, actor/{grad_norm, lr}.
+    """
+    del loss_agg_mode  # per-pair loss: nothing to aggregate over tokens
+    batch = {
+        "prompts": prompts,
+        "prompt_mask": prompt_mask,
+        "chosen": chosen,
+        "chosen_mask": chosen_mask,
+        "rejected": rejected,
+        "rejected_mask": rejected_mask,
+        "ref_chosen_logps": ref_chosen_logps,
+        "ref_rejected_logps": ref_rejected_logps,
+    }
+    loss_fn = partial(
+        _dpo_loss, ctx.model, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing
+    )
+    _train(
+        ctx,
+        batch,
+        loss_fn,
+        lambda mb: float(len(mb["prompts"])),
+        "actor",
+        ppo_epochs=ppo_epochs,
+        mini_batch_size=mini_batch_size,
+        micro_batch_size=micro_batch_size,
+    )
+    return {}

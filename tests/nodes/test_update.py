@@ -1,0 +1,368 @@
+"""Update nodes on a 1-layer random Llama: PPO actor, PPO critic, DPO.
+
+The batch has responses of 5, 2, 4 and 0 valid tokens, so token-mean, seq-mean-token-sum
+and seq-mean-token-mean weight micro-batches differently and the empty row exercises
+the "sequences with a valid token" denominator.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from flowgraph.nodes.logprob import logprob, sequence_logprob
+from flowgraph.nodes.update import dpo_update, ppo_actor_update, ppo_critic_update
+from flowgraph.nodes.values import ValueModel
+from flowgraph.nodes.values import values as predict_values
+from torch import Tensor, nn
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+
+from flowgraph.errors import NonFiniteError
+from flowgraph.kinds import BUILTIN_KINDS, LOSS_AGG
+from flowgraph.runtime import NodeContext
+
+B, P, T, V, H = 4, 3, 5, 32, 32
+ACTOR_METRICS = (
+    "pg_loss",
+    "pg_clipfrac",
+    "pg_clipfrac_lower",
+    "ppo_kl",
+    "entropy",
+    "grad_norm",
+    "lr",
+)
+CONFIG = LlamaConfig(
+    vocab_size=V,
+    hidden_size=H,
+    intermediate_size=64,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def _actor(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(CONFIG).train()
+
+
+def _critic(seed: int = 0) -> ValueModel:
+    torch.manual_seed(seed)
+    return ValueModel(LlamaModel(CONFIG), H, seed=seed).train()
+
+
+def _ctx(
+    model: nn.Module, *, lr: float = 0.5, sgd: bool = True, step: int = 0, grad_clip: float = 0.0
+) -> NodeContext:
+    opt = (torch.optim.SGD if sgd else torch.optim.Adam)(model.parameters(), lr=lr)
+    return NodeContext(
+        "update",
+        "ppo_actor_update",
+        step=step,
+        seed=7,
+        model=model,
+        optimizer=opt,
+        grad_clip=grad_clip,
+    )
+
+
+def _sequences(seed: int = 0) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    prompt_mask = torch.tensor([[1, 1, 1], [0, 1, 1], [0, 0, 1], [1, 1, 1]])
+    lengths = torch.tensor([5, 2, 4, 0])
+    return {
+        "prompts": torch.randint(3, V, (B, P), generator=g),
+        "prompt_mask": prompt_mask,
+        "responses": torch.randint(3, V, (B, T), generator=g),
+        "response_mask": (torch.arange(T) < lengths[:, None]).long(),
+    }
+
+
+def _log_prob(model: nn.Module, seqs: dict[str, Tensor]) -> Tensor:
+    with torch.no_grad():
+        return logprob(model, **seqs)["log_prob"]
+
+
+def _ppo_batch(model: nn.Module, advantages: Tensor | None = None) -> dict[str, Tensor]:
+    """On-policy: old_log_prob = the model's own log-probs, so the ratio starts at 1."""
+    seqs = _sequences()
+    g = torch.Generator().manual_seed(3)
+    if advantages is None:
+        advantages = torch.randn(B, T, generator=g) * seqs["response_mask"]
+    return {**seqs, "old_log_prob": _log_prob(model, seqs), "advantages": advantages}
+
+
+def _params(model: nn.Module) -> Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()]).clone()
+
+
+def _assert_metrics(ctx: NodeContext, names: tuple[str, ...]) -> None:
+    missing = [n for n in names if n not in ctx.metrics]
+    assert not missing, f"missing metrics {missing}; got {sorted(ctx.metrics)}"
+    bad = {n: ctx.metrics[n] for n in names if not math.isfinite(ctx.metrics[n])}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("fn", [ppo_actor_update, ppo_critic_update, dpo_update])
+def test_signature_is_exactly_the_kind_contract(fn: Callable[..., object]) -> None:
+    kind = BUILTIN_KINDS[fn.__name__]
+    sig = inspect.signature(fn)
+    want = ["ctx", *(p.name for p in kind.inputs), *(p.name for p in kind.params)]
+    assert sorted(sig.parameters) == sorted(want)
+    for p in kind.params:
+        assert sig.parameters[p.name].default == p.default, p.name
+    for port in kind.inputs:
+        has_default = sig.parameters[port.name].default is not inspect.Parameter.empty
+        assert has_default == port.optional, port.name
+
+
+def test_actor_step_raises_log_probs_of_positive_advantage_tokens() -> None:
+    model = _actor()
+    seqs = _sequences()
+    mask = seqs["response_mask"]
+    # Row 0 (5 tokens) is rewarded, row 1 (2 tokens) punished, row 2 (4 tokens) neutral.
+    sign = torch.tensor([1.0, -1.0, 0.0, 0.0])[:, None]
+    batch = _ppo_batch(model, advantages=sign * mask)
+    ctx = _ctx(model, lr=0.1)
+    ppo_actor_update(ctx, **batch)
+    # On-policy the ratio is 1: pg_loss = −Σ m·A / Σ m = −(5 − 2)/11; nothing is clipped.
+    assert ctx.metrics["actor/pg_loss"] == pytest.approx(-3 / 11, abs=1e-6)
+    assert ctx.metrics["actor/pg_clipfrac"] == 0.0
+    assert ctx.metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
+    _assert_metrics(ctx, tuple(f"actor/{n}" for n in ACTOR_METRICS))
+    assert "actor/kl_loss" not in ctx.metrics
+    delta = (_log_prob(model, seqs) - batch["old_log_prob"]).sum(-1)
+    assert delta[0] > 0 and delta[1] < 0
+    # The same batch again: the surrogate loss (now off-policy) is lower than before.
+    again = _ctx(model, lr=0.0)
+    ppo_actor_update(again, **batch)
+    assert again.metrics["actor/pg_loss"] < -3 / 11
+
+
+def _accumulation_case(kind: str, mode: str) -> tuple[nn.Module, Callable[..., object], dict]:
+    if kind == "critic":
+        critic = _critic()
+        seqs = _sequences()
+        with torch.no_grad():
+            v = predict_values(critic, **seqs)["values"]
+        g = torch.Generator().manual_seed(5)
+        returns = (v + torch.randn(B, T, generator=g)) * seqs["response_mask"]
+        return (
+            critic,
+            ppo_critic_update,
+            {**seqs, "values": v, "returns": returns, "loss_agg_mode": mode},
+        )
+    actor = _actor()
+    batch = _ppo_batch(actor)
+    g = torch.Generator().manual_seed(4)
+    noise = 0.3 * torch.randn(B, T, generator=g) * batch["response_mask"]
+    batch["old_log_prob"] = (batch["old_log_prob"] + noise).clamp(max=0.0)  # some clipping
+    batch["ref_log_prob"] = (batch["old_log_prob"] - noise.abs()).clamp(max=0.0)
+    return (
+        actor,
+        ppo_actor_update,
+        {**batch, "entropy_coeff": 0.01, "kl_loss_coef": 0.1, "loss_agg_mode": mode},
+    )
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG)
+@pytest.mark.parametrize("kind", ["actor", "critic"])
+def test_micro_batches_accumulate_to_the_one_shot_mini_batch_gradient(kind: str, mode: str) -> None:
+    # w_k = n_k / Σ n_j makes Σ w_k L_k the mini-batch loss: one SGD step with m = M/2
+    # lands on the same parameters as with m = M (lr 0.5, so any 1/k mis-weighting of
+    # the 5/2/4/0-token rows would show up at ~1e-2).
+    model, update, kwargs = _accumulation_case(kind, mode)
+    twin = copy.deepcopy(model)
+    one_shot, split = _ctx(model), _ctx(twin)
+    update(one_shot, **kwargs, mini_batch_size=4, micro_batch_size=4)
+    update(split, **kwargs, mini_batch_size=4, micro_batch_size=2)
+    assert (_params(model) - _params(twin)).abs().max() < 1e-6
+    assert split.metrics.keys() == one_shot.metrics.keys()
+    loss = "actor/pg_loss" if kind == "actor" else "critic/vf_loss"
+    assert split.metrics[loss] == pytest.approx(one_shot.metrics[loss], abs=1e-6)
+
+
+def test_shuffling_is_seeded_by_seed_step_and_epoch_only() -> None:
+    first = _actor()
+    batch = _ppo_batch(first)
+    second, other_step = copy.deepcopy(first), copy.deepcopy(first)
+    rng = torch.get_rng_state()
+    for model, step in [(first, 3), (second, 3), (other_step, 4)]:
+        # Two mini-batches of 2: their order and composition change the result.
+        ppo_actor_update(_ctx(model, step=step), **batch, mini_batch_size=2, ppo_epochs=2)
+    assert torch.equal(torch.get_rng_state(), rng)  # the global RNG is never drawn from
+    assert torch.equal(_params(first), _params(second))
+    assert not torch.allclose(_params(first), _params(other_step), atol=1e-5)
+
+
+def test_non_finite_advantage_raises_before_the_optimizer_step() -> None:
+    model = _actor()
+    batch = _ppo_batch(model)
+    batch["advantages"][0, 1] = math.nan
+    before = _params(model)
+    ctx = _ctx(model, sgd=False)
+    with pytest.raises(NonFiniteError, match=r"non-finite loss in node `update` at step 0"):
+        ppo_actor_update(ctx, **batch, micro_batch_size=2)
+    assert torch.equal(_params(model), before)
+    assert all(p.grad is None for p in model.parameters())
+    assert not ctx.optimizer.state  # Adam's moments were never touched either
+
+
+def test_non_finite_gradient_norm_raises_before_the_optimizer_step() -> None:
+    model = _actor()
+    batch = _ppo_batch(model)
+    before = _params(model)
+    model.lm_head.weight.register_hook(lambda g: g * math.inf)
+    ctx = _ctx(model, sgd=False, grad_clip=1.0)
+    with pytest.raises(NonFiniteError, match="non-finite gradient norm") as info:
+        ppo_actor_update(ctx, **batch)
+    assert (info.value.node, info.value.step) == ("update", 0)
+    assert torch.equal(_params(model), before) and not ctx.optimizer.state
+
+
+def test_grad_clip_bounds_the_update() -> None:
+    # SGD with lr 1: Δθ = −g_clipped, so ‖Δθ‖ = min(‖g‖, clip); ‖g‖ is reported unclipped.
+    free, clipped = _actor(), _actor()
+    batch = _ppo_batch(free)
+    before = _params(free)
+    unclipped = _ctx(free, lr=1.0)
+    ppo_actor_update(unclipped, **batch)
+    norm = unclipped.metrics["actor/grad_norm"]
+    assert (_params(free) - before).norm().item() == pytest.approx(norm, rel=1e-4)
+    ctx = _ctx(clipped, lr=1.0, grad_clip=norm / 10)
+    ppo_actor_update(ctx, **batch)
+    assert ctx.metrics["actor/grad_norm"] == pytest.approx(norm, rel=1e-5)
+    assert (_params(clipped) - before).norm().item() == pytest.approx(norm / 10, rel=1e-4)
+
+
+def test_every_mini_batch_steps_the_optimizer_and_the_scheduler_even_under_no_grad() -> None:
+    model = _actor()
+    batch = _ppo_batch(model)
+    ctx = _ctx(model, lr=0.1)
+    ctx.scheduler = torch.optim.lr_scheduler.LambdaLR(ctx.optimizer, lambda k: 0.5**k)
+    with torch.no_grad():  # executors may run nodes without grad; an update still trains
+        ppo_actor_update(ctx, **batch, mini_batch_size=2, micro_batch_size=1, ppo_epochs=2)
+    assert ctx.scheduler.last_epoch == 4  # 2 epochs × 2 mini-batches
+    # lr is the one each step used, averaged: 0.1·(1 + ½ + ¼ + ⅛)/4.
+    assert ctx.metrics["actor/lr"] == pytest.approx(0.1 * 1.875 / 4)
+
+
+def test_entropy_is_reported_whether_or_not_it_is_in_the_loss() -> None:
+    model = _actor()
+    batch = _ppo_batch(model)
+    with torch.no_grad():
+        entropy = logprob(model, **_sequences(), with_entropy=True)["entropy"]
+    want = (entropy.sum() / batch["response_mask"].sum()).item()  # token-mean
+    for coeff in (0.0, 0.1):
+        ctx = _ctx(model, lr=0.0)
+        ppo_actor_update(ctx, **batch, entropy_coeff=coeff)
+        assert ctx.metrics["actor/entropy"] == pytest.approx(want, rel=1e-5)
+
+
+def test_kl_loss_is_reported_when_ref_log_prob_is_wired() -> None:
+    model = _actor()
+    batch = _ppo_batch(model)
+    ctx = _ctx(model, lr=0.0)
+    ppo_actor_update(ctx, **batch, ref_log_prob=batch["old_log_prob"], kl_loss_type="kl")
+    # π = π_old = π_ref before the (lr 0) step: every estimator of KL is 0.
+    assert ctx.metrics["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
+    _assert_metrics(ctx, (*(f"actor/{n}" for n in ACTOR_METRICS), "actor/kl_loss"))
+
+
+@pytest.mark.parametrize(
+    ("mini", "micro", "message"),
+    [
+        (3, None, r"mini_batch_size=3 does not divide the batch of 4 sequences"),
+        (8, None, r"mini_batch_size=8 does not divide the batch of 4 sequences"),
+        (4, 3, r"micro_batch_size=3 does not divide mini_batch_size=4"),
+        (None, 3, r"micro_batch_size=3 does not divide mini_batch_size=4"),
+    ],
+)
+def test_batch_sizes_that_do_not_divide_are_refused(
+    mini: int | None, micro: int | None, message: str
+) -> None:
+    model = _actor()
+    with pytest.raises(ValueError, match=message):
+        ppo_actor_update(
+            _ctx(model), **_ppo_batch(model), mini_batch_size=mini, micro_batch_size=micro
+        )
+
+
+def test_critic_update_lowers_the_value_loss() -> None:
+    critic = _critic()
+    seqs = _sequences()
+    mask = seqs["response_mask"]
+    with torch.no_grad():
+        v = predict_values(critic, **seqs)["values"]
+    batch = {**seqs, "values": v, "returns": (v + 1.0) * mask}
+    ctx = _ctx(critic, lr=1e-2, sgd=False)
+    ppo_critic_update(ctx, **batch, cliprange_value=10.0)
+    # v̂ = V = R − 1 on every valid token: ½·mean(1²) = 0.5, nothing clipped.
+    assert ctx.metrics["critic/vf_loss"] == pytest.approx(0.5, abs=1e-5)
+    assert ctx.metrics["critic/vf_clipfrac"] == 0.0
+    assert ctx.metrics["critic/vpred_mean"] == pytest.approx(
+        (v.sum() / mask.sum()).item(), abs=1e-5
+    )
+    _assert_metrics(
+        ctx,
+        tuple(f"critic/{n}" for n in ("vf_loss", "vf_clipfrac", "vpred_mean", "grad_norm", "lr")),
+    )
+    for _ in range(4):
+        ctx = NodeContext(
+            "update", "ppo_critic_update", step=1, seed=7, model=critic, optimizer=ctx.optimizer
+        )
+        ppo_critic_update(ctx, **batch, cliprange_value=10.0)
+    assert ctx.metrics["critic/vf_loss"] < 0.25
+
+
+def _pairs(model: nn.Module) -> dict[str, Tensor]:
+    seqs, other = _sequences(0), _sequences(1)
+    mask = torch.ones(B, T, dtype=torch.long)
+    mask[1, 3:] = 0
+    pairs = {
+        "prompts": seqs["prompts"],
+        "prompt_mask": seqs["prompt_mask"],
+        "chosen": seqs["responses"],
+        "chosen_mask": mask,
+        "rejected": other["responses"],
+        "rejected_mask": mask.flip(0),
+    }
+    with torch.no_grad():  # the reference is the policy's starting point
+        for name in ("chosen", "rejected"):
+            pairs[f"ref_{name}_logps"] = sequence_logprob(
+                model, pairs["prompts"], pairs["prompt_mask"], pairs[name], pairs[f"{name}_mask"]
+            )["log_prob"]
+    return pairs
+
+
+def test_dpo_update_widens_the_reward_margin() -> None:
+    model = _actor()
+    pairs = _pairs(model)
+    margins = []
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(4):
+        ctx = NodeContext("dpo", "dpo_update", step=step, seed=7, model=model, optimizer=optimizer)
+        dpo_update(ctx, **pairs, beta=0.1, micro_batch_size=2)
+        margins.append(ctx.metrics["rewards/margins"])
+        if step == 0:  # π = π_ref: h = 0, loss = −log σ(0) = log 2 and no margin yet
+            assert ctx.metrics["actor/dpo_loss"] == pytest.approx(math.log(2), abs=1e-5)
+            assert margins[0] == pytest.approx(0.0, abs=1e-5)
+    _assert_metrics(
+        ctx,
+        (
+            "actor/dpo_loss",
+            "rewards/chosen",
+            "rewards/rejected",
+            "rewards/accuracies",
+            "rewards/margins",
+            "actor/grad_norm",
+            "actor/lr",
+        ),
+    )
+    assert margins == sorted(margins) and margins[-1] > 0.05
+    assert ctx.metrics["rewards/accuracies"] == 1.0
