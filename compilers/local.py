@@ -29,14 +29,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+
+from flowgraph.check import CheckResult, check_graph
 from flowgraph.compilers.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     remove_partial,
     save_checkpoint,
 )
-
-from flowgraph.check import CheckResult, check_graph
 from flowgraph.errors import FlowgraphError, NonFiniteError
 from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec
 from flowgraph.plan import ExecutionPlan
@@ -344,8 +344,10 @@ class LocalExecutor:
             if strict:
                 self.contracts.check_output(name, p.name, p.spec, value, step,
                                             self.nodes[name].pos)
-            if "finite" in p.spec.constraints and isinstance(value, torch.Tensor) \
-                    and value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            # Every float output, declared `finite` or not: a NaN reward from a user's
+            # plugin must stop the run as surely as one from a built-in node.
+            if isinstance(value, torch.Tensor) and value.is_floating_point() \
+                    and not bool(torch.isfinite(value).all()):
                 raise NonFiniteError(name, step, f"output `{p.name}`")
             env[(name, p.name)] = value
 

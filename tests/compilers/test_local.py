@@ -1,0 +1,173 @@
+"""The local executor: runs, resume, checkpoints, strict mode, faults, export."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from flowgraph.compilers.checkpoint import latest_checkpoint, load_checkpoint, remove_partial
+from flowgraph.compilers.export import export_model
+from flowgraph.compilers.local import read_metrics, run_plan
+from flowgraph.errors import FlowgraphError, NonFiniteError
+from flowgraph.passes import compile_graph
+from flowgraph.runtime.strict import ContractViolation
+
+ROOT = Path(__file__).resolve().parents[2]
+PLUGINS = ROOT / "tests" / "plugins"
+
+FAULTS = """\
+name: faults
+plugins: [fg_runtime_faults]
+dims: {Bp: 4, P: 16}
+models:
+  tok: {path: "builtin:tiny-lm"}
+data:
+  train: {kind: prompts, path: "builtin:arith"}
+nodes:
+  score:
+    kind: prompt_score
+    inputs: {input_ids: train.input_ids}
+"""
+
+
+def _run(graph: str | Path, tmp_path: Path, *overrides: str, text: str | None = None,
+         resume: bool = False) -> list[dict[str, float]]:
+    file = tmp_path / "g.yaml"
+    if text is not None:
+        file.write_text(text)
+    result = compile_graph(file if text is not None else graph,
+                           overrides=[f"trainer.run_dir={tmp_path / 'run'}", *overrides])
+    assert result.plan is not None, [d.one_line() for d in result.diagnostics]
+    return run_plan(result.plan, resume=resume, tensorboard=False, out=open(os.devnull, "w"))
+
+
+def _numbers(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [{k: v for k, v in r.items() if not k.startswith(("timing_s", "perf/"))}
+            for r in rows]
+
+
+@pytest.fixture(autouse=True)
+def _plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(PLUGINS))
+
+
+def test_dpo_trains_hoists_and_checkpoints(tmp_path: Path) -> None:
+    rows = _run(ROOT / "graphs" / "dpo.yaml", tmp_path, "trainer.steps=3",
+                "trainer.checkpoint_every=2", "trainer.eval_every=0")
+    assert sorted(k for k in rows[0] if k.startswith("rewards/")) == [
+        "rewards/accuracies", "rewards/chosen", "rewards/margins", "rewards/rejected"]
+    assert all("timing_s/update" in r and "actor/dpo_loss" in r for r in rows)
+    written = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in written] == [0, 1, 2]
+    # checkpoint after step 2 (every 2) and at the end (step 2): the newest is step_2
+    found = latest_checkpoint(tmp_path / "run")
+    assert found is not None and found[0] == 2
+    assert (found[1] / "model.policy.pt").exists() and (found[1] / "optim.policy.pt").exists()
+
+
+def test_resumed_run_reproduces_the_uninterrupted_one(tmp_path: Path) -> None:
+    full = _run(ROOT / "graphs" / "dpo.yaml", tmp_path / "a", "trainer.steps=4",
+                "trainer.checkpoint_every=2")
+    _run(ROOT / "graphs" / "dpo.yaml", tmp_path / "b", "trainer.steps=2",
+         "trainer.checkpoint_every=2")
+    later = _run(ROOT / "graphs" / "dpo.yaml", tmp_path / "b", "trainer.steps=4",
+                 "trainer.checkpoint_every=2", resume=True)
+    assert _numbers(later) == _numbers(full[2:])
+    assert [r["step"] for r in read_metrics(tmp_path / "b" / "run")] == [0, 1, 2, 3]
+
+
+def test_an_existing_run_is_never_overwritten(tmp_path: Path) -> None:
+    _run(tmp_path, tmp_path, "trainer.steps=1", text=FAULTS)
+    with pytest.raises(FlowgraphError, match="already holds a run; continue it with --resume"):
+        _run(tmp_path, tmp_path, "trainer.steps=1", text=FAULTS)
+
+
+def test_nan_stops_the_run_naming_node_and_step(tmp_path: Path) -> None:
+    message = "non-finite output `scores` in node `score` at step 1"
+    with pytest.raises(NonFiniteError, match=message):
+        _run(tmp_path, tmp_path, "trainer.steps=3", "nodes.score.params.nan_at=1", text=FAULTS)
+    # the step before the fault was logged; nothing after it
+    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0]
+
+
+def test_nan_batch_is_skipped_when_asked(tmp_path: Path) -> None:
+    rows = _run(tmp_path, tmp_path, "trainer.steps=3", "nodes.score.params.nan_at=1",
+                "trainer.on_nonfinite=skip", text=FAULTS)
+    assert [r.get("skipped", 0.0) for r in rows] == [0.0, 1.0, 0.0]
+
+
+def test_strict_mode_catches_a_wrong_output_shape(tmp_path: Path) -> None:
+    text = FAULTS.replace("kind: prompt_score", "kind: wide_score")
+    with pytest.raises(ContractViolation) as exc:
+        _run(tmp_path, tmp_path, "trainer.steps=1", text=text)
+    message = str(exc.value)
+    assert "output `score.scores`" in message and "at step 0" in message
+    assert "shape is (4, 2), expected 1 axes (Bp,) = (4,)" in message
+    assert f"{tmp_path / 'g.yaml'}:9:3" in message  # the node's line
+
+
+def test_missing_model_path_fails_before_anything_loads(tmp_path: Path) -> None:
+    text = FAULTS.replace('"builtin:tiny-lm"', str(tmp_path / "no-such-model"))
+    with pytest.raises(FlowgraphError, match="no-such-model` does not exist"):
+        _run(tmp_path, tmp_path, "trainer.steps=1", text=text)
+
+
+def test_missing_dataset_column_names_file_and_column(tmp_path: Path) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "1+1="}) + "\n")
+    text = FAULTS.replace('"builtin:arith"', str(data))
+    with pytest.raises(FlowgraphError, match=r"d.jsonl` has no column `prompt`; its columns: "
+                                             r"question"):
+        _run(tmp_path, tmp_path, "trainer.steps=1", text=text)
+
+
+KILLER = textwrap.dedent("""
+    import sys, time, torch
+    from pathlib import Path
+    from flowgraph.compilers.checkpoint import save_checkpoint
+
+    class Slow:
+        def state_dict(self):
+            print("writing", flush=True)
+            time.sleep(60)
+            return {}
+
+    run = Path(sys.argv[1])
+    save_checkpoint(run, 0, modules={"a": torch.nn.Linear(2, 2)}, state={"step": 0})
+    save_checkpoint(run, 1, modules={"a": torch.nn.Linear(2, 2), "b": Slow()},
+                    state={"step": 1})
+""")
+
+
+def test_sigkill_during_a_checkpoint_keeps_the_previous_one(tmp_path: Path) -> None:
+    proc = subprocess.Popen([sys.executable, "-c", KILLER, str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert any(".tmp-" in p.name for p in (tmp_path / "checkpoints").iterdir())
+    found = latest_checkpoint(tmp_path)
+    assert found is not None and found[0] == 0
+    linear = torch.nn.Linear(2, 2)
+    assert load_checkpoint(found[1], modules={"a": linear}) == {"step": 0}
+    remove_partial(tmp_path)
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0"]
+
+
+def test_export_gives_a_loadable_hugging_face_model(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    _run(ROOT / "graphs" / "dpo.yaml", tmp_path, "trainer.steps=1")
+    out = export_model(tmp_path / "run", "policy", tmp_path / "hf")
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    saved = torch.load(tmp_path / "run" / "checkpoints" / "step_0" / "model.policy.pt")
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    with pytest.raises(FlowgraphError, match="no model `critic`"):
+        export_model(tmp_path / "run", "critic", tmp_path / "x")

@@ -1,0 +1,20 @@
+"""Plugin kinds that misbehave on purpose, for the executor's fault tests."""
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from flowgraph.registry import node_kind
+
+
+@node_kind("prompt_score", outputs=["scores"], category="reward")
+def prompt_score(ctx, input_ids: Int[Tensor, "b P"], nan_at: int = -1) -> Float[Tensor, " b"]:
+    """Mean token id per prompt; NaN for the whole batch at step `nan_at`."""
+    scores = input_ids.float().mean(-1)
+    return scores * float("nan") if ctx.step == nan_at else scores
+
+
+@node_kind("wide_score", outputs=["scores"], category="reward")
+def wide_score(input_ids: Int[Tensor, "b P"]) -> Float[Tensor, " b"]:
+    """Declares (b,) but returns (b, 2): a reward head with two labels."""
+    return torch.zeros(input_ids.shape[0], 2)
