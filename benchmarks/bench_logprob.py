@@ -29,8 +29,9 @@ import time
 from pathlib import Path
 
 import torch
-from flowgraph.nodes.logprob import head_logprob
 from torch import Tensor, nn
+
+from flowgraph.nodes.logprob import head_logprob
 
 TARGET = 0.25
 

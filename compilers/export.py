@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from flowgraph.compilers.checkpoint import checkpoint_root, latest_checkpoint
 
+from flowgraph.compilers.checkpoint import checkpoint_root, latest_checkpoint
 from flowgraph.errors import FlowgraphError
 from flowgraph.plan import ExecutionPlan
 

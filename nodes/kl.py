@@ -20,11 +20,11 @@ Notation: B sequences, T response length, m response mask (B, T), β KL coeffici
 
 from __future__ import annotations
 
+from torch import Tensor
+
 from flowgraph.nodes._agg import masked_mean
 from flowgraph.nodes.losses import AdaptiveKLController, FixedKLController
 from flowgraph.nodes.losses import kl_penalty as kl_estimate
-from torch import Tensor
-
 from flowgraph.runtime import NodeContext
 
 __all__ = ["kl_penalty"]

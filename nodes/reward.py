@@ -31,8 +31,9 @@ import re
 from collections.abc import Sequence
 
 import torch
-from flowgraph.nodes.logprob import forward_hidden
 from torch import Tensor, nn
+
+from flowgraph.nodes.logprob import forward_hidden
 
 __all__ = ["extract_answer", "reward_model", "rule_reward", "token_reward"]
 

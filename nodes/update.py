@@ -37,13 +37,13 @@ from functools import partial
 from typing import NoReturn
 
 import torch
+from torch import Tensor, nn
+
+from flowgraph.errors import NonFiniteError
 from flowgraph.nodes._agg import agg_loss, masked_mean
 from flowgraph.nodes.logprob import forward_hidden, head_logprob, sequence_logprob
 from flowgraph.nodes.losses import dpo_loss, kl_penalty, ppo_policy_loss, value_loss
 from flowgraph.nodes.values import values as predict_values
-from torch import Tensor, nn
-
-from flowgraph.errors import NonFiniteError
 from flowgraph.runtime import NodeContext
 
 __all__ = ["dpo_update", "ppo_actor_update", "ppo_critic_update"]

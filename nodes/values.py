@@ -13,9 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from torch import Tensor, nn
+
 from flowgraph.nodes.logprob import forward_hidden
 from flowgraph.nodes.models import load_model
-from torch import Tensor, nn
 
 __all__ = ["ValueModel", "values"]
 

@@ -10,6 +10,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+
+from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.data import (
     PreferenceDataset,
     PromptDataset,
@@ -18,8 +20,6 @@ from flowgraph.nodes.data import (
     prompt_source,
 )
 from flowgraph.nodes.models import build_tiny_tokenizer
-
-from flowgraph.errors import FlowgraphError
 
 TOK = build_tiny_tokenizer()
 

@@ -6,10 +6,10 @@ import inspect
 
 import pytest
 import torch
-from flowgraph.nodes.kl import kl_penalty
 from torch import Tensor
 
 from flowgraph.kinds import BUILTIN_KINDS
+from flowgraph.nodes.kl import kl_penalty
 from flowgraph.runtime import NodeContext
 
 SCORES = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flowgraph.nodes.logprob import forward_hidden, head_logprob, logprob, sequence_logprob
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flowgraph.builtin_models import BUILTIN_MODELS
+from flowgraph.nodes.logprob import forward_hidden, head_logprob, logprob, sequence_logprob
 
 B, P, T, H, V = 3, 5, 7, 16, 50
 CHUNKS = [1, 3, 4, 11, 1000]  # n = 11 valid tokens: 3 and 4 leave a short last chunk

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from flowgraph.nodes import models
-from flowgraph.nodes.models import build_tiny_tokenizer, builtin_dir, load_model, load_tokenizer
 
 from flowgraph.builtin_models import BUILTIN_MODELS
 from flowgraph.errors import FlowgraphError
+from flowgraph.nodes import models
+from flowgraph.nodes.models import build_tiny_tokenizer, builtin_dir, load_model, load_tokenizer
 
 VOCAB = BUILTIN_MODELS["tiny-lm"]["vocab_size"]
 

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from flowgraph.nodes.logprob import forward_hidden
-from flowgraph.nodes.models import build_tiny_tokenizer
-from flowgraph.nodes.reward import extract_answer, reward_model, rule_reward, token_reward
-from flowgraph.nodes.values import ValueModel
 from jaxtyping import Float, Int
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForSequenceClassification, LlamaModel
@@ -15,6 +11,10 @@ from transformers import LlamaConfig, LlamaForSequenceClassification, LlamaModel
 from flowgraph.builder import GraphBuilder
 from flowgraph.builtin_models import BUILTIN_MODELS
 from flowgraph.check import check_graph
+from flowgraph.nodes.logprob import forward_hidden
+from flowgraph.nodes.models import build_tiny_tokenizer
+from flowgraph.nodes.reward import extract_answer, reward_model, rule_reward, token_reward
+from flowgraph.nodes.values import ValueModel
 from flowgraph.registry import node_kind
 
 CONFIG = {k: v for k, v in BUILTIN_MODELS["tiny-lm"].items() if k != "model_type"}

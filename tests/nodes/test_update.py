@@ -14,15 +14,15 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from flowgraph.nodes.logprob import logprob, sequence_logprob
-from flowgraph.nodes.update import dpo_update, ppo_actor_update, ppo_critic_update
-from flowgraph.nodes.values import ValueModel
-from flowgraph.nodes.values import values as predict_values
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from flowgraph.errors import NonFiniteError
 from flowgraph.kinds import BUILTIN_KINDS, LOSS_AGG
+from flowgraph.nodes.logprob import logprob, sequence_logprob
+from flowgraph.nodes.update import dpo_update, ppo_actor_update, ppo_critic_update
+from flowgraph.nodes.values import ValueModel
+from flowgraph.nodes.values import values as predict_values
 from flowgraph.runtime import NodeContext
 
 B, P, T, V, H = 4, 3, 5, 32, 32

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from flowgraph.nodes.values import ValueModel, values
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaModel
 
 from flowgraph.builtin_models import BUILTIN_MODELS
+from flowgraph.nodes.values import ValueModel, values
 
 B, P, T = 3, 4, 6
 
