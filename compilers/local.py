@@ -297,7 +297,11 @@ class LocalExecutor:
                            else ctx.model)
         t0 = time.perf_counter()
         try:
-            result = impl.fn(**kw)
+            # Only updates build autograd graphs; everything else is inference, and a
+            # log-prob carrying the actor's graph into the update would be backpropagated
+            # through twice.
+            with torch.set_grad_enabled(kind.trains):
+                result = impl.fn(**kw)
         except (NonFiniteError, NodeError):
             raise
         except Exception as exc:
@@ -429,12 +433,29 @@ class LocalExecutor:
                     if not self.kinds[name].trains:
                         self.run_node(name, env, step, strict=False, metrics=scratch,
                                       split="eval")
-                for k, v in step_metrics(self.graph, self.kinds, env).items():
+                    else:
+                        self._update_eval(name, env, step, scratch)
+                scratch.update(step_metrics(self.graph, self.kinds, env))
+                for k, v in scratch.items():
                     sums[k] = sums.get(k, 0.0) + v / batches
         for k, v in sums.items():
             if not k.startswith("perf/"):
                 out["val/" + k.removeprefix("critic/")] = v
         return out
+
+    def _update_eval(self, name: str, env: dict[tuple[str, str], Any], step: int,
+                     metrics: dict[str, float]) -> None:
+        """An update kind may offer `<impl>_eval`: its metrics on held-out data, no step."""
+        kind = self.kinds[name]
+        module, _, attr = kind.impl.partition(":")
+        fn = getattr(importlib.import_module(module), f"{attr}_eval", None)
+        if fn is None:
+            return
+        node = self.nodes[name]
+        kw = {port: env[(ref.node, ref.port)] for port, ref in node.inputs}
+        ctx = self.ctx(name, step)
+        fn(ctx, **kw, **self.params_of(name))
+        metrics.update(ctx.metrics)
 
     # -- the loop -------------------------------------------------------------------------
 

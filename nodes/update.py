@@ -423,3 +423,38 @@ def dpo_update(
         micro_batch_size=micro_batch_size,
     )
     return {}
+
+
+def dpo_update_eval(
+    ctx: NodeContext,
+    *,
+    prompts: Tensor,
+    prompt_mask: Tensor,
+    chosen: Tensor,
+    chosen_mask: Tensor,
+    rejected: Tensor,
+    rejected_mask: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    beta: float = 0.1,
+    loss_type: str = "sigmoid",
+    label_smoothing: float = 0.0,
+    **_: object,
+) -> dict[str, Tensor]:
+    """`dpo_update`'s metrics on held-out pairs, without a step (the executor's eval hook)."""
+    batch = {
+        "prompts": prompts,
+        "prompt_mask": prompt_mask,
+        "chosen": chosen,
+        "chosen_mask": chosen_mask,
+        "rejected": rejected,
+        "rejected_mask": rejected_mask,
+        "ref_chosen_logps": ref_chosen_logps,
+        "ref_rejected_logps": ref_rejected_logps,
+    }
+    with torch.no_grad():
+        _, metrics = _dpo_loss(
+            ctx.model, batch, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing
+        )
+    ctx.metrics.update(metrics)
+    return {}
