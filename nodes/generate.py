@@ -1,0 +1,232 @@
+"""Rollouts: n sampled responses per prompt, from Hugging Face or vLLM.
+
+The `hf` backend is a decoding loop over the Hugging Face model written here: one
+prefill of the left-padded prompts (attention mask, position ids counted over real
+tokens, as `logprob` counts them), then one token at a time with the KV cache. The
+`vllm` backend (`flowgraph.nodes._vllm`, imported only when asked for) runs vLLM's
+offline engine, one request per (prompt, sample).
+
+Every sample draws its randomness from its own seed, a hash of (run seed, step, the
+prompt's row in the global batch, sample j); the hf backend keeps one
+`torch.Generator` per sample and picks tokens by Gumbel-max,
+
+    y_t = argmax_v (z̃_v + g_v),   g_v = −log(−log u_v),  u_v ~ U(0, 1),
+
+where z̃ are the logits divided by τ and filtered by top-k then top-p (Hugging Face's
+`TopKLogitsWarper`, `TopPLogitsWarper`), so a sample's tokens do not depend on the
+batch it is generated in nor on how the batch is split across data-parallel ranks.
+Greedy decoding (`do_sample` false or τ = 0) takes argmax_v z_v.
+
+`rollout_log_prob` is log π(y_t) under the distribution that drew y_t: log_softmax(z̃),
+which with top_k = 0 and top_p = 1 is what `logprob(temperature=τ)` recomputes; for
+greedy decoding the untempered log_softmax(z), as `logprob(temperature=0)` scores it.
+vLLM's `processed_logprobs` mode reports the same numbers.
+
+Notation: b prompts given to the node, n samples per prompt, r = b·n rows, P prompt
+length, T response length (max_new_tokens), V vocabulary, τ temperature.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from flowgraph.runtime.context import NodeContext
+
+__all__ = ["SamplingSpec", "decode", "filter_logits", "generate", "sample_seed"]
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """How to pick tokens; shared by both backends."""
+
+    max_new_tokens: int
+    """T: every response is padded (or cut) to this many tokens."""
+    temperature: float
+    top_p: float
+    """Nucleus mass kept, in (0, 1]; 1 keeps everything."""
+    top_k: int
+    """Most likely tokens kept; 0 keeps everything."""
+    greedy: bool
+    stop_ids: tuple[int, ...]
+    """End-of-sequence ids: the response ends with (and includes) the first one."""
+    pad_id: int
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.max_new_tokens < 1:
+            problems.append(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            problems.append(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            problems.append(f"top_k must be >= 0 (0: off), got {self.top_k}")
+        if not self.stop_ids:
+            problems.append("the tokenizer has no eos_token_id; responses could never end")
+        if problems:
+            raise ValueError("generate: " + "; ".join(problems))
+
+
+def sample_seed(seed: int, step: int, row: int, j: int) -> int:
+    """A 63-bit seed for sample j of the prompt at `row` of the global batch."""
+    digest = hashlib.blake2b(f"{seed}:{step}:{row}:{j}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def filter_logits(scores: Tensor, top_k: int, top_p: float) -> Tensor:
+    """(r, V) scores with tokens outside top-k, then outside the top-p nucleus, at −inf.
+
+    As Hugging Face's warpers: top-k keeps ties with the k-th score; top-p drops the
+    least likely tokens whose cumulative mass is ≤ 1 − p and always keeps the best one.
+    """
+    if top_k > 0:
+        kth = torch.topk(scores, min(top_k, scores.size(-1))).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending, order = torch.sort(scores, descending=False)
+        drop = ascending.softmax(-1).cumsum(-1) <= 1 - top_p
+        drop[:, -1] = False
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return scores
+
+
+def _pick(logits: Tensor, generators: Sequence[torch.Generator], spec: SamplingSpec
+          ) -> tuple[Tensor, Tensor]:
+    """Next tokens (r,) and their log-probs (r,) from last-position logits (r, V)."""
+    if spec.greedy:
+        token = logits.argmax(-1)
+        return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
+    scores = filter_logits(logits / spec.temperature, spec.top_k, spec.top_p)
+    # Noise from each sample's own generator (on the logits' device: no transfer of r·V).
+    u = torch.stack([torch.rand(logits.size(-1), generator=g, device=g.device)
+                     for g in generators])
+    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
+    token = (scores + gumbel).argmax(-1)
+    return token, scores.log_softmax(-1).gather(-1, token[:, None])[:, 0]
+
+
+def _forward(model: nn.Module, ids: Tensor, attention: Tensor, positions: Tensor,
+             cache: Any, keep: dict[str, int]) -> tuple[Tensor, Any]:
+    out = model(input_ids=ids, attention_mask=attention, position_ids=positions,
+                past_key_values=cache, use_cache=True, **keep)
+    return out.logits[:, -1].float(), out.past_key_values
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """No dropout while sampling; the caller's mode (a trainable actor's) comes back."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
+
+
+@torch.no_grad()
+def decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequence[int],
+           spec: SamplingSpec) -> dict[str, Tensor]:
+    """The hf backend: prompts (r, P) left-padded, one seed per row -> responses,
+    response_mask (r, T) int64 and rollout_log_prob (r, T) float32, on the model's device.
+
+    Runs the model as it is; `generate` puts it in eval mode (no dropout) first.
+    """
+    device = next(model.parameters()).device
+    r, T = len(prompts), spec.max_new_tokens
+    generators = [torch.Generator(device).manual_seed(s) for s in seeds]
+    # Only the last position's logits are needed; most HF models can skip the rest.
+    takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+    keep = {"logits_to_keep": 1} if takes_keep else {}
+    responses = torch.full((r, T), spec.pad_id, dtype=torch.int64, device=device)
+    mask = torch.zeros((r, T), dtype=torch.int64, device=device)
+    log_prob = torch.zeros((r, T), dtype=torch.float32, device=device)
+    attention = prompt_mask.to(device=device, dtype=torch.int64)
+    positions = (attention.cumsum(-1) - 1).clamp_min(0)
+    done = torch.zeros(r, dtype=torch.bool, device=device)
+    stop = torch.tensor(spec.stop_ids, device=device)
+    logits, cache = _forward(model, prompts.to(device), attention, positions, None, keep)
+    for t in range(T):
+        token, token_log_prob = _pick(logits, generators, spec)
+        responses[:, t] = token.masked_fill(done, spec.pad_id)
+        mask[:, t] = (~done).long()
+        log_prob[:, t] = token_log_prob.masked_fill(done, 0.0)
+        done |= torch.isin(token, stop)
+        if bool(done.all()) or t == T - 1:
+            break
+        attention = torch.cat([attention, attention.new_ones(r, 1)], dim=1)
+        positions = positions[:, -1:] + 1
+        step_ids = responses[:, t : t + 1]
+        logits, cache = _forward(model, step_ids, attention, positions, cache, keep)
+    return {"responses": responses, "response_mask": mask, "rollout_log_prob": log_prob}
+
+
+def _stop_ids(model: nn.Module, tokenizer: Any) -> tuple[int, ...]:
+    """EOS ids of the tokenizer and of the model's generation config (HF may list several)."""
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])]
+    return tuple(sorted({int(i) for i in ids if i is not None}))
+
+
+def generate(
+    ctx: NodeContext,
+    model: nn.Module,
+    tokenizer: Any,
+    *,
+    prompts: Tensor,
+    prompt_mask: Tensor,
+    ground_truth: Sequence[str] | None = None,
+    backend: str = "hf",
+    n: int | None = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    max_new_tokens: int | None = None,
+    do_sample: bool = True,
+    gpu_memory_utilization: float = 0.3,
+) -> dict[str, Any]:
+    """The `generate` kind: n responses per prompt; samples of a prompt are consecutive.
+
+    prompts, prompt_mask (b, P) -> prompts, prompt_mask (r, P); responses, response_mask,
+    rollout_log_prob (r, T); index (r,) the prompt's row in the global batch (this
+    rank's rows are dp_rank·b .. dp_rank·b + b − 1: the executor splits a batch into
+    equal contiguous parts); ground_truth (r,) when given. `gpu_memory_utilization` is
+    the share of accelerator memory (on CPU: of RAM) vLLM may take.
+    """
+    n = n or ctx.dims.get("N")
+    T = max_new_tokens or ctx.dims.get("T")
+    if n is None or T is None:
+        raise ValueError("generate: set the params n and max_new_tokens, or bind the dims N and T")
+    spec = SamplingSpec(T, temperature, top_p, top_k, not do_sample or temperature == 0,
+                        _stop_ids(model, tokenizer), _pad_id(tokenizer))
+    rows = ctx.dp_rank * len(prompts) + torch.arange(len(prompts))
+    seeds = [sample_seed(ctx.seed, ctx.step, int(row), j) for row in rows for j in range(n)]
+    prompts, prompt_mask = prompts.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0)
+    if backend == "vllm":
+        from flowgraph.nodes import _vllm  # vLLM is optional and slow to import
+
+        llm = _vllm.engine(model, tokenizer, gpu_memory_utilization=gpu_memory_utilization)
+        out = _vllm.rollout(llm, prompts, prompt_mask, seeds, spec)
+    elif backend == "hf":
+        with _eval_mode(model):
+            out = decode(model, prompts, prompt_mask, seeds, spec)
+    else:
+        raise ValueError(f"generate: backend must be `hf` or `vllm`, got `{backend}`")
+    out = {name: value.to(prompts.device) for name, value in out.items()}
+    out |= {"prompts": prompts, "prompt_mask": prompt_mask.long(),
+            "index": rows.repeat_interleave(n).to(prompts.device)}
+    if ground_truth is not None:
+        out["ground_truth"] = [str(g) for g in ground_truth for _ in range(n)]
+    return out
+
+
+def _pad_id(tokenizer: Any) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pad or 0)
