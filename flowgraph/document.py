@@ -1,6 +1,6 @@
 """Reading YAML safely into a located document tree.
 
-PyYAML composes the file into nodes (libyaml's C parser when present); we convert
+PyYAML parses the file into events (libyaml's C parser when present); we compose
 them into `YMap` / `YSeq` / `YScalar`, which keep the line and column of every key
 and value. Only the plain YAML types are accepted: any other tag (`!!python/object`,
 `!custom`) is reported, never constructed, so a graph file cannot run code.
@@ -11,12 +11,17 @@ overrides (`nodes.adv.params.lam=0.9`) are applied to this tree before the IR is
 from __future__ import annotations
 
 import difflib
+import gc
 import re
-from dataclasses import dataclass
-from typing import TypeAlias
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
 
 import yaml
+from yaml.composer import ComposerError
 from yaml.constructor import SafeConstructor
+from yaml.resolver import Resolver
 
 from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.ir import Scalar
@@ -25,6 +30,7 @@ from flowgraph.source import SourcePos
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _STD = "tag:yaml.org,2002:"
 _SCALAR_TAGS = {f"{_STD}{t}" for t in ("str", "int", "float", "bool", "null", "timestamp")}
+_STR_TAG, _MAP_TAG, _SEQ_TAG, _MERGE_TAG = (f"{_STD}{t}" for t in ("str", "map", "seq", "merge"))
 _EXP_FLOAT = re.compile(r"^[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+$")
 MAX_NODES = 200_000
 """Nodes one document may expand to (aliases counted at every use)."""
@@ -76,94 +82,258 @@ def did_you_mean(word: str, options: list[str] | tuple[str, ...]) -> str:
     return f"did you mean `{close[0]}`?" if close else f"expected one of: {', '.join(options)}"
 
 
-class _Converter:
-    """yaml.Node -> YNode, collecting problems instead of stopping at the first."""
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector while large acyclic trees are built.
+
+    Reading and checking a 10,000-node graph allocates about a million small objects,
+    none of them in a cycle; every collection rescans all that are alive, which took
+    40% of the time. Reference counting still frees everything; the collector resumes
+    afterwards (if it was running).
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+class _Merge:
+    """The `<<` merge key, as a mapping's key."""
+
+
+_MERGE = _Merge()
+_resolve: Callable[[type[yaml.Node], str, tuple[bool, bool]], str] = Resolver().resolve
+_IMPLICIT_FIRST = frozenset(k for k in Resolver.yaml_implicit_resolvers if k)
+"""First characters of plain scalars that may be something other than a string."""
+
+
+@dataclass
+class _Open:
+    """A mapping or list whose events are still arriving."""
+
+    is_map: bool
+    tag: str
+    pos: SourcePos
+    anchor: str | None
+    start: int
+    """Values counted before it: its expanded size is the count at its end minus this."""
+    items: list[YNode | _Merge | None] = field(default_factory=list)
+    """Values; for a mapping, keys and values alternate. None: a value that was refused."""
+    height: int = 0
+    """Levels of nesting below it."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Anchor:
+    node: YNode | None
+    size: int
+    """Values it expands to; -1 while it is still open."""
+    height: int
+    pos: SourcePos
+    mark: Any
+    """Its `yaml.Mark`, for a duplicate-anchor error."""
+
+
+class _Composer:
+    """YAML events -> YNode, collecting problems instead of stopping at the first.
+
+    Built straight from the parser's events (PyYAML's own composer, in C, recurses
+    once per level: `[[[[...` 30,000 deep overflows the C stack and kills the process).
+    An alias reuses the anchored YNode; its expanded size and depth are counted at every
+    use, so an alias bomb stops at `MAX_NODES` without being expanded.
+    """
 
     def __init__(self, file: str) -> None:
         self.file = file
         self.diags: list[Diagnostic] = []
         self.count = 0
-        self.active: set[int] = set()
+        self.stack: list[_Open] = []
+        self.anchors: dict[str, _Anchor] = {}
         self.constructor = SafeConstructor()
 
-    def pos(self, node: yaml.Node) -> SourcePos:
-        m = node.start_mark
+    def pos(self, event: yaml.Event) -> SourcePos:
+        m: Any = event.start_mark
         return SourcePos(self.file, m.line + 1, m.column + 1)
 
-    def convert(self, node: yaml.Node, depth: int = 0) -> YNode | None:
-        self.count += 1
+    def compose(self, text: str) -> tuple[bool, YNode | None]:
+        """(whether the stream holds a document, its root)."""
+        first: Any = None
+        root: YNode | None = None
+        node: YNode | _Merge | _Skip | None
+        for event in yaml.parse(text, Loader=_Loader):
+            if type(event) is yaml.ScalarEvent:  # most events: the short way
+                self.count += 1
+                if self.count > MAX_NODES or len(self.stack) > MAX_DEPTH:
+                    self.limits(event, 0)
+                node, height = self.scalar(event), 0
+            elif isinstance(event, yaml.DocumentStartEvent):
+                if first is not None:
+                    again: Any = event.start_mark
+                    raise ComposerError("expected a single document in the stream",
+                                        first.start_mark, "but found another document", again)
+                first = event
+                continue
+            else:
+                node, height = self.node(event)
+                if isinstance(node, _Skip):
+                    continue
+            if not self.stack:
+                root = node if isinstance(node, (YScalar, YSeq, YMap)) else None
+                continue
+            top = self.stack[-1]
+            top.items.append(node)
+            if height >= top.height:
+                top.height = height + 1
+        return first is not None, root
+
+    def node(self, event: yaml.Event) -> tuple[YNode | _Skip | None, int]:
+        """The node a non-scalar event completes and its height; `_SKIP` if none."""
+        if isinstance(event, yaml.CollectionStartEvent):
+            self.enter(event, 0, 1)
+            self.open(event)
+            return _SKIP, 0
+        if isinstance(event, yaml.CollectionEndEvent):
+            return self.close()
+        if isinstance(event, yaml.AliasEvent):
+            return self.alias(event)
+        return _SKIP, 0
+
+    def enter(self, event: yaml.Event, height: int, size: int) -> None:
+        """Count a node `size` values large reaching `height` levels below this one."""
+        self.count += size
+        self.limits(event, height)
+
+    def limits(self, event: yaml.Event, height: int) -> None:
         if self.count > MAX_NODES:
             raise _TooLarge(f"the document expands to more than {MAX_NODES} values "
-                            "(an alias bomb?)", self.pos(node))
-        if depth > MAX_DEPTH:
+                            "(an alias bomb?)", self.pos(event))
+        if len(self.stack) + height > MAX_DEPTH:
             raise _TooLarge(f"the document is nested more than {MAX_DEPTH} levels deep",
-                            self.pos(node))
-        if id(node) in self.active:
-            raise _TooLarge("an alias refers to the mapping or list that contains it",
-                            self.pos(node))
-        if isinstance(node, yaml.ScalarNode):
-            return self.scalar(node)
-        self.active.add(id(node))
-        try:
-            if isinstance(node, yaml.SequenceNode):
-                return self.sequence(node, depth)
-            assert isinstance(node, yaml.MappingNode)
-            return self.mapping(node, depth)
-        finally:
-            self.active.discard(id(node))
+                            self.pos(event))
 
-    def bad_tag(self, node: yaml.Node) -> None:
+    def remember(self, event: yaml.NodeEvent, node: YNode | None, size: int, height: int
+                 ) -> None:
+        if event.anchor is not None:
+            self.anchors[event.anchor] = _Anchor(node, size, height, self.pos(event),
+                                                 event.start_mark)
+
+    def check_anchor(self, event: yaml.NodeEvent) -> None:
+        old = self.anchors.get(event.anchor) if event.anchor is not None else None
+        if old is not None:
+            mark: Any = event.start_mark
+            raise ComposerError(f"found duplicate anchor {event.anchor!r}; first occurrence",
+                                old.mark, "second occurrence", mark)
+
+    def bad_tag(self, tag: str, pos: SourcePos) -> None:
         self.diags.append(error(
-            "FG002", f"YAML tag `{node.tag}` is not allowed in a graph file",
-            self.pos(node),
+            "FG002", f"YAML tag `{tag}` is not allowed in a graph file", pos,
             hint="graph files hold plain data only: strings, numbers, booleans, null, "
                  "lists and mappings; remove the tag",
         ))
 
-    def scalar(self, node: yaml.ScalarNode) -> YScalar | None:
-        if node.tag not in _SCALAR_TAGS:
-            self.bad_tag(node)
+    def expects_key(self) -> bool:
+        top = self.stack[-1] if self.stack else None
+        return top is not None and top.is_map and len(top.items) % 2 == 0
+
+    def scalar(self, event: yaml.ScalarEvent) -> YScalar | _Merge | None:
+        tag, value = event.tag, event.value
+        if (tag is None or tag == "!") and event.implicit[0] and (
+                not value or value[0] in _IMPLICIT_FIRST):
+            tag = _resolve(yaml.ScalarNode, value, event.implicit)
+        elif tag is None or tag == "!":
+            tag = _STR_TAG  # quoted, or plain text no other type can start with
+        if event.anchor is None:
+            return self.scalar_value(event, tag)
+        self.check_anchor(event)
+        node = self.scalar_value(event, tag)
+        if isinstance(node, _Merge):
+            return node
+        self.remember(event, node, 1, 0)
+        return node
+
+    def scalar_value(self, event: yaml.ScalarEvent, tag: str) -> YScalar | _Merge | None:
+        m: Any = event.start_mark
+        pos = SourcePos(self.file, m.line + 1, m.column + 1)
+        if tag == _STR_TAG:  # most values: skip the constructor, which costs 10x more
+            if not event.style and _EXP_FLOAT.match(event.value):
+                # YAML 1.1 reads `1e-5` as a string; everyone means a number. A plain
+                # scalar's style is None from PyYAML's parser but '' from libyaml's.
+                return YScalar(float(event.value), pos)
+            return YScalar(event.value, pos)
+        if tag == _MERGE_TAG and self.expects_key():
+            return _MERGE
+        if tag not in _SCALAR_TAGS:
+            self.bad_tag(tag, pos)
             return None
-        pos = self.pos(node)
+        start: Any = event.start_mark
+        end: Any = event.end_mark
+        node = yaml.ScalarNode(tag, event.value, start, end, event.style)
         try:
             value = self.constructor.construct_object(node, deep=True)
         except (ValueError, yaml.YAMLError, OverflowError) as exc:
-            self.diags.append(error("FG004", f"cannot read the value `{node.value[:40]}`: {exc}",
-                                    pos))
+            self.diags.append(error("FG004", f"cannot read the value `{event.value[:40]}`: "
+                                    f"{exc}", pos))
             return None
         if not isinstance(value, (str, int, float, bool)) and value is not None:
-            value = str(node.value)  # a timestamp: keep the text
-        elif isinstance(value, str) and not node.style and _EXP_FLOAT.match(value):
-            # YAML 1.1 reads `1e-5` as a string; everyone means a number. A plain scalar's
-            # style is None from PyYAML's parser but '' from libyaml's.
-            value = float(value)
+            value = str(event.value)  # a timestamp: keep the text
         return YScalar(value, pos)
 
-    def sequence(self, node: yaml.SequenceNode, depth: int) -> YSeq | None:
-        if node.tag != f"{_STD}seq":
-            self.bad_tag(node)
-            return None
-        items = [self.convert(i, depth + 1) for i in node.value]
-        return YSeq(tuple(i for i in items if i is not None), self.pos(node))
+    def open(self, event: yaml.CollectionStartEvent) -> None:
+        self.check_anchor(event)
+        is_map = isinstance(event, yaml.MappingStartEvent)
+        tag = event.tag
+        if tag is None or tag == "!":
+            tag = _MAP_TAG if is_map else _SEQ_TAG
+        self.stack.append(_Open(is_map, tag, self.pos(event), event.anchor, self.count - 1))
+        if event.anchor is not None:
+            # Known but not complete: an alias to it from inside is a cycle.
+            self.anchors[event.anchor] = _Anchor(None, -1, 0, self.pos(event),
+                                                 event.start_mark)
 
-    def mapping(self, node: yaml.MappingNode, depth: int) -> YMap | None:
-        if node.tag != f"{_STD}map":
-            self.bad_tag(node)
-            return None
+    def close(self) -> tuple[YNode | None, int]:
+        top = self.stack.pop()
+        node: YNode | None
+        if top.tag != (_MAP_TAG if top.is_map else _SEQ_TAG):
+            self.bad_tag(top.tag, top.pos)
+            node = None
+        elif top.is_map:
+            node = self.mapping(top)
+        else:
+            node = YSeq(tuple(i for i in top.items if isinstance(i, (YScalar, YSeq, YMap))),
+                        top.pos)
+        if top.anchor is not None:
+            self.anchors[top.anchor] = _Anchor(node, self.count - top.start, top.height,
+                                               top.pos, self.anchors[top.anchor].mark)
+        return node, top.height
+
+    def alias(self, event: yaml.AliasEvent) -> tuple[YNode | None, int]:
+        anchor = self.anchors.get(event.anchor or "")
+        if anchor is None:
+            mark: Any = event.start_mark
+            raise ComposerError(None, None, f"found undefined alias {event.anchor!r}", mark)
+        if anchor.size < 0:
+            raise _TooLarge("an alias refers to the mapping or list that contains it",
+                            self.pos(event))
+        self.enter(event, anchor.height, anchor.size)
+        return anchor.node, anchor.height
+
+    def mapping(self, top: _Open) -> YMap:
         out: dict[object, tuple[YScalar, YNode]] = {}
         merged: dict[object, tuple[YScalar, YNode]] = {}
-        for knode, vnode in node.value:
-            if knode.tag == f"{_STD}merge":
-                self.merge_into(merged, vnode, depth)
+        pairs = iter(top.items)
+        for key, value in zip(pairs, pairs, strict=False):
+            if isinstance(key, _Merge):
+                self.merge_into(merged, value)
                 continue
-            key = self.convert(knode, depth + 1)
-            value = self.convert(vnode, depth + 1)
-            if key is None or value is None:
+            if key is None or value is None or isinstance(value, _Merge):
                 continue
             if not isinstance(key, YScalar) or isinstance(key.value, (float, bool)) \
                     or key.value is None:
-                self.diags.append(error("FG004", "a mapping key must be a name",
-                                        self.pos(knode)))
+                self.diags.append(error("FG004", "a mapping key must be a name", key.pos))
                 continue
             if key.value in out:
                 first = out[key.value][0].pos
@@ -172,21 +342,30 @@ class _Converter:
                     key.pos, notes=(f"first written at {first}",),
                     hint="YAML keeps only the last value; remove one of them"))
                 continue
-            out[key.value] = (YScalar(str(key.value), key.pos), value)
+            name = key if isinstance(key.value, str) else YScalar(str(key.value), key.pos)
+            out[key.value] = (name, value)
         items = {**merged, **out}
-        return YMap(tuple(items.values()), self.pos(node))
+        return YMap(tuple(items.values()), top.pos)
 
-    def merge_into(self, merged: dict[object, tuple[YScalar, YNode]], vnode: yaml.Node,
-                   depth: int) -> None:
+    def merge_into(self, merged: dict[object, tuple[YScalar, YNode]],
+                   value: YNode | _Merge | None) -> None:
         """`<<: *defaults` (or a list of them): keys written beside it win."""
-        sources = vnode.value if isinstance(vnode, yaml.SequenceNode) else [vnode]
+        sources = value.items if isinstance(value, YSeq) else (value,)
         for src in sources:
-            value = self.convert(src, depth + 1)
-            if not isinstance(value, YMap):
-                self.diags.append(error("FG004", "`<<` merges mappings only", self.pos(src)))
+            if src is None or isinstance(src, _Merge):
+                continue  # refused already (a tag), and reported
+            if not isinstance(src, YMap):
+                self.diags.append(error("FG004", "`<<` merges mappings only", src.pos))
                 continue
-            for k, v in value.items:
+            for k, v in src.items:
                 merged.setdefault(k.value, (k, v))
+
+
+class _Skip:
+    """What an event that completes no node gives (a collection's start, a document's end)."""
+
+
+_SKIP = _Skip()
 
 
 class _TooLarge(Exception):
@@ -197,25 +376,19 @@ class _TooLarge(Exception):
 
 def read_document(text: str, file: str) -> tuple[YNode | None, list[Diagnostic]]:
     """Parse YAML text into a located tree; problems come back as diagnostics."""
+    composer = _Composer(file)
     try:
-        root = yaml.compose(text, Loader=_Loader)
+        found, doc = composer.compose(text)
     except yaml.MarkedYAMLError as exc:
         return None, [_syntax_error(exc, file)]
     except yaml.YAMLError as exc:
         return None, [error("FG001", f"not valid YAML: {exc}", SourcePos(file, 0, 0))]
-    except RecursionError:
-        return None, [error("FG008", f"the document is nested more than {MAX_DEPTH} levels deep",
-                            SourcePos(file, 0, 0))]
-    if root is None:
+    except _TooLarge as exc:
+        return None, [*composer.diags, error("FG008", str(exc), exc.pos)]
+    if not found:
         return None, [error("FG007", "the graph file is empty", SourcePos(file, 1, 1),
                             hint="a graph file needs at least `nodes:`; see graphs/ppo.yaml")]
-    conv = _Converter(file)
-    try:
-        doc = conv.convert(root)
-    except (_TooLarge, RecursionError) as exc:
-        pos = exc.pos if isinstance(exc, _TooLarge) else SourcePos(file, 0, 0)
-        return None, [*conv.diags, error("FG008", str(exc) or "nested too deeply", pos)]
-    return doc, conv.diags
+    return doc, composer.diags
 
 
 def _syntax_error(exc: yaml.MarkedYAMLError, file: str) -> Diagnostic:
@@ -223,7 +396,11 @@ def _syntax_error(exc: yaml.MarkedYAMLError, file: str) -> Diagnostic:
     pos = SourcePos(file, mark.line + 1, mark.column + 1) if mark else SourcePos(file, 0, 0)
     problem = exc.problem or "syntax error"
     context = f" ({exc.context})" if exc.context else ""
-    return error("FG001", f"not valid YAML: {problem}{context}", pos,
+    start = exc.context_mark
+    # An unclosed `{` or `[` is noticed lines later; say where it was opened.
+    notes = (f"{exc.context} that starts at {SourcePos(file, start.line + 1, start.column + 1)}",
+             ) if exc.context and start and mark and start.line != mark.line else ()
+    return error("FG001", f"not valid YAML: {problem}{context}", pos, notes=notes,
                  hint="check the indentation and the `key: value` layout on this line")
 
 

@@ -32,6 +32,7 @@ import yaml
 
 from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.document import (
+    _EXP_FLOAT,
     YMap,
     YNode,
     YScalar,
@@ -39,6 +40,7 @@ from flowgraph.document import (
     apply_override,
     did_you_mean,
     parse_override,
+    paused_gc,
     plain,
     read_document,
 )
@@ -422,12 +424,13 @@ def load_graph(
         if isinstance(loaded, Diagnostic):
             return None, [loaded]
         text = loaded
-    doc, diags = read_document(text, file)
-    doc, override_diags = apply_overrides(doc, overrides)
-    diags += override_diags
-    if doc is None:
-        return None, diags
-    graph, more = graph_from_document(doc, file)
+    with paused_gc():
+        doc, diags = read_document(text, file)
+        doc, override_diags = apply_overrides(doc, overrides)
+        diags += override_diags
+        if doc is None:
+            return None, diags
+        graph, more = graph_from_document(doc, file)
     return graph, diags + more
 
 
@@ -458,6 +461,8 @@ def _read_text(file: str) -> str | Diagnostic:
         data = p.read_bytes()
     except OSError as exc:
         return error("FG001", f"cannot read `{file}`: {exc.strerror or exc}", pos)
+    except ValueError as exc:  # os.stat refuses a path with a NUL byte
+        return error("FG001", f"cannot read `{file!r}`: {exc}", pos)
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -532,9 +537,21 @@ def _node_doc(n: NodeSpec) -> dict[str, object]:
     return out
 
 
+class _Dumper(yaml.SafeDumper):
+    """Quotes the strings the reader takes for numbers (`1e-5`, see `read_document`)."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    style = "'" if _EXP_FLOAT.match(value) else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _represent_str)
+
+
 def graph_to_yaml(graph: Graph) -> str:
-    return yaml.safe_dump(graph_to_document(graph), sort_keys=False, default_flow_style=None,
-                          width=100)
+    return yaml.dump(graph_to_document(graph), Dumper=_Dumper, sort_keys=False,
+                     default_flow_style=None, width=100)
 
 
 def graph_from_yaml(text: str, file: str = "<string>") -> Graph:

@@ -21,6 +21,7 @@ from flowgraph.check.structure import (
     resolve_kinds,
 )
 from flowgraph.diagnostics import Diagnostic, error, sort_key
+from flowgraph.document import paused_gc
 from flowgraph.errors import PluginError
 from flowgraph.ir import Graph
 from flowgraph.registry import Registry
@@ -64,14 +65,15 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     registry = registry or Registry.default()
     dp = dp or graph.resources.nproc
     out: list[Diagnostic] = []
-    _load_plugins(graph, registry, out)
-    table = resolve_kinds(graph, registry, out)
-    check_ports(table, out)
-    check_params(table, out)
-    check_models(graph, table, out)
-    on_cycle = check_cycles(graph, out)
-    check_unused(graph, table, out)
-    shapes = infer_shapes(graph, table, on_cycle, out)
-    check_batches(table, shapes, dp, out)
-    diags = tuple(sorted(dict.fromkeys(out), key=sort_key))
+    with paused_gc():
+        _load_plugins(graph, registry, out)
+        table = resolve_kinds(graph, registry, out)
+        check_ports(table, out)
+        check_params(table, out)
+        check_models(graph, table, out)
+        on_cycle = check_cycles(graph, out)
+        check_unused(graph, table, out)
+        shapes = infer_shapes(graph, table, on_cycle, out)
+        check_batches(table, shapes, dp, out)
+        diags = tuple(sorted(dict.fromkeys(out), key=sort_key))
     return CheckResult(graph, diags, table, shapes, registry, dp)

@@ -15,8 +15,13 @@ from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.ir import NodeSpec
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _divisors(n: int, limit: int = 1024) -> list[int]:
+    """Divisors of `n` for a hint: those up to `limit`, then `n` itself.
+
+    Bounded because `n` comes from the file: `Bp: 1000000000000` must not hang the check.
+    """
+    small = [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+    return small if n <= limit else [*small, n]
 
 
 def check_batches(table: dict[str, Resolved], shapes: ShapeResult, dp: int,

@@ -10,6 +10,7 @@ that led there.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from flowgraph.check.structure import Resolved, param_value
@@ -52,19 +53,46 @@ class DimEnv:
     values: dict[str, int] = field(default_factory=dict)
     locals_: dict[str, Poly] = field(default_factory=dict)
     why: dict[str, str] = field(default_factory=dict)
+    _split: dict[int, tuple[Poly, Poly, tuple[str, ...], bool]] = field(default_factory=dict,
+                                                                         repr=False)
+    """Memo for `qualify`, by the id of a contract's size (kept alive in the value, so the
+    id stays its own): the size, with B substituted, its local names, whether it is just
+    one local name."""
 
     def is_local(self, sym: str) -> bool:
         return "." in sym
 
     def qualify(self, poly: Poly, node: str) -> Poly:
         """Name a contract's local symbols after the node, substitute what is bound."""
-        local = {s: Poly.sym(f"{node}.{s}") for s in poly.symbols() if s not in self.globals_}
-        q = poly.subs(local)
-        bound = {s: self.locals_[s] for s in q.symbols() if s in self.locals_}
-        return q.subs(bound).subs({"B": B_DEF})
+        split = self._split.get(id(poly))
+        if split is None:
+            local = tuple(sorted(s for s in poly.symbols() if s not in self.globals_))
+            base = poly.subs({"B": B_DEF})
+            lone = len(local) == 1 and base == Poly.sym(local[0])
+            split = self._split[id(poly)] = (poly, base, local, lone)
+        _, base, local, lone = split
+        if not local:
+            return base
+        # A bound local is replaced by its value (already in global terms, B included).
+        if lone:
+            return self._local(node, local[0])  # the common `b`: no polynomial arithmetic
+        return base.subs({s: self._local(node, s) for s in local})
+
+    def _local(self, node: str, sym: str) -> Poly:
+        q = f"{node}.{sym}"
+        value = self.locals_.get(q)
+        return Poly.sym(q) if value is None else value
 
     def numeric(self, poly: Poly) -> Poly:
-        return poly.subs({k: Poly.const(v) for k, v in self.values.items()})
+        total = 0
+        for mono, coeff in poly.terms:
+            for sym, power in mono:
+                if sym not in self.values:
+                    # Some symbol is open: substitute what is known, keep the rest symbolic.
+                    return poly.subs({k: Poly.const(v) for k, v in self.values.items()})
+                coeff *= self.values[sym] ** power
+            total += coeff
+        return Poly.const(total)
 
     def show(self, poly: Poly | None) -> str:
         if poly is None:
@@ -95,6 +123,8 @@ class ShapeResult:
     edges: list[EdgeInfo]
     batch: dict[str, int | None]
     """Per node: the size of the first axis of its first wired input, when known."""
+    labels: dict[tuple[tuple[Poly | None, ...], bool], str] = field(default_factory=dict)
+    """`EdgeInfo.label` by resolved dims: thousands of edges carry the same few shapes."""
 
 
 # --- global dims -------------------------------------------------------------------
@@ -174,10 +204,10 @@ def topo_order(graph: Graph, skip: set[str]) -> list[NodeSpec]:
         if ref.node in names and node.name in names:
             indeg[node.name] += 1
             succ[ref.node].append(node.name)
-    ready = [n.name for n in graph.nodes if n.name in names and indeg[n.name] == 0]
+    ready = deque(n.name for n in graph.nodes if n.name in names and indeg[n.name] == 0)
     order: list[str] = []
     while ready:
-        name = ready.pop(0)
+        name = ready.popleft()
         order.append(name)
         for s in succ[name]:
             indeg[s] -= 1
@@ -240,8 +270,9 @@ def _unify_inputs(node: NodeSpec, r: Resolved, env: DimEnv, res: ShapeResult,
     """Unify every wired input; False when an input's source is unknown (no outputs then)."""
     assert r.kind is not None
     known = True
+    wired = dict(node.inputs)
     for port in r.kind.inputs:
-        ref = node.input(port.name)
+        ref = wired.get(port.name)
         if ref is None:
             known = known and port.optional
             continue
@@ -252,8 +283,11 @@ def _unify_inputs(node: NodeSpec, r: Resolved, env: DimEnv, res: ShapeResult,
         if node.name not in res.batch:
             res.batch[node.name] = env.value(shape.dims[0]) if shape.dims else None
         ok = _unify_edge(ref, node, port.name, port.spec, shape, env, out)
-        res.edges.append(EdgeInfo(ref, node.name, port.name,
-                                  env.label(shape.dims, shape.variadic), ok))
+        label = res.labels.get((shape.dims, shape.variadic))
+        if label is None:
+            label = res.labels[(shape.dims, shape.variadic)] = env.label(shape.dims,
+                                                                         shape.variadic)
+        res.edges.append(EdgeInfo(ref, node.name, port.name, label, ok))
     return known
 
 
@@ -329,6 +363,8 @@ def _unify_axis(e: _Edge, i: int, size: Poly | None, broadcast: bool, pdim: Poly
     if size is None or pdim is None:
         return None
     q = env.qualify(size, e.node)
+    if q == pdim:  # the common case; an unbound local of this node never equals pdim
+        return None
     unbound = [s for s in q.symbols() if env.is_local(s) and s not in env.locals_]
     if unbound:
         return _bind(e, i, q, unbound, pdim, env)

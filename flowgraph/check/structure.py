@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.document import did_you_mean
-from flowgraph.ir import DataSpec, Graph, NodeSpec, Param, Params, ParamValue
+from flowgraph.ir import DataSpec, Graph, NodeSpec, Param, Params, ParamValue, PortRef
 from flowgraph.registry import KindSpec, ParamSpec, Registry
 from flowgraph.source import SourcePos
 
@@ -110,23 +110,22 @@ def check_ports(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
         node, kind = r.spec, r.kind
         names = [p.name for p in kind.inputs]
         for port, ref in node.inputs:
-            if kind.input(port) is None:
+            if port not in names:
                 out.append(error("FG103", f"kind `{kind.name}` has no input `{port}`", ref.pos,
                                  node=node.name, edge=f"{ref} -> {node.name}.{port}",
                                  hint=did_you_mean(port, names)))
-            _check_ref(node, port, table, out)
+            _check_ref(node, port, ref, table, out)
+        wired = {port for port, _ in node.inputs}
         for p in kind.inputs:
-            if not p.optional and node.input(p.name) is None:
+            if not p.optional and p.name not in wired:
                 out.append(error("FG104", f"node `{node.name}` (kind {kind.name}) has no "
                                  f"input `{p.name}`", node.pos, node=node.name,
                                  expected=p.spec.describe(),
                                  hint=f"wire it: `inputs: {{{p.name}: <node>.<port>}}`"))
 
 
-def _check_ref(node: NodeSpec, port: str, table: dict[str, Resolved],
+def _check_ref(node: NodeSpec, port: str, ref: PortRef, table: dict[str, Resolved],
                out: list[Diagnostic]) -> None:
-    ref = node.input(port)
-    assert ref is not None
     edge = f"{ref} -> {node.name}.{port}"
     src = table.get(ref.node)
     if src is None:
@@ -231,9 +230,13 @@ def param_value(r: Resolved, name: str) -> ParamValue:
 
 def find_cycles(graph: Graph) -> list[list[tuple[str, str]]]:
     """Each elementary cycle found by DFS, as [(node, input port it enters by), ...]."""
-    succ: dict[str, list[tuple[str, str]]] = {n.name: [] for n in graph.nodes}
+    # A node named like a data source is reported as FG101; references to that name
+    # mean the data source (it is resolved first), which no edge leads into.
+    data = {d.name for d in graph.data}
+    succ: dict[str, list[tuple[str, str]]] = {n.name: [] for n in graph.nodes
+                                              if n.name not in data}
     for ref, node, port in graph.edges():
-        if ref.node in succ:
+        if ref.node in succ and node.name in succ:
             succ[ref.node].append((node.name, port))
     color: dict[str, int] = dict.fromkeys(succ, 0)
     stack: list[tuple[str, str]] = []
@@ -275,10 +278,13 @@ def check_cycles(graph: Graph, out: list[Diagnostic]) -> set[str]:
         names = [n for n, _ in cyc]
         on_cycle.update(names)
         path = " -> ".join(f"{n}" for n in names)
-        first = graph.node(cyc[1][0]) if len(cyc) > 1 else graph.node(names[0])
-        ref = first.input(cyc[1][1]) if first is not None and len(cyc) > 1 else None
+        # Point at the edge that closes the cycle: the walk goes in file order, so that
+        # edge leads back to the cycle's first node, typically from a later one (the
+        # line just edited), not at the cycle's ordinary forward edges.
+        first = graph.node(cyc[-1][0]) if len(cyc) > 1 else graph.node(names[0])
+        ref = first.input(cyc[-1][1]) if first is not None and len(cyc) > 1 else None
         out.append(error("FG107", f"cycle: {path}", ref.pos if ref else None,
-                         node=names[0], edge=f"{ref} -> {first.name}.{cyc[1][1]}"
+                         node=names[0], edge=f"{ref} -> {first.name}.{cyc[-1][1]}"
                          if ref and first else None,
                          hint="a graph describes one training step and must be acyclic; "
                               "state that carries over steps lives in models and the trainer"))

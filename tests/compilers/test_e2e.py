@@ -1,0 +1,75 @@
+"""End to end through `flowgraph run`: short runs in the default suite, learning runs marked slow.
+
+The slow runs are the README's learning claims: `python -m pytest -m slow`.
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from flowgraph.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+VERL_KEYS = {
+    "timing_s/gen", "timing_s/step", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl",
+    "actor/entropy", "critic/score/mean", "critic/rewards/mean", "response_length/mean",
+    "perf/throughput",
+}
+
+
+def _rows(run_dir: Path) -> list[dict[str, float]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _run(graph: str, run_dir: Path, *overrides: str) -> list[dict[str, float]]:
+    rc = main(["run", str(ROOT / "graphs" / graph), f"trainer.run_dir={run_dir}", *overrides])
+    assert rc == 0
+    return _rows(run_dir)
+
+
+def test_ppo_runs_every_node_with_strict_checks(tmp_path: Path) -> None:
+    rows = _run("ppo.yaml", tmp_path / "ppo", "trainer.steps=2", "trainer.eval_every=2",
+                "--strict")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert VERL_KEYS | {"critic/vf_loss", "critic/values/mean", "critic/advantages/mean"} <= set(
+        rows[0])
+    assert "val/score/mean" in rows[1]
+    assert (tmp_path / "ppo" / "checkpoints" / "step_1" / "model.critic.pt").exists()
+
+
+def test_grpo_runs_with_hf_rollouts(tmp_path: Path) -> None:
+    rows = _run("grpo.yaml", tmp_path / "grpo", "trainer.steps=2")
+    assert VERL_KEYS | {"actor/kl_loss"} <= set(rows[0])
+    assert rows[0]["response_length/mean"] <= 8
+
+
+def test_grpo_runs_with_vllm_rollouts(tmp_path: Path) -> None:
+    rows = _run("grpo.yaml", tmp_path / "grpo_vllm", "trainer.steps=2",
+                "nodes.gen.params.backend=vllm")
+    assert set(rows[0]) >= VERL_KEYS
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("graph", "extra"), [("ppo.yaml", ()), ("grpo.yaml", ()),
+                                              ("grpo.yaml", ("nodes.gen.params.backend=vllm",))],
+                         ids=["ppo", "grpo-hf", "grpo-vllm"])
+def test_default_rl_runs_learn(tmp_path: Path, graph: str, extra: tuple[str, ...]) -> None:
+    rows = _run(graph, tmp_path / "run", *extra)
+    scores = [r["critic/score/mean"] for r in rows]
+    first, last = _mean(scores[:10]), _mean(scores[-10:])
+    assert last > first + 0.05, (first, last)
+
+
+@pytest.mark.slow
+def test_default_dpo_run_learns(tmp_path: Path) -> None:
+    rows = _run("dpo.yaml", tmp_path / "run")
+    loss = [r["actor/dpo_loss"] for r in rows]
+    acc = [r["rewards/accuracies"] for r in rows]
+    assert _mean(loss[-10:]) < _mean(loss[:10]) - 0.02
+    assert _mean(acc[-10:]) > _mean(acc[:10]) + 0.05
