@@ -1,0 +1,364 @@
+"""Advantage estimators for RL post-training of LLMs (pure torch, vectorised).
+
+Every estimator returns ``(advantages, returns)``, both (B, T) in the dtype of
+the rewards/scores and exactly zero where ``response_mask`` is 0. None of them
+loops in Python over time steps or over groups: recurrences along T are solved
+with a chunked discount-matrix formulation (two small matmuls, O(B·T·L) work
+for chunk length L) in float64, and per-group statistics use
+``unique(return_inverse=True)`` + ``index_add_``. Like verl, they run under
+``torch.no_grad()``: advantages are regression/PG targets, not differentiable.
+
+Semantics follow verl's ``verl/trainer/ppo/core_algos.py`` (token-level
+estimators) except that outputs are zeroed on masked positions, where verl
+leaves carried-over values.
+
+Notation:
+    B  number of sequences (responses) in the batch
+    T  response length in tokens (padded)
+    G  number of distinct prompt groups in ``index``
+    m  response_mask (B, T): 1 for response tokens that count, 0 for padding
+       or for tokens to skip (e.g. tool observations in the middle)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flowgraph.nodes._agg import masked_whiten
+
+__all__ = ["gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo"]
+
+_CHUNK = 32  # chunk length L of the discount-matrix scan (tuned on 2 CPU cores)
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _check_bt(fn: str, name: str, x: Tensor) -> None:
+    if x.dim() != 2:
+        raise ValueError(
+            f"{fn}: {name} must be 2-D (B, T); got shape {tuple(x.shape)}. "
+            "Pad/stack the responses first."
+        )
+
+
+def _check_float(fn: str, name: str, x: Tensor) -> None:
+    if not x.dtype.is_floating_point:
+        raise ValueError(
+            f"{fn}: {name} must be a floating tensor; got dtype {x.dtype}. "
+            "Convert it with .float()."
+        )
+
+
+def _check_like(fn: str, name: str, x: Tensor, ref_name: str, ref: Tensor) -> None:
+    if x.shape != ref.shape:
+        raise ValueError(
+            f"{fn}: {name} must have the same shape as {ref_name} {tuple(ref.shape)}; "
+            f"got {tuple(x.shape)}. Align both to the same (B, T) response tokens."
+        )
+
+
+def _valid_mask(fn: str, response_mask: Tensor) -> Tensor:
+    """Check a (B, T) 0/1 mask and return it as bool."""
+    _check_bt(fn, "response_mask", response_mask)
+    if response_mask.dtype == torch.bool:
+        return response_mask
+    valid = response_mask.bool()
+    if bool(response_mask.ne(valid).any()):  # some value other than 0/1
+        raise ValueError(
+            f"{fn}: response_mask must hold only 0/1 (or be bool); got values in "
+            f"[{response_mask.min().item()}, {response_mask.max().item()}]. "
+            "Binarise it, e.g. mask > 0."
+        )
+    return valid
+
+
+def _check_per_seq(fn: str, name: str, x: Tensor, batch: int) -> None:
+    if x.dim() != 1 or x.shape[0] != batch:
+        raise ValueError(
+            f"{fn}: {name} must be 1-D (B,) with B={batch} (rows of response_mask); "
+            f"got shape {tuple(x.shape)}. Pass one value per response "
+            "(sum the token rewards if needed)."
+        )
+
+
+def _check_unit(fn: str, name: str, value: float) -> None:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(
+            f"{fn}: {name} must lie in [0, 1]; got {value}. "
+            "Use a discount/decay factor such as 0.99."
+        )
+
+
+def _group_inverse(fn: str, index: Tensor, batch: int) -> tuple[Tensor, int]:
+    """Map arbitrary integer group ids to 0..G-1 (no loop over groups)."""
+    _check_per_seq(fn, "index", index, batch)
+    if index.dtype.is_floating_point or index.dtype.is_complex or index.dtype == torch.bool:
+        raise ValueError(
+            f"{fn}: index must be an integer tensor of group ids; got dtype {index.dtype}. "
+            "Map prompt uids to ints, e.g. torch.unique(..., return_inverse=True)."
+        )
+    uniq, inverse = torch.unique(index, return_inverse=True)
+    return inverse, int(uniq.numel())
+
+
+# --------------------------------------------------------------------------- kernels
+
+
+@functools.lru_cache(maxsize=64)
+def _discount_matrix(c: float, size: int, device: torch.device) -> Tensor:
+    """Dᵀ for D[i, j] = c^{j−i} if j ≥ i else 0, float64, (size, size); treat as read-only."""
+    k = torch.arange(size, dtype=torch.float64, device=device)
+    lag = k[None, :] - k[:, None]  # lag[i, j] = j − i
+    powers = torch.tensor(c, dtype=torch.float64, device=device) ** lag.clamp_min(0)
+    return torch.where(lag >= 0, powers, torch.zeros_like(powers)).T.contiguous()
+
+
+def _discounted_reverse_cumsum(x: Tensor, c: float) -> Tensor:
+    """y_t = Σ_{s≥t} c^{s−t} x_s along the last dim of a (B, T) float64 tensor.
+
+    Chunked discount-matrix scan: within a chunk of length L, y = x·Dᵀ with
+    D[i, j] = c^{j−i} (j ≥ i) (one (B·T/L, L) × (L, L) matmul). The chunk heads
+    h_n = y at the first position of chunk n then obey the same recurrence with
+    factor c^L over T/L steps, solved by recursion (depth log_L T), and the head
+    of chunk n+1 is carried into chunk n as c^{L−i}·y_{head(n+1)}. Only
+    non-negative powers of c appear, so nothing overflows for c ≤ 1 and
+    underflow merely drops negligible terms.
+    """
+    batch, length = x.shape
+    if length == 0:
+        return x.clone()
+    chunk = min(length, _CHUNK)
+    n_chunks = -(-length // chunk)
+    padded = x if n_chunks * chunk == length else F.pad(x, (0, n_chunks * chunk - length))
+    xs = padded.reshape(batch * n_chunks, chunk)
+    out = (xs @ _discount_matrix(c, chunk, x.device)).view(batch, n_chunks, chunk)
+    if n_chunks > 1:
+        heads = _discounted_reverse_cumsum(out[:, :, 0], c**chunk)
+        carry = _discount_matrix(c, chunk + 1, x.device)[-1, :-1]  # c^{L−i}, i = 0..L−1
+        out.addcmul_(F.pad(heads[:, 1:], (0, 1)).unsqueeze(-1), carry)
+    return out.view(batch, n_chunks * chunk)[:, :length]
+
+
+def _group_stats(x: Tensor, inverse: Tensor, groups: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Per-group (count, mean, unbiased std); a singleton group gets mean 0, std 1 (verl)."""
+    count = torch.zeros(groups, dtype=x.dtype, device=x.device).index_add_(
+        0, inverse, torch.ones_like(x)
+    )
+    total = torch.zeros_like(count).index_add_(0, inverse, x)
+    mean = total / count
+    sq_dev = torch.zeros_like(count).index_add_(0, inverse, (x - mean[inverse]) ** 2)
+    std = (sq_dev / (count - 1).clamp_min(1)).sqrt()
+    single = count < 2
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    return count, mean, std
+
+
+def _broadcast(per_seq: Tensor, valid: Tensor) -> Tensor:
+    """(B,) → (B, T): copy the sequence value to its valid tokens, 0 elsewhere."""
+    return per_seq[:, None] * valid.to(per_seq.dtype)
+
+
+# --------------------------------------------------------------------------- estimators
+
+
+def gae(
+    token_level_rewards: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    whiten: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation with masked positions skipped.
+
+    δ_t = r_t + γ·V_{n(t)} − V_t,   A_t = δ_t + γλ·A_{n(t)},   R_t = A_t + V_t,
+    where n(t) is the next *valid* position after t (V = A = 0 past the last):
+    masked positions neither receive nor pass on value. ``advantages`` are
+    whitened over valid tokens (unbiased var, eps 1e-8) when ``whiten``;
+    whitening needs ≥ 2 valid tokens in the batch (else ValueError).
+    """
+    # Schulman et al. 2016 (GAE); verl core_algos.compute_gae_advantage_return
+    fn = "gae"
+    _check_bt(fn, "token_level_rewards", token_level_rewards)
+    _check_float(fn, "token_level_rewards", token_level_rewards)
+    _check_like(fn, "values", values, "token_level_rewards", token_level_rewards)
+    _check_like(fn, "response_mask", response_mask, "token_level_rewards", token_level_rewards)
+    valid = _valid_mask(fn, response_mask)
+    _check_unit(fn, "gamma", gamma)
+    _check_unit(fn, "lam", lam)
+    with torch.no_grad():
+        batch, length = token_level_rewards.shape
+        # Compact each row's valid tokens to the front: the k-th valid token goes
+        # to slot k − 1, so the next valid position of slot j is simply j + 1 and
+        # the recurrence has the constant factor γλ; slots past a row's last valid
+        # token stay 0 (V = A = 0 there). Masked sources are zeroed first, so the
+        # writes they share with a valid token's slot add nothing.
+        slot = valid.cumsum(dim=-1).sub_(1).clamp_min_(0)
+        weight = valid.to(torch.float64)
+        packed = torch.zeros(2, batch, length, dtype=torch.float64, device=valid.device)
+        packed[0].scatter_add_(1, slot, token_level_rewards * weight)  # float64 from here on
+        packed[1].scatter_add_(1, slot, values * weight)
+        delta_c, values_c = packed[0], packed[1]
+        delta_c[:, :-1].add_(values_c[:, 1:], alpha=gamma)  # δ_j = r_j + γ·V_{j+1} − V_j
+        delta_c.sub_(values_c)
+        adv_c = _discounted_reverse_cumsum(delta_c, gamma * lam)
+        dtype = token_level_rewards.dtype
+        out = torch.empty(2, batch, length, dtype=dtype, device=valid.device)
+        out[0] = adv_c
+        out[1] = adv_c.add_(values_c)
+        # Back to token order; masked tokens read some slot and are zeroed.
+        weight = valid.to(dtype)
+        advantages, returns = out.gather(2, slot.expand(2, batch, length)).mul_(weight).unbind(0)
+        if whiten:
+            advantages = masked_whiten(advantages, weight).mul_(weight)
+    return advantages, returns
+
+
+def grpo(
+    scores: Tensor,
+    response_mask: Tensor,
+    index: Tensor,
+    epsilon: float = 1e-6,
+    norm_by_std: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """Group-relative outcome advantage, broadcast to valid tokens.
+
+    A_i = (s_i − mean_g) / (std_g + ε)  (GRPO, ``norm_by_std=True``)
+    A_i =  s_i − mean_g                 (Dr.GRPO, ``norm_by_std=False``)
+    g = index[i]; std is unbiased (torch.std); a singleton group uses mean 0,
+    std 1 as verl does. ``returns`` equals ``advantages`` (verl).
+    """
+    # Shao et al. 2024 (GRPO); Liu et al. 2025 (Dr.GRPO);
+    # verl core_algos.compute_grpo_outcome_advantage
+    fn = "grpo"
+    valid = _valid_mask(fn, response_mask)
+    _check_per_seq(fn, "scores", scores, valid.shape[0])
+    _check_float(fn, "scores", scores)
+    inverse, groups = _group_inverse(fn, index, valid.shape[0])
+    if epsilon < 0:
+        raise ValueError(
+            f"{fn}: epsilon must be >= 0; got {epsilon}. Use a small positive value such as 1e-6."
+        )
+    with torch.no_grad():
+        s = scores.to(torch.float64)
+        _, mean, std = _group_stats(s, inverse, groups)
+        centred = s - mean[inverse]
+        per_seq = centred / (std[inverse] + epsilon) if norm_by_std else centred
+        advantages = _broadcast(per_seq, valid).to(scores.dtype)
+    return advantages, advantages.clone()
+
+
+def rloo(scores: Tensor, response_mask: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+    """REINFORCE leave-one-out: A_i = s_i − (Σ_{j∈g} s_j − s_i)/(n_g − 1), broadcast to tokens.
+
+    A singleton group has no baseline: A_i = s_i (verl). ``returns`` equals ``advantages``.
+    """
+    # Ahmadian et al. 2024 (RLOO); verl core_algos.compute_rloo_outcome_advantage
+    fn = "rloo"
+    valid = _valid_mask(fn, response_mask)
+    _check_per_seq(fn, "scores", scores, valid.shape[0])
+    _check_float(fn, "scores", scores)
+    inverse, groups = _group_inverse(fn, index, valid.shape[0])
+    with torch.no_grad():
+        s = scores.to(torch.float64)
+        count = torch.zeros(groups, dtype=s.dtype, device=s.device).index_add_(
+            0, inverse, torch.ones_like(s)
+        )
+        total = torch.zeros_like(count).index_add_(0, inverse, s)
+        n, others = count[inverse], total[inverse] - s
+        per_seq = torch.where(n > 1, s - others / (n - 1).clamp_min(1), s)
+        advantages = _broadcast(per_seq, valid).to(scores.dtype)
+    return advantages, advantages.clone()
+
+
+def reinforce_pp(
+    token_level_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++: discounted return-to-go, whitened over valid tokens.
+
+    G_t = r_t + γ·m_{t+1}·G_{t+1} (G_T = 0): verl's loop resets the running
+    return after every masked token, so a hole in the mask cuts the sum (unlike
+    ``gae``, which skips holes). advantages = masked_whiten(G) (≥ 2 valid
+    tokens needed), returns = G; both zero where m = 0.
+    """
+    # Hu 2025 (REINFORCE++); verl core_algos.compute_reinforce_plus_plus_outcome_advantage
+    fn = "reinforce_pp"
+    _check_bt(fn, "token_level_rewards", token_level_rewards)
+    _check_float(fn, "token_level_rewards", token_level_rewards)
+    _check_like(fn, "response_mask", response_mask, "token_level_rewards", token_level_rewards)
+    valid = _valid_mask(fn, response_mask)
+    _check_unit(fn, "gamma", gamma)
+    with torch.no_grad():
+        length = valid.shape[1]
+        weight = valid.to(torch.float64)
+        rewards = token_level_rewards.to(torch.float64) * weight
+        tail = _discounted_reverse_cumsum(rewards, gamma)  # Y_t = Σ_{s≥t} γ^{s−t} m_s r_s
+        pos = torch.arange(length, device=valid.device).expand_as(valid)
+        holes = torch.where(valid, torch.full_like(pos, length), pos)
+        seg_end = holes.flip(-1).cummin(dim=-1).values.flip(-1)  # first masked index ≥ t, or T
+        # G_t = Y_t − γ^{e−t}·Y_e for the run [t, e) of valid tokens starting at t.
+        tail_at_end = F.pad(tail, (0, 1)).gather(1, seg_end)
+        decay = torch.tensor(gamma, dtype=torch.float64, device=valid.device) ** (seg_end - pos)
+        returns = (tail - decay * tail_at_end) * weight
+        advantages = masked_whiten(returns, weight) * weight
+    dtype = token_level_rewards.dtype
+    return advantages.to(dtype), returns.to(dtype)
+
+
+def reinforce_pp_baseline(
+    scores: Tensor,
+    response_mask: Tensor,
+    index: Tensor,
+    epsilon: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ with group-mean baseline: whiten_valid((s_i − mean_g)·m).
+
+    Singleton groups use mean 0 (verl). Whitening is over all valid tokens of
+    the batch (≥ 2 needed). ``epsilon`` is accepted for parity with verl's
+    signature, which does not use it either. ``returns`` equals ``advantages``.
+    """
+    # Hu 2025 (REINFORCE++); verl core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage
+    fn = "reinforce_pp_baseline"
+    valid = _valid_mask(fn, response_mask)
+    _check_per_seq(fn, "scores", scores, valid.shape[0])
+    _check_float(fn, "scores", scores)
+    inverse, groups = _group_inverse(fn, index, valid.shape[0])
+    if epsilon < 0:
+        raise ValueError(f"{fn}: epsilon must be >= 0; got {epsilon}.")
+    with torch.no_grad():
+        s = scores.to(torch.float64)
+        _, mean, _ = _group_stats(s, inverse, groups)
+        weight = valid.to(torch.float64)
+        tokens = (s - mean[inverse])[:, None] * weight
+        advantages = (masked_whiten(tokens, weight) * weight).to(scores.dtype)
+    return advantages, advantages.clone()
+
+
+def remax(
+    token_level_rewards: Tensor, reward_baselines: Tensor, response_mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """ReMax: R_t = Σ_{s≥t} m_s·r_s (undiscounted, holes skipped), A_t = (R_t − b)·m_t.
+
+    ``reward_baselines`` (B,) is the reward of the greedy response.
+    """
+    # Li et al. 2023 (ReMax); verl core_algos.compute_remax_outcome_advantage
+    fn = "remax"
+    _check_bt(fn, "token_level_rewards", token_level_rewards)
+    _check_float(fn, "token_level_rewards", token_level_rewards)
+    _check_like(fn, "response_mask", response_mask, "token_level_rewards", token_level_rewards)
+    valid = _valid_mask(fn, response_mask)
+    _check_per_seq(fn, "reward_baselines", reward_baselines, valid.shape[0])
+    _check_float(fn, "reward_baselines", reward_baselines)
+    with torch.no_grad():
+        weight = valid.to(torch.float64)
+        rewards = token_level_rewards.to(torch.float64) * weight
+        returns = rewards.flip(-1).cumsum(dim=-1).flip(-1) * weight
+        advantages = (returns - reward_baselines.to(torch.float64)[:, None]) * weight
+    dtype = token_level_rewards.dtype
+    return advantages.to(dtype), returns.to(dtype)

@@ -1,0 +1,383 @@
+"""Tests for flowgraph.nodes.advantage: hand-derived values, plain-loop references, hypothesis.
+
+The loop references below are literal ports of verl's per-time-step loops
+(``verl/trainer/ppo/core_algos.py``), written out here so the vectorised code is
+checked against the loop semantics, including masks with holes and leading zeros.
+
+Notation:
+    B  number of sequences, T  response length; masks are (B, T), scores (B,)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor
+
+from flowgraph.nodes.advantage import (
+    gae,
+    grpo,
+    reinforce_pp,
+    reinforce_pp_baseline,
+    remax,
+    rloo,
+)
+
+F64 = torch.float64
+HYP = settings(max_examples=40, deadline=None)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def ref_whiten(x: Tensor, mask: Tensor) -> Tensor:
+    """masked mean / unbiased masked var / eps 1e-8, written from the formula."""
+    n = mask.sum()
+    mean = (x * mask).sum() / n
+    var = (((x - mean) ** 2) * mask).sum() / n * (n / (n - 1))
+    return (x - mean) * torch.rsqrt(var + 1e-8)
+
+
+def loop_gae(r: Tensor, v: Tensor, m: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """verl compute_gae_advantage_return loop (un-whitened advantages, returns)."""
+    nextvalues: Tensor | float = 0.0
+    lastgaelam: Tensor | float = 0.0
+    advantages_reversed = []
+    for t in reversed(range(r.shape[1])):
+        delta = r[:, t] + gamma * nextvalues - v[:, t]
+        lastgaelam_ = delta + gamma * lam * lastgaelam
+        nextvalues = v[:, t] * m[:, t] + (1 - m[:, t]) * nextvalues
+        lastgaelam = lastgaelam_ * m[:, t] + (1 - m[:, t]) * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    return advantages, advantages + v
+
+
+def loop_reinforce_pp(r: Tensor, m: Tensor, gamma: float) -> Tensor:
+    """verl compute_reinforce_plus_plus_outcome_advantage loop (returns before whitening)."""
+    returns = torch.zeros_like(r)
+    running_return: Tensor | float = 0.0
+    for t in reversed(range(r.shape[1])):
+        running_return = r[:, t] + gamma * running_return
+        returns[:, t] = running_return
+        running_return = running_return * m[:, t]
+    return returns
+
+
+def loop_group_adv(scores: Tensor, index: Tensor, kind: str, eps: float = 1e-6) -> Tensor:
+    """Dict-of-lists group baselines, one response at a time (verl style)."""
+    groups: dict[int, list[float]] = defaultdict(list)
+    for i in range(scores.shape[0]):
+        groups[int(index[i])].append(float(scores[i]))
+    out = []
+    for i in range(scores.shape[0]):
+        g = groups[int(index[i])]
+        s, n = float(scores[i]), len(g)
+        mean = sum(g) / n if n > 1 else 0.0
+        std = (sum((x - sum(g) / n) ** 2 for x in g) / (n - 1)) ** 0.5 if n > 1 else 1.0
+        if kind == "grpo":
+            out.append((s - mean) / (std + eps))
+        elif kind == "drgrpo":
+            out.append(s - mean)
+        elif kind == "rloo":
+            out.append(s - (sum(g) - s) / (n - 1) if n > 1 else s)
+        else:  # "mean": REINFORCE++ baseline
+            out.append(s - mean)
+    return torch.tensor(out, dtype=F64)
+
+
+# ----------------------------------------------------------------------------- strategies
+
+
+@st.composite
+def token_batch(draw: st.DrawFn, max_b: int = 5, max_t: int = 80) -> tuple[Tensor, Tensor, Tensor]:
+    """(rewards, values, mask) in float64 with arbitrary 0/1 masks (holes, leading zeros)."""
+    b = draw(st.integers(1, max_b))
+    t = draw(st.integers(1, max_t))
+    density = draw(st.sampled_from([0.2, 0.6, 0.9, 1.0]))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    mask = (torch.rand(b, t, generator=gen) < density).to(F64)
+    rewards = torch.randn(b, t, generator=gen, dtype=F64)
+    values = torch.randn(b, t, generator=gen, dtype=F64)
+    return rewards, values, mask
+
+
+@st.composite
+def group_batch(draw: st.DrawFn) -> tuple[Tensor, Tensor, Tensor]:
+    """(scores, mask, index) with arbitrary, unsorted, non-contiguous group ids."""
+    b = draw(st.integers(1, 12))
+    t = draw(st.integers(1, 6))
+    ids = draw(st.lists(st.sampled_from([-7, 0, 3, 42, 1000]), min_size=b, max_size=b))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    scores = torch.randint(0, 3, (b,), generator=gen).to(F64) + 0.25 * torch.randn(
+        b, generator=gen, dtype=F64
+    )
+    mask = (torch.rand(b, t, generator=gen) < 0.7).to(F64)
+    return scores, mask, torch.tensor(ids, dtype=torch.int64)
+
+
+# ----------------------------------------------------------------------------- gae
+
+
+def test_gae_hand_full_mask() -> None:
+    r = torch.tensor([[0.0, 0.0, 1.0]])
+    v = torch.tensor([[0.5, 0.2, 0.4]])
+    m = torch.ones(1, 3)
+    adv, ret = gae(r, v, m, gamma=1.0, lam=1.0, whiten=False)
+    # δ2 = 1 + 0 − 0.4 = 0.6;   A2 = 0.6
+    # δ1 = 0 + 0.4 − 0.2 = 0.2; A1 = 0.2 + 0.6 = 0.8
+    # δ0 = 0 + 0.2 − 0.5 = −0.3; A0 = −0.3 + 0.8 = 0.5
+    # R = A + V = [1.0, 1.0, 1.0]
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.8, 0.6]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 1.0]]))
+    white, _ = gae(r, v, m, gamma=1.0, lam=1.0, whiten=True)
+    # mean = 1.9/3 = 0.633333; deviations −0.133333, 0.166667, −0.033333
+    # unbiased var = (0.0177778 + 0.0277778 + 0.0011111)/2 = 0.0233333, std = 0.1527525
+    # whitened = [−0.872872, 1.091089, −0.218218]
+    torch.testing.assert_close(
+        white, torch.tensor([[-0.872872, 1.091089, -0.218218]]), atol=1e-5, rtol=0
+    )
+
+
+def test_gae_hand_hole_is_skipped() -> None:
+    r = torch.tensor([[0.0, 0.5, 0.0, 1.0]])
+    v = torch.tensor([[0.5, 9.0, 0.2, 0.4]])
+    m = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    adv, ret = gae(r, v, m, gamma=0.5, lam=0.5, whiten=False)
+    # γ = λ = 0.5, γλ = 0.25; position 1 is masked: its r = 0.5 and V = 9 never count.
+    # δ3 = 1 + 0.5·0 − 0.4 = 0.6;                 A3 = 0.6
+    # δ2 = 0 + 0.5·0.4 − 0.2 = 0.0;               A2 = 0.0 + 0.25·0.6 = 0.15
+    # δ0 = 0 + 0.5·V2(=0.2) − 0.5 = −0.4;         A0 = −0.4 + 0.25·0.15 = −0.3625
+    # R = A + V on valid tokens: [0.1375, 0, 0.35, 1.0]
+    torch.testing.assert_close(adv, torch.tensor([[-0.3625, 0.0, 0.15, 0.6]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.1375, 0.0, 0.35, 1.0]]))
+
+
+def test_gae_leading_zeros_and_empty_row() -> None:
+    r = torch.tensor([[3.0, 0.0, 1.0], [5.0, 5.0, 5.0]])
+    v = torch.tensor([[7.0, 0.5, 0.5], [1.0, 1.0, 1.0]])
+    m = torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    adv, ret = gae(r, v, m, gamma=1.0, lam=1.0, whiten=False)
+    # row 0: A2 = 1 − 0.5 = 0.5; A1 = (0 + 0.5 − 0.5) + 0.5 = 0.5; position 0 masked → 0
+    # row 1: no valid token → all zeros
+    torch.testing.assert_close(adv, torch.tensor([[0.0, 0.5, 0.5], [0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[0.0, 1.0, 1.0], [0.0, 0.0, 0.0]]))
+
+
+@HYP
+@given(
+    batch=token_batch(),
+    gamma=st.sampled_from([1.0, 0.99, 0.5, 0.0]),
+    lam=st.sampled_from([1.0, 0.95, 0.3]),
+)
+def test_gae_matches_verl_loop(
+    batch: tuple[Tensor, Tensor, Tensor], gamma: float, lam: float
+) -> None:
+    r, v, m = batch
+    ref_adv, ref_ret = loop_gae(r, v, m, gamma, lam)
+    adv, ret = gae(r, v, m, gamma=gamma, lam=lam, whiten=False)
+    torch.testing.assert_close(adv, ref_adv * m, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ret, ref_ret * m, atol=1e-5, rtol=0)
+    if m.sum() < 2:
+        with pytest.raises(ValueError, match="at least 2"):
+            gae(r, v, m, gamma=gamma, lam=lam)
+        return
+    white, _ = gae(r, v, m, gamma=gamma, lam=lam)
+    torch.testing.assert_close(white, ref_whiten(ref_adv, m) * m, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (1.0, 0.95), (0.9, 0.1), (0.05, 0.05)])
+@pytest.mark.parametrize("length", [31, 32, 33, 64, 300, 1100])
+def test_gae_float32_long_sequences(gamma: float, lam: float, length: int) -> None:
+    gen = torch.Generator().manual_seed(length)
+    m = (torch.rand(6, length, generator=gen) < 0.8).float()
+    m[0, :5] = 0  # leading zeros
+    m[1] = 0
+    m[1, length // 2] = 1  # a single valid token in the middle
+    m[2, -7:] = 0  # right padding
+    r = 0.1 * torch.randn(6, length, generator=gen)
+    v = torch.randn(6, length, generator=gen)
+    ref_adv, ref_ret = loop_gae(r.double(), v.double(), m.double(), gamma, lam)
+    adv, ret = gae(r, v, m, gamma=gamma, lam=lam, whiten=False)
+    assert adv.dtype == torch.float32 and ret.dtype == torch.float32
+    torch.testing.assert_close(adv.double(), ref_adv * m.double(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ret.double(), ref_ret * m.double(), atol=1e-5, rtol=0)
+
+
+def test_gae_accepts_bool_mask_and_carries_no_grad() -> None:
+    r = torch.randn(3, 5)
+    v = torch.randn(3, 5, requires_grad=True)
+    m = torch.tensor([[1, 1, 0, 1, 0]] * 3, dtype=torch.bool)
+    adv, ret = gae(r, v, m)
+    adv_f, ret_f = gae(r, v, m.float())
+    torch.testing.assert_close(adv, adv_f)
+    torch.testing.assert_close(ret, ret_f)
+    assert not adv.requires_grad and not ret.requires_grad
+
+
+def test_gae_rejects_bad_inputs() -> None:
+    r, m = torch.zeros(2, 4), torch.ones(2, 4)
+    with pytest.raises(ValueError, match=r"values must have the same shape.*\(2, 3\)"):
+        gae(r, torch.zeros(2, 3), m)
+    with pytest.raises(ValueError, match="only 0/1"):
+        gae(r, r, torch.full((2, 4), 0.5))
+    with pytest.raises(ValueError, match=r"gamma must lie in \[0, 1\]"):
+        gae(r, r, m, gamma=1.5)
+    with pytest.raises(ValueError, match="2-D"):
+        gae(torch.zeros(4), torch.zeros(4), torch.ones(4))
+    with pytest.raises(ValueError, match="floating"):
+        gae(torch.zeros(2, 4, dtype=torch.int64), r, m)
+
+
+# ----------------------------------------------------------------------------- grpo / rloo
+
+
+def test_grpo_hand() -> None:
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.3])
+    index = torch.tensor([7, 7, 3, 3, 42])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0], [0.0, 1.0], [1.0, 1.0]])
+    adv, ret = grpo(scores, mask, index)
+    # group 7: [1, 0] mean 0.5, unbiased std = sqrt((0.25 + 0.25)/1) = 0.7071068
+    #          → ±0.5/(0.7071068 + 1e-6) = ±0.7071058
+    # group 3: [1, 1] mean 1, std 0 → 0
+    # group 42 (singleton): mean 0, std 1 → 0.3/(1 + 1e-6) = 0.2999997
+    per_seq = torch.tensor([0.7071058, -0.7071058, 0.0, 0.0, 0.2999997])
+    torch.testing.assert_close(adv, per_seq[:, None] * mask, atol=1e-6, rtol=0)
+    torch.testing.assert_close(ret, adv)
+    dr, _ = grpo(scores, mask, index, norm_by_std=False)
+    # Dr.GRPO: s − mean: [0.5, −0.5, 0, 0, 0.3]
+    torch.testing.assert_close(dr, torch.tensor([0.5, -0.5, 0.0, 0.0, 0.3])[:, None] * mask)
+
+
+def test_rloo_hand() -> None:
+    scores = torch.tensor([1.0, 0.0, 0.5, 2.0])
+    index = torch.tensor([5, 5, 5, -1])
+    mask = torch.ones(4, 3)
+    adv, _ = rloo(scores, mask, index)
+    # A0 = 1 − (0 + 0.5)/2 = 0.75; A1 = 0 − (1 + 0.5)/2 = −0.75; A2 = 0.5 − (1 + 0)/2 = 0
+    # singleton group −1: no baseline → A3 = 2.0
+    torch.testing.assert_close(adv, torch.tensor([0.75, -0.75, 0.0, 2.0])[:, None].expand(4, 3))
+
+
+@HYP
+@given(batch=group_batch(), norm_by_std=st.booleans())
+def test_grpo_matches_loop(batch: tuple[Tensor, Tensor, Tensor], norm_by_std: bool) -> None:
+    scores, mask, index = batch
+    expected = loop_group_adv(scores, index, "grpo" if norm_by_std else "drgrpo")
+    adv, ret = grpo(scores, mask, index, norm_by_std=norm_by_std)
+    torch.testing.assert_close(adv, expected[:, None] * mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ret, adv)
+
+
+@HYP
+@given(batch=group_batch())
+def test_rloo_matches_loop(batch: tuple[Tensor, Tensor, Tensor]) -> None:
+    scores, mask, index = batch
+    adv, ret = rloo(scores, mask, index)
+    torch.testing.assert_close(
+        adv, loop_group_adv(scores, index, "rloo")[:, None] * mask, atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(ret, adv)
+
+
+def test_group_estimators_reject_bad_index() -> None:
+    scores, mask = torch.zeros(3), torch.ones(3, 2)
+    with pytest.raises(ValueError, match="integer tensor of group ids"):
+        grpo(scores, mask, torch.tensor([0.0, 1.0, 2.0]))
+    with pytest.raises(ValueError, match=r"index must be 1-D \(B,\) with B=3"):
+        rloo(scores, mask, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"scores must be 1-D \(B,\) with B=3"):
+        reinforce_pp_baseline(torch.zeros(3, 2), mask, torch.tensor([0, 1, 2]))
+
+
+# ----------------------------------------------------------------------------- REINFORCE++
+
+
+def test_reinforce_pp_hand() -> None:
+    r = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    m = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    adv, ret = reinforce_pp(r, m, gamma=0.5)
+    # t=3: G = 4; t=2: G = 3 + 0.5·4 = 5; t=1 masked: running return reset to 0
+    # t=0: G = 1 + 0.5·0 = 1   → returns [1, 0, 5, 4]
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 0.0, 5.0, 4.0]]))
+    # whiten {1, 5, 4}: mean 10/3, deviations −2.333333, 1.666667, 0.666667
+    # unbiased var = (5.444444 + 2.777778 + 0.444444)/2 = 4.333333, std 2.081666
+    # → [−1.120897, 0, 0.800641, 0.320256]
+    expected = torch.tensor([[-1.120897, 0.0, 0.800641, 0.320256]])
+    torch.testing.assert_close(adv, expected, atol=1e-5, rtol=0)
+
+
+@HYP
+@given(batch=token_batch(), gamma=st.sampled_from([1.0, 0.9, 0.3, 0.0]))
+def test_reinforce_pp_matches_verl_loop(batch: tuple[Tensor, Tensor, Tensor], gamma: float) -> None:
+    r, _, m = batch
+    ref_ret = loop_reinforce_pp(r, m, gamma)
+    if m.sum() < 2:
+        with pytest.raises(ValueError, match="at least 2"):
+            reinforce_pp(r, m, gamma=gamma)
+        return
+    adv, ret = reinforce_pp(r, m, gamma=gamma)
+    torch.testing.assert_close(ret, ref_ret * m, atol=1e-5, rtol=0)
+    torch.testing.assert_close(adv, ref_whiten(ref_ret, m) * m, atol=1e-5, rtol=0)
+
+
+def test_reinforce_pp_baseline_hand() -> None:
+    scores = torch.tensor([1.0, 0.0, 3.0])
+    index = torch.tensor([0, 0, 1])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0], [1.0, 1.0]])
+    adv, ret = reinforce_pp_baseline(scores, mask, index)
+    # group 0 mean 0.5 → [0.5, −0.5]; group 1 singleton (mean 0) → 3
+    # valid tokens: 0.5, 0.5, −0.5, 3, 3: mean 1.3, deviations −0.8, −0.8, −1.8, 1.7, 1.7
+    # unbiased var = (0.64 + 0.64 + 3.24 + 2.89 + 2.89)/4 = 2.575, std 1.6046806
+    # → −0.498541, −1.121718, 1.059400
+    expected = torch.tensor([[-0.498541, -0.498541], [-1.121718, 0.0], [1.059400, 1.059400]])
+    torch.testing.assert_close(adv, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ret, adv)
+
+
+@HYP
+@given(batch=group_batch())
+def test_reinforce_pp_baseline_matches_loop(batch: tuple[Tensor, Tensor, Tensor]) -> None:
+    scores, mask, index = batch
+    if mask.sum() < 2:
+        with pytest.raises(ValueError, match="at least 2"):
+            reinforce_pp_baseline(scores, mask, index)
+        return
+    tokens = loop_group_adv(scores, index, "mean")[:, None] * mask
+    adv, ret = reinforce_pp_baseline(scores, mask, index)
+    torch.testing.assert_close(adv, ref_whiten(tokens, mask) * mask, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ret, adv)
+
+
+# ----------------------------------------------------------------------------- ReMax
+
+
+def test_remax_hand() -> None:
+    r = torch.tensor([[0.0, 1.0, 2.0], [5.0, 1.0, 2.0]])
+    m = torch.tensor([[1.0, 1.0, 0.0], [0.0, 1.0, 1.0]])
+    baselines = torch.tensor([0.5, 1.0])
+    adv, ret = remax(r, baselines, m)
+    # row 0: masked rewards [0, 1, 0] → suffix sums [1, 1, 0]; A = R − 0.5 on valid → [0.5, 0.5, 0]
+    # row 1: masked rewards [0, 1, 2] → suffix sums [3, 3, 2] × m = [0, 3, 2]; A = [0, 2, 1]
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 1.0, 0.0], [0.0, 3.0, 2.0]]))
+    torch.testing.assert_close(adv, torch.tensor([[0.5, 0.5, 0.0], [0.0, 2.0, 1.0]]))
+
+
+@HYP
+@given(batch=token_batch(max_t=20))
+def test_remax_matches_loop(batch: tuple[Tensor, Tensor, Tensor]) -> None:
+    r, v, m = batch
+    baselines = v[:, 0]
+    expected_ret = torch.zeros_like(r)
+    for b in range(r.shape[0]):
+        running = 0.0
+        for t in reversed(range(r.shape[1])):
+            running += float(r[b, t] * m[b, t])
+            expected_ret[b, t] = running * float(m[b, t])
+    adv, ret = remax(r, baselines, m)
+    torch.testing.assert_close(ret, expected_ret, atol=1e-6, rtol=0)
+    torch.testing.assert_close(adv, (expected_ret - baselines[:, None]) * m, atol=1e-6, rtol=0)
