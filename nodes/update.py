@@ -425,33 +425,32 @@ def dpo_update(
     return {}
 
 
+DPO_INPUTS = (
+    "prompts",
+    "prompt_mask",
+    "chosen",
+    "chosen_mask",
+    "rejected",
+    "rejected_mask",
+    "ref_chosen_logps",
+    "ref_rejected_logps",
+)
+"""The input ports of `dpo_update`, in order."""
+
+
 def dpo_update_eval(
     ctx: NodeContext,
     *,
-    prompts: Tensor,
-    prompt_mask: Tensor,
-    chosen: Tensor,
-    chosen_mask: Tensor,
-    rejected: Tensor,
-    rejected_mask: Tensor,
-    ref_chosen_logps: Tensor,
-    ref_rejected_logps: Tensor,
     beta: float = 0.1,
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
-    **_: object,
+    **inputs: Tensor,
 ) -> dict[str, Tensor]:
-    """`dpo_update`'s metrics on held-out pairs, without a step (the executor's eval hook)."""
-    batch = {
-        "prompts": prompts,
-        "prompt_mask": prompt_mask,
-        "chosen": chosen,
-        "chosen_mask": chosen_mask,
-        "rejected": rejected,
-        "rejected_mask": rejected_mask,
-        "ref_chosen_logps": ref_chosen_logps,
-        "ref_rejected_logps": ref_rejected_logps,
-    }
+    """`dpo_update`'s metrics on held-out pairs, without a step (the executor's eval hook).
+
+    Takes the same keyword arguments as `dpo_update`; the mini-batch params are ignored.
+    """
+    batch = {name: inputs[name] for name in DPO_INPUTS}
     with torch.no_grad():
         _, metrics = _dpo_loss(
             ctx.model, batch, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing

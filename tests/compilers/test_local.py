@@ -59,10 +59,13 @@ def _plugins(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_dpo_trains_hoists_and_checkpoints(tmp_path: Path) -> None:
     rows = _run(ROOT / "graphs" / "dpo.yaml", tmp_path, "trainer.steps=3",
-                "trainer.checkpoint_every=2", "trainer.eval_every=0")
+                "trainer.checkpoint_every=2", "trainer.eval_every=3")
     assert sorted(k for k in rows[0] if k.startswith("rewards/")) == [
         "rewards/accuracies", "rewards/chosen", "rewards/margins", "rewards/rejected"]
     assert all("timing_s/update" in r and "actor/dpo_loss" in r for r in rows)
+    # held-out pairs scored by dpo_update's eval hook, on the last step only
+    assert [("val/rewards/accuracies" in r) for r in rows] == [False, False, True]
+    assert 0.0 <= rows[2]["val/rewards/accuracies"] <= 1.0
     written = read_metrics(tmp_path / "run")
     assert [r["step"] for r in written] == [0, 1, 2]
     # checkpoint after step 2 (every 2) and at the end (step 2): the newest is step_2
