@@ -186,8 +186,9 @@ class LocalExecutor:
     # -- setup ------------------------------------------------------------------------
 
     def setup(self) -> None:
-        """Check paths first, then load models, optimizers, data; verify implementations."""
-        from flowgraph.nodes.models import check_model_path
+        """Cheap and likely failures first: model paths, implementations, tokenizers and
+        datasets (a missing column) — then the model weights and optimizers."""
+        from flowgraph.nodes.models import check_model_path, load_tokenizer
 
         for m in self.graph.models:
             check_model_path(m.path)
@@ -195,16 +196,17 @@ class LocalExecutor:
             impl = Impl.load(self.kinds[name])
             impl.verify(node, self.kinds[name])
             self.impls[name] = impl
-        self._load_models()
+        for m in self.graph.models:
+            self.res.tokenizers[m.name] = load_tokenizer(m.tokenizer or m.path)
         self._load_data()
+        self._load_models()
 
     def _load_models(self) -> None:
-        from flowgraph.nodes.models import load_model, load_tokenizer
+        from flowgraph.nodes.models import load_model
         from flowgraph.nodes.values import ValueModel
 
         roles = model_roles(self.graph)
         for m in self.graph.models:
-            self.res.tokenizers[m.name] = load_tokenizer(m.tokenizer or m.path)
             role = roles.get(m.name, "tokenizer")
             if role == "tokenizer":
                 continue

@@ -41,6 +41,9 @@ class MetricsLog:
         self.out = out or sys.stdout
         self.total = total_steps
         self._tb: Any = None
+        self._bar: Any = None
+        if self.out.isatty() and total_steps:
+            self._bar = _progress_bar(self.out, total_steps)
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -63,7 +66,12 @@ class MetricsLog:
                 if math.isfinite(float(v)):
                     self._tb.add_scalar(k, float(v), step)
             self._tb.flush()
-        print(self.line(step, metrics), file=self.out, flush=True)
+        if self._bar is None:
+            print(self.line(step, metrics), file=self.out, flush=True)
+            return
+        progress, task = self._bar
+        progress.console.print(self.line(step, metrics), highlight=False, markup=False)
+        progress.update(task, completed=step + 1)
 
     def line(self, step: int, metrics: dict[str, float]) -> str:
         """`step 3/40 [gen] 1.24s [ref] 0.87s … | score 0.250 pg_loss -0.013`."""
@@ -79,3 +87,23 @@ class MetricsLog:
     def close(self) -> None:
         if self._tb is not None:
             self._tb.close()
+        if self._bar is not None:
+            self._bar[0].stop()
+
+
+def _progress_bar(out: TextIO, total: int) -> tuple[Any, Any]:
+    """A rich progress bar under the step lines, on a terminal only (logs stay plain)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
+
+    progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                        TimeRemainingColumn(), console=Console(file=out))
+    task = progress.add_task("training", total=total)
+    progress.start()
+    return progress, task

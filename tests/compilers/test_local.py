@@ -130,6 +130,21 @@ def test_missing_dataset_column_names_file_and_column(tmp_path: Path) -> None:
         _run(tmp_path, tmp_path, "trainer.steps=1", text=text)
 
 
+def test_dataset_problems_stop_before_any_model_loads(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import flowgraph.nodes.models as models
+
+    def no_loading(*args: object, **kw: object) -> None:
+        raise AssertionError("a model was loaded before the dataset was checked")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"question": "1+1="}) + "\n")
+    with pytest.raises(FlowgraphError, match="has no column `prompt`"):
+        _run(ROOT / "graphs" / "ppo.yaml", tmp_path, "trainer.steps=1",
+             f"data.train.path={data}")
+
+
 KILLER = textwrap.dedent("""
     import sys, time, torch
     from pathlib import Path
