@@ -28,6 +28,7 @@ Notation: r requests (prompts × samples), P prompt length, T response length.
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,6 +45,10 @@ INSTALL_HINT = (
     "(the torchvision it pulls in breaks `import transformers`), on a GPU machine "
     "`pip install vllm`; or use backend: hf"
 )
+# vLLM logs every weight sync at INFO/WARNING (a harmless "RotaryEmbedding: Failed to
+# load weights" each step); a training run's own line per step should stay readable.
+# Set VLLM_LOGGING_LEVEL yourself to see them.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 try:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
