@@ -189,6 +189,7 @@ _KINDS = (
         ),
         model="optional",
         impl="flowgraph.nodes.reward:rule_reward",
+        required_when=(("ground_truth", "fn", "exact_match"),),
     ),
     KindSpec(
         "reward_model", "reward", "Sequence classifier scored at the last valid token.",

@@ -77,6 +77,9 @@ class KindSpec:
     """Needs whole sample groups (GRPO, RLOO): its batch is split only group-aligned."""
     impl: str = ""
     """`module:function`, imported lazily by executors only."""
+    required_when: tuple[tuple[str, str, str], ...] = ()
+    """(optional input, param, value): the input is required when the param has the value
+    (`reward` needs `ground_truth` when `fn` is `exact_match`)."""
     dim_defaults: tuple[tuple[str, str], ...] = ()
     """Node-local dims and the global expression they take when no param binds them."""
     source: str = "builtin"
@@ -108,6 +111,15 @@ class KindSpec:
 
     def param(self, name: str) -> ParamSpec | None:
         return next((p for p in self.params if p.name == name), None)
+
+    def needs(self, port: PortSpec, params: dict[str, ParamValue]) -> str | None:
+        """Why `port` must be wired with these params (defaults filled in), or None."""
+        if not port.optional:
+            return "it is required"
+        for name, param, value in self.required_when:
+            if name == port.name and params.get(param) == value:
+                return f"`{param}` is `{value}`"
+        return None
 
 
 _DECLARED: dict[str, KindSpec] = {}

@@ -103,9 +103,11 @@ def masked_whiten(
 
     verl: ``masked_whiten``. With ``shift_mean=False`` the mean is added back.
     Entries where mask == 0 are transformed too (callers multiply by the mask).
-    Needs at least 2 valid entries (ValueError otherwise).
+    A single valid entry whitens to 0 (it is its own mean; verl raises there, which
+    would stop a run on a batch with one response token); none is a ValueError.
     """
-    mean, centred, var = _centred_moments("masked_whiten", values, mask, unbiased=True)
+    single = float(mask.sum(dtype=torch.float64).item()) == 1.0
+    mean, centred, var = _centred_moments("masked_whiten", values, mask, unbiased=not single)
     whitened = centred * torch.rsqrt(var + eps)
     return whitened if shift_mean else whitened + mean
 

@@ -116,10 +116,13 @@ def check_ports(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
                                  hint=did_you_mean(port, names)))
             _check_ref(node, port, ref, table, out)
         wired = {port for port, _ in node.inputs}
+        params = {**{s.name: s.default for s in kind.params}, **node.params.to_python()}
         for p in kind.inputs:
-            if not p.optional and p.name not in wired:
+            why = kind.needs(p, params)  # type: ignore[arg-type]
+            if why is not None and p.name not in wired:
+                when = f" (needed because {why})" if p.optional else ""
                 out.append(error("FG104", f"node `{node.name}` (kind {kind.name}) has no "
-                                 f"input `{p.name}`", node.pos, node=node.name,
+                                 f"input `{p.name}`{when}", node.pos, node=node.name,
                                  expected=p.spec.describe(),
                                  hint=f"wire it: `inputs: {{{p.name}: <node>.<port>}}`"))
 

@@ -4,7 +4,8 @@
   `GraphError` (listing every error) when it does not check clean;
 * the pytest plugin (installed with flowgraph) provides the same as the fixture
   `flowgraph_check`;
-* `flowgraph.testing.strategies` holds hypothesis strategies (imported on demand).
+* `flowgraph.testing.strategies` holds hypothesis strategies (imported on demand);
+* `assert_honours_contract(kind)` property-tests a kind's implementation against its contract.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from flowgraph.check import CheckResult, check_graph
 from flowgraph.diagnostics import render_text
 from flowgraph.errors import FlowgraphError, GraphError
 from flowgraph.frontend import load_graph
+from flowgraph.testing.contracts import assert_honours_contract
 
-__all__ = ["check_file"]
+__all__ = ["assert_honours_contract", "check_file"]
 
 
 def check_file(path: str | Path, overrides: Sequence[str] = (), dp: int | None = None
