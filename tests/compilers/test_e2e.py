@@ -45,6 +45,20 @@ def test_grpo_runs_with_hf_rollouts(tmp_path: Path) -> None:
     assert rows[0]["response_length/mean"] <= 8
 
 
+def test_same_seed_same_numbers(tmp_path: Path) -> None:
+    """Two fresh runs of one graph and seed: identical metrics.jsonl but wall-clock fields."""
+    a = _run("grpo.yaml", tmp_path / "a", "trainer.steps=3")
+    b = _run("grpo.yaml", tmp_path / "b", "trainer.steps=3")
+
+    def numbers(rows: list[dict[str, float]]) -> list[dict[str, float]]:
+        return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))}
+                for r in rows]
+
+    assert numbers(a) == numbers(b)
+    assert a[0]["critic/score/mean"] == b[0]["critic/score/mean"]
+    assert len(numbers(a)[0]) >= 10
+
+
 def test_grpo_runs_with_vllm_rollouts(tmp_path: Path) -> None:
     rows = _run("grpo.yaml", tmp_path / "grpo_vllm", "trainer.steps=2",
                 "nodes.gen.params.backend=vllm")
