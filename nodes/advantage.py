@@ -181,7 +181,7 @@ def gae(
     where n(t) is the next *valid* position after t (V = A = 0 past the last):
     masked positions neither receive nor pass on value. ``advantages`` are
     whitened over valid tokens (unbiased var, eps 1e-8) when ``whiten``;
-    whitening needs ≥ 2 valid tokens in the batch (else ValueError).
+    a batch with no valid token is a ValueError then (a single one whitens to 0).
     """
     # Schulman et al. 2016 (GAE); verl core_algos.compute_gae_advantage_return
     fn = "gae"
@@ -284,8 +284,8 @@ def reinforce_pp(
 
     G_t = r_t + γ·m_{t+1}·G_{t+1} (G_T = 0): verl's loop resets the running
     return after every masked token, so a hole in the mask cuts the sum (unlike
-    ``gae``, which skips holes). advantages = masked_whiten(G) (≥ 2 valid
-    tokens needed), returns = G; both zero where m = 0.
+    ``gae``, which skips holes). advantages = masked_whiten(G) (≥ 1 valid
+    token needed), returns = G; both zero where m = 0.
     """
     # Hu 2025 (REINFORCE++); verl core_algos.compute_reinforce_plus_plus_outcome_advantage
     fn = "reinforce_pp"
@@ -320,7 +320,7 @@ def reinforce_pp_baseline(
     """REINFORCE++ with group-mean baseline: whiten_valid((s_i − mean_g)·m).
 
     Singleton groups use mean 0 (verl). Whitening is over all valid tokens of
-    the batch (≥ 2 needed). ``epsilon`` is accepted for parity with verl's
+    the batch (≥ 1 needed). ``epsilon`` is accepted for parity with verl's
     signature, which does not use it either. ``returns`` equals ``advantages``.
     """
     # Hu 2025 (REINFORCE++); verl core_algos.compute_reinforce_plus_plus_baseline_outcome_advantage
