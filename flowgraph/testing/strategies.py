@@ -253,9 +253,12 @@ def _reward(d: _Draft, gen: str) -> str:
     if d.draw(st.booleans()):
         return d.node("reward_model", _sequences(gen), d.model("reward_model"))
     wire = {"responses": (gen, "responses"), "response_mask": (gen, "response_mask")}
+    fixed: dict[str, ParamValue] = {}
     if d.draw(st.booleans()):
         wire["ground_truth"] = (gen, "ground_truth")
-    return d.node("reward", wire, d.draw(st.sampled_from((None, d.model("actor")))))
+    else:
+        fixed["fn"] = "format"  # exact_match (the default) needs the ground truth
+    return d.node("reward", wire, d.draw(st.sampled_from((None, d.model("actor")))), fixed)
 
 
 def _logprobs(d: _Draft, gen: str) -> tuple[str, str]:

@@ -53,6 +53,7 @@ nodes:
   reward:
     kind: reward
     inputs: {responses: gen.responses, response_mask: gen.response_mask}
+    params: {fn: format}
   token_reward:
     kind: token_reward
     inputs: {scores: reward.scores, response_mask: gen.response_mask}

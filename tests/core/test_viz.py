@@ -30,6 +30,7 @@ nodes:
   score:
     kind: reward
     inputs: {responses: gen.responses, response_mask: gen.response_mask}
+    params: {fn: format}
   adv:
     kind: grpo
     inputs: {scores: score.scores, response_mask: gen.response_mask, index: gen.index}
