@@ -315,8 +315,7 @@ class LocalExecutor:
 
     def params_of(self, name: str, *, evaluation: bool = False) -> dict[str, Any]:
         node, kind = self.nodes[name], self.kinds[name]
-        values = {p.name: p.default for p in kind.params}
-        values.update(node.params.to_python())
+        values = kind.param_values(node.params.to_python())
         if evaluation and kind.name == "generate":
             values["do_sample"] = False  # held-out prompts are scored greedily
         return values

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -112,7 +112,11 @@ class KindSpec:
     def param(self, name: str) -> ParamSpec | None:
         return next((p for p in self.params if p.name == name), None)
 
-    def needs(self, port: PortSpec, params: dict[str, ParamValue]) -> str | None:
+    def param_values(self, given: Mapping[str, object]) -> dict[str, object]:
+        """Every param's value: `given` where set, else the kind's default."""
+        return {**{p.name: p.default for p in self.params}, **given}
+
+    def needs(self, port: PortSpec, params: Mapping[str, object]) -> str | None:
         """Why `port` must be wired with these params (defaults filled in), or None."""
         if not port.optional:
             return "it is required"

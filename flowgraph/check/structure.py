@@ -116,9 +116,9 @@ def check_ports(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
                                  hint=did_you_mean(port, names)))
             _check_ref(node, port, ref, table, out)
         wired = {port for port, _ in node.inputs}
-        params = {**{s.name: s.default for s in kind.params}, **node.params.to_python()}
+        params = kind.param_values(node.params.to_python())
         for p in kind.inputs:
-            why = kind.needs(p, params)  # type: ignore[arg-type]
+            why = kind.needs(p, params)
             if why is not None and p.name not in wired:
                 when = f" (needed because {why})" if p.optional else ""
                 out.append(error("FG104", f"node `{node.name}` (kind {kind.name}) has no "

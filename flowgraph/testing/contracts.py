@@ -237,11 +237,10 @@ def assert_honours_contract(
 
     spec = _kind_spec(kind)
     impl = Impl.load(spec) if fn is None else Impl(fn, frozenset(inspect.signature(fn).parameters))
-    call_params = {p.name: p.default for p in spec.params}
-    unknown = set(params or {}) - set(call_params)
+    unknown = set(params or {}) - {p.name for p in spec.params}
     if unknown:
         raise ValueError(f"kind `{spec.name}` has no param(s) {sorted(unknown)}")
-    call_params.update(params or {})
+    call_params = spec.param_values(params or {})
     vocab = _vocab(model)
     grouped = spec.input("index") is not None
     given_ctx = ctx
@@ -255,9 +254,8 @@ def assert_honours_contract(
             n = draw(st.integers(1, 3), label="n")
         sizes = {"b": b, "n": n, "T": draw(st.integers(1, 8), label="T"),
                  "P": draw(st.integers(1, 6), label="P")}
-        values = {**{s.name: s.default for s in spec.params}, **(params or {})}
         present = [p.name for p in spec.inputs
-                   if spec.needs(p, values) or draw(st.booleans(), label=f"wire {p.name}")]
+                   if spec.needs(p, call_params) or draw(st.booleans(), label=f"wire {p.name}")]
         seed = draw(st.integers(0, 2**31 - 1), label="seed")
         shuffle = draw(st.booleans(), label="shuffle groups") if grouped else False
         return {"sizes": sizes, "present": present, "seed": seed, "shuffle": shuffle}
