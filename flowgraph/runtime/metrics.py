@@ -2,7 +2,8 @@
 
 `metrics.jsonl` holds one JSON object per step with `step` and verl-compatible names
 (`timing_s/gen`, `actor/pg_loss`, `critic/score/mean`, …). On resume, rows after the
-checkpoint are dropped first, so the file ends with every step exactly once.
+checkpoint are dropped first, so the file ends with every step exactly once. Given an
+`Exporter` (`flowgraph.runtime.prometheus`), every row also feeds the Prometheus series.
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from flowgraph.runtime.prometheus import Exporter
 
 KEY_METRICS = (
     "critic/score/mean",
@@ -33,13 +37,18 @@ def _jsonable(value: float) -> float | str:
 
 
 class MetricsLog:
-    """Appends step rows to `run_dir/metrics.jsonl` and mirrors them to TensorBoard."""
+    """Appends step rows to `run_dir/metrics.jsonl` and mirrors them to TensorBoard (and
+    to Prometheus when given an exporter)."""
 
     def __init__(self, run_dir: Path, *, tensorboard: bool = True, out: TextIO | None = None,
-                 total_steps: int = 0) -> None:
+                 total_steps: int = 0, exporter: Exporter | None = None,
+                 worker: str = "local") -> None:
         self.path = run_dir / "metrics.jsonl"
+        self.worker = worker
+        """The exporter's `worker` label of the rows written here (`rank0`, `driver`)."""
         self.out = out or sys.stdout
         self.total = total_steps
+        self.exporter = exporter
         self._tb: Any = None
         self._bar: Any = None
         if self.out.isatty() and total_steps:
@@ -66,6 +75,9 @@ class MetricsLog:
                 if math.isfinite(float(v)):
                     self._tb.add_scalar(k, float(v), step)
             self._tb.flush()
+        if self.exporter is not None:
+            self.exporter.observe_step(step, metrics, worker=self.worker)
+            self.exporter.record_memory(worker=self.worker)
         if self._bar is None:
             print(self.line(step, metrics), file=self.out, flush=True)
             return
