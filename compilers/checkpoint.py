@@ -60,15 +60,26 @@ def save_checkpoint(run_dir: Path, step: int, *, modules: dict[str, Any],
     `modules` maps a file stem to an object with `state_dict()` (models, optimizers,
     schedulers); `state` is JSON-able run state (step, cursors, node state).
     """
-    root = checkpoint_root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step}"
-    tmp = root / f"step_{step}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = begin_checkpoint(run_dir, step, f"tmp-{os.getpid()}")
     for stem, obj in modules.items():
         torch.save(obj.state_dict(), tmp / f"{stem}.pt")
     torch.save(rng_state(), tmp / "rng.pt")
+    return publish_checkpoint(tmp, state, keep)
+
+
+def begin_checkpoint(run_dir: Path, step: int, suffix: str) -> Path:
+    """A fresh `step_<step>.<suffix>` folder to write a checkpoint into."""
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f"step_{step}.{suffix}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    return tmp
+
+
+def publish_checkpoint(tmp: Path, state: dict[str, Any], keep: int = 2) -> Path:
+    """Write `state.json` last, then rename `tmp` into place and prune old ones."""
+    root, final = tmp.parent, tmp.parent / tmp.name.split(".")[0]
     (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
     _fsync_dir(tmp)
     if final.exists():
@@ -89,7 +100,7 @@ def load_checkpoint(folder: Path, *, modules: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fsync_dir(path: Path) -> None:
-    for p in [*path.iterdir(), path] if path.is_dir() else [path]:
+    for p in [*path.rglob("*"), path] if path.is_dir() else [path]:
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
@@ -44,6 +44,9 @@ from flowgraph.registry import KindSpec
 from flowgraph.runtime.context import RESOURCE_ARGS, NodeContext
 from flowgraph.runtime.metrics import MetricsLog
 from flowgraph.runtime.strict import RuntimeContracts
+
+if TYPE_CHECKING:
+    from flowgraph.runtime.prometheus import Exporter
 
 CRITIC_KINDS = frozenset({"values", "ppo_critic_update", "reward_model"})
 """Kinds whose model is a backbone with a scalar head (`ValueModel`)."""
@@ -158,6 +161,8 @@ class RunOptions:
     resume: bool = False
     out: TextIO | None = None
     tensorboard: bool = True
+    exporter: Exporter | None = None
+    """Feeds the Prometheus endpoint with every step row (`--metrics-port`)."""
 
 
 class LocalExecutor:
@@ -206,7 +211,7 @@ class LocalExecutor:
         from flowgraph.nodes.values import ValueModel
 
         roles = model_roles(self.graph)
-        for m in self.graph.models:
+        for m in self.hosted_models():
             role = roles.get(m.name, "tokenizer")
             if role == "tokenizer":
                 continue
@@ -215,9 +220,18 @@ class LocalExecutor:
                      else load_model(m.path, **kw))
             if m.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
                 model.gradient_checkpointing_enable()
-            self.res.models[m.name] = model.to(self.opts.device)
+            model = self.res.models[m.name] = self.place_model(m, model.to(self.opts.device))
             if m.trainable:
                 self._make_optimizer(m, model)
+
+    def hosted_models(self) -> tuple[ModelSpec, ...]:
+        """The models this process loads (a Ray worker: its pool's)."""
+        return self.graph.models
+
+    def place_model(self, spec: ModelSpec, model: torch.nn.Module) -> torch.nn.Module:
+        """Where a distributed executor shards or replicates a model (before its
+        optimizer is made); here, the model as it is."""
+        return model
 
     def _make_optimizer(self, m: ModelSpec, model: torch.nn.Module) -> None:
         from flowgraph.ir import OptimizerSpec
@@ -269,7 +283,9 @@ class LocalExecutor:
 
     # -- running ------------------------------------------------------------------------
 
-    def ctx(self, name: str, step: int) -> NodeContext:
+    def ctx(self, name: str, step: int, **dp: Any) -> NodeContext:
+        """The node's context; `dp` sets the data-parallel fields (dp_rank, dp_size,
+        row_offset, reduce) where a distributed executor splits the batch."""
         node = self.nodes[name]
         spec = self.graph.model(node.model) if node.model else None
         optimizer = self.res.optimizers.get(node.model or "")
@@ -281,18 +297,20 @@ class LocalExecutor:
             scheduler=self.res.schedulers.get(node.model or "") if self.kinds[name].trains
             else None,
             grad_clip=spec.optimizer.grad_clip if spec and spec.optimizer else 0.0,
-            state=self.node_state[name], dims=dict(self.dims))
+            state=self.node_state[name], dims=dict(self.dims), **dp)
 
     def call(self, name: str, env: dict[tuple[str, str], Any], step: int,
-             params: dict[str, Any], metrics: dict[str, float]) -> tuple[dict[str, Any], float]:
-        """Call one node's implementation; (outputs, seconds spent inside it)."""
+             params: dict[str, Any], metrics: dict[str, float], **dp: Any
+             ) -> tuple[dict[str, Any], float]:
+        """Call one node's implementation; (outputs, seconds spent inside it). This is
+        the dispatch point distributed executors override (see `ctx` for `dp`)."""
         node, kind, impl = self.nodes[name], self.kinds[name], self.impls[name]
         kw: dict[str, Any] = {port: env[(ref.node, ref.port)] for port, ref in node.inputs}
         kw.update({k: v for k, v in params.items() if k in impl.accepts})
         for p in kind.outputs:
             if p.optional and (name, p.name) in self.consumed and f"with_{p.name}" in impl.accepts:
                 kw[f"with_{p.name}"] = True
-        ctx = self.ctx(name, step)
+        ctx = self.ctx(name, step, **dp)
         for arg in RESOURCE_ARGS:
             if arg in impl.accepts:
                 kw[arg] = (ctx if arg == "ctx" else ctx.tokenizer if arg == "tokenizer"
@@ -422,7 +440,9 @@ class LocalExecutor:
         return metrics
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Held-out prompts, greedy; every node but the updates; `val/...` metrics."""
+        """Held-out prompts, greedy; every node but the updates; `val/...` metrics: the step
+        metrics, the KL to the reference, and text metrics of the responses (diversity,
+        exact-match accuracy: `flowgraph.runtime.evaluation`)."""
         out: dict[str, float] = {}
         if not all(self.res.data[d.name].eval is not None for d in self.graph.data):
             return out
@@ -432,6 +452,7 @@ class LocalExecutor:
         rows = min(len(ev) for ev in evals)
         batches = max(rows // self.dims["Bp"], 1)
         sums: dict[str, float] = {}
+        held_out = HeldOut()
         with torch.no_grad():
             for _ in range(batches):
                 env: dict[tuple[str, str], Any] = {}
@@ -444,11 +465,14 @@ class LocalExecutor:
                     else:
                         self._update_eval(name, env, step, scratch)
                 scratch.update(step_metrics(self.graph, self.kinds, env))
+                scratch.update(kl_to_reference(self.graph, env))
+                held_out.add(self.graph, self.kinds, env, self.res.tokenizers)
                 for k, v in scratch.items():
                     sums[k] = sums.get(k, 0.0) + v / batches
         for k, v in sums.items():
             if not k.startswith("perf/"):
                 out["val/" + k.removeprefix("critic/")] = v
+        out.update({f"val/{k}": v for k, v in held_out.metrics().items()})
         return out
 
     def _update_eval(self, name: str, env: dict[tuple[str, str], Any], step: int,
@@ -476,37 +500,62 @@ class LocalExecutor:
             mods[f"sched.{name}"] = self.res.schedulers[name]
         return mods
 
-    def save(self, step: int) -> None:
-        state = {
+    def run_state(self, step: int) -> dict[str, Any]:
+        """What a checkpoint holds besides weights and optimizers (JSON-able)."""
+        return {
             "step": step,
             "cursors": {d: s.train.state_dict() for d, s in self.res.data.items()},
             "node_state": self.node_state,
             "plan": self.plan.graph.name,
         }
-        save_checkpoint(self.opts.run_dir, step, modules=self.checkpoint_modules(), state=state)
+
+    def save(self, step: int) -> None:
+        save_checkpoint(self.opts.run_dir, step, modules=self.checkpoint_modules(),
+                        state=self.run_state(step))
 
     def restore(self) -> int:
-        """Load the latest checkpoint; return the next step to run (0 when none)."""
+        """Load the latest checkpoint; return the next step to run (0 when none).
+        A checkpoint of the fsdp or ray target (DCP shards) loads here too."""
         found = latest_checkpoint(self.opts.run_dir)
         if found is None:
             return 0
         _step, folder = found
-        state = load_checkpoint(folder, modules=self.checkpoint_modules())
+        from flowgraph.compilers import _dist
+
+        if not _dist.has_dcp(folder):
+            load_checkpoint(folder, modules=self.checkpoint_modules())
+            return self.restore_state(folder)
+        _dist.dcp_load(folder, self.res.models, self.res.optimizers)
+        for name, sched in self.res.schedulers.items():
+            sched.load_state_dict(torch.load(folder / f"sched.{name}.pt", weights_only=False))
+        return self.restore_state(folder)
+
+    def restore_state(self, folder: Path) -> int:
+        """Cursors and node state of the checkpoint in `folder`; the next step."""
+        state = json.loads((folder / "state.json").read_text())
         for d, cursor in state["cursors"].items():
             self.res.data[d].train.load_state_dict(cursor)
         for name, node_state in state["node_state"].items():
             self.node_state.setdefault(name, {}).update(node_state)
         return int(state["step"]) + 1
 
-    def run(self) -> list[dict[str, float]]:
-        """The training loop; returns the metric rows this process produced."""
-        trainer, run_dir = self.graph.trainer, self.opts.run_dir
+    def prepare_run_dir(self) -> None:
+        run_dir = self.opts.run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         remove_partial(run_dir)
         (run_dir / "plan.json").write_text(self.plan.to_json())
+
+    def open_log(self, worker: str = "local") -> MetricsLog:
+        return MetricsLog(self.opts.run_dir, tensorboard=self.opts.tensorboard,
+                          out=self.opts.out, total_steps=self.graph.trainer.steps,
+                          exporter=self.opts.exporter, worker=worker)
+
+    def run(self) -> list[dict[str, float]]:
+        """The training loop; returns the metric rows this process produced."""
+        trainer = self.graph.trainer
+        self.prepare_run_dir()
         self.start_step = self.restore() if self.opts.resume else 0
-        log = MetricsLog(run_dir, tensorboard=self.opts.tensorboard, out=self.opts.out,
-                         total_steps=trainer.steps)
+        log = self.open_log()
         log.truncate_after(self.start_step - 1)
         rows = []
         try:
@@ -556,6 +605,7 @@ def step_metrics(graph: Graph, kinds: dict[str, KindSpec],
             out.setdefault("response_length/mean", float(resp.sum(-1).mean()))
             prompt = env[(node.name, "prompt_mask")].float()
             out["perf/tokens"] = out.get("perf/tokens", 0.0) + float(resp.sum() + prompt.sum())
+            out["perf/response_tokens"] = out.get("perf/response_tokens", 0.0) + float(resp.sum())
         elif kinds[node.name].category == "reward" and (node.name, "scores") in env:
             out.setdefault("critic/score/mean", float(env[(node.name, "scores")].mean()))
         elif kind == "kl_penalty" and mask is not None:
@@ -569,6 +619,74 @@ def step_metrics(graph: Graph, kinds: dict[str, KindSpec],
     if "critic/score/mean" in out:
         out.setdefault("critic/rewards/mean", out["critic/score/mean"])
     return out
+
+
+# --- held-out metrics (evaluate) ----------------------------------------------------------
+
+
+def kl_to_reference(graph: Graph, env: dict[tuple[str, str], Any]) -> dict[str, float]:
+    """`kl_to_ref`: the mean over valid response tokens of log π(y_t) − log π_ref(y_t),
+    the k1 estimate of KL(π ‖ π_ref) on these responses. Read from the first node that
+    takes both an actor log-prob (`log_prob` or `old_log_prob`) and `ref_log_prob` (PPO's
+    `kl_penalty`, GRPO's actor update); nothing when the graph has no reference."""
+    for node in graph.nodes:
+        ref, mask = node.input("ref_log_prob"), node.input("response_mask")
+        actor = node.input("log_prob") or node.input("old_log_prob")
+        if ref is None or mask is None or actor is None:
+            continue
+        pi, pi_ref = env.get((actor.node, actor.port)), env.get((ref.node, ref.port))
+        if pi is not None and pi_ref is not None:
+            return {"kl_to_ref": _masked_mean(pi - pi_ref, env[(mask.node, mask.port)])}
+    return {}
+
+
+@dataclass
+class HeldOut:
+    """Greedy responses to the held-out prompts, gathered over the evaluation batches."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    """Valid tokens of each response of the first `generate` node, special tokens dropped."""
+    judged: list[tuple[str, str]] = field(default_factory=list)
+    """(decoded response, ground truth) of the first `reward` node with fn `exact_match`."""
+
+    def add(self, graph: Graph, kinds: dict[str, KindSpec], env: dict[tuple[str, str], Any],
+            tokenizers: dict[str, Any]) -> None:
+        gen = next((n for n in graph.nodes if kinds[n.name].name == "generate"), None)
+        if gen is not None:
+            special = set(getattr(tokenizers.get(gen.model or ""), "all_special_ids", ()) or ())
+            rows = _valid_rows(env[(gen.name, "responses")], env[(gen.name, "response_mask")])
+            self.tokens += [[t for t in row if t not in special] for row in rows]
+        for node in graph.nodes:
+            kind, truth = kinds[node.name], node.input("ground_truth")
+            ids, mask = node.input("responses"), node.input("response_mask")
+            if kind.name != "reward" or truth is None or ids is None or mask is None \
+                    or node.model is None:
+                continue
+            if kind.param_values(node.params.to_python()).get("fn") != "exact_match":
+                continue
+            tok = tokenizers[node.model]
+            texts = [tok.decode(row, skip_special_tokens=True) for row in
+                     _valid_rows(env[(ids.node, ids.port)], env[(mask.node, mask.port)])]
+            self.judged += zip(texts, [str(g) for g in env[(truth.node, truth.port)]],
+                               strict=True)
+            return
+
+    def metrics(self) -> dict[str, float]:
+        """`diversity/...`, `accuracy` (exact match), for the responses gathered."""
+        from flowgraph.runtime.evaluation import diversity_metrics, exact_match_accuracy
+
+        out = {}
+        if self.tokens:
+            out = {f"diversity/{k}": v for k, v in diversity_metrics(self.tokens).items()}
+        if self.judged:
+            texts, truths = zip(*self.judged, strict=True)
+            out["accuracy"] = exact_match_accuracy(texts, truths)
+        return out
+
+
+def _valid_rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's tokens where the mask is set: (B, T) -> B lists."""
+    return [row[m].tolist() for row, m in zip(ids, mask.bool(), strict=True)]
 
 
 # --- entry point ---------------------------------------------------------------------------
@@ -593,23 +711,51 @@ def pick_device(requested: str) -> str:
     return "cpu"
 
 
-def run_plan(plan: ExecutionPlan, *, strict: bool = False, resume: bool = False,
-             out: TextIO | None = None, tensorboard: bool = True) -> list[dict[str, float]]:
-    """Set up and run a local plan; refuses to overwrite an existing run without `resume`."""
-    _quiet_hf()
-    trainer = plan.graph.trainer
-    run_dir = Path(trainer.run_dir)
-    resume = resume or trainer.resume
-    if not resume and (latest_checkpoint(run_dir) or (run_dir / "metrics.jsonl").exists()):
+def prepare_run(plan: ExecutionPlan, *, resume: bool, check_only: bool = False) -> Path:
+    """The run dir; refuses one that holds a run unless resuming. Quiets Hugging Face."""
+    if not check_only:
+        _quiet_hf()
+    run_dir = Path(plan.graph.trainer.run_dir)
+    resume = resume or plan.graph.trainer.resume
+    if not resume and not check_only and (latest_checkpoint(run_dir)
+                                          or (run_dir / "metrics.jsonl").exists()):
         raise FlowgraphError(
             f"`{run_dir}` already holds a run; continue it with --resume, or give another "
             "directory: trainer.run_dir=runs/new")
+    return run_dir
+
+
+def run_plan(plan: ExecutionPlan, *, strict: bool = False, resume: bool = False,
+             out: TextIO | None = None, tensorboard: bool = True,
+             metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+             metrics_hold: float = 0.0) -> list[dict[str, float]]:
+    """Set up and run a local plan; refuses to overwrite an existing run without `resume`.
+
+    `metrics_port` (else `trainer.metrics_port`; 0 picks a free port) serves Prometheus
+    metrics on `metrics_host` from before the models load until the run ends, and
+    `metrics_hold` seconds longer so a scraper sees the final values."""
+    trainer = plan.graph.trainer
+    run_dir = prepare_run(plan, resume=resume)
+    resume = resume or trainer.resume
     torch.manual_seed(trainer.seed)
     device = pick_device(plan.graph.resources.device)
-    executor = LocalExecutor(plan, RunOptions(run_dir, device, strict, resume, out,
-                                              tensorboard))
-    executor.setup()
-    return executor.run()
+    port = trainer.metrics_port if metrics_port is None else metrics_port
+    exporter = None
+    if port is not None:  # before any model loads: a busy port fails in a second
+        from flowgraph.runtime.prometheus import Exporter
+
+        exporter = Exporter.start(plan.graph, port, metrics_host, out=out)
+    try:
+        executor = LocalExecutor(plan, RunOptions(run_dir, device, strict, resume, out,
+                                                  tensorboard, exporter))
+        executor.setup()
+        rows = executor.run()
+        if exporter is not None:
+            exporter.hold(metrics_hold, out)
+        return rows
+    finally:
+        if exporter is not None:
+            exporter.close()
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

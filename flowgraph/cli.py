@@ -2,7 +2,9 @@
 
     flowgraph check FILE... [--format text|json|github] [--nproc N]
     flowgraph compile FILE --target local|fsdp|ray [--nproc N] [-o plan.json]
-    flowgraph run FILE [KEY=VALUE...] [--resume] [--strict]
+    flowgraph run FILE [KEY=VALUE...] [--resume] [--strict] [--metrics-port PORT]
+    flowgraph plot RUN_DIR [RUN_DIR...] [-o curves.png]
+    flowgraph env [--target local|fsdp|ray] [--gpu]
     flowgraph export RUN_DIR --model NAME -o DIR
     flowgraph viz FILE -o out.mmd|out.dot|out.svg
     flowgraph schema [-o FILE] [--plugin MODULE]
@@ -155,12 +157,28 @@ def cmd_run(args: argparse.Namespace) -> int:
               file=sys.stderr)
     if result.plan is None:
         return EXIT_USAGE if _unreadable(result.diagnostics) else EXIT_ERRORS
-    if args.target != "local":
-        raise FlowgraphError(f"`flowgraph run --target {args.target}` is not available yet; "
-                             "run with --target local (the plan is the same)")
+    if args.target == "fsdp":
+        from flowgraph.compilers.fsdp import LaunchOptions, run_fsdp
+
+        run_fsdp(result.plan, LaunchOptions(
+            result.plan.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint,
+            strict=args.strict, resume=args.resume, metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host, metrics_hold=args.metrics_hold))
+        print(f"run finished: {result.plan.graph.trainer.run_dir}/metrics.jsonl")
+        return EXIT_OK
+    if args.target == "ray":
+        from flowgraph.compilers.ray import run_ray
+
+        run_ray(result.plan, address=args.address, strict=args.strict, resume=args.resume,
+                metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                metrics_hold=args.metrics_hold)
+        print(f"run finished: {result.plan.graph.trainer.run_dir}/metrics.jsonl")
+        return EXIT_OK
     from flowgraph.compilers.local import run_plan
 
-    run_plan(result.plan, strict=args.strict, resume=args.resume)
+    run_plan(result.plan, strict=args.strict, resume=args.resume,
+             metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+             metrics_hold=args.metrics_hold)
     print(f"run finished: {result.plan.graph.trainer.run_dir}/metrics.jsonl")
     return EXIT_OK
 
@@ -171,6 +189,41 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = export_model(Path(args.run_dir), args.model, Path(args.output), step=args.step)
     print(f"exported `{args.model}` to {out}")
     return EXIT_OK
+
+
+# --- plot, env -----------------------------------------------------------------------
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from flowgraph.plot import plot_runs
+
+    out = plot_runs([Path(d) for d in args.run_dirs], Path(args.output))
+    print(f"curves of {len(args.run_dirs)} run(s) written to {out}")
+    return EXIT_OK
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from flowgraph.environment import check_environment
+
+    checks = check_environment(args.target, gpu=args.gpu)
+    for check in checks:
+        print(check.line())
+    missing = [c.name for c in checks if c.status == "missing"]
+    if missing:
+        print(f"not ready for --target {args.target}: {', '.join(missing)}")
+        return EXIT_ERRORS
+    print(f"ready for --target {args.target}")
+    return EXIT_OK
+
+
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"`{text}` is not a port number (0-65535)")
+    return port
 
 
 # --- viz, schema ---------------------------------------------------------------------
@@ -226,15 +279,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the graph (YAML) after this pass")
     k.set_defaults(func=cmd_compile)
 
-    r = sub.add_parser("run", help="train: run the graph's loop (local target)")
+    r = sub.add_parser("run", help="train: run the graph's loop (local, fsdp or ray)")
     r.add_argument("file", metavar="FILE")
     r.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     r.add_argument("--target", choices=("local", "fsdp", "ray"), default="local")
-    r.add_argument("--nproc", type=int, default=None)
+    r.add_argument("--nproc", type=int, default=None,
+                   help="fsdp: processes per node; ray: workers per pool (default: "
+                        "resources.nproc)")
+    r.add_argument("--nnodes", type=int, default=1, help="fsdp: machines taking part")
+    r.add_argument("--node-rank", type=int, default=0, help="fsdp: this machine's rank")
+    r.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                   help="fsdp: rendezvous of a multi-machine run (node 0's address)")
+    r.add_argument("--address", default=None,
+                   help="ray: join this cluster (default: start a local one)")
     r.add_argument("--resume", action="store_true",
                    help="continue from the run dir's latest checkpoint")
     r.add_argument("--strict", action="store_true",
                    help="check every tensor on every edge at every step, not just the first")
+    r.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on this port (0: a free one; default: "
+                        "trainer.metrics_port, else none)")
+    r.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                   help="address to serve them on (default 127.0.0.1; 0.0.0.0: every "
+                        "interface)")
+    r.add_argument("--metrics-hold", type=float, default=0.0, metavar="SECONDS",
+                   help="keep serving this long after the run, so a scraper reads the final "
+                        "values (Ctrl-C ends it)")
     r.set_defaults(func=cmd_run)
 
     e = sub.add_parser("export", help="save a trained model as a Hugging Face model folder")
@@ -251,6 +321,18 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--format", choices=("mmd", "dot", "svg"), default=None,
                    help="default: from the output's extension")
     v.set_defaults(func=cmd_viz)
+
+    pl = sub.add_parser("plot", help="draw learning curves of runs (one figure, overlaid)")
+    pl.add_argument("run_dirs", nargs="+", metavar="RUN_DIR")
+    pl.add_argument("-o", "--output", default="curves.png", metavar="OUT.{png,svg,pdf}",
+                    help="default: curves.png")
+    pl.set_defaults(func=cmd_plot)
+
+    en = sub.add_parser("env", help="check the installed packages for a target")
+    en.add_argument("--target", choices=("local", "fsdp", "ray"), default="local")
+    en.add_argument("--gpu", action="store_true",
+                    help="require a CUDA device (and give GPU install commands)")
+    en.set_defaults(func=cmd_env)
 
     s = sub.add_parser("schema", help="print a JSON Schema for graph files (for editors)")
     s.add_argument("-o", "--output", metavar="SCHEMA.json", help="write it here, not to stdout")

@@ -59,10 +59,10 @@ INDEX = _p("index", "b", "int", doc="group id: samples of one prompt share it")
 TOKEN_REWARDS = _p("token_level_rewards", "b T", "float", "finite")
 MINI_BATCH = (
     _i("ppo_epochs", 1, "passes over the batch per step"),
-    _i("mini_batch_size", None, "sequences per optimizer step on one data-parallel rank; "
-       "null: the whole per-rank batch"),
-    _i("micro_batch_size", None, "sequences per forward/backward (gradient accumulation); "
-       "null: the mini-batch"),
+    _i("mini_batch_size", None, "sequences per optimizer step, over all data-parallel "
+       "ranks (verl's ppo_mini_batch_size); null: the whole batch"),
+    _i("micro_batch_size", None, "sequences per forward/backward on one rank (gradient "
+       "accumulation); null: the rank's share of the mini-batch"),
     _s("loss_agg_mode", "token-mean", LOSS_AGG),
 )
 

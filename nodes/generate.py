@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -133,11 +134,15 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 
 @torch.no_grad()
 def decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequence[int],
-           spec: SamplingSpec) -> dict[str, Tensor]:
+           spec: SamplingSpec, all_done: Callable[[Tensor], bool] | None = None
+           ) -> dict[str, Tensor]:
     """The hf backend: prompts (r, P) left-padded, one seed per row -> responses,
     response_mask (r, T) int64 and rollout_log_prob (r, T) float32, on the model's device.
 
     Runs the model as it is; `generate` puts it in eval mode (no dropout) first.
+    `all_done(done)` says whether every row on every worker has stopped: a sharded
+    (FSDP) model runs collectives in each forward, so all workers must take the same
+    number of decoding steps.
     """
     device = next(model.parameters()).device
     r, T = len(prompts), spec.max_new_tokens
@@ -159,7 +164,7 @@ def decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequen
         mask[:, t] = (~done).long()
         log_prob[:, t] = token_log_prob.masked_fill(done, 0.0)
         done |= torch.isin(token, stop)
-        if bool(done.all()) or t == T - 1:
+        if t == T - 1 or (all_done(done) if all_done else bool(done.all())):
             break
         attention = torch.cat([attention, attention.new_ones(r, 1)], dim=1)
         positions = positions[:, -1:] + 1
@@ -196,8 +201,8 @@ def generate(
 
     prompts, prompt_mask (b, P) -> prompts, prompt_mask (r, P); responses, response_mask,
     rollout_log_prob (r, T); index (r,) the prompt's row in the global batch (this
-    rank's rows are dp_rank·b .. dp_rank·b + b − 1: the executor splits a batch into
-    equal contiguous parts); ground_truth (r,) when given. `gpu_memory_utilization` is
+    rank's rows start at `ctx.row_offset`: an executor splits a batch into contiguous
+    parts); ground_truth (r,) when given. `gpu_memory_utilization` is
     the share of accelerator memory (on CPU: of RAM) vLLM may take.
     """
     n = n or ctx.dims.get("N")
@@ -206,7 +211,7 @@ def generate(
         raise ValueError("generate: set the params n and max_new_tokens, or bind the dims N and T")
     spec = SamplingSpec(T, temperature, top_p, top_k, not do_sample or temperature == 0,
                         _stop_ids(model, tokenizer), _pad_id(tokenizer))
-    rows = ctx.dp_rank * len(prompts) + torch.arange(len(prompts))
+    rows = ctx.row_offset + torch.arange(len(prompts))
     seeds = [sample_seed(ctx.seed, ctx.step, int(row), j) for row in rows for j in range(n)]
     prompts, prompt_mask = prompts.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0)
     if backend == "vllm":
@@ -216,7 +221,8 @@ def generate(
         out = _vllm.rollout(llm, prompts, prompt_mask, seeds, spec)
     elif backend == "hf":
         with _eval_mode(model):
-            out = decode(model, prompts, prompt_mask, seeds, spec)
+            out = decode(model, prompts, prompt_mask, seeds, spec, all_done=partial(
+                _all_done, ctx) if ctx.dp_size > 1 else None)
     else:
         raise ValueError(f"generate: backend must be `hf` or `vllm`, got `{backend}`")
     out = {name: value.to(prompts.device) for name, value in out.items()}
@@ -225,6 +231,11 @@ def generate(
     if ground_truth is not None:
         out["ground_truth"] = [str(g) for g in ground_truth for _ in range(n)]
     return out
+
+
+def _all_done(ctx: NodeContext, done: Tensor) -> bool:
+    flag = torch.tensor([int(bool(done.all()))], dtype=torch.int64)
+    return bool(ctx.all_reduce(flag, "min").item())
 
 
 def _pad_id(tokenizer: Any) -> int:

@@ -23,8 +23,12 @@ within a mini-batch, then averaged over the optimizer steps.
 The shuffle uses its own `torch.Generator`, so the global RNG is untouched and a
 resumed step reshuffles exactly as the original run did.
 
-Notation: B sequences (pairs for DPO) on this rank, M mini_batch_size, m
-micro_batch_size, P prompt length, T response length.
+Data parallel: the executor passes the whole batch to every worker with
+`ctx.dp_rank/dp_size`; each worker trains on its contiguous share of every
+mini-batch, so a run on N workers steps through the same mini-batches as on one.
+
+Notation: B sequences (pairs for DPO) in the batch, M mini_batch_size (global), m
+micro_batch_size (per worker), P prompt length, T response length.
 """
 
 from __future__ import annotations
@@ -59,23 +63,31 @@ SEQUENCES = ("prompts", "prompt_mask", "responses", "response_mask")
 # --------------------------------------------------------------------------- the loop
 
 
-def _schedule(B: int, ppo_epochs: int, mini: int | None, micro: int | None) -> tuple[int, int]:
-    """(M, m) with M | B and m | M; the message names the numbers that do not fit."""
+def _schedule(
+    B: int, ppo_epochs: int, mini: int | None, micro: int | None, dp_size: int = 1
+) -> tuple[int, int]:
+    """(M, m): M | B global rows per mini-batch, m | M/dp_size rows per micro-batch on
+    each worker; the message names the numbers that do not fit."""
     M = mini or B
-    m = micro or M
     if B < 1 or ppo_epochs < 1:
         raise ValueError(
             f"an update needs B >= 1 and ppo_epochs >= 1; got B={B}, ppo_epochs={ppo_epochs}"
         )
     if B % M:
         raise ValueError(
-            f"mini_batch_size={M} does not divide the batch of {B} sequences on "
-            f"this rank; use a divisor of {B}, or null for the whole batch"
+            f"mini_batch_size={M} does not divide the batch of {B} sequences; "
+            f"use a divisor of {B}, or null for the whole batch"
         )
-    if M % m:
+    if M % dp_size:
         raise ValueError(
-            f"micro_batch_size={m} does not divide mini_batch_size={M}; use a "
-            f"divisor of {M}, or null for the whole mini-batch"
+            f"mini_batch_size={M} does not split evenly over {dp_size} data-parallel "
+            f"workers; use a multiple of {dp_size}"
+        )
+    m = micro or M // dp_size
+    if (M // dp_size) % m:
+        raise ValueError(
+            f"micro_batch_size={m} does not divide the {M // dp_size} rows of a mini-batch "
+            f"on each of {dp_size} worker(s); use a divisor of {M // dp_size}, or null"
         )
     return M, m
 
@@ -91,9 +103,18 @@ def _rows(batch: Batch, rows: Tensor) -> Batch:
     return {k: v[rows.to(v.device)] for k, v in batch.items()}
 
 
-def _mini_batches(batch: Batch, order: Tensor, M: int, m: int) -> list[list[Batch]]:
-    """The rows of `batch` in `order`, as B/M mini-batches of M/m micro-batches of m."""
-    return [[_rows(batch, rows) for rows in mini.split(m)] for mini in order.split(M)]
+def _mini_batches(
+    batch: Batch, order: Tensor, M: int, m: int, ctx: NodeContext, size_fn: SizeFn
+) -> list[tuple[float, list[Batch]]]:
+    """The rows of `batch` in `order` as B/M mini-batches, each as (its whole loss
+    denominator, this worker's M/dp_size rows of it in micro-batches of m)."""
+    out = []
+    for mini in order.split(M):
+        mine = mini.tensor_split(ctx.dp_size)[ctx.dp_rank]
+        total = size_fn(_rows(batch, mini)) if ctx.dp_size > 1 else None
+        micro = [_rows(batch, rows) for rows in mine.split(m)]
+        out.append((total if total is not None else sum(map(size_fn, micro)), micro))
+    return out
 
 
 def _abort(ctx: NodeContext, what: str) -> NoReturn:
@@ -101,32 +122,89 @@ def _abort(ctx: NodeContext, what: str) -> NoReturn:
     raise NonFiniteError(ctx.node, ctx.step, what)
 
 
+def _full(t: Tensor) -> Tensor:
+    """A sharded (DTensor) value made whole; a plain tensor as it is."""
+    full = getattr(t, "full_tensor", None)
+    return full() if full is not None else t
+
+
 def _grad_norm(ctx: NodeContext) -> Tensor:
-    """Global L2 grad norm before clipping; clips to `ctx.grad_clip` when that is > 0."""
+    """Global L2 grad norm before clipping; clips to `ctx.grad_clip` when that is > 0.
+
+    Data-parallel, the model's sharded parameters (FSDP DTensors) hold a slice of the
+    gradient on each worker and the replicated ones (heads, see `_sync_replicated`)
+    the whole: the norm adds the slices' squares over the workers, then the rest once.
+    """
     params = [p for p in ctx.model.parameters() if p.grad is not None]
-    if ctx.grad_clip > 0:
-        return nn.utils.clip_grad_norm_(params, ctx.grad_clip)
-    return nn.utils.get_total_norm([p.grad for p in params])
+    if ctx.dp_size == 1:
+        if ctx.grad_clip > 0:
+            return nn.utils.clip_grad_norm_(params, ctx.grad_clip)
+        return nn.utils.get_total_norm([p.grad for p in params])
+    sharded = [p.grad.to_local() for p in params if hasattr(p.grad, "to_local")]
+    replicated = [p.grad for p in params if not hasattr(p.grad, "to_local")]
+    squares = torch.zeros((), dtype=torch.float64)
+    for g in sharded:
+        squares += g.double().square().sum().cpu()
+    squares = ctx.all_reduce(squares.reshape(1), "sum")[0]
+    for g in replicated:
+        squares += g.double().square().sum().cpu()
+    norm = squares.sqrt()
+    coef = ctx.grad_clip / (float(norm) + 1e-6)  # torch's clip_grad_norm_ formula
+    if ctx.grad_clip > 0 and coef < 1.0:
+        for p in params:
+            p.grad.mul_(coef)
+    return norm.float()
+
+
+def _sync_replicated(ctx: NodeContext) -> None:
+    """Average the gradients of parameters FSDP does not shard (they are replicated on
+    every worker) over the workers, so their copies take the same step everywhere."""
+    params = [p for p in ctx.model.parameters() if p.requires_grad
+              and not hasattr(p, "to_local")]
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = ctx.all_reduce(torch.cat([g.reshape(-1) for g in grads]), "sum") / ctx.dp_size
+    for p, part in zip(params, flat.split([g.numel() for g in grads]), strict=True):
+        p.grad = part.view_as(p).to(p.dtype)
+
+
+def _finite_everywhere(ctx: NodeContext, loss: Tensor) -> bool:
+    """Whether the loss is finite on every worker: a worker that stops alone would
+    leave the others waiting in the gradient reduction."""
+    flag = torch.tensor([int(math.isfinite(loss.item()))], dtype=torch.int64)
+    return bool(ctx.all_reduce(flag, "min").item())
 
 
 def _optimizer_step(
-    ctx: NodeContext, micro_batches: list[Batch], loss_fn: LossFn, size_fn: SizeFn
+    ctx: NodeContext, total: float, micro_batches: list[Batch], loss_fn: LossFn,
+    size_fn: SizeFn
 ) -> dict[str, float]:
-    """Accumulate w_k·L_k over the micro-batches, then one optimizer step."""
+    """Accumulate w_k·L_k over the micro-batches, then one optimizer step.
+
+    `total` is the mini-batch's loss denominator over all workers. FSDP averages the
+    gradients over the dp_size workers, so each worker weighs its micro-batches by
+    dp_size·n_k/total: the average is then the whole mini-batch's gradient.
+    """
     sizes = [size_fn(mb) for mb in micro_batches]
-    total = sum(sizes)
-    metrics: dict[str, float] = defaultdict(float)
+    sums: dict[str, float] = defaultdict(float)
     ctx.model.zero_grad(set_to_none=True)
     for mb, n in zip(micro_batches, sizes, strict=True):
         # No valid token anywhere: every L_k is 0, any weights do.
-        w = n / total if total else 1 / len(sizes)
+        w = n / total if total else 1 / (len(sizes) * ctx.dp_size)
         loss, stats = loss_fn(mb)
-        if not math.isfinite(loss.item()):
+        if not _finite_everywhere(ctx, loss):
             _abort(ctx, "loss")
         if loss.requires_grad:  # else no valid token reached the model: a zero gradient
-            (w * loss).backward()
+            (w * ctx.dp_size * loss).backward()
         for name, value in stats.items():
-            metrics[name] += w * value
+            sums[name] += w * value
+    metrics = dict(sums)
+    if ctx.dp_size > 1:  # each worker holds its share of the weighted means
+        _sync_replicated(ctx)
+        names = sorted(metrics)
+        reduced = ctx.all_reduce(torch.tensor([metrics[k] for k in names], dtype=torch.float64))
+        metrics = dict(zip(names, reduced.tolist(), strict=True))
     grad_norm = float(_grad_norm(ctx))
     if not math.isfinite(grad_norm):
         _abort(ctx, "gradient norm")
@@ -149,7 +227,12 @@ def _train(
     mini_batch_size: int | None,
     micro_batch_size: int | None,
 ) -> None:
-    """Epochs × shuffled mini-batches × micro-batches; metric means into `ctx.metrics`."""
+    """Epochs × shuffled mini-batches × micro-batches; metric means into `ctx.metrics`.
+
+    Data-parallel (ctx.dp_size > 1): every worker gets the whole batch and draws the
+    same permutation; each takes its contiguous 1/dp_size of every mini-batch. The
+    mini-batches are those of a one-worker run, so the numbers are too.
+    """
     if ctx.model is None or ctx.optimizer is None:
         raise ValueError(
             f"update node `{ctx.node}` needs ctx.model and ctx.optimizer; got "
@@ -157,14 +240,14 @@ def _train(
             f"optimizer={type(ctx.optimizer).__name__}"
         )
     B = len(next(iter(batch.values())))
-    M, m = _schedule(B, ppo_epochs, mini_batch_size, micro_batch_size)
+    M, m = _schedule(B, ppo_epochs, mini_batch_size, micro_batch_size, ctx.dp_size)
     plan = (
         mini
         for epoch in range(ppo_epochs)
-        for mini in _mini_batches(batch, _permutation(ctx, epoch, B), M, m)
+        for mini in _mini_batches(batch, _permutation(ctx, epoch, B), M, m, ctx, size_fn)
     )
     with torch.enable_grad():  # an executor may call nodes under no_grad
-        steps = [_optimizer_step(ctx, micro, loss_fn, size_fn) for micro in plan]
+        steps = [_optimizer_step(ctx, total, micro, loss_fn, size_fn) for total, micro in plan]
     for name in steps[0]:
         full = f"{prefix}/{name}" if name in ("grad_norm", "lr") else name
         ctx.metrics[full] = sum(s[name] for s in steps) / len(steps)

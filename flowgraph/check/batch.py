@@ -1,9 +1,11 @@
 """Batch arithmetic: mini-batches and data-parallel ranks divide the batch; groups stay whole.
 
-Numbers follow verl's normalisation, per data-parallel rank: with a global batch of
-`b` sequences over `dp` ranks, each rank holds `b/dp`; an update's `mini_batch_size`
-(sequences per optimizer step on one rank) must divide it, so the global batch is
-divisible by mini-batch x dp; `micro_batch_size` must divide the mini-batch.
+Numbers follow verl's normalisation: an update's `mini_batch_size` is global (sequences
+per optimizer step over all data-parallel ranks, verl's `ppo_mini_batch_size`), so the
+same graph steps through the same mini-batches on 1 or dp ranks. It must divide the
+global batch `b` and split evenly over the `dp` ranks (each takes mini/dp rows of each
+mini-batch); `micro_batch_size` (per rank, verl's `micro_batch_size_per_gpu`) must
+divide mini/dp.
 GRPO/RLOO groups (N samples of one prompt) must not be split across ranks.
 """
 
@@ -55,26 +57,37 @@ def _check_update(r: Resolved, batch: int, dp: int, out: list[Diagnostic]) -> No
                          hint=f"use a data-parallel size among {_divisors(batch)}, or change "
                               "Bp/N"))
         return
-    per_rank = batch // dp
-    mini = mini or per_rank
-    if batch % (mini * dp):
-        fits = [d for d in _divisors(per_rank)]
+    mini = mini or batch
+    if batch % mini:
         out.append(error("FG301", f"`{r.name}`: global batch {batch} is not divisible by "
-                         f"mini_batch_size {mini} x {dp} data-parallel rank(s) = {mini * dp}",
-                         pos, node=r.name, expected=f"{batch} % (mini_batch_size x dp) == 0",
-                         actual=f"{batch} % {mini * dp} = {batch % (mini * dp)}",
-                         hint=f"with dp={dp} each rank holds {per_rank} sequences; "
-                              f"mini_batch_size must divide it: one of {fits}. The last "
+                         f"mini_batch_size {mini}", pos, node=r.name,
+                         expected=f"{batch} % mini_batch_size == 0",
+                         actual=f"{batch} % {mini} = {batch % mini}",
+                         hint=f"mini_batch_size must divide {batch}: one of "
+                              f"{[d for d in _divisors(batch) if d % dp == 0]}. The last "
                               "mini-batch would otherwise be short and its gradient "
                               "silently scaled differently"))
         return
-    if micro is not None and mini % micro:
+    if mini % dp:
+        out.append(error("FG301", f"`{r.name}`: mini_batch_size {mini} does not split evenly "
+                         f"over {dp} data-parallel ranks", pos, node=r.name,
+                         expected="mini_batch_size % dp == 0",
+                         actual=f"{mini} % {dp} = {mini % dp}",
+                         hint=f"each rank takes mini_batch_size/dp sequences of every "
+                              f"mini-batch: use one of "
+                              f"{[d for d in _divisors(batch) if d % dp == 0]}, or a "
+                              f"data-parallel size among {_divisors(mini)}"))
+        return
+    per_rank = mini // dp
+    if micro is not None and per_rank % micro:
         q = r.spec.params.find("micro_batch_size")
-        out.append(error("FG303", f"`{r.name}`: mini_batch_size {mini} is not divisible by "
-                         f"micro_batch_size {micro}", q.pos if q else r.pos, node=r.name,
-                         actual=f"{mini} % {micro} = {mini % micro}",
-                         hint=f"micro_batch_size must divide {mini}: one of "
-                              f"{_divisors(mini)}"))
+        out.append(error("FG303", f"`{r.name}`: the {per_rank} sequences of a mini-batch on "
+                         f"each rank are not divisible by micro_batch_size {micro}",
+                         q.pos if q else r.pos, node=r.name,
+                         expected="(mini_batch_size / dp) % micro_batch_size == 0",
+                         actual=f"{per_rank} % {micro} = {per_rank % micro}",
+                         hint=f"micro_batch_size must divide {per_rank}: one of "
+                              f"{_divisors(per_rank)}"))
 
 
 def _check_groups(r: Resolved, batch: int, dp: int, table: dict[str, Resolved], env: DimEnv,

@@ -281,7 +281,7 @@ def _node_items(inp: _Inputs, pool: PoolPlan, node: NodeSpec) -> list[MemoryItem
     kind = inp.kinds[node.name]
     if kind.category == "rollout":
         return _rollout_items(inp, node, kind, per_worker)
-    micro = _micro(node, kind, per_worker)[0]
+    micro = _micro(node, kind, per_worker, inp.rows.get(node.name))[0]
     if kind.trains:
         return _training_items(inp, node, kind, micro)
     return _forward_items(inp, node, kind, micro)
@@ -300,12 +300,15 @@ def _int_param(node: NodeSpec, kind: KindSpec, name: str) -> int | None:
     return value if isinstance(value, int) and _positive_int(value) else None
 
 
-def _micro(node: NodeSpec, kind: KindSpec, per_worker: int) -> tuple[int, int]:
+def _micro(node: NodeSpec, kind: KindSpec, per_worker: int, rows: int | None
+           ) -> tuple[int, int]:
     """(micro-batch, what it must divide): the sequences one worker runs per forward (and
-    backward) pass. An update's micro-batch defaults to its mini-batch, which defaults to
-    the worker's whole batch (verl's per-rank normalisation); a forward node's to the
+    backward) pass. An update's micro-batch defaults to the worker's share of its
+    (global) mini-batch, which defaults to the whole batch; a forward node's to the
     worker's batch."""
-    limit = (_int_param(node, kind, "mini_batch_size") if kind.trains else None) or per_worker
+    mini = _int_param(node, kind, "mini_batch_size") if kind.trains else None
+    workers = rows // per_worker if rows and per_worker and rows >= per_worker else 1
+    limit = max(mini // workers, 1) if mini else per_worker
     return _int_param(node, kind, "micro_batch_size") or limit, limit
 
 
@@ -429,7 +432,7 @@ def _smaller_micro_batches(inp: _Inputs, pool: PoolPlan) -> Option:
         if per_worker is None or kind.param("micro_batch_size") is None \
                 or not _runs_in(inp, node, pool):
             continue
-        micro, limit = _micro(node, kind, per_worker)
+        micro, limit = _micro(node, kind, per_worker, inp.rows.get(node.name))
         # The largest smaller micro-batch that still divides the mini-batch (FG303).
         smaller = max((d for d in range(1, micro) if limit % d == 0), default=None)
         if smaller is not None:
@@ -489,8 +492,8 @@ def _splits_evenly(inp: _Inputs, pool: PoolPlan, size: int) -> bool:
         kind, rows = inp.kinds[node.name], inp.rows.get(node.name)
         if not kind.trains or rows is None or not _runs_in(inp, node, pool):
             continue
-        mini = _int_param(node, kind, "mini_batch_size") or 1
-        if rows % size or (rows // size) % mini:
+        mini = _int_param(node, kind, "mini_batch_size") or rows
+        if rows % size or rows % mini or mini % size:
             return False
     return True
 

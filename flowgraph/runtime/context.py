@@ -17,6 +17,7 @@ of the kind's outputs (so pure functions such as `gae` are used as they are). A 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,4 +52,14 @@ class NodeContext:
     dims: dict[str, int] = field(default_factory=dict)
     """The graph's bound global dims (Bp, N, P, T, …), for params that default to them."""
     dp_rank: int = 0
+    """This process's rank among the `dp_size` data-parallel workers running the node."""
     dp_size: int = 1
+    row_offset: int = 0
+    """Row of the global batch where this worker's slice starts (per-sample seeds)."""
+    reduce: Callable[[Any, str], Any] | None = None
+    """Set by a data-parallel executor: all-reduce a tensor in place across the node's
+    workers (`op` one of "sum", "min", "max") and return it. Nodes call `all_reduce`."""
+
+    def all_reduce(self, tensor: Any, op: str = "sum") -> Any:
+        """`tensor` reduced over the data-parallel workers; itself on one worker."""
+        return tensor if self.reduce is None or self.dp_size == 1 else self.reduce(tensor, op)

@@ -195,10 +195,12 @@ def _params(draw: st.DrawFn, kind: KindSpec, sizes: _Sizes,
 
 @st.composite
 def _batch_params(draw: st.DrawFn, sizes: _Sizes) -> dict[str, ParamValue]:
-    """mini_batch_size divides the per-rank batch, micro_batch_size the mini-batch."""
+    """mini_batch_size (global) divides the batch and splits evenly over the dp ranks;
+    micro_batch_size divides a rank's share of the mini-batch."""
     per_rank = sizes.batch // sizes.dp
-    mini = draw(st.one_of(st.none(), st.sampled_from(_divisors(per_rank))))
-    micro = draw(st.one_of(st.none(), st.sampled_from(_divisors(mini or per_rank))))
+    share = draw(st.one_of(st.none(), st.sampled_from(_divisors(per_rank))))
+    mini = share * sizes.dp if share is not None else None
+    micro = draw(st.one_of(st.none(), st.sampled_from(_divisors(share or per_rank))))
     return {"mini_batch_size": mini, "micro_batch_size": micro}
 
 
@@ -651,7 +653,7 @@ def _break_batch(draw: st.DrawFn, ctx: _Context) -> Mutation | None:
         b = batch // bp.value * new
         if b % dp:
             options.append((new, node.pos.line))
-        elif mini is not None and isinstance(mini.value, int) and b % (mini.value * dp):
+        elif mini is not None and isinstance(mini.value, int) and b % mini.value:
             options.append((new, mini.pos.line))
     if not options:
         return None

@@ -123,7 +123,13 @@ def test_trainable_model_without_update_and_unused_outputs() -> None:
         ((), 3, "FG301", "does not split evenly over 3"),
         (("dims.Bp=6",), 4, "FG302", "6 groups of 4 samples"),
         (("nodes.update_actor.params.micro_batch_size=3",), 1, "FG303",
-         "mini_batch_size 8 is not divisible by micro_batch_size 3"),
+         "the 8 sequences of a mini-batch on each rank are not divisible by "
+         "micro_batch_size 3"),
+        (("nodes.update_actor.params.micro_batch_size=3",), 2, "FG303",
+         "the 4 sequences of a mini-batch on each rank are not divisible by "
+         "micro_batch_size 3"),
+        (("nodes.update_actor.params.mini_batch_size=2",), 4, "FG301",
+         "mini_batch_size 2 does not split evenly over 4 data-parallel ranks"),
     ],
 )
 def test_batch_arithmetic(overrides: tuple[str, ...], dp: int, code: str, words: str) -> None:

@@ -38,7 +38,7 @@ def test_output_file_holds_the_plan_as_json(tmp_path: Path,
 
 @pytest.mark.parametrize(("args", "code", "stderr"), [
     # errors in the graph: batch arithmetic for 2 ranks, memory over the declared size
-    ([str(GRAPHS / "dpo.yaml"), "--nproc", "2"], 1, "error[FG301]"),
+    ([str(GRAPHS / "dpo.yaml"), "--nproc", "3"], 1, "error[FG301]"),
     ([PPO, "resources.memory_gib=0.0001"], 1, "error[FG401]: plan needs"),
     ([PPO, "nodes.gen.model=critc"], 1, "error[FG109]"),
     # input that cannot be read

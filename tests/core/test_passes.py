@@ -377,18 +377,20 @@ def test_memory_over_the_declared_device_is_fg401() -> None:
     assert result.plan is None and err.code == "FG401"
     assert err.message == (f"plan needs {need:.3g} GiB on each device of pool `main`, declared "
                            f"0.0001 GiB: over by {need - 0.0001:.3g} GiB")
-    # Fixes, re-estimated: fsdp over 2 halves the 15,491,584 resident bytes and the batch,
-    # leaving 7,745,792 + update_actor's 3,657,728: saves 7,876,864 (0.00734 GiB). Halving
+    # Fixes, re-estimated: fsdp over 2 halves the 15,491,584 resident bytes and the batch
+    # (an update's micro-batch too: each rank takes 8/2 of every global mini-batch of 8),
+    # saving 0.00898 GiB. Halving
     # every micro-batch leaves old_logprob at 1,763,328 + 131,072 = 1,894,400 as the peak:
     # saves 3,788,800 - 1,894,400 = 1,894,400 (0.00176 GiB).
     assert err.hint == (
-        "compile with --target fsdp --nproc 2 (saves 0.00734 GiB); set params.micro_batch_size "
+        "compile with --target fsdp --nproc 2 (saves 0.00898 GiB); set params.micro_batch_size "
         "of old_logprob 16→8, ref_logprob 16→8, values 16→8, update_actor 8→4, update_critic "
         "8→4 (saves 0.00176 GiB); or declare resources.memory_gib >= 0.018")
 
 
-def fg401_hint(file: str, **kw: Any) -> str:
-    result = compile_graph(GRAPHS / file, overrides=["resources.memory_gib=0.001"], **kw)
+def fg401_hint(file: str, *overrides: str, **kw: Any) -> str:
+    result = compile_graph(GRAPHS / file, overrides=["resources.memory_gib=0.001", *overrides],
+                           **kw)
     (err,) = [d for d in result.diagnostics if d.code == "FG401"][:1]
     assert err.hint is not None
     return err.hint
@@ -401,11 +403,14 @@ def test_fg401_suggests_gradient_checkpointing_when_an_update_is_the_peak() -> N
 
 
 def test_fg401_suggests_more_workers_only_when_the_batch_still_splits() -> None:
-    # PPO: 16 sequences, mini-batch 8 per rank: 2 ranks fit, 4 would not (FG301).
+    # PPO: 16 sequences, a (global) mini-batch of 8: 2 and 4 ranks fit, 16 would not
+    # (FG301: the mini-batch does not split over 16 ranks).
     assert "use --nproc 1→2 (saves" in fg401_hint("ppo.yaml", target="ray", nproc=1)
-    assert "--nproc" not in fg401_hint("ppo.yaml", target="ray", nproc=2)
-    # DPO: 8 pairs with a mini-batch of 8 cannot split at all.
-    assert "--target fsdp" not in fg401_hint("dpo.yaml")
+    assert "use --nproc 2→4 (saves" in fg401_hint("ppo.yaml", target="ray", nproc=2)
+    assert "--nproc" not in fg401_hint("ppo.yaml", target="ray", nproc=8)
+    # DPO: 8 pairs, a mini-batch of 8 splits over 2 ranks; a mini-batch of 1 cannot.
+    assert "--target fsdp --nproc 2" in fg401_hint("dpo.yaml")
+    assert "--target fsdp" not in fg401_hint("dpo.yaml", "nodes.update.params.mini_batch_size=1")
 
 
 def test_vllm_reserves_its_share_of_the_declared_device() -> None:
@@ -520,7 +525,7 @@ def test_a_failing_pass_is_named_with_the_passes_before_it() -> None:
 
 
 def test_graph_errors_stop_the_pipeline_after_validate() -> None:
-    result: CompileResult = compile_graph(GRAPHS / "dpo.yaml", nproc=2)
+    result: CompileResult = compile_graph(GRAPHS / "dpo.yaml", nproc=3)
     assert result.plan is None and [d.code for d in result.diagnostics] == ["FG301"]
     assert result.program is not None and result.program.placement is None
 

@@ -32,7 +32,7 @@ BP, P = 4, 12
 def _ctx(n: int = 2, T: int = 16, *, seed: int = 0, step: int = 0, dp_rank: int = 0,
          dp_size: int = 1) -> NodeContext:
     return NodeContext("gen", "generate", step=step, seed=seed, dims={"N": n, "T": T},
-                       dp_rank=dp_rank, dp_size=dp_size)
+                       dp_rank=dp_rank, dp_size=dp_size, row_offset=dp_rank * BP // dp_size)
 
 
 def _eos_prone(model: nn.Module) -> nn.Module:

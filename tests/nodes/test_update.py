@@ -279,8 +279,8 @@ def test_kl_loss_is_reported_when_ref_log_prob_is_wired() -> None:
     [
         (3, None, r"mini_batch_size=3 does not divide the batch of 4 sequences"),
         (8, None, r"mini_batch_size=8 does not divide the batch of 4 sequences"),
-        (4, 3, r"micro_batch_size=3 does not divide mini_batch_size=4"),
-        (None, 3, r"micro_batch_size=3 does not divide mini_batch_size=4"),
+        (4, 3, r"micro_batch_size=3 does not divide the 4 rows of a mini-batch"),
+        (None, 3, r"micro_batch_size=3 does not divide the 4 rows of a mini-batch"),
     ],
 )
 def test_batch_sizes_that_do_not_divide_are_refused(

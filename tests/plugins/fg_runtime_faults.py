@@ -18,3 +18,13 @@ def prompt_score(ctx, input_ids: Int[Tensor, "b P"], nan_at: int = -1) -> Float[
 def wide_score(input_ids: Int[Tensor, "b P"]) -> Float[Tensor, " b"]:
     """Declares (b,) but returns (b, 2): a reward head with two labels."""
     return torch.zeros(input_ids.shape[0], 2)
+
+
+@node_kind("fragile_logprob", outputs=["log_prob"], category="model", model="required")
+def fragile_logprob(ctx, model, prompts: Int[Tensor, "b P"], prompt_mask: Int[Tensor, "b P"],
+                    responses: Int[Tensor, "b T"], response_mask: Int[Tensor, "b T"],
+                    fail_at: int = -1) -> Float[Tensor, "b T"]:
+    """Zero log-probs; raises at step `fail_at` (runs where its model lives: a worker)."""
+    if ctx.step == fail_at:
+        raise RuntimeError("fragile_logprob failed on purpose")
+    return torch.zeros(responses.shape, dtype=torch.float32)

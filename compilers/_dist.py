@@ -1,0 +1,251 @@
+"""What the fsdp and ray executors share: process groups, sharding, slicing, checkpoints.
+
+Sharding (FSDP2). A model is wrapped with `fully_shard` per transformer block and once
+more around its backbone (embeddings, final norm): those run once per forward on every
+worker, so their collectives line up. The heads (a causal LM's `lm_head`, a critic's
+`value_head`) stay replicated: the chunked log-prob calls the LM head once per chunk of
+valid tokens, a number that differs between workers. Their gradients are averaged by
+the update node (`flowgraph.nodes.update`, through `NodeContext.all_reduce`).
+
+Slicing. A data-parallel node's batch is cut into `world` contiguous parts of whole
+units (a unit is a group of N samples of one prompt where the plan says the split is
+group-aligned, else one row); every part is padded to the same number of rows by
+repeating its last row, so every worker runs the same number of forward passes, and
+the padding is dropped when the outputs are gathered.
+
+Checkpoints. `torch.distributed.checkpoint` (DCP) writes each worker's shards; a
+checkpoint can be loaded by any number of workers (DCP reshards), and `flowgraph
+export` reads it back whole in one process.
+
+Notation: n rows of a batch, W workers (world size), u rows per unit.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flowgraph.check import CheckResult
+from flowgraph.errors import FlowgraphError
+from flowgraph.passes.schedule import has_batch_axis
+from flowgraph.plan import ExecutionPlan
+
+DCP_DIR = "dcp"
+"""Sub-folder of a checkpoint that holds the DCP shards of models and optimizers."""
+_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+
+# --- process groups ---------------------------------------------------------------------
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def init_group(rank: int, world: int, device: str, *, addr: str | None = None,
+               port: int | None = None, timeout_s: float = 1800.0) -> None:
+    """Join the default process group (env:// when `addr` is None: torch's launcher)."""
+    if dist.is_initialized():
+        return
+    if addr is not None:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    dist.init_process_group(backend_for(device), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def reducer(group: Any = None) -> Callable[[torch.Tensor, str], torch.Tensor]:
+    """`NodeContext.reduce`: an in-place all-reduce over `group` (the default group)."""
+
+    def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
+        dist.all_reduce(tensor, op=_OPS[op], group=group)
+        return tensor
+
+    return reduce
+
+
+# --- sharding ---------------------------------------------------------------------------
+
+
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: the longest `nn.ModuleList` of the model."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        raise FlowgraphError(f"cannot shard `{type(model).__name__}`: no transformer blocks "
+                             "(an nn.ModuleList) found")
+    return list(max(lists, key=len))
+
+
+def shard_model(model: nn.Module, device: str) -> nn.Module:
+    """FSDP2 over the default group: per block, then the backbone; heads replicated."""
+    from torch.distributed.fsdp import fully_shard
+
+    model.to(device)
+    for block in blocks(model):
+        fully_shard(block)
+    backbone = getattr(model, "backbone", None) or getattr(model, "base_model", model)
+    if backbone is not model:
+        fully_shard(backbone)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return any(hasattr(p, "to_local") for p in model.parameters())
+
+
+# --- slicing ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slices:
+    """Worker w takes rows `bounds[w]` (possibly short or empty), padded to `rows`."""
+
+    bounds: tuple[tuple[int, int], ...]
+    rows: int
+
+    @staticmethod
+    def of(n: int, world: int, unit: int = 1) -> Slices:
+        unit = unit if unit > 0 and n % unit == 0 else 1
+        per = -(-(n // unit) // world) * unit  # ceil(units / W) units
+        bounds = tuple((min(w * per, n), min((w + 1) * per, n)) for w in range(world))
+        return Slices(bounds, max(per, 1))
+
+    def index(self, worker: int) -> torch.Tensor:
+        """Row indices for `worker`, padded with its last row (row 0 when it has none)."""
+        lo, hi = self.bounds[worker]
+        rows = list(range(lo, hi)) or [0]
+        rows += [rows[-1]] * (self.rows - len(rows))
+        return torch.tensor(rows, dtype=torch.int64)
+
+    def real(self, worker: int) -> int:
+        lo, hi = self.bounds[worker]
+        return hi - lo
+
+
+def take(value: Any, rows: torch.Tensor) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[rows.to(value.device)]
+    return [value[int(i)] for i in rows]
+
+
+def unpad(parts: Sequence[Any], slices: Slices, in_rows: int) -> Any:
+    """Concatenate per-worker outputs, dropping each worker's padding. An output with
+    k·rows rows (a rollout's n samples per prompt) keeps k·real rows."""
+    kept = []
+    for w, part in enumerate(parts):
+        k = len(part) // in_rows if in_rows else 1
+        kept.append(part[: k * slices.real(w)])
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(kept)
+    return [x for part in kept for x in part]
+
+
+def all_gather(value: Any, world: int) -> list[Any]:
+    """Every worker's `value` (same shape on each, padding included), in rank order."""
+    if isinstance(value, torch.Tensor):
+        out = [torch.empty_like(value) for _ in range(world)]
+        dist.all_gather(out, value.contiguous())
+        return out
+    objs: list[Any] = [None] * world
+    dist.all_gather_object(objs, value)
+    return objs
+
+
+def batch_ports(plan: ExecutionPlan, check: CheckResult) -> dict[str, frozenset[str]]:
+    """Node -> its input ports whose tensors have a batch axis (the rest are broadcast)."""
+    out = {}
+    for node in plan.graph.nodes:
+        out[node.name] = frozenset(port for port, ref in node.inputs
+                                   if has_batch_axis(check, ref))
+    return out
+
+
+def group_unit(plan: ExecutionPlan, node: str, dims: dict[str, int]) -> int:
+    """Rows per unit of a split into `node`: N when the plan keeps groups together."""
+    aligned = any(e.group_aligned for e in plan.edges if e.dst.split(".")[0] == node)
+    return dims.get("N", 1) if aligned else 1
+
+
+# --- checkpoints ------------------------------------------------------------------------
+
+
+def _model_state(model: nn.Module, opt: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, [opt] if opt is not None else [])
+    return {"model": msd, "optim": osd} if opt is not None else {"model": msd}
+
+
+def dcp_save(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, Any],
+             group: Any = None) -> None:
+    """Each model (and its optimizer) into `folder/dcp/<model>`, by every worker holding
+    it (`group`: those workers; None: the default group, or this process alone)."""
+    import torch.distributed.checkpoint as dcp
+
+    for name, model in models.items():
+        dcp.save(_model_state(model, optimizers.get(name)),
+                 checkpoint_id=str(folder / DCP_DIR / name), process_group=group,
+                 no_dist=not dist.is_initialized())
+
+
+def dcp_load(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, Any],
+             group: Any = None) -> None:
+    """The inverse of `dcp_save`, into models sharded over any number of workers."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    for name, model in models.items():
+        where = folder / DCP_DIR / name
+        if not (where / ".metadata").exists():
+            raise FlowgraphError(f"checkpoint `{folder}` holds no weights for `{name}`")
+        opt = optimizers.get(name)
+        state = _model_state(model, opt)
+        dcp.load(state, checkpoint_id=str(where), process_group=group,
+                 no_dist=not dist.is_initialized())
+        set_state_dict(model, [opt] if opt is not None else [],
+                       model_state_dict=state["model"],
+                       optim_state_dict=state.get("optim", {}))
+
+
+def dcp_full_model(folder: Path, name: str, model: nn.Module) -> None:
+    """Load model `name` of a DCP checkpoint whole into a plain model, in one process."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(folder / DCP_DIR / name), no_dist=True)
+    model.load_state_dict(state["model"])
+
+
+def has_dcp(folder: Path) -> bool:
+    return (folder / DCP_DIR).is_dir()
+
+
+def status_file(run_dir: Path, rank: int) -> Path:
+    return run_dir / ".ranks" / f"rank_{rank}"
+
+
+_STATUS = re.compile(r"^step (?P<step>-?\d+) node (?P<node>\S+)(?: pid (?P<pid>\d+))?$")
+
+
+def write_status(run_dir: Path, rank: int, step: int, node: str) -> None:
+    """Where a worker is: read back when it dies to name the node and step (and its
+    pid, for an operator or a test that has to stop one worker)."""
+    path = status_file(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"step {step} node {node} pid {os.getpid()}\n")
+
+
+def read_status(run_dir: Path, rank: int) -> tuple[int, str] | None:
+    try:
+        m = _STATUS.match(status_file(run_dir, rank).read_text().strip())
+    except OSError:
+        return None
+    return (int(m["step"]), m["node"]) if m else None

@@ -1,0 +1,354 @@
+"""The fsdp target: N processes, SPMD, FSDP2; the same numbers as the local executor.
+
+`flowgraph run FILE --target fsdp --nproc N` starts N processes through torch's
+elastic launcher (what `torchrun` runs; `--nnodes/--node-rank/--rdzv-endpoint` for
+several machines), or, started by `torchrun` itself (`WORLD_SIZE` set), runs as one of
+its ranks. Every rank runs this executor, which is the local one with placement and
+dispatch overridden:
+
+* placement: models the plan marks `full_shard` are wrapped with FSDP2 per block
+  (`_dist.shard_model`), gloo on CPU, nccl on GPU; the rest are replicated.
+* dispatch: every rank holds the whole batch of every edge (the data sources draw the
+  same batch everywhere; model-free nodes — rewards, advantages — run on the whole
+  batch on every rank, as the plan's pool says). A data-parallel node takes its slice
+  (`_dist.Slices`, group-aligned where the plan says so), runs, and its outputs are
+  all-gathered back to the whole batch. Update nodes get the whole batch and take
+  their share of each mini-batch themselves (`flowgraph.nodes.update`), so each
+  optimizer step sees the mini-batch a one-process run sees.
+* checkpoints: `torch.distributed.checkpoint` (a different N can resume them; so can
+  the local target), rank 0 publishes the folder atomically.
+
+Rank 0 alone writes metrics, TensorBoard and the console line. A rank that fails
+leaves its step and node in `run_dir/.ranks/rank_R`; the launching process names them
+and how to resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import sys
+import traceback
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+
+from flowgraph.compilers import _dist
+from flowgraph.compilers.checkpoint import (
+    begin_checkpoint,
+    checkpoint_root,
+    latest_checkpoint,
+    publish_checkpoint,
+    rng_state,
+    set_rng_state,
+)
+from flowgraph.compilers.local import LocalExecutor, RunOptions, prepare_run
+from flowgraph.errors import FlowgraphError
+from flowgraph.ir import ModelSpec
+from flowgraph.plan import ExecutionPlan
+from flowgraph.runtime.metrics import MetricsLog
+
+
+class RankFailed(FlowgraphError):
+    """A rank of an fsdp run died or raised; the message names rank, node and step."""
+
+
+class FsdpExecutor(LocalExecutor):
+    """One rank of an fsdp run."""
+
+    def __init__(self, plan: ExecutionPlan, options: RunOptions, rank: int, world: int,
+                 *, exporting: bool = False) -> None:
+        super().__init__(plan, options)
+        self.rank, self.world = rank, world
+        self.exporting = exporting
+        """Prometheus is on (rank 0 serves it): every rank reports to rank 0 each step."""
+        self.batch_ports = _dist.batch_ports(plan, self.check)
+        self.reduce = _dist.reducer()
+        pool = plan.pool(plan.node(self.order[0]).pool) if self.order else None
+        self.sharding = {m.name: m.sharding for m in pool.models} if pool else {}
+
+    # -- placement ------------------------------------------------------------------------
+
+    def place_model(self, spec: ModelSpec, model: torch.nn.Module) -> torch.nn.Module:
+        if self.world > 1 and self.sharding.get(spec.name) == "full_shard":
+            return _dist.shard_model(model, self.opts.device)
+        return model
+
+    # -- dispatch -------------------------------------------------------------------------
+
+    def call(self, name: str, env: dict[tuple[str, str], Any], step: int,
+             params: dict[str, Any], metrics: dict[str, float], **dp: Any
+             ) -> tuple[dict[str, Any], float]:
+        _dist.write_status(self.opts.run_dir, self.rank, step, name)
+        if self.world == 1 or not self.plan.node(name).data_parallel:
+            return super().call(name, env, step, params, metrics)
+        dp = {"dp_rank": self.rank, "dp_size": self.world, "reduce": self.reduce}
+        if self.kinds[name].trains:  # the whole batch; the update takes its share
+            return super().call(name, env, step, params, metrics, **dp)
+        node, ports = self.nodes[name], self.batch_ports[name]
+        keys = [(ref.node, ref.port) for port, ref in node.inputs if port in ports]
+        if not keys:
+            return super().call(name, env, step, params, metrics)
+        n = len(env[keys[0]])
+        slices = _dist.Slices.of(n, self.world, _dist.group_unit(self.plan, name, self.dims))
+        rows = slices.index(self.rank)
+        mine = dict(env)
+        for key in keys:
+            mine[key] = _dist.take(env[key], rows)
+        outputs, seconds = super().call(name, mine, step, params, metrics,
+                                        row_offset=slices.bounds[self.rank][0], **dp)
+        whole = {}
+        for port, value in outputs.items():
+            if isinstance(value, torch.Tensor | list) and len(value) and \
+                    len(value) % slices.rows == 0:
+                whole[port] = _dist.unpad(_dist.all_gather(value, self.world), slices,
+                                          slices.rows)
+            else:
+                whole[port] = value
+        return whole, seconds
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def trained(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        return self.res.models, self.res.optimizers
+
+    def save(self, step: int) -> None:
+        run_dir = self.opts.run_dir
+        tmp = checkpoint_root(run_dir) / f"step_{step}.tmp-fsdp"
+        if self.rank == 0:
+            begin_checkpoint(run_dir, step, "tmp-fsdp")
+        dist.barrier()
+        _dist.dcp_save(tmp, *self.trained())
+        torch.save(rng_state(), tmp / f"rng.rank{self.rank}.pt")
+        dist.barrier()
+        if self.rank == 0:
+            for name, sched in self.res.schedulers.items():
+                torch.save(sched.state_dict(), tmp / f"sched.{name}.pt")
+            publish_checkpoint(tmp, self.run_state(step))
+        dist.barrier()
+
+    def restore(self) -> int:
+        found = latest_checkpoint(self.opts.run_dir)
+        if found is None:
+            return 0
+        if not _dist.has_dcp(found[1]):
+            raise FlowgraphError(
+                f"checkpoint `{found[1]}` was written by the local target; resume it with "
+                "--target local")
+        step = super().restore()
+        rng = found[1] / f"rng.rank{self.rank}.pt"
+        if rng.exists():  # absent when resuming with more ranks than wrote it
+            set_rng_state(torch.load(rng, weights_only=False))
+        return step
+
+    # -- run artefacts: rank 0 writes -------------------------------------------------------
+
+    def prepare_run_dir(self) -> None:
+        if self.rank == 0:
+            super().prepare_run_dir()
+        dist.barrier()
+
+    def open_log(self, worker: str = "rank0") -> MetricsLog:
+        if self.rank == 0:
+            return super().open_log(worker)
+        return _Silent(self.opts.run_dir)
+
+    def run_step(self, step: int, *, strict: bool) -> dict[str, float]:
+        """The step; then every rank's stage times and memory go to rank 0's exporter
+        (one endpoint, a `worker="rank<R>"` label each)."""
+        metrics = super().run_step(step, strict=strict)
+        if not self.exporting or self.world == 1:
+            return metrics
+        from flowgraph.runtime.prometheus import process_memory
+
+        mine = ({k: v for k, v in metrics.items() if k.startswith("timing_s/")},
+                process_memory())
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, mine)
+        exporter = self.opts.exporter
+        if self.rank == 0 and exporter is not None:
+            for rank, (timings, memory) in enumerate(every):
+                if rank:  # rank 0's own row goes through its MetricsLog
+                    exporter.observe_step(step, timings, worker=f"rank{rank}")
+                for device, used in memory:
+                    exporter.set_memory(f"rank{rank}", device, used)
+        return metrics
+
+
+class _Silent(MetricsLog):
+    """The log of ranks > 0: rank 0 writes the run's one metrics.jsonl."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(run_dir, tensorboard=False, out=sys.stdout)
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+
+# --- processes -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    nproc: int
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    strict: bool = False
+    resume: bool = False
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    metrics_hold: float = 0.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | None = None,
+              metrics_host: str = "127.0.0.1", metrics_hold: float = 0.0) -> None:
+    """The body of one rank (under torch's launcher: RANK, WORLD_SIZE, LOCAL_RANK set).
+    Rank 0 serves Prometheus metrics on `metrics_port` when it is given."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    plan = ExecutionPlan.from_json(Path(plan_json).read_text())
+    run_dir = Path(plan.graph.trainer.run_dir)
+    device = "cpu"
+    if plan.graph.resources.device != "cpu" and torch.cuda.is_available():
+        device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        torch.cuda.set_device(device)
+    else:  # share the cores: N ranks with all cores each would oversubscribe them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    port = plan.graph.trainer.metrics_port if metrics_port is None else metrics_port
+    exporter = None
+    try:
+        if port is not None and rank == 0:
+            from flowgraph.runtime.prometheus import Exporter
+
+            exporter = Exporter.start(plan.graph, port, metrics_host, target="fsdp",
+                                      out=sys.stdout)
+        _dist.init_group(rank, world, device)
+        torch.manual_seed(plan.graph.trainer.seed)
+        executor = FsdpExecutor(plan, RunOptions(run_dir, device, strict, resume,
+                                                 out=sys.stdout, exporter=exporter),
+                                rank, world, exporting=port is not None)
+        executor.setup()
+        executor.run()
+        if exporter is not None:
+            exporter.hold(metrics_hold, sys.stdout)
+    except BaseException as exc:
+        where = _dist.read_status(run_dir, rank)
+        text = f"{type(exc).__name__}: {exc}" if not isinstance(exc, FlowgraphError) else str(exc)
+        (run_dir / ".ranks").mkdir(parents=True, exist_ok=True)
+        named = where is None or f"node `{where[1]}`" in text
+        (run_dir / ".ranks" / f"error_{rank}").write_text(
+            text + ("" if named else f"\n(at step {where[0]}, node `{where[1]}`)"))
+        (run_dir / ".ranks" / f"traceback_{rank}").write_text(traceback.format_exc())
+        raise
+    finally:
+        if exporter is not None:
+            exporter.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(plan: ExecutionPlan, opts: LaunchOptions, out: TextIO | None = None) -> Path:
+    """Run `plan` on `opts.nproc` processes per node; the run dir when it finished."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    out = out or sys.stdout
+    run_dir = prepare_run(plan, resume=opts.resume)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ranks = run_dir / ".ranks"
+    for stale in ranks.glob("*") if ranks.is_dir() else []:
+        stale.unlink()
+    plan_json = run_dir / ".ranks" / "plan.json"
+    plan_json.parent.mkdir(exist_ok=True)
+    plan_json.write_text(plan.to_json())
+    endpoint = opts.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+    config = LaunchConfig(
+        min_nodes=opts.nnodes, max_nodes=opts.nnodes, nproc_per_node=opts.nproc,
+        run_id=f"flowgraph-{uuid.uuid4().hex[:8]}" if opts.rdzv_endpoint is None
+        else f"flowgraph-{plan.graph.name}",
+        rdzv_backend="c10d", rdzv_endpoint=endpoint,
+        rdzv_configs={"is_host": opts.node_rank == 0} if opts.nnodes > 1 else {},
+        max_restarts=0, monitor_interval=0.1, start_method="spawn")
+    resume = opts.resume or plan.graph.trainer.resume
+    try:
+        with _quiet_launcher():
+            elastic_launch(config, rank_main)(str(plan_json), opts.strict, resume,
+                                              opts.metrics_port, opts.metrics_host,
+                                              opts.metrics_hold)
+    except ChildFailedError as exc:
+        raise RankFailed(_failure_message(exc, run_dir, plan)) from None
+    return run_dir
+
+
+def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan) -> str:
+    """`rank 1 died (SIGKILL) at step 3 in node `update_actor``, with how to resume."""
+    lines, traces = [], []
+    # The first failure first: the others are often its echo (a peer's broken pipe).
+    for rank, failure in sorted(exc.failures.items(), key=lambda f: (f[1].timestamp, f[0])):
+        error = run_dir / ".ranks" / f"error_{rank}"
+        if error.exists():
+            lines.append(f"rank {rank} failed: {error.read_text().strip()}")
+            traces.append(str(run_dir / ".ranks" / f"traceback_{rank}"))
+            continue
+        where = _dist.read_status(run_dir, rank)
+        code = failure.exitcode
+        how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+               else f"exited with code {code}")
+        at = f" at step {where[0]} in node `{where[1]}`" if where else " before its first node"
+        lines.append(f"rank {rank} {how}{at}")
+    done = latest_checkpoint(run_dir)
+    tail = (f"the last checkpoint is step {done[0]}; continue with: flowgraph run "
+            f"{plan.graph.source} --target fsdp --nproc {plan.nproc} --resume "
+            f"trainer.run_dir={run_dir}" if done
+            else "no checkpoint was written; start again")
+    if traces:
+        tail += f"\n(the full traceback: {', '.join(traces)})"
+    return "the fsdp run stopped: " + "; ".join(lines) + f"\n{tail}"
+
+
+@contextmanager
+def _quiet_launcher() -> Iterator[None]:
+    """Torch's launcher logs every failed rank's traceback, and a line for each rank it
+    then stops; `_failure_message` says what failed instead, and the traceback stays in
+    `run_dir/.ranks/traceback_R`."""
+    loggers = [logging.getLogger(name) for name in (
+        "torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
+
+
+def run_fsdp(plan: ExecutionPlan, opts: LaunchOptions) -> None:
+    """`flowgraph run --target fsdp`: as a rank when torchrun started us, else launch."""
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        prepare_run(plan, resume=opts.resume, check_only=int(os.environ["RANK"]) != 0)
+        plan_json = Path(plan.graph.trainer.run_dir) / ".ranks" / f"plan.{os.environ['RANK']}.json"
+        plan_json.parent.mkdir(parents=True, exist_ok=True)
+        plan_json.write_text(plan.to_json())
+        rank_main(str(plan_json), opts.strict, opts.resume or plan.graph.trainer.resume,
+                  opts.metrics_port, opts.metrics_host, opts.metrics_hold)
+        return
+    launch(plan, opts)

@@ -1,0 +1,494 @@
+"""The ray target: a single controller and one Ray worker group per resource pool.
+
+`flowgraph run FILE --target ray [--address ADDR]` runs this driver in the launching
+process. With no address it starts an embedded Ray cluster on this machine (as many
+logical CPUs as the plan's bundles need, at least the machine's cores); with one, it
+joins that cluster. The driver is the local executor with placement and dispatch
+overridden:
+
+* placement: each pool of the plan (e.g. `actor_rollout_ref`: actor, rollout and
+  reference colocated; `critic`) becomes a placement group with one bundle per worker
+  and a group of `RayWorker` actors in it. A worker loads only its pool's models; in a
+  group of size > 1 the workers form a torch process group (gloo on CPU, nccl on GPU)
+  and shard their models with FSDP2 (`_dist.shard_model`), as the fsdp target does.
+* dispatch: the driver holds the whole batch of every edge and runs the model-free
+  nodes (data, rewards, advantages) itself. A node placed on a pool is sent there:
+  data-parallel nodes get one slice per worker (`_dist.Slices`, group-aligned where
+  the plan says), broadcast inputs go once into the object store, and the slices
+  come back and are concatenated; update nodes get the whole batch on every worker and
+  take their share of each mini-batch (`flowgraph.nodes.update`). Tensors move through
+  Ray's object store.
+* checkpoints: every worker writes its shards with DCP into the same folder as the
+  fsdp target (`step_N/dcp/<model>`); the driver publishes it atomically, with the
+  data cursors and node state.
+* faults: a worker that dies (its actor is gone) or hangs (no answer within
+  `trainer.step_timeout_s`) is noticed at the driver's next wait; the driver kills
+  every worker group, starts them afresh, reloads the last checkpoint and goes on from
+  the step after it. metrics.jsonl is cut back to that step first, so it ends with
+  every step exactly once. After `MAX_RESTARTS` restarts in a row without a completed
+  checkpoint the run stops with the last error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowgraph.compilers import _dist
+from flowgraph.compilers.checkpoint import (
+    begin_checkpoint,
+    latest_checkpoint,
+    publish_checkpoint,
+)
+from flowgraph.compilers.local import (
+    LocalExecutor,
+    NodeError,
+    RunOptions,
+    pick_device,
+    prepare_run,
+)
+from flowgraph.errors import FlowgraphError
+from flowgraph.ir import ModelSpec
+from flowgraph.plan import DRIVER, ExecutionPlan, PoolPlan
+from flowgraph.runtime.metrics import MetricsLog
+
+MAX_RESTARTS = 3
+"""Worker-group restarts allowed without a new checkpoint in between."""
+
+try:
+    import ray
+    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+except ImportError as exc:  # pragma: no cover - depends on the machine
+    raise FlowgraphError(f"--target ray needs Ray: pip install 'ray>=2.40' ({exc})") from exc
+
+
+class WorkerLost(FlowgraphError):
+    """A worker died or hung; the driver restarts the worker groups from a checkpoint."""
+
+
+def _where(where: tuple[str, int] | None) -> str:
+    return f" in node `{where[0]}` at step {where[1]}" if where else ""
+
+
+# --- the worker ------------------------------------------------------------------------------
+
+
+class PoolExecutor(LocalExecutor):
+    """A worker's executor: its pool's models only, nodes called one at a time."""
+
+    def __init__(self, plan: ExecutionPlan, options: RunOptions, pool: PoolPlan,
+                 rank: int) -> None:
+        super().__init__(plan, options)
+        self.pool, self.rank = pool, rank
+        self.mine = {m.name: m.sharding for m in pool.models}
+        self.reduce = _dist.reducer() if pool.size > 1 else None
+
+    def _load_data(self) -> None:
+        pass  # the driver draws the batches
+
+    def hosted_models(self) -> tuple[ModelSpec, ...]:
+        return tuple(m for m in self.graph.models if m.name in self.mine)
+
+    def place_model(self, spec: ModelSpec, model: torch.nn.Module) -> torch.nn.Module:
+        if self.pool.size > 1 and self.mine.get(spec.name) == "full_shard":
+            return _dist.shard_model(model, self.opts.device)
+        return model
+
+
+class RayWorker:
+    """One worker of a pool (a Ray actor; `ray.remote` wraps it when the group starts)."""
+
+    def __init__(self, plan_json: str, pool: str, rank: int, cwd: str, path: list[str]
+                 ) -> None:
+        from flowgraph.compilers.local import _quiet_hf
+
+        _quiet_hf()
+        os.chdir(cwd)  # model and data paths are relative to where the run started
+        sys.path[:0] = [p for p in path if p not in sys.path]
+        self.plan = ExecutionPlan.from_json(plan_json)
+        self.pool = self.plan.pool(pool)
+        self.rank = rank
+        self.executor: PoolExecutor | None = None
+
+    def endpoint(self) -> tuple[str, int]:
+        """(address, free port) for the pool's process group; asked of worker 0."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        return ray.util.get_node_ip_address(), port
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def memory(self) -> list[tuple[str, int]]:
+        from flowgraph.runtime.prometheus import process_memory
+
+        return process_memory()
+
+    def setup(self, addr: str, port: int, run_dir: str, checkpoint: str | None) -> None:
+        device = pick_device(self.pool.device.split(":")[0])
+        cpus = self.pool.bundles[self.rank].cpu if self.pool.bundles else 1
+        torch.set_num_threads(max(cpus, 1))
+        if self.pool.size > 1:
+            _dist.init_group(self.rank, self.pool.size, device, addr=addr, port=port)
+        torch.manual_seed(self.plan.graph.trainer.seed)
+        self.executor = PoolExecutor(self.plan, RunOptions(Path(run_dir), device),
+                                     self.pool, self.rank)
+        self.executor.setup()
+        if checkpoint is not None:
+            folder = Path(checkpoint)
+            _dist.dcp_load(folder, self.executor.res.models, self.executor.res.optimizers)
+            for name, sched in self.executor.res.schedulers.items():
+                sched.load_state_dict(torch.load(folder / f"sched.{name}.pt",
+                                                 weights_only=False))
+
+    def call(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
+             dp: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str, float]]:
+        """Run node `name` on `inputs` (port -> value, or the object-store reference of a
+        value every worker shares); (outputs, seconds, metrics)."""
+        ex = self._ready()
+        env = self._env(ex, name, inputs)
+        if ex.reduce is not None and "dp_size" in dp:
+            dp = {**dp, "reduce": ex.reduce}
+        metrics: dict[str, float] = {}
+        outputs, seconds = ex.call(name, env, step, params, metrics, **dp)
+        return outputs, seconds, metrics
+
+    def update_eval(self, name: str, inputs: dict[str, Any], step: int) -> dict[str, float]:
+        ex = self._ready()
+        env = self._env(ex, name, inputs)
+        metrics: dict[str, float] = {}
+        with torch.no_grad():
+            ex._update_eval(name, env, step, metrics)
+        return metrics
+
+    def save(self, folder: str) -> None:
+        ex = self._ready()
+        _dist.dcp_save(Path(folder), ex.res.models, ex.res.optimizers)
+        if self.rank == 0:
+            for name, sched in ex.res.schedulers.items():
+                torch.save(sched.state_dict(), Path(folder) / f"sched.{name}.pt")
+
+    @staticmethod
+    def _env(ex: PoolExecutor, name: str, inputs: dict[str, Any]) -> dict[tuple[str, str], Any]:
+        refs = [v for v in inputs.values() if isinstance(v, ray.ObjectRef)]
+        got = dict(zip(map(id, refs), ray.get(refs), strict=True)) if refs else {}
+        return {(ref.node, ref.port): got.get(id(inputs[port]), inputs[port])
+                for port, ref in ex.nodes[name].inputs}
+
+    def _ready(self) -> PoolExecutor:
+        if self.executor is None:
+            raise FlowgraphError("worker used before setup")
+        return self.executor
+
+
+# --- the driver ------------------------------------------------------------------------------
+
+
+@dataclass
+class Group:
+    """A pool's running workers."""
+
+    pool: PoolPlan
+    workers: list[Any]
+    pg: Any
+
+
+class RayExecutor(LocalExecutor):
+    """The single controller."""
+
+    def __init__(self, plan: ExecutionPlan, options: RunOptions) -> None:
+        super().__init__(plan, options)
+        self.batch_ports = _dist.batch_ports(plan, self.check)
+        self.groups: dict[str, Group] = {}
+        self.restarts: list[float] = []
+        """Seconds from each noticed fault to the next completed step."""
+        self.worker_times: dict[str, dict[str, float]] = {}
+        """This step's node seconds per worker (`pool/rank`), for Prometheus."""
+
+    # -- worker groups --------------------------------------------------------------------
+
+    def _load_models(self) -> None:
+        self.start_groups(None)
+
+    def start_groups(self, checkpoint: Path | None) -> None:
+        plan_json = self.plan.to_json()
+        cwd, path = os.getcwd(), [p for p in sys.path if p]
+        for pool in self.plan.pools:
+            if pool.name == DRIVER or not pool.bundles:
+                continue
+            bundles = [{"CPU": b.cpu, **({"GPU": b.gpu} if b.gpu else {})}
+                       for b in pool.bundles]
+            pg = placement_group(bundles, strategy="PACK")
+            ray.get(pg.ready())
+            remote = ray.remote(RayWorker)
+            workers = [
+                remote.options(
+                    num_cpus=bundles[i]["CPU"], num_gpus=bundles[i].get("GPU", 0),
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        pg, placement_group_bundle_index=i),
+                ).remote(plan_json, pool.name, i, cwd, path)
+                for i in range(pool.size)
+            ]
+            self.groups[pool.name] = Group(pool, workers, pg)
+        # Set up every group at once: workers of a group rendezvous with each other.
+        pending = []
+        for group in self.groups.values():
+            addr, port = self._get(group.workers[0].endpoint.remote(), timed=False)
+            pending += [w.setup.remote(addr, port, str(self.opts.run_dir),
+                                       str(checkpoint) if checkpoint else None)
+                        for w in group.workers]
+        self._get(pending, timed=False)  # loading models is not a step
+        # Who is who, for operators (and tests) that want to signal a worker.
+        (self.opts.run_dir / ".ranks").mkdir(parents=True, exist_ok=True)
+        (self.opts.run_dir / ".ranks" / "workers.json").write_text(
+            json.dumps(self.worker_pids(), indent=2))
+
+    def stop_groups(self) -> None:
+        for group in self.groups.values():
+            for w in group.workers:
+                ray.kill(w, no_restart=True)
+            remove_placement_group(group.pg)
+        self.groups.clear()
+
+    def worker_pids(self) -> dict[str, list[int]]:
+        return {name: self._get([w.pid.remote() for w in g.workers])
+                for name, g in self.groups.items()}
+
+    def _get(self, refs: Any, where: tuple[str, int] | None = None, *,
+             timed: bool = True) -> Any:
+        """ray.get with the step timeout (`timed`); a dead or silent worker raises
+        WorkerLost, a node's own error comes back as it was raised in the worker.
+        `where`: the node and step waited for."""
+        timeout = (self.graph.trainer.step_timeout_s or None) if timed else None
+        try:
+            return ray.get(refs, timeout=timeout)
+        except RayTaskError as exc:
+            cause = exc.cause
+            if isinstance(cause, FlowgraphError):
+                raise cause from None
+            raise NodeError(f"{type(cause).__name__}: {cause}") from None
+        except RayActorError as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "actor died"
+            raise WorkerLost(f"a worker died{_where(where)} ({reason})") from None
+        except GetTimeoutError:
+            raise WorkerLost(f"a worker gave no answer for trainer.step_timeout_s = "
+                             f"{timeout} s{_where(where)}; it is taken for dead") from None
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    def call(self, name: str, env: dict[tuple[str, str], Any], step: int,
+             params: dict[str, Any], metrics: dict[str, float], **dp: Any
+             ) -> tuple[dict[str, Any], float]:
+        pool = self.plan.node(name).pool
+        if pool not in self.groups:
+            return super().call(name, env, step, params, metrics)
+        group, node = self.groups[pool], self.nodes[name]
+        inputs = {port: env[(ref.node, ref.port)] for port, ref in node.inputs}
+        world = len(group.workers)
+        if world == 1 or self.kinds[name].trains or not self.plan.node(name).data_parallel:
+            shared = {port: ray.put(v) for port, v in inputs.items()}
+            extra = [{"dp_rank": w, "dp_size": world} if world > 1 else {}
+                     for w in range(world)]
+            results = self._get([wk.call.remote(name, shared, step, params, extra[w])
+                                 for w, wk in enumerate(group.workers)], (name, step))
+            self._timed(pool, name, [r[1] for r in results])
+            outputs, _, worker_metrics = results[0]
+            metrics.update(worker_metrics)
+            return outputs, max(r[1] for r in results)
+        ports = self.batch_ports[name]
+        batched = [port for port, _ in node.inputs if port in ports]
+        n = len(inputs[batched[0]])
+        slices = _dist.Slices.of(n, world, _dist.group_unit(self.plan, name, self.dims))
+        shared = {port: ray.put(v) for port, v in inputs.items() if port not in ports}
+        calls = []
+        for w, wk in enumerate(group.workers):
+            rows = slices.index(w)
+            mine = {**shared, **{p: _dist.take(inputs[p], rows) for p in batched}}
+            dp = {"dp_rank": w, "dp_size": world, "row_offset": slices.bounds[w][0]}
+            calls.append(wk.call.remote(name, mine, step, params, dp))
+        results = self._get(calls, (name, step))
+        self._timed(pool, name, [r[1] for r in results])
+        outputs = {}
+        for port, first in results[0][0].items():
+            parts = [r[0][port] for r in results]
+            if isinstance(first, torch.Tensor | list) and len(first) and \
+                    len(first) % slices.rows == 0:
+                outputs[port] = _dist.unpad(parts, slices, slices.rows)
+            else:
+                outputs[port] = first
+        metrics.update(results[0][2])
+        return outputs, max(r[1] for r in results)
+
+    def _timed(self, pool: str, name: str, seconds: list[float]) -> None:
+        for w, s in enumerate(seconds):
+            self.worker_times.setdefault(f"{pool}/{w}", {})[f"timing_s/{name}"] = s
+
+    def run_step(self, step: int, *, strict: bool) -> dict[str, float]:
+        """The step; with Prometheus on, every worker's stage times and memory too (one
+        endpoint on the driver, a `worker="<pool>/<rank>"` label each)."""
+        self.worker_times = {}
+        metrics = super().run_step(step, strict=strict)
+        exporter = self.opts.exporter
+        if exporter is not None:
+            for worker, timings in self.worker_times.items():
+                exporter.observe_step(step, timings, worker=worker)
+            for name, group in self.groups.items():
+                usage = self._get([w.memory.remote() for w in group.workers])
+                for rank, memory in enumerate(usage):
+                    for device, used in memory:
+                        exporter.set_memory(f"{name}/{rank}", device, used)
+        return metrics
+
+    def open_log(self, worker: str = "driver") -> MetricsLog:
+        return super().open_log(worker)
+
+    def _update_eval(self, name: str, env: dict[tuple[str, str], Any], step: int,
+                     metrics: dict[str, float]) -> None:
+        group = self.groups[self.plan.node(name).pool]
+        node = self.nodes[name]
+        inputs = {port: ray.put(env[(ref.node, ref.port)]) for port, ref in node.inputs}
+        results = self._get([w.update_eval.remote(name, inputs, step) for w in group.workers],
+                            (name, step))
+        metrics.update(results[0])
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def save(self, step: int) -> None:
+        tmp = begin_checkpoint(self.opts.run_dir, step, "tmp-ray")
+        self._get([w.save.remote(str(tmp)) for g in self.groups.values() for w in g.workers])
+        publish_checkpoint(tmp, self.run_state(step))
+
+    def restore(self) -> int:
+        found = latest_checkpoint(self.opts.run_dir)
+        if found is None:
+            return 0
+        if not _dist.has_dcp(found[1]):
+            raise FlowgraphError(f"checkpoint `{found[1]}` was written by the local target; "
+                                 "resume it with --target local")
+        self.stop_groups()
+        self.start_groups(found[1])
+        return self.restore_state(found[1])
+
+    # -- the loop, with restarts ----------------------------------------------------------------
+
+    def run(self) -> list[dict[str, float]]:
+        trainer = self.graph.trainer
+        self.prepare_run_dir()
+        step = self.restore() if self.opts.resume else 0
+        self.start_step = step
+        log = self.open_log()
+        log.truncate_after(step - 1)
+        rows: list[dict[str, float]] = []
+        failed_at: float | None = None
+        tries = 0
+        try:
+            while step < trainer.steps:
+                try:
+                    metrics = self._guarded_step(step)
+                    if trainer.eval_every and (step + 1) % trainer.eval_every == 0:
+                        metrics.update(self.evaluate(step))
+                    if failed_at is not None:
+                        metrics["perf/recovery_s"] = time.perf_counter() - failed_at
+                        self.restarts.append(metrics["perf/recovery_s"])
+                        failed_at = None
+                    log.write(step, metrics)
+                    rows.append(metrics)
+                    every = trainer.checkpoint_every
+                    if (every and (step + 1) % every == 0) or step == trainer.steps - 1:
+                        self.save(step)
+                        tries = 0
+                    step += 1
+                except WorkerLost as exc:
+                    tries += 1
+                    if tries > MAX_RESTARTS:
+                        raise WorkerLost(f"{exc}; gave up after {MAX_RESTARTS} restarts "
+                                         "without a new checkpoint") from None
+                    failed_at = failed_at or time.perf_counter()
+                    print(f"step {step}: {exc}; restarting the worker groups from the last "
+                          "checkpoint", file=self.opts.out or sys.stdout, flush=True)
+                    step = self._recover()
+                    log.truncate_after(step - 1)
+                    self.start_step = step
+        finally:
+            log.close()
+        return rows
+
+    def _recover(self) -> int:
+        """Fresh worker groups holding the last checkpoint; the step to run next."""
+        self.stop_groups()
+        found = latest_checkpoint(self.opts.run_dir)
+        self.start_groups(found[1] if found else None)
+        if found is None:  # nothing saved yet: start over with fresh models and data
+            for d in self.res.data.values():
+                d.train.load_state_dict({"epoch": 0, "position": 0})
+            for state in self.node_state.values():
+                state.clear()
+            return 0
+        return self.restore_state(found[1])
+
+
+# --- entry point ------------------------------------------------------------------------------
+
+
+def cluster_cpus(plan: ExecutionPlan) -> int:
+    """Logical CPUs the embedded cluster offers: the plan's bundles, at least the cores."""
+    need = sum(b.cpu for p in plan.pools for b in p.bundles)
+    return max(need, os.cpu_count() or 1)
+
+
+def start_ray(plan: ExecutionPlan, address: str | None) -> None:
+    if ray.is_initialized():
+        return
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    if address:
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        return
+    ray.init(num_cpus=cluster_cpus(plan), include_dashboard=False, log_to_driver=True,
+             configure_logging=False)
+
+
+def run_ray(plan: ExecutionPlan, *, address: str | None = None, strict: bool = False,
+            resume: bool = False, out: Any = None, shutdown: bool = True,
+            metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+            metrics_hold: float = 0.0) -> list[dict[str, float]]:
+    """`flowgraph run --target ray`: start or join a cluster and drive the plan.
+    Prometheus metrics as `run_plan` serves them, from the driver."""
+    run_dir = prepare_run(plan, resume=resume).resolve()
+    resume = resume or plan.graph.trainer.resume
+    port = plan.graph.trainer.metrics_port if metrics_port is None else metrics_port
+    exporter = None
+    if port is not None:  # before the cluster starts: a busy port fails in a second
+        from flowgraph.runtime.prometheus import Exporter
+
+        exporter = Exporter.start(plan.graph, port, metrics_host, target="ray", out=out)
+    executor = None
+    try:
+        start_ray(plan, address)
+        torch.manual_seed(plan.graph.trainer.seed)
+        executor = RayExecutor(plan, RunOptions(run_dir, "cpu", strict, resume, out,
+                                                exporter=exporter))
+        executor.setup()
+        rows = executor.run()
+        executor.stop_groups()
+        if exporter is not None:
+            exporter.hold(metrics_hold, out)
+        return rows
+    finally:
+        if executor is not None:
+            executor.stop_groups()
+        if shutdown and not address and ray.is_initialized():
+            ray.shutdown()
+        if exporter is not None:
+            exporter.close()

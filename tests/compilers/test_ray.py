@@ -1,0 +1,153 @@
+"""The ray target: equal numbers with the local executor, and worker faults survived.
+
+Runs a real embedded Ray cluster (4 logical CPUs: PPO's two pools of two workers) on
+the tiny built-in model. The local reference runs in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowgraph.compilers.local import read_metrics, run_plan
+from flowgraph.passes import compile_graph
+
+ray = pytest.importorskip("ray", reason="the ray target needs Ray (the dev extra has it)")
+
+ROOT = Path(__file__).resolve().parents[2]
+GRAPHS = ROOT / "graphs"
+STEPS = 5
+
+
+def training_numbers(rows: list[dict[str, Any]]) -> list[dict[str, float]]:
+    """Every metric but wall-clock ones (timing_s/*, perf/*)."""
+    return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))}
+            for r in rows]
+
+
+def assert_same_numbers(a: list[dict[str, Any]], b: list[dict[str, Any]], rtol: float = 1e-4
+                        ) -> None:
+    a, b = training_numbers(a), training_numbers(b)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys(), x.keys() ^ y.keys()
+        for k in x:
+            assert y[k] == pytest.approx(x[k], rel=rtol, abs=1e-6), (x["step"], k, x[k], y[k])
+
+
+@pytest.fixture
+def devnull() -> Any:
+    with open(os.devnull, "w") as f:
+        yield f
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Any:
+    from flowgraph.compilers.ray import start_ray
+
+    plan = compile_graph(GRAPHS / "ppo.yaml", target="ray", nproc=2).plan
+    assert plan is not None
+    start_ray(plan, None)
+    yield ray
+    ray.shutdown()
+
+
+def _plan(graph: str, target: str, run_dir: Path, *extra: str) -> Any:
+    result = compile_graph(GRAPHS / f"{graph}.yaml", target=target, nproc=2,
+                           overrides=[f"trainer.steps={STEPS}", f"trainer.run_dir={run_dir}",
+                                      *extra])
+    assert result.plan is not None, result.diagnostics
+    return result.plan
+
+
+@pytest.mark.parametrize("graph", ["ppo", "grpo", "dpo"])
+def test_ray_gives_the_numbers_of_the_local_run(graph: str, cluster: Any, tmp_path: Path,
+                                                 devnull: Any) -> None:
+    from flowgraph.compilers.ray import run_ray
+
+    local = run_plan(_plan(graph, "local", tmp_path / "local"), out=devnull, tensorboard=False)
+    run_ray(_plan(graph, "ray", tmp_path / "ray"), out=devnull, shutdown=False)
+    rows = read_metrics(tmp_path / "ray")
+    assert len(rows) == STEPS
+    assert_same_numbers([{"step": i, **r} for i, r in enumerate(local)], rows)
+
+
+def test_a_node_error_in_a_worker_names_the_node_and_step(
+        cluster: Any, tmp_path: Path, devnull: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from flowgraph.compilers.ray import run_ray
+    from flowgraph.errors import FlowgraphError
+
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "plugins"))  # workers inherit sys.path
+    text = (GRAPHS / "grpo.yaml").read_text().replace(
+        "name: grpo\n", "name: grpo\nplugins: [fg_runtime_faults]\n", 1).replace(
+        "  old_logprob:\n    kind: logprob\n",
+        "  old_logprob:\n    kind: fragile_logprob\n    params: {fail_at: 1}\n", 1)
+    graph = tmp_path / "fragile.yaml"
+    graph.write_text(text)
+    result = compile_graph(graph, target="ray", nproc=2, overrides=[
+        "trainer.steps=3", f"trainer.run_dir={tmp_path / 'bad'}"])
+    assert result.plan is not None, result.diagnostics
+    with pytest.raises(FlowgraphError) as exc:
+        run_ray(result.plan, out=devnull, shutdown=False)
+    message = str(exc.value)
+    assert "while executing node `old_logprob` (kind fragile_logprob" in message, message
+    assert "at step 1: RuntimeError: fragile_logprob failed on purpose" in message, message
+
+
+def _rows(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _wait(pred: Any, proc: subprocess.Popen[str], what: str, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert proc.poll() is None, f"the run ended before {what}: {proc.communicate()[0]}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def _workers(run_dir: Path) -> dict[str, list[int]]:
+    return json.loads((run_dir / ".ranks" / "workers.json").read_text())
+
+
+def test_a_dead_and_a_hung_worker_are_restarted_from_the_last_checkpoint(tmp_path: Path
+                                                                         ) -> None:
+    """SIGKILL a worker at step ~3, SIGSTOP one (a hang) at step ~6: the driver notices,
+    restarts the groups from the last checkpoint, and every step lands exactly once."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flowgraph", "run", str(GRAPHS / "grpo.yaml"), "--target",
+         "ray", "--nproc", "2", "trainer.steps=9", "trainer.checkpoint_every=2",
+         "trainer.step_timeout_s=10", f"trainer.run_dir={run_dir}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+        env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+    try:
+        _wait(lambda: len(_rows(run_dir)) >= 3, proc, "step 2")
+        first = _workers(run_dir)
+        os.kill(first["actor_rollout_ref"][1], signal.SIGKILL)
+        # The groups restart (new pids) and pass step 5.
+        _wait(lambda: _workers(run_dir) != first and max(
+            (r["step"] for r in _rows(run_dir)), default=-1) >= 5, proc, "the restart")
+        os.kill(_workers(run_dir)["actor_rollout_ref"][0], signal.SIGSTOP)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "a worker died in node `" in out and "restarting the worker groups" in out, out
+    assert "gave no answer for trainer.step_timeout_s = 10" in out, out
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(9)), "every step exactly once"
+    recovered = [r["perf/recovery_s"] for r in rows if "perf/recovery_s" in r]
+    assert len(recovered) == 2 and all(0 < s < 120 for s in recovered), recovered
