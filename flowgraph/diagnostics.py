@@ -40,6 +40,7 @@ CODES: dict[str, str] = {
     "FG113": "a plugin module that cannot be imported",
     "FG114": "an update node whose model is not trainable",
     "FG115": "a malformed `node.port` reference",
+    "FG116": "log-probs scored at another temperature than the rollout sampled at",
     # contracts
     "FG201": "rank mismatch along an edge",
     "FG202": "dim mismatch along an edge",

@@ -304,6 +304,8 @@ _KINDS = (
             _f("entropy_coeff", 0.0),
             _f("kl_loss_coef", 0.001, minimum=0.0),
             _s("kl_loss_type", "low_var_kl", ("kl", "abs", "mse", "low_var_kl")),
+            _f("temperature", 1.0, "the rollout's sampling temperature: log-probs are "
+               "recomputed at it, as old_logprob computes them", minimum=0.0),
             *MINI_BATCH,
         ),
         model="required",

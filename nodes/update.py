@@ -275,15 +275,18 @@ def _actor_loss(
     kl_loss_coef: float,
     kl_loss_type: str,
     mode: str,
+    temperature: float = 1.0,
 ) -> tuple[Tensor, dict[str, float]]:
     """L = L_clip − c_H·H + c_KL·KL(π ‖ π_ref), each aggregated by `mode` (verl's actor)."""
     mask, responses, head = mb["response_mask"], mb["responses"], model.get_output_embeddings()
     hidden = forward_hidden(model, *(mb[k] for k in SEQUENCES))
-    out = head_logprob(head, hidden, responses, mask, with_entropy=entropy_coeff != 0)
+    out = head_logprob(head, hidden, responses, mask, temperature=temperature,
+                       with_entropy=entropy_coeff != 0)
     log_prob, entropy_t = out["log_prob"], out.get("entropy")
     if entropy_t is None:  # for the metric only: keep the entropy out of the backward pass
         with torch.no_grad():
-            entropy_t = head_logprob(head, hidden, responses, mask, with_entropy=True)["entropy"]
+            entropy_t = head_logprob(head, hidden, responses, mask, temperature=temperature,
+                                     with_entropy=True)["entropy"]
     pg_loss, pg = ppo_policy_loss(
         mb["old_log_prob"], log_prob, mb["advantages"], mask, **clip, loss_agg_mode=mode
     )
@@ -314,6 +317,7 @@ def ppo_actor_update(
     entropy_coeff: float = 0.0,
     kl_loss_coef: float = 0.001,
     kl_loss_type: str = "low_var_kl",
+    temperature: float = 1.0,
     ppo_epochs: int = 1,
     mini_batch_size: int | None = None,
     micro_batch_size: int | None = None,
@@ -321,7 +325,8 @@ def ppo_actor_update(
 ) -> dict[str, Tensor]:
     """Dual-clip PPO on the actor `ctx.model` (a causal LM); all tensors (B, P) or (B, T).
 
-    Log-probs are recomputed at temperature 1. A wired `ref_log_prob` adds GRPO's KL
+    Log-probs are recomputed at `temperature` (the rollout's: verl passes it to the
+    actor the same way; 0, greedy, scores at 1). A wired `ref_log_prob` adds GRPO's KL
     loss. Metrics: actor/{pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy,
     kl_loss (with ref_log_prob), grad_norm, lr}.
     """
@@ -347,6 +352,7 @@ def ppo_actor_update(
         entropy_coeff=entropy_coeff,
         kl_loss_coef=kl_loss_coef,
         kl_loss_type=kl_loss_type,
+        temperature=temperature,
         mode=loss_agg_mode,
     )
     _train(

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flowgraph.check.batch import check_batches
+from flowgraph.check.sampling import check_temperatures
 from flowgraph.check.shapes import DimEnv, EdgeInfo, PortShape, ShapeResult, infer_shapes
 from flowgraph.check.structure import (
     Resolved,
@@ -71,6 +72,7 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
         check_ports(table, out)
         check_params(table, out)
         check_models(graph, table, out)
+        check_temperatures(table, out)
         on_cycle = check_cycles(graph, out)
         check_unused(graph, table, out)
         shapes = infer_shapes(graph, table, on_cycle, out)

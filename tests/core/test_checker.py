@@ -142,3 +142,18 @@ def test_batch_arithmetic(overrides: tuple[str, ...], dp: int, code: str, words:
 def test_groups_fit_when_bp_divides_dp() -> None:
     # Bp=4 prompts x N=4 over dp=2: 2 whole groups per rank, mini-batch 8 per rank divides 8.
     assert _check(GRPO, dp=2) == ()
+
+
+def test_a_log_prob_scored_at_another_temperature_is_a_warning() -> None:
+    diags = _check(GRPO, ("nodes.gen.params.temperature=0.7",))
+    hits = [d for d in diags if d.code == "FG116"]
+    assert {d.node for d in hits} == {"old_logprob", "update_actor"}
+    assert all(not d.is_error for d in hits)
+    assert "nodes.old_logprob.params.temperature: 0.7" in next(
+        d.hint for d in hits if d.node == "old_logprob")
+    matched = _check(GRPO, ("nodes.gen.params.temperature=0.7",
+                            "nodes.old_logprob.params.temperature=0.7",
+                            "nodes.update_actor.params.temperature=0.7"))
+    assert not [d for d in matched if d.code == "FG116"]
+    greedy = _check(GRPO, ("nodes.gen.params.temperature=0",))
+    assert not [d for d in greedy if d.code == "FG116"]

@@ -366,3 +366,19 @@ def test_dpo_update_widens_the_reward_margin() -> None:
     )
     assert margins == sorted(margins) and margins[-1] > 0.05
     assert ctx.metrics["rewards/accuracies"] == 1.0
+
+
+def test_the_actor_rescores_at_the_rollout_temperature() -> None:
+    """old_log_prob from a τ=0.5 rollout: on-policy (ppo_kl 0) only when the update
+    scores at τ=0.5 too; at the default τ=1 the ratio is off from the first step."""
+    model = _actor()
+    seqs = _sequences()
+    with torch.no_grad():
+        old = logprob(model, **seqs, temperature=0.5)["log_prob"]
+    batch = {**seqs, "old_log_prob": old, "advantages": seqs["response_mask"].float()}
+    same = _ctx(model, lr=0.0)
+    ppo_actor_update(same, **batch, temperature=0.5)
+    assert same.metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
+    other = _ctx(model, lr=0.0)
+    ppo_actor_update(other, **batch)
+    assert abs(other.metrics["actor/ppo_kl"]) > 1e-3

@@ -1,0 +1,43 @@
+"""Sampling consistency: log-probs of a rollout scored at the temperature it was drawn at.
+
+A `generate` node samples at temperature τ; every `logprob` or `ppo_actor_update` node
+that scores those responses with the same model must divide the logits by the same τ
+(verl passes the rollout temperature to the actor for this reason). Otherwise the PPO
+ratio π_θ/π_old compares two different distributions and is biased from the first
+step — a silent bug no loss curve shows at once. τ = 0 (greedy) is scored at 1 by
+every node, so any scoring temperature is accepted there.
+"""
+
+from __future__ import annotations
+
+from flowgraph.check.structure import Resolved, param_value
+from flowgraph.diagnostics import Diagnostic, warning
+
+SCORING = frozenset({"logprob", "ppo_actor_update"})
+
+
+def check_temperatures(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
+    rollouts = {name: r for name, r in table.items()
+                if r.kind is not None and r.kind.name == "generate"}
+    for r in table.values():
+        if r.kind is None or r.kind.name not in SCORING:
+            continue
+        ref = r.spec.input("responses")
+        source = rollouts.get(ref.node) if ref is not None else None
+        if source is None or source.spec.model != r.spec.model:
+            continue
+        drawn, scored = param_value(source, "temperature"), param_value(r, "temperature")
+        if not isinstance(drawn, int | float) or not isinstance(scored, int | float):
+            continue
+        if drawn == 0 or float(drawn) == float(scored):
+            continue
+        p = r.spec.params.find("temperature")
+        out.append(warning(
+            "FG116", f"`{r.name}` scores the responses of `{source.name}` at temperature "
+            f"{scored:g}, but `{source.name}` sampled them at {drawn:g}",
+            p.pos if p is not None else r.pos, node=r.name,
+            edge=f"{ref.node}.{ref.port} -> {r.name}.responses" if ref else None,
+            expected=f"temperature {drawn:g}", actual=f"temperature {scored:g}",
+            hint=f"set nodes.{r.name}.params.temperature: {drawn:g} (the PPO ratio compares "
+                 "log-probs of one distribution only when every node scores at the "
+                 "sampling temperature)"))
