@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -130,6 +131,13 @@ class Slices:
         return hi - lo
 
 
+def batched(value: Any) -> bool:
+    """A value with a leading axis that may be a batch (a 0-d tensor or a scalar is not)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() > 0 and len(value) > 0
+    return isinstance(value, list) and len(value) > 0
+
+
 def take(value: Any, rows: torch.Tensor) -> Any:
     if isinstance(value, torch.Tensor):
         return value[rows.to(value.device)]
@@ -191,9 +199,11 @@ def dcp_save(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, A
     import torch.distributed.checkpoint as dcp
 
     for name, model in models.items():
-        dcp.save(_model_state(model, optimizers.get(name)),
-                 checkpoint_id=str(folder / DCP_DIR / name), process_group=group,
-                 no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():  # a worker of a one-worker pool: on purpose
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.save(_model_state(model, optimizers.get(name)),
+                     checkpoint_id=str(folder / DCP_DIR / name), process_group=group,
+                     no_dist=not dist.is_initialized())
 
 
 def dcp_load(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, Any],
@@ -208,8 +218,10 @@ def dcp_load(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, A
             raise FlowgraphError(f"checkpoint `{folder}` holds no weights for `{name}`")
         opt = optimizers.get(name)
         state = _model_state(model, opt)
-        dcp.load(state, checkpoint_id=str(where), process_group=group,
-                 no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():  # one process (the local target): on purpose
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(where), process_group=group,
+                     no_dist=not dist.is_initialized())
         set_state_dict(model, [opt] if opt is not None else [],
                        model_state_dict=state["model"],
                        optim_state_dict=state.get("optim", {}))
@@ -220,7 +232,9 @@ def dcp_full_model(folder: Path, name: str, model: nn.Module) -> None:
     import torch.distributed.checkpoint as dcp
 
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(folder / DCP_DIR / name), no_dist=True)
+    with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(folder / DCP_DIR / name), no_dist=True)
     model.load_state_dict(state["model"])
 
 

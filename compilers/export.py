@@ -1,9 +1,11 @@
 """`flowgraph export`: a trained model from a run's checkpoint as a Hugging Face folder.
 
 The run dir holds `plan.json` (the graph, so the model's source path and dtype are
-known) and `checkpoints/step_N/model.<name>.pt`; the model is rebuilt from its source,
-the checkpoint's weights are loaded, and `save_pretrained` writes weights and
-tokenizer, loadable with `AutoModelForCausalLM.from_pretrained(DIR)`.
+known) and `checkpoints/step_N/model.<name>.pt` — or, from the fsdp and ray targets,
+`checkpoints/step_N/dcp/<name>/`, every worker's shards, read back whole here in one
+process. The model is rebuilt from its source, the checkpoint's weights are loaded,
+and `save_pretrained` writes weights and tokenizer, loadable with
+`AutoModelForCausalLM.from_pretrained(DIR)`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from flowgraph.compilers import _dist
 from flowgraph.compilers.checkpoint import checkpoint_root, latest_checkpoint
 from flowgraph.errors import FlowgraphError
 from flowgraph.plan import ExecutionPlan
@@ -33,11 +36,16 @@ def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = Non
         raise FlowgraphError(f"model `{model}` is not a causal LM (a critic or reward model); "
                              "only causal LMs export as Hugging Face models")
     folder = _checkpoint(run_dir, step)
-    weights = folder / f"model.{model}.pt"
+    sharded = _dist.has_dcp(folder)  # written by the fsdp or ray target
+    weights = (folder / _dist.DCP_DIR / model / ".metadata" if sharded
+               else folder / f"model.{model}.pt")
     if not weights.exists():
         raise FlowgraphError(f"checkpoint `{folder}` holds no weights for `{model}`")
     lm = load_model(spec.path)
-    lm.load_state_dict(torch.load(weights, weights_only=False))
+    if sharded:
+        _dist.dcp_full_model(folder, model, lm)
+    else:
+        lm.load_state_dict(torch.load(weights, weights_only=False))
     out.mkdir(parents=True, exist_ok=True)
     lm.save_pretrained(out)
     load_tokenizer(spec.tokenizer or spec.path).save_pretrained(out)

@@ -107,7 +107,7 @@ class FsdpExecutor(LocalExecutor):
                                         row_offset=slices.bounds[self.rank][0], **dp)
         whole = {}
         for port, value in outputs.items():
-            if isinstance(value, torch.Tensor | list) and len(value) and \
+            if _dist.batched(value) and \
                     len(value) % slices.rows == 0:
                 whole[port] = _dist.unpad(_dist.all_gather(value, self.world), slices,
                                           slices.rows)
@@ -315,10 +315,11 @@ def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan) -> str:
         at = f" at step {where[0]} in node `{where[1]}`" if where else " before its first node"
         lines.append(f"rank {rank} {how}{at}")
     done = latest_checkpoint(run_dir)
-    tail = (f"the last checkpoint is step {done[0]}; continue with: flowgraph run "
-            f"{plan.graph.source} --target fsdp --nproc {plan.nproc} --resume "
-            f"trainer.run_dir={run_dir}" if done
-            else "no checkpoint was written; start again")
+    # --resume also without a checkpoint: the run dir already holds metrics.jsonl rows
+    again = (f"flowgraph run {plan.graph.source} --target fsdp --nproc {plan.nproc} "
+             f"--resume trainer.run_dir={run_dir}")
+    tail = (f"the last checkpoint is step {done[0]}; continue with: {again}" if done
+            else f"no checkpoint was written; start again from step 0 with: {again}")
     if traces:
         tail += f"\n(the full traceback: {', '.join(traces)})"
     return "the fsdp run stopped: " + "; ".join(lines) + f"\n{tail}"

@@ -323,7 +323,7 @@ class RayExecutor(LocalExecutor):
         outputs = {}
         for port, first in results[0][0].items():
             parts = [r[0][port] for r in results]
-            if isinstance(first, torch.Tensor | list) and len(first) and \
+            if _dist.batched(first) and \
                     len(first) % slices.rows == 0:
                 outputs[port] = _dist.unpad(parts, slices, slices.rows)
             else:

@@ -150,7 +150,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     from flowgraph.diagnostics import render_text
     from flowgraph.passes import compile_graph
 
-    result = compile_graph(args.file, target=args.target, nproc=args.nproc,
+    nproc = args.nproc
+    if args.target == "fsdp" and nproc is None and "WORLD_SIZE" in os.environ:
+        nproc = int(os.environ["WORLD_SIZE"])  # started by torchrun: check for its ranks
+    result = compile_graph(args.file, target=args.target, nproc=nproc,
                            overrides=args.overrides, dump=sys.stderr)
     if result.diagnostics:
         print(render_text(result.diagnostics, _lines_of({}), color=_use_color(sys.stderr)),
@@ -160,8 +163,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.target == "fsdp":
         from flowgraph.compilers.fsdp import LaunchOptions, run_fsdp
 
+        if result.plan.nproc % args.nnodes:
+            raise FlowgraphError(f"--nproc {result.plan.nproc} (processes in all) does not "
+                                 f"split over --nnodes {args.nnodes} machines")
         run_fsdp(result.plan, LaunchOptions(
-            result.plan.nproc, args.nnodes, args.node_rank, args.rdzv_endpoint,
+            result.plan.nproc // args.nnodes, args.nnodes, args.node_rank, args.rdzv_endpoint,
             strict=args.strict, resume=args.resume, metrics_port=args.metrics_port,
             metrics_host=args.metrics_host, metrics_hold=args.metrics_hold))
         print(f"run finished: {result.plan.graph.trainer.run_dir}/metrics.jsonl")
@@ -284,8 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     r.add_argument("--target", choices=("local", "fsdp", "ray"), default="local")
     r.add_argument("--nproc", type=int, default=None,
-                   help="fsdp: processes per node; ray: workers per pool (default: "
-                        "resources.nproc)")
+                   help="fsdp: processes in all (split over --nnodes); ray: workers per "
+                        "pool (default: resources.nproc)")
     r.add_argument("--nnodes", type=int, default=1, help="fsdp: machines taking part")
     r.add_argument("--node-rank", type=int, default=0, help="fsdp: this machine's rank")
     r.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",

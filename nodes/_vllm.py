@@ -2,10 +2,19 @@
 
 Imported only when a graph asks for `backend: vllm` (importing vLLM takes seconds).
 `engine` builds vLLM's offline `LLM` once per model folder and caches it: the Hugging
-Face model (its current weights) and tokenizer are written with `save_pretrained` to
-a temporary folder that the engine loads. Later calls reuse the engine and first
-call `sync_weights` if the model's parameters changed since the engine last saw them
-(their version counters, or their sums: a fused optimizer step leaves the counters).
+Face model's config and tokenizer (no weights) are written with `save_pretrained` to
+a temporary folder, the engine starts on it with random weights (`load_format=
+"dummy"`) and `sync_weights` then streams the model's own. Later calls reuse the
+engine and first call `sync_weights` if the model's parameters changed since the
+engine last saw them (their version counters, or their sums: a fused optimizer step
+leaves the counters).
+
+A data-parallel (FSDP2) actor holds a slice of each parameter per worker (a DTensor);
+every worker runs its own engine. Nothing gathers the whole model: `sync_weights`
+makes one parameter whole at a time (`full_tensor()`, at most one layer's weights on a
+worker at once) and `_fingerprint` all-reduces the parameters' sums, so every worker
+agrees on whether to sync. Both are collectives: every worker calls them, with its
+parameters in the same order.
 
 `sync_weights` streams `model.named_parameters()` into the running engine, one tensor
 per RPC, through vLLM's layerwise in-place reload (`vllm.model_executor.model_loader.
@@ -28,6 +37,7 @@ Notation: r requests (prompts × samples), P prompt length, T response length.
 
 from __future__ import annotations
 
+import multiprocessing.util
 import os
 import tempfile
 from collections.abc import Sequence
@@ -87,23 +97,34 @@ class WeightSyncExtension:
 class _Engine:
     llm: LLM
     folder: tempfile.TemporaryDirectory[str]
-    """The saved model the engine loaded; removed with the engine."""
+    """The config and tokenizer the engine started from; removed with the engine."""
     gpu_memory_utilization: float
     weights: tuple[float, ...]
-    """`_fingerprint` of the model whose weights the engine holds."""
+    """`_fingerprint` of the model whose weights the engine holds; () while it holds the
+    random weights it started with."""
 
 
 _ENGINES: dict[str, _Engine] = {}
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    """A sharded (DTensor) value made whole on every worker (a collective); a plain
+    tensor as it is."""
+    full = getattr(tensor, "full_tensor", None)
+    return full() if full is not None else tensor
 
 
 def _fingerprint(model: nn.Module) -> tuple[float, ...]:
     """Changes when a parameter is replaced, or modified in place, or its values change."""
     # The version counter catches in-place ops (optimizer.step, load_state_dict), but a
     # fused optimizer (`fused=True`) writes without bumping it: the float32 sums of the
-    # parameters catch that, for one read of the weights.
+    # parameters catch that, for one read of the weights. A sharded parameter's slice on
+    # one worker may stay put while another's changes: it counts by its all-reduced sum
+    # only, which every worker sees the same, so all of them sync or none does.
     params = [p.detach() for p in model.parameters()]
-    sums = torch.stack([p.sum(dtype=torch.float32) for p in params]).tolist()
-    return (id(model), *(p.data_ptr() for p in params), *(p._version for p in params), *sums)
+    sums = torch.stack([_whole(p.sum(dtype=torch.float32)) for p in params]).tolist()
+    plain = [p for p in params if not hasattr(p, "full_tensor")]
+    return (id(model), *(p.data_ptr() for p in plain), *(p._version for p in plain), *sums)
 
 
 def _wire(name: str, tensor: Tensor) -> tuple[str, str, list[int], bytes]:
@@ -113,11 +134,12 @@ def _wire(name: str, tensor: Tensor) -> tuple[str, str, list[int], bytes]:
 
 
 def sync_weights(llm: LLM, model: nn.Module) -> None:
-    """Load `model`'s current parameters into the running engine, one tensor at a time."""
+    """Load `model`'s current parameters into the running engine, one tensor at a time
+    (a sharded one made whole first: a collective, see the module docstring)."""
     llm.collective_rpc("flowgraph_reload_begin")
     try:
         for name, p in model.named_parameters():
-            llm.collective_rpc("flowgraph_reload_tensor", args=_wire(name, p.detach()))
+            llm.collective_rpc("flowgraph_reload_tensor", args=_wire(name, _whole(p.detach())))
     finally:
         # Also after a failure: layers that got no tensor get their old weights back.
         llm.collective_rpc("flowgraph_reload_end")
@@ -140,18 +162,28 @@ def engine(model: nn.Module, tokenizer: Any, *, gpu_memory_utilization: float = 
         close_engines(key)  # the memory share is fixed when the engine starts
         cached = None
     if cached is None:
+        # Config and tokenizer only: the weights come through `sync_weights`, one tensor
+        # at a time, so a sharded model is never gathered whole.
         folder = tempfile.TemporaryDirectory(prefix="flowgraph-vllm-")
-        model.save_pretrained(folder.name)
+        model.config.save_pretrained(folder.name)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(folder.name)
         tokenizer.save_pretrained(folder.name)
         llm = LLM(
             model=folder.name,
             dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            load_format="dummy",
             gpu_memory_utilization=gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
             **engine_args,
         )
-        cached = _ENGINES[key] = _Engine(llm, folder, gpu_memory_utilization, _fingerprint(model))
+        cached = _ENGINES[key] = _Engine(llm, folder, gpu_memory_utilization, weights=())
+        # A process started by `multiprocessing` (a rank under torch's launcher) joins its
+        # children — the engine's — before its atexit hooks run, and vLLM shuts them down
+        # in those: the rank would wait forever. Multiprocessing's own exit finalizers run
+        # before that join.
+        multiprocessing.util.Finalize(None, close_engines, args=(key,), exitpriority=10)
     if cached.weights != _fingerprint(model):
         sync_weights(cached.llm, model)
     return cached.llm

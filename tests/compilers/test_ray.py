@@ -17,30 +17,14 @@ from typing import Any
 
 import pytest
 
-from flowgraph.compilers.local import read_metrics, run_plan
+from flowgraph.compilers.local import read_metrics
 from flowgraph.passes import compile_graph
+from flowgraph.testing.targets import assert_same_numbers
 
 ray = pytest.importorskip("ray", reason="the ray target needs Ray (the dev extra has it)")
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAPHS = ROOT / "graphs"
-STEPS = 5
-
-
-def training_numbers(rows: list[dict[str, Any]]) -> list[dict[str, float]]:
-    """Every metric but wall-clock ones (timing_s/*, perf/*)."""
-    return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))}
-            for r in rows]
-
-
-def assert_same_numbers(a: list[dict[str, Any]], b: list[dict[str, Any]], rtol: float = 1e-4
-                        ) -> None:
-    a, b = training_numbers(a), training_numbers(b)
-    assert [r["step"] for r in a] == [r["step"] for r in b]
-    for x, y in zip(a, b, strict=True):
-        assert x.keys() == y.keys(), x.keys() ^ y.keys()
-        for k in x:
-            assert y[k] == pytest.approx(x[k], rel=rtol, abs=1e-6), (x["step"], k, x[k], y[k])
 
 
 @pytest.fixture
@@ -60,24 +44,25 @@ def cluster() -> Any:
     ray.shutdown()
 
 
-def _plan(graph: str, target: str, run_dir: Path, *extra: str) -> Any:
-    result = compile_graph(GRAPHS / f"{graph}.yaml", target=target, nproc=2,
-                           overrides=[f"trainer.steps={STEPS}", f"trainer.run_dir={run_dir}",
-                                      *extra])
+def _plan(graph: str, run_dir: Path, overrides: tuple[str, ...]) -> Any:
+    result = compile_graph(GRAPHS / f"{graph}.yaml", target="ray", nproc=2,
+                           overrides=[f"trainer.run_dir={run_dir}", *overrides])
     assert result.plan is not None, result.diagnostics
     return result.plan
 
 
 @pytest.mark.parametrize("graph", ["ppo", "grpo", "dpo"])
-def test_ray_gives_the_numbers_of_the_local_run(graph: str, cluster: Any, tmp_path: Path,
-                                                 devnull: Any) -> None:
+def test_ray_gives_the_numbers_of_the_local_run(
+        graph: str, cluster: Any, tmp_path: Path, devnull: Any, local_reference: Any,
+        equal_overrides: dict[str, tuple[str, ...]]) -> None:
     from flowgraph.compilers.ray import run_ray
 
-    local = run_plan(_plan(graph, "local", tmp_path / "local"), out=devnull, tensorboard=False)
-    run_ray(_plan(graph, "ray", tmp_path / "ray"), out=devnull, shutdown=False)
+    run_ray(_plan(graph, tmp_path / "ray", equal_overrides[graph]), out=devnull,
+            shutdown=False)
     rows = read_metrics(tmp_path / "ray")
-    assert len(rows) == STEPS
-    assert_same_numbers([{"step": i, **r} for i, r in enumerate(local)], rows)
+    assert_same_numbers(rows, local_reference(graph))
+    if graph == "ppo":
+        assert "val/score/mean" in rows[-1], "held-out evaluation through the workers"
 
 
 def test_a_node_error_in_a_worker_names_the_node_and_step(

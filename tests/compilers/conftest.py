@@ -1,0 +1,65 @@
+"""What the fsdp and ray tests share: the local reference runs, cached per session so
+each graph's reference trains once (compare with flowgraph.testing.targets)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowgraph.compilers.local import read_metrics, run_plan
+from flowgraph.passes import compile_graph
+
+ROOT = Path(__file__).resolve().parents[2]
+GRAPHS = ROOT / "graphs"
+SHORT = ("trainer.steps=5", "trainer.checkpoint_every=2")
+"""The runs compared across targets: 5 steps, checkpoints after steps 1, 3 and 4."""
+EQUAL = {"ppo": (*SHORT, "trainer.eval_every=5"), "grpo": SHORT, "dpo": SHORT}
+"""Overrides of each graph's equal-numbers run (PPO also evaluates at its last step)."""
+
+
+def run_local(graph: Path, run_dir: Path, *overrides: str, resume: bool = False
+              ) -> list[dict[str, Any]]:
+    """A local run in this process; its metrics.jsonl rows."""
+    result = compile_graph(graph, overrides=[f"trainer.run_dir={run_dir}", *overrides])
+    assert result.plan is not None, [d.one_line() for d in result.diagnostics]
+    with open(os.devnull, "w") as out:
+        run_plan(result.plan, resume=resume, tensorboard=False, out=out)
+    return read_metrics(run_dir)
+
+
+@pytest.fixture(scope="session")
+def equal_overrides() -> dict[str, tuple[str, ...]]:
+    return EQUAL
+
+
+@pytest.fixture(scope="session")
+def local_run() -> Any:
+    """`local_run(graph, run_dir, *overrides, resume=False)` -> metrics rows."""
+    return run_local
+
+
+class LocalReference:
+    """`ref("ppo")`: the rows of graphs/ppo.yaml run locally with `EQUAL["ppo"]`, trained
+    once per session; `ref.run_dir("ppo")`: where that run lives."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.cache: dict[str, list[dict[str, Any]]] = {}
+
+    def run_dir(self, name: str) -> Path:
+        self(name)
+        return self.root / name
+
+    def __call__(self, name: str) -> list[dict[str, Any]]:
+        if name not in self.cache:
+            self.cache[name] = run_local(GRAPHS / f"{name}.yaml", self.root / name,
+                                         *EQUAL[name])
+        return self.cache[name]
+
+
+@pytest.fixture(scope="session")
+def local_reference(tmp_path_factory: pytest.TempPathFactory) -> LocalReference:
+    return LocalReference(tmp_path_factory.mktemp("local-reference"))

@@ -1,0 +1,219 @@
+"""The fsdp target against the local executor: equal numbers, a rank that dies, resume with
+another world size, export of sharded checkpoints, vLLM rollouts from a sharded actor.
+
+Every fsdp run starts 2 ranks through torch's launcher, ~15 s before their first step on
+2 CPU cores, so each run serves several checks: PPO's run is also resumed by the local
+target and exported; DPO's is killed and resumed, and its rows must still be the local
+run's. The local references run in this process.
+"""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flowgraph.compilers import _dist
+from flowgraph.compilers.checkpoint import latest_checkpoint
+from flowgraph.compilers.export import export_model
+from flowgraph.compilers.fsdp import LaunchOptions, RankFailed, launch
+from flowgraph.compilers.local import read_metrics
+from flowgraph.nodes.models import load_model
+from flowgraph.passes import compile_graph
+from flowgraph.plan import ExecutionPlan
+from flowgraph.testing.targets import assert_same_numbers
+
+pytestmark = pytest.mark.multiprocess
+
+ROOT = Path(__file__).resolve().parents[2]
+GRAPHS = ROOT / "graphs"
+PLUGINS = ROOT / "tests" / "plugins"
+SHORT = ("trainer.steps=5", "trainer.checkpoint_every=2")
+
+FAULTS = """\
+name: faults
+plugins: [fg_runtime_faults]
+dims: {Bp: 4, P: 16}
+models:
+  tok: {path: "builtin:tiny-lm"}
+data:
+  train: {kind: prompts, path: "builtin:arith"}
+nodes:
+  score:
+    kind: prompt_score
+    inputs: {input_ids: train.input_ids}
+    params: {nan_at: 1}
+"""
+
+
+@pytest.fixture(autouse=True)
+def _plugins(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The ranks are spawned: they start with this process's sys.path.
+    monkeypatch.syspath_prepend(str(PLUGINS))
+
+
+def _compile(graph: Path, run_dir: Path, overrides: tuple[str, ...], target: str
+             ) -> ExecutionPlan:
+    result = compile_graph(graph, target=target, nproc=2 if target == "fsdp" else None,
+                           overrides=[f"trainer.run_dir={run_dir}", *overrides])
+    assert result.plan is not None, [d.one_line() for d in result.diagnostics]
+    return result.plan
+
+
+def _fsdp(graph: Path, run_dir: Path, *overrides: str, resume: bool = False
+          ) -> list[dict[str, Any]]:
+    launch(_compile(graph, run_dir, overrides, "fsdp"), LaunchOptions(2, resume=resume))
+    return read_metrics(run_dir)
+
+
+# DCP warns that it loads "in a single process" (the local resume, torch's converter).
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_ppo_equals_local_resumes_locally_and_exports(
+        tmp_path: Path, local_reference: Any, local_run: Any,
+        equal_overrides: dict[str, tuple[str, ...]]) -> None:
+    """(a) equal numbers, with held-out evaluation at the last step; (c) the fsdp(2) run's
+    step-3 checkpoint resumed by the local target gives the fsdp run's step 4; (d) the
+    export of the sharded actor is exactly the checkpoint's weights."""
+    graph, overrides = GRAPHS / "ppo.yaml", equal_overrides["ppo"]
+    local = local_reference("ppo")
+    fsdp = _fsdp(graph, tmp_path / "fsdp", *overrides)
+    assert_same_numbers(fsdp, local)
+    assert "val/score/mean" in fsdp[4]
+
+    # (c) checkpoints after steps 1, 3 and 4 (every 2, and the last); the newest two stay.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "fsdp", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_4")
+    found = latest_checkpoint(resumed)
+    assert found is not None and found[0] == 3 and _dist.has_dcp(found[1])
+    assert_same_numbers(local_run(graph, resumed, *overrides, resume=True), fsdp)
+
+    # (d) the actor's DCP shards, read back by torch's own converter, are what was exported
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    out = export_model(tmp_path / "fsdp", "actor", tmp_path / "hf")
+    exported = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    dcp_to_torch_save(tmp_path / "fsdp" / "checkpoints" / "step_4" / "dcp" / "actor",
+                      tmp_path / "actor.pt")
+    saved = torch.load(tmp_path / "actor.pt")["model"]
+    assert sorted(exported) == sorted(saved)
+    for name, value in exported.items():
+        assert torch.equal(value, saved[name]), name
+    # trained (not the initial weights), and as the local run trained them
+    initial = load_model("builtin:tiny-lm").state_dict()
+    weights = local_reference.run_dir("ppo") / "checkpoints" / "step_4" / "model.actor.pt"
+    trained = torch.load(weights)
+    for name, value in exported.items():
+        # 5 Adam steps at lr 2e-3 move every weight by ~1e-2; the two runs differ by the
+        # order of float32 sums only (measured: 2e-5 at most, in the embedding).
+        assert float((value - initial[name]).abs().max()) > 1e-3, name
+        torch.testing.assert_close(value, trained[name], rtol=0, atol=1e-4)
+
+
+def test_grpo_through_the_cli_equals_local(tmp_path: Path, local_reference: Any) -> None:
+    """(a) and (e): `python -m flowgraph run … --target fsdp --nproc 2`, end to end."""
+    graph = GRAPHS / "grpo.yaml"
+    local = local_reference("grpo")
+    run_dir = tmp_path / "fsdp"
+    proc = subprocess.run(
+        [sys.executable, "-m", "flowgraph", "run", str(graph), "--target", "fsdp",
+         "--nproc", "2", f"trainer.run_dir={run_dir}", *SHORT],
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"run finished: {run_dir}/metrics.jsonl" in proc.stdout
+    assert [line.split("/")[0] for line in proc.stdout.splitlines()
+            if line.startswith("step ")] == [f"step {s}" for s in range(5)], "rank 0 prints"
+    assert_same_numbers(read_metrics(run_dir), local)
+
+
+def _kill_rank(run_dir: Path, rank: int, at_step: int, done: threading.Event,
+               killed: list[tuple[int, str]]) -> None:
+    """SIGKILL `rank` once its status file (`.ranks/rank_R`: step, node, pid) shows
+    `at_step` or later; record (step, node)."""
+    status = _dist.status_file(run_dir, rank)
+    while not done.wait(0.01):
+        try:  # a status file being rewritten reads empty
+            m = re.match(r"step (\d+) node (\S+) pid (\d+)", status.read_text())
+        except OSError:
+            continue
+        if m and int(m[1]) >= at_step:
+            os.kill(int(m[3]), signal.SIGKILL)
+            killed.append((int(m[1]), m[2]))
+            return
+
+
+def test_dpo_rank_killed_then_resumed_equals_local(tmp_path: Path,
+                                                   capfd: pytest.CaptureFixture[str],
+                                                   local_reference: Any) -> None:
+    """(b) rank 1 is SIGKILLed mid-run: the launcher names rank, node, step and the last
+    checkpoint, without the ranks' tracebacks; `--resume` finishes the run, every step is
+    in metrics.jsonl once and the rows are the uninterrupted local run's (a)."""
+    graph, run_dir = GRAPHS / "dpo.yaml", tmp_path / "fsdp"
+    local = local_reference("dpo")
+    capfd.readouterr()
+    done, killed = threading.Event(), list[tuple[int, str]]()
+    killer = threading.Thread(target=_kill_rank, args=(run_dir, 1, 3, done, killed))
+    killer.start()
+    try:
+        with pytest.raises(RankFailed) as exc:
+            _fsdp(graph, run_dir, *SHORT)
+    finally:
+        done.set()
+        killer.join()
+    (step, node), = killed
+    found = latest_checkpoint(run_dir)
+    assert found is not None and found[0] <= step
+    message = str(exc.value)
+    assert f"rank 1 was killed by SIGKILL at step {step} in node `{node}`" in message
+    assert f"the last checkpoint is step {found[0]}; continue with: flowgraph run " \
+           f"{graph} --target fsdp --nproc 2 --resume trainer.run_dir={run_dir}" in message
+    assert "Traceback" not in capfd.readouterr().err
+
+    fsdp = _fsdp(graph, run_dir, *SHORT, resume=True)
+    assert [r["step"] for r in fsdp] == [0, 1, 2, 3, 4]
+    assert_same_numbers(fsdp, local)
+
+
+def test_a_failing_rank_names_node_and_step_without_tracebacks(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A NaN from a plugin node stops the ranks: one message naming node and step, the
+    traceback kept in run_dir/.ranks, none of the launcher's per-rank logs."""
+    graph = tmp_path / "faults.yaml"
+    graph.write_text(FAULTS)
+    with pytest.raises(RankFailed) as exc:
+        _fsdp(graph, tmp_path / "run", "trainer.steps=3")
+    message = str(exc.value)
+    assert re.search(r"rank [01] failed: non-finite output `scores` in node `score` at "
+                     r"step 1\n", message), message
+    assert f"no checkpoint was written; start again from step 0 with: flowgraph run {graph} " \
+           f"--target fsdp --nproc 2 --resume trainer.run_dir={tmp_path / 'run'}" in message
+    trace = re.search(r"the full traceback: (\S+)\)", message)
+    assert trace and "NonFiniteError" in Path(trace[1]).read_text()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Terminating process" not in err, err
+
+
+@pytest.mark.slow
+def test_grpo_vllm_rollouts_from_a_sharded_actor_equal_local(tmp_path: Path,
+                                                             local_run: Any) -> None:
+    """Each rank's engine starts without weights and gets the actor's, one parameter made
+    whole at a time, after every update; the rollouts are the local vLLM run's.
+    Slow: a vLLM engine takes 20-40 s to start, one per rank, ~3 min in all."""
+    graph = GRAPHS / "grpo.yaml"
+    overrides = ("trainer.steps=3", "nodes.gen.params.backend=vllm",
+                 "nodes.gen.params.gpu_memory_utilization=0.05")
+    try:
+        local = local_run(graph, tmp_path / "local", *overrides)
+    finally:
+        from flowgraph.nodes import _vllm
+
+        _vllm.close_engines()
+    assert_same_numbers(_fsdp(graph, tmp_path / "fsdp", *overrides), local)
