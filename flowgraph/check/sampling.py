@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from flowgraph.check.structure import Resolved, param_value
 from flowgraph.diagnostics import Diagnostic, warning
+from flowgraph.ir import NodeSpec
 
 SCORING = frozenset({"logprob", "ppo_actor_update"})
 
@@ -22,9 +23,12 @@ def check_temperatures(table: dict[str, Resolved], out: list[Diagnostic]) -> Non
     for r in table.values():
         if r.kind is None or r.kind.name not in SCORING:
             continue
+        if not isinstance(r.spec, NodeSpec):
+            continue
         ref = r.spec.input("responses")
         source = rollouts.get(ref.node) if ref is not None else None
-        if source is None or source.spec.model != r.spec.model:
+        if source is None or not isinstance(source.spec, NodeSpec) \
+                or source.spec.model != r.spec.model:
             continue
         drawn, scored = param_value(source, "temperature"), param_value(r, "temperature")
         if not isinstance(drawn, int | float) or not isinstance(scored, int | float):
