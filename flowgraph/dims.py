@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TypeAlias
 
 from flowgraph.errors import DimError
@@ -214,8 +215,13 @@ class _Parser:
         raise DimError(f"unexpected `{tok}` in dim `{self.text}`")
 
 
+@lru_cache(maxsize=4096)
 def parse_expr(text: str) -> Poly:
-    """Parse one axis expression such as `T-1` or `Bp*N` into a `Poly`."""
+    """Parse one axis expression such as `T-1` or `Bp*N` into a `Poly`.
+
+    Cached: every contract that writes `T` shares one `Poly`, so the checker's
+    comparisons along an edge mostly end at `is`.
+    """
     if len(text) > 200:
         raise DimError(f"dim expression is {len(text)} characters long; the limit is 200")
     return _Parser(text).parse()

@@ -16,7 +16,7 @@ import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import yaml
 from yaml.composer import ComposerError
@@ -28,6 +28,7 @@ from flowgraph.ir import Scalar
 from flowgraph.source import SourcePos
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_ScalarEvent = yaml.ScalarEvent
 _STD = "tag:yaml.org,2002:"
 _SCALAR_TAGS = {f"{_STD}{t}" for t in ("str", "int", "float", "bool", "null", "timestamp")}
 _STR_TAG, _MAP_TAG, _SEQ_TAG, _MERGE_TAG = (f"{_STD}{t}" for t in ("str", "map", "seq", "merge"))
@@ -89,7 +90,12 @@ def paused_gc() -> Iterator[None]:
     Reading and checking a 10,000-node graph allocates about a million small objects,
     none of them in a cycle; every collection rescans all that are alive, which took
     40% of the time. Reference counting still frees everything; the collector resumes
-    afterwards (if it was running).
+    afterwards (if it was running). On resuming, the objects made meanwhile go straight
+    to the oldest generation (`gc.freeze` then `gc.unfreeze` moves every tracked object
+    there without scanning it): as young objects, the first collection after the pause
+    would have scanned all million of them, a quarter of a second. They are still
+    collected, by the next full collection. Not when the program has frozen objects of
+    its own (before forking workers, say): unfreezing would thaw those too.
     """
     if not gc.isenabled():
         yield
@@ -98,6 +104,9 @@ def paused_gc() -> Iterator[None]:
     try:
         yield
     finally:
+        if gc.get_freeze_count() == 0:
+            gc.freeze()
+            gc.unfreeze()
         gc.enable()
 
 
@@ -111,7 +120,7 @@ _IMPLICIT_FIRST = frozenset(k for k in Resolver.yaml_implicit_resolvers if k)
 """First characters of plain scalars that may be something other than a string."""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Open:
     """A mapping or list whose events are still arriving."""
 
@@ -124,7 +133,8 @@ class _Open:
     items: list[YNode | _Merge | None] = field(default_factory=list)
     """Values; for a mapping, keys and values alternate. None: a value that was refused."""
     height: int = 0
-    """Levels of nesting below it."""
+    """Levels of nesting below it, as far as nested collections and aliases tell so far
+    (`close` counts scalars: any item is one level below)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,9 +152,15 @@ class _Composer:
     """YAML events -> YNode, collecting problems instead of stopping at the first.
 
     Built straight from the parser's events (PyYAML's own composer, in C, recurses
-    once per level: `[[[[...` 30,000 deep overflows the C stack and kills the process).
-    An alias reuses the anchored YNode; its expanded size and depth are counted at every
-    use, so an alias bomb stops at `MAX_NODES` without being expanded.
+    once per level: `[[[[...` 30,000 deep overflows the C stack and kills the process;
+    it is no faster either, as turning its nodes into YNodes costs what composing the
+    events does). An alias reuses the anchored YNode; its expanded size and depth are
+    counted at every use, so an alias bomb stops at `MAX_NODES` without being expanded.
+
+    Most events of a graph file are untagged scalars without an anchor, and most of
+    those are names: `run` takes them the short way, and mappings of distinct string
+    keys skip the duplicate-key walk (tests/core/test_fast_paths.py holds both to the
+    long way).
     """
 
     def __init__(self, file: str) -> None:
@@ -152,7 +168,16 @@ class _Composer:
         self.diags: list[Diagnostic] = []
         self.count = 0
         self.stack: list[_Open] = []
+        self.roots: list[YNode | _Merge | None] = []
+        """The document's top level: the root node, once it is complete."""
+        self.items = self.roots
+        """Where the next complete node goes: the innermost open collection's items."""
         self.anchors: dict[str, _Anchor] = {}
+        self.first: Any = None
+        """The first document's start event."""
+        self.plain: dict[str, tuple[Scalar]] = {}
+        """Plain scalars read so far, by their text: a graph file repeats a few hundred
+        names and numbers thousands of times, and resolving one costs a regex or two."""
         self.constructor = SafeConstructor()
 
     def pos(self, event: yaml.Event) -> SourcePos:
@@ -161,46 +186,60 @@ class _Composer:
 
     def compose(self, text: str) -> tuple[bool, YNode | None]:
         """(whether the stream holds a document, its root)."""
-        first: Any = None
-        root: YNode | None = None
-        node: YNode | _Merge | _Skip | None
-        for event in yaml.parse(text, Loader=_Loader):
-            if type(event) is yaml.ScalarEvent:  # most events: the short way
-                self.count += 1
-                if self.count > MAX_NODES or len(self.stack) > MAX_DEPTH:
-                    self.limits(event, 0)
-                node, height = self.scalar(event), 0
-            elif isinstance(event, yaml.DocumentStartEvent):
-                if first is not None:
-                    again: Any = event.start_mark
-                    raise ComposerError("expected a single document in the stream",
-                                        first.start_mark, "but found another document", again)
-                first = event
-                continue
-            else:
-                node, height = self.node(event)
-                if isinstance(node, _Skip):
-                    continue
-            if not self.stack:
-                root = node if isinstance(node, (YScalar, YSeq, YMap)) else None
-                continue
-            top = self.stack[-1]
-            top.items.append(node)
-            if height >= top.height:
-                top.height = height + 1
-        return first is not None, root
+        loader = _Loader(text)
+        try:
+            self.run(iter(loader.get_event, None))
+        finally:
+            loader.dispose()
+        root = self.roots[-1] if self.roots else None
+        return self.first is not None, root if isinstance(root, (YScalar, YSeq, YMap)) else None
 
-    def node(self, event: yaml.Event) -> tuple[YNode | _Skip | None, int]:
-        """The node a non-scalar event completes and its height; `_SKIP` if none."""
-        if isinstance(event, yaml.CollectionStartEvent):
-            self.enter(event, 0, 1)
-            self.open(event)
-            return _SKIP, 0
-        if isinstance(event, yaml.CollectionEndEvent):
-            return self.close()
-        if isinstance(event, yaml.AliasEvent):
-            return self.alias(event)
-        return _SKIP, 0
+    def run(self, events: Iterator[Any]) -> None:
+        """Every event; an untagged scalar without an anchor (most of them) the short way."""
+        file, plain, stack = self.file, self.plain, self.stack
+        handlers: dict[type, Callable[[Any], None]] = {
+            yaml.MappingStartEvent: self.open, yaml.SequenceStartEvent: self.open,
+            yaml.MappingEndEvent: self.close, yaml.SequenceEndEvent: self.close,
+            yaml.ScalarEvent: self.tagged, yaml.AliasEvent: self.alias,
+            yaml.DocumentStartEvent: self.document}
+        for event in events:
+            if type(event) is not _ScalarEvent or event.tag is not None \
+                    or event.anchor is not None:
+                handlers.get(type(event), _ignore)(event)
+                continue
+            self.count += 1
+            if self.count > MAX_NODES or len(stack) > MAX_DEPTH:
+                self.limits(event, 0)
+            m: Any = event.start_mark
+            pos = SourcePos(file, m.line + 1, m.column + 1)
+            value = event.value
+            if not event.implicit[0] or (value and value[0] not in _IMPLICIT_FIRST):
+                # Quoted, a block scalar, or plain text no other type can start with.
+                self.items.append(YScalar(value, pos))
+                continue
+            known = plain.get(value)
+            self.items.append(YScalar(known[0], pos) if known is not None
+                              else self.plain_scalar(event, pos))
+
+    def document(self, event: yaml.DocumentStartEvent) -> None:
+        if self.first is not None:
+            again: Any = event.start_mark
+            raise ComposerError("expected a single document in the stream",
+                                self.first.start_mark, "but found another document", again)
+        self.first = event
+
+    def tagged(self, event: yaml.ScalarEvent) -> None:
+        """A scalar with a tag or an anchor."""
+        self.count += 1
+        if self.count > MAX_NODES or len(self.stack) > MAX_DEPTH:
+            self.limits(event, 0)
+        self.items.append(self.scalar(event))
+
+    def add(self, node: YNode | None, height: int) -> None:
+        """A complete collection or alias, `height` levels deep, into the open collection."""
+        self.items.append(node)
+        if self.stack and height >= self.stack[-1].height:
+            self.stack[-1].height = height + 1
 
     def enter(self, event: yaml.Event, height: int, size: int) -> None:
         """Count a node `size` values large reaching `height` levels below this one."""
@@ -239,6 +278,15 @@ class _Composer:
         top = self.stack[-1] if self.stack else None
         return top is not None and top.is_map and len(top.items) % 2 == 0
 
+    def plain_scalar(self, event: yaml.ScalarEvent, pos: SourcePos) -> YScalar | _Merge | None:
+        """An untagged plain scalar that may be more than a string, seen for the first
+        time: resolve and remember it."""
+        value = event.value
+        node = self.scalar_value(event, _resolve(yaml.ScalarNode, value, event.implicit), pos)
+        if isinstance(node, YScalar):  # not a merge key, not refused: the same every time
+            self.plain[value] = (node.value,)
+        return node
+
     def scalar(self, event: yaml.ScalarEvent) -> YScalar | _Merge | None:
         tag, value = event.tag, event.value
         if (tag is None or tag == "!") and event.implicit[0] and (
@@ -247,17 +295,16 @@ class _Composer:
         elif tag is None or tag == "!":
             tag = _STR_TAG  # quoted, or plain text no other type can start with
         if event.anchor is None:
-            return self.scalar_value(event, tag)
+            return self.scalar_value(event, tag, self.pos(event))
         self.check_anchor(event)
-        node = self.scalar_value(event, tag)
+        node = self.scalar_value(event, tag, self.pos(event))
         if isinstance(node, _Merge):
             return node
         self.remember(event, node, 1, 0)
         return node
 
-    def scalar_value(self, event: yaml.ScalarEvent, tag: str) -> YScalar | _Merge | None:
-        m: Any = event.start_mark
-        pos = SourcePos(self.file, m.line + 1, m.column + 1)
+    def scalar_value(self, event: yaml.ScalarEvent, tag: str, pos: SourcePos
+                     ) -> YScalar | _Merge | None:
         if tag == _STR_TAG:  # most values: skip the constructor, which costs 10x more
             if not event.style and _EXP_FLOAT.match(event.value):
                 # YAML 1.1 reads `1e-5` as a string; everyone means a number. A plain
@@ -283,19 +330,29 @@ class _Composer:
         return YScalar(value, pos)
 
     def open(self, event: yaml.CollectionStartEvent) -> None:
-        self.check_anchor(event)
-        is_map = isinstance(event, yaml.MappingStartEvent)
+        self.count += 1
+        if self.count > MAX_NODES or len(self.stack) > MAX_DEPTH:
+            self.limits(event, 0)
+        if event.anchor is not None:
+            self.check_anchor(event)
+        is_map = type(event) is yaml.MappingStartEvent
         tag = event.tag
         if tag is None or tag == "!":
             tag = _MAP_TAG if is_map else _SEQ_TAG
-        self.stack.append(_Open(is_map, tag, self.pos(event), event.anchor, self.count - 1))
+        top = _Open(is_map, tag, self.pos(event), event.anchor, self.count - 1)
+        self.stack.append(top)
+        self.items = top.items
         if event.anchor is not None:
             # Known but not complete: an alias to it from inside is a cycle.
             self.anchors[event.anchor] = _Anchor(None, -1, 0, self.pos(event),
                                                  event.start_mark)
 
-    def close(self) -> tuple[YNode | None, int]:
+    def close(self, event: yaml.CollectionEndEvent) -> None:
         top = self.stack.pop()
+        self.items = self.stack[-1].items if self.stack else self.roots
+        # `add` raised the height for nested collections and aliases; any item at all,
+        # a scalar too, is one level below.
+        height = max(top.height, 1) if top.items else 0
         node: YNode | None
         if top.tag != (_MAP_TAG if top.is_map else _SEQ_TAG):
             self.bad_tag(top.tag, top.pos)
@@ -306,11 +363,11 @@ class _Composer:
             node = YSeq(tuple(i for i in top.items if isinstance(i, (YScalar, YSeq, YMap))),
                         top.pos)
         if top.anchor is not None:
-            self.anchors[top.anchor] = _Anchor(node, self.count - top.start, top.height,
+            self.anchors[top.anchor] = _Anchor(node, self.count - top.start, height,
                                                top.pos, self.anchors[top.anchor].mark)
-        return node, top.height
+        self.add(node, height)
 
-    def alias(self, event: yaml.AliasEvent) -> tuple[YNode | None, int]:
+    def alias(self, event: yaml.AliasEvent) -> None:
         anchor = self.anchors.get(event.anchor or "")
         if anchor is None:
             mark: Any = event.start_mark
@@ -319,9 +376,18 @@ class _Composer:
             raise _TooLarge("an alias refers to the mapping or list that contains it",
                             self.pos(event))
         self.enter(event, anchor.height, anchor.size)
-        return anchor.node, anchor.height
+        self.add(anchor.node, anchor.height)
 
     def mapping(self, top: _Open) -> YMap:
+        keys, values = top.items[0::2], top.items[1::2]
+        names = {k.value for k in keys if type(k) is YScalar and type(k.value) is str}
+        if len(names) == len(keys) and all(v is not None for v in values):
+            # The common case: distinct string keys, no merge, nothing refused.
+            pairs = tuple(zip(keys, values, strict=False))
+            return YMap(cast("tuple[tuple[YScalar, YNode], ...]", pairs), top.pos)
+        return self.checked_mapping(top)
+
+    def checked_mapping(self, top: _Open) -> YMap:
         out: dict[object, tuple[YScalar, YNode]] = {}
         merged: dict[object, tuple[YScalar, YNode]] = {}
         pairs = iter(top.items)
@@ -361,11 +427,8 @@ class _Composer:
                 merged.setdefault(k.value, (k, v))
 
 
-class _Skip:
-    """What an event that completes no node gives (a collection's start, a document's end)."""
-
-
-_SKIP = _Skip()
+def _ignore(event: yaml.Event) -> None:
+    """The stream's start and end, a document's end: nothing to compose."""
 
 
 class _TooLarge(Exception):

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from functools import cache
 
 from flowgraph.check.structure import Resolved, param_value
-from flowgraph.contracts import TensorSpec
+from flowgraph.contracts import TensorSpec, dtype_set
 from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.dims import CANONICAL_DIMS, Poly, format_dims, parse_expr
 from flowgraph.ir import Graph, NodeSpec, PortRef
+from flowgraph.registry import KindSpec, ParamSpec
 
 B_DEF = Poly.sym("Bp") * Poly.sym("N")
 """B is always Bp*N."""
@@ -45,6 +47,21 @@ class EdgeInfo:
     ok: bool
 
 
+@dataclass(frozen=True, slots=True)
+class _Contract:
+    """A contract's fixed axes, prepared once for `DimEnv.qualify`."""
+
+    spec: TensorSpec
+    """Kept alive: a contract is filed under the id of its spec."""
+    bases: tuple[Poly | None, ...]
+    """Each axis's size with B substituted; None for `_` and where `names` has the axis."""
+    names: tuple[str | None, ...]
+    """The local name where an axis's size is just that name (`b`)."""
+    simple: bool
+    """Every axis is `_`, global dims only, or one local name: no axis needs a local
+    substituted into an expression (`b*n`)."""
+
+
 @dataclass
 class DimEnv:
     """Global dim values, local bindings and why each was bound."""
@@ -58,25 +75,50 @@ class DimEnv:
     """Memo for `qualify`, by the id of a contract's size (kept alive in the value, so the
     id stays its own): the size, with B substituted, its local names, whether it is just
     one local name."""
+    _contracts: dict[int, _Contract] = field(default_factory=dict, repr=False)
+    """Memo for `contract`, by the id of the spec."""
 
     def is_local(self, sym: str) -> bool:
         return "." in sym
 
     def qualify(self, poly: Poly, node: str) -> Poly:
         """Name a contract's local symbols after the node, substitute what is bound."""
-        split = self._split.get(id(poly))
-        if split is None:
-            local = tuple(sorted(s for s in poly.symbols() if s not in self.globals_))
-            base = poly.subs({"B": B_DEF})
-            lone = len(local) == 1 and base == Poly.sym(local[0])
-            split = self._split[id(poly)] = (poly, base, local, lone)
-        _, base, local, lone = split
+        _, base, local, lone = self._prepared(poly)
         if not local:
             return base
         # A bound local is replaced by its value (already in global terms, B included).
         if lone:
             return self._local(node, local[0])  # the common `b`: no polynomial arithmetic
         return base.subs({s: self._local(node, s) for s in local})
+
+    def qualify_dims(self, spec: TensorSpec, node: str) -> tuple[Poly | None, ...]:
+        """`qualify` on every fixed axis of a contract; `_` stays None."""
+        c = self.contract(spec)
+        if not c.simple:
+            return tuple(self.qualify(a.size, node) if a.size is not None else None
+                         for a in spec.shape.fixed_axes())
+        return tuple(base if name is None else self._local(node, name)
+                     for base, name in zip(c.bases, c.names, strict=True))
+
+    def contract(self, spec: TensorSpec) -> _Contract:
+        c = self._contracts.get(id(spec))
+        if c is None:
+            split = [self._prepared(a.size) if a.size is not None else None
+                     for a in spec.shape.fixed_axes()]
+            names = tuple(x[2][0] if x is not None and x[3] else None for x in split)
+            bases = tuple(x[1] if x is not None and not x[3] else None for x in split)
+            simple = all(x is None or x[3] or not x[2] for x in split)
+            c = self._contracts[id(spec)] = _Contract(spec, bases, names, simple)
+        return c
+
+    def _prepared(self, poly: Poly) -> tuple[Poly, Poly, tuple[str, ...], bool]:
+        split = self._split.get(id(poly))
+        if split is None:
+            local = tuple(sorted(s for s in poly.symbols() if s not in self.globals_))
+            base = poly.subs({"B": B_DEF})
+            lone = len(local) == 1 and base == Poly.sym(local[0])
+            split = self._split[id(poly)] = (poly, base, local, lone)
+        return split
 
     def _local(self, node: str, sym: str) -> Poly:
         q = f"{node}.{sym}"
@@ -125,6 +167,37 @@ class ShapeResult:
     """Per node: the size of the first axis of its first wired input, when known."""
     labels: dict[tuple[tuple[Poly | None, ...], bool], str] = field(default_factory=dict)
     """`EdgeInfo.label` by resolved dims: thousands of edges carry the same few shapes."""
+    # Memos by the id of the argument, which the entry keeps alive (so the id stays its
+    # own): thousands of edges carry the same few shapes, and hashing their dims cost
+    # more than the rest of an edge.
+    _label_of: dict[int, tuple[PortShape, str]] = field(default_factory=dict, repr=False)
+    _shown: dict[int, tuple[Poly, str]] = field(default_factory=dict, repr=False)
+    _value_of: dict[int, tuple[Poly, int | None]] = field(default_factory=dict, repr=False)
+
+    def label(self, shape: PortShape) -> str:
+        """`EdgeInfo.label` for an edge carrying `shape`."""
+        memo = self._label_of.get(id(shape))
+        if memo is None:
+            key = (shape.dims, shape.variadic)
+            text = self.labels.get(key)
+            if text is None:
+                text = self.labels[key] = self.env.label(shape.dims, shape.variadic)
+            memo = self._label_of[id(shape)] = (shape, text)
+        return memo[1]
+
+    def show(self, value: Poly) -> str:
+        """`env.show(value)`: a node binds its `b` to one of a few values."""
+        memo = self._shown.get(id(value))
+        if memo is None:
+            memo = self._shown[id(value)] = (value, self.env.show(value))
+        return memo[1]
+
+    def value(self, size: Poly) -> int | None:
+        """`env.value(size)`."""
+        memo = self._value_of.get(id(size))
+        if memo is None:
+            memo = self._value_of[id(size)] = (size, self.env.value(size))
+        return memo[1]
 
 
 # --- global dims -------------------------------------------------------------------
@@ -172,9 +245,9 @@ def _bind_global_params(table: dict[str, Resolved], env: DimEnv, out: list[Diagn
     for r in table.values():
         if r.kind is None:
             continue
-        for spec in r.kind.params:
+        for spec in _dim_params(r.kind):
             p = r.spec.params.find(spec.name)
-            if spec.dim is None or spec.dim not in env.globals_ or p is None:
+            if spec.dim not in env.globals_ or p is None:
                 continue
             if not isinstance(p.value, int) or isinstance(p.value, bool) or p.value < 1:
                 continue
@@ -192,6 +265,12 @@ def _bind_global_params(table: dict[str, Resolved], env: DimEnv, out: list[Diagn
                 env.why[spec.dim] = f"{spec.dim} = {p.value} from {where}"
 
 
+def _dim_params(kind: KindSpec) -> list[ParamSpec]:
+    """The params of a kind that bind a dim; most kinds have none, so no node's params
+    need searching."""
+    return [spec for spec in kind.params if spec.dim is not None]
+
+
 # --- per node ------------------------------------------------------------------------
 
 
@@ -200,10 +279,13 @@ def topo_order(graph: Graph, skip: set[str]) -> list[NodeSpec]:
     names = {n.name for n in graph.nodes} - skip
     indeg = dict.fromkeys(names, 0)
     succ: dict[str, list[str]] = {n: [] for n in names}
-    for ref, node, _ in graph.edges():
-        if ref.node in names and node.name in names:
-            indeg[node.name] += 1
-            succ[ref.node].append(node.name)
+    for node in graph.nodes:
+        if node.name not in names:
+            continue
+        for _, ref in node.inputs:
+            if ref.node in names:
+                indeg[node.name] += 1
+                succ[ref.node].append(node.name)
     ready = deque(n.name for n in graph.nodes if n.name in names and indeg[n.name] == 0)
     order: list[str] = []
     while ready:
@@ -238,9 +320,9 @@ def infer_shapes(graph: Graph, table: dict[str, Resolved], skip: set[str],
 
 def _bind_param_locals(r: Resolved, env: DimEnv) -> None:
     assert r.kind is not None
-    for spec in r.kind.params:
+    for spec in _dim_params(r.kind):
         p = r.spec.params.find(spec.name)
-        if spec.dim is None or spec.dim in env.globals_ or p is None:
+        if spec.dim in env.globals_ or p is None:
             continue
         if isinstance(p.value, int) and not isinstance(p.value, bool) and p.value >= 1:
             q = f"{r.name}.{spec.dim}"
@@ -260,8 +342,7 @@ def _apply_defaults(r: Resolved, env: DimEnv) -> None:
 def _outputs(r: Resolved, env: DimEnv, res: ShapeResult) -> None:
     assert r.kind is not None
     for p in r.kind.outputs:
-        dims = tuple(env.qualify(a.size, r.name) if a.size is not None else None
-                     for a in p.spec.shape.fixed_axes())
+        dims = env.qualify_dims(p.spec, r.name)
         res.outputs[(r.name, p.name)] = PortShape(dims, p.spec.shape.variadic, p.spec)
 
 
@@ -281,14 +362,54 @@ def _unify_inputs(node: NodeSpec, r: Resolved, env: DimEnv, res: ShapeResult,
             known = False
             continue
         if node.name not in res.batch:
-            res.batch[node.name] = env.value(shape.dims[0]) if shape.dims else None
-        ok = _unify_edge(ref, node, port.name, port.spec, shape, env, out)
-        label = res.labels.get((shape.dims, shape.variadic))
-        if label is None:
-            label = res.labels[(shape.dims, shape.variadic)] = env.label(shape.dims,
-                                                                         shape.variadic)
-        res.edges.append(EdgeInfo(ref, node.name, port.name, label, ok))
+            first = shape.dims[0] if shape.dims else None
+            res.batch[node.name] = res.value(first) if first is not None else None
+        binds = _fits(port.spec, shape, node.name, env)
+        if binds is None:
+            ok = _unify_edge(ref, node, port.name, port.spec, shape, env, out)
+        else:
+            ok = True
+            for var, value in binds:
+                _record(env, var, value, res.show(value), f"{ref} -> {node.name}.{port.name}",
+                        ref)
+        res.edges.append(EdgeInfo(ref, node.name, port.name, res.label(shape), ok))
     return known
+
+
+def _fits(spec: TensorSpec, shape: PortShape, node: str, env: DimEnv
+          ) -> list[tuple[str, Poly]] | None:
+    """The bindings an edge makes, when it needs nothing else from `_unify_edge`.
+
+    That is most edges: the dtypes fit, the ranks match, and every axis equals the
+    producer's or is a local name of this node not bound yet (bound to the producer's
+    size, as `_bind` would: the producer's dims never name this node's locals, as it
+    comes first in topological order). None: anything else, for `_unify_edge`.
+    """
+    c, dims = env.contract(spec), shape.dims
+    if not c.simple or len(c.names) != len(dims) or not _dtype_fits(spec.dtype,
+                                                                    shape.spec.dtype):
+        return None
+    binds: list[tuple[str, Poly]] = []
+    for base, name, pdim in zip(c.bases, c.names, dims, strict=True):
+        if pdim is None:
+            continue
+        if name is None:
+            if base is None or base is pdim or base == pdim:
+                continue
+            return None
+        var = f"{node}.{name}"
+        q = env.locals_.get(var)
+        if q is None and all(v != var for v, _ in binds):
+            binds.append((var, pdim))
+        elif q is not pdim and q != pdim:
+            return None
+    return binds
+
+
+@cache
+def _dtype_fits(want: str, got: str) -> bool:
+    """`TensorSpec.accepts_dtype`, by dtype names: every dtype `got` admits, `want` does."""
+    return dtype_set(got) <= dtype_set(want)
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,12 +513,15 @@ def _bind(e: _Edge, i: int, q: Poly, unbound: list[str], pdim: Poly, env: DimEnv
                           "contract, or bind the dim under `dims:`")
     coef, rest = sol
     value = (pdim - rest) if coef == 1 else (rest - pdim)
-    var = unbound[0]
-    env.locals_[var] = value
-    short = var.split(".", 1)[1]
-    env.why[var] = (f"`{short}` of `{e.node}` = {env.show(value)}, from edge {e.text} "
-                    f"({e.ref.pos})")
+    _record(env, unbound[0], value, env.show(value), e.text, e.ref)
     return None
+
+
+def _record(env: DimEnv, var: str, value: Poly, shown: str, edge: str, ref: PortRef) -> None:
+    """Bind the local `var` (`node.b`) from an edge, and say why."""
+    env.locals_[var] = value
+    node, short = var.split(".", 1)
+    env.why[var] = f"`{short}` of `{node}` = {shown}, from edge {edge} ({ref.pos})"
 
 
 def _notes(e: _Edge, env: DimEnv) -> tuple[str, ...]:

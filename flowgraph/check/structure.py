@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.document import did_you_mean
 from flowgraph.ir import DataSpec, Graph, NodeSpec, Param, Params, ParamValue, PortRef
-from flowgraph.registry import KindSpec, ParamSpec, Registry
+from flowgraph.registry import KindSpec, ParamSpec, PortSpec, Registry
 from flowgraph.source import SourcePos
 
 Producer = NodeSpec | DataSpec
@@ -104,41 +104,71 @@ def _check_binding(node: NodeSpec, kind: KindSpec, declared: Mapping[str, object
 
 def check_ports(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
     """Input ports exist and are wired; references point at real outputs."""
+    ports = _PortNames()
     for r in table.values():
         if not isinstance(r.spec, NodeSpec) or r.kind is None:
             continue
         node, kind = r.spec, r.kind
-        names = [p.name for p in kind.inputs]
+        names = ports.inputs(kind)
         for port, ref in node.inputs:
             if port not in names:
                 out.append(error("FG103", f"kind `{kind.name}` has no input `{port}`", ref.pos,
                                  node=node.name, edge=f"{ref} -> {node.name}.{port}",
-                                 hint=did_you_mean(port, names)))
-            _check_ref(node, port, ref, table, out)
+                                 hint=did_you_mean(port, list(names))))
+            _check_ref(node, port, ref, table, ports, out)
         wired = {port for port, _ in node.inputs}
-        params = kind.param_values(node.params.to_python())
-        for p in kind.inputs:
-            why = kind.needs(p, params)
-            if why is not None and p.name not in wired:
-                when = f" (needed because {why})" if p.optional else ""
-                out.append(error("FG104", f"node `{node.name}` (kind {kind.name}) has no "
-                                 f"input `{p.name}`{when}", node.pos, node=node.name,
-                                 expected=p.spec.describe(),
-                                 hint=f"wire it: `inputs: {{{p.name}: <node>.<port>}}`"))
+        unwired = [p for p in kind.inputs if p.name not in wired]
+        if unwired:
+            _check_unwired(node, kind, unwired, out)
+
+
+def _check_unwired(node: NodeSpec, kind: KindSpec, unwired: list[PortSpec],
+                   out: list[Diagnostic]) -> None:
+    params = kind.param_values(node.params.to_python())
+    for p in unwired:
+        why = kind.needs(p, params)
+        if why is not None:
+            when = f" (needed because {why})" if p.optional else ""
+            out.append(error("FG104", f"node `{node.name}` (kind {kind.name}) has no "
+                             f"input `{p.name}`{when}", node.pos, node=node.name,
+                             expected=p.spec.describe(),
+                             hint=f"wire it: `inputs: {{{p.name}: <node>.<port>}}`"))
+
+
+class _PortNames:
+    """Port names per kind, looked up once per kind rather than once per edge."""
+
+    def __init__(self) -> None:
+        self.memo: dict[int, tuple[KindSpec, dict[str, None], dict[str, None]]] = {}
+        """By the id of the kind (kept alive here): its input and output names, in order."""
+
+    def inputs(self, kind: KindSpec) -> dict[str, None]:
+        return self.get(kind)[1]
+
+    def outputs(self, kind: KindSpec) -> dict[str, None]:
+        return self.get(kind)[2]
+
+    def get(self, kind: KindSpec) -> tuple[KindSpec, dict[str, None], dict[str, None]]:
+        memo = self.memo.get(id(kind))
+        if memo is None:
+            memo = self.memo[id(kind)] = (kind, dict.fromkeys(p.name for p in kind.inputs),
+                                          dict.fromkeys(p.name for p in kind.outputs))
+        return memo
 
 
 def _check_ref(node: NodeSpec, port: str, ref: PortRef, table: dict[str, Resolved],
-               out: list[Diagnostic]) -> None:
-    edge = f"{ref} -> {node.name}.{port}"
+               ports: _PortNames, out: list[Diagnostic]) -> None:
     src = table.get(ref.node)
     if src is None:
         out.append(error("FG105", f"`{ref.node}` is not a node or data source", ref.pos,
-                         node=node.name, edge=edge, hint=did_you_mean(ref.node, list(table))))
+                         node=node.name, edge=f"{ref} -> {node.name}.{port}",
+                         hint=did_you_mean(ref.node, list(table))))
         return
-    if src.kind is not None and src.kind.output(ref.port) is None:
+    if src.kind is not None and ref.port not in ports.outputs(src.kind):
         outs = [p.name for p in src.kind.outputs]
         out.append(error("FG106", f"`{ref.node}` (kind {src.kind.name}) has no output "
-                         f"`{ref.port}`", ref.pos, node=node.name, edge=edge,
+                         f"`{ref.port}`", ref.pos, node=node.name,
+                         edge=f"{ref} -> {node.name}.{port}",
                          hint=did_you_mean(ref.port, outs) if outs else
                          f"kind {src.kind.name} has no outputs"))
 
@@ -238,9 +268,12 @@ def find_cycles(graph: Graph) -> list[list[tuple[str, str]]]:
     data = {d.name for d in graph.data}
     succ: dict[str, list[tuple[str, str]]] = {n.name: [] for n in graph.nodes
                                               if n.name not in data}
-    for ref, node, port in graph.edges():
-        if ref.node in succ and node.name in succ:
-            succ[ref.node].append((node.name, port))
+    for node in graph.nodes:
+        if node.name not in succ:
+            continue
+        for port, ref in node.inputs:
+            if ref.node in succ:
+                succ[ref.node].append((node.name, port))
     color: dict[str, int] = dict.fromkeys(succ, 0)
     stack: list[tuple[str, str]] = []
     cycles: list[list[tuple[str, str]]] = []
@@ -296,7 +329,7 @@ def check_cycles(graph: Graph, out: list[Diagnostic]) -> set[str]:
 
 def check_unused(graph: Graph, table: dict[str, Resolved], out: list[Diagnostic]) -> None:
     """Warn about nodes whose outputs nobody reads (dead-node elimination drops them)."""
-    used = {ref.node for ref, _, _ in graph.edges()}
+    used = {ref.node for node in graph.nodes for _, ref in node.inputs}
     for r in table.values():
         if r.kind is None or r.kind.sink or r.name in used or not r.kind.outputs:
             continue

@@ -114,6 +114,9 @@ class _Sizes:
     p: int
     t: int
     dp: int
+    temperature: float | None = None
+    """One sampling temperature for every node that samples or scores (FG116); None:
+    every such node keeps the default."""
 
     @property
     def batch(self) -> int:
@@ -141,7 +144,8 @@ def _sizes(draw: st.DrawFn, algo: str) -> _Sizes:
     else:
         step = dp // math.gcd(dp, n or 1)  # Bp*N % dp == 0
         bp = step * draw(st.integers(1, 12))
-    return _Sizes(bp, n, draw(st.integers(1, 64)), draw(st.integers(1, 64)), dp)
+    temperature = draw(st.sampled_from((None, 0.0, 0.7, 1.0)))
+    return _Sizes(bp, n, draw(st.integers(1, 64)), draw(st.integers(1, 64)), dp, temperature)
 
 
 def _divisors(n: int) -> list[int]:
@@ -185,6 +189,10 @@ def _params(draw: st.DrawFn, kind: KindSpec, sizes: _Sizes,
         if spec.name in fixed:
             if fixed[spec.name] is not None:
                 out.append(Param(spec.name, fixed[spec.name]))
+            continue
+        if spec.name == "temperature":  # one for the whole graph: scored as sampled
+            if sizes.temperature is not None:
+                out.append(Param(spec.name, sizes.temperature))
             continue
         if spec.name in _BATCH_PARAMS or spec.dim == "n" or not draw(st.booleans()):
             continue
