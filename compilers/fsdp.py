@@ -54,7 +54,7 @@ from flowgraph.compilers.local import LocalExecutor, RunOptions, prepare_run
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan
-from flowgraph.runtime.metrics import MetricsLog
+from flowgraph.runtime.metrics import MetricsLog, serving
 
 
 class RankFailed(FlowgraphError):
@@ -232,23 +232,18 @@ def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | No
         torch.cuda.set_device(device)
     else:  # share the cores: N ranks with all cores each would oversubscribe them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    port = plan.graph.trainer.metrics_port if metrics_port is None else metrics_port
-    exporter = None
+    exporting = (plan.graph.trainer.metrics_port if metrics_port is None
+                 else metrics_port) is not None
     try:
-        if port is not None and rank == 0:
-            from flowgraph.runtime.prometheus import Exporter
-
-            exporter = Exporter.start(plan.graph, port, metrics_host, target="fsdp",
-                                      out=sys.stdout)
-        _dist.init_group(rank, world, device)
-        torch.manual_seed(plan.graph.trainer.seed)
-        executor = FsdpExecutor(plan, RunOptions(run_dir, device, strict, resume,
-                                                 out=sys.stdout, exporter=exporter),
-                                rank, world, exporting=port is not None)
-        executor.setup()
-        executor.run()
-        if exporter is not None:
-            exporter.hold(metrics_hold, sys.stdout)
+        with serving(plan.graph, metrics_port, metrics_host, hold=metrics_hold,
+                     target="fsdp", out=sys.stdout, here=rank == 0) as exporter:
+            _dist.init_group(rank, world, device)
+            torch.manual_seed(plan.graph.trainer.seed)
+            executor = FsdpExecutor(plan, RunOptions(run_dir, device, strict, resume,
+                                                     out=sys.stdout, exporter=exporter),
+                                    rank, world, exporting=exporting)
+            executor.setup()
+            executor.run()
     except BaseException as exc:
         where = _dist.read_status(run_dir, rank)
         text = f"{type(exc).__name__}: {exc}" if not isinstance(exc, FlowgraphError) else str(exc)
@@ -259,8 +254,6 @@ def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | No
         (run_dir / ".ranks" / f"traceback_{rank}").write_text(traceback.format_exc())
         raise
     finally:
-        if exporter is not None:
-            exporter.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -42,7 +42,7 @@ from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec
 from flowgraph.plan import ExecutionPlan
 from flowgraph.registry import KindSpec
 from flowgraph.runtime.context import RESOURCE_ARGS, NodeContext
-from flowgraph.runtime.metrics import MetricsLog
+from flowgraph.runtime.metrics import MetricsLog, serving
 from flowgraph.runtime.strict import RuntimeContracts
 
 if TYPE_CHECKING:
@@ -739,23 +739,11 @@ def run_plan(plan: ExecutionPlan, *, strict: bool = False, resume: bool = False,
     resume = resume or trainer.resume
     torch.manual_seed(trainer.seed)
     device = pick_device(plan.graph.resources.device)
-    port = trainer.metrics_port if metrics_port is None else metrics_port
-    exporter = None
-    if port is not None:  # before any model loads: a busy port fails in a second
-        from flowgraph.runtime.prometheus import Exporter
-
-        exporter = Exporter.start(plan.graph, port, metrics_host, out=out)
-    try:
+    with serving(plan.graph, metrics_port, metrics_host, hold=metrics_hold, out=out) as exporter:
         executor = LocalExecutor(plan, RunOptions(run_dir, device, strict, resume, out,
                                                   tensorboard, exporter))
         executor.setup()
-        rows = executor.run()
-        if exporter is not None:
-            exporter.hold(metrics_hold, out)
-        return rows
-    finally:
-        if exporter is not None:
-            exporter.close()
+        return executor.run()
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

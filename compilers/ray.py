@@ -57,7 +57,7 @@ from flowgraph.compilers.local import (
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import DRIVER, ExecutionPlan, PoolPlan
-from flowgraph.runtime.metrics import MetricsLog
+from flowgraph.runtime.metrics import MetricsLog, serving
 
 MAX_RESTARTS = 3
 """Worker-group restarts allowed without a new checkpoint in between."""
@@ -467,28 +467,18 @@ def run_ray(plan: ExecutionPlan, *, address: str | None = None, strict: bool = F
     Prometheus metrics as `run_plan` serves them, from the driver."""
     run_dir = prepare_run(plan, resume=resume).resolve()
     resume = resume or plan.graph.trainer.resume
-    port = plan.graph.trainer.metrics_port if metrics_port is None else metrics_port
-    exporter = None
-    if port is not None:  # before the cluster starts: a busy port fails in a second
-        from flowgraph.runtime.prometheus import Exporter
-
-        exporter = Exporter.start(plan.graph, port, metrics_host, target="ray", out=out)
-    executor = None
-    try:
-        start_ray(plan, address)
-        torch.manual_seed(plan.graph.trainer.seed)
-        executor = RayExecutor(plan, RunOptions(run_dir, "cpu", strict, resume, out,
-                                                exporter=exporter))
-        executor.setup()
-        rows = executor.run()
-        executor.stop_groups()
-        if exporter is not None:
-            exporter.hold(metrics_hold, out)
-        return rows
-    finally:
-        if executor is not None:
-            executor.stop_groups()
-        if shutdown and not address and ray.is_initialized():
-            ray.shutdown()
-        if exporter is not None:
-            exporter.close()
+    with serving(plan.graph, metrics_port, metrics_host, hold=metrics_hold, target="ray",
+                 out=out) as exporter:
+        executor = None
+        try:
+            start_ray(plan, address)
+            torch.manual_seed(plan.graph.trainer.seed)
+            executor = RayExecutor(plan, RunOptions(run_dir, "cpu", strict, resume, out,
+                                                    exporter=exporter))
+            executor.setup()
+            return executor.run()
+        finally:  # workers first: the endpoint is held after this block
+            if executor is not None:
+                executor.stop_groups()
+            if shutdown and not address and ray.is_initialized():
+                ray.shutdown()

@@ -37,20 +37,6 @@ GRAPHS = ROOT / "graphs"
 PLUGINS = ROOT / "tests" / "plugins"
 SHORT = ("trainer.steps=5", "trainer.checkpoint_every=2")
 
-FAULTS = """\
-name: faults
-plugins: [fg_runtime_faults]
-dims: {Bp: 4, P: 16}
-models:
-  tok: {path: "builtin:tiny-lm"}
-data:
-  train: {kind: prompts, path: "builtin:arith"}
-nodes:
-  score:
-    kind: prompt_score
-    inputs: {input_ids: train.input_ids}
-    params: {nan_at: 1}
-"""
 
 
 @pytest.fixture(autouse=True)
@@ -187,9 +173,9 @@ def test_a_failing_rank_names_node_and_step_without_tracebacks(
     """A NaN from a plugin node stops the ranks: one message naming node and step, the
     traceback kept in run_dir/.ranks, none of the launcher's per-rank logs."""
     graph = tmp_path / "faults.yaml"
-    graph.write_text(FAULTS)
+    graph.write_text((PLUGINS / "faults.yaml").read_text())
     with pytest.raises(RankFailed) as exc:
-        _fsdp(graph, tmp_path / "run", "trainer.steps=3")
+        _fsdp(graph, tmp_path / "run", "trainer.steps=3", "nodes.score.params.nan_at=1")
     message = str(exc.value)
     assert re.search(r"rank [01] failed: non-finite output `scores` in node `score` at "
                      r"step 1\n", message), message

@@ -21,19 +21,7 @@ from flowgraph.runtime.strict import ContractViolation
 ROOT = Path(__file__).resolve().parents[2]
 PLUGINS = ROOT / "tests" / "plugins"
 
-FAULTS = """\
-name: faults
-plugins: [fg_runtime_faults]
-dims: {Bp: 4, P: 16}
-models:
-  tok: {path: "builtin:tiny-lm"}
-data:
-  train: {kind: prompts, path: "builtin:arith"}
-nodes:
-  score:
-    kind: prompt_score
-    inputs: {input_ids: train.input_ids}
-"""
+FAULTS = (PLUGINS / "faults.yaml").read_text()  # one node of the fault plugin
 
 
 def _run(graph: str | Path, tmp_path: Path, *overrides: str, text: str | None = None,
