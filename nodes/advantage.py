@@ -4,7 +4,8 @@ Every estimator returns ``(advantages, returns)``, both (B, T) in the dtype of
 the rewards/scores and exactly zero where ``response_mask`` is 0. None of them
 loops in Python over time steps or over groups: recurrences along T are solved
 with a chunked discount-matrix formulation (two small matmuls, O(B·T·L) work
-for chunk length L) in float64, and per-group statistics use
+for chunk length L) in float64, or float32 for ``gae``, whose λ-return form
+needs no more, and per-group statistics use
 ``unique(return_inverse=True)`` + ``index_add_``. Like verl, they run under
 ``torch.no_grad()``: advantages are regression/PG targets, not differentiable.
 
@@ -23,6 +24,7 @@ Notation:
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,7 @@ from flowgraph.nodes._agg import masked_whiten
 __all__ = ["gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo"]
 
 _CHUNK = 32  # chunk length L of the discount-matrix scan (tuned on 2 CPU cores)
+_ONE_CHUNK = 128  # up to this length the scan is one (T × T) matmul, without recursion
 
 
 # --------------------------------------------------------------------------- checks
@@ -67,14 +70,20 @@ def _valid_mask(fn: str, response_mask: Tensor) -> Tensor:
     _check_bt(fn, "response_mask", response_mask)
     if response_mask.dtype == torch.bool:
         return response_mask
-    valid = response_mask.bool()
-    if bool(response_mask.ne(valid).any()):  # some value other than 0/1
+    mask = response_mask
+    if mask.dtype.is_floating_point:
+        # m·m − m is exactly 0 for 0 and 1 and non-zero or nan for any other value
+        # (±inf included); on CPU this is several times cheaper than m.ne(m.bool()).
+        binary = not bool(mask.mul(mask).sub_(mask).abs_().sum())
+    else:
+        binary = not bool(mask.ne(mask.bool()).any())
+    if not binary:
         raise ValueError(
             f"{fn}: response_mask must hold only 0/1 (or be bool); got values in "
             f"[{response_mask.min().item()}, {response_mask.max().item()}]. "
             "Binarise it, e.g. mask > 0."
         )
-    return valid
+    return mask.bool()
 
 
 def _check_per_seq(fn: str, name: str, x: Tensor, batch: int) -> None:
@@ -110,38 +119,78 @@ def _group_inverse(fn: str, index: Tensor, batch: int) -> tuple[Tensor, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _discount_matrix(c: float, size: int, device: torch.device) -> Tensor:
-    """Dᵀ for D[i, j] = c^{j−i} if j ≥ i else 0, float64, (size, size); treat as read-only."""
+def _discount_matrix(c: float, size: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Dᵀ for D[i, j] = c^{j−i} if j ≥ i else 0, (size, size) in ``dtype``; treat as read-only.
+
+    The powers are taken in float64 and rounded once to ``dtype``.
+    """
     k = torch.arange(size, dtype=torch.float64, device=device)
     lag = k[None, :] - k[:, None]  # lag[i, j] = j − i
     powers = torch.tensor(c, dtype=torch.float64, device=device) ** lag.clamp_min(0)
-    return torch.where(lag >= 0, powers, torch.zeros_like(powers)).T.contiguous()
+    matrix = torch.where(lag >= 0, powers, torch.zeros_like(powers)).T
+    return matrix.to(dtype).contiguous()
 
 
 def _discounted_reverse_cumsum(x: Tensor, c: float) -> Tensor:
-    """y_t = Σ_{s≥t} c^{s−t} x_s along the last dim of a (B, T) float64 tensor.
+    """y_t = Σ_{s≥t} c^{s−t} x_s along the last dim of a (B, T) floating tensor.
 
     Chunked discount-matrix scan: within a chunk of length L, y = x·Dᵀ with
     D[i, j] = c^{j−i} (j ≥ i) (one (B·T/L, L) × (L, L) matmul). The chunk heads
     h_n = y at the first position of chunk n then obey the same recurrence with
-    factor c^L over T/L steps, solved by recursion (depth log_L T), and the head
-    of chunk n+1 is carried into chunk n as c^{L−i}·y_{head(n+1)}. Only
+    factor c^L over T/L steps, solved by recursion (depth log_L T; a length up to
+    ``_ONE_CHUNK`` is a single chunk), and the head of chunk n+1 is carried into
+    chunk n as c^{L−i}·y_{head(n+1)}. Only
     non-negative powers of c appear, so nothing overflows for c ≤ 1 and
     underflow merely drops negligible terms.
     """
     batch, length = x.shape
     if length == 0:
         return x.clone()
-    chunk = min(length, _CHUNK)
+    chunk = length if length <= _ONE_CHUNK else _CHUNK
     n_chunks = -(-length // chunk)
     padded = x if n_chunks * chunk == length else F.pad(x, (0, n_chunks * chunk - length))
     xs = padded.reshape(batch * n_chunks, chunk)
-    out = (xs @ _discount_matrix(c, chunk, x.device)).view(batch, n_chunks, chunk)
+    out = (xs @ _discount_matrix(c, chunk, x.device, x.dtype)).view(batch, n_chunks, chunk)
     if n_chunks > 1:
         heads = _discounted_reverse_cumsum(out[:, :, 0], c**chunk)
-        carry = _discount_matrix(c, chunk + 1, x.device)[-1, :-1]  # c^{L−i}, i = 0..L−1
+        carry = _discount_matrix(c, chunk + 1, x.device, x.dtype)[-1, :-1]  # c^{L−i}
         out.addcmul_(F.pad(heads[:, 1:], (0, 1)).unsqueeze(-1), carry)
     return out.view(batch, n_chunks * chunk)[:, :length]
+
+
+def _lambda_returns(
+    rewards: Tensor, values: Tensor, weight: Tensor, gamma: float, lam: float
+) -> Tensor:
+    """(B, T) λ-returns over the valid tokens (weight 1), 0 on masked ones (skipped).
+
+    R_t = r_t + γ·((1 − λ)·V_{n(t)} + λ·R_{n(t)}) with n(t) the next valid token
+    (V = R = 0 past the last); R − V is GAE's advantage, whose δ's telescope into
+    this form (Sutton & Barto 2018, §12.1). Summing r and (1 − λ)·V avoids the
+    cancellation of Σ(γ·V_{t+1} − V_t), so float32 suffices.
+
+    Each row's valid tokens are compacted to the front first: the k-th valid token
+    goes to slot k − 1, so n(t) is the next slot and the recurrence has the constant
+    factor γλ of ``_discounted_reverse_cumsum``; slots past a row's last valid
+    token stay 0. Masked tokens go to slot T, which no valid token reaches: it is
+    zeroed after the scatter, so the scan gives 0 there and the way back reads 0.
+    """
+    length = rewards.shape[1]
+    # slot = k − 1 for the k-th valid token, T for masked ones (the count is exact in float)
+    slot = weight.cumsum(dim=-1).sub_(length + 1).mul_(weight).add_(length).long()
+    width = -(-(length + 1) // _CHUNK) * _CHUNK  # room for slot T, no padding in the scan
+    scan_in = _compact(rewards, slot, width)
+    if lam != 1:  # r_k + γ(1 − λ)·V_{k+1}; with λ = 1 the values drop out
+        scan_in.add_(_compact(values, slot, width + 1)[:, 1:], alpha=gamma * (1 - lam))
+    returns_c = _discounted_reverse_cumsum(scan_in, gamma * lam)
+    del scan_in  # before the gather allocates: a lower peak touches fewer fresh pages
+    return returns_c.gather(1, slot)
+
+
+def _compact(x: Tensor, slot: Tensor, width: int) -> Tensor:
+    """Scatter x (B, T) by slot into zeros (B, width); column T, the masked tokens', stays 0."""
+    out = torch.zeros(x.shape[0], width, dtype=x.dtype, device=x.device).scatter_(1, slot, x)
+    out[:, x.shape[1]] = 0
+    return out
 
 
 def _group_stats(x: Tensor, inverse: Tensor, groups: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -157,6 +206,24 @@ def _group_stats(x: Tensor, inverse: Tensor, groups: int) -> tuple[Tensor, Tenso
     mean = torch.where(single, torch.zeros_like(mean), mean)
     std = torch.where(single, torch.ones_like(std), std)
     return count, mean, std
+
+
+def _whiten_valid(fn: str, x: Tensor, weight: Tensor) -> Tensor:
+    """``masked_whiten(x, weight) · weight``, in place, for an x that is 0 where weight is 0.
+
+    Same semantics (mean over valid tokens, unbiased var, eps 1e-8; one valid token
+    whitens to 0, none is a ValueError) in fewer passes: as x is 0 off the mask,
+    nothing needs multiplying by it.
+    """
+    count = float(weight.sum())
+    if count == 0:
+        raise ValueError(
+            f"{fn}: whitening needs at least 1 valid token; response_mask selects 0. "
+            "Pass whiten=False or a batch with response tokens."
+        )
+    centred = x.sub_(weight, alpha=float(x.sum()) / count).flatten()  # x − mean where valid
+    var = float(torch.dot(centred, centred)) / max(count - 1.0, 1.0)
+    return x.mul_(1.0 / math.sqrt(var + 1e-8))
 
 
 def _broadcast(per_seq: Tensor, valid: Tensor) -> Tensor:
@@ -182,6 +249,8 @@ def gae(
     masked positions neither receive nor pass on value. ``advantages`` are
     whitened over valid tokens (unbiased var, eps 1e-8) when ``whiten``;
     a batch with no valid token is a ValueError then (a single one whitens to 0).
+    Computed as λ-returns R (``_lambda_returns``), A = R − V, in float32 (float64
+    for float64 inputs).
     """
     # Schulman et al. 2016 (GAE); verl core_algos.compute_gae_advantage_return
     fn = "gae"
@@ -193,31 +262,15 @@ def gae(
     _check_unit(fn, "gamma", gamma)
     _check_unit(fn, "lam", lam)
     with torch.no_grad():
-        batch, length = token_level_rewards.shape
-        # Compact each row's valid tokens to the front: the k-th valid token goes
-        # to slot k − 1, so the next valid position of slot j is simply j + 1 and
-        # the recurrence has the constant factor γλ; slots past a row's last valid
-        # token stay 0 (V = A = 0 there). Masked sources are zeroed first, so the
-        # writes they share with a valid token's slot add nothing.
-        slot = valid.cumsum(dim=-1).sub_(1).clamp_min_(0)
-        weight = valid.to(torch.float64)
-        packed = torch.zeros(2, batch, length, dtype=torch.float64, device=valid.device)
-        packed[0].scatter_add_(1, slot, token_level_rewards * weight)  # float64 from here on
-        packed[1].scatter_add_(1, slot, values * weight)
-        delta_c, values_c = packed[0], packed[1]
-        delta_c[:, :-1].add_(values_c[:, 1:], alpha=gamma)  # δ_j = r_j + γ·V_{j+1} − V_j
-        delta_c.sub_(values_c)
-        adv_c = _discounted_reverse_cumsum(delta_c, gamma * lam)
-        dtype = token_level_rewards.dtype
-        out = torch.empty(2, batch, length, dtype=dtype, device=valid.device)
-        out[0] = adv_c
-        out[1] = adv_c.add_(values_c)
-        # Back to token order; masked tokens read some slot and are zeroed.
-        weight = valid.to(dtype)
-        advantages, returns = out.gather(2, slot.expand(2, batch, length)).mul_(weight).unbind(0)
+        dtype = torch.promote_types(token_level_rewards.dtype, torch.float32)
+        values = values.to(dtype)
+        weight = response_mask if response_mask.dtype == dtype else valid.to(dtype)
+        returns = _lambda_returns(token_level_rewards.to(dtype), values, weight, gamma, lam)
+        advantages = torch.addcmul(returns, values, weight, value=-1)  # A = R − V
         if whiten:
-            advantages = masked_whiten(advantages, weight).mul_(weight)
-    return advantages, returns
+            advantages = _whiten_valid(fn, advantages, weight)
+        out_dtype = token_level_rewards.dtype
+    return advantages.to(out_dtype), returns.to(out_dtype)
 
 
 def grpo(

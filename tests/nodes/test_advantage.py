@@ -212,6 +212,91 @@ def test_gae_float32_long_sequences(gamma: float, lam: float, length: int) -> No
     torch.testing.assert_close(ret.double(), ref_ret * m.double(), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "gamma, lam",
+    [(0.0, 1.0), (1.0, 0.0), (0.0, 0.0), (1.0, 1.0), (0.5, 1.0), (1.0, 1e-3), (1e-20, 1.0)],
+)
+def test_gae_extreme_discounts(gamma: float, lam: float) -> None:
+    # γλ = 0 (A = δ, the scan is the identity), γλ = 1 (plain suffix sums), λ = 1
+    # (no value term in the λ-return input) and a tiny γ (its powers underflow).
+    gen = torch.Generator().manual_seed(7)
+    m = (torch.rand(5, 70, generator=gen) < 0.7).double()
+    r = torch.randn(5, 70, generator=gen, dtype=F64)
+    v = torch.randn(5, 70, generator=gen, dtype=F64)
+    ref_adv, ref_ret = loop_gae(r, v, m, gamma, lam)
+    adv, ret = gae(r.float(), v.float(), m.float(), gamma=gamma, lam=lam, whiten=False)
+    torch.testing.assert_close(adv.double(), ref_adv * m, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ret.double(), ref_ret * m, atol=1e-5, rtol=0)
+
+
+def test_gae_gamma_lam_zero_is_one_step_td() -> None:
+    r = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    v = torch.tensor([[0.5, 9.0, 0.25, 1.0]])
+    m = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
+    adv, ret = gae(r, v, m, gamma=0.5, lam=0.0, whiten=False)
+    # γλ = 0: A_t = δ_t = r_t + 0.5·V_{n(t)} − V_t, the hole at t=1 skipped:
+    # A0 = 1 + 0.5·0.25 − 0.5 = 0.625; A2 = 3 + 0.5·1 − 0.25 = 3.25; A3 = 4 + 0 − 1 = 3
+    torch.testing.assert_close(adv, torch.tensor([[0.625, 0.0, 3.25, 3.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.125, 0.0, 3.5, 4.0]]))
+
+
+@pytest.mark.parametrize("length", [1, 2, 31, 32, 33, 63, 65, 127, 128, 1000])
+def test_gae_masks_with_holes_and_empty_rows(length: int) -> None:
+    # Rows: all masked, all valid, holes across chunk boundaries (chunks of 32),
+    # a single valid token at the end, alternating tokens, leading/trailing padding.
+    gen = torch.Generator().manual_seed(length)
+    pos = torch.arange(length)
+    m = torch.stack(
+        [
+            torch.zeros(length),
+            torch.ones(length),
+            ((pos < 30) | (pos >= 35)).float(),
+            (pos == length - 1).float(),
+            (pos % 2).float(),
+            ((pos >= 3) & (pos < length - 5)).float(),
+        ]
+    ).double()
+    # rewards 0.1·N(0, 1) keep the suffix sums O(1): float32 holds them to ~1e-7
+    r = 0.1 * torch.randn(6, length, generator=gen, dtype=F64)
+    v = torch.randn(6, length, generator=gen, dtype=F64)
+    for gamma, lam in [(1.0, 1.0), (0.99, 0.95)]:
+        ref_adv, ref_ret = loop_gae(r, v, m, gamma, lam)
+        adv, ret = gae(r.float(), v.float(), m.float(), gamma=gamma, lam=lam, whiten=False)
+        torch.testing.assert_close(adv.double(), ref_adv * m, atol=1e-5, rtol=0)
+        torch.testing.assert_close(ret.double(), ref_ret * m, atol=1e-5, rtol=0)
+        assert not adv[0].any() and not ret[0].any()  # the all-masked row
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 1.0), (1.0, 0.95), (0.999, 0.99)])
+def test_gae_float32_long_responses_match_float64_loop(gamma: float, lam: float) -> None:
+    # T = 4096 (the benchmark's long case): float32 blocks of 32 with log-depth carries.
+    gen = torch.Generator().manual_seed(4096)
+    length = 4096
+    pos = torch.arange(length)
+    ends = torch.tensor([[4096], [3000], [1500], [4000]])
+    m = ((pos >= 2) & (pos < ends)).float()
+    m[:, 1000:1090] = 0  # a tool observation in the middle
+    r = -0.01 * torch.rand(4, length, generator=gen) * m
+    r[torch.arange(4), ends[:, 0] - 1] += torch.tensor([1.0, -1.0, 1.0, -1.0])
+    v = torch.rand(4, length, generator=gen) * 2 - 1
+    ref_adv, ref_ret = loop_gae(r.double(), v.double(), m.double(), gamma, lam)
+    adv, ret = gae(r, v, m, gamma=gamma, lam=lam, whiten=False)
+    torch.testing.assert_close(adv.double(), ref_adv * m.double(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(ret.double(), ref_ret * m.double(), atol=1e-5, rtol=0)
+    white, _ = gae(r, v, m, gamma=gamma, lam=lam)
+    expected = ref_whiten(ref_adv, m.double()) * m.double()
+    torch.testing.assert_close(white.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_gae_keeps_low_precision_dtype() -> None:
+    r, v = torch.randn(3, 40).bfloat16(), torch.randn(3, 40).bfloat16()
+    m = torch.ones(3, 40, dtype=torch.long)
+    adv, ret = gae(r, v, m, gamma=0.99, lam=0.95)
+    assert adv.dtype == torch.bfloat16 and ret.dtype == torch.bfloat16
+    _, ref_ret = loop_gae(r.double(), v.double(), m.double(), 0.99, 0.95)
+    torch.testing.assert_close(ret.double(), ref_ret, atol=0.1, rtol=0.02)
+
+
 def test_gae_accepts_bool_mask_and_carries_no_grad() -> None:
     r = torch.randn(3, 5)
     v = torch.randn(3, 5, requires_grad=True)
@@ -227,8 +312,11 @@ def test_gae_rejects_bad_inputs() -> None:
     r, m = torch.zeros(2, 4), torch.ones(2, 4)
     with pytest.raises(ValueError, match=r"values must have the same shape.*\(2, 3\)"):
         gae(r, torch.zeros(2, 3), m)
+    for bad in (0.5, 2.0, -1.0, float("nan"), float("inf"), 1e-30):
+        with pytest.raises(ValueError, match="only 0/1"):
+            gae(r, r, torch.tensor([[1.0, 0.0, bad, 1.0], [1.0, 1.0, 1.0, 0.0]]))
     with pytest.raises(ValueError, match="only 0/1"):
-        gae(r, r, torch.full((2, 4), 0.5))
+        gae(r, r, torch.tensor([[1, 0, 2, 1], [1, 1, 1, 0]]))
     with pytest.raises(ValueError, match=r"gamma must lie in \[0, 1\]"):
         gae(r, r, m, gamma=1.5)
     with pytest.raises(ValueError, match="2-D"):
@@ -331,6 +419,16 @@ def test_reinforce_pp_matches_verl_loop(batch: tuple[Tensor, Tensor, Tensor], ga
     adv, ret = reinforce_pp(r, m, gamma=gamma)
     torch.testing.assert_close(ret, ref_ret * m, atol=1e-5, rtol=0)
     torch.testing.assert_close(adv, ref_whiten(ref_ret, m) * m, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("length", [127, 128, 129, 700])
+def test_reinforce_pp_long_sequences(length: int) -> None:
+    # Past 128 tokens the discount-matrix scan works in chunks of 32 with carries.
+    gen = torch.Generator().manual_seed(length)
+    m = (torch.rand(3, length, generator=gen) < 0.9).double()
+    r = torch.randn(3, length, generator=gen, dtype=F64)
+    _, ret = reinforce_pp(r, m, gamma=0.99)
+    torch.testing.assert_close(ret, loop_reinforce_pp(r, m, 0.99) * m, atol=1e-6, rtol=0)
 
 
 def test_reinforce_pp_baseline_hand() -> None:
