@@ -453,7 +453,13 @@ def start_ray(plan: ExecutionPlan, address: str | None) -> None:
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if address:
-        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        try:
+            ray.init(address=address, log_to_driver=True)
+        except (ConnectionError, RuntimeError, ValueError) as exc:
+            raise FlowgraphError(
+                f"cannot join the Ray cluster at `{address}`: {exc}. Is `ray start --head` "
+                "running there (its address, or `auto` on a machine of the cluster)? Or "
+                "leave out --address for a local cluster") from None
         return
     ray.init(num_cpus=cluster_cpus(plan), include_dashboard=False, log_to_driver=True,
              configure_logging=False)
