@@ -44,6 +44,37 @@ def cluster() -> Any:
     ray.shutdown()
 
 
+class _Scraper:
+    """The run's console (to /dev/null). Reads /metrics once the run holds its endpoint
+    after the last step (`metrics_hold`), while the exporter still serves."""
+
+    def __init__(self, sink: Any) -> None:
+        self.sink, self.url, self.body = sink, "", ""
+
+    def write(self, text: str) -> int:
+        if text.startswith("metrics: "):
+            self.url = text.split()[1]
+        if text.startswith("serving the final metrics"):
+            self.body = self._get()
+        return int(self.sink.write(text))
+
+    def flush(self) -> None:
+        self.sink.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    def scrape(self) -> str:
+        assert self.body, f"nothing scraped (exporter at {self.url or 'no URL'})"
+        return self.body
+
+    def _get(self) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(self.url, timeout=10) as reply:
+            return str(reply.read().decode())
+
+
 def _plan(graph: str, run_dir: Path, overrides: tuple[str, ...]) -> Any:
     result = compile_graph(GRAPHS / f"{graph}.yaml", target="ray", nproc=2,
                            overrides=[f"trainer.run_dir={run_dir}", *overrides])
@@ -57,12 +88,19 @@ def test_ray_gives_the_numbers_of_the_local_run(
         equal_overrides: dict[str, tuple[str, ...]]) -> None:
     from flowgraph.compilers.ray import run_ray
 
-    run_ray(_plan(graph, tmp_path / "ray", equal_overrides[graph]), out=devnull,
-            shutdown=False)
+    out = _Scraper(devnull)
+    run_ray(_plan(graph, tmp_path / "ray", equal_overrides[graph]), out=out,
+            shutdown=False, metrics_port=0, metrics_hold=0.1 if graph == "grpo" else 0)
     rows = read_metrics(tmp_path / "ray")
     assert_same_numbers(rows, local_reference(graph))
     if graph == "ppo":
         assert "val/score/mean" in rows[-1], "held-out evaluation through the workers"
+    if graph == "grpo":  # one endpoint on the driver; every worker under its own label
+        body = out.scrape()
+        for worker in ("driver", "actor_rollout_ref/0", "actor_rollout_ref/1"):
+            assert f'flowgraph_training_steps_total{{worker="{worker}"}} 5.0' in body, body
+        assert 'flowgraph_device_memory_bytes{device="cpu",worker="actor_rollout_ref/1"}' \
+            in body
 
 
 def test_a_node_error_in_a_worker_names_the_node_and_step(
