@@ -30,8 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flowgraph.nodes._agg import masked_whiten
-
 __all__ = ["gae", "grpo", "reinforce_pp", "reinforce_pp_baseline", "remax", "rloo"]
 
 _CHUNK = 32  # chunk length L of the discount-matrix scan (tuned on 2 CPU cores)
@@ -209,7 +207,8 @@ def _group_stats(x: Tensor, inverse: Tensor, groups: int) -> tuple[Tensor, Tenso
 
 
 def _whiten_valid(fn: str, x: Tensor, weight: Tensor) -> Tensor:
-    """``masked_whiten(x, weight) · weight``, in place, for an x that is 0 where weight is 0.
+    """``masked_whiten(x, weight) · weight`` (_agg), in place, for an x that is 0 off the mask:
+    the whitening of every estimator here.
 
     Same semantics (mean over valid tokens, unbiased var, eps 1e-8; one valid token
     whitens to 0, none is a ValueError) in fewer passes: as x is 0 off the mask,
@@ -359,7 +358,7 @@ def reinforce_pp(
         tail_at_end = F.pad(tail, (0, 1)).gather(1, seg_end)
         decay = torch.tensor(gamma, dtype=torch.float64, device=valid.device) ** (seg_end - pos)
         returns = (tail - decay * tail_at_end) * weight
-        advantages = masked_whiten(returns, weight) * weight
+        advantages = _whiten_valid(fn, returns.clone(), weight)  # returns is 0 off the mask
     dtype = token_level_rewards.dtype
     return advantages.to(dtype), returns.to(dtype)
 
@@ -389,7 +388,7 @@ def reinforce_pp_baseline(
         _, mean, _ = _group_stats(s, inverse, groups)
         weight = valid.to(torch.float64)
         tokens = (s - mean[inverse])[:, None] * weight
-        advantages = (masked_whiten(tokens, weight) * weight).to(scores.dtype)
+        advantages = _whiten_valid(fn, tokens, weight).to(scores.dtype)
     return advantages, advantages.clone()
 
 
