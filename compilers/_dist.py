@@ -131,29 +131,37 @@ class Slices:
         return hi - lo
 
 
-def batched(value: Any) -> bool:
-    """A value with a leading axis that may be a batch (a 0-d tensor or a scalar is not)."""
-    if isinstance(value, torch.Tensor):
-        return value.dim() > 0 and len(value) > 0
-    return isinstance(value, list) and len(value) > 0
-
-
 def take(value: Any, rows: torch.Tensor) -> Any:
     if isinstance(value, torch.Tensor):
         return value[rows.to(value.device)]
     return [value[int(i)] for i in rows]
 
 
-def unpad(parts: Sequence[Any], slices: Slices, in_rows: int) -> Any:
-    """Concatenate per-worker outputs, dropping each worker's padding. An output with
-    k·rows rows (a rollout's n samples per prompt) keeps k·real rows."""
-    kept = []
-    for w, part in enumerate(parts):
-        k = len(part) // in_rows if in_rows else 1
-        kept.append(part[: k * slices.real(w)])
-    if isinstance(parts[0], torch.Tensor):
-        return torch.cat(kept)
-    return [x for part in kept for x in part]
+def _batched(value: Any, rows: int) -> bool:
+    """An output with a batch axis: k rows per input row (a 0-d tensor or a scalar has none)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() > 0 and len(value) > 0 and len(value) % rows == 0
+    return isinstance(value, list) and len(value) > 0 and len(value) % rows == 0
+
+
+def join_outputs(first: dict[str, Any], slices: Slices,
+                 parts: Callable[[str, Any], Sequence[Any]]) -> dict[str, Any]:
+    """The whole-batch outputs of a node run on slices. `first` holds one worker's outputs;
+    `parts(port, value)` every worker's value of a batched output (an all-gather, or the
+    Ray results), concatenated here without each worker's padding: an output with k
+    rows per input row (a rollout's n samples) keeps k rows per real row. Anything
+    without a batch axis is the same on every worker and is taken as it is."""
+    whole = {}
+    for port, value in first.items():
+        if not _batched(value, slices.rows):
+            whole[port] = value
+            continue
+        kept = []
+        for w, part in enumerate(parts(port, value)):
+            kept.append(part[: len(part) // slices.rows * slices.real(w)])
+        whole[port] = (torch.cat(kept) if isinstance(value, torch.Tensor)
+                       else [x for part in kept for x in part])
+    return whole
 
 
 def all_gather(value: Any, world: int) -> list[Any]:
@@ -240,6 +248,13 @@ def dcp_full_model(folder: Path, name: str, model: nn.Module) -> None:
 
 def has_dcp(folder: Path) -> bool:
     return (folder / DCP_DIR).is_dir()
+
+
+def require_dcp(folder: Path) -> None:
+    """Sharded models load DCP checkpoints only (the local target reads both kinds)."""
+    if not has_dcp(folder):
+        raise FlowgraphError(f"checkpoint `{folder}` was written by the local target; "
+                             "resume it with --target local")
 
 
 def status_file(run_dir: Path, rank: int) -> Path:

@@ -105,15 +105,8 @@ class FsdpExecutor(LocalExecutor):
             mine[key] = _dist.take(env[key], rows)
         outputs, seconds = super().call(name, mine, step, params, metrics,
                                         row_offset=slices.bounds[self.rank][0], **dp)
-        whole = {}
-        for port, value in outputs.items():
-            if _dist.batched(value) and \
-                    len(value) % slices.rows == 0:
-                whole[port] = _dist.unpad(_dist.all_gather(value, self.world), slices,
-                                          slices.rows)
-            else:
-                whole[port] = value
-        return whole, seconds
+        return _dist.join_outputs(outputs, slices,
+                                  lambda _, value: _dist.all_gather(value, self.world)), seconds
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -139,10 +132,7 @@ class FsdpExecutor(LocalExecutor):
         found = latest_checkpoint(self.opts.run_dir)
         if found is None:
             return 0
-        if not _dist.has_dcp(found[1]):
-            raise FlowgraphError(
-                f"checkpoint `{found[1]}` was written by the local target; resume it with "
-                "--target local")
+        _dist.require_dcp(found[1])
         step = super().restore()
         rng = found[1] / f"rng.rank{self.rank}.pt"
         if rng.exists():  # absent when resuming with more ranks than wrote it

@@ -519,16 +519,20 @@ class LocalExecutor:
         found = latest_checkpoint(self.opts.run_dir)
         if found is None:
             return 0
-        _step, folder = found
+        self.load_weights(found[1])
+        return self.restore_state(found[1])
+
+    def load_weights(self, folder: Path) -> None:
+        """This process's models, optimizers and schedulers from the checkpoint in
+        `folder`: whole files (local target) or DCP shards (fsdp, ray)."""
         from flowgraph.compilers import _dist
 
         if not _dist.has_dcp(folder):
             load_checkpoint(folder, modules=self.checkpoint_modules())
-            return self.restore_state(folder)
+            return
         _dist.dcp_load(folder, self.res.models, self.res.optimizers)
         for name, sched in self.res.schedulers.items():
             sched.load_state_dict(torch.load(folder / f"sched.{name}.pt", weights_only=False))
-        return self.restore_state(folder)
 
     def restore_state(self, folder: Path) -> int:
         """Cursors and node state of the checkpoint in `folder`; the next step."""
@@ -560,18 +564,24 @@ class LocalExecutor:
         rows = []
         try:
             for step in range(self.start_step, trainer.steps):
-                metrics = self._guarded_step(step)
-                if trainer.eval_every and (step + 1) % trainer.eval_every == 0:
-                    metrics.update(self.evaluate(step))
-                log.write(step, metrics)
-                rows.append(metrics)
-                last = step == trainer.steps - 1
-                every = trainer.checkpoint_every
-                if (every and (step + 1) % every == 0) or last:
-                    self.save(step)
+                rows.append(self.train_step(step, log)[0])
         finally:
             log.close()
         return rows
+
+    def train_step(self, step: int, log: MetricsLog) -> tuple[dict[str, float], bool]:
+        """One turn of the loop: the step, the evaluation when due, the row logged, a
+        checkpoint when due; (the row, whether a checkpoint was written)."""
+        trainer = self.graph.trainer
+        metrics = self._guarded_step(step)
+        if trainer.eval_every and (step + 1) % trainer.eval_every == 0:
+            metrics.update(self.evaluate(step))
+        log.write(step, metrics)
+        every = trainer.checkpoint_every
+        due = bool(every and (step + 1) % every == 0) or step == trainer.steps - 1
+        if due:
+            self.save(step)
+        return metrics, due
 
     def _guarded_step(self, step: int) -> dict[str, float]:
         strict = self.graph.trainer.strict or self.opts.strict or step == self.start_step

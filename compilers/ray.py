@@ -147,11 +147,11 @@ class RayWorker:
                                      self.pool, self.rank)
         self.executor.setup()
         if checkpoint is not None:
-            folder = Path(checkpoint)
-            _dist.dcp_load(folder, self.executor.res.models, self.executor.res.optimizers)
-            for name, sched in self.executor.res.schedulers.items():
-                sched.load_state_dict(torch.load(folder / f"sched.{name}.pt",
-                                                 weights_only=False))
+            self.load(checkpoint)
+
+    def load(self, checkpoint: str) -> None:
+        """Weights, optimizer and scheduler states of this pool from a checkpoint."""
+        self._ready().load_weights(Path(checkpoint))
 
     def call(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
              dp: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str, float]]:
@@ -214,6 +214,8 @@ class RayExecutor(LocalExecutor):
         self.groups: dict[str, Group] = {}
         self.restarts: list[float] = []
         """Seconds from each noticed fault to the next completed step."""
+        self.failed_at: float | None = None
+        """When the fault being recovered from was noticed (perf_counter)."""
         self.worker_times: dict[str, dict[str, float]] = {}
         """This step's node seconds per worker (`pool/rank`), for Prometheus."""
 
@@ -320,14 +322,8 @@ class RayExecutor(LocalExecutor):
             calls.append(wk.call.remote(name, mine, step, params, dp))
         results = self._get(calls, (name, step))
         self._timed(pool, name, [r[1] for r in results])
-        outputs = {}
-        for port, first in results[0][0].items():
-            parts = [r[0][port] for r in results]
-            if _dist.batched(first) and \
-                    len(first) % slices.rows == 0:
-                outputs[port] = _dist.unpad(parts, slices, slices.rows)
-            else:
-                outputs[port] = first
+        outputs = _dist.join_outputs(results[0][0], slices,
+                                     lambda port, _: [r[0][port] for r in results])
         metrics.update(results[0][2])
         return outputs, max(r[1] for r in results)
 
@@ -340,6 +336,10 @@ class RayExecutor(LocalExecutor):
         endpoint on the driver, a `worker="<pool>/<rank>"` label each)."""
         self.worker_times = {}
         metrics = super().run_step(step, strict=strict)
+        if self.failed_at is not None:  # the first step completed after a restart
+            metrics["perf/recovery_s"] = time.perf_counter() - self.failed_at
+            self.restarts.append(metrics["perf/recovery_s"])
+            self.failed_at = None
         exporter = self.opts.exporter
         if exporter is not None:
             for worker, timings in self.worker_times.items():
@@ -374,11 +374,9 @@ class RayExecutor(LocalExecutor):
         found = latest_checkpoint(self.opts.run_dir)
         if found is None:
             return 0
-        if not _dist.has_dcp(found[1]):
-            raise FlowgraphError(f"checkpoint `{found[1]}` was written by the local target; "
-                                 "resume it with --target local")
-        self.stop_groups()
-        self.start_groups(found[1])
+        _dist.require_dcp(found[1])
+        self._get([w.load.remote(str(found[1])) for g in self.groups.values()
+                   for w in g.workers], timed=False)
         return self.restore_state(found[1])
 
     # -- the loop, with restarts ----------------------------------------------------------------
@@ -391,31 +389,20 @@ class RayExecutor(LocalExecutor):
         log = self.open_log()
         log.truncate_after(step - 1)
         rows: list[dict[str, float]] = []
-        failed_at: float | None = None
         tries = 0
         try:
             while step < trainer.steps:
                 try:
-                    metrics = self._guarded_step(step)
-                    if trainer.eval_every and (step + 1) % trainer.eval_every == 0:
-                        metrics.update(self.evaluate(step))
-                    if failed_at is not None:
-                        metrics["perf/recovery_s"] = time.perf_counter() - failed_at
-                        self.restarts.append(metrics["perf/recovery_s"])
-                        failed_at = None
-                    log.write(step, metrics)
+                    metrics, saved = self.train_step(step, log)
                     rows.append(metrics)
-                    every = trainer.checkpoint_every
-                    if (every and (step + 1) % every == 0) or step == trainer.steps - 1:
-                        self.save(step)
-                        tries = 0
+                    tries = 0 if saved else tries
                     step += 1
                 except WorkerLost as exc:
                     tries += 1
                     if tries > MAX_RESTARTS:
                         raise WorkerLost(f"{exc}; gave up after {MAX_RESTARTS} restarts "
                                          "without a new checkpoint") from None
-                    failed_at = failed_at or time.perf_counter()
+                    self.failed_at = self.failed_at or time.perf_counter()
                     print(f"step {step}: {exc}; restarting the worker groups from the last "
                           "checkpoint", file=self.opts.out or sys.stdout, flush=True)
                     step = self._recover()
