@@ -227,7 +227,10 @@ def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | No
     try:
         with serving(plan.graph, metrics_port, metrics_host, hold=metrics_hold,
                      target="fsdp", out=sys.stdout, here=rank == 0) as exporter:
-            _dist.init_group(rank, world, device)
+            # A rank silent for trainer.step_timeout_s fails its peers' next collective:
+            # the hang ends the job like a death (and names the ranks' positions).
+            _dist.init_group(rank, world, device,
+                             timeout_s=plan.graph.trainer.step_timeout_s or 1800.0)
             torch.manual_seed(plan.graph.trainer.seed)
             executor = FsdpExecutor(plan, RunOptions(run_dir, device, strict, resume,
                                                      out=sys.stdout, exporter=exporter),
