@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, slots=True)
-class SourcePos:
-    """A position in a graph file, a Python file or on the command line."""
+class SourcePos(NamedTuple):
+    """A position in a graph file, a Python file or on the command line.
+
+    A named tuple, not a frozen dataclass like the IR records: a 10,000-node graph
+    file has 350,000 positions, and a tuple is made in half the time.
+    """
 
     file: str
     """Path as the user gave it, `<python>` or `<command line>`."""

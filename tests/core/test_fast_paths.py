@@ -1,9 +1,10 @@
 """The reader's and the checker's short ways, each against the long way it stands for.
 
-`read_document` takes most scalars without resolving them (a memo by text, and plain
-text no other type can start with), builds most mappings without the duplicate-key
-walk, and runs on libyaml's parser when it is installed; the checker settles most edges
-in `_fits` without `_unify_edge`. Each short way must give exactly what the long way
+`read_document` reads plain block YAML line by line (`flowgraph/blockyaml.py`) and
+anything else through libyaml's events, where it takes most scalars without resolving
+them (a memo by text, and plain text no other type can start with), builds most
+mappings without the duplicate-key walk; the checker settles most edges in `_fits`
+without `_unify_edge`. Each short way must give exactly what the long way
 gives: the same document with the same positions, the same diagnostics (codes,
 positions, messages), the same inferred dims. Checked on every file under graphs/, on
 texts built to hit the corners, and on random graphs and their mutations.
@@ -23,6 +24,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import flowgraph.blockyaml as blockyaml
 import flowgraph.check.shapes as shapes
 import flowgraph.document as document
 from flowgraph.check import CheckResult, check_graph
@@ -54,6 +56,27 @@ CORNERS = {
     "two documents": "a: 1\n---\nb: 2\n",
     "deep, within the limit": "a: " + "[" * 60 + "1" + "]" * 60 + "\n",
     "deep, past the limit": "a: " + "[" * 70 + "1" + "]" * 70 + "\n",
+    # Near the edge of what blockyaml reads: each is read the same either way.
+    "a key with nothing under it": "a:\nb: 1\nc:   # nothing\n",
+    "keys YAML 1.1 reads as bool and null": "on: 1\nnull: 2\nOff: {Yes: 3}\n",
+    "a colon in a value": "a: b: c\nd: e:f\ng: {h: i:j}\nk: builtin:tiny-lm\n",
+    "comments and hashes": "a: b #c\nd: e#f\ng: 'h' # i\nj: \"k#l\"#m\nn: {o: p} # q\n",
+    "lists written three ways":
+        "a:\n- 1\n- x\nb:\n    - [1, 2]\n    - {c: d}\ne: [f, [g, {h: i}]]\n",
+    "lists holding blocks": "a:\n  - b: 1\n  -\n    c\n  - - d\n",
+    "a list item that is a key": "a:\n  - x\n  b: 1\n",
+    "bad indentation": "a:\n    b: 1\n  c: 2\nd: 3\n",
+    "a value on its own line": "a:\n  plain\nb: two\n  lines\n",
+    "tabs and carriage returns": "a:\t1\r\nb: 2\r\n",
+    "a key written twice, deep": "a:\n  b: 1\n  b: 2\nc: {d: 1, d: 2}\n",
+    "flow oddities": "a: {b:1}\nc: [d, ]\ne: {f: 1,}\ng: {h, i: j}\nk: [l\n  , m]\n",
+    "unusual plain values": "a: =\nb: <<\nc: -\nd: -.5\ne: 1_000\nf: 2001-13-45\ng: ~\n",
+    "quotes with escapes": "a: \"b\\\"c\"\nd: 'it''s'\ne: \"f\\tg\"\n",
+    "not ASCII": "a: caf\u00e9\n# \u2014 a dash\nb: 1\n",
+    "a document marker": "---\na: 1\n",
+    "indented root": "  a: 1\n  b: {c: 2}\n",
+    "an indented list at the root, then less": " - 0\n- \n",
+    "a mapping, then less indented": "  a: 1\nb: 2\n",
 }
 
 
@@ -77,6 +100,7 @@ def _long_way(self: Any, events: Iterator[Any]) -> None:
 def long_way() -> Iterator[None]:
     """Read and check without any short way."""
     with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(blockyaml, "read_block", lambda text, file: None)
         mp.setattr(document._Composer, "run", _long_way)
         mp.setattr(document._Composer, "mapping", document._Composer.checked_mapping)
         mp.setattr(shapes, "_fits", lambda *args: None)
@@ -204,3 +228,79 @@ def test_paused_gc_leaves_objects_the_program_froze_frozen() -> None:
         assert gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
+
+
+# --- blockyaml: the subset it reads, written every way it may be written ----------------
+
+_NAME = st.from_regex(r"[A-Za-z_][A-Za-z0-9_-]{0,5}", fullmatch=True).filter(
+    lambda s: document.plain_value(s) == (s,))  # not `on`, `null`, `No`: YAML 1.1 reads those
+_FLOW_PLAIN = st.one_of(_NAME, st.sampled_from([
+    "gen.responses", "1.0e-5", "1e-5", "-3", "+4", "0.95", "-.5", ".inf", "true", "False",
+    "~", "null", "0x1F", "1_000", "2001-12-14", "a b  c", "x-y", "$HOME/run", "f(x)=y^2"]))
+_BLOCK_PLAIN = st.one_of(_FLOW_PLAIN, st.sampled_from(["builtin:tiny-lm", "1:30", "a:b:c"]))
+_QUOTED = st.one_of(
+    st.from_regex(r'"[ !#-\[\]-~]{0,8}"', fullmatch=True),  # no `"` or `\` inside
+    st.from_regex(r"'[ -&(-~]{0,8}'", fullmatch=True))      # no `'` inside
+
+
+def _nest(inner: st.SearchStrategy[str]) -> st.SearchStrategy[str]:
+    sep = st.sampled_from([", ", ",", ",  "])
+    entries = st.dictionaries(_NAME, inner, max_size=3).map(lambda d: list(d.items()))
+    return st.one_of(
+        st.tuples(st.lists(inner, max_size=3), sep).map(lambda t: "[" + t[1].join(t[0]) + "]"),
+        st.tuples(entries, sep, st.sampled_from([" ", "  "])).map(
+            lambda t: "{" + t[1].join(f"{k}:{t[2]}{v}" for k, v in t[0]) + "}"))
+
+
+_IN_FLOW = st.recursive(st.one_of(_FLOW_PLAIN, _QUOTED), _nest, max_leaves=6)
+_ONE_LINE = st.one_of(_BLOCK_PLAIN, _QUOTED, _nest(_IN_FLOW))
+"""What may follow `key: ` or `- `: a scalar, or a flow mapping or list on one line."""
+
+
+_COMMENT = st.sampled_from(["", "", "  # why", " #", "   "])
+
+
+@st.composite
+def _block(draw: st.DrawFn, indent: int = 0, depth: int = 0) -> list[str]:
+    """The lines of a block mapping at `indent`: one-line values, nested mappings and
+    lists (indented, or at the key's own indentation), comments and blank lines."""
+    lines, pad = [], " " * indent
+    for key in draw(st.lists(_NAME, min_size=1, max_size=4, unique=True)):
+        lines += draw(st.lists(st.sampled_from(["", "# a comment", "   ", " " * indent + "# c"]),
+                               max_size=1))
+        shape = draw(st.sampled_from(["value", "value", "map", "list"] if depth < 3
+                                     else ["value"]))
+        if shape == "value":
+            gap = draw(st.sampled_from([" ", "  "]))
+            lines.append(f"{pad}{key}:{gap}{draw(_ONE_LINE)}{draw(_COMMENT)}")
+        elif shape == "map":
+            lines.append(f"{pad}{key}:{draw(_COMMENT)}")
+            lines += draw(_block(indent + draw(st.integers(1, 4)), depth + 1))
+        else:
+            lines.append(f"{pad}{key}:{draw(_COMMENT)}")
+            at = " " * (indent + draw(st.integers(0, 3)))
+            lines += [f"{at}-{draw(st.sampled_from([' ', '  ']))}{item}"
+                      for item in draw(st.lists(_ONE_LINE, min_size=1, max_size=3))]
+    return lines
+
+
+@settings(CI, max_examples=150)
+@given(_block(), st.sampled_from(["\n", ""]))
+def test_blockyaml_reads_its_subset_as_the_long_way_does(lines: list[str], end: str) -> None:
+    text = "\n".join(lines) + end
+    quick = blockyaml.read_block(text, "f.yaml")
+    assert quick is not None, text  # it reads what it says it reads
+    with long_way():
+        assert read(text) == (quick, [])
+
+
+def test_blockyaml_reads_the_benchmark_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The 10,000-node benchmark goes the short way (a 700-node cut of it here).
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from bench_check import synthetic_graph
+
+    text = synthetic_graph(700)
+    quick = blockyaml.read_block(text, "f.yaml")
+    assert quick is not None
+    with long_way():
+        assert read(text) == (quick, [])
