@@ -11,7 +11,14 @@ from dataclasses import dataclass
 
 from flowgraph.check.batch import check_batches
 from flowgraph.check.sampling import check_temperatures
-from flowgraph.check.shapes import DimEnv, EdgeInfo, PortShape, ShapeResult, infer_shapes
+from flowgraph.check.shapes import (
+    DimEnv,
+    EdgeInfo,
+    PortShape,
+    ShapeResult,
+    infer_shapes,
+    topo_order,
+)
 from flowgraph.check.structure import (
     Resolved,
     check_cycles,
@@ -24,7 +31,7 @@ from flowgraph.check.structure import (
 from flowgraph.diagnostics import Diagnostic, error, sort_key
 from flowgraph.document import paused_gc
 from flowgraph.errors import PluginError
-from flowgraph.ir import Graph
+from flowgraph.ir import Graph, NodeSpec
 from flowgraph.registry import Registry
 
 __all__ = ["CheckResult", "DimEnv", "EdgeInfo", "PortShape", "Resolved", "check_graph"]
@@ -60,6 +67,13 @@ def _load_plugins(graph: Graph, registry: Registry, out: list[Diagnostic]) -> No
                                   "you would `import` it?"))
 
 
+def _acyclic(graph: Graph, table: dict[str, Resolved], order: list[NodeSpec]) -> bool:
+    """Whether a topological order of every node proves `check_cycles` would find nothing,
+    so its search can be skipped: where each name is one node's or data source's, the
+    order and the search walk the same graph."""
+    return len(order) == len(graph.nodes) and len(table) == len(graph.data) + len(graph.nodes)
+
+
 def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None = None
                 ) -> CheckResult:
     """Check everything; `dp` (data-parallel size) defaults to `resources.nproc`."""
@@ -73,9 +87,10 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
         check_params(table, out)
         check_models(graph, table, out)
         check_temperatures(table, out)
-        on_cycle = check_cycles(graph, out)
+        order = topo_order(graph, set())
+        on_cycle = set() if _acyclic(graph, table, order) else check_cycles(graph, out)
         check_unused(graph, table, out)
-        shapes = infer_shapes(graph, table, on_cycle, out)
+        shapes = infer_shapes(graph, table, on_cycle, out, None if on_cycle else order)
         check_batches(table, shapes, dp, out)
         diags = tuple(sorted(dict.fromkeys(out), key=sort_key))
     return CheckResult(graph, diags, table, shapes, registry, dp)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.document import did_you_mean
-from flowgraph.ir import DataSpec, Graph, NodeSpec, Param, Params, ParamValue, PortRef
+from flowgraph.ir import DataSpec, Graph, NodeSpec, Params, ParamValue, PortRef
 from flowgraph.registry import KindSpec, ParamSpec, PortSpec, Registry
 from flowgraph.source import SourcePos
 
@@ -105,21 +105,36 @@ def _check_binding(node: NodeSpec, kind: KindSpec, declared: Mapping[str, object
 def check_ports(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
     """Input ports exist and are wired; references point at real outputs."""
     ports = _PortNames()
+    produced = _produced(table, ports)
     for r in table.values():
         if not isinstance(r.spec, NodeSpec) or r.kind is None:
             continue
         node, kind = r.spec, r.kind
-        names = ports.inputs(kind)
+        known = ports.get(kind)
+        needed = 0
         for port, ref in node.inputs:
-            if port not in names:
+            need = known.inputs.get(port)
+            if need:
+                needed += 1
+            elif need is None:
                 out.append(error("FG103", f"kind `{kind.name}` has no input `{port}`", ref.pos,
                                  node=node.name, edge=f"{ref} -> {node.name}.{port}",
-                                 hint=did_you_mean(port, list(names))))
-            _check_ref(node, port, ref, table, ports, out)
+                                 hint=did_you_mean(port, list(known.inputs))))
+            if (ref.node, ref.port) not in produced:
+                _check_ref(node, port, ref, table, ports, out)
+        if needed == known.needed:
+            continue  # every input that `KindSpec.needs` may ask for is wired
         wired = {port for port, _ in node.inputs}
         unwired = [p for p in kind.inputs if p.name not in wired]
         if unwired:
             _check_unwired(node, kind, unwired, out)
+
+
+def _produced(table: dict[str, Resolved], ports: _PortNames) -> set[tuple[str, str]]:
+    """Every `(node, port)` that is an output of a known kind: a reference to one needs
+    no `_check_ref`, and that is most references."""
+    return {(name, port) for name, r in table.items() if r.kind is not None
+            for port in ports.get(r.kind).outputs}
 
 
 def _check_unwired(node: NodeSpec, kind: KindSpec, unwired: list[PortSpec],
@@ -135,24 +150,38 @@ def _check_unwired(node: NodeSpec, kind: KindSpec, unwired: list[PortSpec],
                              hint=f"wire it: `inputs: {{{p.name}: <node>.<port>}}`"))
 
 
+@dataclass(frozen=True, slots=True)
+class _Ports:
+    """A kind's port names, in order."""
+
+    kind: KindSpec
+    """Kept alive: `_PortNames` files this under the id of the kind."""
+    inputs: dict[str, bool]
+    """Each input, and whether `KindSpec.needs` may ask for it: required, or named by
+    `required_when`."""
+    outputs: dict[str, None]
+    needed: int
+    """How many inputs `KindSpec.needs` may ask for."""
+
+
 class _PortNames:
     """Port names per kind, looked up once per kind rather than once per edge."""
 
     def __init__(self) -> None:
-        self.memo: dict[int, tuple[KindSpec, dict[str, None], dict[str, None]]] = {}
-        """By the id of the kind (kept alive here): its input and output names, in order."""
-
-    def inputs(self, kind: KindSpec) -> dict[str, None]:
-        return self.get(kind)[1]
+        self.memo: dict[int, _Ports] = {}
+        """By the id of the kind."""
 
     def outputs(self, kind: KindSpec) -> dict[str, None]:
-        return self.get(kind)[2]
+        return self.get(kind).outputs
 
-    def get(self, kind: KindSpec) -> tuple[KindSpec, dict[str, None], dict[str, None]]:
+    def get(self, kind: KindSpec) -> _Ports:
         memo = self.memo.get(id(kind))
         if memo is None:
-            memo = self.memo[id(kind)] = (kind, dict.fromkeys(p.name for p in kind.inputs),
-                                          dict.fromkeys(p.name for p in kind.outputs))
+            when = {name for name, _, _ in kind.required_when}
+            inputs = {p.name: not p.optional or p.name in when for p in kind.inputs}
+            memo = self.memo[id(kind)] = _Ports(kind, inputs,
+                                                dict.fromkeys(p.name for p in kind.outputs),
+                                                sum(inputs.values()))
         return memo
 
 
@@ -177,6 +206,8 @@ def _check_ref(node: NodeSpec, port: str, ref: PortRef, table: dict[str, Resolve
 
 
 def check_params(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
+    requires: dict[int, tuple[KindSpec, bool]] = {}
+    """By the id of the kind (kept alive in the value): whether it requires a param."""
     for r in table.values():
         if r.kind is None:
             continue
@@ -193,7 +224,11 @@ def check_params(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
             if problem:
                 out.append(error("FG112", f"parameter `{p.name}` of `{r.name}`: {problem}",
                                  p.pos, node=r.name, hint=_param_hint(spec)))
-        _check_required(r, params, out)
+        memo = requires.get(id(r.kind))
+        if memo is None:
+            memo = requires[id(r.kind)] = (r.kind, any(s.required for s in r.kind.params))
+        if memo[1]:
+            _check_required(r, params, out)
 
 
 def _check_required(r: Resolved, params: Params, out: list[Diagnostic]) -> None:
@@ -251,9 +286,9 @@ def _param_hint(spec: ParamSpec) -> str:
 
 def param_value(r: Resolved, name: str) -> ParamValue:
     """The param's value, or the kind's default."""
-    p: Param | None = r.spec.params.find(name)
-    if p is not None:
-        return p.value
+    for p in r.spec.params.items:  # `Params.find`, without a generator: called per node
+        if p.name == name:
+            return p.value
     spec = r.kind.param(name) if r.kind else None
     return spec.default if spec else None
 
@@ -330,8 +365,8 @@ def check_cycles(graph: Graph, out: list[Diagnostic]) -> set[str]:
 def check_unused(graph: Graph, table: dict[str, Resolved], out: list[Diagnostic]) -> None:
     """Warn about nodes whose outputs nobody reads (dead-node elimination drops them)."""
     used = {ref.node for node in graph.nodes for _, ref in node.inputs}
-    for r in table.values():
-        if r.kind is None or r.kind.sink or r.name in used or not r.kind.outputs:
+    for name, r in table.items():
+        if name in used or r.kind is None or r.kind.sink or not r.kind.outputs:
             continue
         outs = ", ".join(p.name for p in r.kind.outputs)
         out.append(warning("FG108", f"no node uses the outputs of `{r.name}` ({outs})", r.pos,
