@@ -37,11 +37,10 @@ _FLOW_PLAIN = re.compile(rf"{_FIRST}(?:[{_S}-]| +(?=[{_S}-]))*")
 """A plain scalar inside `{}` or `[]`: no `:` at all."""
 _ENTRY = re.compile(r"(?:(-)|([A-Za-z_][A-Za-z0-9_-]*):)(?: +|$)")
 """What starts a line: a list item's `- ` or a mapping's `key:`."""
-_PAIR = re.compile(rf"( *)([A-Za-z_][A-Za-z0-9_-]*): +({_BLOCK_PLAIN.pattern})"
+_PAIR = re.compile(rf"( *)([A-Za-z_][A-Za-z0-9_-]*):(?: +({_BLOCK_PLAIN.pattern}))?"
                    r"(?: +(?:#.*)?)?$")
-"""A whole `key: plain-value` line (most lines of a graph file)."""
-_OPENER = re.compile(r"( *)([A-Za-z_][A-Za-z0-9_-]*):(?: *| +#.*)$")
-"""A whole `key:` line, its value on the lines below."""
+"""A whole `key: plain-value` line, or a whole `key:` line (no group 3: its value is on
+the lines below): most lines of a graph file."""
 _FLOW_KEY = re.compile(r"([A-Za-z_][A-Za-z0-9_-]*): +")
 _QUOTED = {'"': re.compile(r'"([^"\\]*)"'), "'": re.compile(r"'([^']*)'")}
 _TAIL = re.compile(r"(?: +(?:#.*)?)?$")
@@ -97,7 +96,7 @@ class _Reader:
 
     def read(self, lines: list[str]) -> YNode:
         for number, line in enumerate(lines, 1):
-            pair = _PAIR.match(line) or _OPENER.match(line)
+            pair = _PAIR.match(line)
             if pair is not None:
                 self.pair(pair, number)
             else:
@@ -115,12 +114,12 @@ class _Reader:
         key = pair.group(2)
         name = _new(YScalar, (self.names.get(key) or self.name(key),
                               _new(SourcePos, (self.file, number, indent + 1))))
-        self.open_key = pair.re is _OPENER
+        text = pair.group(3)
+        self.open_key = text is None
         if self.open_key:
             stack[-1].key = name
             self.count += 1
             return
-        text = pair.group(3)
         value = self.memo.get(text) or self.plain(text)
         pos = _new(SourcePos, (self.file, number, pair.start(3) + 1))
         stack[-1].pairs.append((name, _new(YScalar, (value[0], pos))))

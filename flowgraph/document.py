@@ -1,5 +1,7 @@
 """Reading YAML safely into a located document tree.
 
+Plain block YAML, what graph files mostly are, is read line by line by
+`flowgraph.blockyaml`; any other text, or one with a problem, goes the long way:
 PyYAML parses the file into events (libyaml's C parser when present); we compose
 them into `YMap` / `YSeq` / `YScalar`, which keep the line and column of every key
 and value. Only the plain YAML types are accepted: any other tag (`!!python/object`,
