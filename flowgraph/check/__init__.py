@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from flowgraph.check.batch import check_batches
+from flowgraph.check.batch import check_batches, ranks_of
 from flowgraph.check.sampling import check_temperatures
 from flowgraph.check.shapes import (
     DimEnv,
@@ -74,11 +74,14 @@ def _acyclic(graph: Graph, table: dict[str, Resolved], order: list[NodeSpec]) ->
     return len(order) == len(graph.nodes) and len(table) == len(graph.data) + len(graph.nodes)
 
 
-def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None = None
-                ) -> CheckResult:
-    """Check everything; `dp` (data-parallel size) defaults to `resources.nproc`."""
+def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None = None,
+                target: str | None = None) -> CheckResult:
+    """Check everything; `dp` (data-parallel size) defaults to `resources.nproc`. The
+    updates of models in declared `resources.pools` run on their pool's workers, under
+    target ray: pools are taken as declared unless `target` is `local` or `fsdp`."""
     registry = registry or Registry.default()
     dp = dp or graph.resources.nproc
+    ranks, pools = ranks_of(graph, dp, target not in ("local", "fsdp"))
     out: list[Diagnostic] = []
     with paused_gc():
         _load_plugins(graph, registry, out)
@@ -91,6 +94,6 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
         on_cycle = set() if _acyclic(graph, table, order) else check_cycles(graph, out)
         check_unused(graph, table, out)
         shapes = infer_shapes(graph, table, on_cycle, out, None if on_cycle else order)
-        check_batches(table, shapes, dp, out)
+        check_batches(table, shapes, ranks, pools, out)
         diags = tuple(sorted(dict.fromkeys(out), key=sort_key))
     return CheckResult(graph, diags, table, shapes, registry, dp)

@@ -7,14 +7,19 @@ global batch `b` and split evenly over the `dp` ranks (each takes mini/dp rows o
 mini-batch); `micro_batch_size` (per rank, verl's `micro_batch_size_per_gpu`) must
 divide mini/dp.
 GRPO/RLOO groups (N samples of one prompt) must not be split across ranks.
+
+An update runs on the workers that host its model: under target ray with declared
+`resources.pools`, those of its pool (`size`), else the `dp` ranks.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from flowgraph.check.shapes import DimEnv, ShapeResult, group_size
 from flowgraph.check.structure import Resolved, param_value
 from flowgraph.diagnostics import Diagnostic, error
-from flowgraph.ir import NodeSpec
+from flowgraph.ir import Graph, NodeSpec
 
 
 def _divisors(n: int, limit: int = 1024) -> list[int]:
@@ -26,8 +31,26 @@ def _divisors(n: int, limit: int = 1024) -> list[int]:
     return small if n <= limit else [*small, n]
 
 
-def check_batches(table: dict[str, Resolved], shapes: ShapeResult, dp: int,
-                  out: list[Diagnostic]) -> None:
+class Ranks(NamedTuple):
+    """The data-parallel workers an update runs on, and how a message names them."""
+
+    size: int
+    said: str
+    """`2 data-parallel ranks`, `the 4 workers of pool `actor``."""
+    knob: str
+    """What to change: `a data-parallel size`, `a size for pool `actor``."""
+
+
+def ranks_of(graph: Graph, dp: int, pools: bool) -> tuple[Ranks, dict[str, Ranks]]:
+    """(the `dp` ranks, the workers of each model's declared pool when `pools`)."""
+    by_model = {m: Ranks(p.size, f"the {p.size} workers of pool `{p.name}`",
+                         f"a size for pool `{p.name}`")
+                for p in graph.resources.pools if pools and p.size > 0 for m in p.models}
+    return Ranks(dp, f"{dp} data-parallel ranks", "a data-parallel size"), by_model
+
+
+def check_batches(table: dict[str, Resolved], shapes: ShapeResult, dp: Ranks,
+                  pools: dict[str, Ranks], out: list[Diagnostic]) -> None:
     for r in table.values():
         if not isinstance(r.spec, NodeSpec) or r.kind is None:
             continue
@@ -35,9 +58,9 @@ def check_batches(table: dict[str, Resolved], shapes: ShapeResult, dp: int,
         if batch is None:
             continue
         if r.kind.trains:
-            _check_update(r, batch, dp, out)
+            _check_update(r, batch, pools.get(r.spec.model or "", dp), out)
         if r.kind.grouped:
-            _check_groups(r, batch, dp, table, shapes.env, out)
+            _check_groups(r, batch, dp.size, table, shapes.env, out)
 
 
 def _int_param(r: Resolved, name: str) -> int | None:
@@ -45,17 +68,17 @@ def _int_param(r: Resolved, name: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
-def _check_update(r: Resolved, batch: int, dp: int, out: list[Diagnostic]) -> None:
+def _check_update(r: Resolved, batch: int, ranks: Ranks, out: list[Diagnostic]) -> None:
     mini = _int_param(r, "mini_batch_size")
     micro = _int_param(r, "micro_batch_size")
     p = r.spec.params.find("mini_batch_size")
     pos = p.pos if p is not None else r.pos
+    dp = ranks.size
     if batch % dp:
         out.append(error("FG301", f"`{r.name}`: the batch of {batch} sequences does not split "
-                         f"evenly over {dp} data-parallel ranks", r.pos, node=r.name,
+                         f"evenly over {ranks.said}", r.pos, node=r.name,
                          expected="batch % dp == 0", actual=f"{batch} % {dp} = {batch % dp}",
-                         hint=f"use a data-parallel size among {_divisors(batch)}, or change "
-                              "Bp/N"))
+                         hint=f"use {ranks.knob} among {_divisors(batch)}, or change Bp/N"))
         return
     mini = mini or batch
     if batch % mini:
@@ -70,13 +93,13 @@ def _check_update(r: Resolved, batch: int, dp: int, out: list[Diagnostic]) -> No
         return
     if mini % dp:
         out.append(error("FG301", f"`{r.name}`: mini_batch_size {mini} does not split evenly "
-                         f"over {dp} data-parallel ranks", pos, node=r.name,
+                         f"over {ranks.said}", pos, node=r.name,
                          expected="mini_batch_size % dp == 0",
                          actual=f"{mini} % {dp} = {mini % dp}",
                          hint=f"each rank takes mini_batch_size/dp sequences of every "
                               f"mini-batch: use one of "
-                              f"{[d for d in _divisors(batch) if d % dp == 0]}, or a "
-                              f"data-parallel size among {_divisors(mini)}"))
+                              f"{[d for d in _divisors(batch) if d % dp == 0]}, or "
+                              f"{ranks.knob} among {_divisors(mini)}"))
         return
     per_rank = mini // dp
     if micro is not None and per_rank % micro:

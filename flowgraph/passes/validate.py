@@ -17,6 +17,6 @@ class Validate:
     requires: ClassVar[tuple[str, ...]] = ()
 
     def apply(self, program: Program) -> Program:
-        # Batch arithmetic is checked for the data-parallel size the plan will use.
-        result = check_graph(program.graph, dp=program.nproc)
+        # Batch arithmetic is checked for the data-parallel sizes the plan will use.
+        result = check_graph(program.graph, dp=program.nproc, target=program.target)
         return replace(program, check=result).add(*result.diagnostics)

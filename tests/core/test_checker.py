@@ -157,3 +157,34 @@ def test_a_log_prob_scored_at_another_temperature_is_a_warning() -> None:
     assert not [d for d in matched if d.code == "FG116"]
     greedy = _check(GRPO, ("nodes.gen.params.temperature=0",))
     assert not [d for d in greedy if d.code == "FG116"]
+
+
+POOLS = GRPO + """resources:
+  pools:
+    actor_rollout_ref: {size: 3, models: [actor, ref]}
+"""
+
+
+@pytest.mark.parametrize(("target", "code"), [(None, "FG301"), ("ray", "FG301"),
+                                              ("fsdp", None), ("local", None)])
+def test_an_update_splits_over_the_workers_of_its_declared_pool(
+        target: str | None, code: str | None) -> None:
+    # Under ray the actor's update runs on the 3 workers of its pool, whatever nproc
+    # says: 16 sequences do not split over them. On fsdp one SPMD pool of nproc ranks
+    # runs everything and declared pools are not used for placement.
+    graph, diags = load_graph("g.yaml", text=POOLS)
+    assert graph is not None and not diags
+    hits = [d for d in check_graph(graph, target=target).diagnostics if d.code == "FG301"]
+    assert [d.code for d in hits] == ([code] if code else [])
+    if code:
+        assert ("`update_actor`: the batch of 16 sequences does not split evenly over the 3 "
+                "workers of pool `actor_rollout_ref`") in hits[0].message
+        assert hits[0].node == "update_actor"
+        assert hits[0].hint and "a size for pool `actor_rollout_ref` among [1, 2, 4" in \
+            hits[0].hint
+
+
+def test_a_pool_that_fits_checks_clean_at_any_nproc() -> None:
+    graph, _ = load_graph("g.yaml", ["resources.pools.actor_rollout_ref.size=2"], text=POOLS)
+    assert graph is not None
+    assert check_graph(graph, dp=1, target="ray").diagnostics == ()
