@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -200,6 +201,8 @@ class LaunchOptions:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     metrics_hold: float = 0.0
+    overrides: tuple[str, ...] = ()
+    """The command line's `key=value` overrides: the resume command repeats them."""
 
 
 def _free_port() -> int:
@@ -280,11 +283,12 @@ def launch(plan: ExecutionPlan, opts: LaunchOptions, out: TextIO | None = None) 
                                               opts.metrics_port, opts.metrics_host,
                                               opts.metrics_hold)
     except ChildFailedError as exc:
-        raise RankFailed(_failure_message(exc, run_dir, plan)) from None
+        raise RankFailed(_failure_message(exc, run_dir, plan, opts.overrides)) from None
     return run_dir
 
 
-def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan) -> str:
+def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan,
+                     overrides: tuple[str, ...] = ()) -> str:
     """`rank 1 died (SIGKILL) at step 3 in node `update_actor``, with how to resume."""
     lines, traces = [], []
     # The first failure first: the others are often its echo (a peer's broken pipe).
@@ -302,8 +306,11 @@ def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan) -> str:
         lines.append(f"rank {rank} {how}{at}")
     done = latest_checkpoint(run_dir)
     # --resume also without a checkpoint: the run dir already holds metrics.jsonl rows
-    again = (f"flowgraph run {plan.graph.source} --target fsdp --nproc {plan.nproc} "
-             f"--resume trainer.run_dir={run_dir}")
+    # The user's overrides too: without them the resumed run would be another graph.
+    again = shlex.join(["flowgraph", "run", plan.graph.source, "--target", "fsdp", "--nproc",
+                        str(plan.nproc), "--resume",
+                        *(o for o in overrides if not o.startswith("trainer.run_dir=")),
+                        f"trainer.run_dir={run_dir}"])
     tail = (f"the last checkpoint is step {done[0]}; continue with: {again}" if done
             else f"no checkpoint was written; start again from step 0 with: {again}")
     if traces:

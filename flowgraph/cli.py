@@ -169,7 +169,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         run_fsdp(result.plan, LaunchOptions(
             result.plan.nproc // args.nnodes, args.nnodes, args.node_rank, args.rdzv_endpoint,
             strict=args.strict, resume=args.resume, metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host, metrics_hold=args.metrics_hold))
+            metrics_host=args.metrics_host, metrics_hold=args.metrics_hold,
+            overrides=tuple(args.overrides)))
         print(f"run finished: {result.plan.graph.trainer.run_dir}/metrics.jsonl")
         return EXIT_OK
     if args.target == "ray":

@@ -55,7 +55,8 @@ def _compile(graph: Path, run_dir: Path, overrides: tuple[str, ...], target: str
 
 def _fsdp(graph: Path, run_dir: Path, *overrides: str, resume: bool = False
           ) -> list[dict[str, Any]]:
-    launch(_compile(graph, run_dir, overrides, "fsdp"), LaunchOptions(2, resume=resume))
+    launch(_compile(graph, run_dir, overrides, "fsdp"),
+           LaunchOptions(2, resume=resume, overrides=(f"trainer.run_dir={run_dir}", *overrides)))
     return read_metrics(run_dir)
 
 
@@ -160,7 +161,8 @@ def test_dpo_rank_killed_then_resumed_equals_local(tmp_path: Path,
     message = str(exc.value)
     assert f"rank 1 was killed by SIGKILL at step {step} in node `{node}`" in message
     assert f"the last checkpoint is step {found[0]}; continue with: flowgraph run " \
-           f"{graph} --target fsdp --nproc 2 --resume trainer.run_dir={run_dir}" in message
+           f"{graph} --target fsdp --nproc 2 --resume {' '.join(SHORT)} " \
+           f"trainer.run_dir={run_dir}" in message  # the run's overrides repeated
     assert "Traceback" not in capfd.readouterr().err
 
     fsdp = _fsdp(graph, run_dir, *SHORT, resume=True)
@@ -180,7 +182,8 @@ def test_a_failing_rank_names_node_and_step_without_tracebacks(
     assert re.search(r"rank [01] failed: non-finite output `scores` in node `score` at "
                      r"step 1\n", message), message
     assert f"no checkpoint was written; start again from step 0 with: flowgraph run {graph} " \
-           f"--target fsdp --nproc 2 --resume trainer.run_dir={tmp_path / 'run'}" in message
+           f"--target fsdp --nproc 2 --resume trainer.steps=3 nodes.score.params.nan_at=1 " \
+           f"trainer.run_dir={tmp_path / 'run'}" in message
     trace = re.search(r"the full traceback: (\S+)\)", message)
     assert trace and "NonFiniteError" in Path(trace[1]).read_text()
     err = capfd.readouterr().err
