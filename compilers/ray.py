@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -441,8 +442,9 @@ def start_ray(plan: ExecutionPlan, address: str | None) -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     if address:
         try:
+            _answers(address)
             ray.init(address=address, log_to_driver=True)
-        except (ConnectionError, RuntimeError, ValueError) as exc:
+        except (OSError, RuntimeError, ValueError) as exc:  # ConnectionError is an OSError
             raise FlowgraphError(
                 f"cannot join the Ray cluster at `{address}`: {exc}. Is `ray start --head` "
                 "running there (its address, or `auto` on a machine of the cluster)? Or "
@@ -450,6 +452,16 @@ def start_ray(plan: ExecutionPlan, address: str | None) -> None:
         return
     ray.init(num_cpus=cluster_cpus(plan), include_dashboard=False, log_to_driver=True,
              configure_logging=False)
+
+
+def _answers(address: str) -> None:
+    """Raise OSError when nothing listens at a `host:port` address: `ray.init` would
+    retry such an address for minutes before it gives up."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # `auto`, `ray://...`: Ray resolves those itself
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=5):  # [::1]:6379
+        pass
 
 
 def run_ray(plan: ExecutionPlan, *, address: str | None = None, strict: bool = False,

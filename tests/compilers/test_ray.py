@@ -174,3 +174,20 @@ def test_a_dead_and_a_hung_worker_are_restarted_from_the_last_checkpoint(tmp_pat
     assert [r["step"] for r in rows] == list(range(9)), "every step exactly once"
     recovered = [r["perf/recovery_s"] for r in rows if "perf/recovery_s" in r]
     assert len(recovered) == 2 and all(0 < s < 120 for s in recovered), recovered
+
+
+def test_an_address_where_nothing_listens_is_one_error_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Ray itself retries such an address for minutes; nothing listens on port 1. (As if
+    # no cluster were up in this process: the module's cluster stays as it is.)
+    from flowgraph.compilers.ray import start_ray
+    from flowgraph.errors import FlowgraphError
+
+    plan = compile_graph(GRAPHS / "grpo.yaml", target="ray").plan
+    assert plan is not None
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail(f"ray.init({kw}) was called"))
+    start = time.monotonic()
+    with pytest.raises(FlowgraphError, match=r"cannot join the Ray cluster at `127\.0\.0\.1:1`"):
+        start_ray(plan, "127.0.0.1:1")
+    assert time.monotonic() - start < 10
