@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from flowgraph.check.structure import Resolved, param_value
 from flowgraph.diagnostics import Diagnostic, warning
-from flowgraph.ir import NodeSpec, ParamValue
+from flowgraph.ir import NodeSpec
 
 SCORING = frozenset({"logprob", "ppo_actor_update"})
 
@@ -20,8 +20,6 @@ SCORING = frozenset({"logprob", "ppo_actor_update"})
 def check_temperatures(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
     rollouts = {name: r for name, r in table.items()
                 if r.kind is not None and r.kind.name == "generate"}
-    drawn_by: dict[str, ParamValue] = {}
-    """The sampling temperature by rollout: thousands of nodes score a few rollouts."""
     for r in table.values():
         if r.kind is None or r.kind.name not in SCORING:
             continue
@@ -32,9 +30,7 @@ def check_temperatures(table: dict[str, Resolved], out: list[Diagnostic]) -> Non
         if source is None or not isinstance(source.spec, NodeSpec) \
                 or source.spec.model != r.spec.model:
             continue
-        if source.name not in drawn_by:
-            drawn_by[source.name] = param_value(source, "temperature")
-        drawn, scored = drawn_by[source.name], param_value(r, "temperature")
+        drawn, scored = param_value(source, "temperature"), param_value(r, "temperature")
         if not isinstance(drawn, int | float) or not isinstance(scored, int | float):
             continue
         if drawn == 0 or float(drawn) == float(scored):

@@ -206,8 +206,6 @@ def _check_ref(node: NodeSpec, port: str, ref: PortRef, table: dict[str, Resolve
 
 
 def check_params(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
-    requires: dict[int, tuple[KindSpec, bool]] = {}
-    """By the id of the kind (kept alive in the value): whether it requires a param."""
     for r in table.values():
         if r.kind is None:
             continue
@@ -224,11 +222,7 @@ def check_params(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
             if problem:
                 out.append(error("FG112", f"parameter `{p.name}` of `{r.name}`: {problem}",
                                  p.pos, node=r.name, hint=_param_hint(spec)))
-        memo = requires.get(id(r.kind))
-        if memo is None:
-            memo = requires[id(r.kind)] = (r.kind, any(s.required for s in r.kind.params))
-        if memo[1]:
-            _check_required(r, params, out)
+        _check_required(r, params, out)
 
 
 def _check_required(r: Resolved, params: Params, out: list[Diagnostic]) -> None:
@@ -365,8 +359,8 @@ def check_cycles(graph: Graph, out: list[Diagnostic]) -> set[str]:
 def check_unused(graph: Graph, table: dict[str, Resolved], out: list[Diagnostic]) -> None:
     """Warn about nodes whose outputs nobody reads (dead-node elimination drops them)."""
     used = {ref.node for node in graph.nodes for _, ref in node.inputs}
-    for name, r in table.items():
-        if name in used or r.kind is None or r.kind.sink or not r.kind.outputs:
+    for r in table.values():
+        if r.kind is None or r.kind.sink or r.name in used or not r.kind.outputs:
             continue
         outs = ", ".join(p.name for p in r.kind.outputs)
         out.append(warning("FG108", f"no node uses the outputs of `{r.name}` ({outs})", r.pos,
