@@ -78,9 +78,13 @@ class _Block:
     def close(self) -> YNode:
         if not self.is_map:
             return YSeq(tuple(self.items), self.pos)
-        if len({k.value for k, _ in self.pairs}) != len(self.pairs):
-            raise _Decline  # a key written twice: the long way reports it
-        return YMap(tuple(self.pairs), self.pos)
+        return _mapping(self.pairs, self.pos)
+
+
+def _mapping(pairs: list[tuple[YScalar, YNode]], pos: SourcePos) -> YMap:
+    if len({k.value for k, _ in pairs}) != len(pairs):
+        raise _Decline  # a key written twice: the long way reports it
+    return YMap(tuple(pairs), pos)
 
 
 class _Reader:
@@ -112,19 +116,14 @@ class _Reader:
         """`key: plain-value` or `key:`, most lines of a graph file: the short way."""
         indent, stack = pair.end(1), self.stack
         self.place(indent, True, number)
-        key = pair.group(2)
-        name = _new(YScalar, (self.names.get(key) or self.name(key),
-                              _new(SourcePos, (self.file, number, indent + 1))))
+        name = self.key(pair.group(2), _new(SourcePos, (self.file, number, indent + 1)))
         text = pair.group(3)
         self.open_key = text is None
         if self.open_key:
             stack[-1].key = name
-            self.count += 1
             return
-        value = self.memo.get(text) or self.plain(text)
         pos = _new(SourcePos, (self.file, number, pair.start(3) + 1))
-        stack[-1].pairs.append((name, _new(YScalar, (value[0], pos))))
-        self.count += 2
+        stack[-1].pairs.append((name, self.scalar(text, pos)))
 
     def other(self, line: str, number: int) -> None:
         """A blank line, a comment, a list item or a flow value."""
@@ -222,7 +221,7 @@ class _Reader:
 
     def scalar(self, text: str, pos: SourcePos) -> YScalar:
         self.count += 1
-        return YScalar((self.memo.get(text) or self.plain(text))[0], pos)
+        return _new(YScalar, ((self.memo.get(text) or self.plain(text))[0], pos))
 
     def plain(self, text: str) -> tuple[Scalar]:
         """The value of a plain scalar, read once per text."""
@@ -234,7 +233,7 @@ class _Reader:
 
     def key(self, text: str, pos: SourcePos) -> YScalar:
         self.count += 1
-        return YScalar(self.names.get(text) or self.name(text), pos)
+        return _new(YScalar, (self.names.get(text) or self.name(text), pos))
 
     def name(self, text: str) -> str:
         """A mapping key, read once per text: it must be read as a string."""
@@ -269,9 +268,7 @@ class _Reader:
             raise _Decline  # the collection goes on over the next line
         if not is_map:
             return YSeq(tuple(items), pos), at + 1
-        if len({k.value for k, _ in pairs}) != len(pairs):
-            raise _Decline
-        return YMap(tuple(pairs), pos), at + 1
+        return _mapping(pairs, pos), at + 1
 
     @staticmethod
     def separator(line: str, at: int, close: str) -> int:
