@@ -114,15 +114,16 @@ def bench_hf(s: dict[str, Any], repeats: int) -> dict[str, float]:
         generate_module.decode = decode
 
 
-def bench_vllm(s: dict[str, Any], repeats: int, memory: float, eager: bool
-               ) -> dict[str, float]:
+def bench_vllm(s: dict[str, Any], repeats: int, eager: bool) -> dict[str, float]:
     from vllm.inputs import TokensPrompt
 
     from flowgraph.nodes import _vllm
 
     start = time.perf_counter()
-    llm = _vllm.engine(s["model"], s["tokenizer"], gpu_memory_utilization=memory,
-                       enforce_eager=eager)
+    sequences, max_model_len = len(s["seeds"]), s["prompts"].shape[1] + s["spec"].max_new_tokens
+    llm = _vllm.engine(s["model"], s["tokenizer"], _vllm.Memory(
+        max_model_len, _vllm.kv_cache_size(s["model"], sequences, max_model_len)),
+        enforce_eager=eager)
     print(f"vllm engine start: {time.perf_counter() - start:.1f} s")
     n = s["ctx"].dims["N"]
     requests = [TokensPrompt(prompt_token_ids=ids[m.bool()].tolist())
@@ -137,8 +138,7 @@ def bench_vllm(s: dict[str, Any], repeats: int, memory: float, eager: bool
 
     def node() -> int:
         out = generate(s["ctx"], s["model"], s["tokenizer"], prompts=s["prompts"],
-                       prompt_mask=s["prompt_mask"], backend="vllm",
-                       gpu_memory_utilization=memory)
+                       prompt_mask=s["prompt_mask"], backend="vllm")
         return int(out["response_mask"].sum())
 
     try:
@@ -154,8 +154,6 @@ def main() -> int:
     p.add_argument("--length", type=int, default=64, help="T")
     p.add_argument("--repeats", type=int, default=9)
     p.add_argument("--backends", default="hf,vllm")
-    p.add_argument("--memory", type=float, default=0.05,
-                   help="vLLM gpu_memory_utilization (on CPU: share of RAM)")
     p.add_argument("--compile", action="store_true", help="vLLM without enforce_eager")
     args = p.parse_args()
     s = _setup(args)
@@ -166,7 +164,7 @@ def main() -> int:
         if backend == "hf":
             r = bench_hf(s, args.repeats)
         else:
-            r = bench_vllm(s, args.repeats, args.memory, eager=not args.compile)
+            r = bench_vllm(s, args.repeats, eager=not args.compile)
         overhead = r["own_median"] / r["direct_median"]
         ok &= overhead <= TARGET
         print(f"{backend:5s} tokens {r['tokens']:.0f}  direct {r['direct_median']:.3f} s "

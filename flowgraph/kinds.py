@@ -133,7 +133,9 @@ _KINDS = (
             _i("top_k", 0, "0: off", minimum=0),
             _i("max_new_tokens", None, "response length; binds T", dim="T"),
             _b("do_sample", True),
-            _f("gpu_memory_utilization", 0.3, "vLLM only", minimum=0.0),
+            _f("gpu_memory_utilization", None, "vLLM only: the share of accelerator memory "
+               "(on CPU: of NUMA node 0's RAM) the engine takes; null: a KV cache sized for "
+               "the node's sequences of P+T tokens", minimum=0.0),
         ),
         model="required",
         impl="flowgraph.nodes.generate:generate",

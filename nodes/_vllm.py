@@ -47,7 +47,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.generate import SamplingSpec
+from flowgraph.passes.memory import ModelConfig, vllm_kv_cache_bytes
 
 INSTALL_HINT = (
     "the vllm backend of `generate` needs vLLM: on a CPU machine "
@@ -65,8 +67,8 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the machine
     raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
 
-__all__ = ["INSTALL_HINT", "WeightSyncExtension", "close_engines", "engine", "rollout",
-           "sampling_params", "sync_weights"]
+__all__ = ["INSTALL_HINT", "Memory", "WeightSyncExtension", "close_engines", "engine",
+           "kv_cache_size", "rollout", "sampling_params", "sync_weights"]
 
 
 class WeightSyncExtension:
@@ -98,10 +100,63 @@ class _Engine:
     llm: LLM
     folder: tempfile.TemporaryDirectory[str]
     """The config and tokenizer the engine started from; removed with the engine."""
-    gpu_memory_utilization: float
+    memory: Memory
     weights: tuple[float, ...]
     """`_fingerprint` of the model whose weights the engine holds; () while it holds the
     random weights it started with."""
+
+
+@dataclass(frozen=True)
+class Memory:
+    """What an engine reserves, fixed when it starts.
+
+    By default the KV cache is sized from what the rollout needs (`kv_cache_size`):
+    vLLM's own default takes `gpu_memory_utilization` × the device's memory, and on
+    CPU that is the memory of NUMA node 0 less the process's resident memory, so the
+    same graph would start on one machine and not on the next. A user who sets
+    `gpu_memory_utilization` gets vLLM's rule instead.
+    """
+
+    max_model_len: int
+    """P+T: the longest sequence the engine accepts."""
+    kv_cache_bytes: int | None
+    """Reserved for keys and values; None with `gpu_memory_utilization`."""
+    gpu_memory_utilization: float | None = None
+
+    def engine_args(self) -> dict[str, Any]:
+        if self.kv_cache_bytes is None:
+            return {"max_model_len": self.max_model_len,
+                    "gpu_memory_utilization": self.gpu_memory_utilization}
+        return {"max_model_len": self.max_model_len, "kv_cache_memory_bytes": self.kv_cache_bytes}
+
+    def serves(self, other: Memory) -> bool:
+        """Whether an engine started with `self` can take requests sized by `other`."""
+        return (self.gpu_memory_utilization == other.gpu_memory_utilization
+                and self.max_model_len >= other.max_model_len
+                and (self.kv_cache_bytes or 0) >= (other.kv_cache_bytes or 0))
+
+    def describe(self) -> str:
+        if self.kv_cache_bytes is None:
+            return f"gpu_memory_utilization {self.gpu_memory_utilization}"
+        return (f"a KV cache of {self.kv_cache_bytes / 2**30:.3f} GiB "
+                f"(sequences of up to {self.max_model_len} tokens)")
+
+
+def kv_cache_size(model: nn.Module, sequences: int, max_model_len: int) -> int:
+    """Bytes for `sequences` sequences of `max_model_len` tokens each, held at once:
+
+        sequences × ⌈(P+T)/block⌉·block × layers × 2 (K and V) × KV heads × head dim
+        × dtype bytes × margin
+
+    (`flowgraph.passes.memory.vllm_kv_cache_bytes`, what the compile-time estimate
+    counts too).
+    """
+    cfg = ModelConfig.parse(model.config.to_dict())
+    if isinstance(cfg, str):
+        raise FlowgraphError(f"vLLM backend: cannot size the KV cache of "
+                             f"`{type(model).__name__}`: {cfg}; set gpu_memory_utilization")
+    dtype = next(model.parameters()).element_size()
+    return vllm_kv_cache_bytes(cfg, sequences, max_model_len, dtype)
 
 
 _ENGINES: dict[str, _Engine] = {}
@@ -149,44 +204,57 @@ def sync_weights(llm: LLM, model: nn.Module) -> None:
             cached.weights = _fingerprint(model)
 
 
-def engine(model: nn.Module, tokenizer: Any, *, gpu_memory_utilization: float = 0.3,
-           **engine_args: Any) -> LLM:
+def engine(model: nn.Module, tokenizer: Any, memory: Memory, **engine_args: Any) -> LLM:
     """The cached engine of `model`'s folder, holding `model`'s current weights.
 
-    `engine_args` (e.g. `enforce_eager=True`: no torch.compile warm-up, a faster
-    start) go to `vllm.LLM` when the engine is built and are ignored once it is cached.
+    An engine that cannot serve `memory` (longer sequences, a larger KV cache, another
+    utilization) is replaced. `engine_args` (e.g. `enforce_eager=True`: no torch.compile
+    warm-up, a faster start) go to `vllm.LLM` when the engine is built and are ignored
+    once it is cached.
     """
     key = str(getattr(model, "name_or_path", "") or id(model))
     cached = _ENGINES.get(key)
-    if cached is not None and cached.gpu_memory_utilization != gpu_memory_utilization:
-        close_engines(key)  # the memory share is fixed when the engine starts
+    if cached is not None and not cached.memory.serves(memory):
+        close_engines(key)  # what an engine reserves is fixed when it starts
         cached = None
     if cached is None:
-        # Config and tokenizer only: the weights come through `sync_weights`, one tensor
-        # at a time, so a sharded model is never gathered whole.
-        folder = tempfile.TemporaryDirectory(prefix="flowgraph-vllm-")
-        model.config.save_pretrained(folder.name)
-        if getattr(model, "generation_config", None) is not None:
-            model.generation_config.save_pretrained(folder.name)
-        tokenizer.save_pretrained(folder.name)
+        cached = _ENGINES[key] = _start(key, model, tokenizer, memory, engine_args)
+    if cached.weights != _fingerprint(model):
+        sync_weights(cached.llm, model)
+    return cached.llm
+
+
+def _start(key: str, model: nn.Module, tokenizer: Any, memory: Memory,
+           engine_args: dict[str, Any]) -> _Engine:
+    # Config and tokenizer only: the weights come through `sync_weights`, one tensor at a
+    # time, so a sharded model is never gathered whole.
+    folder = tempfile.TemporaryDirectory(prefix="flowgraph-vllm-")
+    model.config.save_pretrained(folder.name)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder.name)
+    tokenizer.save_pretrained(folder.name)
+    try:
         llm = LLM(
             model=folder.name,
             dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
             load_format="dummy",
-            gpu_memory_utilization=gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
+            **memory.engine_args(),
             **engine_args,
         )
-        cached = _ENGINES[key] = _Engine(llm, folder, gpu_memory_utilization, weights=())
-        # A process started by `multiprocessing` (a rank under torch's launcher) joins its
-        # children — the engine's — before its atexit hooks run, and vLLM shuts them down
-        # in those: the rank would wait forever. Multiprocessing's own exit finalizers run
-        # before that join.
-        multiprocessing.util.Finalize(None, close_engines, args=(key,), exitpriority=10)
-    if cached.weights != _fingerprint(model):
-        sync_weights(cached.llm, model)
-    return cached.llm
+    except Exception as exc:
+        folder.cleanup()
+        raise FlowgraphError(
+            f"the vLLM engine for `{key}` did not start with {memory.describe()}: {exc}. "
+            "If memory is short, free some (vLLM on CPU counts the free memory of NUMA node "
+            "0 only) or lower the rollout batch, P or T") from exc
+    # A process started by `multiprocessing` (a rank under torch's launcher) joins its
+    # children — the engine's — before its atexit hooks run, and vLLM shuts them down in
+    # those: the rank would wait forever. Multiprocessing's own exit finalizers run
+    # before that join.
+    multiprocessing.util.Finalize(None, close_engines, args=(key,), exitpriority=10)
+    return _Engine(llm, folder, memory, weights=())
 
 
 def close_engines(key: str | None = None) -> None:

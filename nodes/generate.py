@@ -195,15 +195,16 @@ def generate(
     top_k: int = 0,
     max_new_tokens: int | None = None,
     do_sample: bool = True,
-    gpu_memory_utilization: float = 0.3,
+    gpu_memory_utilization: float | None = None,
 ) -> dict[str, Any]:
     """The `generate` kind: n responses per prompt; samples of a prompt are consecutive.
 
     prompts, prompt_mask (b, P) -> prompts, prompt_mask (r, P); responses, response_mask,
     rollout_log_prob (r, T); index (r,) the prompt's row in the global batch (this
     rank's rows start at `ctx.row_offset`: an executor splits a batch into contiguous
-    parts); ground_truth (r,) when given. `gpu_memory_utilization` is
-    the share of accelerator memory (on CPU: of RAM) vLLM may take.
+    parts); ground_truth (r,) when given. vLLM reserves a KV cache for the r sequences
+    of P+T tokens (`_vllm.kv_cache_size`), or, with `gpu_memory_utilization`, that
+    share of the accelerator's memory (on CPU: of NUMA node 0's RAM).
     """
     n = n or ctx.dims.get("N")
     T = max_new_tokens or ctx.dims.get("T")
@@ -217,7 +218,8 @@ def generate(
     if backend == "vllm":
         from flowgraph.nodes import _vllm  # vLLM is optional and slow to import
 
-        llm = _vllm.engine(model, tokenizer, gpu_memory_utilization=gpu_memory_utilization)
+        llm = _vllm.engine(model, tokenizer, _vllm_memory(model, len(prompts), prompts.shape[1] + T,
+                                                          gpu_memory_utilization))
         out = _vllm.rollout(llm, prompts, prompt_mask, seeds, spec)
     elif backend == "hf":
         with _eval_mode(model):
@@ -231,6 +233,15 @@ def generate(
     if ground_truth is not None:
         out["ground_truth"] = [str(g) for g in ground_truth for _ in range(n)]
     return out
+
+
+def _vllm_memory(model: nn.Module, sequences: int, max_model_len: int,
+                 gpu_memory_utilization: float | None) -> Any:
+    from flowgraph.nodes import _vllm
+
+    if gpu_memory_utilization is not None:
+        return _vllm.Memory(max_model_len, None, gpu_memory_utilization)
+    return _vllm.Memory(max_model_len, _vllm.kv_cache_size(model, sequences, max_model_len))
 
 
 def _all_done(ctx: NodeContext, done: Tensor) -> bool:

@@ -18,9 +18,10 @@ size, L layers, a attention heads, V vocabulary, m the micro-batch on one worker
     logits       the fp32 logits of the tokens projected at once: m x T x V x 4 in an
                  update, min(chunk_size, m x T) x V x 4 in a logprob node
     kv_cache     per-worker rollouts x s x L x 2 x kv_heads x head_dim x dtype bytes
-    vllm         vLLM reserves gpu_memory_utilization x the device memory when
-                 `resources.memory_gib` is declared; otherwise its KV cache plus its
-                 own copy of the weights
+    vllm         vLLM's KV cache for the rollout's sequences (`vllm_kv_cache_bytes`,
+                 what the engine reserves) plus its own copy of the weights; with
+                 `gpu_memory_utilization` set and `resources.memory_gib` declared,
+                 that share of the device
 
 `shards` is the pool's size for FSDP-sharded models, 1 otherwise. Weights, grads and
 optimizer state stay resident; the other items live while their node runs, and the
@@ -164,6 +165,22 @@ def training_activation_bytes(cfg: ModelConfig, micro: int, seq: int, dtype_byte
 def kv_cache_bytes(cfg: ModelConfig, rows: int, seq: int, dtype_bytes: int) -> int:
     return (rows * seq * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim
             * dtype_bytes)
+
+
+VLLM_KV_MARGIN = 1.25
+"""Head-room over the exact need: vLLM allocates whole blocks and keeps a few spare."""
+VLLM_BLOCK_TOKENS = 128
+"""vLLM's KV block on CPU (its default there; 16 on most GPUs): a sequence takes whole
+blocks, so its length is rounded up to a multiple of this."""
+
+
+def vllm_kv_cache_bytes(cfg: ModelConfig, sequences: int, max_model_len: int,
+                        dtype_bytes: int) -> int:
+    """The KV cache a vLLM engine reserves (`kv_cache_memory_bytes`) to hold `sequences`
+    sequences of `max_model_len` (P+T) tokens at once: `kv_cache_bytes` of whole blocks,
+    times VLLM_KV_MARGIN."""
+    tokens = -(-max_model_len // VLLM_BLOCK_TOKENS) * VLLM_BLOCK_TOKENS
+    return math.ceil(kv_cache_bytes(cfg, sequences, tokens, dtype_bytes) * VLLM_KV_MARGIN)
 
 
 # --- the pass ------------------------------------------------------------------------------
@@ -348,22 +365,22 @@ def _rollout_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, per_worker: int
     model, cfg = inp.graph.model(node.model), inp.configs[node.model]
     assert model is not None
     dtype = DTYPE_BYTES[model.dtype]
-    kv = kv_cache_bytes(cfg, per_worker, sum(inp.seq), dtype)
     if param_value(Resolved(node, kind), "backend") != "vllm":
-        return [MemoryItem("kv_cache", node.name, kv, True)]
-    declared = inp.graph.resources.memory_gib
-    if declared is not None:
-        util = _utilization(node, kind)
+        return [MemoryItem("kv_cache", node.name, kv_cache_bytes(cfg, per_worker, sum(inp.seq),
+                                                                 dtype), True)]
+    declared, util = inp.graph.resources.memory_gib, _utilization(node, kind)
+    if declared is not None and util is not None:
         return [MemoryItem("vllm", node.name, int(util * declared * GIB), False)]
-    # Without a device size vLLM's pool is unknown: count what it must hold at least.
+    # vLLM's KV cache sized for the rollout (the default), plus its own copy of the weights.
+    kv = vllm_kv_cache_bytes(cfg, per_worker, sum(inp.seq), dtype)
     copy = count_parameters(cfg) * dtype
     return [MemoryItem("kv_cache", node.name, kv, False),
             MemoryItem("vllm", node.name, copy, False)]
 
 
-def _utilization(node: NodeSpec, kind: KindSpec) -> float:
+def _utilization(node: NodeSpec, kind: KindSpec) -> float | None:
     value = param_value(Resolved(node, kind), "gpu_memory_utilization")
-    return float(value) if isinstance(value, (int, float)) else 0.0
+    return float(value) if isinstance(value, (int, float)) else None
 
 
 # --- diagnostics ---------------------------------------------------------------------------
@@ -459,6 +476,8 @@ def _less_vllm(inp: _Inputs, pool: PoolPlan) -> Option:
         if not _runs_in(inp, node, pool) or param_value(Resolved(node, kind), "backend") != "vllm":
             continue
         util = _utilization(node, kind)
+        if util is None:  # a KV cache sized for the rollout: nothing to give back
+            continue
         graph = _with_node(graph, with_params(node, gpu_memory_utilization=util / 2))
         changes.append(f"{node.name} {util:g}→{util / 2:g}")
     text = f"set params.gpu_memory_utilization of {', '.join(changes)}" if changes else ""

@@ -197,8 +197,7 @@ def test_grpo_vllm_rollouts_from_a_sharded_actor_equal_local(tmp_path: Path,
     whole at a time, after every update; the rollouts are the local vLLM run's.
     Slow: a vLLM engine takes 20-40 s to start, one per rank, ~3 min in all."""
     graph = GRAPHS / "grpo.yaml"
-    overrides = ("trainer.steps=3", "nodes.gen.params.backend=vllm",
-                 "nodes.gen.params.gpu_memory_utilization=0.05")
+    overrides = ("trainer.steps=3", "nodes.gen.params.backend=vllm")
     try:
         local = local_run(graph, tmp_path / "local", *overrides)
     finally:

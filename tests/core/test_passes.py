@@ -415,9 +415,21 @@ def test_fg401_suggests_more_workers_only_when_the_batch_still_splits() -> None:
 
 def test_vllm_reserves_its_share_of_the_declared_device() -> None:
     plan = plan_of("grpo.yaml", overrides=["nodes.gen.params.backend=vllm",
+                                           "nodes.gen.params.gpu_memory_utilization=0.3",
                                            "resources.memory_gib=80"])
     (item,) = [i for i in plan.memory[0].items if i.what == "vllm"]
     assert (item.owner, item.bytes, item.transient) == ("gen", int(0.3 * 80 * GIB), False)
+
+
+def test_vllm_reserves_a_kv_cache_sized_for_the_rollout() -> None:
+    # The engine's kv_cache_memory_bytes (nodes/_vllm.py asks for the same): 16 sequences
+    # of P+T = 24 tokens in one 128-token block each, 2048 bytes a token (2 layers × K, V
+    # × 2 KV heads × head_dim 64 × 4 bytes), × 1.25: 5 MiB; plus vLLM's copy of the
+    # 459,392 fp32 weights.
+    plan = plan_of("grpo.yaml", overrides=["nodes.gen.params.backend=vllm",
+                                           "resources.memory_gib=80"])
+    items = {i.what: i.bytes for i in plan.memory[0].items if i.owner == "gen"}
+    assert items == {"kv_cache": 5 * 2**20, "vllm": 459_392 * 4}
 
 
 @pytest.mark.parametrize("where", ["dir", "config"])

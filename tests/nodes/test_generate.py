@@ -243,7 +243,12 @@ def test_hf_params_override_dims_and_keep_the_model_mode(model: nn.Module, token
 
 # --- vllm backend: one engine for the whole section ------------------------------------------
 
-GPU_MEMORY = 0.05  # of RAM on CPU: ~1 GiB, plenty for a 2-layer model's KV cache
+def _memory(sequences: int, max_model_len: int) -> Any:
+    """What the node asks of its engine (a KV cache sized for the rollout)."""
+    from flowgraph.nodes import _vllm
+
+    return _vllm.Memory(max_model_len, _vllm.kv_cache_size(load_model(MODEL), sequences,
+                                                           max_model_len))
 
 
 @pytest.fixture(scope="module")
@@ -254,16 +259,16 @@ def vllm_model(tokenizer: Any) -> Iterator[nn.Module]:
     except ImportError as exc:
         pytest.fail(f"vLLM is not importable: {exc}", pytrace=False)
     model = _eos_prone(load_model(MODEL))
-    # enforce_eager: no torch.compile warm-up (~30 s more) for this small test
-    _vllm.engine(model, tokenizer, gpu_memory_utilization=GPU_MEMORY, enforce_eager=True)
+    # enforce_eager: no torch.compile warm-up (~30 s more) for this small test. Sized for
+    # the largest call below (4 samples of each prompt, T = 16), so no call restarts it.
+    _vllm.engine(model, tokenizer, _memory(BP * 4, P + 16), enforce_eager=True)
     yield model
     _vllm.close_engines()
 
 
 def _vllm_call(ctx: NodeContext, model: nn.Module, tokenizer: Any, batch: dict[str, Any],
                rows: slice = slice(None), **params: Any) -> dict[str, Any]:
-    return _call(ctx, model, tokenizer, batch, rows, backend="vllm",
-                 gpu_memory_utilization=GPU_MEMORY, **params)
+    return _call(ctx, model, tokenizer, batch, rows, backend="vllm", **params)
 
 
 def test_vllm_backend(vllm_model: nn.Module, tokenizer: Any, batch: dict[str, Any]) -> None:
@@ -293,7 +298,7 @@ def test_vllm_sync_weights(vllm_model: nn.Module, tokenizer: Any,
     """Changed weights reach the running engine: vLLM's log-probs follow the HF model's."""
     from flowgraph.nodes import _vllm
 
-    llm = _vllm.engine(vllm_model, tokenizer, gpu_memory_utilization=GPU_MEMORY)
+    llm = _vllm.engine(vllm_model, tokenizer, _memory(BP * 4, P + 16))
     # A fused AdamW step writes the weights without bumping their version counters.
     params = list(vllm_model.parameters())
     generator = torch.Generator().manual_seed(1)
@@ -318,3 +323,28 @@ def test_vllm_sync_weights(vllm_model: nn.Module, tokenizer: Any,
     rescored = logprob(other, out["prompts"], out["prompt_mask"], fresh["responses"],
                        fresh["response_mask"], temperature=0.0)["log_prob"]
     torch.testing.assert_close(fresh["rollout_log_prob"], rescored, atol=1e-3, rtol=0)
+
+
+def test_vllm_kv_cache_is_sized_for_the_rollout(model: nn.Module) -> None:
+    """Per token: 2 layers × (K, V) × 2 KV heads × head_dim 64 × 4 bytes = 2048 bytes; a
+    sequence takes whole 128-token blocks; 1.25 margin. 16 sequences of P+T = 28 tokens:
+    16 × 128 × 2048 × 1.25 = 5 MiB; of 129 tokens, two blocks each: 10 MiB."""
+    from flowgraph.nodes import _vllm
+
+    assert _vllm.kv_cache_size(model, 16, 28) == 5 * 2**20
+    assert _vllm.kv_cache_size(model, 16, 129) == 10 * 2**20
+    small, longer = _vllm.Memory(28, 5 * 2**20), _vllm.Memory(129, 10 * 2**20)
+    assert longer.serves(small) and not small.serves(longer)
+    assert not _vllm.Memory(28, None, 0.3).serves(small)
+
+
+def test_vllm_engine_that_cannot_start_names_what_it_asked_for(tokenizer: Any) -> None:
+    """A KV cache no machine has: one error with the size asked for, not vLLM's stack.
+    (Last in the module: it replaces the engine the tests above share.)"""
+    from flowgraph.errors import FlowgraphError
+    from flowgraph.nodes import _vllm
+
+    with pytest.raises(FlowgraphError, match=r"did not start with a KV cache of 1048576\.000 "
+                                             r"GiB \(sequences of up to 28 tokens\).*NUMA"):
+        _vllm.engine(load_model(MODEL), tokenizer, _vllm.Memory(28, 2**50), enforce_eager=True)
+    _vllm.close_engines()
