@@ -116,9 +116,10 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str) -> Tensor:
     """Reduce a (B, T) per-token loss to a scalar (verl ``core_algos.agg_loss``).
 
     token-mean:          Σ_{b,t} m·ℓ / Σ_{b,t} m
-    seq-mean-token-sum:  (1/B) Σ_b Σ_t m·ℓ
-    seq-mean-token-mean: mean over sequences with ≥1 valid token of Σ_t m·ℓ / Σ_t m
-                         (verl yields nan for an all-masked row; it is skipped here)
+    seq-mean-token-sum:  mean over sequences with ≥1 valid token of Σ_t m·ℓ
+    seq-mean-token-mean: mean over sequences with ≥1 valid token of Σ_t m·ℓ / (Σ_t m + 1e-8)
+    As verl 0.9.1 (tests/nodes/test_verl_reference.py), except that no valid row at all
+    gives 0, not nan.
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(
@@ -132,8 +133,8 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str) -> Tensor:
         )
     if mode == "token-mean":
         return masked_mean(loss_mat, mask)
-    if mode == "seq-mean-token-sum":
-        return masked_sum(loss_mat, mask, dim=-1).mean()
-    seq_means = masked_mean(loss_mat, mask, dim=-1)
     has_tokens = (mask != 0).any(dim=-1)
-    return masked_mean(seq_means, has_tokens)
+    seq_losses = masked_sum(loss_mat, mask, dim=-1)
+    if mode == "seq-mean-token-mean":
+        seq_losses = seq_losses / (_weights(mask, loss_mat).sum(dim=-1) + 1e-8)
+    return masked_mean(seq_losses, has_tokens)

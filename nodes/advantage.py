@@ -210,9 +210,10 @@ def _whiten_valid(fn: str, x: Tensor, weight: Tensor) -> Tensor:
     """``masked_whiten(x, weight) · weight`` (_agg), in place, for an x that is 0 off the mask:
     the whitening of every estimator here.
 
-    Same semantics (mean over valid tokens, unbiased var, eps 1e-8; one valid token
-    whitens to 0, none is a ValueError) in fewer passes: as x is 0 off the mask,
-    nothing needs multiplying by it.
+    verl's numbers: its masked means divide by (count + 1e-8), the variance is unbiased
+    (× count/(count − 1)), the scale is 1/√(var + 1e-8); one valid token whitens to 0
+    (verl raises), none is a ValueError. As x is 0 off the mask, nothing needs
+    multiplying by it.
     """
     count = float(weight.sum())
     if count == 0:
@@ -220,8 +221,10 @@ def _whiten_valid(fn: str, x: Tensor, weight: Tensor) -> Tensor:
             f"{fn}: whitening needs at least 1 valid token; response_mask selects 0. "
             "Pass whiten=False or a batch with response tokens."
         )
-    centred = x.sub_(weight, alpha=float(x.sum()) / count).flatten()  # x − mean where valid
-    var = float(torch.dot(centred, centred)) / max(count - 1.0, 1.0)
+    if count == 1:  # its own mean; verl's 1e-8's would leave x·1e-4
+        return x.zero_()
+    centred = x.sub_(weight, alpha=float(x.sum()) / (count + 1e-8)).flatten()  # where valid
+    var = float(torch.dot(centred, centred)) / (count + 1e-8) * count / max(count - 1.0, 1.0)
     return x.mul_(1.0 / math.sqrt(var + 1e-8))
 
 
@@ -332,12 +335,13 @@ def rloo(scores: Tensor, response_mask: Tensor, index: Tensor) -> tuple[Tensor, 
 def reinforce_pp(
     token_level_rewards: Tensor, response_mask: Tensor, gamma: float = 1.0
 ) -> tuple[Tensor, Tensor]:
-    """REINFORCE++: discounted return-to-go, whitened over valid tokens.
+    """REINFORCE++: discounted return-to-go over the valid tokens, whitened.
 
-    G_t = r_t + γ·m_{t+1}·G_{t+1} (G_T = 0): verl's loop resets the running
-    return after every masked token, so a hole in the mask cuts the sum (unlike
-    ``gae``, which skips holes). advantages = masked_whiten(G) (≥ 1 valid
-    token needed), returns = G; both zero where m = 0.
+    G_t = r_t + γ·G_{n(t)} with n(t) the next *valid* position (G = 0 past the last):
+    as verl's loop, a masked token (a tool observation in the middle of a response)
+    neither adds its reward nor decays the running return, which is carried across
+    it unchanged. advantages = masked_whiten(G) (≥ 1 valid token needed), returns = G;
+    both zero where m = 0. This is ``gae``'s λ-return with V = 0 and λ = 1.
     """
     # Hu 2025 (REINFORCE++); verl core_algos.compute_reinforce_plus_plus_outcome_advantage
     fn = "reinforce_pp"
@@ -347,17 +351,9 @@ def reinforce_pp(
     valid = _valid_mask(fn, response_mask)
     _check_unit(fn, "gamma", gamma)
     with torch.no_grad():
-        length = valid.shape[1]
         weight = valid.to(torch.float64)
-        rewards = token_level_rewards.to(torch.float64) * weight
-        tail = _discounted_reverse_cumsum(rewards, gamma)  # Y_t = Σ_{s≥t} γ^{s−t} m_s r_s
-        pos = torch.arange(length, device=valid.device).expand_as(valid)
-        holes = torch.where(valid, torch.full_like(pos, length), pos)
-        seg_end = holes.flip(-1).cummin(dim=-1).values.flip(-1)  # first masked index ≥ t, or T
-        # G_t = Y_t − γ^{e−t}·Y_e for the run [t, e) of valid tokens starting at t.
-        tail_at_end = F.pad(tail, (0, 1)).gather(1, seg_end)
-        decay = torch.tensor(gamma, dtype=torch.float64, device=valid.device) ** (seg_end - pos)
-        returns = (tail - decay * tail_at_end) * weight
+        rewards = token_level_rewards.to(torch.float64)
+        returns = _lambda_returns(rewards, torch.zeros_like(rewards), weight, gamma, 1.0)
         advantages = _whiten_valid(fn, returns.clone(), weight)  # returns is 0 off the mask
     dtype = token_level_rewards.dtype
     return advantages.to(dtype), returns.to(dtype)

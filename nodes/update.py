@@ -12,12 +12,10 @@ Each is a sink: it trains `ctx.model` with `ctx.optimizer` and reports through
 
 Micro-batch weights. L_k is micro-batch k's own loss, aggregated as `loss_agg_mode`
 says, and w_k = n_k / Σ_j n_j, with n the aggregation's denominator: valid tokens
-(token-mean), sequences (seq-mean-token-sum), sequences with a valid token
-(seq-mean-token-mean), pairs (DPO). Then Σ_k w_k L_k *is* the mini-batch loss, so the
-accumulated gradient equals the one-shot mini-batch gradient for every mode and every
-m. For token-mean this is verl's global-token normalisation (`agg_loss` with
-`batch_num_tokens`); for the seq-mean modes it is verl's `1/gradient_accumulation`
-whenever no sequence is fully masked. Reported metrics are weighted the same way
+(token-mean), sequences with a valid token (both seq-mean modes), pairs (DPO). Then
+Σ_k w_k L_k *is* the mini-batch loss, so the accumulated gradient equals the one-shot
+mini-batch gradient for every mode and every m: verl's global normalisation (`agg_loss`
+with `batch_num_tokens` / `global_batch_size`). Reported metrics are weighted the same way
 within a mini-batch, then averaged over the optimizer steps.
 
 The shuffle uses its own `torch.Generator`, so the global RNG is untouched and a
@@ -258,9 +256,7 @@ def _agg_size(mode: str, mb: Batch) -> float:
     mask = mb["response_mask"]
     if mode == "token-mean":
         return float(mask.sum())
-    if mode == "seq-mean-token-sum":
-        return float(len(mask))
-    return float((mask != 0).any(-1).sum())
+    return float((mask != 0).any(-1).sum())  # both seq-mean modes: sequences with a token
 
 
 # --------------------------------------------------------------------------- PPO actor

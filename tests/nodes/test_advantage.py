@@ -1,8 +1,11 @@
 """Tests for flowgraph.nodes.advantage: hand-derived values, plain-loop references, hypothesis.
 
-The loop references below are literal ports of verl's per-time-step loops
-(``verl/trainer/ppo/core_algos.py``), written out here so the vectorised code is
-checked against the loop semantics, including masks with holes and leading zeros.
+The loop references below are ports of verl's per-time-step loops
+(``verl/trainer/ppo/core_algos.py``), so hypothesis can check the vectorised code on
+any mask (holes, leading zeros, long responses). That the ports compute what verl
+computes is not taken on trust: tests/nodes/test_verl_reference.py holds the
+estimators to verl 0.9.1's own outputs (a port here once cut REINFORCE++'s return at
+a hole where verl carries it across).
 
 Notation:
     B  number of sequences, T  response length; masks are (B, T), scores (B,)
@@ -35,10 +38,10 @@ HYP = settings(max_examples=40, deadline=None)
 
 
 def ref_whiten(x: Tensor, mask: Tensor) -> Tensor:
-    """masked mean / unbiased masked var / eps 1e-8, written from the formula."""
+    """verl's masked_whiten: masked means over (n + 1e-8), unbiased var, eps 1e-8."""
     n = mask.sum()
-    mean = (x * mask).sum() / n
-    var = (((x - mean) ** 2) * mask).sum() / n * (n / (n - 1))
+    mean = (x * mask).sum() / (n + 1e-8)
+    var = (((x - mean) ** 2) * mask).sum() / (n + 1e-8) * (n / (n - 1))
     return (x - mean) * torch.rsqrt(var + 1e-8)
 
 
@@ -62,9 +65,10 @@ def loop_reinforce_pp(r: Tensor, m: Tensor, gamma: float) -> Tensor:
     returns = torch.zeros_like(r)
     running_return: Tensor | float = 0.0
     for t in reversed(range(r.shape[1])):
-        running_return = r[:, t] + gamma * running_return
-        returns[:, t] = running_return
-        running_return = running_return * m[:, t]
+        new_running_return = r[:, t] + gamma * running_return
+        returns[:, t] = new_running_return * m[:, t]
+        # a masked token passes the running return on unchanged
+        running_return = new_running_return * m[:, t] + running_return * (1 - m[:, t])
     return returns
 
 
@@ -393,13 +397,13 @@ def test_reinforce_pp_hand() -> None:
     r = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     m = torch.tensor([[1.0, 0.0, 1.0, 1.0]])
     adv, ret = reinforce_pp(r, m, gamma=0.5)
-    # t=3: G = 4; t=2: G = 3 + 0.5·4 = 5; t=1 masked: running return reset to 0
-    # t=0: G = 1 + 0.5·0 = 1   → returns [1, 0, 5, 4]
-    torch.testing.assert_close(ret, torch.tensor([[1.0, 0.0, 5.0, 4.0]]))
-    # whiten {1, 5, 4}: mean 10/3, deviations −2.333333, 1.666667, 0.666667
-    # unbiased var = (5.444444 + 2.777778 + 0.444444)/2 = 4.333333, std 2.081666
-    # → [−1.120897, 0, 0.800641, 0.320256]
-    expected = torch.tensor([[-1.120897, 0.0, 0.800641, 0.320256]])
+    # t=3: G = 4; t=2: G = 3 + 0.5·4 = 5; t=1 masked: its reward is skipped and the
+    # running return 5 carried across it; t=0: G = 1 + 0.5·5 = 3.5 → returns [3.5, 0, 5, 4]
+    torch.testing.assert_close(ret, torch.tensor([[3.5, 0.0, 5.0, 4.0]]))
+    # whiten {3.5, 5, 4}: mean 12.5/3, deviations −0.666667, 0.833333, −0.166667
+    # unbiased var = (0.444444 + 0.694444 + 0.027778)/2 = 0.583333, std 0.763763
+    # → [−0.872872, 0, 1.091089, −0.218218]
+    expected = torch.tensor([[-0.872872, 0.0, 1.091089, -0.218218]])
     torch.testing.assert_close(adv, expected, atol=1e-5, rtol=0)
 
 

@@ -42,7 +42,7 @@ def token_mats(draw: st.DrawFn, n: int) -> tuple[list[Tensor], Tensor]:
 
 
 def loop_agg(mat: Tensor, mask: Tensor, mode: str) -> float:
-    """Plain-Python aggregation: empty rows are skipped by seq-mean-token-mean."""
+    """Plain-Python aggregation: the seq-mean modes skip rows without a valid token."""
     rows = [
         [float(mat[b, t]) for t in range(mat.shape[1]) if mask[b, t] == 1]
         for b in range(mat.shape[0])
@@ -51,8 +51,9 @@ def loop_agg(mat: Tensor, mask: Tensor, mode: str) -> float:
         flat = [x for row in rows for x in row]
         return sum(flat) / len(flat) if flat else 0.0
     if mode == "seq-mean-token-sum":
-        return sum(sum(row) for row in rows) / len(rows)
-    means = [sum(row) / len(row) for row in rows if row]
+        sums = [sum(row) for row in rows if row]
+        return sum(sums) / len(sums) if sums else 0.0
+    means = [sum(row) / (len(row) + 1e-8) for row in rows if row]  # verl's 1e-8
     return sum(means) / len(means) if means else 0.0
 
 
@@ -64,11 +65,12 @@ def test_agg_loss_hand() -> None:
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
     # token-mean: (1 + 2 + 4)/3 = 2.333333
     assert agg_loss(mat, mask, "token-mean").item() == pytest.approx(7 / 3)
-    # seq-mean-token-sum: ((1 + 2) + 4 + 0)/3 rows = 2.333333
-    assert agg_loss(mat, mask, "seq-mean-token-sum").item() == pytest.approx(7 / 3)
+    # seq-mean-token-sum: ((1 + 2) + 4)/2 non-empty rows = 3.5 (verl 0.9.1 leaves out a
+    # row without a valid token, test_verl_reference.py::test_agg_loss)
+    assert agg_loss(mat, mask, "seq-mean-token-sum").item() == pytest.approx(3.5)
     # seq-mean-token-mean: ((1 + 2)/2 + 4/1)/2 non-empty rows = 2.75
     assert agg_loss(mat, mask, "seq-mean-token-mean").item() == pytest.approx(2.75)
-    # the same without the empty row: seq-mean-token-sum = (3 + 4)/2 = 3.5
+    # the same without the empty row
     assert agg_loss(mat[:2], mask[:2], "seq-mean-token-sum").item() == pytest.approx(3.5)
 
 
