@@ -6,6 +6,12 @@ worker, so their collectives line up. The heads (a causal LM's `lm_head`, a crit
 `value_head`) stay replicated: the chunked log-prob calls the LM head once per chunk of
 valid tokens, a number that differs between workers. Their gradients are averaged by
 the update node (`flowgraph.nodes.update`, through `NodeContext.all_reduce`).
+A parameter that two of these parts share — a tied `lm_head.weight` is the backbone's
+`embed_tokens.weight` — stays replicated too, one Parameter for all its users: sharded
+in the backbone it would become a DTensor while the head kept the old tensor, two
+copies with the gradient split between them. Its gradient is the sum over its uses, as
+in one process, averaged over the workers like a head's. (It costs what an untied
+model's head costs: V·H replicated.)
 
 Slicing. A data-parallel node's batch is cut into `world` contiguous parts of whole
 units (a unit is a group of N samples of one prompt where the plan says the split is
@@ -15,7 +21,8 @@ the padding is dropped when the outputs are gathered.
 
 Checkpoints. `torch.distributed.checkpoint` (DCP) writes each worker's shards; a
 checkpoint can be loaded by any number of workers (DCP reshards), and `flowgraph
-export` reads it back whole in one process.
+export` reads it back whole in one process. A checkpoint of the local target (whole
+tensors) loads into sharded models too: each worker keeps its shard of every tensor.
 
 Notation: n rows of a batch, W workers (world size), u rows per unit.
 """
@@ -86,16 +93,29 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def shard_model(model: nn.Module, device: str) -> nn.Module:
-    """FSDP2 over the default group: per block, then the backbone; heads replicated."""
+    """FSDP2 over the default group: per block, then the backbone; heads, and the
+    parameters shared between any two of these parts, replicated."""
     from torch.distributed.fsdp import fully_shard
 
     model.to(device)
-    for block in blocks(model):
-        fully_shard(block)
     backbone = getattr(model, "backbone", None) or getattr(model, "base_model", model)
-    if backbone is not model:
-        fully_shard(backbone)
+    units = [*blocks(model), *([backbone] if backbone is not model else [])]
+    shared = shared_params(model, units)
+    for unit in units:
+        fully_shard(unit, ignored_params=shared)
     return model
+
+
+def shared_params(model: nn.Module, units: Sequence[nn.Module]) -> set[nn.Parameter]:
+    """The parameters of `model` reached from more than one part: a part is one of
+    `units` (the innermost that holds a name) or the rest of the model."""
+    prefixes = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+    names = sorted((prefixes[id(u)] + "." for u in units), key=len, reverse=True)
+    parts: dict[int, set[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        part = next((prefix for prefix in names if name.startswith(prefix)), "")
+        parts.setdefault(id(p), set()).add(part)
+    return {p for p in model.parameters() if len(parts[id(p)]) > 1}
 
 
 def is_sharded(model: nn.Module) -> bool:
@@ -250,11 +270,31 @@ def has_dcp(folder: Path) -> bool:
     return (folder / DCP_DIR).is_dir()
 
 
-def require_dcp(folder: Path) -> None:
-    """Sharded models load DCP checkpoints only (the local target reads both kinds)."""
-    if not has_dcp(folder):
-        raise FlowgraphError(f"checkpoint `{folder}` was written by the local target; "
-                             "resume it with --target local")
+def load_whole(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, Any]
+               ) -> None:
+    """A checkpoint of the local target (`model.<name>.pt`, `optim.<name>.pt`: whole
+    tensors) into models sharded over any number of workers: each keeps its shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+    for name, model in models.items():
+        weights = torch.load(folder / f"model.{name}.pt", map_location="cpu")
+        opt = optimizers.get(name)
+        optim = ({} if opt is None else _named_optim_state(
+            model, opt, torch.load(folder / f"optim.{name}.pt", map_location="cpu")))
+        set_state_dict(model, [opt] if opt is not None else [], model_state_dict=weights,
+                       optim_state_dict=optim, options=StateDictOptions(full_state_dict=True))
+
+
+def _named_optim_state(model: nn.Module, opt: Any, saved: dict[str, Any]) -> dict[str, Any]:
+    """`Optimizer.state_dict()` (parameters numbered in `opt`'s order) keyed by parameter
+    name instead, as `set_state_dict` takes it (a shared parameter by its first name)."""
+    fqn = {id(p): name for name, p in model.named_parameters()}
+    names, groups = {}, []
+    for group, kept in zip(opt.param_groups, saved["param_groups"], strict=True):
+        ours = [fqn[id(p)] for p in group["params"]]
+        names.update(zip(kept["params"], ours, strict=True))
+        groups.append({**kept, "params": ours})
+    return {"state": {names[i]: v for i, v in saved["state"].items()}, "param_groups": groups}
 
 
 def status_file(run_dir: Path, rank: int) -> Path:

@@ -7,7 +7,8 @@ its ranks. Every rank runs this executor, which is the local one with placement 
 dispatch overridden:
 
 * placement: models the plan marks `full_shard` are wrapped with FSDP2 per block
-  (`_dist.shard_model`), gloo on CPU, nccl on GPU; the rest are replicated.
+  (`_dist.shard_model`; heads and tied embeddings replicated), gloo on CPU, nccl on
+  GPU; the rest are replicated.
 * dispatch: every rank holds the whole batch of every edge (the data sources draw the
   same batch everywhere; model-free nodes — rewards, advantages — run on the whole
   batch on every rank, as the plan's pool says). A data-parallel node takes its slice
@@ -16,7 +17,8 @@ dispatch overridden:
   their share of each mini-batch themselves (`flowgraph.nodes.update`), so each
   optimizer step sees the mini-batch a one-process run sees.
 * checkpoints: `torch.distributed.checkpoint` (a different N can resume them; so can
-  the local target), rank 0 publishes the folder atomically.
+  the local target, whose own checkpoints resume here too), rank 0 publishes the
+  folder atomically.
 
 Rank 0 alone writes metrics, TensorBoard and the console line. A rank that fails
 leaves its step and node in `run_dir/.ranks/rank_R`; the launching process names them
@@ -133,10 +135,9 @@ class FsdpExecutor(LocalExecutor):
         found = latest_checkpoint(self.opts.run_dir)
         if found is None:
             return 0
-        _dist.require_dcp(found[1])
         step = super().restore()
         rng = found[1] / f"rng.rank{self.rank}.pt"
-        if rng.exists():  # absent when resuming with more ranks than wrote it
+        if rng.exists():  # absent: more ranks than wrote it, or the local target wrote it
             set_rng_state(torch.load(rng, weights_only=False))
         return step
 

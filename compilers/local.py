@@ -524,13 +524,16 @@ class LocalExecutor:
 
     def load_weights(self, folder: Path) -> None:
         """This process's models, optimizers and schedulers from the checkpoint in
-        `folder`: whole files (local target) or DCP shards (fsdp, ray)."""
+        `folder`: whole files (local target) or DCP shards (fsdp, ray), into whole
+        models or sharded ones (fsdp, ray)."""
         from flowgraph.compilers import _dist
 
-        if not _dist.has_dcp(folder):
+        dcp = _dist.has_dcp(folder)
+        if not dcp and not any(map(_dist.is_sharded, self.res.models.values())):
             load_checkpoint(folder, modules=self.checkpoint_modules())
             return
-        _dist.dcp_load(folder, self.res.models, self.res.optimizers)
+        load = _dist.dcp_load if dcp else _dist.load_whole
+        load(folder, self.res.models, self.res.optimizers)
         for name, sched in self.res.schedulers.items():
             sched.load_state_dict(torch.load(folder / f"sched.{name}.pt", weights_only=False))
 

@@ -20,7 +20,7 @@ overridden:
   Ray's object store.
 * checkpoints: every worker writes its shards with DCP into the same folder as the
   fsdp target (`step_N/dcp/<model>`); the driver publishes it atomically, with the
-  data cursors and node state.
+  data cursors and node state. A checkpoint of the local target resumes here too.
 * faults: a worker that dies (its actor is gone) or hangs (no answer within
   `trainer.step_timeout_s`) is noticed at the driver's next wait; the driver kills
   every worker group, starts them afresh, reloads the last checkpoint and goes on from
@@ -375,7 +375,6 @@ class RayExecutor(LocalExecutor):
         found = latest_checkpoint(self.opts.run_dir)
         if found is None:
             return 0
-        _dist.require_dcp(found[1])
         self._get([w.load.remote(str(found[1])) for g in self.groups.values()
                    for w in g.workers], timed=False)
         return self.restore_state(found[1])

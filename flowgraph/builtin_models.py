@@ -5,6 +5,10 @@ it from this config with random weights (and a locally trained BPE tokenizer), s
 fresh machine needs no download. head_dim = hidden_size / num_attention_heads = 64,
 the smallest vLLM's CPU attention accepts. The compiler reads these numbers for its
 memory estimate.
+
+`tiny-lm` has its own LM head; `tiny-tied` is the same architecture with the LM head
+tied to the input embeddings (`tie_word_embeddings`, as Llama-3.2-1B/3B, Qwen2.5-0.5B-3B
+and Gemma): one parameter used twice, which every target keeps one parameter.
 """
 
 from __future__ import annotations
@@ -21,6 +25,18 @@ BUILTIN_MODELS: dict[str, dict[str, int | str | float]] = {
         "max_position_embeddings": 256,
         "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False,
+    },
+    "tiny-tied": {
+        "model_type": "llama",
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
     },
 }
 """Name -> Hugging Face config fields."""

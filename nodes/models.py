@@ -2,12 +2,12 @@
 
 `builtin:<name>` (see `flowgraph.builtin_models`) is built on first use: a byte-level
 BPE tokenizer trained here on a generated corpus, and a LlamaForCausalLM with seeded
-random weights. Both are written once with `save_pretrained` to
-`$FLOWGRAPH_CACHE/builtin/<name>` (default `~/.cache/flowgraph/builtin/<name>`) and
-reloaded from there, so every process and every executor sees the same weights and no
-machine needs a download. The cache is built in a private temporary folder and
-published by an atomic rename: two processes building at once both succeed, and a
-reader never sees a half-written folder.
+random weights (`tiny-tied`: its LM head is its input embedding). Both are written
+once with `save_pretrained` to `$FLOWGRAPH_CACHE/builtin/<name>` (default
+`~/.cache/flowgraph/builtin/<name>`) and reloaded from there, so every process and
+every executor sees the same weights and no machine needs a download. The cache is
+built in a private temporary folder and published by an atomic rename: two processes
+building at once both succeed, and a reader never sees a half-written folder.
 
 Any other path goes to `from_pretrained` (a local folder or a hub id).
 

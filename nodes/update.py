@@ -130,8 +130,9 @@ def _grad_norm(ctx: NodeContext) -> Tensor:
     """Global L2 grad norm before clipping; clips to `ctx.grad_clip` when that is > 0.
 
     Data-parallel, the model's sharded parameters (FSDP DTensors) hold a slice of the
-    gradient on each worker and the replicated ones (heads, see `_sync_replicated`)
-    the whole: the norm adds the slices' squares over the workers, then the rest once.
+    gradient on each worker and the replicated ones (heads and tied embeddings, see
+    `_sync_replicated`) the whole: the norm adds the slices' squares over the workers,
+    then the rest once (`parameters()` lists a tied parameter once).
     """
     params = [p for p in ctx.model.parameters() if p.grad is not None]
     if ctx.dp_size == 1:
@@ -156,7 +157,8 @@ def _grad_norm(ctx: NodeContext) -> Tensor:
 
 def _sync_replicated(ctx: NodeContext) -> None:
     """Average the gradients of parameters FSDP does not shard (they are replicated on
-    every worker) over the workers, so their copies take the same step everywhere."""
+    every worker: heads, tied embeddings) over the workers, so their copies take the
+    same step everywhere."""
     params = [p for p in ctx.model.parameters() if p.requires_grad
               and not hasattr(p, "to_local")]
     if not params:

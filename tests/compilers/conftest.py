@@ -18,6 +18,13 @@ SHORT = ("trainer.steps=5", "trainer.checkpoint_every=2")
 """The runs compared across targets: 5 steps, checkpoints after steps 1, 3 and 4."""
 EQUAL = {"ppo": (*SHORT, "trainer.eval_every=5"), "grpo": SHORT, "dpo": SHORT}
 """Overrides of each graph's equal-numbers run (PPO also evaluates at its last step)."""
+MODELS = {"ppo": ("actor", "ref", "critic"), "grpo": ("actor", "ref"), "dpo": ("policy", "ref")}
+"""Each graph's models: `tied_overrides(graph)` loads them all from the tied built-in."""
+
+
+def tied_overrides(graph: str) -> tuple[str, ...]:
+    """Overrides that run `graph` on `builtin:tiny-tied` (LM head = input embedding)."""
+    return tuple(f"models.{m}.path=builtin:tiny-tied" for m in MODELS[graph])
 
 
 def run_local(graph: Path, run_dir: Path, *overrides: str, resume: bool = False
@@ -36,6 +43,12 @@ def equal_overrides() -> dict[str, tuple[str, ...]]:
 
 
 @pytest.fixture(scope="session")
+def tied_models() -> Any:
+    """`tied_models(graph)`: the overrides that load `graph`'s models tied."""
+    return tied_overrides
+
+
+@pytest.fixture(scope="session")
 def local_run() -> Any:
     """`local_run(graph, run_dir, *overrides, resume=False)` -> metrics rows."""
     return run_local
@@ -43,21 +56,24 @@ def local_run() -> Any:
 
 class LocalReference:
     """`ref("ppo")`: the rows of graphs/ppo.yaml run locally with `EQUAL["ppo"]`, trained
-    once per session; `ref.run_dir("ppo")`: where that run lives."""
+    once per session (`ref("ppo", tied=True)`: on the tied built-in, `tied_overrides`);
+    `ref.run_dir("ppo")`: where that run lives."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         self.cache: dict[str, list[dict[str, Any]]] = {}
 
-    def run_dir(self, name: str) -> Path:
-        self(name)
-        return self.root / name
+    def run_dir(self, name: str, *, tied: bool = False) -> Path:
+        self(name, tied=tied)
+        return self.root / (f"{name}-tied" if tied else name)
 
-    def __call__(self, name: str) -> list[dict[str, Any]]:
-        if name not in self.cache:
-            self.cache[name] = run_local(GRAPHS / f"{name}.yaml", self.root / name,
-                                         *EQUAL[name])
-        return self.cache[name]
+    def __call__(self, name: str, *, tied: bool = False) -> list[dict[str, Any]]:
+        key = f"{name}-tied" if tied else name
+        if key not in self.cache:
+            models = tied_overrides(name) if tied else ()
+            self.cache[key] = run_local(GRAPHS / f"{name}.yaml", self.root / key,
+                                        *EQUAL[name], *models)
+        return self.cache[key]
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from flowgraph.compilers import _dist
 from flowgraph.compilers.checkpoint import latest_checkpoint
@@ -103,6 +104,68 @@ def test_ppo_equals_local_resumes_locally_and_exports(
         # order of float32 sums only (measured: 2e-5 at most, in the embedding).
         assert float((value - initial[name]).abs().max()) > 1e-3, name
         torch.testing.assert_close(value, trained[name], rtol=0, atol=1e-4)
+
+
+def _resumed_from(run_dir: Path, copy: Path, step: int) -> Path:
+    """A copy of `run_dir` whose newest checkpoint is `step` (the later ones removed)."""
+    shutil.copytree(run_dir, copy)
+    for later in (copy / "checkpoints").glob("step_*"):
+        if int(later.name.split("_")[1]) > step:
+            shutil.rmtree(later)
+    return copy
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.parametrize("graph", ["ppo", pytest.param("grpo", marks=pytest.mark.slow),
+                                   pytest.param("dpo", marks=pytest.mark.slow)])
+def test_a_tied_model_equals_local_resumes_both_ways_and_exports(
+        graph: str, tmp_path: Path, local_reference: Any, local_run: Any,
+        equal_overrides: dict[str, tuple[str, ...]], tied_models: Any) -> None:
+    """`builtin:tiny-tied` (the LM head is the input embedding, one parameter): equal
+    numbers; the fsdp(2) run's step-3 checkpoint resumed by the local target, and the
+    local run's resumed by fsdp(2), give the same step 4; the export holds the tied
+    tensor once, loads back tied, and is the checkpoint's weights."""
+    path, overrides = GRAPHS / f"{graph}.yaml", (*equal_overrides[graph], *tied_models(graph))
+    local = local_reference(graph, tied=True)
+    fsdp = _fsdp(path, tmp_path / "fsdp", *overrides)
+    assert_same_numbers(fsdp, local)
+
+    resumed = _resumed_from(tmp_path / "fsdp", tmp_path / "to-local", 3)
+    assert_same_numbers(local_run(path, resumed, *overrides, resume=True), local)
+    resumed = _resumed_from(local_reference.run_dir(graph, tied=True), tmp_path / "to-fsdp", 3)
+    assert not _dist.has_dcp(resumed / "checkpoints" / "step_3")
+    assert_same_numbers(_fsdp(path, resumed, *overrides, resume=True), local)
+
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    name = "policy" if graph == "dpo" else "actor"
+    out = export_model(tmp_path / "fsdp", name, tmp_path / "hf")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys()), "the tied tensor is written once"
+    exported = AutoModelForCausalLM.from_pretrained(out)
+    assert exported.lm_head.weight is exported.model.embed_tokens.weight
+    dcp_to_torch_save(tmp_path / "fsdp" / "checkpoints" / "step_4" / "dcp" / name,
+                      tmp_path / "saved.pt")
+    saved = torch.load(tmp_path / "saved.pt")["model"]
+    for key, value in exported.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+
+
+def test_parameters_shared_between_shard_units_are_left_replicated() -> None:
+    """A tied head (outside every unit) and a weight two blocks share are found; a
+    parameter used twice inside one unit, and an untied head, are not."""
+    base = nn.Module()
+    base.embed = nn.Embedding(8, 4)
+    base.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+    base.layers[2].weight = base.layers[1].weight
+    base.layers[0].twice = base.layers[0].bias
+    model = nn.Module()
+    model.base_model, model.lm_head, model.value_head = base, nn.Linear(4, 8), nn.Linear(4, 1)
+    model.lm_head.weight = base.embed.weight
+    shared = _dist.shared_params(model, [*base.layers, base])
+    assert {id(p) for p in shared} == {id(base.embed.weight), id(base.layers[1].weight)}
 
 
 def test_grpo_through_the_cli_equals_local(tmp_path: Path, local_reference: Any) -> None:
@@ -191,13 +254,16 @@ def test_a_failing_rank_names_node_and_step_without_tracebacks(
 
 
 @pytest.mark.slow
-def test_grpo_vllm_rollouts_from_a_sharded_actor_equal_local(tmp_path: Path,
-                                                             local_run: Any) -> None:
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_grpo_vllm_rollouts_from_a_sharded_actor_equal_local(
+        tied: bool, tmp_path: Path, local_run: Any, tied_models: Any) -> None:
     """Each rank's engine starts without weights and gets the actor's, one parameter made
-    whole at a time, after every update; the rollouts are the local vLLM run's.
+    whole at a time, after every update; the rollouts are the local vLLM run's (a tied
+    embedding goes once, and the engine ties its head to it).
     Slow: a vLLM engine takes 20-40 s to start, one per rank, ~3 min in all."""
     graph = GRAPHS / "grpo.yaml"
-    overrides = ("trainer.steps=3", "nodes.gen.params.backend=vllm")
+    overrides = ("trainer.steps=3", "nodes.gen.params.backend=vllm",
+                 *(tied_models("grpo") if tied else ()))
     try:
         local = local_run(graph, tmp_path / "local", *overrides)
     finally:

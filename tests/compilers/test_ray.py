@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -82,17 +83,26 @@ def _plan(graph: str, run_dir: Path, overrides: tuple[str, ...]) -> Any:
     return result.plan
 
 
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("graph", ["ppo", "grpo", "dpo"])
 def test_ray_gives_the_numbers_of_the_local_run(
-        graph: str, cluster: Any, tmp_path: Path, devnull: Any, local_reference: Any,
-        equal_overrides: dict[str, tuple[str, ...]]) -> None:
+        graph: str, tied: bool, cluster: Any, tmp_path: Path, devnull: Any,
+        local_reference: Any, local_run: Any, equal_overrides: dict[str, tuple[str, ...]],
+        tied_models: Any) -> None:
+    """Untied (`builtin:tiny-lm`) and tied (`builtin:tiny-tied`: the LM head is the
+    input embedding) models alike; resumed by the local target from a ray checkpoint."""
     from flowgraph.compilers.ray import run_ray
 
     out = _Scraper(devnull)
-    run_ray(_plan(graph, tmp_path / "ray", equal_overrides[graph]), out=out,
+    overrides = (*equal_overrides[graph], *(tied_models(graph) if tied else ()))
+    run_ray(_plan(graph, tmp_path / "ray", overrides), out=out,
             shutdown=False, metrics_port=0, metrics_hold=0.1 if graph == "grpo" else 0)
     rows = read_metrics(tmp_path / "ray")
-    assert_same_numbers(rows, local_reference(graph))
+    assert_same_numbers(rows, local_reference(graph, tied=tied))
+    # The step-3 checkpoint (DCP shards) resumed by the local target: the same step 4.
+    shutil.rmtree(tmp_path / "ray" / "checkpoints" / "step_4")
+    assert_same_numbers(local_run(GRAPHS / f"{graph}.yaml", tmp_path / "ray", *overrides,
+                                  resume=True), rows)
     if graph == "ppo":
         assert "val/score/mean" in rows[-1], "held-out evaluation through the workers"
     if graph == "grpo":  # one endpoint on the driver; every worker under its own label
@@ -101,6 +111,22 @@ def test_ray_gives_the_numbers_of_the_local_run(
             assert f'flowgraph_training_steps_total{{worker="{worker}"}} 5.0' in body, body
         assert 'flowgraph_device_memory_bytes{device="cpu",worker="actor_rollout_ref/1"}' \
             in body
+
+
+def test_a_local_checkpoint_of_a_tied_model_resumes_on_ray(
+        cluster: Any, tmp_path: Path, devnull: Any, local_reference: Any,
+        equal_overrides: dict[str, tuple[str, ...]], tied_models: Any) -> None:
+    """GRPO on `builtin:tiny-tied`: the local run's step-3 checkpoint (whole tensors)
+    loads into the two workers' shards; their step 4 is the local run's."""
+    from flowgraph.compilers.ray import run_ray
+
+    run_dir = tmp_path / "ray"
+    shutil.copytree(local_reference.run_dir("grpo", tied=True), run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step_4")
+    overrides = (*equal_overrides["grpo"], *tied_models("grpo"))
+    run_ray(_plan("grpo", run_dir, overrides), out=devnull, shutdown=False, resume=True)
+    assert_same_numbers(read_metrics(run_dir), local_reference("grpo", tied=True))
+    assert (run_dir / "checkpoints" / "step_4" / "dcp").is_dir(), "written by ray"
 
 
 def test_a_node_error_in_a_worker_names_the_node_and_step(

@@ -104,6 +104,20 @@ def test_concurrent_builds_publish_one_complete_folder(
     load_model("builtin:tiny-lm", cache_dir=tmp_path)
 
 
+def test_the_tied_builtin_is_tiny_lm_with_its_head_tied_to_its_embedding(
+    tmp_path: Path,
+) -> None:
+    tied = load_model("builtin:tiny-tied", trainable=True, cache_dir=tmp_path)
+    untied = load_model("builtin:tiny-lm", cache_dir=tmp_path)
+    assert tied.config.tie_word_embeddings and not untied.config.tie_word_embeddings
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    names = [n for n, _ in tied.named_parameters()]
+    assert names == [n for n, _ in untied.named_parameters() if n != "lm_head.weight"]
+    assert len(load_tokenizer("builtin:tiny-tied", cache_dir=tmp_path)) == VOCAB
+    config = tmp_path / "builtin" / "tiny-tied" / "config.json"
+    assert '"tie_word_embeddings": true' in config.read_text()
+
+
 def test_trainable_controls_mode_and_gradients(tmp_path: Path) -> None:
     frozen = load_model("builtin:tiny-lm", cache_dir=tmp_path)
     trained = load_model(
