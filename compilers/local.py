@@ -124,16 +124,23 @@ def model_roles(graph: Graph) -> dict[str, str]:
     return roles
 
 
-def _lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
+def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
+    """The LR factor of training step i (the scheduler steps once per update node call).
+
+    verl 0.9.1's `get_constant_schedule_with_warmup` / `get_cosine_schedule_with_warmup`
+    (held to them in tests/compilers/test_local.py): i/w while i < w, then 1, or the
+    half cosine over the remaining steps; `linear` decays to 0 as transformers'
+    `get_linear_schedule_with_warmup` does.
+    """
     def factor(i: int) -> float:
-        if warmup and i < warmup:
-            return (i + 1) / warmup
-        if schedule == "constant" or total <= warmup:
+        if i < warmup:
+            return i / max(1, warmup)
+        if schedule == "constant":
             return 1.0
-        frac = min((i - warmup) / max(total - warmup, 1), 1.0)
+        frac = (i - warmup) / max(1, total - warmup)
         if schedule == "linear":
-            return 1.0 - frac
-        return 0.5 * (1.0 + math.cos(math.pi * frac))
+            return max(0.0, 1.0 - frac)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * frac)))
 
     return factor
 
@@ -245,22 +252,9 @@ class LocalExecutor:
             cls = torch.optim.AdamW if spec.name == "adamw" else torch.optim.Adam
             opt = cls(params, lr=spec.lr, betas=spec.betas, eps=spec.eps,
                       weight_decay=spec.weight_decay)
-        total = self.graph.trainer.steps * self._optimizer_steps_per_step(m.name)
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, _lr_lambda(spec.warmup_steps, total, spec.schedule))
+            opt, lr_lambda(spec.warmup_steps, self.graph.trainer.steps, spec.schedule))
         self.res.optimizers[m.name], self.res.schedulers[m.name] = opt, sched
-
-    def _optimizer_steps_per_step(self, model: str) -> int:
-        total = 0
-        for node in self.graph.nodes:
-            kind = self.kinds.get(node.name)
-            if node.model != model or kind is None or not kind.trains:
-                continue
-            batch = self.check.shapes.batch.get(node.name) or 1
-            mini = node.params.get("mini_batch_size") or batch
-            epochs = node.params.get("ppo_epochs") or 1
-            total += int(epochs) * max(batch // int(mini), 1)  # type: ignore[call-overload]
-        return max(total, 1)
 
     def _data_tokenizer(self, d: DataSpec) -> Any:
         for node in self.graph.nodes:

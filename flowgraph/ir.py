@@ -146,8 +146,10 @@ class OptimizerSpec:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     warmup_steps: int = 0
+    """Training steps (as verl's `lr_warmup_steps`, not optimizer steps) of linear warm-up
+    from 0: the LR of step s < w is lr·s/w."""
     schedule: str = "constant"
-    """`constant`, `linear` or `cosine` decay after warm-up."""
+    """`constant`, `linear` or `cosine` decay after warm-up, over `trainer.steps`."""
     grad_clip: float = 1.0
     """Max global grad norm; 0 disables clipping."""
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)

@@ -108,8 +108,9 @@ DOCS: dict[str, str] = {
     "optimizer.weight_decay": "Decoupled weight decay.",
     "optimizer.betas": "Adam betas (beta1, beta2).",
     "optimizer.eps": "Adam epsilon.",
-    "optimizer.warmup_steps": "Linear warm-up steps before the schedule starts.",
-    "optimizer.schedule": "Decay after warm-up: constant, linear or cosine.",
+    "optimizer.warmup_steps": "Training steps (not optimizer steps, as verl's lr_warmup_steps) "
+    "of linear warm-up from 0: the LR of step s < w is lr*s/w.",
+    "optimizer.schedule": "Decay after warm-up over trainer.steps: constant, linear or cosine.",
     "optimizer.grad_clip": "Max global gradient norm; 0 disables clipping.",
     "nodes.kind": "Registry name of the node's kind (`flowgraph schema` lists them).",
     "nodes.model": "The model this node runs: a key of `models`.",

@@ -8,7 +8,8 @@ Each is a sink: it trains `ctx.model` with `ctx.optimizer` and reports through
             for each micro-batch k of m:          # gradient accumulation
                 (w_k · L_k).backward()
             clip (or measure) the grad norm; non-finite → NonFiniteError, model untouched
-            optimizer.step(); scheduler.step()
+            optimizer.step()
+    scheduler.step()                             # once per call: training steps, as verl
 
 Micro-batch weights. L_k is micro-batch k's own loss, aggregated as `loss_agg_mode`
 says, and w_k = n_k / Σ_j n_j, with n the aggregation's denominator: valid tokens
@@ -210,8 +211,6 @@ def _optimizer_step(
         _abort(ctx, "gradient norm")
     metrics["grad_norm"], metrics["lr"] = grad_norm, ctx.optimizer.param_groups[0]["lr"]
     ctx.optimizer.step()
-    if ctx.scheduler is not None:
-        ctx.scheduler.step()
     ctx.model.zero_grad(set_to_none=True)
     return metrics
 
@@ -248,6 +247,8 @@ def _train(
     )
     with torch.enable_grad():  # an executor may call nodes under no_grad
         steps = [_optimizer_step(ctx, total, micro, loss_fn, size_fn) for total, micro in plan]
+    if ctx.scheduler is not None:  # once per training step, as verl's lr_scheduler
+        ctx.scheduler.step()
     for name in steps[0]:
         full = f"{prefix}/{name}" if name in ("grad_norm", "lr") else name
         ctx.metrics[full] = sum(s[name] for s in steps) / len(steps)

@@ -1,8 +1,9 @@
 """Write tests/fixtures/verl/core_algos.pt: verl 0.9.1's own outputs on seeded inputs.
 
-Every advantage estimator, the PPO policy loss, the value loss and the KL penalties of
-`flowgraph.nodes` are held to these numbers by tests/nodes/test_verl_reference.py; the
-tests never import verl. Inputs: 8 responses of 12 tokens in groups
+Every advantage estimator, the PPO policy loss, the value loss, agg_loss and the KL
+penalties of `flowgraph.nodes` are held to these numbers by
+tests/nodes/test_verl_reference.py, the LR schedules (warm-up) by
+tests/compilers/test_local.py; the tests never import verl. Inputs: 8 responses of 12 tokens in groups
 (0 0 0 0 1 1 1 2: a singleton group too), on two masks: contiguous (a response, then
 padding) and with holes (tokens masked in the middle, as tool observations in
 multi-turn data are: `1 1 0 0 1 1 1 1 1 0 …`), in float32 and float64.
@@ -111,13 +112,37 @@ def losses(m: torch.Tensor, randn: Any, inputs: dict[str, torch.Tensor]) -> dict
     return out
 
 
+def schedules() -> dict[str, list[float]]:
+    """LR factors of steps 0..total-1 from verl's schedulers (stepped once per training
+    step by verl's workers)."""
+    from verl.utils.torch_functional import (
+        get_constant_schedule_with_warmup,
+        get_cosine_schedule_with_warmup,
+    )
+
+    out = {}
+    for warmup, total in ((0, 10), (3, 10), (10, 10), (4, 7)):
+        for name in ("constant", "cosine"):
+            opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+            sched = (get_constant_schedule_with_warmup(opt, warmup) if name == "constant" else
+                     get_cosine_schedule_with_warmup(opt, warmup, total))
+            factors = []
+            for _ in range(total):
+                factors.append(opt.param_groups[0]["lr"])
+                opt.step()
+                sched.step()
+            out[f"{name}/{warmup}/{total}"] = factors
+    return out
+
+
 def main() -> None:
     assert verl.__version__ == "0.9.1", f"made with verl 0.9.1, not {verl.__version__}"
     g = torch.Generator().manual_seed(0)
     fixtures = {f"{name}/{str(dtype).removeprefix('torch.')}": case(mask, dtype, g)
                 for name, mask in masks().items() for dtype in (torch.float32, torch.float64)}
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"verl": verl.__version__, "torch": torch.__version__, "cases": fixtures}, OUT)
+    torch.save({"verl": verl.__version__, "torch": torch.__version__, "cases": fixtures,
+                "schedules": schedules()}, OUT)
     print(f"wrote {OUT} ({OUT.stat().st_size} bytes, {len(fixtures)} cases)")
 
 

@@ -177,3 +177,26 @@ def test_export_gives_a_loadable_hugging_face_model(tmp_path: Path) -> None:
         assert torch.equal(value, saved[name]), name
     with pytest.raises(FlowgraphError, match="no model `critic`"):
         export_model(tmp_path / "run", "critic", tmp_path / "x")
+
+
+VERL = torch.load(ROOT / "tests" / "fixtures" / "verl" / "core_algos.pt", weights_only=False)
+
+
+@pytest.mark.parametrize("case", sorted(VERL["schedules"]))
+def test_lr_schedule_is_verls(case: str) -> None:
+    """LR factors of training steps 0..total-1, from verl 0.9.1's schedulers
+    (scripts/verl_fixtures.py): warm-up from 0 (i/w), then constant or half cosine."""
+    from flowgraph.compilers.local import lr_lambda
+
+    name, warmup, total = case.split("/")
+    factor = lr_lambda(int(warmup), int(total), name)
+    ours = [factor(i) for i in range(int(total))]
+    assert ours == pytest.approx(VERL["schedules"][case], abs=1e-12)
+
+
+def test_warmup_counts_training_steps_not_optimizer_steps(tmp_path: Path) -> None:
+    # PPO's update takes 2 mini-batches (16 sequences, mini_batch_size 8): 2 optimizer
+    # steps a training step at one LR. Warm-up over 4 training steps: lr·0, ·¼, ·½, ·¾.
+    rows = _run(ROOT / "graphs" / "ppo.yaml", tmp_path, "trainer.steps=4",
+                "models.actor.optimizer.warmup_steps=4", "models.actor.optimizer.lr=0.001")
+    assert [r["actor/lr"] for r in rows] == pytest.approx([0.0, 0.00025, 0.0005, 0.00075])
