@@ -4,9 +4,9 @@ Every advantage estimator, the PPO policy loss, the value loss, agg_loss and the
 penalties of `flowgraph.nodes` are held to these numbers by
 tests/nodes/test_verl_reference.py, the LR schedules (warm-up) by
 tests/compilers/test_local.py; the tests never import verl. Inputs: 8 responses of 12
-tokens in groups (0 0 0 0 1 1 1 2: a singleton group too), on two masks: contiguous (a response, then
-padding) and with holes (tokens masked in the middle, as tool observations in
-multi-turn data are: `1 1 0 0 1 1 1 1 1 0 …`), in float32 and float64.
+tokens in groups (0 0 0 0 1 1 1 2: a singleton group too), on two masks: contiguous (a
+response, then padding) and with holes (tokens masked in the middle, as tool
+observations in multi-turn data are: `1 1 0 0 1 1 1 1 1 0 …`), in float32 and float64.
 
 Run (verl is not a dependency of flowgraph; this is the only place that needs it):
 
