@@ -329,7 +329,8 @@ class LocalExecutor:
         node, kind = self.nodes[name], self.kinds[name]
         values = kind.param_values(node.params.to_python())
         if evaluation and kind.name == "generate":
-            values["do_sample"] = False  # held-out prompts are scored greedily
+            # Held-out prompts are answered greedily, so N samples would be N copies.
+            values["do_sample"], values["n"] = False, 1
         return values
 
     def run_node(self, name: str, env: dict[tuple[str, str], Any], step: int, *,
@@ -434,9 +435,10 @@ class LocalExecutor:
         return metrics
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Held-out prompts, greedy; every node but the updates; `val/...` metrics: the step
-        metrics, the KL to the reference, and text metrics of the responses (diversity,
-        exact-match accuracy: `flowgraph.runtime.evaluation`)."""
+        """Held-out prompts, each answered once, greedily; every node but the updates;
+        `val/...` metrics: the step metrics, the log-ratio to the reference, and text
+        metrics of the responses (diversity, exact-match accuracy:
+        `flowgraph.runtime.evaluation`)."""
         out: dict[str, float] = {}
         if not all(self.res.data[d.name].eval is not None for d in self.graph.data):
             return out
@@ -459,7 +461,7 @@ class LocalExecutor:
                     else:
                         self._update_eval(name, env, step, scratch)
                 scratch.update(step_metrics(self.graph, self.kinds, env))
-                scratch.update(kl_to_reference(self.graph, env))
+                scratch.update(log_ratio_to_reference(self.graph, env))
                 held_out.add(self.graph, self.kinds, env, self.res.tokenizers)
                 for k, v in scratch.items():
                     sums[k] = sums.get(k, 0.0) + v / batches
@@ -631,9 +633,11 @@ def step_metrics(graph: Graph, kinds: dict[str, KindSpec],
 # --- held-out metrics (evaluate) ----------------------------------------------------------
 
 
-def kl_to_reference(graph: Graph, env: dict[tuple[str, str], Any]) -> dict[str, float]:
-    """`kl_to_ref`: the mean over valid response tokens of log π(y_t) − log π_ref(y_t),
-    the k1 estimate of KL(π ‖ π_ref) on these responses. Read from the first node that
+def log_ratio_to_reference(graph: Graph, env: dict[tuple[str, str], Any]
+                           ) -> dict[str, float]:
+    """`log_ratio_to_ref`: the mean over valid response tokens of log π(y_t) − log π_ref(y_t).
+    On responses sampled from π this is the k1 estimate of KL(π ‖ π_ref); on the greedy
+    held-out responses it is not (it can be negative), hence its name. Read from the first node that
     takes both an actor log-prob (`log_prob` or `old_log_prob`) and `ref_log_prob` (PPO's
     `kl_penalty`, GRPO's actor update); nothing when the graph has no reference."""
     for node in graph.nodes:
@@ -643,7 +647,7 @@ def kl_to_reference(graph: Graph, env: dict[tuple[str, str], Any]) -> dict[str, 
             continue
         pi, pi_ref = env.get((actor.node, actor.port)), env.get((ref.node, ref.port))
         if pi is not None and pi_ref is not None:
-            return {"kl_to_ref": _masked_mean(pi - pi_ref, env[(mask.node, mask.port)])}
+            return {"log_ratio_to_ref": _masked_mean(pi - pi_ref, env[(mask.node, mask.port)])}
     return {}
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowgraph.check import check_graph
-from flowgraph.compilers.local import HeldOut, kl_to_reference, step_metrics
+from flowgraph.compilers.local import HeldOut, log_ratio_to_reference, step_metrics
 from flowgraph.frontend import load_graph
 from flowgraph.ir import Graph
 from flowgraph.nodes.models import load_tokenizer
@@ -23,7 +23,7 @@ def _graph(name: str) -> tuple[Graph, dict[str, KindSpec]]:
 
 
 @pytest.mark.parametrize("name", ["grpo.yaml", "ppo.yaml"])
-def test_kl_to_reference_is_the_masked_mean_log_ratio(name: str) -> None:
+def test_log_ratio_to_reference_is_the_masked_mean_log_ratio(name: str) -> None:
     graph, _ = _graph(name)
     env = {
         ("old_logprob", "log_prob"): torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]]),
@@ -32,12 +32,12 @@ def test_kl_to_reference_is_the_masked_mean_log_ratio(name: str) -> None:
     }
     # log π − log π_ref = [[.5, .5, 6], [.5, .5, 0]]; the masked-out 6 does not count:
     # (0.5 + 0.5 + 0.5 + 0.5) / 4 valid tokens
-    assert kl_to_reference(graph, env) == {"kl_to_ref": pytest.approx(0.5)}
+    assert log_ratio_to_reference(graph, env) == {"log_ratio_to_ref": pytest.approx(0.5)}
 
 
 def test_no_reference_no_kl() -> None:
     graph, _ = _graph("dpo.yaml")
-    assert kl_to_reference(graph, {}) == {}
+    assert log_ratio_to_reference(graph, {}) == {}
 
 
 def test_held_out_responses_give_diversity_and_accuracy() -> None:

@@ -200,3 +200,23 @@ def test_warmup_counts_training_steps_not_optimizer_steps(tmp_path: Path) -> Non
     rows = _run(ROOT / "graphs" / "ppo.yaml", tmp_path, "trainer.steps=4",
                 "models.actor.optimizer.warmup_steps=4", "models.actor.optimizer.lr=0.001")
     assert [r["actor/lr"] for r in rows] == pytest.approx([0.0, 0.00025, 0.0005, 0.00075])
+
+
+def test_evaluation_answers_each_held_out_prompt_once(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy decoding gives N copies of one response: evaluation asks for one."""
+    from flowgraph.nodes import generate as generate_module
+
+    calls: list[tuple[bool, int]] = []  # (sampled, responses)
+    real = generate_module.decode  # what the hf backend calls, with the repeated prompts
+
+    def spy(model: object, prompts: torch.Tensor, *args: object, **kwargs: object) -> object:
+        out = real(model, prompts, *args, **kwargs)  # type: ignore[arg-type]
+        calls.append((not args[2].greedy, len(out["responses"])))  # type: ignore[attr-defined]
+        return out
+
+    monkeypatch.setattr(generate_module, "decode", spy)
+    _run(ROOT / "graphs" / "grpo.yaml", tmp_path, "trainer.steps=1", "trainer.eval_every=1")
+    assert [r for sampled, r in calls if sampled] == [16]  # Bp = 4 prompts × N = 4
+    # builtin:arith:test has 31 prompts: 7 batches of Bp = 4, one response each
+    assert [r for sampled, r in calls if not sampled] == [4] * 7

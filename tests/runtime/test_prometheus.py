@@ -183,13 +183,14 @@ def test_held_out_metrics_reach_jsonl_tensorboard_and_prometheus(live_run: LiveR
     rows = _rows(live_run.run_dir)
     assert [any(k.startswith("val/") for k in r) for r in rows] == [False, False, True]
     val = {k: v for k, v in rows[-1].items() if k.startswith("val/")}
-    expected = {"val/accuracy", "val/kl_to_ref", "val/response_length/mean", "val/score/mean",
+    expected = {"val/accuracy", "val/log_ratio_to_ref", "val/response_length/mean",
+                "val/score/mean",
                 "val/diversity/distinct_1", "val/diversity/distinct_2",
                 "val/diversity/entropy_1", "val/diversity/entropy_2",
                 "val/diversity/repetition_2"}
     assert expected <= set(val)
     assert 0.0 <= val["val/accuracy"] <= 1.0 and 0.0 < val["val/diversity/distinct_1"] <= 1.0
-    assert 0.0 < val["val/response_length/mean"] <= 8 and math.isfinite(val["val/kl_to_ref"])
+    assert 0.0 < val["val/response_length/mean"] <= 8 and math.isfinite(val["val/log_ratio_to_ref"])
     for key, v in val.items():
         name = key.removeprefix("val/")
         assert value(live_run.final, "flowgraph_val", name=name) == pytest.approx(v), key
