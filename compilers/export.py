@@ -20,7 +20,10 @@ from flowgraph.errors import FlowgraphError
 from flowgraph.plan import ExecutionPlan
 
 
-def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = None) -> Path:
+def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = None,
+                 force: bool = False) -> Path:
+    """Write model `model` of the run's latest (or `step`'s) checkpoint to `out`, a new
+    or empty folder (`force`: write over what is there)."""
     from flowgraph.compilers.local import model_roles
     from flowgraph.nodes.models import load_model, load_tokenizer
 
@@ -35,6 +38,12 @@ def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = Non
     if model_roles(graph).get(model) != "causal":
         raise FlowgraphError(f"model `{model}` is not a causal LM (a critic or reward model); "
                              "only causal LMs export as Hugging Face models")
+    if not spec.trainable:
+        raise FlowgraphError(f"model `{model}` is frozen (not trainable): checkpoints do not "
+                             f"hold it, its weights are those of `{spec.path}`")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise FlowgraphError(f"`{out}` is not empty; export into a new folder, or pass "
+                             "--force to write over its files")
     folder = _checkpoint(run_dir, step)
     sharded = _dist.has_dcp(folder)  # written by the fsdp or ray target
     weights = (folder / _dist.DCP_DIR / model / ".metadata" if sharded

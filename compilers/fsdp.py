@@ -114,7 +114,7 @@ class FsdpExecutor(LocalExecutor):
     # -- checkpoints ----------------------------------------------------------------------
 
     def trained(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return self.res.models, self.res.optimizers
+        return self.saved_models(), self.res.optimizers
 
     def save(self, step: int) -> None:
         run_dir = self.opts.run_dir
@@ -128,7 +128,8 @@ class FsdpExecutor(LocalExecutor):
         if self.rank == 0:
             for name, sched in self.res.schedulers.items():
                 torch.save(sched.state_dict(), tmp / f"sched.{name}.pt")
-            publish_checkpoint(tmp, self.run_state(step))
+            publish_checkpoint(tmp, self.run_state(step),
+                               keep=self.graph.trainer.max_checkpoints)
         dist.barrier()
 
     def restore(self) -> int:

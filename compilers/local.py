@@ -10,7 +10,8 @@ every step, so a NaN stops the run with the node and step named (or skips the ba
 with `trainer.on_nonfinite=skip`), keeping the last good checkpoint.
 
 Hoisted nodes (loop-invariant, e.g. DPO's reference log-probs) are computed once per
-dataset row and cached by the row's `uid`.
+dataset row, the first time a step draws it, and cached by the row's `uid` (in memory,
+per process and split; a resumed run recomputes them).
 
 `fsdp.py` and `ray.py` subclass this and override placement and dispatch only.
 """
@@ -487,9 +488,14 @@ class LocalExecutor:
 
     # -- the loop -------------------------------------------------------------------------
 
+    def saved_models(self) -> dict[str, torch.nn.Module]:
+        """The models a checkpoint holds: the trained ones. A frozen model (a reference, a
+        reward model) is rebuilt from its source when a run resumes, never saved again."""
+        return {n: m for n, m in self.res.models.items() if n in self.res.optimizers}
+
     def checkpoint_modules(self) -> dict[str, Any]:
         mods: dict[str, Any] = {}
-        for name, model in self.res.models.items():
+        for name, model in self.saved_models().items():
             mods[f"model.{name}"] = model
         for name, opt in self.res.optimizers.items():
             mods[f"optim.{name}"] = opt
@@ -507,7 +513,7 @@ class LocalExecutor:
 
     def save(self, step: int) -> None:
         save_checkpoint(self.opts.run_dir, step, modules=self.checkpoint_modules(),
-                        state=self.run_state(step))
+                        state=self.run_state(step), keep=self.graph.trainer.max_checkpoints)
 
     def restore(self) -> int:
         """Load the latest checkpoint; return the next step to run (0 when none).
@@ -529,7 +535,7 @@ class LocalExecutor:
             load_checkpoint(folder, modules=self.checkpoint_modules())
             return
         load = _dist.dcp_load if dcp else _dist.load_whole
-        load(folder, self.res.models, self.res.optimizers)
+        load(folder, self.saved_models(), self.res.optimizers)
         for name, sched in self.res.schedulers.items():
             sched.load_state_dict(torch.load(folder / f"sched.{name}.pt", weights_only=False))
 

@@ -176,7 +176,7 @@ class RayWorker:
 
     def save(self, folder: str) -> None:
         ex = self._ready()
-        _dist.dcp_save(Path(folder), ex.res.models, ex.res.optimizers)
+        _dist.dcp_save(Path(folder), ex.saved_models(), ex.res.optimizers)
         if self.rank == 0:
             for name, sched in ex.res.schedulers.items():
                 torch.save(sched.state_dict(), Path(folder) / f"sched.{name}.pt")
@@ -369,7 +369,7 @@ class RayExecutor(LocalExecutor):
     def save(self, step: int) -> None:
         tmp = begin_checkpoint(self.opts.run_dir, step, "tmp-ray")
         self._get([w.save.remote(str(tmp)) for g in self.groups.values() for w in g.workers])
-        publish_checkpoint(tmp, self.run_state(step))
+        publish_checkpoint(tmp, self.run_state(step), keep=self.graph.trainer.max_checkpoints)
 
     def restore(self) -> int:
         found = latest_checkpoint(self.opts.run_dir)

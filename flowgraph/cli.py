@@ -193,7 +193,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     from flowgraph.compilers.export import export_model
 
-    out = export_model(Path(args.run_dir), args.model, Path(args.output), step=args.step)
+    out = export_model(Path(args.run_dir), args.model, Path(args.output), step=args.step,
+                       force=args.force)
     print(f"exported `{args.model}` to {out}")
     return EXIT_OK
 
@@ -319,6 +320,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", required=True, help="the model's name in the graph")
     e.add_argument("-o", "--output", required=True, metavar="DIR")
     e.add_argument("--step", type=int, default=None, help="default: the latest checkpoint")
+    e.add_argument("--force", action="store_true",
+                   help="write into DIR even when it is not empty (its files are replaced)")
     e.set_defaults(func=cmd_export)
 
     v = sub.add_parser("viz", help="draw a graph: Mermaid, Graphviz DOT or SVG")

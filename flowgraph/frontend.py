@@ -89,6 +89,7 @@ NODE: dict[str, _T] = {
 }
 TRAINER: dict[str, _T] = {
     "steps": (int,), "seed": (int,), "run_dir": (str,), "checkpoint_every": (int,),
+    "max_checkpoints": (int,),
     "eval_every": (int,), "resume": (bool,), "strict": (bool,), "on_nonfinite": (str,),
     "step_timeout_s": (float,), "metrics_port": (int, type(None)),
 }
@@ -367,7 +368,7 @@ def _read_trainer(r: _Reader, node: YNode | None) -> TrainerSpec:
     if node is None:
         return TrainerSpec()
     f = r.section(node, TRAINER, "trainer")
-    for key in ("steps", "checkpoint_every", "eval_every", "seed"):
+    for key in ("steps", "checkpoint_every", "max_checkpoints", "eval_every", "seed"):
         if key in f and f[key] < 0:
             r.err("FG004", f"`trainer.{key}` must be >= 0, got {f[key]}", node.pos)
             del f[key]

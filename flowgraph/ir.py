@@ -218,6 +218,8 @@ class TrainerSpec:
     run_dir: str = "runs/flowgraph"
     checkpoint_every: int = 0
     """0: only at the end."""
+    max_checkpoints: int = 2
+    """The newest this many checkpoints are kept; 0 keeps all."""
     eval_every: int = 0
     """0: never."""
     resume: bool = False

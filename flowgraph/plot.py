@@ -44,7 +44,8 @@ class Panel:
 PANELS = (
     Panel("reward", ("critic/score/mean", "critic/rewards/mean", "rewards/accuracies",
                      "rewards/margins")),
-    Panel("KL", ("actor/reward_kl_penalty", "actor/kl_loss", "actor/ppo_kl", "val/log_ratio_to_ref")),
+    Panel("KL", ("actor/reward_kl_penalty", "actor/kl_loss", "actor/ppo_kl",
+                 "val/log_ratio_to_ref")),
     Panel("losses", ("actor/pg_loss", "critic/vf_loss", "actor/dpo_loss")),
     Panel("response length (tokens)", ("response_length/mean", "val/response_length/mean")),
     Panel("stage seconds", prefix="timing_s/"),

@@ -123,6 +123,7 @@ DOCS: dict[str, str] = {
     "trainer.seed": "Random seed of data order, sampling and initialisation.",
     "trainer.run_dir": "Where metrics, TensorBoard events and checkpoints go.",
     "trainer.checkpoint_every": "Checkpoint every this many steps; 0: only at the end.",
+    "trainer.max_checkpoints": "Keep the newest this many checkpoints; 0: keep all.",
     "trainer.eval_every": "Evaluate every this many steps; 0: never.",
     "trainer.resume": "Resume from the latest checkpoint in run_dir.",
     "trainer.strict": "Check every tensor on every edge at every step (the first step "
@@ -149,6 +150,7 @@ DIM_DOCS = {
     "V": "Vocabulary size.",
 }
 _MINIMUMS = {"trainer.steps": 0, "trainer.seed": 0, "trainer.checkpoint_every": 0,
+             "trainer.max_checkpoints": 0,
              "trainer.eval_every": 0, "resources.nproc": 1}
 """Bounds the front end enforces."""
 

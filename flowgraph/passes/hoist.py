@@ -1,12 +1,13 @@
 """Pass `hoist`: loop-invariant hoisting.
 
-A node is invariant when it computes the same rows at every step: every input comes
-from a data source or another invariant node, its model (if any) is frozen, and its
-kind is deterministic and row-wise. Invariant nodes get `hoisted: true`; the schedule
-runs them once, over the whole dataset, before the loop, and each step reads the rows
-of its batch. Offline DPO's reference log-probs are the classic case (Rafailov et al.
-2023 precompute them once). The pass decides every node's mark afresh, so a wrong
-`hoisted: true` in a file is cleared.
+A node is invariant when it computes the same rows at every step: every input comes from
+a data source or another invariant node, its model (if any) is frozen, and its kind is
+deterministic and row-wise. Invariant nodes get `hoisted: true`; the executor computes
+such a node once per dataset row, the first time a step draws the row, keeps the outputs
+by the row's `uid` and reads them on later steps (`LocalExecutor._hoisted`; the cache is
+per process and not checkpointed). Offline DPO's reference log-probs are the classic
+case (Rafailov et al. 2023 precompute them once). The pass decides every node's mark
+afresh, so a wrong `hoisted: true` in a file is cleared.
 """
 
 from __future__ import annotations

@@ -60,6 +60,18 @@ def test_dpo_trains_hoists_and_checkpoints(tmp_path: Path) -> None:
     found = latest_checkpoint(tmp_path / "run")
     assert found is not None and found[0] == 2
     assert (found[1] / "model.policy.pt").exists() and (found[1] / "optim.policy.pt").exists()
+    # the frozen reference is rebuilt from its source on resume, never saved again
+    assert sorted(p.name for p in found[1].glob("model.*")) == ["model.policy.pt"]
+
+
+@pytest.mark.parametrize(("keep", "kept"), [(3, [1, 2, 3]), (0, [0, 1, 2, 3])])
+def test_max_checkpoints_is_how_many_are_kept(tmp_path: Path, keep: int,
+                                              kept: list[int]) -> None:
+    _run(ROOT / "graphs" / "dpo.yaml", tmp_path, "trainer.steps=4", "trainer.checkpoint_every=1",
+         f"trainer.max_checkpoints={keep}")
+    steps = sorted(int(p.name.removeprefix("step_"))
+                   for p in (tmp_path / "run" / "checkpoints").iterdir())
+    assert steps == kept
 
 
 def test_resumed_run_reproduces_the_uninterrupted_one(tmp_path: Path) -> None:
@@ -177,6 +189,13 @@ def test_export_gives_a_loadable_hugging_face_model(tmp_path: Path) -> None:
         assert torch.equal(value, saved[name]), name
     with pytest.raises(FlowgraphError, match="no model `critic`"):
         export_model(tmp_path / "run", "critic", tmp_path / "x")
+    with pytest.raises(FlowgraphError, match=r"`ref` is frozen .* those of `builtin:tiny-lm`"):
+        export_model(tmp_path / "run", "ref", tmp_path / "x")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FlowgraphError, match=r"is not empty; .* --force"):
+        export_model(tmp_path / "run", "policy", out)
+    export_model(tmp_path / "run", "policy", out, force=True)
+    assert (out / "notes.txt").read_text() == "mine"
 
 
 VERL = torch.load(ROOT / "tests" / "fixtures" / "verl" / "core_algos.pt", weights_only=False)
