@@ -49,3 +49,11 @@ def builtin_config(path: str) -> dict[str, int | str | float] | None:
     if not path.startswith(BUILTIN_PREFIX):
         return None
     return BUILTIN_MODELS.get(path[len(BUILTIN_PREFIX):])
+
+
+def held_out_path(path: str, eval_path: str | None) -> str | None:
+    """Where a data source's held-out rows are: its `eval_path`, else a built-in task's
+    `:test` split (`builtin:arith` -> `builtin:arith:test`); None when it has none."""
+    if eval_path is None and path.startswith(BUILTIN_PREFIX) and path.count(":") == 1:
+        return f"{path}:test"
+    return eval_path

@@ -41,6 +41,7 @@ CODES: dict[str, str] = {
     "FG114": "an update node whose model is not trainable",
     "FG115": "a malformed `node.port` reference",
     "FG116": "log-probs scored at another temperature than the rollout sampled at",
+    "FG117": "evaluation asked for (`trainer.eval_every`) with no held-out data",
     # contracts
     "FG201": "rank mismatch along an edge",
     "FG202": "dim mismatch along an edge",

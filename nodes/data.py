@@ -37,7 +37,7 @@ import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
-from flowgraph.builtin_models import BUILTIN_PREFIX
+from flowgraph.builtin_models import BUILTIN_PREFIX, held_out_path
 from flowgraph.errors import FlowgraphError
 
 __all__ = [
@@ -314,12 +314,6 @@ class Splits:
     """Held-out rows in file order: `eval_path`, or a built-in's `:test` split."""
 
 
-def _eval_path(path: str, eval_path: str | None) -> str | None:
-    if eval_path is None and path.startswith(BUILTIN_PREFIX) and path.count(":") == 1:
-        return f"{path}:test"
-    return eval_path
-
-
 def prompt_source(
     path: str,
     *,
@@ -339,7 +333,7 @@ def prompt_source(
         "apply_chat_template": apply_chat_template,
         "format": format,
     }
-    held_out = _eval_path(path, eval_path)
+    held_out = held_out_path(path, eval_path)
     return Splits(
         PromptDataset(path, tokenizer, shuffle=shuffle, seed=seed, **kw),
         None if held_out is None else PromptDataset(held_out, tokenizer, shuffle=False, **kw),
@@ -363,7 +357,7 @@ def preference_source(
         "max_response_length": max_response_length,
         "format": format,
     }
-    held_out = _eval_path(path, eval_path)
+    held_out = held_out_path(path, eval_path)
     return Splits(
         PreferenceDataset(path, tokenizer, shuffle=shuffle, seed=seed, **kw),
         None if held_out is None else PreferenceDataset(held_out, tokenizer, shuffle=False, **kw),

@@ -22,6 +22,7 @@ from flowgraph.check.shapes import (
 from flowgraph.check.structure import (
     Resolved,
     check_cycles,
+    check_held_out,
     check_models,
     check_params,
     check_ports,
@@ -90,6 +91,7 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
         check_params(table, out)
         check_models(graph, table, out)
         check_temperatures(table, out)
+        check_held_out(graph, out)
         order = topo_order(graph, set())
         on_cycle = set() if _acyclic(graph, table, order) else check_cycles(graph, out)
         check_unused(graph, table, out)

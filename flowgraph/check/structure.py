@@ -9,6 +9,7 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+from flowgraph.builtin_models import held_out_path
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.document import did_you_mean
 from flowgraph.ir import DataSpec, Graph, NodeSpec, Params, ParamValue, PortRef
@@ -366,3 +367,19 @@ def check_unused(graph: Graph, table: dict[str, Resolved], out: list[Diagnostic]
         out.append(warning("FG108", f"no node uses the outputs of `{r.name}` ({outs})", r.pos,
                            node=r.name, hint="wire them into a node, or remove "
                            f"`{r.name}`; compile drops it (dead-node elimination)"))
+
+
+def check_held_out(graph: Graph, out: list[Diagnostic]) -> None:
+    """`eval_every` evaluates on every data source's held-out rows; a source without
+    them means no evaluation at all (the executor skips it), so say so before the run."""
+    if not graph.trainer.eval_every:
+        return
+    for d in graph.data:
+        eval_path = d.params.to_python().get("eval_path")
+        if held_out_path(d.path, eval_path if isinstance(eval_path, str) else None):
+            continue
+        out.append(warning(
+            "FG117", f"`trainer.eval_every` is {graph.trainer.eval_every}, but data source "
+            f"`{d.name}` has no held-out rows: no evaluation will run", graph.trainer.pos,
+            node=d.name, hint=f"set data.{d.name}.params.eval_path to a held-out file, or "
+            "trainer.eval_every: 0"))

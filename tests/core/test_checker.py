@@ -188,3 +188,18 @@ def test_a_pool_that_fits_checks_clean_at_any_nproc() -> None:
     graph, _ = load_graph("g.yaml", ["resources.pools.actor_rollout_ref.size=2"], text=POOLS)
     assert graph is not None
     assert check_graph(graph, dp=1, target="ray").diagnostics == ()
+
+
+@pytest.mark.parametrize(("overrides", "warned"), [
+    (("data.train.path=prompts.parquet",), True),
+    (("data.train.path=prompts.parquet", "data.train.eval_path=held_out.parquet"), False),
+    (("data.train.path=builtin:arith",), False),  # its `:test` split
+    (("data.train.path=builtin:arith:train",), True),
+    (("data.train.path=prompts.parquet", "trainer.eval_every=0"), False),
+])
+def test_eval_every_without_held_out_data_warns(overrides: tuple[str, ...], warned: bool) -> None:
+    found = [d for d in _check(GRPO, ("trainer.eval_every=5", *overrides)) if d.code == "FG117"]
+    assert bool(found) == warned
+    if warned:
+        assert found[0].message == ("`trainer.eval_every` is 5, but data source `train` has no "
+                                    "held-out rows: no evaluation will run")
