@@ -23,7 +23,9 @@ import inspect
 import json
 import math
 import os
+import sysconfig
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +40,7 @@ from flowgraph.compilers.checkpoint import (
     remove_partial,
     save_checkpoint,
 )
-from flowgraph.errors import FlowgraphError, NonFiniteError
+from flowgraph.errors import DEBUG_ENV, FlowgraphError, NonFiniteError
 from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec
 from flowgraph.plan import ExecutionPlan
 from flowgraph.registry import KindSpec
@@ -89,6 +91,19 @@ class Impl:
             raise FlowgraphError(
                 f"node `{node.name}` (kind {kind.name}): implementation `{kind.impl}` does not "
                 f"accept {', '.join(f'`{m}`' for m in missing)} that the kind declares")
+
+
+_LIBRARIES = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
+                                                       "platlib"))
+
+
+def _user_frame(exc: BaseException) -> traceback.FrameSummary:
+    """The innermost frame of the node's own code: below the executor's call, outside
+    the standard library and installed packages (torch, transformers...); the innermost
+    frame of all when every frame is a library's (a node installed as a package)."""
+    frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0]: the executor's call
+    own = [f for f in frames if not f.filename.startswith(_LIBRARIES)]
+    return (own or frames or traceback.extract_tb(exc.__traceback__))[-1]
 
 
 def _outputs(kind: KindSpec, result: Any) -> dict[str, Any]:
@@ -320,11 +335,29 @@ class LocalExecutor:
         except (NonFiniteError, NodeError):
             raise
         except Exception as exc:
-            raise NodeError(f"while executing node `{name}` (kind {kind.name}, "
-                            f"{node.pos}) at step {step}: {type(exc).__name__}: {exc}") from exc
+            raise self.node_error(name, step, exc) from exc
         seconds = time.perf_counter() - t0
         metrics.update(ctx.metrics)
         return _outputs(kind, result), seconds
+
+    def node_error(self, name: str, step: int, exc: Exception) -> NodeError:
+        """What a node raised, as one message: the node, its kind and graph line, the step,
+        the error, and the line of the node's own code that raised it (a plugin's file,
+        not flowgraph's or torch's). The full traceback goes to `run_dir/traceback.txt`,
+        and into the message under `flowgraph run --debug`."""
+        node, kind = self.nodes[name], self.kinds[name]
+        full = "".join(traceback.format_exception(exc))
+        where = self.opts.run_dir / "traceback.txt"
+        try:
+            where.write_text(full)
+            saved = f"\n(the full traceback: {where}; `flowgraph run --debug` prints it)"
+        except OSError:
+            saved = ""
+        frame = _user_frame(exc)
+        text = (f"while executing node `{name}` (kind {kind.name}, {node.pos}) at step {step}: "
+                f"{type(exc).__name__}: {exc}\n  at {frame.filename}:{frame.lineno} in "
+                f"{frame.name}: {(frame.line or '').strip()}")
+        return NodeError(text + (f"\n{full}" if os.environ.get(DEBUG_ENV) else saved))
 
     def params_of(self, name: str, *, evaluation: bool = False) -> dict[str, Any]:
         node, kind = self.nodes[name], self.kinds[name]
@@ -729,10 +762,12 @@ def pick_device(requested: str) -> str:
 
 
 def prepare_run(plan: ExecutionPlan, *, resume: bool, check_only: bool = False) -> Path:
-    """The run dir; refuses one that holds a run unless resuming. Quiets Hugging Face."""
+    """The run dir, created and known writable before any model loads; refuses one that
+    holds a run unless resuming. Quiets Hugging Face."""
+    run_dir = Path(plan.graph.trainer.run_dir)
     if not check_only:
         _quiet_hf()
-    run_dir = Path(plan.graph.trainer.run_dir)
+        _writable(run_dir)
     resume = resume or plan.graph.trainer.resume
     if not resume and not check_only and (latest_checkpoint(run_dir)
                                           or (run_dir / "metrics.jsonl").exists()):
@@ -740,6 +775,19 @@ def prepare_run(plan: ExecutionPlan, *, resume: bool, check_only: bool = False) 
             f"`{run_dir}` already holds a run; continue it with --resume, or give another "
             "directory: trainer.run_dir=runs/new")
     return run_dir
+
+
+def _writable(run_dir: Path) -> None:
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise FlowgraphError(
+            f"cannot write the run dir `{run_dir}` (trainer.run_dir): "
+            f"{exc.strerror or exc}{f' (`{exc.filename}`)' if exc.filename else ''}; give a "
+            "folder you can write to, e.g. trainer.run_dir=runs/my-run") from exc
 
 
 def run_plan(plan: ExecutionPlan, *, strict: bool = False, resume: bool = False,

@@ -55,7 +55,7 @@ from flowgraph.compilers.local import (
     pick_device,
     prepare_run,
 )
-from flowgraph.errors import FlowgraphError
+from flowgraph.errors import DEBUG_ENV, FlowgraphError
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import DRIVER, ExecutionPlan, PoolPlan
 from flowgraph.runtime.metrics import MetricsLog, serving
@@ -439,10 +439,12 @@ def start_ray(plan: ExecutionPlan, address: str | None) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # --debug reaches the workers, wherever they run
+    debug = {"env_vars": {DEBUG_ENV: os.environ[DEBUG_ENV]}} if DEBUG_ENV in os.environ else None
     if address:
         try:
             _answers(address)
-            ray.init(address=address, log_to_driver=True)
+            ray.init(address=address, log_to_driver=True, runtime_env=debug)
         except (OSError, RuntimeError, ValueError) as exc:  # ConnectionError is an OSError
             raise FlowgraphError(
                 f"cannot join the Ray cluster at `{address}`: {exc}. Is `ray start --head` "
@@ -450,7 +452,7 @@ def start_ray(plan: ExecutionPlan, address: str | None) -> None:
                 "leave out --address for a local cluster") from None
         return
     ray.init(num_cpus=cluster_cpus(plan), include_dashboard=False, log_to_driver=True,
-             configure_logging=False)
+             configure_logging=False, runtime_env=debug)
 
 
 def _answers(address: str) -> None:

@@ -148,8 +148,11 @@ def _finish_compile(result: object, args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from flowgraph.diagnostics import render_text
+    from flowgraph.errors import DEBUG_ENV
     from flowgraph.passes import compile_graph
 
+    if args.debug:  # every process of the run reads it: fsdp ranks, Ray workers
+        os.environ[DEBUG_ENV] = "1"
     nproc = args.nproc
     if args.target == "fsdp" and nproc is None and "WORLD_SIZE" in os.environ:
         nproc = int(os.environ["WORLD_SIZE"])  # started by torchrun: check for its ranks
@@ -304,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue from the run dir's latest checkpoint")
     r.add_argument("--strict", action="store_true",
                    help="check every tensor on every edge at every step, not just the first")
+    r.add_argument("--debug", action="store_true",
+                   help="a node's error shows its full traceback (always written to "
+                        "RUN_DIR/traceback.txt)")
     r.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
                    help="serve Prometheus metrics on this port (0: a free one; default: "
                         "trainer.metrics_port, else none)")

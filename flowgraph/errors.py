@@ -13,6 +13,11 @@ if TYPE_CHECKING:
     from flowgraph.diagnostics import Diagnostic
 
 
+DEBUG_ENV = "FLOWGRAPH_DEBUG"
+"""Set (to 1) by `flowgraph run --debug`, in every process of a run (fsdp ranks, Ray
+workers): a node's error then carries its full traceback."""
+
+
 class FlowgraphError(Exception):
     """Base class of every user-facing error."""
 

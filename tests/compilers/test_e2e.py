@@ -87,3 +87,23 @@ def test_default_dpo_run_learns(tmp_path: Path) -> None:
     acc = [r["rewards/accuracies"] for r in rows]
     assert _mean(loss[-10:]) < _mean(loss[:10]) - 0.02
     assert _mean(acc[-10:]) > _mean(acc[:10]) + 0.05
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_plugin_error_is_one_message_and_debug_shows_the_traceback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+        debug: bool) -> None:
+    from flowgraph.errors import DEBUG_ENV
+
+    monkeypatch.delenv(DEBUG_ENV, raising=False)  # --debug sets it for the run's processes
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "plugins"))
+    graph = tmp_path / "g.yaml"
+    graph.write_text((ROOT / "tests" / "plugins" / "faults.yaml").read_text().replace(
+        "kind: prompt_score", "kind: brittle_score\n    params: {fail_at: 0}"))
+    rc = main(["run", str(graph), f"trainer.run_dir={tmp_path / 'run'}", "trainer.steps=1",
+               *(["--debug"] if debug else [])])
+    err = capsys.readouterr().err
+    assert rc == 2 and "\nflowgraph: error: while executing node `score`" in err, err
+    assert "fg_runtime_faults.py:" in err and "in brittle_score:" in err
+    assert ("Traceback (most recent call last)" in err) == debug, err
+    assert f"(the full traceback: {tmp_path / 'run' / 'traceback.txt'}" in err or debug

@@ -239,3 +239,33 @@ def test_evaluation_answers_each_held_out_prompt_once(tmp_path: Path,
     assert [r for sampled, r in calls if sampled] == [16]  # Bp = 4 prompts × N = 4
     # builtin:arith:test has 31 prompts: 7 batches of Bp = 4, one response each
     assert [r for sampled, r in calls if not sampled] == [4] * 7
+
+
+def test_a_run_dir_that_cannot_be_created_is_one_error(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(FlowgraphError, match=r"cannot write the run dir `.*afile/run` "
+                                             r"\(trainer.run_dir\): Not a directory"):
+        _run(ROOT / "graphs" / "grpo.yaml", tmp_path, f"trainer.run_dir={tmp_path}/afile/run")
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_an_error_in_a_plugin_names_node_step_and_the_users_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, debug: bool) -> None:
+    from flowgraph.errors import DEBUG_ENV
+
+    if debug:
+        monkeypatch.setenv(DEBUG_ENV, "1")
+    text = FAULTS.replace("kind: prompt_score", "kind: brittle_score\n    params: {fail_at: 1}")
+    with pytest.raises(FlowgraphError) as exc:
+        _run(tmp_path, tmp_path, "trainer.steps=3", text=text)
+    plugin = PLUGINS / "fg_runtime_faults.py"
+    lines = plugin.read_text().splitlines()
+    line = next(i for i, t in enumerate(lines, 1) if "the user's bug" in t)
+    head = str(exc.value).splitlines()[:2]
+    assert head[0].startswith("while executing node `score` (kind brittle_score, ")
+    assert head[0].endswith(" at step 1: KeyError: 0"), head
+    assert head[1] == (f"  at {plugin}:{line} in brittle_score: return input_ids.float()"
+                       ".mean(-1) * weights[0]  # the user's bug: KeyError at fail_at")
+    saved = (tmp_path / "run" / "traceback.txt").read_text()
+    assert saved.startswith("Traceback (most recent call last)") and str(plugin) in saved
+    assert ("Traceback (most recent call last)" in str(exc.value)) == debug

@@ -149,6 +149,10 @@ def test_a_node_error_in_a_worker_names_the_node_and_step(
     message = str(exc.value)
     assert "while executing node `old_logprob` (kind fragile_logprob" in message, message
     assert "at step 1: RuntimeError: fragile_logprob failed on purpose" in message, message
+    # the plugin's own line, not the executor's; the traceback kept in the run dir
+    assert f"at {ROOT / 'tests' / 'plugins' / 'fg_runtime_faults.py'}:" in message, message
+    assert 'in fragile_logprob: raise RuntimeError("fragile_logprob failed' in message, message
+    assert "Traceback" in (tmp_path / "bad" / "traceback.txt").read_text()
 
 
 def _rows(run_dir: Path) -> list[dict[str, Any]]:

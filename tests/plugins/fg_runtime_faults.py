@@ -28,3 +28,10 @@ def fragile_logprob(ctx, model, prompts: Int[Tensor, "b P"], prompt_mask: Int[Te
     if ctx.step == fail_at:
         raise RuntimeError("fragile_logprob failed on purpose")
     return torch.zeros(responses.shape, dtype=torch.float32)
+
+
+@node_kind("brittle_score", outputs=["scores"], category="reward")
+def brittle_score(ctx, input_ids: Int[Tensor, "b P"], fail_at: int = -1) -> Float[Tensor, " b"]:
+    """Mean token id per prompt; raises at step `fail_at`, as a user's buggy reward does."""
+    weights = {} if ctx.step == fail_at else {0: 1.0}
+    return input_ids.float().mean(-1) * weights[0]  # the user's bug: KeyError at fail_at
