@@ -238,7 +238,8 @@ class LocalExecutor:
             role = roles.get(m.name, "tokenizer")
             if role == "tokenizer":
                 continue
-            kw = {"dtype": _dtype(m.dtype), "trainable": m.trainable}
+            kw = {"dtype": _dtype(m.dtype), "trainable": m.trainable,
+                  "attn_implementation": m.attn_implementation}
             model = (ValueModel.from_pretrained(m.path, **kw) if role == "critic"
                      else load_model(m.path, **kw))
             if m.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):

@@ -79,6 +79,7 @@ TOP: dict[str, _T] = {
 MODEL: dict[str, _T] = {
     "path": (str,), "trainable": (bool,), "dtype": (str,), "optimizer": (dict,),
     "tokenizer": (str,), "gradient_checkpointing": (bool,), "config": (dict,),
+    "attn_implementation": (str,),
 }
 OPTIMIZER: dict[str, _T] = {
     "name": (str,), "lr": (float,), "weight_decay": (float,), "betas": (list,),
@@ -101,6 +102,7 @@ DEVICES = ("auto", "cpu", "cuda")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("constant", "linear", "cosine")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
 
 
 class _Reader:
@@ -261,10 +263,17 @@ def _read_models(r: _Reader, node: YNode | None) -> tuple[ModelSpec, ...]:
             r.err("FG004", f"model dtype `{dtype}` is not supported", value.pos,
                   hint=did_you_mean(dtype, MODEL_DTYPES))
             dtype = "float32"
+        attn = f.get("attn_implementation", "sdpa")
+        if attn not in ATTN_IMPLEMENTATIONS:
+            r.err("FG004", f"attn_implementation `{attn}` is not one of "
+                  f"{', '.join(ATTN_IMPLEMENTATIONS)}", value.pos,
+                  hint=did_you_mean(attn, ATTN_IMPLEMENTATIONS))
+            attn = "sdpa"
         out.append(ModelSpec(
             name=str(key.value), path=f["path"], trainable=f.get("trainable", False),
             dtype=dtype, optimizer=opt, tokenizer=f.get("tokenizer"),
-            gradient_checkpointing=f.get("gradient_checkpointing", False), config=config,
+            gradient_checkpointing=f.get("gradient_checkpointing", False),
+            attn_implementation=attn, config=config,
             pos=key.pos))
     return tuple(out)
 

@@ -168,6 +168,9 @@ class ModelSpec:
     tokenizer: str | None = None
     """Defaults to `path`."""
     gradient_checkpointing: bool = False
+    attn_implementation: str = "sdpa"
+    """transformers' attention: `sdpa` (its default), `flash_attention_2` or `eager`;
+    only `eager` materialises the (T × T) attention scores (the memory estimate)."""
     config: Params = Params()
     """Architecture fields (hidden_size, num_hidden_layers, …) for the memory estimate
     when `path` has no readable config.json."""

@@ -44,6 +44,7 @@ from typing import Any
 
 from flowgraph.dims import CANONICAL_DIMS
 from flowgraph.frontend import (
+    ATTN_IMPLEMENTATIONS,
     DEVICES,
     MODEL,
     MODEL_DTYPES,
@@ -97,6 +98,8 @@ DOCS: dict[str, str] = {
                    "models (builtin:tiny-lm).",
     "models.trainable": "An update node trains this model; it then needs an optimizer.",
     "models.dtype": "Parameter dtype.",
+    "models.attn_implementation": "transformers' attention: sdpa (default), "
+    "flash_attention_2 or eager (materialises the T x T scores).",
     "models.optimizer": "Optimizer and learning-rate schedule of a trainable model.",
     "models.tokenizer": "Tokenizer directory or hub id; default: the model's path.",
     "models.gradient_checkpointing": "Recompute activations in the backward pass to save "
@@ -270,7 +273,8 @@ def _model() -> Schema:
                         {"betas": {"type": "array", "items": {"type": "number"},
                                    "minItems": 2, "maxItems": 2}})
     config = {"type": "object", "additionalProperties": True}
-    model = _record(MODEL, "models", ModelSpec, {"dtype": MODEL_DTYPES},
+    model = _record(MODEL, "models", ModelSpec,
+                    {"dtype": MODEL_DTYPES, "attn_implementation": ATTN_IMPLEMENTATIONS},
                     {"optimizer": optimizer, "config": config})
     return {**model, "required": ["path"]}
 

@@ -209,11 +209,13 @@ def load_model(
     dtype: torch.dtype | None = None,
     trainable: bool = False,
     cache_dir: str | Path | None = None,
+    attn_implementation: str = "sdpa",
 ) -> PreTrainedModel:
     """A causal LM: `train()` with gradients if `trainable`, else frozen in `eval()`."""
     source = _resolve(path, cache_dir)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype or torch.float32,
+                                                     attn_implementation=attn_implementation)
     except (OSError, ValueError) as exc:  # no such hub id, offline, or not a model folder
         raise FlowgraphError(f"cannot load model `{path}`: {exc}") from exc
     model.train(trainable)

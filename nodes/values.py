@@ -42,9 +42,11 @@ class ValueModel(nn.Module):
         dtype: torch.dtype | None = None,
         trainable: bool = False,
         cache_dir: str | Path | None = None,
+        attn_implementation: str = "sdpa",
     ) -> ValueModel:
         """The backbone of the causal LM at `path` (see `load_model`) with a fresh head."""
-        lm = load_model(path, dtype=dtype, trainable=trainable, cache_dir=cache_dir)
+        lm = load_model(path, dtype=dtype, trainable=trainable, cache_dir=cache_dir,
+                        attn_implementation=attn_implementation)
         critic = cls(lm.base_model, lm.config.hidden_size)
         critic.train(trainable)
         critic.requires_grad_(trainable)

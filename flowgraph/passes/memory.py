@@ -9,14 +9,17 @@ size, L layers, a attention heads, V vocabulary, m the micro-batch on one worker
     weights      params x dtype bytes / shards
     grads        params x dtype bytes / shards                    (trainable models)
     optimizer    params x 8 / shards: AdamW's exp_avg and exp_avg_sq in fp32
-    activations  training: L x s*m*h*(34 + 5*a*s/h) bytes for 16-bit activations,
+    activations  training: L x s*m*h*34 bytes for 16-bit activations with SDPA or flash
+                 attention (transformers' default), L x s*m*h*(34 + 5*a*s/h) with
+                 `attn_implementation: eager`, which keeps the attention scores;
                  Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
                  Transformer Models", eq. 1, no recompute, no tensor parallelism),
                  scaled by dtype bytes / 2; with gradient checkpointing the 2*s*m*h
                  bytes of each layer's input plus one layer's activations (sec. 4.1);
                  inference: one layer's activations
-    logits       the fp32 logits of the tokens projected at once: m x T x V x 4 in an
-                 update, min(chunk_size, m x T) x V x 4 in a logprob node
+    logits       the fp32 logits of the tokens projected at once: 2 x min(1024, m x T)
+                 x V x 4 in an update (a chunk and its gradient), min(chunk_size,
+                 m x T) x V x 4 in a logprob node
     kv_cache     per-worker rollouts x s x L x 2 x kv_heads x head_dim x dtype bytes
     vllm         vLLM's KV cache for the rollout's sequences (`vllm_kv_cache_bytes`,
                  what the engine reserves) plus its own copy of the weights; with
@@ -51,6 +54,8 @@ from flowgraph.plan import GIB, MemoryItem, PoolMemory, PoolPlan, gib
 from flowgraph.registry import KindSpec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+HEAD_CHUNK = 1024
+"""Tokens an update projects onto the vocabulary at once (`head_logprob`'s chunk_size)."""
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0}
 """Bytes of optimizer state per parameter: Adam keeps two fp32 moments; plain SGD none."""
 SCALAR_HEAD_KINDS = frozenset({"values", "ppo_critic_update", "reward_model"})
@@ -144,16 +149,20 @@ def count_parameters(cfg: ModelConfig, lm_head: bool = True) -> int:
     return embeddings + cfg.num_hidden_layers * layer + h + head
 
 
-def layer_activation_bytes(cfg: ModelConfig, micro: int, seq: int, dtype_bytes: int) -> int:
+def layer_activation_bytes(cfg: ModelConfig, micro: int, seq: int, dtype_bytes: int,
+                           attention: str = "sdpa") -> int:
     """Korthikanti et al. 2022 eq. 1 for one layer, s*b*h*(34 + 5*a*s/h) bytes at 16 bits,
-    written as s*b*(34*h + 5*a*s) to stay in integers, scaled to the model's dtype."""
-    a = cfg.num_attention_heads
-    return seq * micro * (34 * cfg.hidden_size + 5 * a * seq) * dtype_bytes // 2
+    written as s*b*(34*h + 5*a*s) to stay in integers, scaled to the model's dtype. The
+    5*a*s/h term is the attention scores, softmax and dropout mask, O(s²): only `eager`
+    attention keeps them; SDPA and flash attention (transformers' default) recompute
+    them in the backward pass from O(s) statistics (Dao et al. 2022), so it drops."""
+    scores = 5 * cfg.num_attention_heads * seq if attention == "eager" else 0
+    return seq * micro * (34 * cfg.hidden_size + scores) * dtype_bytes // 2
 
 
 def training_activation_bytes(cfg: ModelConfig, micro: int, seq: int, dtype_bytes: int,
-                              checkpointing: bool) -> int:
-    layer = layer_activation_bytes(cfg, micro, seq, dtype_bytes)
+                              checkpointing: bool, attention: str = "sdpa") -> int:
+    layer = layer_activation_bytes(cfg, micro, seq, dtype_bytes, attention)
     if not checkpointing:
         return cfg.num_hidden_layers * layer
     # Full recompute keeps each layer's input (2*s*b*h bytes at 16 bits) and rebuilds one
@@ -337,10 +346,13 @@ def _training_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
     p, t = inp.seq
     m = micro * SEQUENCES_PER_ROW.get(kind.name, 1)
     act = training_activation_bytes(cfg, m, p + t, DTYPE_BYTES[model.dtype],
-                                    model.gradient_checkpointing)
+                                    model.gradient_checkpointing, model.attn_implementation)
     items = [MemoryItem("activations", node.name, act, True)]
     if inp.lm_head.get(node.model, True):
-        items.append(MemoryItem("logits", node.name, m * t * cfg.vocab_size * 4, True))
+        # The update projects its tokens HEAD_CHUNK at a time (`head_logprob`), each chunk
+        # recomputed in the backward pass: one chunk's fp32 logits and their gradient.
+        chunk = min(HEAD_CHUNK, m * t)
+        items.append(MemoryItem("logits", node.name, 2 * chunk * cfg.vocab_size * 4, True))
     return items
 
 
@@ -350,7 +362,8 @@ def _forward_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
     model, cfg = inp.graph.model(node.model), inp.configs[node.model]
     assert model is not None
     p, t = inp.seq
-    act = layer_activation_bytes(cfg, micro, p + t, DTYPE_BYTES[model.dtype])
+    act = layer_activation_bytes(cfg, micro, p + t, DTYPE_BYTES[model.dtype],
+                                 model.attn_implementation)
     items = [MemoryItem("activations", node.name, act, True)]
     if inp.lm_head.get(node.model, True):
         tokens = micro * t
