@@ -147,12 +147,21 @@ def _finish_compile(result: object, args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from flowgraph.diagnostics import render_text
     from flowgraph.errors import DEBUG_ENV
+
+    if not args.debug:
+        return _run(args)
+    os.environ[DEBUG_ENV] = "1"  # every process of the run reads it: fsdp ranks, Ray workers
+    try:
+        return _run(args)
+    finally:
+        del os.environ[DEBUG_ENV]
+
+
+def _run(args: argparse.Namespace) -> int:
+    from flowgraph.diagnostics import render_text
     from flowgraph.passes import compile_graph
 
-    if args.debug:  # every process of the run reads it: fsdp ranks, Ray workers
-        os.environ[DEBUG_ENV] = "1"
     nproc = args.nproc
     if args.target == "fsdp" and nproc is None and "WORLD_SIZE" in os.environ:
         nproc = int(os.environ["WORLD_SIZE"])  # started by torchrun: check for its ranks
