@@ -59,8 +59,10 @@ __all__ = [
     "PromptDataset",
     "Splits",
     "arith_problems",
+    "check_rendering",
     "has_ground_truth",
     "missing_ground_truth",
+    "open_table",
     "overlong",
     "preference_source",
     "prompt_source",
@@ -132,7 +134,7 @@ def _read_table(path: str, fmt: str) -> pa.Table:
         raise FlowgraphError(f"cannot read dataset `{path}` as {fmt}: {exc}") from exc
 
 
-def _check_rendering(tokenizer: Any, chat: bool, table: pa.Table, key: str, path: str) -> None:
+def check_rendering(tokenizer: Any, chat: bool, table: pa.Table, key: str, path: str) -> None:
     """Fail at start-up, not at the batch that first meets an unrenderable prompt."""
     if chat and getattr(tokenizer, "chat_template", None) is None:
         raise FlowgraphError(
@@ -260,6 +262,18 @@ def _pad_id(tokenizer: Any) -> int:
     return int(pad or 0)
 
 
+def open_table(path: str, fmt: str, required: Sequence[str]) -> pa.Table:
+    """The dataset's table; it must have the `required` columns."""
+    table = _read_table(path, fmt)
+    missing = [c for c in required if c not in table.column_names]
+    if missing:
+        raise FlowgraphError(
+            f"dataset `{path}` has no column {', '.join(f'`{c}`' for c in missing)}; "
+            f"its columns: {', '.join(table.column_names)}"
+        )
+    return table
+
+
 class _TableDataset:
     """A pyarrow table read once, and the cursor over its rows."""
 
@@ -267,13 +281,7 @@ class _TableDataset:
         self, path: str, fmt: str, required: Sequence[str], shuffle: bool, seed: int
     ) -> None:
         self.path = path
-        self.table = _read_table(path, fmt)
-        missing = [c for c in required if c not in self.table.column_names]
-        if missing:
-            raise FlowgraphError(
-                f"dataset `{path}` has no column {', '.join(f'`{c}`' for c in missing)}; "
-                f"its columns: {', '.join(self.table.column_names)}"
-            )
+        self.table = open_table(path, fmt, required)
         self.shuffle, self.seed = shuffle, seed
         self.filtered_overlong = 0
         self.epoch, self.position = 0, 0
@@ -330,7 +338,7 @@ class PromptDataset(_TableDataset):
         if ground_truth_for and self._ground_truth is None:
             raise FlowgraphError(missing_ground_truth(path, self.table.column_names,
                                                       ground_truth_for))
-        _check_rendering(tokenizer, apply_chat_template, self.table, prompt_key, path)
+        check_rendering(tokenizer, apply_chat_template, self.table, prompt_key, path)
         self.tokenizer, self.prompt_key = tokenizer, prompt_key
         self.max_prompt_length, self.chat = max_prompt_length, apply_chat_template
         self.keep_end = truncation != "right"
@@ -404,7 +412,7 @@ class PreferenceDataset(_TableDataset):
         filter_overlong_prompts: bool = False,
     ) -> None:
         super().__init__(path, format, ["prompt", "chosen", "rejected"], shuffle, seed)
-        _check_rendering(tokenizer, apply_chat_template, self.table, "prompt", path)
+        check_rendering(tokenizer, apply_chat_template, self.table, "prompt", path)
         self.tokenizer, self.chat = tokenizer, apply_chat_template
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
         self.keep_end = truncation != "right"
