@@ -285,3 +285,34 @@ def test_a_tokenizer_without_chat_template_is_refused() -> None:
 def _garbage(path: Path) -> Path:
     path.write_bytes(b"\x00not a table{")
     return path
+
+
+@pytest.mark.parametrize(
+    ("row", "needles"),
+    [
+        ({"prompt": "1+1=", "answer": "2"},
+         ["q.jsonl", "no ground truth", "`reward`", "columns: prompt, answer"]),
+        ({"prompt": "1234567890+1234567890=", "ground_truth": "0"},
+         ["q.jsonl` row 0", "24 tokens", "max_prompt_length 16"]),
+    ],
+)
+def test_a_run_stops_at_load_before_any_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, row: dict[str, str], needles: list[str]
+) -> None:
+    import flowgraph.nodes.models as models
+    from flowgraph.compilers.local import run_plan
+    from flowgraph.passes import compile_graph
+
+    def no_loading(*args: object, **kw: object) -> None:
+        raise AssertionError("a model was loaded before the dataset was checked")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    data = _write(tmp_path / "q.jsonl", [row] * 8)
+    graph = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
+    result = compile_graph(graph, overrides=[f"trainer.run_dir={tmp_path / 'run'}",
+                                             f"data.train.path={data}", "trainer.steps=1"])
+    assert result.plan is not None
+    with pytest.raises(FlowgraphError) as exc:
+        run_plan(result.plan, tensorboard=False)
+    for needle in needles:
+        assert needle in str(exc.value)
