@@ -19,8 +19,9 @@ epoch); an epoch's last incomplete batch is dropped, as verl's sampler does. The
 cursor (`state_dict()`: epoch and position) makes a resumed run see the same batches.
 Prompts are left-padded, responses right-padded.
 
-Over-long rows, checked when the dataset is opened (every row is tokenized once), with
-verl's two options:
+Over-long rows, checked when the dataset is opened (every row is tokenized once, as
+an epoch would: 6.5 s for 20k chat prompts of 125 tokens with the builtin tokenizer on
+2 busy cores; not at all when there is no limit), with verl's two options:
 * `filter_overlong_prompts: true` drops rows whose prompt is longer than
   `max_prompt_length` (for preferences: or whose chosen or rejected response is longer
   than `max_response_length`); the count is printed once as `data/filtered_overlong`.
@@ -197,7 +198,7 @@ class Overlong:
             else f"truncation: left or right to keep each response's first {self.limit} tokens"
         )
         return (
-            f"dataset `{path}` row {row}: the {self.what} is {length} tokens, over "
+            f"dataset `{path}` row {row} (0-based): the {self.what} is {length} tokens, over "
             f"{self.limit_name} {self.limit} ({len(self.rows)} of {n_rows} rows are over, "
             f"the longest {max(self.lengths)} tokens); raise {self.limit_name} (or the dim "
             f"{'P' if self.what == 'prompt' else 'T'}), set filter_overlong_prompts: true "
@@ -205,12 +206,10 @@ class Overlong:
         )
 
 
-def overlong(what: str, limit_name: str, limit: int | None, seqs: Sequence[list[int]]) -> (
+def overlong(what: str, limit_name: str, limit: int, seqs: Sequence[list[int]]) -> (
     Overlong | None
 ):
-    """The rows of `seqs` longer than `limit`; None when there are none or no limit."""
-    if limit is None:
-        return None
+    """The rows of `seqs` longer than `limit`; None when there are none."""
     over = [(i, len(s)) for i, s in enumerate(seqs) if len(s) > limit]
     if not over:
         return None
@@ -342,8 +341,10 @@ class PromptDataset(_TableDataset):
         self.tokenizer, self.prompt_key = tokenizer, prompt_key
         self.max_prompt_length, self.chat = max_prompt_length, apply_chat_template
         self.keep_end = truncation != "right"
-        prompts = render_prompts(tokenizer, self.table.column(prompt_key).to_pylist(), self.chat)
-        found = overlong("prompt", "max_prompt_length", max_prompt_length, prompts)
+        found = None if max_prompt_length is None else overlong(
+            "prompt", "max_prompt_length", max_prompt_length,
+            render_prompts(tokenizer, self.table.column(prompt_key).to_pylist(), self.chat),
+        )
         _apply_limits(self, [found] if found else [], truncation, filter_overlong_prompts)
 
     def next_batch(self, batch_size: int) -> dict[str, Any]:
@@ -427,7 +428,7 @@ class PreferenceDataset(_TableDataset):
             "rejected": ("max_response_length", self.max_response_length),
         }
         found = [overlong(key, name, limit, self._render(rows, key))
-                 for key, (name, limit) in limits.items()]
+                 for key, (name, limit) in limits.items() if limit is not None]
         return [o for o in found if o is not None]
 
     def _render(self, rows: Sequence[dict[str, Any]], key: str) -> list[list[int]]:

@@ -210,6 +210,8 @@ def _length_problems(path: str, table: Any, limits: dict[str, tuple[str, int | N
 
     found = []
     for column, (name, limit) in limits.items():
+        if limit is None:
+            continue
         values = table.column(column).to_pylist()
         seqs = (nd.render_prompts(tok, values, chat) if column == prompt_key
                 else nd.render_responses(tok, values))

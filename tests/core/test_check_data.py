@@ -54,7 +54,8 @@ def test_a_dataset_without_ground_truth_too_long_and_too_short(
     assert by_code["FG502"]["severity"] == "error"
     for needle in ("q.jsonl", "`reward`", "columns: prompt, answer"):
         assert needle in by_code["FG502"]["message"]
-    for needle in ("q.jsonl` row 1", "24 tokens", "max_prompt_length 16", "truncation: left"):
+    for needle in ("q.jsonl` row 1 (0-based)", "24 tokens", "max_prompt_length 16",
+                   "truncation: left"):
         assert needle in by_code["FG503"]["message"]
     assert "2 rows, fewer than one batch (Bp = 4)" in by_code["FG505"]["message"]
     assert {d["line"] for d in diags if d["code"].startswith("FG50")} >= {

@@ -90,8 +90,8 @@ def test_an_overlong_prompt_stops_the_load_by_default(tmp_path: Path, suffix: st
     with pytest.raises(FlowgraphError) as exc:
         PromptDataset(path, TOK, max_prompt_length=5, apply_chat_template=False)
     message = str(exc.value)
-    for needle in (f"d{suffix}` row 1", "6 tokens", "max_prompt_length 5", "2 of 3 rows",
-                   "longest 8", "filter_overlong_prompts: true", "truncation: left"):
+    for needle in (f"d{suffix}` row 1 (0-based)", "6 tokens", "max_prompt_length 5",
+                   "2 of 3 rows", "longest 8", "filter_overlong_prompts: true", "truncation: left"):
         assert needle in message
 
 
@@ -124,8 +124,8 @@ def test_preference_responses_over_T_stop_or_are_dropped(
             {"prompt": "2+2=", "chosen": "4", "rejected": "5"}]
     path = str(_write(tmp_path / "p.jsonl", rows))
     kw: dict[str, Any] = {"max_response_length": 3, "apply_chat_template": False}
-    with pytest.raises(FlowgraphError, match=r"p.jsonl` row 0: the rejected is \d+ tokens, "
-                       r"over max_response_length 3"):
+    with pytest.raises(FlowgraphError, match=r"p.jsonl` row 0 \(0-based\): the rejected is "
+                       r"\d+ tokens, over max_response_length 3"):
         PreferenceDataset(path, TOK, **kw)
     kept = PreferenceDataset(path, TOK, filter_overlong_prompts=True, **kw)
     assert len(kept) == 1 and "data/filtered_overlong=1" in capsys.readouterr().out
@@ -293,7 +293,7 @@ def _garbage(path: Path) -> Path:
         ({"prompt": "1+1=", "answer": "2"},
          ["q.jsonl", "no ground truth", "`reward`", "columns: prompt, answer"]),
         ({"prompt": "1234567890+1234567890=", "ground_truth": "0"},
-         ["q.jsonl` row 0", "24 tokens", "max_prompt_length 16"]),
+         ["q.jsonl` row 0 (0-based)", "24 tokens", "max_prompt_length 16"]),
     ],
 )
 def test_a_run_stops_at_load_before_any_model(
