@@ -117,3 +117,38 @@ def test_check_without_data_imports_no_torch() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout
     assert out.strip().endswith("False")
+
+
+DPO = str(ROOT / "graphs" / "dpo.yaml")
+
+
+def test_preferences_on_a_base_model_and_long_responses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flowgraph.nodes.models import build_tiny_tokenizer
+
+    base = build_tiny_tokenizer()
+    base.chat_template = None
+    base.save_pretrained(tmp_path / "base-tok")
+    rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "two hundred and twelve"}] * 8
+    data = _jsonl(tmp_path / "p.jsonl", rows)
+    args = [DPO, f"data.pairs.path={data}",
+            *(f"models.{m}.tokenizer={tmp_path / 'base-tok'}" for m in ("policy", "ref"))]
+    status, diags = _diags(capsys, *args)
+    assert status == 1
+    assert [d["code"] for d in diags if d["severity"] == "error"] == ["FG504"]
+    assert "apply_chat_template: false" in diags[-1]["message"]
+    status, diags = _diags(capsys, *args, "data.pairs.apply_chat_template=false")
+    assert status == 1  # the parameter exists for preferences now (was FG112)
+    errors = [d for d in diags if d["severity"] == "error"]
+    assert [d["code"] for d in errors] == ["FG503"]
+    assert "p.jsonl` row 0 (0-based): the rejected is" in errors[0]["message"]
+    assert "max_response_length 8" in errors[0]["message"]
+
+
+def test_a_missing_column_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _jsonl(tmp_path / "q.jsonl", [{"question": "1+1="}])
+    status, diags = _diags(capsys, _graph(tmp_path, f"{{kind: prompts, path: {data}}}"))
+    assert status == 1
+    missing = next(d for d in diags if d["code"] == "FG501")
+    assert "has no column `prompt`; its columns: question" in missing["message"]
