@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 import torch
 
 from flowgraph.check import CheckResult, check_graph
+from flowgraph.check.data import ground_truth_readers
 from flowgraph.compilers.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
@@ -289,6 +290,8 @@ class LocalExecutor:
                 params.setdefault("max_prompt_length", self.dims.get("P"))
             if "max_response_length" in impl.accepts:
                 params.setdefault("max_response_length", self.dims.get("T"))
+            if "ground_truth_for" in impl.accepts:
+                params["ground_truth_for"] = ground_truth_readers(self.graph, d.name)
             self.res.data[d.name] = impl.fn(d.path, tokenizer=self._data_tokenizer(d),
                                             seed=self.graph.trainer.seed, **params)
 

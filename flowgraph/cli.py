@@ -1,6 +1,6 @@
 """The `flowgraph` command: small subcommands over typed options.
 
-    flowgraph check FILE... [--format text|json|github] [--nproc N]
+    flowgraph check FILE... [--format text|json|github] [--nproc N] [--data]
     flowgraph compile FILE --target local|fsdp|ray [--nproc N] [-o plan.json]
     flowgraph run FILE [KEY=VALUE...] [--resume] [--strict] [--metrics-port PORT]
     flowgraph plot RUN_DIR [RUN_DIR...] [-o curves.png]
@@ -74,6 +74,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         graph, diags = load_graph(file, overrides)
         if graph is not None:
             diags += list(check_graph(graph, dp=args.nproc).diagnostics)
+        if graph is not None and args.data and not any(d.is_error for d in diags):
+            from flowgraph.check.data import check_data  # imports torch: only with --data
+
+            diags += check_data(graph)
         all_diags += diags
         if graph is None and _unreadable(diags):
             status = max(status, EXIT_USAGE)
@@ -285,6 +289,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="graph files, then overrides such as trainer.steps=20")
     c.add_argument("--format", choices=("text", "json", "github"), default="text")
     c.add_argument("--nproc", type=int, default=None, help="data-parallel size to check for")
+    c.add_argument("--data", action="store_true",
+                   help="also open the local datasets and model folders: columns, ground "
+                        "truth, lengths against P and T, vocabularies (imports torch)")
     c.set_defaults(func=cmd_check)
 
     k = sub.add_parser("compile", help="run the pass pipeline and write an execution plan")

@@ -57,6 +57,16 @@ CODES: dict[str, str] = {
     "FG401": "the plan does not fit the declared device memory",
     "FG402": "memory cannot be estimated for a model",
     "FG403": "invalid resource pools",
+    # data and model folders (check --data)
+    "FG501": "a dataset that cannot be read or lacks a column its kind reads",
+    "FG502": "a dataset without the ground truth a node reads",
+    "FG503": "rows longer than their length limit (P or T)",
+    "FG504": "a chat template applied with a tokenizer that has none, or chat lists as text",
+    "FG505": "fewer dataset rows than one batch",
+    "FG506": "a model folder whose config or tokenizer cannot be read",
+    "FG507": "a tokenizer vocabulary larger than the model's",
+    "FG508": "a model folder's vocabulary and embedding tying",
+    "FG509": "a hub id or a path not on this machine, not checked",
 }
 """Every diagnostic code and what it means; codes are stable across releases."""
 

@@ -65,6 +65,13 @@ MINI_BATCH = (
        "accumulation); null: the rank's share of the mini-batch"),
     _s("loss_agg_mode", "token-mean", LOSS_AGG),
 )
+DATA_PARAMS = (
+    _b("apply_chat_template", True, "false: string prompts are raw text (a base model)"),
+    _s("truncation", "error", ("error", "left", "right"),
+       "a row over its length limit: stop (error), keep a prompt's last (left) or first "
+       "(right) tokens; responses keep their first"),
+    _b("filter_overlong_prompts", False, "drop rows over a length limit when the data loads"),
+)
 
 _KINDS = (
     # --- data sources ------------------------------------------------------------
@@ -80,10 +87,10 @@ _KINDS = (
         params=(
             _s("format", "auto", ("auto", "parquet", "jsonl", "builtin")),
             _s("prompt_key", "prompt"),
-            _i("max_prompt_length", None, "left-pad/truncate prompts to this", dim="P"),
+            _i("max_prompt_length", None, "left-pad prompts to this", dim="P"),
             _b("shuffle", True),
             _s("eval_path", None, doc="held-out prompts for evaluation"),
-            _b("apply_chat_template", True),
+            *DATA_PARAMS,
         ),
         impl="flowgraph.nodes.data:prompt_source",
     ),
@@ -104,6 +111,7 @@ _KINDS = (
             _i("max_response_length", None, dim="T"),
             _b("shuffle", True),
             _s("eval_path", None),
+            *DATA_PARAMS,
         ),
         impl="flowgraph.nodes.data:preference_source",
     ),

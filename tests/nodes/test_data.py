@@ -80,12 +80,79 @@ def test_string_prompts_flat_ground_truth_and_raw_text(tmp_path: Path) -> None:
     assert raw["attention_mask"].all()  # the longest prompt sets P when no max is given
 
 
-def test_long_prompts_keep_their_end(tmp_path: Path) -> None:
-    ds = PromptDataset(
-        str(_write(tmp_path / "d.parquet", ROWS)), TOK, max_prompt_length=4, shuffle=False
-    )
-    ids = ds.next_batch(1)["input_ids"][0]
-    assert TOK.decode(ids) == "+0=<|assistant|>"  # the last 4 of 6 tokens
+# raw-text prompts of 4, 6 and 8 tokens (digits are one token each)
+SUMS = [{"prompt": q, "ground_truth": "0"} for q in ("1+1=", "12+12=", "123+123=")]
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_an_overlong_prompt_stops_the_load_by_default(tmp_path: Path, suffix: str) -> None:
+    path = str(_write(tmp_path / f"d{suffix}", SUMS))
+    with pytest.raises(FlowgraphError) as exc:
+        PromptDataset(path, TOK, max_prompt_length=5, apply_chat_template=False)
+    message = str(exc.value)
+    for needle in (f"d{suffix}` row 1 (0-based)", "6 tokens", "max_prompt_length 5",
+                   "2 of 3 rows", "longest 8", "filter_overlong_prompts: true", "truncation: left"):
+        assert needle in message
+
+
+@pytest.mark.parametrize(("truncation", "kept"), [("left", "+123="), ("right", "123+1")])
+def test_truncation_left_keeps_the_end_right_the_start(
+    tmp_path: Path, truncation: str, kept: str
+) -> None:
+    ds = PromptDataset(str(_write(tmp_path / "d.jsonl", SUMS)), TOK, max_prompt_length=5,
+                       apply_chat_template=False, shuffle=False, truncation=truncation)
+    batch = ds.next_batch(3)
+    assert TOK.decode(batch["input_ids"][2]) == kept
+    assert TOK.decode(batch["input_ids"][0][batch["attention_mask"][0].bool()]) == "1+1="
+
+
+def test_filter_overlong_prompts_drops_rows_and_says_how_many(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ds = PromptDataset(str(_write(tmp_path / "d.jsonl", SUMS)), TOK, max_prompt_length=6,
+                       apply_chat_template=False, shuffle=False, filter_overlong_prompts=True)
+    assert (len(ds), ds.filtered_overlong) == (2, 1)
+    out = capsys.readouterr().out
+    assert "data/filtered_overlong=1" in out and "d.jsonl" in out and "1 of 3 rows" in out
+    assert TOK.decode(ds.next_batch(2)["input_ids"][1]) == "12+12="
+
+
+def test_preference_responses_over_T_stop_or_are_dropped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "two hundred and twelve"},
+            {"prompt": "2+2=", "chosen": "4", "rejected": "5"}]
+    path = str(_write(tmp_path / "p.jsonl", rows))
+    kw: dict[str, Any] = {"max_response_length": 3, "apply_chat_template": False}
+    with pytest.raises(FlowgraphError, match=r"p.jsonl` row 0 \(0-based\): the rejected is "
+                       r"\d+ tokens, over max_response_length 3"):
+        PreferenceDataset(path, TOK, **kw)
+    kept = PreferenceDataset(path, TOK, filter_overlong_prompts=True, **kw)
+    assert len(kept) == 1 and "data/filtered_overlong=1" in capsys.readouterr().out
+    cut = PreferenceDataset(path, TOK, truncation="left", shuffle=False, **kw).next_batch(2)
+    assert cut["rejected"].shape == (2, 3)
+    assert TOK.decode(cut["rejected"][0]) == TOK.decode(TOK("two hundred").input_ids[:3])
+
+
+def test_dpo_on_a_base_model_tokenizes_strings_as_raw_text(tmp_path: Path) -> None:
+    base = build_tiny_tokenizer()
+    base.chat_template = None
+    rows = [{"prompt": "2+2=", "chosen": "4", "rejected": "5"}]
+    splits = preference_source(str(_write(tmp_path / "p.jsonl", rows)), tokenizer=base,
+                               apply_chat_template=False)
+    batch = splits.train.next_batch(1)
+    assert TOK.decode(batch["prompts"][0]) == "2+2="
+    assert TOK.decode(batch["chosen"][0]) == "4<|eos|>"
+
+
+def test_a_missing_ground_truth_is_named_before_any_batch(tmp_path: Path) -> None:
+    path = str(_write(tmp_path / "q.jsonl", [{"prompt": "1+1=", "answer": "2"}]))
+    assert len(prompt_source(path, tokenizer=TOK).train) == 1  # nobody reads it: fine
+    with pytest.raises(FlowgraphError) as exc:
+        prompt_source(path, tokenizer=TOK, ground_truth_for=("reward",))
+    for needle in ("q.jsonl", "no ground truth", "`reward`", "columns: prompt, answer",
+                   "add a `ground_truth` column"):
+        assert needle in str(exc.value)
 
 
 def test_cursor_resume_gives_the_same_batches(tmp_path: Path) -> None:
@@ -218,3 +285,34 @@ def test_a_tokenizer_without_chat_template_is_refused() -> None:
 def _garbage(path: Path) -> Path:
     path.write_bytes(b"\x00not a table{")
     return path
+
+
+@pytest.mark.parametrize(
+    ("row", "needles"),
+    [
+        ({"prompt": "1+1=", "answer": "2"},
+         ["q.jsonl", "no ground truth", "`reward`", "columns: prompt, answer"]),
+        ({"prompt": "1234567890+1234567890=", "ground_truth": "0"},
+         ["q.jsonl` row 0 (0-based)", "24 tokens", "max_prompt_length 16"]),
+    ],
+)
+def test_a_run_stops_at_load_before_any_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, row: dict[str, str], needles: list[str]
+) -> None:
+    import flowgraph.nodes.models as models
+    from flowgraph.compilers.local import run_plan
+    from flowgraph.passes import compile_graph
+
+    def no_loading(*args: object, **kw: object) -> None:
+        raise AssertionError("a model was loaded before the dataset was checked")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    data = _write(tmp_path / "q.jsonl", [row] * 8)
+    graph = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
+    result = compile_graph(graph, overrides=[f"trainer.run_dir={tmp_path / 'run'}",
+                                             f"data.train.path={data}", "trainer.steps=1"])
+    assert result.plan is not None
+    with pytest.raises(FlowgraphError) as exc:
+        run_plan(result.plan, tensorboard=False)
+    for needle in needles:
+        assert needle in str(exc.value)

@@ -1,0 +1,236 @@
+"""`flowgraph check --data`: open what a graph points at, when it is local.
+
+Datasets: readable, with the columns their kind reads and the ground truth a node
+reads; every prompt (and preference response) tokenized and measured against P and T
+under the data node's `truncation` / `filter_overlong_prompts`; a chat template where
+one is applied; enough rows for one batch. Model folders: a readable config, a
+tokenizer whose vocabulary fits the model's, tied or untied embeddings (a note).
+Hub ids and paths that are not here are skipped with a note. Diagnostics sit on the
+data source's (or model's) `path` line.
+
+torch, transformers and pyarrow are imported only by `check_data`, so `check` without
+`--data` stays as fast as it was; `ground_truth_readers` is graph arithmetic only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Iterator
+from pathlib import Path
+from typing import Any
+
+from flowgraph.builtin_models import BUILTIN_PREFIX, builtin_config
+from flowgraph.diagnostics import Diagnostic
+from flowgraph.errors import FlowgraphError
+from flowgraph.ir import DataSpec, Graph, ModelSpec
+from flowgraph.source import SourcePos
+
+__all__ = ["check_data", "ground_truth_readers"]
+
+
+def ground_truth_readers(graph: Graph, data: str) -> tuple[str, ...]:
+    """The nodes that need data source `data`'s ground truth: the last consumers along
+    `ground_truth` edges (a `generate` only passes it on to, say, the reward)."""
+    readers: list[str] = []
+    frontier, seen = [data], {data}
+    while frontier:
+        producer = frontier.pop()
+        for ref, node, port in graph.edges():
+            if ref.node != producer or ref.port != "ground_truth" or port != "ground_truth":
+                continue
+            passes_on = any(r.node == node.name and r.port == "ground_truth"
+                            for r, _, _ in graph.edges())
+            if not passes_on:
+                readers.append(node.name)
+            elif node.name not in seen:
+                seen.add(node.name)
+                frontier.append(node.name)
+    return tuple(sorted(set(readers)))
+
+
+def _path_pos(pos: SourcePos) -> SourcePos:
+    """Where `path:` is written in the entry that starts at `pos` (the entry's key)."""
+    try:
+        lines = Path(pos.file).read_text().splitlines()
+    except (OSError, UnicodeDecodeError):
+        return pos
+    for i in range(max(pos.line - 1, 0), min(pos.line + 8, len(lines))):
+        col = lines[i].find("path:")
+        if col >= 0:
+            return SourcePos(pos.file, i + 1, col + 1)
+    return pos
+
+
+def _local(path: str) -> bool:
+    return path.startswith(BUILTIN_PREFIX) or Path(path).expanduser().exists()
+
+
+def _skipped(what: str, path: str, pos: SourcePos) -> Diagnostic:
+    return Diagnostic("FG509", "note", f"{what} `{path}` is not a local path (a hub id, or "
+                      f"not on this machine): not checked", pos)
+
+
+def check_data(graph: Graph) -> list[Diagnostic]:
+    """Every problem in the graph's local datasets and model folders."""
+    diags: list[Diagnostic] = []
+    tokenizers: dict[str, Any] = {}
+    for m in graph.models:
+        diags += _check_model(m, tokenizers)
+    for d in graph.data:
+        diags += _check_source(graph, d, tokenizers)
+    return diags
+
+
+def _load_tokenizer(path: str) -> Any:
+    from flowgraph.nodes.models import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+def _check_model(m: ModelSpec, tokenizers: dict[str, Any]) -> list[Diagnostic]:
+    pos = _path_pos(m.pos)
+    tok_path = m.tokenizer or m.path
+    if not _local(m.path) or not _local(tok_path):
+        return [_skipped(f"model `{m.name}`:", m.path if not _local(m.path) else tok_path, pos)]
+    builtin = builtin_config(m.path)
+    config = dict(builtin) if builtin is not None else _read_config(m.path)
+    if isinstance(config, str):
+        return [Diagnostic("FG506", "error", f"model `{m.name}`: the config of `{m.path}` "
+                           f"cannot be read: {config}", pos, node=m.name,
+                           hint="point path at a folder saved with save_pretrained")]
+    try:
+        tokenizers[m.name] = tok = _load_tokenizer(tok_path)
+    except FlowgraphError as exc:
+        return [Diagnostic("FG506", "error", f"model `{m.name}`: {exc}", pos, node=m.name)]
+    diags = []
+    vocab, words = int(config.get("vocab_size") or 0), len(tok)
+    if words > vocab:
+        diags.append(Diagnostic(
+            "FG507", "error", f"model `{m.name}`: the tokenizer of `{tok_path}` has {words} "
+            f"tokens, the model's vocabulary {vocab}: ids >= {vocab} index past the embedding",
+            pos, node=m.name, expected=f"<= {vocab} tokens", actual=str(words),
+            hint="use the tokenizer saved with this model, or resize its embeddings"))
+    tied = bool(config.get("tie_word_embeddings", True))
+    diags.append(Diagnostic("FG508", "note", f"model `{m.name}`: vocabulary {vocab}, tokenizer "
+                            f"{words} tokens, input and output embeddings "
+                            f"{'tied' if tied else 'untied'}", pos, node=m.name))
+    return diags
+
+
+def _read_config(path: str) -> dict[str, Any] | str:
+    """The model folder's config fields, or why they cannot be read."""
+    from transformers import AutoConfig
+
+    try:
+        return dict(AutoConfig.from_pretrained(path).to_dict())
+    except (OSError, ValueError) as exc:
+        return str(exc).splitlines()[0]
+
+
+def _data_model(graph: Graph, d: DataSpec) -> str | None:
+    """The model whose tokenizer the executor gives the data source (as it chooses)."""
+    for node in graph.nodes:
+        if node.model and any(ref.node == d.name for _, ref in node.inputs):
+            return node.model
+    return graph.models[0].name if graph.models else None
+
+
+def _check_source(graph: Graph, d: DataSpec, tokenizers: dict[str, Any]) -> list[Diagnostic]:
+    pos = _path_pos(d.pos)
+    model = _data_model(graph, d)
+    if model is None or model not in tokenizers:
+        return [Diagnostic("FG509", "note", f"data source `{d.name}`: no local tokenizer to "
+                           f"measure it with: not checked", pos, node=d.name)]
+    params = d.params.to_python()
+    paths = [d.path] + ([str(params["eval_path"])] if params.get("eval_path") else [])
+    diags: list[Diagnostic] = []
+    for path in paths:
+        if not _local(path):
+            diags.append(_skipped(f"data source `{d.name}`: dataset", path, pos))
+            continue
+        diags += [Diagnostic(code, sev, f"data source `{d.name}`: {msg}", pos, node=d.name,
+                             hint=hint)
+                  for code, sev, msg, hint in _dataset_problems(graph, d, path,
+                                                                tokenizers[model])]
+    return diags
+
+
+Problem = tuple[str, str, str, str | None]
+"""(code, severity, message, hint)."""
+
+
+def _limits(graph: Graph, d: DataSpec) -> dict[str, tuple[str, int | None]]:
+    """Column -> (the param that limits it, the limit), as the executor sets them."""
+    params, dims = d.params.to_python(), graph.dim_values()
+
+    def limit(name: str, dim: str) -> tuple[str, int | None]:
+        value = params.get(name, dims.get(dim))
+        return name, value if isinstance(value, int) else None
+
+    if d.kind == "preferences":
+        return {"prompt": limit("max_prompt_length", "P"),
+                "chosen": limit("max_response_length", "T"),
+                "rejected": limit("max_response_length", "T")}
+    return {str(params.get("prompt_key", "prompt")): limit("max_prompt_length", "P")}
+
+
+def _dataset_problems(graph: Graph, d: DataSpec, path: str, tok: Any) -> Iterator[Problem]:
+    from flowgraph.nodes import data as nd
+
+    params = d.params.to_python()
+    limits = _limits(graph, d)
+    chat = bool(params.get("apply_chat_template", True))
+    try:
+        table = nd.open_table(path, str(params.get("format", "auto")), list(limits))
+    except FlowgraphError as exc:
+        yield "FG501", "error", str(exc), None
+        return
+    readers = ground_truth_readers(graph, d.name) if d.kind == "prompts" else ()
+    if readers and not nd.has_ground_truth(table):
+        yield "FG502", "error", nd.missing_ground_truth(path, table.column_names, readers), None
+    prompt_key = next(iter(limits))
+    try:
+        nd.check_rendering(tok, chat, table, prompt_key, path)
+    except FlowgraphError as exc:
+        yield "FG504", "error", str(exc), None
+        return
+    dropped = yield from _length_problems(path, table, limits, prompt_key, chat, tok, params)
+    rows, batch = table.num_rows - dropped, graph.dim_values().get("Bp")
+    if isinstance(batch, int) and rows < batch:
+        yield ("FG505", "error", f"dataset `{path}` has {rows} rows"
+               f"{f' after filtering {dropped}' if dropped else ''}, fewer than one batch "
+               f"(Bp = {batch})", "add rows, or lower dims.Bp")
+
+
+def _length_problems(path: str, table: Any, limits: dict[str, tuple[str, int | None]],
+                     prompt_key: str, chat: bool, tok: Any,
+                     params: dict[str, object]) -> Generator[Problem, None, int]:
+    """FG503 for the rows over P or T under the data node's policy; returns how many
+    rows `filter_overlong_prompts` drops."""
+    from flowgraph.nodes import data as nd
+
+    found = []
+    for column, (name, limit) in limits.items():
+        if limit is None:
+            continue
+        values = table.column(column).to_pylist()
+        seqs = (nd.render_prompts(tok, values, chat) if column == prompt_key
+                else nd.render_responses(tok, values))
+        over = nd.overlong("prompt" if column == prompt_key else column, name, limit, seqs)
+        if over is not None:
+            found.append(over)
+    if not found:
+        return 0
+    if params.get("filter_overlong_prompts"):
+        dropped = len({r for o in found for r in o.rows})
+        yield ("FG503", "note", f"dataset `{path}`: filter_overlong_prompts drops {dropped} "
+               f"of {table.num_rows} rows over their length limit", None)
+        return dropped
+    truncation = str(params.get("truncation", "error"))
+    for o in found:
+        if truncation == "error":
+            yield "FG503", "error", o.message(path, table.num_rows), None
+        else:
+            yield ("FG503", "warning", f"dataset `{path}`: {len(o.rows)} of {table.num_rows} "
+                   f"rows have a {o.what} over {o.limit_name} {o.limit} (the longest "
+                   f"{max(o.lengths)} tokens), truncated ({truncation})", None)
+    return 0

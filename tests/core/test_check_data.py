@@ -1,0 +1,154 @@
+"""`flowgraph check --data`: datasets and model folders opened before launch."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowgraph.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+GRPO = (ROOT / "graphs" / "grpo.yaml").read_text()
+
+
+def _graph(tmp_path: Path, data: str = '{kind: prompts, path: "builtin:arith"}',
+           actor: str = '"builtin:tiny-lm"') -> str:
+    text = GRPO.replace('train: {kind: prompts, path: "builtin:arith"}', f"train: {data}")
+    text = text.replace('    path: "builtin:tiny-lm"\n', f"    path: {actor}\n", 1)
+    path = tmp_path / "g.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def _jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _diags(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, list[dict[str, Any]]]:
+    status = main(["check", *args, "--data", "--format", "json"])
+    return status, json.loads(capsys.readouterr().out)
+
+
+def _line_of(file: str, needle: str) -> int:
+    return next(i for i, line in enumerate(Path(file).read_text().splitlines(), 1)
+                if needle in line)
+
+
+# Chat-rendered, `<|user|>` + text + `<|assistant|>`: 2 + one token per digit or operator.
+LONG = "1234567890+1234567890="  # 24 tokens, over grpo's P = 16
+ROWS = [{"prompt": "1+1=", "answer": "2"}, {"prompt": LONG, "answer": "0"}]
+
+
+def test_a_dataset_without_ground_truth_too_long_and_too_short(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    data = _jsonl(tmp_path / "q.jsonl", ROWS)
+    graph = _graph(tmp_path, f"{{kind: prompts, path: {data}}}")
+    status, diags = _diags(capsys, graph)
+    assert status == 1
+    by_code = {d["code"]: d for d in diags}
+    assert by_code["FG502"]["severity"] == "error"
+    for needle in ("q.jsonl", "`reward`", "columns: prompt, answer"):
+        assert needle in by_code["FG502"]["message"]
+    for needle in ("q.jsonl` row 1 (0-based)", "24 tokens", "max_prompt_length 16",
+                   "truncation: left"):
+        assert needle in by_code["FG503"]["message"]
+    assert "2 rows, fewer than one batch (Bp = 4)" in by_code["FG505"]["message"]
+    assert {d["line"] for d in diags if d["code"].startswith("FG50")} >= {
+        _line_of(graph, "train: {kind: prompts")}
+
+
+@pytest.mark.parametrize(("policy", "severity", "needle"), [
+    ("filter_overlong_prompts: true", "note", "drops 1 of 2 rows"),
+    ("truncation: left", "warning", "1 of 2 rows have a prompt over max_prompt_length 16"),
+])
+def test_the_length_report_follows_the_policy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], policy: str, severity: str, needle: str
+) -> None:
+    rows = [{**r, "ground_truth": r["answer"]} for r in ROWS * 4]
+    data = _jsonl(tmp_path / "q.jsonl", rows)
+    status, diags = _diags(capsys, _graph(tmp_path, f"{{kind: prompts, path: {data}, {policy}}}"))
+    over = [d for d in diags if d["code"] == "FG503"]
+    assert status == 0
+    assert [d["severity"] for d in over] == [severity]
+    assert needle.replace("2 rows", "8 rows").replace("1 of", "4 of") in over[0]["message"]
+
+
+def test_model_folders_vocabulary_and_hub_ids(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    from transformers import LlamaConfig
+
+    from flowgraph.nodes.models import build_tiny_tokenizer
+
+    folder = tmp_path / "small-vocab"
+    LlamaConfig(vocab_size=100, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                num_attention_heads=1, tie_word_embeddings=True).save_pretrained(folder)
+    build_tiny_tokenizer(folder)
+    status, diags = _diags(capsys, _graph(tmp_path, actor=str(folder)))
+    assert status == 1
+    vocab = next(d for d in diags if d["code"] == "FG507")
+    assert "512 tokens, the model's vocabulary 100" in vocab["message"]
+    notes = [d["message"] for d in diags if d["code"] == "FG508"]
+    assert any("`actor`" in m and " tied" in m for m in notes)
+    assert any("`ref`" in m and "untied" in m for m in notes)
+
+    status, diags = _diags(capsys, _graph(tmp_path, actor="some-org/some-model"))
+    skipped = [d for d in diags if d["code"] == "FG509"]
+    assert status == 0
+    assert skipped and "some-org/some-model" in skipped[0]["message"]
+    assert skipped[0]["severity"] == "note"
+
+
+def test_a_missing_config_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty").mkdir()
+    status, diags = _diags(capsys, _graph(tmp_path, actor=str(tmp_path / "empty")))
+    assert status == 1
+    assert any(d["code"] == "FG506" and "`actor`" in d["message"] for d in diags)
+
+
+def test_check_without_data_imports_no_torch() -> None:
+    code = ("import sys; from flowgraph.cli import main; "
+            f"main(['check', {str(ROOT / 'graphs' / 'grpo.yaml')!r}]); "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip().endswith("False")
+
+
+DPO = str(ROOT / "graphs" / "dpo.yaml")
+
+
+def test_preferences_on_a_base_model_and_long_responses(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flowgraph.nodes.models import build_tiny_tokenizer
+
+    base = build_tiny_tokenizer()
+    base.chat_template = None
+    base.save_pretrained(tmp_path / "base-tok")
+    rows = [{"prompt": "1+1=", "chosen": "2", "rejected": "two hundred and twelve"}] * 8
+    data = _jsonl(tmp_path / "p.jsonl", rows)
+    args = [DPO, f"data.pairs.path={data}",
+            *(f"models.{m}.tokenizer={tmp_path / 'base-tok'}" for m in ("policy", "ref"))]
+    status, diags = _diags(capsys, *args)
+    assert status == 1
+    assert [d["code"] for d in diags if d["severity"] == "error"] == ["FG504"]
+    assert "apply_chat_template: false" in diags[-1]["message"]
+    status, diags = _diags(capsys, *args, "data.pairs.apply_chat_template=false")
+    assert status == 1  # the parameter exists for preferences now (was FG112)
+    errors = [d for d in diags if d["severity"] == "error"]
+    assert [d["code"] for d in errors] == ["FG503"]
+    assert "p.jsonl` row 0 (0-based): the rejected is" in errors[0]["message"]
+    assert "max_response_length 8" in errors[0]["message"]
+
+
+def test_a_missing_column_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    data = _jsonl(tmp_path / "q.jsonl", [{"question": "1+1="}])
+    status, diags = _diags(capsys, _graph(tmp_path, f"{{kind: prompts, path: {data}}}"))
+    assert status == 1
+    missing = next(d for d in diags if d["code"] == "FG501")
+    assert "has no column `prompt`; its columns: question" in missing["message"]
