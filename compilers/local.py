@@ -618,6 +618,10 @@ class LocalExecutor:
         metrics = self._guarded_step(step)
         if trainer.eval_every and (step + 1) % trainer.eval_every == 0:
             metrics.update(self.evaluate(step))
+        if step == self.start_step:  # what the data load dropped, in the run's first row
+            metrics.update({f"data/{name}/filtered_overlong": float(s.train.filtered_overlong)
+                            for name, s in self.res.data.items()
+                            if getattr(s.train, "filtered_overlong", 0)})
         log.write(step, metrics)
         every = trainer.checkpoint_every
         due = bool(every and (step + 1) % every == 0) or step == trainer.steps - 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -316,3 +317,20 @@ def test_a_run_stops_at_load_before_any_model(
         run_plan(result.plan, tensorboard=False)
     for needle in needles:
         assert needle in str(exc.value)
+
+
+def test_the_filtered_count_is_logged_in_the_first_row(tmp_path: Path) -> None:
+    from flowgraph.compilers.local import run_plan
+    from flowgraph.passes import compile_graph
+
+    rows = [{"prompt": f"{a}+{a}=", "ground_truth": str(2 * a)} for a in range(8)]
+    rows += [{"prompt": "1234567890+1234567890=", "ground_truth": "0"}] * 3  # 24 tokens > 16
+    data = _write(tmp_path / "q.jsonl", rows)
+    graph = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
+    result = compile_graph(graph, overrides=[
+        f"trainer.run_dir={tmp_path / 'run'}", f"data.train.path={data}", "trainer.steps=2",
+        "trainer.eval_every=0", "data.train.filter_overlong_prompts=true"])
+    assert result.plan is not None
+    with open(os.devnull, "w") as out:
+        logged = run_plan(result.plan, tensorboard=False, out=out)
+    assert [r.get("data/train/filtered_overlong") for r in logged] == [3.0, None]
