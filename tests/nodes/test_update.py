@@ -240,16 +240,19 @@ def test_grad_clip_bounds_the_update() -> None:
     assert (_params(clipped) - before).norm().item() == pytest.approx(norm / 10, rel=1e-4)
 
 
-def test_every_mini_batch_steps_the_optimizer_and_the_scheduler_even_under_no_grad() -> None:
+def test_every_mini_batch_steps_the_optimizer_and_the_call_steps_the_scheduler_once() -> None:
     model = _actor()
     batch = _ppo_batch(model)
-    ctx = _ctx(model, lr=0.1)
+    ctx = _ctx(model, lr=0.1, sgd=False)
     ctx.scheduler = torch.optim.lr_scheduler.LambdaLR(ctx.optimizer, lambda k: 0.5**k)
     with torch.no_grad():  # executors may run nodes without grad; an update still trains
         ppo_actor_update(ctx, **batch, mini_batch_size=2, micro_batch_size=1, ppo_epochs=2)
-    assert ctx.scheduler.last_epoch == 4  # 2 epochs × 2 mini-batches
-    # lr is the one each step used, averaged: 0.1·(1 + ½ + ¼ + ⅛)/4.
-    assert ctx.metrics["actor/lr"] == pytest.approx(0.1 * 1.875 / 4)
+    # 2 epochs × 2 mini-batches = 4 optimizer steps, one training step: verl's
+    # lr_warmup_steps count training steps, so the scheduler steps once per call.
+    assert ctx.optimizer.state[next(model.parameters())]["step"].item() == 4
+    assert ctx.scheduler.last_epoch == 1
+    # lr is the one the step used, constant within it.
+    assert ctx.metrics["actor/lr"] == pytest.approx(0.1)
 
 
 def test_entropy_is_reported_whether_or_not_it_is_in_the_loss() -> None:
