@@ -29,21 +29,22 @@ __all__ = ["check_data", "ground_truth_readers"]
 
 def ground_truth_readers(graph: Graph, data: str) -> tuple[str, ...]:
     """The nodes that need data source `data`'s ground truth: the last consumers along
-    `ground_truth` edges (a `generate` only passes it on to, say, the reward)."""
+    the edges that carry it, whatever the input is called (a plugin reward may read it
+    as `answers`); a node passes it on when its output of the input's name is read (a
+    `generate` hands `ground_truth` on to, say, the reward)."""
     readers: list[str] = []
-    frontier, seen = [data], {data}
+    frontier, seen = [(data, "ground_truth")], {(data, "ground_truth")}
     while frontier:
         producer = frontier.pop()
         for ref, node, port in graph.edges():
-            if ref.node != producer or ref.port != "ground_truth" or port != "ground_truth":
+            if (ref.node, ref.port) != producer:
                 continue
-            passes_on = any(r.node == node.name and r.port == "ground_truth"
-                            for r, _, _ in graph.edges())
-            if not passes_on:
+            onward = (node.name, port)
+            if not any((r.node, r.port) == onward for r, _, _ in graph.edges()):
                 readers.append(node.name)
-            elif node.name not in seen:
-                seen.add(node.name)
-                frontier.append(node.name)
+            elif onward not in seen:
+                seen.add(onward)
+                frontier.append(onward)
     return tuple(sorted(set(readers)))
 
 
