@@ -194,7 +194,8 @@ def _dataset_problems(graph: Graph, d: DataSpec, path: str, tok: Any) -> Iterato
     except FlowgraphError as exc:
         yield "FG504", "error", str(exc), None
         return
-    dropped = yield from _length_problems(path, table, limits, prompt_key, chat, tok, params)
+    dropped = yield from _length_problems(path, table, limits, prompt_key, chat,
+                                          d.kind != "preferences", tok, params)
     rows, batch = table.num_rows - dropped, graph.dim_values().get("Bp")
     if isinstance(batch, int) and rows < batch:
         yield ("FG505", "error", f"dataset `{path}` has {rows} rows"
@@ -203,10 +204,11 @@ def _dataset_problems(graph: Graph, d: DataSpec, path: str, tok: Any) -> Iterato
 
 
 def _length_problems(path: str, table: Any, limits: dict[str, tuple[str, int | None]],
-                     prompt_key: str, chat: bool, tok: Any,
+                     prompt_key: str, chat: bool, special_tokens: bool, tok: Any,
                      params: dict[str, object]) -> Generator[Problem, None, int]:
     """FG503 for the rows over P or T under the data node's policy; returns how many
-    rows `filter_overlong_prompts` drops."""
+    rows `filter_overlong_prompts` drops. Prompts are measured as the dataset renders
+    them (`special_tokens`: false for preference prompts, as TRL)."""
     from flowgraph.nodes import data as nd
 
     found = []
@@ -214,8 +216,8 @@ def _length_problems(path: str, table: Any, limits: dict[str, tuple[str, int | N
         if limit is None:
             continue
         values = table.column(column).to_pylist()
-        seqs = (nd.render_prompts(tok, values, chat) if column == prompt_key
-                else nd.render_responses(tok, values))
+        seqs = (nd.render_prompts(tok, values, chat, special_tokens)
+                if column == prompt_key else nd.render_responses(tok, values))
         over = nd.overlong("prompt" if column == prompt_key else column, name, limit, seqs)
         if over is not None:
             found.append(over)
