@@ -118,13 +118,15 @@ def _check_model(m: ModelSpec, tokenizers: dict[str, Any]) -> list[Diagnostic]:
 
 
 def _read_config(path: str) -> dict[str, Any] | str:
-    """The model folder's config fields, or why they cannot be read."""
+    """The model folder's config fields, or why they cannot be read. A composite config
+    (Gemma-3, the vision-language models) keeps its vocabulary in its text config."""
     from transformers import AutoConfig
 
     try:
-        return dict(AutoConfig.from_pretrained(path).to_dict())
+        config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
         return str(exc).splitlines()[0]
+    return {**config.to_dict(), "vocab_size": config.get_text_config().vocab_size}
 
 
 def _data_model(graph: Graph, d: DataSpec) -> str | None:

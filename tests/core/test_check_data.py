@@ -104,6 +104,26 @@ def test_model_folders_vocabulary_and_hub_ids(tmp_path: Path,
     assert skipped[0]["severity"] == "note"
 
 
+@pytest.mark.parametrize(("text_vocab", "status"), [(1000, 0), (300, 1)])
+def test_a_composite_config_is_read_for_its_text_vocabulary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text_vocab: int, status: int
+) -> None:
+    """Gemma-3 (and the vision-language configs) keep vocab_size in text_config; read at
+    the top level it was 0, and every tokenizer was `over` it (a false FG507)."""
+    from transformers import Gemma3Config
+
+    from flowgraph.nodes.models import build_tiny_tokenizer
+
+    folder = tmp_path / "gemma3"
+    Gemma3Config(text_config={"vocab_size": text_vocab}).save_pretrained(folder)
+    build_tiny_tokenizer(folder)
+    got, diags = _diags(capsys, _graph(tmp_path, actor=str(folder)))
+    assert got == status
+    assert [d["code"] for d in diags if d["code"] == "FG507"] == ["FG507"] * status
+    note = next(d["message"] for d in diags if d["code"] == "FG508" and "`actor`" in d["message"])
+    assert f"vocabulary {text_vocab}, tokenizer 512 tokens" in note
+
+
 def test_a_missing_config_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "empty").mkdir()
     status, diags = _diags(capsys, _graph(tmp_path, actor=str(tmp_path / "empty")))
