@@ -151,11 +151,19 @@ def check_rendering(tokenizer: Any, chat: bool, table: pa.Table, key: str, path:
 
 
 def render_prompts(
-    tokenizer: Any, prompts: Sequence[str | list[dict[str, str]]], chat: bool
+    tokenizer: Any,
+    prompts: Sequence[str | list[dict[str, str]]],
+    chat: bool,
+    special_tokens: bool = True,
 ) -> list[list[int]]:
-    """Token ids of prompts: the chat template with the generation prompt, or raw text."""
+    """Token ids of prompts: the chat template with the generation prompt, or raw text,
+    with the tokenizer's special tokens (a base model's BOS) unless `special_tokens` is
+    false: TRL tokenizes preference prompts without them."""
     if not chat:
-        return [list(ids) for ids in tokenizer(list(prompts)).input_ids]
+        return [
+            list(ids)
+            for ids in tokenizer(list(prompts), add_special_tokens=special_tokens).input_ids
+        ]
     texts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": p}] if isinstance(p, str) else p,
@@ -434,7 +442,7 @@ class PreferenceDataset(_TableDataset):
     def _render(self, rows: Sequence[dict[str, Any]], key: str) -> list[list[int]]:
         column = [r[key] for r in rows]
         if key == "prompt":
-            return render_prompts(self.tokenizer, column, self.chat)
+            return render_prompts(self.tokenizer, column, self.chat, special_tokens=False)
         return render_responses(self.tokenizer, column)
 
     def next_batch(self, batch_size: int) -> dict[str, Tensor]:

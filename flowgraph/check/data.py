@@ -29,21 +29,22 @@ __all__ = ["check_data", "ground_truth_readers"]
 
 def ground_truth_readers(graph: Graph, data: str) -> tuple[str, ...]:
     """The nodes that need data source `data`'s ground truth: the last consumers along
-    `ground_truth` edges (a `generate` only passes it on to, say, the reward)."""
+    the edges that carry it, whatever the input is called (a plugin reward may read it
+    as `answers`); a node passes it on when its output of the input's name is read (a
+    `generate` hands `ground_truth` on to, say, the reward)."""
     readers: list[str] = []
-    frontier, seen = [data], {data}
+    frontier, seen = [(data, "ground_truth")], {(data, "ground_truth")}
     while frontier:
         producer = frontier.pop()
         for ref, node, port in graph.edges():
-            if ref.node != producer or ref.port != "ground_truth" or port != "ground_truth":
+            if (ref.node, ref.port) != producer:
                 continue
-            passes_on = any(r.node == node.name and r.port == "ground_truth"
-                            for r, _, _ in graph.edges())
-            if not passes_on:
+            onward = (node.name, port)
+            if not any((r.node, r.port) == onward for r, _, _ in graph.edges()):
                 readers.append(node.name)
-            elif node.name not in seen:
-                seen.add(node.name)
-                frontier.append(node.name)
+            elif onward not in seen:
+                seen.add(onward)
+                frontier.append(onward)
     return tuple(sorted(set(readers)))
 
 
@@ -117,13 +118,15 @@ def _check_model(m: ModelSpec, tokenizers: dict[str, Any]) -> list[Diagnostic]:
 
 
 def _read_config(path: str) -> dict[str, Any] | str:
-    """The model folder's config fields, or why they cannot be read."""
+    """The model folder's config fields, or why they cannot be read. A composite config
+    (Gemma-3, the vision-language models) keeps its vocabulary in its text config."""
     from transformers import AutoConfig
 
     try:
-        return dict(AutoConfig.from_pretrained(path).to_dict())
+        config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:
         return str(exc).splitlines()[0]
+    return {**config.to_dict(), "vocab_size": config.get_text_config().vocab_size}
 
 
 def _data_model(graph: Graph, d: DataSpec) -> str | None:
@@ -193,7 +196,8 @@ def _dataset_problems(graph: Graph, d: DataSpec, path: str, tok: Any) -> Iterato
     except FlowgraphError as exc:
         yield "FG504", "error", str(exc), None
         return
-    dropped = yield from _length_problems(path, table, limits, prompt_key, chat, tok, params)
+    dropped = yield from _length_problems(path, table, limits, prompt_key, chat,
+                                          d.kind != "preferences", tok, params)
     rows, batch = table.num_rows - dropped, graph.dim_values().get("Bp")
     if isinstance(batch, int) and rows < batch:
         yield ("FG505", "error", f"dataset `{path}` has {rows} rows"
@@ -202,10 +206,11 @@ def _dataset_problems(graph: Graph, d: DataSpec, path: str, tok: Any) -> Iterato
 
 
 def _length_problems(path: str, table: Any, limits: dict[str, tuple[str, int | None]],
-                     prompt_key: str, chat: bool, tok: Any,
+                     prompt_key: str, chat: bool, special_tokens: bool, tok: Any,
                      params: dict[str, object]) -> Generator[Problem, None, int]:
     """FG503 for the rows over P or T under the data node's policy; returns how many
-    rows `filter_overlong_prompts` drops."""
+    rows `filter_overlong_prompts` drops. Prompts are measured as the dataset renders
+    them (`special_tokens`: false for preference prompts, as TRL)."""
     from flowgraph.nodes import data as nd
 
     found = []
@@ -213,8 +218,8 @@ def _length_problems(path: str, table: Any, limits: dict[str, tuple[str, int | N
         if limit is None:
             continue
         values = table.column(column).to_pylist()
-        seqs = (nd.render_prompts(tok, values, chat) if column == prompt_key
-                else nd.render_responses(tok, values))
+        seqs = (nd.render_prompts(tok, values, chat, special_tokens)
+                if column == prompt_key else nd.render_responses(tok, values))
         over = nd.overlong("prompt" if column == prompt_key else column, name, limit, seqs)
         if over is not None:
             found.append(over)

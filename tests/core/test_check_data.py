@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from flowgraph.cli import main
+from flowgraph.errors import FlowgraphError
 
 ROOT = Path(__file__).resolve().parents[2]
 GRPO = (ROOT / "graphs" / "grpo.yaml").read_text()
@@ -103,6 +104,26 @@ def test_model_folders_vocabulary_and_hub_ids(tmp_path: Path,
     assert skipped[0]["severity"] == "note"
 
 
+@pytest.mark.parametrize(("text_vocab", "status"), [(1000, 0), (300, 1)])
+def test_a_composite_config_is_read_for_its_text_vocabulary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], text_vocab: int, status: int
+) -> None:
+    """Gemma-3 (and the vision-language configs) keep vocab_size in text_config; read at
+    the top level it was 0, and every tokenizer was `over` it (a false FG507)."""
+    from transformers import Gemma3Config
+
+    from flowgraph.nodes.models import build_tiny_tokenizer
+
+    folder = tmp_path / "gemma3"
+    Gemma3Config(text_config={"vocab_size": text_vocab}).save_pretrained(folder)
+    build_tiny_tokenizer(folder)
+    got, diags = _diags(capsys, _graph(tmp_path, actor=str(folder)))
+    assert got == status
+    assert [d["code"] for d in diags if d["code"] == "FG507"] == ["FG507"] * status
+    note = next(d["message"] for d in diags if d["code"] == "FG508" and "`actor`" in d["message"])
+    assert f"vocabulary {text_vocab}, tokenizer 512 tokens" in note
+
+
 def test_a_missing_config_is_reported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "empty").mkdir()
     status, diags = _diags(capsys, _graph(tmp_path, actor=str(tmp_path / "empty")))
@@ -152,3 +173,54 @@ def test_a_missing_column_is_reported(tmp_path: Path, capsys: pytest.CaptureFixt
     assert status == 1
     missing = next(d for d in diags if d["code"] == "FG501")
     assert "has no column `prompt`; its columns: question" in missing["message"]
+
+
+ANSWERS_PLUGIN = '''
+import torch
+from flowgraph.contracts import TensorSpec
+from flowgraph.registry import KindSpec, PortSpec, register_kind
+
+register_kind(KindSpec(
+    "answer_reward", "reward", "a reward that reads each sample's answer as `answers`",
+    inputs=(PortSpec("response_mask", TensorSpec("b T", "mask", ("binary",))),
+            PortSpec("answers", TensorSpec("b", "str"))),
+    outputs=(PortSpec("scores", TensorSpec("b", "float", ("finite",))),),
+    impl="fg_answer_reward:answer_reward", source="fg_answer_reward"))
+
+
+def answer_reward(response_mask, answers):
+    return torch.zeros(response_mask.shape[0])
+'''
+
+
+def test_ground_truth_read_under_another_input_name_is_required(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plugin reward reading gen.ground_truth as `answers` needs the column too (a
+    run stopped with KeyError: ('train', 'ground_truth') at step 0 when it was missing)."""
+    from flowgraph.check.data import ground_truth_readers
+    from flowgraph.compilers.local import run_plan
+    from flowgraph.frontend import load_graph
+    from flowgraph.passes import compile_graph
+
+    (tmp_path / "fg_answer_reward.py").write_text(ANSWERS_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    data = _jsonl(tmp_path / "q.jsonl", [{"prompt": f"{a}+{a}="} for a in range(8)])
+    text = Path(_graph(tmp_path, f"{{kind: prompts, path: {data}}}")).read_text()
+    reward = text[text.index("  reward:\n"):text.index("  adv:\n")]
+    text = text.replace(reward, "  reward:\n    kind: answer_reward\n    inputs: {response_mask: "
+                                "gen.response_mask, answers: gen.ground_truth}\n")
+    graph_file = tmp_path / "g.yaml"
+    graph_file.write_text("plugins: [fg_answer_reward]\n" + text)
+    graph, _ = load_graph(str(graph_file))
+    assert graph is not None
+    assert ground_truth_readers(graph, "train") == ("reward",)
+    status, diags = _diags(capsys, str(graph_file))
+    assert status == 1
+    assert "which node `reward` needs" in next(d for d in diags if d["code"] == "FG502")["message"]
+    result = compile_graph(graph_file, overrides=[f"trainer.run_dir={tmp_path / 'run'}",
+                                                  "trainer.steps=1"])
+    assert result.plan is not None
+    with pytest.raises(FlowgraphError, match=r"q.jsonl` has no ground truth, which node "
+                                             r"`reward` needs; its columns: prompt"):
+        run_plan(result.plan, tensorboard=False)

@@ -146,6 +146,24 @@ def test_dpo_on_a_base_model_tokenizes_strings_as_raw_text(tmp_path: Path) -> No
     assert TOK.decode(batch["chosen"][0]) == "4<|eos|>"
 
 
+def test_raw_preference_prompts_carry_no_special_tokens_as_in_trl(tmp_path: Path) -> None:
+    """TRL's DPOTrainer.tokenize_row: `tokenizer(prompt, add_special_tokens=False)` for a
+    decoder-only model; a raw `prompts` row keeps the BOS a base model generates after."""
+    from tokenizers import processors
+
+    bos = build_tiny_tokenizer()  # a base model's tokenizer: BOS first, no chat template
+    bos.chat_template = None
+    bos._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|bos|> $A", special_tokens=[("<|bos|>", bos.bos_token_id)])
+    assert bos("2+2=").input_ids == [bos.bos_token_id, *TOK("2+2=").input_ids]
+    rows = [{"prompt": "2+2=", "chosen": "4", "rejected": "5"}]
+    path = str(_write(tmp_path / "p.jsonl", rows))
+    pairs = PreferenceDataset(path, bos, max_prompt_length=4, apply_chat_template=False)
+    assert pairs.next_batch(1)["prompts"][0].tolist() == TOK("2+2=").input_ids  # 4 fit P=4
+    prompts = PromptDataset(path, bos, max_prompt_length=5, apply_chat_template=False)
+    assert prompts.next_batch(1)["input_ids"][0, 0] == bos.bos_token_id
+
+
 def test_a_missing_ground_truth_is_named_before_any_batch(tmp_path: Path) -> None:
     path = str(_write(tmp_path / "q.jsonl", [{"prompt": "1+1=", "answer": "2"}]))
     assert len(prompt_source(path, tokenizer=TOK).train) == 1  # nobody reads it: fine
