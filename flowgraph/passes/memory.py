@@ -6,9 +6,10 @@ import), else `models.<name>.config`. Parameters are counted for a llama-style d
 (`count_parameters`). Per device of a pool, with s = P+T tokens per sequence, h hidden
 size, L layers, a attention heads, V vocabulary, m the micro-batch on one worker:
 
-    weights      params x dtype bytes / shards
-    grads        params x dtype bytes / shards                    (trainable models)
-    optimizer    params x 8 / shards: AdamW's exp_avg and exp_avg_sq in fp32
+    weights      (params - head) x dtype bytes / shards + head x dtype bytes
+    grads        as weights                                       (trainable models)
+    optimizer    ((params - head) / shards + head) x 8: AdamW's exp_avg and exp_avg_sq
+                 in fp32
     activations  training: L x s*m x (2h(4 + 2d) + (3q + 2kv + 4i) d) bytes with SDPA or
                  flash attention (transformers' default; d dtype bytes, q and kv = query
                  and KV heads x head dim, i the MLP width), plus a*s*(4 + d, or 4 in fp32) with
@@ -26,7 +27,9 @@ size, L layers, a attention heads, V vocabulary, m the micro-batch on one worker
                  `gpu_memory_utilization` set and `resources.memory_gib` declared,
                  that share of the device
 
-`shards` is the pool's size for FSDP-sharded models, 1 otherwise. Weights, grads and
+`shards` is the pool's size for FSDP-sharded models, 1 otherwise; `head`, the V x h LM
+head (tied or not) or the h scalar head, stays replicated on every worker as
+compilers/_dist.py keeps it (`replicated_parameters`). Weights, grads and
 optimizer state stay resident; the other items live while their node runs, and the
 nodes of a pool run one at a time, so a device's peak is the resident memory plus
 the largest node's. When `resources.memory_gib` is declared and a pool's peak exceeds
@@ -147,6 +150,12 @@ def count_parameters(cfg: ModelConfig, lm_head: bool = True) -> int:
     else:
         head = cfg.vocab_size * h
     return embeddings + cfg.num_hidden_layers * layer + h + head
+
+
+def replicated_parameters(cfg: ModelConfig, lm_head: bool = True) -> int:
+    """Parameters FSDP leaves whole on every worker (compilers/_dist.py): the head, and
+    a tied head's shared embedding, which costs the same V x h."""
+    return cfg.vocab_size * cfg.hidden_size if lm_head else cfg.hidden_size
 
 
 def layer_activation_bytes(cfg: ModelConfig, micro: int, seq: int, dtype_bytes: int,
@@ -302,14 +311,15 @@ def _runs_in(inp: _Inputs, node: NodeSpec, pool: PoolPlan) -> bool:
 def _state_items(inp: _Inputs, pool: PoolPlan, name: str) -> list[MemoryItem]:
     model = inp.graph.model(name)
     assert model is not None
-    n = count_parameters(inp.configs[name], inp.lm_head.get(name, True))
-    shards = pool.shards(name)
-    weights = math.ceil(n * DTYPE_BYTES[model.dtype] / shards)
+    cfg, lm_head = inp.configs[name], inp.lm_head.get(name, True)
+    head = replicated_parameters(cfg, lm_head)
+    per_worker = (count_parameters(cfg, lm_head) - head) / pool.shards(name) + head
+    weights = math.ceil(per_worker * DTYPE_BYTES[model.dtype])
     items = [MemoryItem("weights", name, weights, False)]
     if model.trainable:
         state = OPTIMIZER_STATE_BYTES[(model.optimizer or OptimizerSpec()).name]
         items += [MemoryItem("grads", name, weights, False),
-                  MemoryItem("optimizer", name, math.ceil(n * state / shards), False)]
+                  MemoryItem("optimizer", name, math.ceil(per_worker * state), False)]
     return items
 
 

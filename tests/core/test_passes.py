@@ -382,9 +382,18 @@ def test_memory_shards_state_over_the_pool() -> None:
     plan = plan_of("ppo.yaml", target="ray", nproc=2)
     weights = {(m.pool, i.owner): i.bytes for m in plan.memory for i in m.items
                if i.what == "weights"}
-    assert weights == {("actor_rollout_ref", "actor"): 459_392 * 4 // 2,
-                       ("actor_rollout_ref", "ref"): 459_392 * 4 // 2,
-                       ("critic", "critic"): 393_984 * 4 // 2}
+    # FSDP shards all but the heads (compilers/_dist.py): tiny-lm's 459,392 parameters less
+    # its V*h = 512*128 = 65,536 LM head are halved, the head is whole on each worker:
+    # (393,856 / 2 + 65,536) * 4 = 1,049,856; the critic's value head is h = 128:
+    # (393,856 / 2 + 128) * 4 = 788,224.
+    assert weights == {("actor_rollout_ref", "actor"): 1_049_856,
+                       ("actor_rollout_ref", "ref"): 1_049_856,
+                       ("critic", "critic"): 788_224}
+    # A tied head's shared embedding stays whole too: (393,856 - 65,536) / 2 + 65,536.
+    tied = plan_of("ppo.yaml", target="ray", nproc=2, overrides=[
+        "models.actor.path=builtin:tiny-tied"])
+    assert {i.bytes for m in tied.memory for i in m.items
+            if (i.what, i.owner) == ("weights", "actor")} == {229_696 * 4}
 
 
 def test_memory_over_the_declared_device_is_fg401() -> None:
@@ -394,13 +403,15 @@ def test_memory_over_the_declared_device_is_fg401() -> None:
     assert result.plan is None and err.code == "FG401"
     assert err.message == (f"plan needs {need:.3g} GiB on each device of pool `main`, declared "
                            f"0.0001 GiB: over by {need - 0.0001:.3g} GiB")
-    # Fixes, re-estimated: fsdp over 2 halves the 15,491,584 resident bytes and the batch
-    # (an update's micro-batch too: each rank takes 8/2 of every global mini-batch of 8),
-    # saving 7,745,792 + (3,997,696 - 1,998,848) bytes = 0.00908 GiB. Halving every
+    # Fixes, re-estimated: fsdp over 2 halves the 15,491,584 resident bytes but the heads
+    # (test_memory_shards_state_over_the_pool: actor (393,856/2 + 65,536) * 16, ref that * 4,
+    # critic (393,856/2 + 128) * 16: 8,402,176 left) and the batch (an update's
+    # micro-batch too: each rank takes 8/2 of every global mini-batch of 8), saving
+    # 7,089,408 + (3,997,696 - 1,998,848) bytes = 0.00846 GiB. Halving every
     # micro-batch leaves old_logprob at 1,867,776 + 131,072 = 1,998,848 as the peak:
     # saves 3,997,696 - 1,998,848 = 1,998,848 (0.00186 GiB).
     assert err.hint == (
-        "compile with --target fsdp --nproc 2 (saves 0.00908 GiB); set params.micro_batch_size "
+        "compile with --target fsdp --nproc 2 (saves 0.00846 GiB); set params.micro_batch_size "
         "of old_logprob 16→8, ref_logprob 16→8, values 16→8, update_actor 8→4, update_critic "
         "8→4 (saves 0.00186 GiB); or declare resources.memory_gib >= 0.019")
 
