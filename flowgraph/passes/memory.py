@@ -6,17 +6,18 @@ import), else `models.<name>.config`. Parameters are counted for a llama-style d
 (`count_parameters`). Per device of a pool, with s = P+T tokens per sequence, h hidden
 size, L layers, a attention heads, V vocabulary, m the micro-batch on one worker:
 
-    weights      params x dtype bytes / shards
-    grads        params x dtype bytes / shards                    (trainable models)
-    optimizer    params x 8 / shards: AdamW's exp_avg and exp_avg_sq in fp32
-    activations  training: L x s*m*h*34 bytes for 16-bit activations with SDPA or flash
-                 attention (transformers' default), L x s*m*h*(34 + 5*a*s/h) with
-                 `attn_implementation: eager`, which keeps the attention scores;
-                 Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-                 Transformer Models", eq. 1, no recompute, no tensor parallelism),
-                 scaled by dtype bytes / 2; with gradient checkpointing the 2*s*m*h
-                 bytes of each layer's input plus one layer's activations (sec. 4.1);
-                 inference: one layer's activations
+    weights      (params - head) x dtype bytes / shards + head x dtype bytes
+    grads        as weights                                       (trainable models)
+    optimizer    ((params - head) / shards + head) x 8: AdamW's exp_avg and exp_avg_sq
+                 in fp32
+    activations  training: L x s*m x (2h(4 + 2d) + (3q + 2kv + 4i) d) bytes with SDPA or
+                 flash attention (transformers' default; d dtype bytes, q and kv = query
+                 and KV heads x head dim, i the MLP width), plus a*s*(4 + d, or 4 in fp32) with
+                 `attn_implementation: eager`, which keeps the softmaxed scores
+                 (`layer_activation_bytes`: Korthikanti et al. 2022, eq. 1, counted for
+                 a llama layer as it runs); with gradient checkpointing each layer's
+                 input, s*m*h*d, plus one layer's activations (sec. 4.1); inference:
+                 one layer's activations
     logits       the fp32 logits of the tokens projected at once: 2 x min(1024, m x T)
                  x V x 4 in an update (a chunk and its gradient), min(chunk_size,
                  m x T) x V x 4 in a logprob node
@@ -26,7 +27,9 @@ size, L layers, a attention heads, V vocabulary, m the micro-batch on one worker
                  `gpu_memory_utilization` set and `resources.memory_gib` declared,
                  that share of the device
 
-`shards` is the pool's size for FSDP-sharded models, 1 otherwise. Weights, grads and
+`shards` is the pool's size for FSDP-sharded models, 1 otherwise; `head`, the V x h LM
+head (tied or not) or the h scalar head, stays replicated on every worker as
+compilers/_dist.py keeps it (`replicated_parameters`). Weights, grads and
 optimizer state stay resident; the other items live while their node runs, and the
 nodes of a pool run one at a time, so a device's peak is the resident memory plus
 the largest node's. When `resources.memory_gib` is declared and a pool's peak exceeds
@@ -149,15 +152,35 @@ def count_parameters(cfg: ModelConfig, lm_head: bool = True) -> int:
     return embeddings + cfg.num_hidden_layers * layer + h + head
 
 
+def replicated_parameters(cfg: ModelConfig, lm_head: bool = True) -> int:
+    """Parameters FSDP leaves whole on every worker (compilers/_dist.py): the head, and
+    a tied head's shared embedding, which costs the same V x h."""
+    return cfg.vocab_size * cfg.hidden_size if lm_head else cfg.hidden_size
+
+
 def layer_activation_bytes(cfg: ModelConfig, micro: int, seq: int, dtype_bytes: int,
                            attention: str = "sdpa") -> int:
-    """Korthikanti et al. 2022 eq. 1 for one layer, s*b*h*(34 + 5*a*s/h) bytes at 16 bits,
-    written as s*b*(34*h + 5*a*s) to stay in integers, scaled to the model's dtype. The
-    5*a*s/h term is the attention scores, softmax and dropout mask, O(s²): only `eager`
-    attention keeps them; SDPA and flash attention (transformers' default) recompute
-    them in the backward pass from O(s) statistics (Dao et al. 2022), so it drops."""
-    scores = 5 * cfg.num_attention_heads * seq if attention == "eager" else 0
-    return seq * micro * (34 * cfg.hidden_size + scores) * dtype_bytes // 2
+    """What one llama layer of transformers keeps for its backward pass, in bytes a token
+    (d the dtype's bytes; measured by benchmarks/bench_memory.py):
+
+        each RMSNorm  h(4 + 2d)   its input upcast to fp32, the normalised input cast back
+                                  and the weighted output (all three in d when d = 4)
+        attention     (3q + 2kv)d q, k, v after RoPE and the attention output (SDPA's
+                                  saved tensors), o_proj's contiguous input (q = a x head
+                                  dim, h in most models)
+        MLP           4i d        gate, SiLU(gate), up, down's input
+
+    Korthikanti et al. 2022 eq. 1 counts the same tensors for a GPT layer (LayerNorm,
+    4h GELU MLP, dropout masks). `eager` attention also keeps the fp32 softmax of the
+    scores, a*s a token, and its cast to d when d < 4: O(s²) in all; SDPA and flash
+    attention recompute them in the backward pass from O(s) statistics (Dao et al.
+    2022)."""
+    h, d = cfg.hidden_size, dtype_bytes
+    q, kv = (n * cfg.head_dim for n in (cfg.num_attention_heads, cfg.num_key_value_heads))
+    per_token = 2 * h * (4 + 2 * d) + (3 * q + 2 * kv + 4 * cfg.intermediate_size) * d
+    if attention == "eager":
+        per_token += cfg.num_attention_heads * seq * (4 + (d if d < 4 else 0))
+    return seq * micro * per_token
 
 
 def training_activation_bytes(cfg: ModelConfig, micro: int, seq: int, dtype_bytes: int,
@@ -165,8 +188,8 @@ def training_activation_bytes(cfg: ModelConfig, micro: int, seq: int, dtype_byte
     layer = layer_activation_bytes(cfg, micro, seq, dtype_bytes, attention)
     if not checkpointing:
         return cfg.num_hidden_layers * layer
-    # Full recompute keeps each layer's input (2*s*b*h bytes at 16 bits) and rebuilds one
-    # layer's activations at a time during the backward pass.
+    # Full recompute keeps each layer's input (s*b*h elements) and rebuilds one layer's
+    # activations at a time during the backward pass.
     inputs = cfg.num_hidden_layers * seq * micro * cfg.hidden_size * dtype_bytes
     return inputs + layer
 
@@ -288,14 +311,15 @@ def _runs_in(inp: _Inputs, node: NodeSpec, pool: PoolPlan) -> bool:
 def _state_items(inp: _Inputs, pool: PoolPlan, name: str) -> list[MemoryItem]:
     model = inp.graph.model(name)
     assert model is not None
-    n = count_parameters(inp.configs[name], inp.lm_head.get(name, True))
-    shards = pool.shards(name)
-    weights = math.ceil(n * DTYPE_BYTES[model.dtype] / shards)
+    cfg, lm_head = inp.configs[name], inp.lm_head.get(name, True)
+    head = replicated_parameters(cfg, lm_head)
+    per_worker = (count_parameters(cfg, lm_head) - head) / pool.shards(name) + head
+    weights = math.ceil(per_worker * DTYPE_BYTES[model.dtype])
     items = [MemoryItem("weights", name, weights, False)]
     if model.trainable:
         state = OPTIMIZER_STATE_BYTES[(model.optimizer or OptimizerSpec()).name]
         items += [MemoryItem("grads", name, weights, False),
-                  MemoryItem("optimizer", name, math.ceil(n * state / shards), False)]
+                  MemoryItem("optimizer", name, math.ceil(per_worker * state), False)]
     return items
 
 

@@ -342,25 +342,39 @@ def test_parameter_count_with_gqa_and_tied_embeddings() -> None:
 def test_activation_formulas() -> None:
     cfg = ModelConfig.parse(TINY)
     assert isinstance(cfg, ModelConfig)
-    # One layer, s=24, b=8, fp32, SDPA: s*b*34h * 4/2 = 192 * 4352 * 2 = 1,671,168;
-    # eager attention keeps the scores too: s*b*(34h + 5as) * 4/2 = 192 * 4592 * 2 = 1,763,328.
-    assert layer_activation_bytes(cfg, 8, 24, 4) == 1_671_168
-    assert layer_activation_bytes(cfg, 8, 24, 4, "eager") == 1_763_328
-    assert training_activation_bytes(cfg, 8, 24, 4, checkpointing=False) == 2 * 1_671_168
+    # One layer, s=24, b=8, fp32 (d=4), SDPA, h=128, kv=2*64=128, i=256, bytes a token:
+    # norms 2*128*(4+2*4) = 3,072, attention (3*128+2*128)*4 = 2,560, MLP 4*256*4 = 4,096;
+    # 9,728 * 192 tokens = 1,867,776. Eager also keeps the fp32 softmax, a*s*4 = 192 a
+    # token: 9,920 * 192 = 1,904,640.
+    assert layer_activation_bytes(cfg, 8, 24, 4) == 1_867_776
+    assert layer_activation_bytes(cfg, 8, 24, 4, "eager") == 1_904_640
+    assert training_activation_bytes(cfg, 8, 24, 4, checkpointing=False) == 2 * 1_867_776
     # Checkpointing: the layer inputs L*s*b*h*4 = 2*24*8*128*4 = 196,608, plus one layer.
-    assert training_activation_bytes(cfg, 8, 24, 4, checkpointing=True) == 196_608 + 1_671_168
+    assert training_activation_bytes(cfg, 8, 24, 4, checkpointing=True) == 196_608 + 1_867_776
+
+
+def test_bf16_layers_keep_the_rmsnorm_fp32_upcast_and_the_eager_softmax_in_fp32() -> None:
+    cfg = ModelConfig.parse(TINY)
+    assert isinstance(cfg, ModelConfig)
+    # bf16 (d=2), a token: norms 2*128*(4+2*2) = 2,048 (the fp32 upcast of each norm's
+    # input, 4 bytes, and two bf16 tensors), attention (3*128+2*128)*2 = 1,280, MLP
+    # 4*256*2 = 2,048: 5,376 * 192 tokens = 1,032,192. Eager: the fp32 softmax and its
+    # bf16 cast, a*s*(4+2) = 288 a token: 5,664 * 192 = 1,087,488.
+    assert layer_activation_bytes(cfg, 8, 24, 2) == 1_032_192
+    assert layer_activation_bytes(cfg, 8, 24, 2, "eager") == 1_087_488
 
 
 def test_memory_of_ppo_on_local() -> None:
     # Persistent, fp32: actor 459,392 * (4 weights + 4 grads + 8 AdamW) = 7,350,272;
     # ref 459,392 * 4 = 1,837,568; critic (value head) 393,984 * 16 = 6,303,744.
     # Peak node: old_logprob over the whole batch of 16 (s = 24, SDPA): one layer
-    # 24*16*34*128*2 = 3,342,336 plus logits min(1024, 16*8)*512*4 = 262,144; update_actor
-    # (micro 8: 2 layers 3,342,336, plus a 64-token chunk of logits and its gradient
-    # 2*64*512*4 = 262,144) ties with it, and the first in plan order is named.
+    # 24*16*9,728 = 3,735,552 (test_activation_formulas) plus logits min(1024, 16*8)*512*4
+    # = 262,144; update_actor (micro 8: 2 layers of 24*8*9,728 = 3,735,552, plus a 64-token
+    # chunk of logits and its gradient 2*64*512*4 = 262,144) ties with it, and the first in
+    # plan order is named.
     (mem,) = plan_of("ppo.yaml", target="local").memory
     assert mem.pool == "main" and mem.peak_node == "old_logprob"
-    assert mem.total_bytes == 7_350_272 + 1_837_568 + 6_303_744 + 3_342_336 + 262_144
+    assert mem.total_bytes == 7_350_272 + 1_837_568 + 6_303_744 + 3_735_552 + 262_144
     assert mem.missing == ()
 
 
@@ -368,27 +382,38 @@ def test_memory_shards_state_over_the_pool() -> None:
     plan = plan_of("ppo.yaml", target="ray", nproc=2)
     weights = {(m.pool, i.owner): i.bytes for m in plan.memory for i in m.items
                if i.what == "weights"}
-    assert weights == {("actor_rollout_ref", "actor"): 459_392 * 4 // 2,
-                       ("actor_rollout_ref", "ref"): 459_392 * 4 // 2,
-                       ("critic", "critic"): 393_984 * 4 // 2}
+    # FSDP shards all but the heads (compilers/_dist.py): tiny-lm's 459,392 parameters less
+    # its V*h = 512*128 = 65,536 LM head are halved, the head is whole on each worker:
+    # (393,856 / 2 + 65,536) * 4 = 1,049,856; the critic's value head is h = 128:
+    # (393,856 / 2 + 128) * 4 = 788,224.
+    assert weights == {("actor_rollout_ref", "actor"): 1_049_856,
+                       ("actor_rollout_ref", "ref"): 1_049_856,
+                       ("critic", "critic"): 788_224}
+    # A tied head's shared embedding stays whole too: (393,856 - 65,536) / 2 + 65,536.
+    tied = plan_of("ppo.yaml", target="ray", nproc=2, overrides=[
+        "models.actor.path=builtin:tiny-tied"])
+    assert {i.bytes for m in tied.memory for i in m.items
+            if (i.what, i.owner) == ("weights", "actor")} == {229_696 * 4}
 
 
 def test_memory_over_the_declared_device_is_fg401() -> None:
     result = compile_graph(GRAPHS / "ppo.yaml", overrides=["resources.memory_gib=0.0001"])
     (err,) = [d for d in result.diagnostics if d.is_error]
-    need = 19_096_064 / GIB  # the total of test_memory_of_ppo_on_local
+    need = 19_489_280 / GIB  # the total of test_memory_of_ppo_on_local
     assert result.plan is None and err.code == "FG401"
     assert err.message == (f"plan needs {need:.3g} GiB on each device of pool `main`, declared "
                            f"0.0001 GiB: over by {need - 0.0001:.3g} GiB")
-    # Fixes, re-estimated: fsdp over 2 halves the 15,491,584 resident bytes and the batch
-    # (an update's micro-batch too: each rank takes 8/2 of every global mini-batch of 8),
-    # saving 7,745,792 + (3,604,480 - 1,802,240) bytes = 0.00889 GiB. Halving every
-    # micro-batch leaves old_logprob at 1,671,168 + 131,072 = 1,802,240 as the peak:
-    # saves 3,604,480 - 1,802,240 = 1,802,240 (0.00168 GiB).
+    # Fixes, re-estimated: fsdp over 2 halves the 15,491,584 resident bytes but the heads
+    # (test_memory_shards_state_over_the_pool: actor (393,856/2 + 65,536) * 16, ref that * 4,
+    # critic (393,856/2 + 128) * 16: 8,402,176 left) and the batch (an update's
+    # micro-batch too: each rank takes 8/2 of every global mini-batch of 8), saving
+    # 7,089,408 + (3,997,696 - 1,998,848) bytes = 0.00846 GiB. Halving every
+    # micro-batch leaves old_logprob at 1,867,776 + 131,072 = 1,998,848 as the peak:
+    # saves 3,997,696 - 1,998,848 = 1,998,848 (0.00186 GiB).
     assert err.hint == (
-        "compile with --target fsdp --nproc 2 (saves 0.00889 GiB); set params.micro_batch_size "
+        "compile with --target fsdp --nproc 2 (saves 0.00846 GiB); set params.micro_batch_size "
         "of old_logprob 16→8, ref_logprob 16→8, values 16→8, update_actor 8→4, update_critic "
-        "8→4 (saves 0.00168 GiB); or declare resources.memory_gib >= 0.018")
+        "8→4 (saves 0.00186 GiB); or declare resources.memory_gib >= 0.019")
 
 
 def fg401_hint(file: str, *overrides: str, **kw: Any) -> str:
@@ -561,24 +586,26 @@ QWEN_7B = {"vocab_size": 152064, "hidden_size": 3584, "intermediate_size": 18944
            "num_hidden_layers": 28, "num_attention_heads": 28, "num_key_value_heads": 4}
 
 
-@pytest.mark.parametrize(("attention", "gib"), [("sdpa", 39.05), ("eager", 176.86)])
+@pytest.mark.parametrize(("attention", "gib"), [("sdpa", 74.48), ("eager", 239.86)])
 def test_activations_of_qwen2_5_7b_follow_the_attention_implementation(attention: str,
                                                                       gib: float) -> None:
     from flowgraph.passes.memory import ModelConfig, training_activation_bytes
 
     cfg = ModelConfig.parse(QWEN_7B)
     assert isinstance(cfg, ModelConfig)
-    # bf16, s = P+T = 3072, micro-batch 4, 28 layers. SDPA / flash keep O(s) per layer:
-    # 34·s·b·h = 34 · 3072 · 4 · 3584 = 1,497,366,528 bytes a layer, × 28 = 39.05 GiB.
-    # Eager attention keeps the scores too: + 5·a·s²·b = 5 · 28 · 3072² · 4 a layer,
-    # 176.86 GiB in all (the estimate before the attention implementation was modelled).
+    # bf16, s = P+T = 3072, micro-batch 4, 28 layers. SDPA / flash keep O(s) per layer,
+    # a token 2h(4+4) + (3h + 2kv + 4i)·2 = 57,344 + (10,752 + 1,024 + 75,776)·2 = 232,448
+    # bytes (h 3584, kv 4·128, i 18944), × 3072 · 4 tokens = 2,856,321,024 a layer, × 28
+    # = 74.48 GiB. Eager keeps the fp32 softmax and its bf16 cast too: + a·s·6 = 516,096
+    # bytes a token, 239.86 GiB in all.
     act = training_activation_bytes(cfg, 4, 3072, 2, checkpointing=False, attention=attention)
     assert act / GIB == pytest.approx(gib, abs=0.005)
 
 
 def test_a_qwen2_5_7b_grpo_that_fits_is_not_refused() -> None:
     # 8 ranks of 80 GiB: weights, grads and Adam's 8 bytes sharded 8 ways ((2+2+8) × 7.6e9
-    # / 8 ≈ 10.6 GiB) plus 39 GiB of activations fit; with the scores counted they did not.
+    # / 8 ≈ 10.6 GiB) plus micro-batch 2's 37.24 GiB of activations (half the 74.48 GiB
+    # above) fit; with eager's scores (119.93 GiB) they do not.
     doc = doc_of("grpo")
     for name in ("actor", "ref"):
         doc["models"][name] = {**doc["models"][name], "path": "org/qwen2.5-7b",
@@ -586,7 +613,7 @@ def test_a_qwen2_5_7b_grpo_that_fits_is_not_refused() -> None:
     doc["dims"] = {"Bp": 8, "N": 4, "P": 1024, "T": 2048}
     doc["resources"] = {**doc.get("resources", {}), "memory_gib": 80}
     doc["nodes"]["update_actor"]["params"] = {**doc["nodes"]["update_actor"].get("params", {}),
-                                              "mini_batch_size": 32, "micro_batch_size": 4}
+                                              "mini_batch_size": 32, "micro_batch_size": 2}
     result = compile_graph(graph_of(doc), target="fsdp", nproc=8)
     assert [d.code for d in result.diagnostics if d.is_error] == []
     eager = graph_of(doc)
@@ -594,3 +621,20 @@ def test_a_qwen2_5_7b_grpo_that_fits_is_not_refused() -> None:
                                          for m in eager.models))
     refused = compile_graph(eager, target="fsdp", nproc=8)
     assert "FG401" in [d.code for d in refused.diagnostics if d.is_error]
+
+
+def test_the_memory_benchmark_counts_each_storage_once_while_it_lives(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from bench_memory import LiveBytes
+
+    with LiveBytes(known=set()) as mode:
+        x = torch.ones(1000)  # 4,000 bytes
+        view = x[:10].view(2, 5)  # the same storage: counted once
+        y = x * 2  # 4,000 more
+        del x
+        assert mode.live == 8_000  # x's storage lives on in `view`
+        del view, y
+    assert (mode.live, mode.peak) == (0, 8_000)

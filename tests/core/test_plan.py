@@ -105,8 +105,8 @@ def _set(path: str, value: object) -> Edit:
      "dispatch must be one of ('local', 'split', 'gather', 'broadcast', 'reshard')"),
     (_set("pools/0/size", 0), "invalid pool `main`: size must be >= 1, got 0; 1 bundles for 0 "
                               "workers"),
-    # 459,392 * 16 + 459,392 * 4 resident + the update's 6,684,672 + 524,288 = 16,396,800.
-    (_set("memory/0/total_bytes", 1), "invalid memory of pool `main`: total 1 != 16396800"),
+    # 459,392 * 16 + 459,392 * 4 resident + the update's 7,471,104 + 524,288 = 17,183,232.
+    (_set("memory/0/total_bytes", 1), "invalid memory of pool `main`: total 1 != 17183232"),
     (_set("stages/0/colour", "red"), "`plan.stages[0]` has unknown field(s) ['colour']"),
     (_set("graph/nodes/update/kind", "dpo_updat"), "invalid execution plan: node `update` is "
      "kind `dpo_update` in the plan, `dpo_updat` in its graph"),
@@ -168,9 +168,10 @@ def test_pool_memory_counts_only_the_largest_nodes_transient_memory() -> None:
 
 def test_summary() -> None:
     # Memory, fp32: policy 459,392 params * (4 + 4 + 8) bytes, ref 459,392 * 4; the update
-    # runs 8 pairs = 16 sequences of P+T = 24 tokens: 2 layers of 24*16*34*128*2 (SDPA)
-    # = 6,684,672 bytes of activations, and its 128 response tokens' logits in one chunk,
-    # with their gradient: 2*128*512*4 = 524,288.
+    # runs 8 pairs = 16 sequences of P+T = 24 tokens: 2 layers of 24*16*9,728 (SDPA, a
+    # token: test_passes.test_activation_formulas) = 7,471,104 bytes of activations, and
+    # its 128 response tokens' logits in one chunk, with their gradient: 2*128*512*4 =
+    # 524,288.
     assert plan_of(GRAPHS / "dpo.yaml").summary() == f"""\
 plan for `dpo` ({GRAPHS / "dpo.yaml"}): target local, nproc 1, device cpu
 dims: Bp=8 P=16 T=8
@@ -189,12 +190,12 @@ stages:
 edges: 16 local
 
 memory per device (estimate):
-  main: 0.0153 GiB, peak in node update
+  main: 0.016 GiB, peak in node update
     weights      policy           0.00171 GiB
     grads        policy           0.00171 GiB
     optimizer    policy           0.00342 GiB
     weights      ref              0.00171 GiB
-    activations  update           0.00623 GiB
+    activations  update           0.00696 GiB
     logits       update           0.000488 GiB"""
 
 

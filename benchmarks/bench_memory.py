@@ -1,0 +1,199 @@
+"""The compile-time memory estimate against the peak of live tensor bytes while the plan runs.
+
+    python benchmarks/bench_memory.py                  # every case
+    python benchmarks/bench_memory.py --only dpo-long
+
+Each case runs in a fresh process: the plan is compiled (`ExecutionPlan.memory`, one
+pool on the local target: resident weights, grads and optimizer state plus the largest
+node's transient items) and run for `--steps` steps by a `LocalExecutor` on the CPU.
+
+How it measures: after `setup()` every tensor the garbage collector can reach (the
+weights, buffers, the loaded data) is counted once by storage; `run()` then runs under
+a `TorchDispatchMode` that sees the output of every aten op, registers each new storage
+(keyed by its data pointer, so views and in-place results count once) with a weakref
+finalizer on every tensor that holds it, and keeps the running sum of live storage
+bytes. The measured peak is the setup bytes plus the largest running sum: tensor bytes
+only (gradients and AdamW state included when they are allocated), no allocator slack,
+no Python objects, no RSS. A tensor made without an aten op (`torch.from_numpy`) is not
+seen; the data loader's are counted at setup.
+
+Cases: graphs/ppo.yaml, grpo.yaml and dpo.yaml as shipped (eval and checkpoints off), and
+dpo-long, dpo.yaml on a larger tiny Llama saved to a temporary folder (hidden 256, 4
+layers, MLP 1024, vocabulary 512, 1024 positions, the builtin:tiny-lm tokenizer) with
+P = 64, T = 512, so 16 sequences of 576 tokens make the activations dominate; and
+dpo-long again with eager attention, in bfloat16, and with gradient checkpointing
+(eager, bf16, ckpt). Prints the
+estimate, the measured peak, their ratio (goal 0.80 to 1.25) and the node running at
+the measured peak beside the plan's peak node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+ROOT = Path(__file__).resolve().parents[1]
+OFF = ("trainer.eval_every=0", "trainer.checkpoint_every=0")
+LONG_MODEL = {"model_type": "llama", "vocab_size": 512, "hidden_size": 256,
+              "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 4,
+              "num_key_value_heads": 4, "max_position_embeddings": 1024,
+              "rms_norm_eps": 1e-6, "tie_word_embeddings": False}
+
+
+class LiveBytes(TorchDispatchMode):
+    """The running and peak sum of the bytes of storages created by aten ops."""
+
+    def __init__(self, known: set[int]) -> None:
+        super().__init__()
+        self.known, self.refs, self.size = known, dict[int, int](), dict[int, int]()
+        self.live = self.peak = 0
+        self.where, self.at_peak = "", ""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                self._hold(t)
+        return out
+
+    def _hold(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key == 0 or key in self.known:
+            return
+        if key not in self.refs:
+            self.refs[key], self.size[key] = 0, storage.nbytes()
+            self.live += storage.nbytes()
+            if self.live > self.peak:
+                self.peak, self.at_peak = self.live, self.where
+        self.refs[key] += 1
+        weakref.finalize(t, self._drop, key)
+
+    def _drop(self, key: int) -> None:
+        self.refs[key] -= 1
+        if self.refs[key] == 0:
+            del self.refs[key]
+            self.live -= self.size.pop(key)
+
+
+def reachable_storages() -> dict[int, int]:
+    """Data pointer -> bytes of every CPU tensor the garbage collector tracks."""
+    out = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            s = obj.untyped_storage()
+            out[s.data_ptr()] = s.nbytes()
+    out.pop(0, None)
+    return out
+
+
+def traced(run_node: Callable[..., Any], mode: LiveBytes) -> Callable[..., Any]:
+    def run(name: str, *args: Any, **kwargs: Any) -> Any:
+        mode.where = name
+        return run_node(name, *args, **kwargs)
+    return run
+
+
+def measure(graph: Path, overrides: list[str], steps: int) -> dict[str, Any]:
+    """In this process: the estimate and the measured peak of live CPU tensor bytes."""
+    from flowgraph.compilers.local import LocalExecutor, RunOptions
+    from flowgraph.passes import compile_graph
+
+    run_dir = Path(tempfile.mkdtemp(prefix="bench-memory-"))
+    result = compile_graph(graph, overrides=[f"trainer.steps={steps}",
+                                             f"trainer.run_dir={run_dir}", *OFF, *overrides])
+    if result.plan is None:
+        raise SystemExit("\n".join(d.one_line() for d in result.diagnostics))
+    (mem,) = result.plan.memory
+    with open(os.devnull, "w") as out:
+        executor = LocalExecutor(result.plan, RunOptions(run_dir, "cpu", out=out,
+                                                         tensorboard=False))
+        executor.setup()
+        known = reachable_storages()
+        mode = LiveBytes(set(known))
+        executor.run_node = traced(executor.run_node, mode)  # type: ignore[method-assign]
+        with mode:
+            executor.run()
+    items = {f"{i.what}:{i.owner}": i.bytes for i in mem.items}
+    return {"estimate": mem.total_bytes, "measured": sum(known.values()) + mode.peak,
+            "setup": sum(known.values()), "peak_node": mem.peak_node or "",
+            "measured_node": mode.at_peak, "items": items}
+
+
+def _long_model(folder: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flowgraph.nodes.models import load_tokenizer
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**LONG_MODEL)).save_pretrained(folder)
+    load_tokenizer("builtin:tiny-lm").save_pretrained(folder)
+    return folder
+
+
+def cases(tmp: Path) -> dict[str, tuple[Path, tuple[str, ...]]]:
+    long = str(_long_model(tmp / "long-model"))
+    size = (f"models.policy.path={long}", f"models.ref.path={long}", "dims.P=64",
+            "dims.T=512", "dims.Bp=8")
+    both = ("models.policy.{}", "models.ref.{}")
+    dpo = ROOT / "graphs" / "dpo.yaml"
+    return {
+        "ppo": (ROOT / "graphs" / "ppo.yaml", ()),
+        "grpo": (ROOT / "graphs" / "grpo.yaml", ()),
+        "dpo": (ROOT / "graphs" / "dpo.yaml", ()),
+        "dpo-long": (dpo, size),
+        "eager": (dpo, (*size, *(m.format("attn_implementation=eager") for m in both))),
+        "bf16": (dpo, (*size, *(m.format("dtype=bfloat16") for m in both))),
+        "ckpt": (dpo, (*size, "models.policy.gradient_checkpointing=true")),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--only", default=None,
+                   help="one case: ppo, grpo, dpo, dpo-long, eager, bf16 or ckpt")
+    p.add_argument("--items", action="store_true", help="print the estimate's items too")
+    p.add_argument("--child", nargs=2, metavar=("GRAPH", "OVERRIDES"), help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(measure(Path(args.child[0]), json.loads(args.child[1]), args.steps)))
+        return 0
+    ok = True
+    print(f"{'case':9s} {'estimate MiB':>12s} {'measured MiB':>12s} {'ratio':>6s}  "
+          "peak node: plan / measured")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (graph, overrides) in cases(Path(tmp)).items():
+            if args.only and name != args.only:
+                continue
+            out = subprocess.run(
+                [sys.executable, __file__, "--steps", str(args.steps), "--child", str(graph),
+                 json.dumps(list(overrides))], capture_output=True, text=True, check=True)
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            ratio = r["estimate"] / r["measured"]
+            ok &= 0.8 <= ratio <= 1.25
+            print(f"{name:9s} {r['estimate'] / 2**20:12.2f} {r['measured'] / 2**20:12.2f} "
+                  f"{ratio:6.2f}  {r['peak_node']} / {r['measured_node']}")
+            if args.items:
+                print(f"          setup {r['setup'] / 2**20:.2f} MiB;", ", ".join(
+                    f"{k} {v / 2**20:.2f}" for k, v in r["items"].items()))
+    print("goal (every ratio within 0.80-1.25):", "met" if ok else "NOT met")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
