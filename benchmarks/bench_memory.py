@@ -17,7 +17,7 @@ only (gradients and AdamW state included when they are allocated), no allocator 
 no Python objects, no RSS. A tensor made without an aten op (`torch.from_numpy`) is not
 seen; the data loader's are counted at setup.
 
-Cases: graphs/ppo.yaml, grpo.yaml and dpo.yaml as shipped (eval and checkpoints off), and
+Cases: every graphs/*.yaml as shipped (eval and checkpoints off), and
 dpo-long, dpo.yaml on a larger tiny Llama saved to a temporary folder (hidden 256, 4
 layers, MLP 1024, vocabulary 512, 1024 positions, the builtin:tiny-lm tokenizer) with
 P = 64, T = 512, so 16 sequences of 576 tokens make the activations dominate; and
@@ -151,10 +151,9 @@ def cases(tmp: Path) -> dict[str, tuple[Path, tuple[str, ...]]]:
             "dims.T=512", "dims.Bp=8")
     both = ("models.policy.{}", "models.ref.{}")
     dpo = ROOT / "graphs" / "dpo.yaml"
+    shipped = {g.stem: (g, ()) for g in sorted((ROOT / "graphs").glob("*.yaml"))}
     return {
-        "ppo": (ROOT / "graphs" / "ppo.yaml", ()),
-        "grpo": (ROOT / "graphs" / "grpo.yaml", ()),
-        "dpo": (ROOT / "graphs" / "dpo.yaml", ()),
+        **shipped,
         "dpo-long": (dpo, size),
         "eager": (dpo, (*size, *(m.format("attn_implementation=eager") for m in both))),
         "bf16": (dpo, (*size, *(m.format("dtype=bfloat16") for m in both))),
@@ -166,7 +165,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--only", default=None,
-                   help="one case: ppo, grpo, dpo, dpo-long, eager, bf16 or ckpt")
+                   help="one case: a shipped graph's name (ppo, grpo, ...), dpo-long, eager, bf16 "
+                   "or ckpt")
     p.add_argument("--items", action="store_true", help="print the estimate's items too")
     p.add_argument("--child", nargs=2, metavar=("GRAPH", "OVERRIDES"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -174,7 +174,7 @@ def main() -> int:
         print(json.dumps(measure(Path(args.child[0]), json.loads(args.child[1]), args.steps)))
         return 0
     ok = True
-    print(f"{'case':9s} {'estimate MiB':>12s} {'measured MiB':>12s} {'ratio':>6s}  "
+    print(f"{'case':12s} {'estimate MiB':>12s} {'measured MiB':>12s} {'ratio':>6s}  "
           "peak node: plan / measured")
     with tempfile.TemporaryDirectory() as tmp:
         for name, (graph, overrides) in cases(Path(tmp)).items():
@@ -186,7 +186,7 @@ def main() -> int:
             r = json.loads(out.stdout.strip().splitlines()[-1])
             ratio = r["estimate"] / r["measured"]
             ok &= 0.8 <= ratio <= 1.25
-            print(f"{name:9s} {r['estimate'] / 2**20:12.2f} {r['measured'] / 2**20:12.2f} "
+            print(f"{name:12s} {r['estimate'] / 2**20:12.2f} {r['measured'] / 2**20:12.2f} "
                   f"{ratio:6.2f}  {r['peak_node']} / {r['measured_node']}")
             if args.items:
                 print(f"          setup {r['setup'] / 2**20:.2f} MiB;", ", ".join(
