@@ -110,7 +110,7 @@ def traced(run_node: Callable[..., Any], mode: LiveBytes) -> Callable[..., Any]:
 
 def measure(graph: Path, overrides: list[str], steps: int) -> dict[str, Any]:
     """In this process: the estimate and the measured peak of live CPU tensor bytes."""
-    from flowgraph.compilers.local import LocalExecutor, RunOptions
+    from flowgraph.compilers.local import ExecOptions, LocalExecutor
     from flowgraph.passes import compile_graph
 
     run_dir = Path(tempfile.mkdtemp(prefix="bench-memory-"))
@@ -120,8 +120,8 @@ def measure(graph: Path, overrides: list[str], steps: int) -> dict[str, Any]:
         raise SystemExit("\n".join(d.one_line() for d in result.diagnostics))
     (mem,) = result.plan.memory
     with open(os.devnull, "w") as out:
-        executor = LocalExecutor(result.plan, RunOptions(run_dir, "cpu", out=out,
-                                                         tensorboard=False))
+        executor = LocalExecutor(result.plan, ExecOptions(run_dir, "cpu", out=out,
+                                                          tensorboard=False))
         executor.setup()
         known = reachable_storages()
         mode = LiveBytes(set(known))

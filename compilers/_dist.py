@@ -42,10 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flowgraph.check import CheckResult
 from flowgraph.errors import FlowgraphError
-from flowgraph.passes.schedule import has_batch_axis
-from flowgraph.plan import ExecutionPlan
 
 DCP_DIR = "dcp"
 """Sub-folder of a checkpoint that holds the DCP shards of models and optimizers."""
@@ -193,21 +190,6 @@ def all_gather(value: Any, world: int) -> list[Any]:
     objs: list[Any] = [None] * world
     dist.all_gather_object(objs, value)
     return objs
-
-
-def batch_ports(plan: ExecutionPlan, check: CheckResult) -> dict[str, frozenset[str]]:
-    """Node -> its input ports whose tensors have a batch axis (the rest are broadcast)."""
-    out = {}
-    for node in plan.graph.nodes:
-        out[node.name] = frozenset(port for port, ref in node.inputs
-                                   if has_batch_axis(check, ref))
-    return out
-
-
-def group_unit(plan: ExecutionPlan, node: str, dims: dict[str, int]) -> int:
-    """Rows per unit of a split into `node`: N when the plan keeps groups together."""
-    aligned = any(e.group_aligned for e in plan.edges if e.dst.split(".")[0] == node)
-    return dims.get("N", 1) if aligned else 1
 
 
 # --- checkpoints ------------------------------------------------------------------------

@@ -24,18 +24,19 @@ def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = Non
                  force: bool = False) -> Path:
     """Write model `model` of the run's latest (or `step`'s) checkpoint to `out`, a new
     or empty folder (`force`: write over what is there)."""
-    from flowgraph.compilers.local import model_roles
     from flowgraph.nodes.models import load_model, load_tokenizer
 
     plan_file = run_dir / "plan.json"
     if not plan_file.exists():
         raise FlowgraphError(f"`{run_dir}` is not a flowgraph run dir (no plan.json)")
-    graph = ExecutionPlan.from_json(plan_file.read_text()).graph
+    plan = ExecutionPlan.from_json(plan_file.read_text())
+    graph = plan.graph
     spec = graph.model(model)
     if spec is None:
         names = ", ".join(m.name for m in graph.models)
         raise FlowgraphError(f"the run has no model `{model}`; its models: {names}")
-    if model_roles(graph).get(model) != "causal":
+    heads = {m.name: m.head for p in plan.pools for m in p.models}
+    if heads.get(model) != "lm":
         raise FlowgraphError(f"model `{model}` is not a causal LM (a critic or reward model); "
                              "only causal LMs export as Hugging Face models")
     if not spec.trainable:

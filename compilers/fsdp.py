@@ -37,14 +37,13 @@ import traceback
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 import torch
 import torch.distributed as dist
 
-from flowgraph.compilers import _dist
+from flowgraph.compilers import RunOptions, _dist
 from flowgraph.compilers.checkpoint import (
     begin_checkpoint,
     checkpoint_root,
@@ -53,10 +52,9 @@ from flowgraph.compilers.checkpoint import (
     rng_state,
     set_rng_state,
 )
-from flowgraph.compilers.local import LocalExecutor, RunOptions, prepare_run
+from flowgraph.compilers.local import ExecOptions, LocalExecutor, prepare_run
 from flowgraph.errors import FlowgraphError
-from flowgraph.ir import ModelSpec
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import ExecutionPlan, ModelPlacement
 from flowgraph.runtime.metrics import MetricsLog, serving
 
 
@@ -67,21 +65,18 @@ class RankFailed(FlowgraphError):
 class FsdpExecutor(LocalExecutor):
     """One rank of an fsdp run."""
 
-    def __init__(self, plan: ExecutionPlan, options: RunOptions, rank: int, world: int,
+    def __init__(self, plan: ExecutionPlan, options: ExecOptions, rank: int, world: int,
                  *, exporting: bool = False) -> None:
         super().__init__(plan, options)
         self.rank, self.world = rank, world
         self.exporting = exporting
         """Prometheus is on (rank 0 serves it): every rank reports to rank 0 each step."""
-        self.batch_ports = _dist.batch_ports(plan, self.check)
         self.reduce = _dist.reducer()
-        pool = plan.pool(plan.node(self.order[0]).pool) if self.order else None
-        self.sharding = {m.name: m.sharding for m in pool.models} if pool else {}
 
     # -- placement ------------------------------------------------------------------------
 
-    def place_model(self, spec: ModelSpec, model: torch.nn.Module) -> torch.nn.Module:
-        if self.world > 1 and self.sharding.get(spec.name) == "full_shard":
+    def place_model(self, placed: ModelPlacement, model: torch.nn.Module) -> torch.nn.Module:
+        if self.world > 1 and placed.sharding == "full_shard":
             return _dist.shard_model(model, self.opts.device)
         return model
 
@@ -94,14 +89,14 @@ class FsdpExecutor(LocalExecutor):
         if self.world == 1 or not self.plan.node(name).data_parallel:
             return super().call(name, env, step, params, metrics)
         dp = {"dp_rank": self.rank, "dp_size": self.world, "reduce": self.reduce}
-        if self.kinds[name].trains:  # the whole batch; the update takes its share
+        if self.plan.node(name).trains:  # the whole batch; the update takes its share
             return super().call(name, env, step, params, metrics, **dp)
-        node, ports = self.nodes[name], self.batch_ports[name]
-        keys = [(ref.node, ref.port) for port, ref in node.inputs if port in ports]
+        ports, unit = self.sliced(name)
+        keys = [(ref.node, ref.port) for port, ref in self.nodes[name].inputs if port in ports]
         if not keys:
             return super().call(name, env, step, params, metrics)
         n = len(env[keys[0]])
-        slices = _dist.Slices.of(n, self.world, _dist.group_unit(self.plan, name, self.dims))
+        slices = _dist.Slices.of(n, self.world, unit)
         rows = slices.index(self.rank)
         mine = dict(env)
         for key in keys:
@@ -192,21 +187,6 @@ class _Silent(MetricsLog):
 # --- processes -----------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class LaunchOptions:
-    nproc: int
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None
-    strict: bool = False
-    resume: bool = False
-    metrics_port: int | None = None
-    metrics_host: str = "127.0.0.1"
-    metrics_hold: float = 0.0
-    overrides: tuple[str, ...] = ()
-    """The command line's `key=value` overrides: the resume command repeats them."""
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -237,8 +217,8 @@ def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | No
             _dist.init_group(rank, world, device,
                              timeout_s=plan.graph.trainer.step_timeout_s or 1800.0)
             torch.manual_seed(plan.graph.trainer.seed)
-            executor = FsdpExecutor(plan, RunOptions(run_dir, device, strict, resume,
-                                                     out=sys.stdout, exporter=exporter),
+            executor = FsdpExecutor(plan, ExecOptions(run_dir, device, strict, resume,
+                                                      out=sys.stdout, exporter=exporter),
                                     rank, world, exporting=exporting)
             executor.setup()
             executor.run()
@@ -256,8 +236,15 @@ def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | No
             dist.destroy_process_group()
 
 
-def launch(plan: ExecutionPlan, opts: LaunchOptions, out: TextIO | None = None) -> Path:
-    """Run `plan` on `opts.nproc` processes per node; the run dir when it finished."""
+def world_size(plan: ExecutionPlan) -> int:
+    """Processes in all: the size of the plan's one pool (`spmd`)."""
+    (pool,) = [p for p in plan.pools if p.bundles]
+    return pool.size
+
+
+def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> Path:
+    """Run `plan` on its pool's processes, `opts.nnodes` machines sharing them evenly;
+    the run dir when it finished."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -271,8 +258,12 @@ def launch(plan: ExecutionPlan, opts: LaunchOptions, out: TextIO | None = None) 
     plan_json.parent.mkdir(exist_ok=True)
     plan_json.write_text(plan.to_json())
     endpoint = opts.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+    world = world_size(plan)
+    if world % opts.nnodes:
+        raise FlowgraphError(f"the plan's {world} processes do not split over --nnodes "
+                             f"{opts.nnodes} machines")
     config = LaunchConfig(
-        min_nodes=opts.nnodes, max_nodes=opts.nnodes, nproc_per_node=opts.nproc,
+        min_nodes=opts.nnodes, max_nodes=opts.nnodes, nproc_per_node=world // opts.nnodes,
         run_id=f"flowgraph-{uuid.uuid4().hex[:8]}" if opts.rdzv_endpoint is None
         else f"flowgraph-{plan.graph.name}",
         rdzv_backend="c10d", rdzv_endpoint=endpoint,
@@ -285,12 +276,11 @@ def launch(plan: ExecutionPlan, opts: LaunchOptions, out: TextIO | None = None) 
                                               opts.metrics_port, opts.metrics_host,
                                               opts.metrics_hold)
     except ChildFailedError as exc:
-        raise RankFailed(_failure_message(exc, run_dir, plan, opts.overrides)) from None
+        raise RankFailed(_failure_message(exc, run_dir, plan, opts)) from None
     return run_dir
 
 
-def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan,
-                     overrides: tuple[str, ...] = ()) -> str:
+def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan, opts: RunOptions) -> str:
     """`rank 1 died (SIGKILL) at step 3 in node `update_actor``, with how to resume."""
     lines, traces = [], []
     # The first failure first: the others are often its echo (a peer's broken pipe).
@@ -309,10 +299,12 @@ def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan,
     done = latest_checkpoint(run_dir)
     # --resume also without a checkpoint: the run dir already holds metrics.jsonl rows
     # The user's overrides too: without them the resumed run would be another graph.
-    again = shlex.join(["flowgraph", "run", plan.graph.source, "--target", "fsdp", "--nproc",
-                        str(plan.nproc), "--resume",
-                        *(o for o in overrides if not o.startswith("trainer.run_dir=")),
-                        f"trainer.run_dir={run_dir}"])
+    again = shlex.join(
+        ["flowgraph", "run", str(opts.plan_file), "--resume"] if opts.plan_file else
+        ["flowgraph", "run", plan.graph.source, "--target", "fsdp", "--nproc",
+         str(world_size(plan)), "--resume",
+         *(o for o in opts.overrides if not o.startswith("trainer.run_dir=")),
+         f"trainer.run_dir={run_dir}"])
     tail = (f"the last checkpoint is step {done[0]}; continue with: {again}" if done
             else f"no checkpoint was written; start again from step 0 with: {again}")
     if traces:
@@ -337,7 +329,7 @@ def _quiet_launcher() -> Iterator[None]:
             logger.setLevel(level)
 
 
-def run_fsdp(plan: ExecutionPlan, opts: LaunchOptions) -> None:
+def run_fsdp(plan: ExecutionPlan, opts: RunOptions) -> None:
     """`flowgraph run --target fsdp`: as a rank when torchrun started us, else launch."""
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         prepare_run(plan, resume=opts.resume, check_only=int(os.environ["RANK"]) != 0)

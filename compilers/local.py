@@ -9,9 +9,13 @@ edge against its contract on the first step this process runs (every step with
 every step, so a NaN stops the run with the node and step named (or skips the batch
 with `trainer.on_nonfinite=skip`), keeping the last good checkpoint.
 
-Hoisted nodes (loop-invariant, e.g. DPO's reference log-probs) are computed once per
-dataset row, the first time a step draws it, and cached by the row's `uid` (in memory,
-per process and split; a resumed run recomputes them).
+The plan is the program: the executor reads each node's implementation, pool and
+data-parallel flag, each edge's dispatch, the stage order and the prologue from it,
+and resolves kinds from the registry only to call them (`plan.verify_kinds`). The
+prologue (hoisted, loop-invariant nodes, e.g. DPO's reference log-probs) runs before
+the loop over every row of the training data, and of the held-out data when the run
+evaluates; its outputs are kept by the row's `uid` (in memory, per process: a resumed
+run computes them again) and read at every step.
 
 `fsdp.py` and `ray.py` subclass this and override placement and dispatch only.
 """
@@ -33,18 +37,17 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from flowgraph.check import CheckResult, check_graph
-from flowgraph.check.data import ground_truth_readers
+from flowgraph.compilers import RunOptions
 from flowgraph.compilers.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     remove_partial,
     save_checkpoint,
 )
-from flowgraph.errors import DEBUG_ENV, FlowgraphError, NonFiniteError
+from flowgraph.errors import DEBUG_ENV, FlowgraphError, NonFiniteError, at_step
 from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec
-from flowgraph.plan import ExecutionPlan
-from flowgraph.registry import KindSpec
+from flowgraph.plan import ExecutionPlan, ModelPlacement, verify_kinds
+from flowgraph.registry import KindSpec, Registry
 from flowgraph.runtime.context import RESOURCE_ARGS, NodeContext
 from flowgraph.runtime.metrics import MetricsLog, serving
 from flowgraph.runtime.strict import RuntimeContracts
@@ -52,10 +55,8 @@ from flowgraph.runtime.strict import RuntimeContracts
 if TYPE_CHECKING:
     from flowgraph.runtime.prometheus import Exporter
 
-CRITIC_KINDS = frozenset({"values", "ppo_critic_update", "reward_model"})
-"""Kinds whose model is a backbone with a scalar head (`ValueModel`)."""
-TOKENIZER_ONLY = frozenset({"reward"})
-"""Kinds that use their model binding for its tokenizer only."""
+PROLOGUE = -1
+"""The step number nodes see while the prologue runs."""
 
 
 class NodeError(FlowgraphError):
@@ -125,20 +126,20 @@ def _dtype(name: str) -> torch.dtype:
             "float16": torch.float16}[name]
 
 
-def model_roles(graph: Graph) -> dict[str, str]:
-    """Model name -> `causal`, `critic` (backbone + scalar head) or `tokenizer` only."""
-    roles: dict[str, str] = {}
-    for node in graph.nodes:
-        if node.model is None:
-            continue
-        role = ("critic" if node.kind in CRITIC_KINDS else
-                "tokenizer" if node.kind in TOKENIZER_ONLY else "causal")
-        have = roles.get(node.model, "tokenizer")
-        if have != "tokenizer" and role not in ("tokenizer", have):
-            raise FlowgraphError(f"model `{node.model}` is used both as a causal LM and as a "
-                                 f"critic/reward model (node `{node.name}`); declare two models")
-        roles[node.model] = have if role == "tokenizer" else role
-    return roles
+def plan_kinds(plan: ExecutionPlan) -> dict[str, KindSpec]:
+    """Each node's and data source's kind, from the registry after the graph's plugins
+    are imported; the plan is held to them (`verify_kinds`)."""
+    registry = Registry.default()
+    registry.load_plugins([p.module for p in plan.graph.plugins])
+    kinds = {}
+    for n in plan.nodes:
+        kind = registry.get(n.kind)
+        if kind is None:
+            raise FlowgraphError(f"node `{n.name}`: kind `{n.kind}` is not registered (a "
+                                 "plugin the graph lists under `plugins:` declares it?)")
+        kinds[n.name] = kind
+    verify_kinds(plan, kinds)
+    return kinds
 
 
 def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
@@ -178,7 +179,9 @@ class Resources:
 
 
 @dataclass
-class RunOptions:
+class ExecOptions:
+    """What one executor process needs besides the plan."""
+
     run_dir: Path
     device: str = "cpu"
     strict: bool = False
@@ -192,24 +195,25 @@ class RunOptions:
 class LocalExecutor:
     """Runs an `ExecutionPlan` in this process."""
 
-    def __init__(self, plan: ExecutionPlan, options: RunOptions) -> None:
+    def __init__(self, plan: ExecutionPlan, options: ExecOptions) -> None:
         self.plan, self.graph, self.opts = plan, plan.graph, options
-        self.check: CheckResult = check_graph(self.graph)
-        if not self.check.ok:
-            raise FlowgraphError("the plan's graph does not check clean:\n" + "\n".join(
-                d.one_line() for d in self.check.errors))
-        self.kinds: dict[str, KindSpec] = {
-            name: r.kind for name, r in self.check.table.items() if r.kind is not None}
+        self.kinds = plan_kinds(plan)
         self.dims = {d.name: d.value for d in plan.dims}
         self.nodes = {n.name: n for n in self.graph.nodes}
-        stage_nodes = [name for stage in plan.stages for name in stage.nodes]
-        self.order = [n for n in stage_nodes if n in self.nodes]
+        self.prologue = [n for s in plan.stages if s.once for n in s.nodes]
+        """Nodes run before the loop, over the whole dataset, in this order."""
+        self.order = [n for s in plan.stages if not s.once for n in s.nodes if n in self.nodes]
+        """Nodes run at every step, stage by stage."""
+        self.edges = {(e.src, e.dst): e for e in plan.edges}
         self.consumed = {(ref.node, ref.port) for ref, _, _ in self.graph.edges()}
-        self.contracts = RuntimeContracts(self.check)
+        self.contracts = RuntimeContracts.of(plan)
         self.impls: dict[str, Impl] = {}
         self.res = Resources()
         self.node_state: dict[str, dict[str, Any]] = {n: {} for n in self.nodes}
-        self.hoist_cache: dict[str, dict[tuple[str, int], dict[str, Any]]] = {}
+        self.kept: dict[str, dict[tuple[str, int], dict[str, Any]]] = {
+            n: {} for n in self.prologue}
+        """Prologue node -> (split, uid) -> that row's outputs."""
+        self.prologue_done: set[str] = set()
         self.start_step = 0
 
     # -- setup ------------------------------------------------------------------------
@@ -234,28 +238,28 @@ class LocalExecutor:
         from flowgraph.nodes.models import load_model
         from flowgraph.nodes.values import ValueModel
 
-        roles = model_roles(self.graph)
-        for m in self.hosted_models():
-            role = roles.get(m.name, "tokenizer")
-            if role == "tokenizer":
-                continue
+        for placed in self.hosted_models():
+            m = self.graph.model(placed.name)
+            assert m is not None  # the plan's verifier holds pools to the graph's models
             kw = {"dtype": _dtype(m.dtype), "trainable": m.trainable,
                   "attn_implementation": m.attn_implementation}
-            model = (ValueModel.from_pretrained(m.path, **kw) if role == "critic"
+            model = (ValueModel.from_pretrained(m.path, **kw) if placed.head == "scalar"
                      else load_model(m.path, **kw))
             if m.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
                 model.gradient_checkpointing_enable()
-            model = self.res.models[m.name] = self.place_model(m, model.to(self.opts.device))
+            model = self.res.models[m.name] = self.place_model(placed,
+                                                               model.to(self.opts.device))
             if m.trainable:
                 self._make_optimizer(m, model)
 
-    def hosted_models(self) -> tuple[ModelSpec, ...]:
-        """The models this process loads (a Ray worker: its pool's)."""
-        return self.graph.models
+    def hosted_models(self) -> tuple[ModelPlacement, ...]:
+        """The models this process loads, as the plan places them: every pool's (the
+        local and fsdp targets have one); a Ray worker, its pool's."""
+        return tuple(m for p in self.plan.pools for m in p.models)
 
-    def place_model(self, spec: ModelSpec, model: torch.nn.Module) -> torch.nn.Module:
+    def place_model(self, placed: ModelPlacement, model: torch.nn.Module) -> torch.nn.Module:
         """Where a distributed executor shards or replicates a model (before its
-        optimizer is made); here, the model as it is."""
+        optimizer is made), as `placed.sharding` says; here, the model as it is."""
         return model
 
     def _make_optimizer(self, m: ModelSpec, model: torch.nn.Module) -> None:
@@ -291,7 +295,7 @@ class LocalExecutor:
             if "max_response_length" in impl.accepts:
                 params.setdefault("max_response_length", self.dims.get("T"))
             if "ground_truth_for" in impl.accepts:
-                params["ground_truth_for"] = ground_truth_readers(self.graph, d.name)
+                params["ground_truth_for"] = self.graph.readers(d.name, "ground_truth")
             self.res.data[d.name] = impl.fn(d.path, tokenizer=self._data_tokenizer(d),
                                             seed=self.graph.trainer.seed, **params)
 
@@ -344,6 +348,18 @@ class LocalExecutor:
         metrics.update(ctx.metrics)
         return _outputs(kind, result), seconds
 
+    def sliced(self, name: str) -> tuple[list[str], int]:
+        """A data-parallel node's input ports that the plan cuts into per-worker slices
+        (edges dispatched `split` or `reshard`), and the rows per unit of the cut: N
+        where an edge is group-aligned, else 1. The others arrive whole."""
+        ports, aligned = [], False
+        for port, ref in self.nodes[name].inputs:
+            edge = self.edges[(str(ref), f"{name}.{port}")]
+            if edge.dispatch in ("split", "reshard"):
+                ports.append(port)
+                aligned |= edge.group_aligned
+        return ports, self.dims.get("N", 1) if aligned else 1
+
     def node_error(self, name: str, step: int, exc: Exception) -> NodeError:
         """What a node raised, as one message: the node, its kind and graph line, the step,
         the error, and the line of the node's own code that raised it (a plugin's file,
@@ -358,7 +374,7 @@ class LocalExecutor:
         except OSError:
             saved = ""
         frame = _user_frame(exc)
-        text = (f"while executing node `{name}` (kind {kind.name}, {node.pos}) at step {step}: "
+        text = (f"while executing node `{name}` (kind {kind.name}, {node.pos}) {at_step(step)}: "
                 f"{type(exc).__name__}: {exc}\n  at {frame.filename}:{frame.lineno} in "
                 f"{frame.name}: {(frame.line or '').strip()}")
         return NodeError(text + (f"\n{full}" if os.environ.get(DEBUG_ENV) else saved))
@@ -366,13 +382,21 @@ class LocalExecutor:
     def params_of(self, name: str, *, evaluation: bool = False) -> dict[str, Any]:
         node, kind = self.nodes[name], self.kinds[name]
         values = kind.param_values(node.params.to_python())
-        if evaluation and kind.name == "generate":
+        if evaluation and kind.category == "rollout":
             # Held-out prompts are answered greedily, so N samples would be N copies.
-            values["do_sample"], values["n"] = False, 1
+            values.update({k: v for k, v in (("do_sample", False), ("n", 1))
+                           if kind.param(k) is not None})
         return values
 
     def run_node(self, name: str, env: dict[tuple[str, str], Any], step: int, *,
                  strict: bool, metrics: dict[str, float], split: str = "train") -> float:
+        """Run one node on `env` and store its outputs there; seconds spent in it. A
+        prologue node's outputs for the batch's rows are read from what the prologue
+        kept (no time)."""
+        if name in self.kept and step != PROLOGUE:
+            self._store(name, self.kinds[name], self._kept_rows(name, env, split), env, step,
+                        strict)
+            return 0.0
         node, kind = self.nodes[name], self.kinds[name]
         if strict:
             for port, ref in node.inputs:
@@ -381,10 +405,7 @@ class LocalExecutor:
                 self.contracts.check_edge(ref, name, port, spec.spec, env[(ref.node, ref.port)],
                                           step)
         params = self.params_of(name, evaluation=split != "train")
-        if node.hoisted:
-            outputs, seconds = self._hoisted(name, env, step, params, metrics, split)
-        else:
-            outputs, seconds = self.call(name, env, step, params, metrics)
+        outputs, seconds = self.call(name, env, step, params, metrics)
         self._store(name, kind, outputs, env, step, strict)
         return seconds
 
@@ -394,8 +415,8 @@ class LocalExecutor:
             if p.name not in outputs:
                 if p.optional or (name, p.name) not in self.consumed:
                     continue
-                raise NodeError(f"while executing node `{name}` (kind {kind.name}) at step "
-                                f"{step}: it returned no output `{p.name}`")
+                raise NodeError(f"while executing node `{name}` (kind {kind.name}) "
+                                f"{at_step(step)}: it returned no output `{p.name}`")
             value = outputs[p.name]
             if strict:
                 self.contracts.check_output(name, p.name, p.spec, value, step,
@@ -407,36 +428,68 @@ class LocalExecutor:
                 raise NonFiniteError(name, step, f"output `{p.name}`")
             env[(name, p.name)] = value
 
-    def _hoisted(self, name: str, env: dict[tuple[str, str], Any], step: int,
-                 params: dict[str, Any], metrics: dict[str, float], split: str
-                 ) -> tuple[dict[str, Any], float]:
-        """Compute only rows not seen before (once per dataset row), then assemble."""
-        source = self._hoist_source(name)
-        uids = env[(source, "uid")].tolist()
-        cache = self.hoist_cache.setdefault(name, {})
-        todo = [i for i, u in enumerate(uids) if (split, u) not in cache]
-        seconds = 0.0
-        if todo:
-            rows = torch.tensor(todo)
-            sub = {k: (v[rows] if isinstance(v, torch.Tensor) else [v[i] for i in todo])
-                   for k, v in env.items()}
-            with torch.no_grad():
-                out, seconds = self.call(name, sub, step, params, metrics)
-            for j, i in enumerate(todo):
-                cache[(split, uids[i])] = {k: v[j] for k, v in out.items()}
-        kind = self.kinds[name]
-        outputs = {p.name: torch.stack([cache[(split, u)][p.name] for u in uids])
-                   for p in kind.outputs if p.name in cache[(split, uids[0])]}
-        return outputs, seconds
+    # -- the prologue --------------------------------------------------------------------
+
+    def run_prologue(self, split: str = "train") -> float:
+        """The plan's `once` stage over every row of `split` (once per split and
+        process): each data source's rows in file order, in batches of Bp, through the
+        prologue nodes that read it, in the listed order; their outputs are kept by
+        (split, uid). Seconds spent."""
+        if not self.prologue or split in self.prologue_done:
+            return 0.0
+        t0 = time.perf_counter()
+        strict_every = self.graph.trainer.strict or self.opts.strict
+        for d in self.graph.data:
+            names = [n for n in self.prologue if self._hoist_source(n) == d.name]
+            splits = self.res.data[d.name]
+            dataset = splits.train if split == "train" else splits.eval
+            if not names or dataset is None:
+                continue
+            for i, batch in enumerate(dataset.batches(self.dims["Bp"])):
+                env = {(d.name, port): value for port, value in batch.items()}
+                uids = batch["uid"].tolist()
+                for name in names:
+                    metrics: dict[str, float] = {}
+                    with torch.no_grad():
+                        self.run_node(name, env, PROLOGUE, strict=strict_every or i == 0,
+                                      metrics=metrics, split=split)
+                    kept = self.kept.setdefault(name, {})
+                    for j, uid in enumerate(uids):
+                        kept[(split, uid)] = {p.name: env[(name, p.name)][j]
+                                              for p in self.kinds[name].outputs
+                                              if (name, p.name) in env}
+        self.prologue_done.add(split)
+        return time.perf_counter() - t0
+
+    def _kept_rows(self, name: str, env: dict[tuple[str, str], Any], split: str
+                   ) -> dict[str, Any]:
+        """A prologue node's outputs for the rows of this batch."""
+        uids = env[(self._hoist_source(name), "uid")].tolist()
+        kept = self.kept[name]
+        missing = [u for u in uids if (split, u) not in kept]
+        if missing:
+            raise FlowgraphError(f"prologue node `{name}` has no outputs for rows {missing[:5]} "
+                                 f"of the {split} data: the prologue ran over other data")
+        first = kept[(split, uids[0])]
+        return {port: torch.stack([kept[(split, u)][port] for u in uids])
+                if isinstance(first[port], torch.Tensor) else [kept[(split, u)][port]
+                                                               for u in uids]
+                for port in first}
 
     def _hoist_source(self, name: str) -> str:
-        node = self.nodes[name]
-        for _, ref in node.inputs:
-            if self.graph.data_source(ref.node) is not None:
-                return ref.node
-            if ref.node in self.nodes:
-                return self._hoist_source(ref.node)
-        raise FlowgraphError(f"hoisted node `{name}` reads no data source")
+        """The one data source whose rows a prologue node's inputs come from."""
+        sources = self._sources(name)
+        if len(sources) != 1:
+            raise FlowgraphError(f"prologue node `{name}` reads {len(sources)} data sources "
+                                 f"({', '.join(sorted(sources)) or 'none'}); a node computed "
+                                 "once per row reads the rows of exactly one")
+        return next(iter(sources))
+
+    def _sources(self, name: str) -> set[str]:
+        out: set[str] = set()
+        for _, ref in self.nodes[name].inputs:
+            out |= {ref.node} if self.graph.data_source(ref.node) else self._sources(ref.node)
+        return out
 
     def next_batches(self, env: dict[tuple[str, str], Any], split: str = "train"
                      ) -> dict[str, float]:
@@ -459,6 +512,8 @@ class LocalExecutor:
         loading = self.next_batches(env)
         metrics.update({f"timing_s/{name}": s for name, s in loading.items()})
         inside = sum(loading.values())
+        for name in self.prologue:
+            self.run_node(name, env, step, strict=strict, metrics=metrics)
         for name in self.order:
             seconds = self.run_node(name, env, step, strict=strict, metrics=metrics)
             metrics[f"timing_s/{name}"] = seconds
@@ -485,6 +540,7 @@ class LocalExecutor:
             ev.load_state_dict({"epoch": 0, "position": 0})
         rows = min(len(ev) for ev in evals)
         batches = max(rows // self.dims["Bp"], 1)
+        self.run_prologue("eval")
         sums: dict[str, float] = {}
         held_out = HeldOut()
         with torch.no_grad():
@@ -492,7 +548,7 @@ class LocalExecutor:
                 env: dict[tuple[str, str], Any] = {}
                 self.next_batches(env, split="eval")
                 scratch: dict[str, float] = {}
-                for name in self.order:
+                for name in self.prologue + self.order:
                     if not self.kinds[name].trains:
                         self.run_node(name, env, step, strict=False, metrics=scratch,
                                       split="eval")
@@ -605,11 +661,19 @@ class LocalExecutor:
         log.truncate_after(self.start_step - 1)
         rows = []
         try:
+            self.before_loop()
             for step in range(self.start_step, trainer.steps):
                 rows.append(self.train_step(step, log)[0])
         finally:
             log.close()
         return rows
+
+    def before_loop(self) -> None:
+        """The prologue over the training rows, and the held-out rows when the run
+        evaluates; its time goes in the first row (`timing_s/prologue`)."""
+        self.prologue_seconds = self.run_prologue("train")
+        if self.graph.trainer.eval_every:
+            self.prologue_seconds += self.run_prologue("eval")
 
     def train_step(self, step: int, log: MetricsLog) -> tuple[dict[str, float], bool]:
         """One turn of the loop: the step, the evaluation when due, the row logged, a
@@ -618,7 +682,9 @@ class LocalExecutor:
         metrics = self._guarded_step(step)
         if trainer.eval_every and (step + 1) % trainer.eval_every == 0:
             metrics.update(self.evaluate(step))
-        if step == self.start_step:  # what the data load dropped, in the run's first row
+        if step == self.start_step:  # the prologue, what the data load dropped: first row
+            if self.prologue:
+                metrics["timing_s/prologue"] = self.prologue_seconds
             metrics.update({f"data/{name}/filtered_overlong": float(s.train.filtered_overlong)
                             for name, s in self.res.data.items()
                             if getattr(s.train, "filtered_overlong", 0)})
@@ -653,24 +719,24 @@ def step_metrics(graph: Graph, kinds: dict[str, KindSpec],
     """verl's batch metrics: score, rewards, advantages, returns, values, lengths, tokens."""
     out: dict[str, float] = {}
     for node in graph.nodes:
-        kind = kinds[node.name].name
+        kind = kinds[node.name]
         mask_ref = node.input("response_mask")
         mask = env.get((mask_ref.node, mask_ref.port)) if mask_ref else None
-        if kind == "generate":
+        if kind.category == "rollout" and (node.name, "response_mask") in env:
             resp = env[(node.name, "response_mask")].float()
             out.setdefault("response_length/mean", float(resp.sum(-1).mean()))
             prompt = env[(node.name, "prompt_mask")].float()
             out["perf/tokens"] = out.get("perf/tokens", 0.0) + float(resp.sum() + prompt.sum())
             out["perf/response_tokens"] = out.get("perf/response_tokens", 0.0) + float(resp.sum())
-        elif kinds[node.name].category == "reward" and (node.name, "scores") in env:
+        elif kind.category == "reward" and (node.name, "scores") in env:
             out.setdefault("critic/score/mean", float(env[(node.name, "scores")].mean()))
-        elif kind == "kl_penalty" and mask is not None:
+        elif (node.name, "token_level_rewards") in env and mask is not None:  # kl_penalty
             rewards = env[(node.name, "token_level_rewards")]
             out["critic/rewards/mean"] = float((rewards * mask).sum(-1).mean())
-        elif kinds[node.name].category == "advantage" and mask is not None:
+        elif kind.category == "advantage" and mask is not None:
             out["critic/advantages/mean"] = _masked_mean(env[(node.name, "advantages")], mask)
             out["critic/returns/mean"] = _masked_mean(env[(node.name, "returns")], mask)
-        elif kind == "values" and mask is not None:
+        elif kind.head == "scalar" and (node.name, "values") in env and mask is not None:
             out["critic/values/mean"] = _masked_mean(env[(node.name, "values")], mask)
     if "critic/score/mean" in out:
         out.setdefault("critic/rewards/mean", out["critic/score/mean"])
@@ -709,7 +775,7 @@ class HeldOut:
 
     def add(self, graph: Graph, kinds: dict[str, KindSpec], env: dict[tuple[str, str], Any],
             tokenizers: dict[str, Any]) -> None:
-        gen = next((n for n in graph.nodes if kinds[n.name].name == "generate"), None)
+        gen = next((n for n in graph.nodes if kinds[n.name].category == "rollout"), None)
         if gen is not None:
             special = set(getattr(tokenizers.get(gen.model or ""), "all_special_ids", ()) or ())
             rows = _valid_rows(env[(gen.name, "responses")], env[(gen.name, "response_mask")])
@@ -717,7 +783,7 @@ class HeldOut:
         for node in graph.nodes:
             kind, truth = kinds[node.name], node.input("ground_truth")
             ids, mask = node.input("responses"), node.input("response_mask")
-            if kind.name != "reward" or truth is None or ids is None or mask is None \
+            if kind.category != "reward" or truth is None or ids is None or mask is None \
                     or node.model is None:
                 continue
             if kind.param_values(node.params.to_python()).get("fn") != "exact_match":
@@ -798,27 +864,19 @@ def _writable(run_dir: Path) -> None:
             "folder you can write to, e.g. trainer.run_dir=runs/my-run") from exc
 
 
-def run_plan(plan: ExecutionPlan, *, strict: bool = False, resume: bool = False,
-             out: TextIO | None = None, tensorboard: bool = True,
-             metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-             metrics_hold: float = 0.0) -> list[dict[str, float]]:
-    """Set up and run a local plan; refuses to overwrite an existing run without `resume`.
-
-    `metrics_port` (else `trainer.metrics_port`; 0 picks a free port) serves Prometheus
-    metrics on `metrics_host` from before the models load until the run ends, and
-    `metrics_hold` seconds longer so a scraper sees the final values."""
+def run_plan(plan: ExecutionPlan, opts: RunOptions) -> None:
+    """Set up and run a local plan (`flowgraph.compilers.run`); refuses to overwrite an
+    existing run without `opts.resume`. Prometheus metrics on `opts.metrics_port` (else
+    `trainer.metrics_port`; 0 picks a free port) from before the models load until the
+    run ends, and `opts.metrics_hold` seconds longer so a scraper sees the final values."""
     trainer = plan.graph.trainer
-    run_dir = prepare_run(plan, resume=resume)
-    resume = resume or trainer.resume
+    run_dir = prepare_run(plan, resume=opts.resume)
     torch.manual_seed(trainer.seed)
     device = pick_device(plan.graph.resources.device)
-    with serving(plan.graph, metrics_port, metrics_host, hold=metrics_hold, out=out) as exporter:
-        executor = LocalExecutor(plan, RunOptions(run_dir, device, strict, resume, out,
-                                                  tensorboard, exporter))
+    with serving(plan.graph, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
+                 out=opts.out) as exporter:
+        executor = LocalExecutor(plan, ExecOptions(
+            run_dir, device, opts.strict, opts.resume or trainer.resume, opts.out,
+            opts.tensorboard, exporter))
         executor.setup()
-        return executor.run()
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        executor.run()

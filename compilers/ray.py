@@ -42,22 +42,21 @@ from typing import Any
 
 import torch
 
-from flowgraph.compilers import _dist
+from flowgraph.compilers import RunOptions, _dist
 from flowgraph.compilers.checkpoint import (
     begin_checkpoint,
     latest_checkpoint,
     publish_checkpoint,
 )
 from flowgraph.compilers.local import (
+    ExecOptions,
     LocalExecutor,
     NodeError,
-    RunOptions,
     pick_device,
     prepare_run,
 )
 from flowgraph.errors import DEBUG_ENV, FlowgraphError
-from flowgraph.ir import ModelSpec
-from flowgraph.plan import DRIVER, ExecutionPlan, PoolPlan
+from flowgraph.plan import DRIVER, ExecutionPlan, ModelPlacement, PoolPlan
 from flowgraph.runtime.metrics import MetricsLog, serving
 
 MAX_RESTARTS = 3
@@ -86,21 +85,20 @@ def _where(where: tuple[str, int] | None) -> str:
 class PoolExecutor(LocalExecutor):
     """A worker's executor: its pool's models only, nodes called one at a time."""
 
-    def __init__(self, plan: ExecutionPlan, options: RunOptions, pool: PoolPlan,
+    def __init__(self, plan: ExecutionPlan, options: ExecOptions, pool: PoolPlan,
                  rank: int) -> None:
         super().__init__(plan, options)
         self.pool, self.rank = pool, rank
-        self.mine = {m.name: m.sharding for m in pool.models}
         self.reduce = _dist.reducer() if pool.size > 1 else None
 
     def _load_data(self) -> None:
         pass  # the driver draws the batches
 
-    def hosted_models(self) -> tuple[ModelSpec, ...]:
-        return tuple(m for m in self.graph.models if m.name in self.mine)
+    def hosted_models(self) -> tuple[ModelPlacement, ...]:
+        return self.pool.models
 
-    def place_model(self, spec: ModelSpec, model: torch.nn.Module) -> torch.nn.Module:
-        if self.pool.size > 1 and self.mine.get(spec.name) == "full_shard":
+    def place_model(self, placed: ModelPlacement, model: torch.nn.Module) -> torch.nn.Module:
+        if self.pool.size > 1 and placed.sharding == "full_shard":
             return _dist.shard_model(model, self.opts.device)
         return model
 
@@ -144,7 +142,7 @@ class RayWorker:
         if self.pool.size > 1:
             _dist.init_group(self.rank, self.pool.size, device, addr=addr, port=port)
         torch.manual_seed(self.plan.graph.trainer.seed)
-        self.executor = PoolExecutor(self.plan, RunOptions(Path(run_dir), device),
+        self.executor = PoolExecutor(self.plan, ExecOptions(Path(run_dir), device),
                                      self.pool, self.rank)
         self.executor.setup()
         if checkpoint is not None:
@@ -209,9 +207,8 @@ class Group:
 class RayExecutor(LocalExecutor):
     """The single controller."""
 
-    def __init__(self, plan: ExecutionPlan, options: RunOptions) -> None:
+    def __init__(self, plan: ExecutionPlan, options: ExecOptions) -> None:
         super().__init__(plan, options)
-        self.batch_ports = _dist.batch_ports(plan, self.check)
         self.groups: dict[str, Group] = {}
         self.restarts: list[float] = []
         """Seconds from each noticed fault to the next completed step."""
@@ -300,7 +297,9 @@ class RayExecutor(LocalExecutor):
         group, node = self.groups[pool], self.nodes[name]
         inputs = {port: env[(ref.node, ref.port)] for port, ref in node.inputs}
         world = len(group.workers)
-        if world == 1 or self.kinds[name].trains or not self.plan.node(name).data_parallel:
+        ports, unit = self.sliced(name)
+        if world == 1 or not ports or self.plan.node(name).trains \
+                or not self.plan.node(name).data_parallel:
             shared = {port: ray.put(v) for port, v in inputs.items()}
             extra = [{"dp_rank": w, "dp_size": world} if world > 1 else {}
                      for w in range(world)]
@@ -310,10 +309,9 @@ class RayExecutor(LocalExecutor):
             outputs, _, worker_metrics = results[0]
             metrics.update(worker_metrics)
             return outputs, max(r[1] for r in results)
-        ports = self.batch_ports[name]
         batched = [port for port, _ in node.inputs if port in ports]
         n = len(inputs[batched[0]])
-        slices = _dist.Slices.of(n, world, _dist.group_unit(self.plan, name, self.dims))
+        slices = _dist.Slices.of(n, world, unit)
         shared = {port: ray.put(v) for port, v in inputs.items() if port not in ports}
         calls = []
         for w, wk in enumerate(group.workers):
@@ -391,6 +389,7 @@ class RayExecutor(LocalExecutor):
         rows: list[dict[str, float]] = []
         tries = 0
         try:
+            self.before_loop()
             while step < trainer.steps:
                 try:
                     metrics, saved = self.train_step(step, log)
@@ -465,26 +464,23 @@ def _answers(address: str) -> None:
         pass
 
 
-def run_ray(plan: ExecutionPlan, *, address: str | None = None, strict: bool = False,
-            resume: bool = False, out: Any = None, shutdown: bool = True,
-            metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
-            metrics_hold: float = 0.0) -> list[dict[str, float]]:
-    """`flowgraph run --target ray`: start or join a cluster and drive the plan.
-    Prometheus metrics as `run_plan` serves them, from the driver."""
-    run_dir = prepare_run(plan, resume=resume).resolve()
-    resume = resume or plan.graph.trainer.resume
-    with serving(plan.graph, metrics_port, metrics_host, hold=metrics_hold, target="ray",
-                 out=out) as exporter:
+def run_ray(plan: ExecutionPlan, opts: RunOptions) -> None:
+    """`flowgraph run --target ray`: start or join a cluster (`opts.address`) and drive
+    the plan. Prometheus metrics as `run_plan` serves them, from the driver."""
+    run_dir = prepare_run(plan, resume=opts.resume).resolve()
+    resume = opts.resume or plan.graph.trainer.resume
+    with serving(plan.graph, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
+                 target="ray", out=opts.out) as exporter:
         executor = None
         try:
-            start_ray(plan, address)
+            start_ray(plan, opts.address)
             torch.manual_seed(plan.graph.trainer.seed)
-            executor = RayExecutor(plan, RunOptions(run_dir, "cpu", strict, resume, out,
-                                                    exporter=exporter))
+            executor = RayExecutor(plan, ExecOptions(run_dir, "cpu", opts.strict, resume,
+                                                     opts.out, opts.tensorboard, exporter))
             executor.setup()
-            return executor.run()
+            executor.run()
         finally:  # workers first: the endpoint is held after this block
             if executor is not None:
                 executor.stop_groups()
-            if shutdown and not address and ray.is_initialized():
+            if opts.shutdown and not opts.address and ray.is_initialized():
                 ray.shutdown()

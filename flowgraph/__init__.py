@@ -12,6 +12,11 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
+    "compile": "flowgraph.api",
+    "run": "flowgraph.api",
+    "load_plan": "flowgraph.api",
+    "CompileError": "flowgraph.api",
+    "ExecutionPlan": "flowgraph.plan",
     "GraphBuilder": "flowgraph.builder",
     "CheckResult": "flowgraph.check",
     "check_graph": "flowgraph.check",
@@ -42,9 +47,11 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "CheckResult",
+    "CompileError",
     "DataSpec",
     "Diagnostic",
     "DimBinding",
+    "ExecutionPlan",
     "FlowgraphError",
     "Graph",
     "GraphBuilder",
@@ -62,11 +69,14 @@ __all__ = [
     "TensorSpec",
     "TrainerSpec",
     "check_graph",
+    "compile",
     "graph_from_yaml",
     "graph_to_yaml",
     "load_graph",
+    "load_plan",
     "node_kind",
     "register_kind",
+    "run",
 ]
 
 
@@ -84,6 +94,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from flowgraph.api import CompileError, compile, load_plan, run
     from flowgraph.builder import GraphBuilder
     from flowgraph.check import CheckResult, check_graph
     from flowgraph.contracts import TensorSpec
@@ -102,6 +113,7 @@ if TYPE_CHECKING:
         ResourceSpec,
         TrainerSpec,
     )
+    from flowgraph.plan import ExecutionPlan
     from flowgraph.registry import (
         KindSpec,
         ParamSpec,

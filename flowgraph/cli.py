@@ -22,10 +22,13 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.errors import FlowgraphError
+
+if TYPE_CHECKING:
+    from flowgraph.plan import ExecutionPlan
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 
@@ -163,47 +166,49 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from flowgraph.api import load_plan
+    from flowgraph.compilers import RunOptions, run
+
+    if args.file.endswith(".json"):  # a plan: run as it is
+        plan = load_plan(args.file)
+        given = [f"--{k.replace('_', '-')}" for k in ("target", "nproc")
+                 if getattr(args, k) not in (None, getattr(plan, k))]
+        if args.overrides or given:
+            raise FlowgraphError(
+                f"`{args.file}` is a plan compiled for target {plan.target}, nproc "
+                f"{plan.nproc}; it runs as it is: drop {', '.join(given + args.overrides)}, "
+                "or edit the plan, or run the graph")
+        plan_file: Path | None = Path(args.file)
+    else:
+        compiled = _compile_for_run(args)
+        if isinstance(compiled, int):
+            return compiled
+        plan, plan_file = compiled, None
+    run(plan, RunOptions(
+        strict=args.strict, resume=args.resume, metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host, metrics_hold=args.metrics_hold, address=args.address,
+        nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+        overrides=tuple(args.overrides), plan_file=plan_file))
+    print(f"run finished: {plan.graph.trainer.run_dir}/metrics.jsonl")
+    return EXIT_OK
+
+
+def _compile_for_run(args: argparse.Namespace) -> ExecutionPlan | int:
+    """The graph compiled for the run, or the exit code when it does not compile."""
     from flowgraph.diagnostics import render_text
     from flowgraph.passes import compile_graph
 
-    nproc = args.nproc
-    if args.target == "fsdp" and nproc is None and "WORLD_SIZE" in os.environ:
+    target, nproc = args.target or "local", args.nproc
+    if target == "fsdp" and nproc is None and "WORLD_SIZE" in os.environ:
         nproc = int(os.environ["WORLD_SIZE"])  # started by torchrun: check for its ranks
-    result = compile_graph(args.file, target=args.target, nproc=nproc,
-                           overrides=args.overrides, dump=sys.stderr)
+    result = compile_graph(args.file, target=target, nproc=nproc, overrides=args.overrides,
+                           dump=sys.stderr)
     if result.diagnostics:
         print(render_text(result.diagnostics, _lines_of({}), color=_use_color(sys.stderr)),
               file=sys.stderr)
     if result.plan is None:
         return EXIT_USAGE if _unreadable(result.diagnostics) else EXIT_ERRORS
-    if args.target == "fsdp":
-        from flowgraph.compilers.fsdp import LaunchOptions, run_fsdp
-
-        if result.plan.nproc % args.nnodes:
-            raise FlowgraphError(f"--nproc {result.plan.nproc} (processes in all) does not "
-                                 f"split over --nnodes {args.nnodes} machines")
-        run_fsdp(result.plan, LaunchOptions(
-            result.plan.nproc // args.nnodes, args.nnodes, args.node_rank, args.rdzv_endpoint,
-            strict=args.strict, resume=args.resume, metrics_port=args.metrics_port,
-            metrics_host=args.metrics_host, metrics_hold=args.metrics_hold,
-            overrides=tuple(args.overrides)))
-        print(f"run finished: {result.plan.graph.trainer.run_dir}/metrics.jsonl")
-        return EXIT_OK
-    if args.target == "ray":
-        from flowgraph.compilers.ray import run_ray
-
-        run_ray(result.plan, address=args.address, strict=args.strict, resume=args.resume,
-                metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-                metrics_hold=args.metrics_hold)
-        print(f"run finished: {result.plan.graph.trainer.run_dir}/metrics.jsonl")
-        return EXIT_OK
-    from flowgraph.compilers.local import run_plan
-
-    run_plan(result.plan, strict=args.strict, resume=args.resume,
-             metrics_port=args.metrics_port, metrics_host=args.metrics_host,
-             metrics_hold=args.metrics_hold)
-    print(f"run finished: {result.plan.graph.trainer.run_dir}/metrics.jsonl")
-    return EXIT_OK
+    return result.plan
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -306,10 +311,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print the graph (YAML) after this pass")
     k.set_defaults(func=cmd_compile)
 
-    r = sub.add_parser("run", help="train: run the graph's loop (local, fsdp or ray)")
-    r.add_argument("file", metavar="FILE")
+    r = sub.add_parser("run", help="train: run a graph, or a compiled plan.json as it is")
+    r.add_argument("file", metavar="FILE", help="a graph file, or a plan (PLAN.json) that "
+                   "`flowgraph compile -o` wrote: its target, pools and stages as they are")
     r.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    r.add_argument("--target", choices=("local", "fsdp", "ray"), default="local")
+    r.add_argument("--target", choices=("local", "fsdp", "ray"), default=None,
+                   help="default: local (a plan: its own)")
     r.add_argument("--nproc", type=int, default=None,
                    help="fsdp: processes in all (split over --nnodes); ray: workers per "
                         "pool (default: resources.nproc)")

@@ -57,6 +57,7 @@ CODES: dict[str, str] = {
     "FG401": "the plan does not fit the declared device memory",
     "FG402": "memory cannot be estimated for a model",
     "FG403": "invalid resource pools",
+    "FG404": "one model run both as a causal LM and with a scalar head",
     # data and model folders (check --data)
     "FG501": "a dataset that cannot be read or lacks a column its kind reads",
     "FG502": "a dataset without the ground truth a node reads",

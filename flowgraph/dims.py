@@ -146,21 +146,23 @@ def _mono_mul(a: Monomial, b: Monomial) -> Monomial:
 # --- parsing ---------------------------------------------------------------------
 
 _TOKEN = re.compile(r"\s*(?:(\d+)|([A-Za-z_][A-Za-z0-9_]*)|(//|[-+*()]))")
+_QUALIFIED = re.compile(r"\s*(?:(\d+)|([A-Za-z_][A-Za-z0-9_.]*)|(//|[-+*()]))")
+"""As `_TOKEN`, with the checker's qualified node-local names (`gen.n`)."""
 
 
 class _Parser:
     """Precedence-climbing parser for one axis expression."""
 
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, token: re.Pattern[str] = _TOKEN) -> None:
         self.text = text
-        self.tokens = self._lex(text)
+        self.tokens = self._lex(text, token)
         self.i = 0
 
-    def _lex(self, text: str) -> list[str]:
+    def _lex(self, text: str, token: re.Pattern[str]) -> list[str]:
         out: list[str] = []
         pos = 0
         while pos < len(text):
-            m = _TOKEN.match(text, pos)
+            m = token.match(text, pos)
             if not m or m.end() == pos:
                 raise DimError(f"unexpected character {text[pos]!r} in dim `{text}`")
             out.append(m.group(0).strip())
@@ -296,6 +298,16 @@ def _parse_shape(text: str) -> Shape:
     tokens = text.split()
     axes = tuple(_parse_axis(tok, i == 0) for i, tok in enumerate(tokens))
     return Shape(axes, text)
+
+
+def parse_resolved(text: str) -> tuple[Poly | None, ...]:
+    """The inverse of `resolved_text`: a port's resolved axes as the plan writes them."""
+    return tuple(None if t == "_" else _Parser(t, _QUALIFIED).parse() for t in text.split())
+
+
+def resolved_text(values: tuple[Poly | None, ...]) -> str:
+    """A port's resolved axes in global terms, one word each (`Bp*N T`, `_` for any)."""
+    return " ".join("_" if v is None else str(v).replace(" ", "") for v in values)
 
 
 def format_dims(values: tuple[Poly | None, ...]) -> str:

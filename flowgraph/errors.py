@@ -53,9 +53,14 @@ class PluginError(FlowgraphError):
     """A plugin module listed under `plugins:` could not be imported."""
 
 
+def at_step(step: int) -> str:
+    """`at step 3`, or `in the prologue` (step -1: the plan's once-stage before the loop)."""
+    return "in the prologue" if step < 0 else f"at step {step}"
+
+
 class NonFiniteError(FlowgraphError):
     """NaN or infinity in a reward, advantage, loss or gradient."""
 
     def __init__(self, node: str, step: int, what: str) -> None:
         self.node, self.step, self.what = node, step, what
-        super().__init__(f"non-finite {what} in node `{node}` at step {step}")
+        super().__init__(f"non-finite {what} in node `{node}` {at_step(step)}")

@@ -307,3 +307,23 @@ class Graph:
         for n in self.nodes:
             for port, ref in n.inputs:
                 yield ref, n, port
+
+    def readers(self, node: str, port: str) -> tuple[str, ...]:
+        """The nodes that read output `node.port`: the last consumers along the edges
+        that carry it, whatever their input is called (a plugin reward may read the
+        ground truth as `answers`); a node passes it on when its output of the input's
+        name is read (a `generate` hands `ground_truth` on to, say, the reward)."""
+        readers: list[str] = []
+        frontier, seen = [(node, port)], {(node, port)}
+        while frontier:
+            producer = frontier.pop()
+            for ref, consumer, name in self.edges():
+                if (ref.node, ref.port) != producer:
+                    continue
+                onward = (consumer.name, name)
+                if not any((r.node, r.port) == onward for r, _, _ in self.edges()):
+                    readers.append(consumer.name)
+                elif onward not in seen:
+                    seen.add(onward)
+                    frontier.append(onward)
+        return tuple(sorted(set(readers)))

@@ -13,13 +13,25 @@ Vocabulary:
   batch; otherwise it sees the whole batch (the driver, the local process, or every
   fsdp rank running a model-free node redundantly on the whole batch);
 * a **stage** is a set of nodes that depend only on earlier stages; the `prologue`
-  stage runs once before the training loop (hoisted nodes, over the whole dataset, in
-  the listed order) and the `step.K` stages run at every step;
-* an edge's **dispatch** says how its tensor moves: `local` (same pool, same
-  sharding), `split` (a whole batch cut into per-worker slices), `gather` (slices
-  concatenated into the whole batch), `broadcast` (a tensor with no batch axis, copied
-  to every worker) and `reshard` (slices of one pool re-cut for another pool, through
-  the driver). `group_aligned` splits cut only between groups of samples of one prompt.
+  stage (`once`) runs before the training loop, over every row of the dataset, in the
+  listed order, and its outputs are kept by row (`uid`); the `step.K` stages run at
+  every step, in order;
+* between nodes every tensor is held whole (the batch of the step); a data-parallel
+  node's outputs are gathered from its workers as it finishes. An edge's **dispatch**
+  says how the consumer gets its tensor: `local` (a whole-batch consumer reads the
+  whole tensor where it is), `gather` (the producer ran data-parallel: its slices,
+  concatenated), `split` (a whole batch cut into per-worker slices for a
+  data-parallel consumer), `reshard` (a data-parallel producer's slices re-cut for a
+  data-parallel consumer: gather, then split) and `broadcast` (the whole tensor
+  copied to every worker: a tensor with no batch axis, or the input of an update,
+  whose workers each take their share of every mini-batch so that the mini-batches
+  are the one-process run's). `group_aligned` splits cut only between groups of
+  samples of one prompt. `dispatch_of` is the rule, used by the compiler and by the
+  verifier alike.
+
+A plan read from JSON is checked by `verify` (`from_json` calls it): the format
+version, every reference, pools hosting the models their nodes run, stages that
+respect every dependency, and each edge's dispatch against the rule.
 
 Notation: B = Bp*N sequences, Bp prompts, N samples per prompt, P prompt length,
 T response length, V vocabulary.
@@ -29,7 +41,7 @@ from __future__ import annotations
 
 import json
 import types
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -37,14 +49,16 @@ from flowgraph.document import YMap, YNode, YScalar, YSeq
 from flowgraph.errors import FlowgraphError
 from flowgraph.frontend import graph_from_document, graph_to_document
 from flowgraph.ir import NAME_RE, Graph
+from flowgraph.registry import HOISTABLE_CATEGORIES, KindSpec
 from flowgraph.source import SourcePos
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
 """Format version of the JSON plan; `from_json` refuses any other."""
 TARGETS = ("local", "fsdp", "ray")
 DEVICES = ("cpu", "cuda")
 DISPATCHES = ("local", "split", "gather", "broadcast", "reshard")
 SHARDINGS = ("none", "full_shard")
+LOADED_HEADS = ("lm", "scalar")
 MEMORY_ITEMS = ("weights", "grads", "optimizer", "activations", "logits", "kv_cache", "vllm")
 DRIVER = "driver"
 """The single controller's pool (target ray)."""
@@ -85,6 +99,17 @@ class InputPlan:
     shape: str
     """Resolved dims of the tensor, e.g. `(Bp*N, T) = (16, 8)`; empty when the dims were
     not inferred (pass `infer_dims` disabled)."""
+    dims: str | None = None
+    """The port's contract in global terms, one word an axis (`Bp*N T`, `_`: any size),
+    what strict mode holds the tensor to; None when the checker could not resolve it."""
+
+
+@dataclass(frozen=True, slots=True)
+class OutputPlan:
+    """One output of a node: its contract in global terms (see `InputPlan.dims`)."""
+
+    port: str
+    dims: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +126,15 @@ class NodePlan:
     """Each worker of the pool gets a 1/size slice of the batch; False: the whole batch."""
     stage: str
     hoisted: bool
+    """Computed in the prologue (its stage is `once`)."""
     inputs: tuple[InputPlan, ...] = ()
+    outputs: tuple[OutputPlan, ...] = ()
+    loads_model: bool = False
+    """The node runs its model's weights (its pool must host the model); False for
+    model-free nodes and for those that use a model's tokenizer only."""
+    trains: bool = False
+    """An update: each worker gets the whole batch and takes its share of every
+    mini-batch (`broadcast` inputs)."""
 
     def __post_init__(self) -> None:
         _require(["name is not an identifier"] if _bad_name(self.name) else [],
@@ -128,10 +161,16 @@ class ModelPlacement:
     sharding: str
     """`full_shard`: FSDP2 `fully_shard` per transformer block over the pool's workers;
     `none`: every worker holds the whole model."""
+    head: str = "lm"
+    """What the model is loaded as (`KindSpec.head` of the nodes that run it): `lm`, a
+    causal LM; `scalar`, a backbone with a scalar head (critic, reward model)."""
 
     def __post_init__(self) -> None:
-        bad = self.sharding not in SHARDINGS
-        _require([f"sharding must be one of {SHARDINGS}"] if bad else [], f"model `{self.name}`")
+        problems = [f"sharding must be one of {SHARDINGS}"] if self.sharding not in SHARDINGS \
+            else []
+        problems += [f"head must be one of {LOADED_HEADS}"] if self.head not in LOADED_HEADS \
+            else []
+        _require(problems, f"model `{self.name}`")
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +225,8 @@ class EdgePlan:
     dispatch: str
     group_aligned: bool = False
     """Slices hold whole groups (the N samples of one prompt stay on one worker)."""
+    batched: bool = True
+    """The tensor has a batch axis (its first axis counts rows of the step's batch)."""
 
     def __post_init__(self) -> None:
         bad = self.dispatch not in DISPATCHES
@@ -295,6 +336,11 @@ class ExecutionPlan:
         except json.JSONDecodeError as exc:
             raise PlanError(f"the plan is not valid JSON: {exc}") from exc
         source = data.get("source") if isinstance(data, dict) else None
+        version = data.get("version") if isinstance(data, dict) else None
+        if version != PLAN_VERSION:
+            raise PlanError(f"the plan is format version {version}; this flowgraph reads "
+                            f"version {PLAN_VERSION}: compile the graph again "
+                            "(`flowgraph compile GRAPH -o plan.json`)")
         plan = _decode(ExecutionPlan, data, "plan", source if isinstance(source, str) else "<plan>")
         assert isinstance(plan, ExecutionPlan)
         return plan
@@ -316,7 +362,117 @@ def _plan_problems(plan: ExecutionPlan) -> list[str]:
         problems.append(f"device `{plan.device}` is not one of {DEVICES}")
     if plan.nproc < 1:
         problems.append(f"nproc must be >= 1, got {plan.nproc}")
-    return problems + _graph_problems(plan) + _reference_problems(plan) + _stage_problems(plan)
+    problems += _graph_problems(plan) + _reference_problems(plan) + _stage_problems(plan)
+    if problems:  # the checks below read the references these ones vouch for
+        return problems
+    return _placement_problems(plan) + _order_problems(plan) + _edge_problems(plan)
+
+
+def dispatch_of(src_dp: bool, dst_dp: bool, dst_trains: bool, batched: bool) -> str:
+    """How a consumer gets a tensor: the rule of the module docstring, from whether
+    producer and consumer run data-parallel, the consumer is an update, and the tensor
+    has a batch axis."""
+    if not dst_dp:
+        return "gather" if src_dp else "local"
+    if not batched or dst_trains:
+        return "gather" if src_dp and batched else "broadcast"
+    return "reshard" if src_dp else "split"
+
+
+def _placement_problems(plan: ExecutionPlan) -> list[str]:
+    problems = []
+    for n in plan.nodes:
+        if not n.loads_model:
+            continue
+        pool = plan.pool(n.pool)
+        if n.model is None or n.model not in {m.name for m in pool.models}:
+            hosts = [p.name for p in plan.pools if n.model in {m.name for m in p.models}]
+            problems.append(f"node `{n.name}` runs model `{n.model}` on pool `{n.pool}`, which "
+                            f"does not host it (hosted by: {', '.join(hosts) or 'no pool'})")
+    return problems
+
+
+def _order_problems(plan: ExecutionPlan) -> list[str]:
+    """Every input is ready when its node runs: a prologue node reads data sources and
+    earlier prologue nodes; a step node, those and nodes of earlier step stages."""
+    data = {d.name for d in plan.graph.data}
+    rank: dict[str, tuple[int, int]] = {}  # node -> (stage index, position in a prologue)
+    for i, stage in enumerate(plan.stages):
+        for j, name in enumerate(stage.nodes):
+            rank[name] = (i, j if stage.once else 0)
+    once = {n for s in plan.stages if s.once for n in s.nodes}
+    problems = [f"node `{n.name}` is marked hoisted but its stage `{n.stage}` is not the "
+                "prologue" if n.hoisted else f"node `{n.name}` is in the prologue but not "
+                "marked hoisted" for n in plan.nodes if n.hoisted != (n.name in once)]
+    problems += [f"data source `{d}` is in the prologue; data is drawn at every step"
+                 for d in data & once]
+    for node in plan.graph.nodes:
+        for _, ref in node.inputs:
+            src = ref.node
+            if src in data:
+                continue
+            if node.name in once:
+                ready = src in once and rank[src] < rank[node.name]
+            else:
+                ready = src in once or rank[src] < rank[node.name]
+            if not ready:
+                problems.append(f"node `{node.name}` (stage `{plan.node(node.name).stage}`) "
+                                f"reads `{ref}`, which stage `{plan.node(src).stage}` only "
+                                "computes at the same time or later")
+    return problems
+
+
+def _edge_problems(plan: ExecutionPlan) -> list[str]:
+    wired = {(str(ref), f"{node.name}.{port}") for ref, node, port in plan.graph.edges()}
+    planned = {(e.src, e.dst) for e in plan.edges}
+    problems = [f"edge `{a} -> {b}` has no dispatch in the plan"
+                for a, b in sorted(wired - planned)]
+    problems += [f"edge `{a} -> {b}` is not in the plan's graph"
+                 for a, b in sorted(planned - wired)]
+    for e in plan.edges:
+        if (e.src, e.dst) not in wired:
+            continue
+        src, dst = plan.node(e.src.split(".")[0]), plan.node(e.dst.split(".")[0])
+        want = dispatch_of(src.data_parallel, dst.data_parallel, dst.trains, e.batched)
+        if e.dispatch in ("split", "reshard") and not e.batched:
+            problems.append(f"edge `{e.src} -> {e.dst}` is dispatched `{e.dispatch}` but its "
+                            f"tensor has no batch axis to split; it is `{want}`")
+        elif e.dispatch != want:
+            problems.append(f"edge `{e.src} -> {e.dst}` is dispatched `{e.dispatch}`; from "
+                            f"`{src.name}` ({_runs(src)}) to `{dst.name}` ({_runs(dst)}) it "
+                            f"is `{want}`")
+        if e.group_aligned and e.dispatch not in ("split", "reshard"):
+            problems.append(f"edge `{e.src} -> {e.dst}` is group-aligned but not split")
+    return problems
+
+
+def _runs(n: NodePlan) -> str:
+    how = ("data-parallel update" if n.trains else "data-parallel") if n.data_parallel \
+        else "whole batch"
+    return f"{how} on pool `{n.pool}`"
+
+
+def verify_kinds(plan: ExecutionPlan, kinds: Mapping[str, KindSpec]) -> None:
+    """What the plan says of each node against its kind, once the executor has resolved
+    the kinds (plugins imported): the implementation, whether it trains or runs its
+    model, and that prologue nodes may be computed once per row. Raises `PlanError`."""
+    problems = []
+    for n in plan.nodes:
+        kind = kinds[n.name]
+        spec = plan.graph.model(n.model) if n.model else None
+        loads = kind.model != "none" and kind.head != "tokenizer" and spec is not None
+        if n.impl != kind.impl:
+            problems.append(f"node `{n.name}`: impl `{n.impl}`, but kind `{kind.name}` is "
+                            f"implemented by `{kind.impl}`")
+        if (n.trains, n.loads_model) != (kind.trains, loads):
+            problems.append(f"node `{n.name}`: trains {n.trains}, loads_model "
+                            f"{n.loads_model}; kind `{kind.name}` says {kind.trains}, {loads}")
+        if n.hoisted and (kind.category not in HOISTABLE_CATEGORIES or kind.trains
+                          or (spec is not None and spec.trainable)):
+            problems.append(f"node `{n.name}` (kind `{kind.name}`) is in the prologue, but it "
+                            "is not the same at every step (it samples, trains, reads a "
+                            "trained model or batch statistics): move it to a step stage")
+    _require(problems, "execution plan")
 
 
 def _graph_problems(plan: ExecutionPlan) -> list[str]:
@@ -459,7 +615,8 @@ def _summary_lines(plan: ExecutionPlan) -> list[str]:
         lines.append(f"  {'':<{width}}    nodes: "
                      + ", ".join(n.name for n in plan.nodes if n.pool == p.name))
     lines += ["", "stages:"]
-    lines += [f"  {s.name:<10} {', '.join(s.nodes)}{'  (once, before the loop)' if s.once else ''}"
+    once = "  (once per row, before the loop)"
+    lines += [f"  {s.name:<10} {', '.join(s.nodes)}{once if s.once else ''}"
               for s in plan.stages]
     lines += ["", "edges: " + _edge_counts(plan)]
     if plan.dropped:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 from flowgraph.contracts import TensorSpec, spec_from_annotation
@@ -23,6 +23,14 @@ from flowgraph.ir import NAME_RE, ParamValue
 from flowgraph.runtime.context import RESOURCE_ARGS
 
 PARAM_TYPES = ("float", "int", "bool", "str", "list", "mapping", "any", "null")
+HOISTABLE_CATEGORIES = ("model", "reward", "transform")
+"""Deterministic, row-wise categories: a node of one whose inputs come from data and
+whose model is frozen computes the same rows at every step (pass `hoist`). Not
+`rollout` (sampling), not `update` (changes weights), not `advantage` (batch
+statistics such as whitening would change if computed over the whole dataset), not
+`custom` (nothing is known about it)."""
+HEADS = ("lm", "scalar", "tokenizer")
+"""What a kind uses its model as: `KindSpec.head`."""
 CATEGORIES = ("data", "rollout", "model", "reward", "transform", "advantage", "update", "custom")
 ENTRY_POINT_GROUP = "flowgraph.nodes"
 
@@ -71,6 +79,12 @@ class KindSpec:
     params: tuple[ParamSpec, ...] = ()
     model: str = "none"
     """`none`, `required` or `optional` model binding."""
+    head: str = "lm"
+    """What the node uses its model as, when it has one: `lm`, a causal LM (its logits
+    over the vocabulary); `scalar`, a backbone with a scalar head, one number per token
+    (a critic, a reward model); `tokenizer`, its tokenizer only (no weights load)."""
+    sequences_per_row: int = 1
+    """Sequences the model runs per batch row (DPO: the chosen and the rejected one)."""
     trains: bool = False
     """An update node: its model must be trainable, and it is a sink."""
     grouped: bool = False
@@ -94,6 +108,10 @@ class KindSpec:
             )
         if self.model not in ("none", "required", "optional"):
             raise RegistryError(f"kind `{self.name}`: model must be none/required/optional")
+        if self.head not in HEADS:
+            raise RegistryError(f"kind `{self.name}`: head must be one of {HEADS}")
+        if self.sequences_per_row < 1:
+            raise RegistryError(f"kind `{self.name}`: sequences_per_row must be >= 1")
         for group in (self.inputs, self.outputs, self.params):
             names = [p.name for p in group]
             if len(names) != len(set(names)):
@@ -158,6 +176,7 @@ def node_kind(
     outputs: Iterable[str],
     category: str = "custom",
     model: str = "none",
+    head: str = "lm",
     constraints: dict[str, tuple[str, ...]] | None = None,
     doc: str | None = None,
 ) -> Callable[[F], F]:
@@ -165,7 +184,9 @@ def node_kind(
 
     Tensor-annotated parameters are input ports; the others are params (their
     defaults become param defaults). The return annotation is one array type or a
-    `tuple[...]` of them, named by `outputs`.
+    `tuple[...]` of them, named by `outputs`. A kind with a model (`model="required"`)
+    uses it as a causal LM unless `head` says `scalar` (a critic: the checker, the
+    memory estimate and the executors treat it as the built-in `values`) or `tokenizer`.
 
         @node_kind("length_reward", outputs=["scores"])
         def length_reward(response_mask: Float[Tensor, "b T"], scale: float = 0.01
@@ -175,6 +196,7 @@ def node_kind(
 
     def wrap(fn: F) -> F:
         kind = kind_from_function(fn, name, out_names, category, model, constraints or {}, doc)
+        kind = replace(kind, head=head) if head != kind.head else kind
         register_kind(kind)
         fn.__flowgraph_kind__ = kind  # type: ignore[attr-defined]
         return fn

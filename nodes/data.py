@@ -40,7 +40,7 @@ Notation: Bp prompts in a batch, P prompt length, T response length.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -311,6 +311,21 @@ class _TableDataset:
             self._order = (self.epoch, order)
         return self._order[1]
 
+    def batches(self, batch_size: int) -> Iterator[dict[str, Any]]:
+        """Every row once, in file order, in batches of `batch_size` (the last may be
+        short); the cursor stays where it is. What the plan's prologue runs over."""
+        for start in range(0, len(self), batch_size):
+            ids = list(range(start, min(start + batch_size, len(self))))
+            yield self.batch(ids, self.table.take(ids).to_pylist())
+
+    def next_batch(self, batch_size: int) -> dict[str, Any]:
+        """The next `batch_size` rows of the epoch's order; a new epoch when too few are
+        left."""
+        return self.batch(*self._next_rows(batch_size))
+
+    def batch(self, ids: list[int], rows: list[dict[str, Any]]) -> dict[str, Any]:
+        raise NotImplementedError
+
     def _next_rows(self, batch_size: int) -> tuple[list[int], list[dict[str, Any]]]:
         if not 1 <= batch_size <= len(self):
             raise FlowgraphError(
@@ -355,10 +370,9 @@ class PromptDataset(_TableDataset):
         )
         _apply_limits(self, [found] if found else [], truncation, filter_overlong_prompts)
 
-    def next_batch(self, batch_size: int) -> dict[str, Any]:
+    def batch(self, ids: list[int], rows: list[dict[str, Any]]) -> dict[str, Any]:
         """input_ids, attention_mask (Bp, P) int64; uid (Bp,) int64; ground_truth and
         data_source list[str] (Bp) when the dataset has them."""
-        ids, rows = self._next_rows(batch_size)
         prompts = render_prompts(self.tokenizer, [r[self.prompt_key] for r in rows], self.chat)
         prompts = [_truncate(p, self.max_prompt_length, self.keep_end) for p in prompts]
         input_ids, attention_mask = _pad(
@@ -445,10 +459,9 @@ class PreferenceDataset(_TableDataset):
             return render_prompts(self.tokenizer, column, self.chat, special_tokens=False)
         return render_responses(self.tokenizer, column)
 
-    def next_batch(self, batch_size: int) -> dict[str, Tensor]:
+    def batch(self, ids: list[int], rows: list[dict[str, Any]]) -> dict[str, Any]:
         """prompts, prompt_mask (Bp, P); chosen, chosen_mask, rejected, rejected_mask
         (Bp, T), one T for both; uid (Bp,); all int64."""
-        ids, rows = self._next_rows(batch_size)
         pad, P, T = _pad_id(self.tokenizer), self.max_prompt_length, self.max_response_length
         prompts = [_truncate(s, P, self.keep_end) for s in self._render(rows, "prompt")]
         chosen = [_truncate(s, T, False) for s in self._render(rows, "chosen")]

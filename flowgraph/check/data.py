@@ -28,24 +28,8 @@ __all__ = ["check_data", "ground_truth_readers"]
 
 
 def ground_truth_readers(graph: Graph, data: str) -> tuple[str, ...]:
-    """The nodes that need data source `data`'s ground truth: the last consumers along
-    the edges that carry it, whatever the input is called (a plugin reward may read it
-    as `answers`); a node passes it on when its output of the input's name is read (a
-    `generate` hands `ground_truth` on to, say, the reward)."""
-    readers: list[str] = []
-    frontier, seen = [(data, "ground_truth")], {(data, "ground_truth")}
-    while frontier:
-        producer = frontier.pop()
-        for ref, node, port in graph.edges():
-            if (ref.node, ref.port) != producer:
-                continue
-            onward = (node.name, port)
-            if not any((r.node, r.port) == onward for r, _, _ in graph.edges()):
-                readers.append(node.name)
-            elif onward not in seen:
-                seen.add(onward)
-                frontier.append(onward)
-    return tuple(sorted(set(readers)))
+    """The nodes that need data source `data`'s ground truth (`Graph.readers`)."""
+    return graph.readers(data, "ground_truth")
 
 
 def _path_pos(pos: SourcePos) -> SourcePos:

@@ -1,7 +1,8 @@
 """Sampling consistency: log-probs of a rollout scored at the temperature it was drawn at.
 
-A `generate` node samples at temperature τ; every `logprob` or `ppo_actor_update` node
-that scores those responses with the same model must divide the logits by the same τ
+A rollout node (`generate`) samples at temperature τ; every node that scores those
+responses with the same model at a `temperature` of its own (`logprob`,
+`ppo_actor_update`, a plugin kind with that param) must divide the logits by the same τ
 (verl passes the rollout temperature to the actor for this reason). Otherwise the PPO
 ratio π_θ/π_old compares two different distributions and is biased from the first
 step — a silent bug no loss curve shows at once. τ = 0 (greedy) is scored at 1 by
@@ -14,14 +15,12 @@ from flowgraph.check.structure import Resolved, param_value
 from flowgraph.diagnostics import Diagnostic, warning
 from flowgraph.ir import NodeSpec
 
-SCORING = frozenset({"logprob", "ppo_actor_update"})
-
 
 def check_temperatures(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
     rollouts = {name: r for name, r in table.items()
-                if r.kind is not None and r.kind.name == "generate"}
+                if r.kind is not None and r.kind.category == "rollout"}
     for r in table.values():
-        if r.kind is None or r.kind.name not in SCORING:
+        if r.kind is None or r.kind.category == "rollout" or r.kind.param("temperature") is None:
             continue
         if not isinstance(r.spec, NodeSpec):
             continue

@@ -2,10 +2,11 @@
 
 A node is invariant when it computes the same rows at every step: every input comes from
 a data source or another invariant node, its model (if any) is frozen, and its kind is
-deterministic and row-wise. Invariant nodes get `hoisted: true`; the executor computes
-such a node once per dataset row, the first time a step draws the row, keeps the outputs
-by the row's `uid` and reads them on later steps (`LocalExecutor._hoisted`; the cache is
-per process and not checkpointed). Offline DPO's reference log-probs are the classic
+deterministic and row-wise. Invariant nodes get `hoisted: true` and make the plan's
+`prologue` stage: the executor runs them before the training loop over every row of
+the dataset (and of the held-out split when there is evaluation), keeps the outputs by
+the row's `uid` and reads them at every step (per process, not checkpointed: a resumed
+run computes them again). Offline DPO's reference log-probs are the classic
 case (Rafailov et al. 2023 precompute them once). The pass decides every node's mark
 afresh, so a wrong `hoisted: true` in a file is cleared.
 """
@@ -18,11 +19,7 @@ from typing import ClassVar
 from flowgraph.check.shapes import topo_order
 from flowgraph.ir import NodeSpec
 from flowgraph.passes.program import Program
-
-HOISTABLE_CATEGORIES = ("model", "reward", "transform")
-"""Deterministic, row-wise kinds. Not `rollout` (sampling), not `update` (changes
-weights), not `advantage` (batch statistics such as whitening would change if computed
-over the whole dataset), not `custom` (nothing is known about it)."""
+from flowgraph.registry import HOISTABLE_CATEGORIES
 
 
 @dataclass(frozen=True, slots=True)

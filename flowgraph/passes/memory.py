@@ -61,12 +61,6 @@ HEAD_CHUNK = 1024
 """Tokens an update projects onto the vocabulary at once (`head_logprob`'s chunk_size)."""
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0}
 """Bytes of optimizer state per parameter: Adam keeps two fp32 moments; plain SGD none."""
-SCALAR_HEAD_KINDS = frozenset({"values", "ppo_critic_update", "reward_model"})
-"""Kinds that put a scalar head on the backbone instead of the LM head (verl's critic
-and reward model); a model only these kinds use has no V x h projection."""
-SEQUENCES_PER_ROW = {"dpo_update": 2}
-"""An update that runs several sequences per batch row: DPO concatenates the chosen and
-the rejected response of each pair into one forward pass."""
 CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "vocab_size")
 CONFIG_MAX_BYTES = 1 << 20
@@ -264,11 +258,13 @@ def _inputs(program: Program, placement: Placement, check: CheckResult,
             configs: dict[str, ModelConfig]) -> _Inputs:
     graph = program.graph
     dims = {d.name: d.value for d in program.dims}
-    users: dict[str, set[str]] = {}
+    # A model run only with a scalar head (`KindSpec.head`: a critic, a reward model)
+    # has no V x h projection.
+    heads: dict[str, set[str]] = {}
     for n in graph.nodes:
         if n.model is not None:
-            users.setdefault(n.model, set()).add(n.kind)
-    lm_head = {m: not kinds <= SCALAR_HEAD_KINDS for m, kinds in users.items()}
+            heads.setdefault(n.model, set()).add(program.kind(n.name).head)
+    lm_head = {m: h != {"scalar"} for m, h in heads.items()}
     rows = {n.name: r for n in graph.nodes if (r := _rows(check, n.name)) is not None}
     seq = (dims["P"], dims["T"]) if "P" in dims and "T" in dims else None
     kinds = {n.name: program.kind(n.name) for n in graph.nodes}
@@ -368,7 +364,7 @@ def _training_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
     model, cfg = inp.graph.model(node.model), inp.configs[node.model]
     assert model is not None
     p, t = inp.seq
-    m = micro * SEQUENCES_PER_ROW.get(kind.name, 1)
+    m = micro * kind.sequences_per_row  # DPO: chosen and rejected in one forward
     act = training_activation_bytes(cfg, m, p + t, DTYPE_BYTES[model.dtype],
                                     model.gradient_checkpointing, model.attn_implementation)
     items = [MemoryItem("activations", node.name, act, True)]

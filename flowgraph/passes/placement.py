@@ -1,9 +1,10 @@
 """Pass `placement`: worker pools, which models they host, and where each node runs.
 
-A node *runs a model* when its kind requires one (generate, logprob, values,
-reward_model, the updates); such a node runs where its model lives, data-parallel.
-A kind whose model is optional uses it for its tokenizer only (the rule reward), so
-it runs with the model-free nodes. Per target:
+A node *runs a model* when it is bound to one and its kind's `head` is not
+`tokenizer` (generate, logprob, values, reward_model, the updates); such a node runs
+where its model lives, data-parallel, and the model is loaded as that head (`lm` or
+`scalar`; one model run as both is FG404). A kind that lends its model's tokenizer
+only (the rule `reward`) runs with the model-free nodes. Per target:
 
 * `local`: one pool `main` of one process hosting every model; every node sees the
   whole batch;
@@ -14,8 +15,9 @@ it runs with the model-free nodes. Per target:
 * `ray`: the `driver` (single controller) runs the model-free nodes; the worker pools
   are `resources.pools` when declared, else inferred as in verl: `actor_rollout_ref`
   (the policy, every model a `generate` uses, frozen reference models), `critic`
-  (models `ppo_critic_update` trains) and `reward` (models `reward_model` nodes use),
-  each of nproc workers.
+  (models an update trains with a scalar head: `ppo_critic_update`) and `reward`
+  (frozen models a reward kind runs with a scalar head: `reward_model`), each of nproc
+  workers.
 
 Declared pools are checked on every target: each model a node runs is in exactly one
 pool, sizes are >= 1, model names exist (FG403).
@@ -31,6 +33,7 @@ from flowgraph.document import did_you_mean
 from flowgraph.ir import Graph, ModelSpec, PoolSpec
 from flowgraph.passes.program import NodePlacement, Placement, Program
 from flowgraph.plan import DRIVER, Bundle, ModelPlacement, PoolPlan
+from flowgraph.registry import KindSpec
 
 INFERRED_POOLS = ("actor_rollout_ref", "critic", "reward")
 """Pool names inferred for target ray, in plan order."""
@@ -48,10 +51,10 @@ class PlaceNodes:
 
     def apply(self, program: Program) -> Program:
         runs = _model_nodes(program)
-        problems = check_pools(program.graph, runs)
+        problems = check_pools(program.graph, runs) + _head_problems(program, runs)
         if problems:
             return program.add(*problems)
-        pools = self._pools(program, runs)
+        pools = self._pools(program, runs, _heads(program, runs))
         home = {m.name: p.name for p in pools for m in p.models}
         default = {"local": "main", "fsdp": "spmd", "ray": DRIVER}[program.target]
         nodes = tuple(
@@ -60,25 +63,29 @@ class PlaceNodes:
             for name in program.producers())
         return replace(program, placement=Placement(pools, nodes))
 
-    def _pools(self, program: Program, runs: dict[str, str]) -> tuple[PoolPlan, ...]:
+    def _pools(self, program: Program, runs: dict[str, str], heads: dict[str, str]
+               ) -> tuple[PoolPlan, ...]:
         graph = program.graph
         used = [m for m in graph.models if m.name in runs.values()]
         bundle = Bundle(cpu=1, gpu=1 if program.device == "cuda" else 0)
         if program.target == "local":
             device = "cuda:0" if program.device == "cuda" else "cpu"
-            models = tuple(ModelPlacement(m.name, m.trainable, "none") for m in used)
+            models = tuple(ModelPlacement(m.name, m.trainable, "none", heads[m.name])
+                           for m in used)
             return (PoolPlan("main", 1, device, models, (bundle,)),)
         if program.target == "fsdp":
-            return (self._pool("spmd", program.nproc, program.device, used, bundle),)
+            return (self._pool("spmd", program.nproc, program.device, used, bundle, heads),)
         groups = _declared(graph) or _inferred(program, runs, used, program.nproc)
         driver = PoolPlan(DRIVER, 1, "cpu", (), ())
         return (driver, *(self._pool(name, size, program.device,
-                                     [m for m in graph.models if m.name in names], bundle)
+                                     [m for m in graph.models if m.name in names], bundle,
+                                     heads)
                           for name, size, names in groups))
 
     def _pool(self, name: str, size: int, device: str, models: list[ModelSpec],
-              bundle: Bundle) -> PoolPlan:
-        placed = tuple(ModelPlacement(m.name, m.trainable, self._sharding(m)) for m in models)
+              bundle: Bundle, heads: dict[str, str]) -> PoolPlan:
+        placed = tuple(ModelPlacement(m.name, m.trainable, self._sharding(m), heads[m.name])
+                       for m in models if m.name in heads)
         return PoolPlan(name, size, device, placed, (bundle,) * size)
 
     def _sharding(self, model: ModelSpec) -> str:
@@ -90,9 +97,36 @@ Group = tuple[str, int, tuple[str, ...]]
 
 
 def _model_nodes(program: Program) -> dict[str, str]:
-    """Node -> the model it runs, for nodes whose kind requires a model."""
+    """Node -> the model it runs, for nodes bound to a model whose kind runs it (not its
+    tokenizer alone: `KindSpec.head`)."""
     return {n.name: n.model for n in program.graph.nodes
-            if n.model is not None and program.kind(n.name).model == "required"}
+            if n.model is not None and program.kind(n.name).model != "none"
+            and program.kind(n.name).head != "tokenizer"}
+
+
+def _heads(program: Program, runs: dict[str, str]) -> dict[str, str]:
+    """Model -> what it is loaded as: the `head` of the kinds that run it."""
+    return {model: program.kind(node).head for node, model in runs.items()}
+
+
+def _head_problems(program: Program, runs: dict[str, str]) -> list[Diagnostic]:
+    first: dict[str, str] = {}
+    out = []
+    for node, model in runs.items():
+        head = program.kind(node).head
+        other = first.setdefault(model, node)
+        if program.kind(other).head != head:
+            n = program.graph.node(node)
+            assert n is not None
+            out.append(error(
+                "FG404", f"model `{model}` runs as a {_HEAD_WORDS[head]} in node `{node}` and "
+                f"as a {_HEAD_WORDS[program.kind(other).head]} in node `{other}`",
+                n.pos,
+                hint="one set of weights cannot be both: declare two models"))
+    return out
+
+
+_HEAD_WORDS = {"lm": "causal LM", "scalar": "backbone with a scalar head (critic, reward model)"}
 
 
 def _declared(graph: Graph) -> list[Group]:
@@ -101,18 +135,20 @@ def _declared(graph: Graph) -> list[Group]:
 
 def _inferred(program: Program, runs: dict[str, str], used: list[ModelSpec], size: int
               ) -> list[Group]:
-    kinds: dict[str, set[str]] = {m.name: set() for m in used}
+    kinds: dict[str, list[KindSpec]] = {m.name: [] for m in used}
     for node, model in runs.items():
-        kinds[model].add(program.kind(node).name)
+        kinds[model].append(program.kind(node))
     role = {m.name: _role(m, kinds[m.name]) for m in used}
     groups = [(pool, size, tuple(m for m in role if role[m] == pool)) for pool in INFERRED_POOLS]
     return [g for g in groups if g[2]]
 
 
-def _role(model: ModelSpec, kinds: set[str]) -> str:
-    if "ppo_critic_update" in kinds:
+def _role(model: ModelSpec, kinds: list[KindSpec]) -> str:
+    """verl's pools, from what the kinds that run a model say of it (`KindSpec`)."""
+    if any(k.trains and k.head == "scalar" for k in kinds):  # ppo_critic_update
         return "critic"
-    if "reward_model" in kinds and not model.trainable:
+    if not model.trainable and any(k.category == "reward" and k.head == "scalar"
+                                   for k in kinds):  # reward_model
         return "reward"
     # The policy, what generate uses, and frozen reference models share one pool, so
     # weights sync from the trained actor to the rollout engine stays on-device.

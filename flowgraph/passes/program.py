@@ -14,6 +14,7 @@ from typing import ClassVar, Protocol
 
 from flowgraph.check import CheckResult
 from flowgraph.diagnostics import Diagnostic
+from flowgraph.dims import resolved_text
 from flowgraph.frontend import graph_to_yaml
 from flowgraph.ir import Graph
 from flowgraph.plan import (
@@ -22,12 +23,13 @@ from flowgraph.plan import (
     ExecutionPlan,
     InputPlan,
     NodePlan,
+    OutputPlan,
     PoolMemory,
     PoolPlan,
     StagePlan,
     gib,
 )
-from flowgraph.registry import KindSpec
+from flowgraph.registry import KindSpec, PortSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,10 +179,24 @@ class Program:
         kind = self.kind(name)
         place = self.placement.of(name)
         node = self.graph.node(name)
-        inputs = tuple(InputPlan(port, str(ref), labels.get(str(ref), ""))
+        inputs = tuple(InputPlan(port, str(ref), labels.get(str(ref), ""),
+                                 self._contract(name, kind.input(port)))
                        for port, ref in (node.inputs if node else ()))
-        return NodePlan(name, kind.name, kind.impl, self.model_of(name), place.pool,
-                        place.data_parallel, stage, bool(node and node.hoisted), inputs)
+        outputs = tuple(OutputPlan(p.name, self._contract(name, p)) for p in kind.outputs)
+        model = self.model_of(name)
+        hosted = {m.name for p in self.placement.pools for m in p.models}
+        loads = model in hosted and kind.model != "none" and kind.head != "tokenizer"
+        return NodePlan(name, kind.name, kind.impl, model, place.pool, place.data_parallel,
+                        stage, bool(node and node.hoisted), inputs, outputs, loads,
+                        kind.trains)
+
+    def _contract(self, node: str, port: PortSpec | None) -> str | None:
+        """A port's contract in global terms (`Bp*N T`); None without inferred shapes."""
+        if port is None or self.check is None or self.check.shapes is None:
+            return None
+        env = self.check.shapes.env
+        return resolved_text(tuple(env.qualify(a.size, node) if a.size is not None else None
+                                   for a in port.spec.shape.fixed_axes()))
 
 
 class Pass(Protocol):

@@ -5,13 +5,14 @@ order; every other producer gets its topological generation (data sources 0, a n
 one more than its latest loop producer; hoisted outputs are ready before the loop),
 and generation K is stage `step.K`. Nodes of one stage are independent.
 
-Dispatch of an edge, from the placement of its two ends:
+Dispatch of an edge, from the placement of its two ends and whether the tensor has a
+batch axis (`flowgraph.plan.dispatch_of`, the rule the plan verifier holds plans to):
 
-    same pool, both data-parallel or both whole-batch   local
-    the tensor has no batch axis                        broadcast
+    whole batch -> whole batch                          local
+    data-parallel -> whole batch, or -> an update       gather
     whole batch -> data-parallel                        split
-    data-parallel -> whole batch                        gather
-    data-parallel in one pool -> another pool           reshard (gather, then split)
+    data-parallel -> data-parallel                      reshard (gather, then split)
+    no batch axis, or whole batch -> an update          broadcast
 
 A split or reshard is `group_aligned` when either end is a grouped kind (GRPO, RLOO:
 its statistics are per group) or the tensor's batch axis is that of a `generate` with
@@ -28,7 +29,7 @@ from flowgraph.check.shapes import topo_order
 from flowgraph.dims import Poly
 from flowgraph.ir import Graph, NodeSpec, PortRef
 from flowgraph.passes.program import Placement, Program, Schedule
-from flowgraph.plan import EdgePlan, StagePlan
+from flowgraph.plan import EdgePlan, StagePlan, dispatch_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,20 +65,13 @@ def _stages(graph: Graph) -> tuple[StagePlan, ...]:
 def _edge(program: Program, placement: Placement, groups: set[Poly], ref: PortRef,
           node: NodeSpec, port: str) -> EdgePlan:
     src, dst = placement.of(ref.node), placement.of(node.name)
-    if src.pool == dst.pool and src.data_parallel == dst.data_parallel:
-        dispatch = "local"
-    elif not _has_batch_axis(program, ref):
-        dispatch = "broadcast"
-    elif not src.data_parallel:
-        dispatch = "split"
-    elif not dst.data_parallel:
-        dispatch = "gather"
-    else:
-        dispatch = "reshard"
+    batched = _has_batch_axis(program, ref)
+    dispatch = dispatch_of(src.data_parallel, dst.data_parallel, program.kind(node.name).trains,
+                           batched)
     aligned = dispatch in ("split", "reshard") and (
         program.kind(ref.node).grouped or program.kind(node.name).grouped
         or _batch_axis(program, ref) in groups)
-    return EdgePlan(str(ref), f"{node.name}.{port}", dispatch, aligned)
+    return EdgePlan(str(ref), f"{node.name}.{port}", dispatch, aligned, batched)
 
 
 def _batch_axis(program: Program, ref: PortRef) -> Poly | None:

@@ -1,10 +1,11 @@
 """Runtime strict mode: every tensor on every edge checked against its contract.
 
-The checker resolved each port's dims in global terms (`(Bp*N, T)`); dims the graph
-left symbolic are bound here from the first tensor that shows them, and must agree
-ever after. Dtype families and value constraints (a mask is 0/1, log-probs are <= 0,
-no NaN) are checked on the real values. A violation names the node, the edge,
-expected vs actual and the graph file's line.
+The compiler resolved each port's dims in global terms (`Bp*N T`) and wrote them into
+the plan (`InputPlan.dims`, `OutputPlan.dims`); dims the graph left symbolic are bound
+here from the first tensor that shows them, and must agree ever after. Dtype families
+and value constraints (a mask is 0/1, log-probs are <= 0, no NaN) are checked on the
+real values. A violation names the node, the edge, expected vs actual and the graph
+file's line.
 
 Notation: B sequences, Bp prompts, N samples per prompt, P prompt length, T response
 length.
@@ -16,12 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from flowgraph.check import CheckResult
 from flowgraph.contracts import TensorSpec
-from flowgraph.dims import Poly
-from flowgraph.errors import FlowgraphError
+from flowgraph.dims import Poly, format_dims, parse_resolved
+from flowgraph.errors import FlowgraphError, at_step
 from flowgraph.ir import PortRef
+from flowgraph.plan import ExecutionPlan
 from flowgraph.source import SourcePos
+
+Dims = tuple[Poly | None, ...]
 
 
 class ContractViolation(FlowgraphError):
@@ -30,53 +33,65 @@ class ContractViolation(FlowgraphError):
 
 @dataclass
 class RuntimeContracts:
-    """Checks values against the contracts the checker resolved for one graph."""
+    """Checks values against the contracts a plan resolved for its graph."""
 
-    check: CheckResult
+    values: dict[str, int]
+    """Global dims the plan binds."""
+    ports: dict[tuple[str, str, bool], Dims | None]
+    """(node, port, is an output) -> its axes in global terms; None: not resolved (only
+    the rank, dtype and values are checked then)."""
     bound: dict[str, int] = field(default_factory=dict)
     """Global dims bound from real tensors (those `dims:` left open)."""
 
-    def expected_dims(self, node: str, spec: TensorSpec) -> tuple[Poly | None, ...]:
-        env = self.check.shapes.env
-        return tuple(env.qualify(a.size, node) if a.size is not None else None
-                     for a in spec.shape.fixed_axes())
+    @staticmethod
+    def of(plan: ExecutionPlan) -> RuntimeContracts:
+        ports: dict[tuple[str, str, bool], Dims | None] = {}
+        for n in plan.nodes:
+            for i in n.inputs:
+                ports[(n.name, i.port, False)] = None if i.dims is None else parse_resolved(i.dims)
+            for o in n.outputs:
+                ports[(n.name, o.port, True)] = None if o.dims is None else parse_resolved(o.dims)
+        return RuntimeContracts({d.name: d.value for d in plan.dims}, ports)
+
+    def expected_dims(self, node: str, port: str, output: bool, spec: TensorSpec) -> Dims:
+        dims = self.ports.get((node, port, output))
+        return dims if dims is not None else (None,) * len(spec.shape.fixed_axes())
 
     def check_edge(self, ref: PortRef, node: str, port: str, spec: TensorSpec, value: Any,
                    step: int) -> None:
         """Raise `ContractViolation` unless `value` honours the input port's contract."""
-        where = f"edge `{ref} -> {node}.{port}` ({ref.pos}) at step {step}"
-        problem = self._problem(node, spec, value)
+        where = f"edge `{ref} -> {node}.{port}` ({ref.pos}) {at_step(step)}"
+        problem = self._problem(self.expected_dims(node, port, False, spec), spec, value)
         if problem is not None:
             raise ContractViolation(f"{where}: {problem}; the contract is {spec.describe()}")
 
     def check_output(self, node: str, port: str, spec: TensorSpec, value: Any, step: int,
                      pos: SourcePos) -> None:
         """Raise `ContractViolation` unless a node's output honours its declared contract."""
-        problem = self._problem(node, spec, value)
+        problem = self._problem(self.expected_dims(node, port, True, spec), spec, value)
         if problem is not None:
-            raise ContractViolation(f"output `{node}.{port}` ({pos}) at step {step}: {problem}; "
+            raise ContractViolation(f"output `{node}.{port}` ({pos}) {at_step(step)}: {problem}; "
                                     f"the kind declares {spec.describe()}")
 
-    def _problem(self, node: str, spec: TensorSpec, value: Any) -> str | None:
+    def _problem(self, want: Dims, spec: TensorSpec, value: Any) -> str | None:
         if spec.dtype == "str":
-            return self._list_problem(node, spec, value)
+            return self._list_problem(want, spec, value)
         shape = getattr(value, "shape", None)
         if shape is None:
             return f"expected a tensor, got {type(value).__name__}"
         dtype = str(value.dtype).removeprefix("torch.")
         if dtype not in spec.dtypes:
             return f"dtype is {dtype}, expected {spec.dtype}"
-        problem = self._shape_problem(node, spec, tuple(int(s) for s in shape))
+        problem = self._shape_problem(want, spec, tuple(int(s) for s in shape))
         return problem or _constraint_problem(spec.constraints, value)
 
-    def _list_problem(self, node: str, spec: TensorSpec, value: Any) -> str | None:
+    def _list_problem(self, want: Dims, spec: TensorSpec, value: Any) -> str | None:
         if not isinstance(value, Sequence) or isinstance(value, str):
             return f"expected a list of strings, got {type(value).__name__}"
-        return self._shape_problem(node, spec, (len(value),))
+        return self._shape_problem(want, spec, (len(value),))
 
-    def _shape_problem(self, node: str, spec: TensorSpec, actual: tuple[int, ...]
+    def _shape_problem(self, want: Dims, spec: TensorSpec, actual: tuple[int, ...]
                        ) -> str | None:
-        want = self.expected_dims(node, spec)
         variadic = spec.shape.variadic
         if len(actual) != len(want) and not (variadic and len(actual) >= len(want)):
             return f"shape is {actual}, expected {len(want)} axes {self._show(want)}"
@@ -90,8 +105,8 @@ class RuntimeContracts:
     def _axis_problem(self, want: Poly | None, actual: int) -> str | None:
         if want is None:
             return None
-        env = self.check.shapes.env
-        value = env.numeric(want).subs({k: Poly.const(v) for k, v in self.bound.items()})
+        known = {k: Poly.const(v) for k, v in {**self.values, **self.bound}.items()}
+        value = want.subs(known)
         if value.is_const():
             got = value.const_value()
             return None if got == actual else f"is {actual}, expected {want} = {got}"
@@ -102,9 +117,14 @@ class RuntimeContracts:
         self.bound[free[0]] = actual - sol[1].const_value()
         return None
 
-    def _show(self, dims: tuple[Poly | None, ...]) -> str:
-        env = self.check.shapes.env
-        return env.label(dims)
+    def _show(self, dims: Dims) -> str:
+        """`(Bp*N, T) = (16, 8)` where the plan binds every dim, else `(Bp*N, T)`."""
+        known = {k: Poly.const(v) for k, v in self.values.items()}
+        nums = tuple(d.subs(known) if d is not None else None for d in dims)
+        text = format_dims(dims)
+        if all(n is None or n.is_const() for n in nums) and nums != dims:
+            return f"{text} = {format_dims(nums)}"
+        return text
 
 
 def _constraint_problem(constraints: tuple[str, ...], value: Any) -> str | None:

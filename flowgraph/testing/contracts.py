@@ -270,7 +270,7 @@ def assert_honours_contract(
         b, n = sizes["b"], sizes["n"]
         # Global dims for params that default to them: `generate` turns b prompts into
         # b*N sequences; a grouped node sees Bp = b // n groups of N = n.
-        glob = {"Bp": b if spec.name == "generate" else max(b // n, 1), "N": n,
+        glob = {"Bp": b if spec.category == "rollout" else max(b // n, 1), "N": n,
                 "P": sizes["P"], "T": sizes["T"]}
         out_sizes = _output_sizes(spec, call_params, {**glob, **sizes})
         gen = torch.Generator().manual_seed(d["seed"])

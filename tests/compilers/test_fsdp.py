@@ -21,11 +21,11 @@ import pytest
 import torch
 from torch import nn
 
-from flowgraph.compilers import _dist
+from flowgraph.api import load_plan
+from flowgraph.compilers import RunOptions, _dist, read_metrics
 from flowgraph.compilers.checkpoint import latest_checkpoint
 from flowgraph.compilers.export import export_model
-from flowgraph.compilers.fsdp import LaunchOptions, RankFailed, launch
-from flowgraph.compilers.local import read_metrics
+from flowgraph.compilers.fsdp import RankFailed, launch
 from flowgraph.nodes.models import load_model
 from flowgraph.passes import compile_graph
 from flowgraph.plan import ExecutionPlan
@@ -48,16 +48,19 @@ def _plugins(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _compile(graph: Path, run_dir: Path, overrides: tuple[str, ...], target: str
              ) -> ExecutionPlan:
+    """Compiled, written to a plan file and read back: what `flowgraph run plan.json` runs."""
     result = compile_graph(graph, target=target, nproc=2 if target == "fsdp" else None,
                            overrides=[f"trainer.run_dir={run_dir}", *overrides])
     assert result.plan is not None, [d.one_line() for d in result.diagnostics]
-    return result.plan
+    file = run_dir.parent / f"{run_dir.name}.plan.json"
+    file.write_text(result.plan.to_json())
+    return load_plan(file)
 
 
 def _fsdp(graph: Path, run_dir: Path, *overrides: str, resume: bool = False
           ) -> list[dict[str, Any]]:
     launch(_compile(graph, run_dir, overrides, "fsdp"),
-           LaunchOptions(2, resume=resume, overrides=(f"trainer.run_dir={run_dir}", *overrides)))
+           RunOptions(resume=resume, overrides=(f"trainer.run_dir={run_dir}", *overrides)))
     return read_metrics(run_dir)
 
 

@@ -18,7 +18,8 @@ from typing import Any
 
 import pytest
 
-from flowgraph.compilers.local import read_metrics
+from flowgraph.api import load_plan
+from flowgraph.compilers import RunOptions, read_metrics
 from flowgraph.passes import compile_graph
 from flowgraph.testing.targets import assert_same_numbers
 
@@ -77,10 +78,14 @@ class _Scraper:
 
 
 def _plan(graph: str, run_dir: Path, overrides: tuple[str, ...]) -> Any:
+    """The graph compiled for ray(2), written to a plan file and read back from it: what
+    `flowgraph compile -o plan.json` then `flowgraph run plan.json` runs."""
     result = compile_graph(GRAPHS / f"{graph}.yaml", target="ray", nproc=2,
                            overrides=[f"trainer.run_dir={run_dir}", *overrides])
     assert result.plan is not None, result.diagnostics
-    return result.plan
+    file = run_dir.parent / f"{graph}.plan.json"
+    file.write_text(result.plan.to_json())
+    return load_plan(file)
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -95,8 +100,8 @@ def test_ray_gives_the_numbers_of_the_local_run(
 
     out = _Scraper(devnull)
     overrides = (*equal_overrides[graph], *(tied_models(graph) if tied else ()))
-    run_ray(_plan(graph, tmp_path / "ray", overrides), out=out,
-            shutdown=False, metrics_port=0, metrics_hold=0.1 if graph == "grpo" else 0)
+    run_ray(_plan(graph, tmp_path / "ray", overrides), RunOptions(
+        out=out, shutdown=False, metrics_port=0, metrics_hold=0.1 if graph == "grpo" else 0))
     rows = read_metrics(tmp_path / "ray")
     assert_same_numbers(rows, local_reference(graph, tied=tied))
     # The step-3 checkpoint (DCP shards) resumed by the local target: the same step 4.
@@ -124,7 +129,8 @@ def test_a_local_checkpoint_of_a_tied_model_resumes_on_ray(
     shutil.copytree(local_reference.run_dir("grpo", tied=True), run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "step_4")
     overrides = (*equal_overrides["grpo"], *tied_models("grpo"))
-    run_ray(_plan("grpo", run_dir, overrides), out=devnull, shutdown=False, resume=True)
+    run_ray(_plan("grpo", run_dir, overrides), RunOptions(out=devnull, shutdown=False,
+                                                         resume=True))
     assert_same_numbers(read_metrics(run_dir), local_reference("grpo", tied=True))
     assert (run_dir / "checkpoints" / "step_4" / "dcp").is_dir(), "written by ray"
 
@@ -145,7 +151,7 @@ def test_a_node_error_in_a_worker_names_the_node_and_step(
         "trainer.steps=3", f"trainer.run_dir={tmp_path / 'bad'}"])
     assert result.plan is not None, result.diagnostics
     with pytest.raises(FlowgraphError) as exc:
-        run_ray(result.plan, out=devnull, shutdown=False)
+        run_ray(result.plan, RunOptions(out=devnull, shutdown=False))
     message = str(exc.value)
     assert "while executing node `old_logprob` (kind fragile_logprob" in message, message
     assert "at step 1: RuntimeError: fragile_logprob failed on purpose" in message, message

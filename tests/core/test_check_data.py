@@ -199,7 +199,7 @@ def test_ground_truth_read_under_another_input_name_is_required(
     """A plugin reward reading gen.ground_truth as `answers` needs the column too (a
     run stopped with KeyError: ('train', 'ground_truth') at step 0 when it was missing)."""
     from flowgraph.check.data import ground_truth_readers
-    from flowgraph.compilers.local import run_plan
+    from flowgraph.compilers import RunOptions, run
     from flowgraph.frontend import load_graph
     from flowgraph.passes import compile_graph
 
@@ -223,4 +223,4 @@ def test_ground_truth_read_under_another_input_name_is_required(
     assert result.plan is not None
     with pytest.raises(FlowgraphError, match=r"q.jsonl` has no ground truth, which node "
                                              r"`reward` needs; its columns: prompt"):
-        run_plan(result.plan, tensorboard=False)
+        run(result.plan, RunOptions(tensorboard=False))

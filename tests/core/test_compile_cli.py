@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from flowgraph.cli import main
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import PLAN_VERSION, ExecutionPlan
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
 PPO = str(GRAPHS / "ppo.yaml")
@@ -31,9 +31,9 @@ def test_output_file_holds_the_plan_as_json(tmp_path: Path,
                  "-o", str(out)]) == 0
     assert capsys.readouterr().out.endswith(f"plan written to {out}\n")
     data = json.loads(out.read_text())
-    assert (data["target"], data["nproc"], data["version"]) == ("fsdp", 2, 1)
+    assert (data["target"], data["nproc"], data["version"]) == ("fsdp", 2, PLAN_VERSION)
     plan = ExecutionPlan.from_json(out.read_text())
-    assert plan.edge("adv.advantages", "update_actor.advantages").group_aligned
+    assert plan.edge("gen.responses", "old_logprob.responses").group_aligned
 
 
 @pytest.mark.parametrize(("args", "code", "stderr"), [

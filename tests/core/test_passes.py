@@ -246,11 +246,11 @@ def test_every_edge_is_local_on_the_local_target() -> None:
 
 @pytest.mark.parametrize(("src", "dst", "dispatch", "aligned"), [
     ("train.input_ids", "gen.prompts", "split", False),   # prompts: no groups yet
-    ("gen.responses", "old_logprob.responses", "local", False),
+    ("gen.responses", "old_logprob.responses", "reshard", True),  # gathered, split again
     ("gen.responses", "reward.responses", "gather", False),
     ("gen.index", "adv.index", "gather", False),
     ("reward.scores", "adv.scores", "local", False),       # both on the driver
-    ("adv.advantages", "update_actor.advantages", "split", True),  # grouped producer
+    ("adv.advantages", "update_actor.advantages", "broadcast", False),  # an update: whole
 ])
 def test_grpo_dispatch_on_ray(src: str, dst: str, dispatch: str, aligned: bool) -> None:
     edge = plan_of("grpo.yaml", target="ray", nproc=2).edge(src, dst)
@@ -308,8 +308,54 @@ def test_a_tensor_without_batch_axis_is_broadcast(scalar_plugin: str) -> None:
                           "inputs": {**seq, "t": "temp.t"}}
     plan = plan_of(graph_of(doc), target="ray", nproc=2)
     assert plan.edge("temp.t", "lp.t").dispatch == "broadcast"
-    assert plan.edge("gen.responses", "lp.responses").dispatch == "local"
+    assert plan.edge("gen.responses", "lp.responses").dispatch == "reshard"
     assert (plan.node("temp").pool, plan.node("lp").pool) == ("driver", "actor_rollout_ref")
+
+
+# --- model heads (KindSpec.head) --------------------------------------------------------------
+
+CRITIC_PLUGIN = """
+from flowgraph.kinds import BUILTIN_KINDS
+from flowgraph.registry import register_kind
+from dataclasses import replace
+
+register_kind(replace(BUILTIN_KINDS["values"], name="fgtest_values", source=__name__))
+register_kind(replace(BUILTIN_KINDS["values"], name="fgtest_lm_values", head="lm",
+                      source=__name__))
+"""
+
+
+@pytest.fixture
+def critic_plugin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A plugin kind that runs its model with a scalar head, as the built-in `values`."""
+    (tmp_path / "fgtest_critic_plugin.py").write_text(CRITIC_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "fgtest_critic_plugin"
+    for name in ("fgtest_values", "fgtest_lm_values"):
+        _DECLARED.pop(name, None)
+    sys.modules.pop("fgtest_critic_plugin", None)
+
+
+def test_the_plan_loads_each_model_with_the_head_its_kinds_declare() -> None:
+    plan = plan_of("ppo.yaml", target="ray", nproc=2)
+    heads = {m.name: (p.name, m.head) for p in plan.pools for m in p.models}
+    assert heads == {"actor": ("actor_rollout_ref", "lm"), "ref": ("actor_rollout_ref", "lm"),
+                     "critic": ("critic", "scalar")}
+    loads = {n.name: n.loads_model for n in plan.nodes}
+    assert loads["values"] and loads["gen"] and not loads["reward"]  # reward: tokenizer only
+
+
+def test_a_plugin_critic_is_placed_and_loaded_like_the_built_in(critic_plugin: str) -> None:
+    doc = doc_of("ppo")
+    doc["plugins"] = [critic_plugin]
+    doc["nodes"]["values"]["kind"] = "fgtest_values"
+    plan = plan_of(graph_of(doc), target="ray", nproc=2)
+    assert {m.name: m.head for p in plan.pools if p.name == "critic" for m in p.models} == {
+        "critic": "scalar"}
+    doc["nodes"]["values"]["kind"] = "fgtest_lm_values"  # the same weights as an LM: no
+    result = compile_graph(graph_of(doc))
+    assert [d.code for d in result.diagnostics if d.is_error] == ["FG404"]
+    assert "model `critic` runs as a " in result.diagnostics[0].message
 
 
 # --- memory ----------------------------------------------------------------------------------

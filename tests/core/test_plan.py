@@ -12,6 +12,7 @@ import pytest
 from flowgraph.frontend import load_graph
 from flowgraph.passes import compile_graph
 from flowgraph.plan import (
+    PLAN_VERSION,
     Bundle,
     EdgePlan,
     ExecutionPlan,
@@ -66,15 +67,17 @@ def test_json_layout() -> None:
     data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
     assert list(data) == ["graph", "target", "nproc", "device", "dims", "nodes", "pools",
                           "stages", "edges", "memory", "dropped", "source", "version"]
-    assert data["version"] == 1
+    assert data["version"] == PLAN_VERSION
     assert data["graph"]["nodes"]["ref_chosen"]["hoisted"] is True
     assert data["pools"] == [{
         "name": "main", "size": 1, "device": "cpu",
-        "models": [{"name": "policy", "trainable": True, "sharding": "none"},
-                   {"name": "ref", "trainable": False, "sharding": "none"}],
+        "models": [{"name": "policy", "trainable": True, "sharding": "none", "head": "lm"},
+                   {"name": "ref", "trainable": False, "sharding": "none", "head": "lm"}],
         "bundles": [{"cpu": 1, "gpu": 0}]}]
     assert data["nodes"][1]["inputs"][2] == {"port": "responses", "src": "pairs.chosen",
-                                             "shape": "(Bp, T) = (8, 8)"}
+                                             "shape": "(Bp, T) = (8, 8)", "dims": "Bp T"}
+    assert data["nodes"][1]["outputs"] == [{"port": "log_prob", "dims": "Bp"}]
+    assert (data["nodes"][1]["loads_model"], data["nodes"][1]["trains"]) == (True, False)
     assert data["dims"] == [{"name": "Bp", "value": 8}, {"name": "P", "value": 16},
                             {"name": "T", "value": 8}]
 
@@ -92,8 +95,31 @@ def _set(path: str, value: object) -> Edit:
     return edit
 
 
+def _all(*edits: Edit) -> Edit:
+    def edit(data: dict[str, Any]) -> None:
+        for e in edits:
+            e(data)
+    return edit
+
+
 @pytest.mark.parametrize(("edit", "message"), [
-    (_set("version", 2), "invalid execution plan: format version 2, this flowgraph reads 1"),
+    (_set("version", 1), f"the plan is format version 1; this flowgraph reads version "
+                         f"{PLAN_VERSION}: compile the graph again"),
+    # the verifier: pools host the models their nodes run, stages keep every dependency,
+    # dispatch follows placement and never splits a tensor without a batch axis
+    (_set("nodes/1/pool", "elsewhere"), "invalid execution plan: node `ref_chosen` runs on "
+                                        "unknown pool `elsewhere`"),
+    (_set("pools/0/models", [{"name": "policy", "trainable": True, "sharding": "none"}]),
+     "invalid execution plan: node `ref_chosen` runs model `ref` on pool `main`, which does "
+     "not host it (hosted by: no pool)"),
+    (_all(_set("stages/0/nodes", ["ref_rejected"]), _set("stages/2/nodes", ["ref_chosen",
+                                                                              "update"]),
+          _set("nodes/1/stage", "step.1"), _set("nodes/1/hoisted", False)),
+     "invalid execution plan: node `update` (stage `step.1`) reads `ref_chosen.log_prob`, "
+     "which stage `step.1` only computes at the same time or later"),
+    (_set("edges/0/dispatch", "split"), "invalid execution plan: edge `pairs.prompts -> "
+     "ref_chosen.prompts` is dispatched `split`; from `pairs` (whole batch on pool `main`) to "
+     "`ref_chosen` (whole batch on pool `main`) it is `local`"),
     (_set("target", "slurm"),
      "invalid execution plan: target `slurm` is not one of ('local', 'fsdp', 'ray')"),
     (_set("nproc", True), "`plan.nproc` must be int, got bool True"),
@@ -183,7 +209,7 @@ pools:
           nodes: pairs, ref_chosen, ref_rejected, update
 
 stages:
-  prologue   ref_chosen, ref_rejected  (once, before the loop)
+  prologue   ref_chosen, ref_rejected  (once per row, before the loop)
   step.0     pairs
   step.1     update
 
@@ -204,4 +230,7 @@ def test_summary_on_ray_names_pools_workers_and_dispatch() -> None:
     assert "  driver             1 process (the single controller)\n" in text
     assert "  actor_rollout_ref  2 worker(s) on cuda, each {CPU: 1, GPU: 1}\n" in text
     assert "model ref (frozen, FSDP-sharded 2 ways)" in text
-    assert "edges: 15 local, 4 split (1 group-aligned), 5 gather" in text
+    # the update takes the whole batch on every worker (`broadcast` from the driver,
+    # `gather` from the pool's data-parallel nodes); between data-parallel nodes every
+    # tensor is gathered and split again (`reshard`), the N samples of a prompt together
+    assert "edges: 1 local, 3 split, 11 gather, 1 broadcast, 8 reshard (8 group-aligned)" in text

@@ -319,7 +319,7 @@ def test_a_run_stops_at_load_before_any_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, row: dict[str, str], needles: list[str]
 ) -> None:
     import flowgraph.nodes.models as models
-    from flowgraph.compilers.local import run_plan
+    from flowgraph.compilers import RunOptions, run
     from flowgraph.passes import compile_graph
 
     def no_loading(*args: object, **kw: object) -> None:
@@ -332,13 +332,13 @@ def test_a_run_stops_at_load_before_any_model(
                                              f"data.train.path={data}", "trainer.steps=1"])
     assert result.plan is not None
     with pytest.raises(FlowgraphError) as exc:
-        run_plan(result.plan, tensorboard=False)
+        run(result.plan, RunOptions(tensorboard=False))
     for needle in needles:
         assert needle in str(exc.value)
 
 
 def test_the_filtered_count_is_logged_in_the_first_row(tmp_path: Path) -> None:
-    from flowgraph.compilers.local import run_plan
+    from flowgraph.compilers import RunOptions, run
     from flowgraph.passes import compile_graph
 
     rows = [{"prompt": f"{a}+{a}=", "ground_truth": str(2 * a)} for a in range(8)]
@@ -350,5 +350,5 @@ def test_the_filtered_count_is_logged_in_the_first_row(tmp_path: Path) -> None:
         "trainer.eval_every=0", "data.train.filter_overlong_prompts=true"])
     assert result.plan is not None
     with open(os.devnull, "w") as out:
-        logged = run_plan(result.plan, tensorboard=False, out=out)
+        logged = run(result.plan, RunOptions(tensorboard=False, out=out)).rows
     assert [r.get("data/train/filtered_overlong") for r in logged] == [3.0, None]

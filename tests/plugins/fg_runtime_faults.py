@@ -6,15 +6,18 @@ from torch import Tensor
 
 from flowgraph.registry import node_kind
 
+# The scores read ctx.step (faults at a given step): category `custom`, which pass
+# `hoist` never moves to the prologue, where a `reward` reading only data would go.
 
-@node_kind("prompt_score", outputs=["scores"], category="reward")
+
+@node_kind("prompt_score", outputs=["scores"], category="custom")
 def prompt_score(ctx, input_ids: Int[Tensor, "b P"], nan_at: int = -1) -> Float[Tensor, " b"]:
     """Mean token id per prompt; NaN for the whole batch at step `nan_at`."""
     scores = input_ids.float().mean(-1)
     return scores * float("nan") if ctx.step == nan_at else scores
 
 
-@node_kind("wide_score", outputs=["scores"], category="reward")
+@node_kind("wide_score", outputs=["scores"], category="custom")
 def wide_score(input_ids: Int[Tensor, "b P"]) -> Float[Tensor, " b"]:
     """Declares (b,) but returns (b, 2): a reward head with two labels."""
     return torch.zeros(input_ids.shape[0], 2)
@@ -30,7 +33,7 @@ def fragile_logprob(ctx, model, prompts: Int[Tensor, "b P"], prompt_mask: Int[Te
     return torch.zeros(responses.shape, dtype=torch.float32)
 
 
-@node_kind("brittle_score", outputs=["scores"], category="reward")
+@node_kind("brittle_score", outputs=["scores"], category="custom")
 def brittle_score(ctx, input_ids: Int[Tensor, "b P"], fail_at: int = -1) -> Float[Tensor, " b"]:
     """Mean token id per prompt; raises at step `fail_at`, as a user's buggy reward does."""
     weights = {} if ctx.step == fail_at else {0: 1.0}

@@ -1,0 +1,80 @@
+"""Compile and run from Python: `flowgraph.compile` and `flowgraph.run`, what the CLI calls.
+
+    import flowgraph
+    plan = flowgraph.compile(graph, target="ray", nproc=2)   # a Graph, a file or a path
+    result = flowgraph.run(plan)                             # or run(graph, target=...)
+    result.run_dir, result.rows[-1]["critic/score/mean"]
+
+`compile` raises `CompileError` (its `diagnostics` are what `flowgraph check` prints)
+instead of returning a plan with errors; `run` runs a plan as it is, or compiles a
+graph first, and returns the run's folder and metric rows (`flowgraph.compilers.Run`).
+This module and the CLI are the only parts of the core that reach the executors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from flowgraph.diagnostics import Diagnostic
+from flowgraph.errors import FlowgraphError
+from flowgraph.ir import Graph
+from flowgraph.plan import ExecutionPlan
+
+if TYPE_CHECKING:
+    from flowgraph.compilers import Run
+
+
+class CompileError(FlowgraphError):
+    """A graph that does not compile; `diagnostics` says why, each at its file:line."""
+
+    def __init__(self, diagnostics: Sequence[Diagnostic]) -> None:
+        self.diagnostics = tuple(diagnostics)
+        errors = [d for d in self.diagnostics if d.is_error]
+        super().__init__("the graph does not compile:\n" + "\n".join(
+            d.one_line() for d in errors))
+
+
+def compile(graph: Graph | str | Path, *, target: str = "local", nproc: int | None = None,
+            overrides: Sequence[str] = (), device: str | None = None) -> ExecutionPlan:
+    """Lower a graph (built in Python, or a graph file with `overrides`) to the plan that
+    `run` executes on `target` (`local`, `fsdp`, `ray`) with `nproc` data-parallel
+    workers (default `resources.nproc`)."""
+    from flowgraph.passes import compile_graph
+
+    result = compile_graph(graph, target=target, nproc=nproc, overrides=overrides,
+                           device=device)
+    if result.plan is None:
+        raise CompileError(result.diagnostics)
+    return result.plan
+
+
+def load_plan(path: str | Path) -> ExecutionPlan:
+    """A plan file (`flowgraph compile -o plan.json`), checked by the plan verifier."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise FlowgraphError(f"cannot read the plan `{path}`: {exc.strerror or exc}") from exc
+    return ExecutionPlan.from_json(text)
+
+
+def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
+        nproc: int | None = None, overrides: Sequence[str] = (), **options: Any) -> Run:
+    """Run a plan as it is, or compile a graph (or graph file) for `target` (default
+    `local`) first; a `.json` path is a plan file. `options` are the fields of
+    `flowgraph.compilers.RunOptions` (`resume`, `strict`, `out`, `tensorboard`,
+    `metrics_port`, `address`...)."""
+    from flowgraph.compilers import RunOptions
+    from flowgraph.compilers import run as run_plan
+
+    if isinstance(plan, (str, Path)) and str(plan).endswith(".json"):
+        options.setdefault("plan_file", Path(plan))
+        plan = load_plan(plan)
+    if not isinstance(plan, ExecutionPlan):
+        plan = compile(plan, target=target or "local", nproc=nproc, overrides=overrides)
+    elif overrides or nproc is not None or target not in (None, plan.target):
+        raise FlowgraphError(
+            f"a plan runs as compiled (target {plan.target}, {plan.nproc} per pool): edit the "
+            "plan, or compile the graph again with other overrides, --target or --nproc")
+    return run_plan(plan, RunOptions(overrides=tuple(overrides), **options))
