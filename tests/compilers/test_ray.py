@@ -227,3 +227,23 @@ def test_an_address_where_nothing_listens_is_one_error_at_once(
     with pytest.raises(FlowgraphError, match=r"cannot join the Ray cluster at `127\.0\.0\.1:1`"):
         start_ray(plan, "127.0.0.1:1")
     assert time.monotonic() - start < 10
+
+
+def test_a_plan_file_runs_as_edited_a_pool_of_another_size(
+        cluster: Any, tmp_path: Path, devnull: Any, local_reference: Any,
+        equal_overrides: dict[str, tuple[str, ...]]) -> None:
+    """`flowgraph compile --target ray --nproc 2 -o plan.json`, the actor pool cut to one
+    worker by hand: `flowgraph run plan.json` starts one worker there, two for none, and
+    gives the numbers of the local run (data parallelism never changes them)."""
+    import flowgraph
+
+    run_dir = tmp_path / "ray"
+    file = tmp_path / "plan.json"
+    data = json.loads(_plan("grpo", run_dir, equal_overrides["grpo"]).to_json())
+    pool = next(p for p in data["pools"] if p["name"] == "actor_rollout_ref")
+    pool["size"], pool["bundles"] = 1, pool["bundles"][:1]
+    file.write_text(json.dumps(data))
+    result = flowgraph.run(file, out=devnull, shutdown=False)
+    workers = json.loads((run_dir / ".ranks" / "workers.json").read_text())
+    assert {name: len(pids) for name, pids in workers.items()} == {"actor_rollout_ref": 1}
+    assert_same_numbers(result.rows, local_reference("grpo"))
