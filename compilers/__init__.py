@@ -8,7 +8,7 @@ run, its folder and metric rows. `flowgraph run`, `flowgraph.run` and the tests 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -67,6 +67,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 def run(plan: ExecutionPlan, options: RunOptions | None = None) -> Run:
     """Run `plan` on its target; the run dir is the plan's `trainer.run_dir`."""
     opts = options or RunOptions()
+    # the one place `--resume` and `trainer.resume` are merged
+    opts = replace(opts, resume=opts.resume or plan.graph.trainer.resume)
     if plan.target == "fsdp":
         from flowgraph.compilers.fsdp import run_fsdp
 

@@ -54,7 +54,7 @@ from flowgraph.compilers.checkpoint import (
 )
 from flowgraph.compilers.local import ExecOptions, LocalExecutor, prepare_run
 from flowgraph.errors import FlowgraphError
-from flowgraph.plan import ExecutionPlan, ModelPlacement
+from flowgraph.plan import ExecutionPlan
 from flowgraph.runtime.metrics import MetricsLog, serving
 
 
@@ -69,47 +69,38 @@ class FsdpExecutor(LocalExecutor):
                  *, exporting: bool = False) -> None:
         super().__init__(plan, options)
         self.rank, self.world = rank, world
+        self.workers = world
         self.exporting = exporting
         """Prometheus is on (rank 0 serves it): every rank reports to rank 0 each step."""
         self.reduce = _dist.reducer()
-
-    # -- placement ------------------------------------------------------------------------
-
-    def place_model(self, placed: ModelPlacement, model: torch.nn.Module) -> torch.nn.Module:
-        if self.world > 1 and placed.sharding == "full_shard":
-            return _dist.shard_model(model, self.opts.device)
-        return model
 
     # -- dispatch -------------------------------------------------------------------------
 
     def call(self, name: str, env: dict[tuple[str, str], Any], step: int,
              params: dict[str, Any], metrics: dict[str, float], **dp: Any
              ) -> tuple[dict[str, Any], float]:
+        """A data-parallel node on this rank's slice, its outputs all-gathered; an update
+        on the whole batch (it takes its share of each mini-batch); the rest whole."""
         _dist.write_status(self.opts.run_dir, self.rank, step, name)
-        if self.world == 1 or not self.plan.node(name).data_parallel:
+        node = self.plan.node(name)
+        if self.world == 1 or not node.data_parallel:
             return super().call(name, env, step, params, metrics)
         dp = {"dp_rank": self.rank, "dp_size": self.world, "reduce": self.reduce}
-        if self.plan.node(name).trains:  # the whole batch; the update takes its share
+        if node.trains:
             return super().call(name, env, step, params, metrics, **dp)
-        ports, unit = self.sliced(name)
-        keys = [(ref.node, ref.port) for port, ref in self.nodes[name].inputs if port in ports]
-        if not keys:
+        inputs = {(ref.node, ref.port): port for port, ref in self.nodes[name].inputs}
+        cut = self.cut(name, {port: env[key] for key, port in inputs.items()}, self.world)
+        if cut is None:  # nothing to cut: every rank runs the whole batch
             return super().call(name, env, step, params, metrics)
-        n = len(env[keys[0]])
-        slices = _dist.Slices.of(n, self.world, unit)
-        rows = slices.index(self.rank)
-        mine = dict(env)
-        for key in keys:
-            mine[key] = _dist.take(env[key], rows)
-        outputs, seconds = super().call(name, mine, step, params, metrics,
+        slices, part = cut
+        mine = part(self.rank)
+        env = {**env, **{key: mine[port] for key, port in inputs.items() if port in mine}}
+        outputs, seconds = super().call(name, env, step, params, metrics,
                                         row_offset=slices.bounds[self.rank][0], **dp)
         return _dist.join_outputs(outputs, slices,
                                   lambda _, value: _dist.all_gather(value, self.world)), seconds
 
     # -- checkpoints ----------------------------------------------------------------------
-
-    def trained(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        return self.saved_models(), self.res.optimizers
 
     def save(self, step: int) -> None:
         run_dir = self.opts.run_dir
@@ -117,25 +108,19 @@ class FsdpExecutor(LocalExecutor):
         if self.rank == 0:
             begin_checkpoint(run_dir, step, "tmp-fsdp")
         dist.barrier()
-        _dist.dcp_save(tmp, *self.trained())
+        self.save_shards(tmp)
         torch.save(rng_state(), tmp / f"rng.rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
-            for name, sched in self.res.schedulers.items():
-                torch.save(sched.state_dict(), tmp / f"sched.{name}.pt")
             publish_checkpoint(tmp, self.run_state(step),
                                keep=self.graph.trainer.max_checkpoints)
         dist.barrier()
 
-    def restore(self) -> int:
-        found = latest_checkpoint(self.opts.run_dir)
-        if found is None:
-            return 0
-        step = super().restore()
-        rng = found[1] / f"rng.rank{self.rank}.pt"
-        if rng.exists():  # absent: more ranks than wrote it, or the local target wrote it
+    def load_weights(self, folder: Path) -> None:
+        super().load_weights(folder)
+        rng = folder / f"rng.rank{self.rank}.pt"
+        if rng.exists():  # absent: more ranks than wrote it, or another target wrote it
             set_rng_state(torch.load(rng, weights_only=False))
-        return step
 
     # -- run artefacts: rank 0 writes -------------------------------------------------------
 
@@ -149,26 +134,22 @@ class FsdpExecutor(LocalExecutor):
             return super().open_log(worker)
         return _Silent(self.opts.run_dir)
 
-    def run_step(self, step: int, *, strict: bool) -> dict[str, float]:
-        """The step; then every rank's stage times and memory go to rank 0's exporter
-        (one endpoint, a `worker="rank<R>"` label each)."""
-        metrics = super().run_step(step, strict=strict)
+    def worker_reports(self, step: int, metrics: dict[str, float]
+                       ) -> list[tuple[str, dict[str, float], list[tuple[str, int]]]]:
+        """Every rank's node seconds and memory, gathered on rank 0 for its endpoint (a
+        `worker="rank<R>"` label each; rank 0's own row goes through its MetricsLog)."""
         if not self.exporting or self.world == 1:
-            return metrics
+            return []
         from flowgraph.runtime.prometheus import process_memory
 
         mine = ({k: v for k, v in metrics.items() if k.startswith("timing_s/")},
                 process_memory())
         every: list[Any] = [None] * self.world
         dist.all_gather_object(every, mine)
-        exporter = self.opts.exporter
-        if self.rank == 0 and exporter is not None:
-            for rank, (timings, memory) in enumerate(every):
-                if rank:  # rank 0's own row goes through its MetricsLog
-                    exporter.observe_step(step, timings, worker=f"rank{rank}")
-                for device, used in memory:
-                    exporter.set_memory(f"rank{rank}", device, used)
-        return metrics
+        if self.rank:
+            return []
+        return [(f"rank{rank}", timings if rank else {}, memory)
+                for rank, (timings, memory) in enumerate(every)]
 
 
 class _Silent(MetricsLog):
@@ -216,7 +197,6 @@ def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | No
             # the hang ends the job like a death (and names the ranks' positions).
             _dist.init_group(rank, world, device,
                              timeout_s=plan.graph.trainer.step_timeout_s or 1800.0)
-            torch.manual_seed(plan.graph.trainer.seed)
             executor = FsdpExecutor(plan, ExecOptions(run_dir, device, strict, resume,
                                                       out=sys.stdout, exporter=exporter),
                                     rank, world, exporting=exporting)
@@ -269,10 +249,9 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
         rdzv_backend="c10d", rdzv_endpoint=endpoint,
         rdzv_configs={"is_host": opts.node_rank == 0} if opts.nnodes > 1 else {},
         max_restarts=0, monitor_interval=0.1, start_method="spawn")
-    resume = opts.resume or plan.graph.trainer.resume
     try:
         with _quiet_launcher():
-            elastic_launch(config, rank_main)(str(plan_json), opts.strict, resume,
+            elastic_launch(config, rank_main)(str(plan_json), opts.strict, opts.resume,
                                               opts.metrics_port, opts.metrics_host,
                                               opts.metrics_hold)
     except ChildFailedError as exc:
@@ -336,7 +315,7 @@ def run_fsdp(plan: ExecutionPlan, opts: RunOptions) -> None:
         plan_json = Path(plan.graph.trainer.run_dir) / ".ranks" / f"plan.{os.environ['RANK']}.json"
         plan_json.parent.mkdir(parents=True, exist_ok=True)
         plan_json.write_text(plan.to_json())
-        rank_main(str(plan_json), opts.strict, opts.resume or plan.graph.trainer.resume,
+        rank_main(str(plan_json), opts.strict, opts.resume,
                   opts.metrics_port, opts.metrics_host, opts.metrics_hold)
         return
     launch(plan, opts)

@@ -1,58 +1,79 @@
-"""The reference executor: one process, CPU or one GPU, node by node in plan order.
+"""The reference executor: an interpreter of the plan, one process, CPU or one GPU.
 
-An interpreter in the style of torch.fx's: `run()` loops over steps, `run_step()` over
-the plan's stages, `run_node()` calls one kind's implementation through the calling
-convention of `flowgraph.runtime.context`. Every error a node raises comes back as
-"while executing node X (kind K) at step S". Strict mode checks every tensor on every
-edge against its contract on the first step this process runs (every step with
-`--strict`); outputs that must be finite (rewards, advantages, losses) are checked on
-every step, so a NaN stops the run with the node and step named (or skips the batch
-with `trainer.on_nonfinite=skip`), keeping the last good checkpoint.
+In the style of torch.fx's Interpreter: `run()` loops over steps (`train_step`), after
+the plan's prologue (`run_prologue`: hoisted nodes over every row, kept by uid);
+`run_step()` draws the batch and walks the plan's stages; `run_node()` checks the
+edges (strict mode), calls one kind's implementation through the calling convention
+of `flowgraph.runtime.context` (`call`) and stores its outputs. The plan is the
+program: nodes, implementations, pools, data-parallel flags, model heads, each edge's
+dispatch, the stage order and the prologue are read from it; kinds are resolved from
+the registry only to be called (`build.plan_kinds`). Every error a node raises comes
+back as "while executing node X (kind K) at step S" with the line of the node's own
+code; a NaN stops the run naming node and step (or skips the batch with
+`trainer.on_nonfinite=skip`), keeping the last good checkpoint.
 
-The plan is the program: the executor reads each node's implementation, pool and
-data-parallel flag, each edge's dispatch, the stage order and the prologue from it,
-and resolves kinds from the registry only to call them (`plan.verify_kinds`). The
-prologue (hoisted, loop-invariant nodes, e.g. DPO's reference log-probs) runs before
-the loop over every row of the training data, and of the held-out data when the run
-evaluates; its outputs are kept by the row's `uid` (in memory, per process: a resumed
-run computes them again) and read at every step.
+The hooks a distributed target overrides, and nothing else:
 
-`fsdp.py` and `ray.py` subclass this and override placement and dispatch only.
+    placement     hosted_models()           the models this process loads (its pool's)
+                  place_model(placed, m)    shard or replicate one (here: FSDP2 when the
+                                            plan says full_shard and `workers` > 1)
+                  load_models(), load_data() what this process builds (the Ray driver
+                                            starts worker groups; its workers draw no data)
+    dispatch      call(name, env, ...)      run one node: here, in this process; fsdp on
+                                            this rank's slice (`cut`) then all-gather;
+                                            ray on the pool's workers
+    checkpoints   save(step), load_weights(folder), save_shards(folder)
+    reporting     prepare_run_dir(), open_log()  (rank 0 writes), worker_reports()
+    faults        recover(exc, step), completed(saved)  (ray restarts worker groups)
+
+What the targets share lives here once: building (`build.py`: models with their
+heads, optimizers and LR schedules, tokenizers, data), the data-parallel cut (`cut`)
+and join (`_dist.join_outputs`), checkpoint restore (`restore`), seeding (the
+constructor), the step metrics and evaluation (`metrics.py`).
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
-import math
 import os
 import sysconfig
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
 from flowgraph.compilers import RunOptions
+from flowgraph.compilers.build import (
+    Impl,
+    Resources,
+    load_data,
+    load_model,
+    load_tokenizers,
+    make_optimizer,
+    outputs_of,
+    plan_kinds,
+)
 from flowgraph.compilers.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
     remove_partial,
     save_checkpoint,
 )
-from flowgraph.errors import DEBUG_ENV, FlowgraphError, NonFiniteError, at_step
-from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec
-from flowgraph.plan import ExecutionPlan, ModelPlacement, verify_kinds
-from flowgraph.registry import KindSpec, Registry
+from flowgraph.compilers.metrics import HeldOut, log_ratio_to_reference, step_metrics
+from flowgraph.errors import DEBUG_ENV, FlowgraphError, NonFiniteError, WorkerLost, at_step
+from flowgraph.plan import ExecutionPlan, ModelPlacement
+from flowgraph.registry import KindSpec
 from flowgraph.runtime.context import RESOURCE_ARGS, NodeContext
 from flowgraph.runtime.metrics import MetricsLog, serving
 from flowgraph.runtime.strict import RuntimeContracts
 
 if TYPE_CHECKING:
+    from flowgraph.compilers._dist import Slices
     from flowgraph.runtime.prometheus import Exporter
 
 PROLOGUE = -1
@@ -61,38 +82,6 @@ PROLOGUE = -1
 
 class NodeError(FlowgraphError):
     """A node's implementation failed; the message names node, kind and step."""
-
-
-# --- implementations ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Impl:
-    """A kind's implementation and how to call it."""
-
-    fn: Callable[..., Any]
-    accepts: frozenset[str]
-    """Keyword parameters the function declares."""
-
-    @staticmethod
-    def load(kind: KindSpec) -> Impl:
-        module, _, attr = kind.impl.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise FlowgraphError(f"kind `{kind.name}`: implementation `{kind.impl}` cannot be "
-                                 f"imported: {exc}") from exc
-        params = inspect.signature(fn).parameters
-        return Impl(fn, frozenset(params))
-
-    def verify(self, node: NodeSpec, kind: KindSpec) -> None:
-        """Every declared input and param must be accepted, before any step runs."""
-        names = [p.name for p in kind.inputs] + [p.name for p in kind.params]
-        missing = [n for n in names if n not in self.accepts]
-        if missing:
-            raise FlowgraphError(
-                f"node `{node.name}` (kind {kind.name}): implementation `{kind.impl}` does not "
-                f"accept {', '.join(f'`{m}`' for m in missing)} that the kind declares")
 
 
 _LIBRARIES = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
@@ -106,73 +95,6 @@ def _user_frame(exc: BaseException) -> traceback.FrameSummary:
     frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0]: the executor's call
     own = [f for f in frames if not f.filename.startswith(_LIBRARIES)]
     return (own or frames or traceback.extract_tb(exc.__traceback__))[-1]
-
-
-def _outputs(kind: KindSpec, result: Any) -> dict[str, Any]:
-    if isinstance(result, dict):
-        return result
-    if isinstance(result, tuple):
-        return dict(zip([p.name for p in kind.outputs], result, strict=False))
-    if len(kind.outputs) == 1:
-        return {kind.outputs[0].name: result}
-    raise TypeError(f"returned {type(result).__name__}; expected a dict of outputs or a tuple")
-
-
-# --- models, optimizers, data ---------------------------------------------------------
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16}[name]
-
-
-def plan_kinds(plan: ExecutionPlan) -> dict[str, KindSpec]:
-    """Each node's and data source's kind, from the registry after the graph's plugins
-    are imported; the plan is held to them (`verify_kinds`)."""
-    registry = Registry.default()
-    registry.load_plugins([p.module for p in plan.graph.plugins])
-    kinds = {}
-    for n in plan.nodes:
-        kind = registry.get(n.kind)
-        if kind is None:
-            raise FlowgraphError(f"node `{n.name}`: kind `{n.kind}` is not registered (a "
-                                 "plugin the graph lists under `plugins:` declares it?)")
-        kinds[n.name] = kind
-    verify_kinds(plan, kinds)
-    return kinds
-
-
-def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
-    """The LR factor of training step i (the scheduler steps once per update node call).
-
-    verl 0.9.1's `get_constant_schedule_with_warmup` / `get_cosine_schedule_with_warmup`
-    (held to them in tests/compilers/test_local.py): i/w while i < w, then 1, or the
-    half cosine over the remaining steps; `linear` decays to 0 as transformers'
-    `get_linear_schedule_with_warmup` does.
-    """
-    def factor(i: int) -> float:
-        if i < warmup:
-            return i / max(1, warmup)
-        if schedule == "constant":
-            return 1.0
-        frac = (i - warmup) / max(1, total - warmup)
-        if schedule == "linear":
-            return max(0.0, 1.0 - frac)
-        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * frac)))
-
-    return factor
-
-
-@dataclass
-class Resources:
-    """Everything loaded once per run."""
-
-    models: dict[str, Any] = field(default_factory=dict)
-    tokenizers: dict[str, Any] = field(default_factory=dict)
-    optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
-    schedulers: dict[str, Any] = field(default_factory=dict)
-    data: dict[str, Any] = field(default_factory=dict)
-    """Data source -> flowgraph.nodes.data.Splits."""
 
 
 # --- the executor ---------------------------------------------------------------------
@@ -215,89 +137,56 @@ class LocalExecutor:
         """Prologue node -> (split, uid) -> that row's outputs."""
         self.prologue_done: set[str] = set()
         self.start_step = 0
+        self.workers, self.rank = 1, 0
+        """The processes this one's models are sharded over (fsdp: the world; a Ray
+        worker: its pool's size), and this one's rank among them."""
+        torch.manual_seed(self.graph.trainer.seed)  # before any model or head is made
 
     # -- setup ------------------------------------------------------------------------
 
     def setup(self) -> None:
         """Cheap and likely failures first: model paths, implementations, tokenizers and
         datasets (a missing column) — then the model weights and optimizers."""
-        from flowgraph.nodes.models import check_model_path, load_tokenizer
+        from flowgraph.nodes.models import check_model_path
 
         for m in self.graph.models:
             check_model_path(m.path)
         for name, node in self.nodes.items():
-            impl = Impl.load(self.kinds[name])
-            impl.verify(node, self.kinds[name])
-            self.impls[name] = impl
-        for m in self.graph.models:
-            self.res.tokenizers[m.name] = load_tokenizer(m.tokenizer or m.path)
-        self._load_data()
-        self._load_models()
+            self.impls[name] = Impl.load(self.kinds[name])
+            self.impls[name].verify(node, self.kinds[name])
+        self.res.tokenizers = load_tokenizers(self.graph)
+        self.load_data()
+        self.load_models()
 
-    def _load_models(self) -> None:
-        from flowgraph.nodes.models import load_model
-        from flowgraph.nodes.values import ValueModel
+    def load_data(self) -> None:
+        """Hook: the data sources' datasets (a Ray worker has none: the driver draws)."""
+        self.res.data = load_data(self.plan, self.kinds, self.res.tokenizers)
 
+    def load_models(self) -> None:
+        """Hook: this process's models, placed, and the optimizers of the trainable ones
+        (the Ray driver starts its worker groups instead)."""
         for placed in self.hosted_models():
-            m = self.graph.model(placed.name)
-            assert m is not None  # the plan's verifier holds pools to the graph's models
-            kw = {"dtype": _dtype(m.dtype), "trainable": m.trainable,
-                  "attn_implementation": m.attn_implementation}
-            model = (ValueModel.from_pretrained(m.path, **kw) if placed.head == "scalar"
-                     else load_model(m.path, **kw))
-            if m.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
-                model.gradient_checkpointing_enable()
-            model = self.res.models[m.name] = self.place_model(placed,
-                                                               model.to(self.opts.device))
-            if m.trainable:
-                self._make_optimizer(m, model)
+            spec = self.graph.model(placed.name)
+            assert spec is not None  # the plan's verifier holds pools to the graph's models
+            model = self.place_model(placed, load_model(spec, placed, self.opts.device))
+            self.res.models[spec.name] = model
+            if spec.trainable:
+                self.res.optimizers[spec.name], self.res.schedulers[spec.name] = \
+                    make_optimizer(spec, model, self.graph.trainer.steps)
 
     def hosted_models(self) -> tuple[ModelPlacement, ...]:
-        """The models this process loads, as the plan places them: every pool's (the
-        local and fsdp targets have one); a Ray worker, its pool's."""
+        """Hook: the models this process loads, as the plan places them: every pool's
+        (the local and fsdp targets have one); a Ray worker, its pool's."""
         return tuple(m for p in self.plan.pools for m in p.models)
 
     def place_model(self, placed: ModelPlacement, model: torch.nn.Module) -> torch.nn.Module:
-        """Where a distributed executor shards or replicates a model (before its
-        optimizer is made), as `placed.sharding` says; here, the model as it is."""
+        """A model sharded with FSDP2 over this process's group of `workers` when the
+        plan says `full_shard` (heads and tied embeddings replicated), else as it is."""
+        if self.workers > 1 and placed.sharding == "full_shard":
+            from flowgraph.compilers import _dist
+
+            return _dist.shard_model(model, self.opts.device)
         return model
-
-    def _make_optimizer(self, m: ModelSpec, model: torch.nn.Module) -> None:
-        from flowgraph.ir import OptimizerSpec
-
-        spec = m.optimizer or OptimizerSpec()
-        params = [p for p in model.parameters() if p.requires_grad]
-        opt: torch.optim.Optimizer
-        if spec.name == "sgd":
-            opt = torch.optim.SGD(params, lr=spec.lr, weight_decay=spec.weight_decay)
-        else:
-            cls = torch.optim.AdamW if spec.name == "adamw" else torch.optim.Adam
-            opt = cls(params, lr=spec.lr, betas=spec.betas, eps=spec.eps,
-                      weight_decay=spec.weight_decay)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lr_lambda(spec.warmup_steps, self.graph.trainer.steps, spec.schedule))
-        self.res.optimizers[m.name], self.res.schedulers[m.name] = opt, sched
-
-    def _data_tokenizer(self, d: DataSpec) -> Any:
-        for node in self.graph.nodes:
-            if node.model and any(ref.node == d.name for _, ref in node.inputs):
-                return self.res.tokenizers[node.model]
-        if not self.graph.models:
-            raise FlowgraphError(f"data source `{d.name}` needs a tokenizer: declare a model")
-        return self.res.tokenizers[self.graph.models[0].name]
-
-    def _load_data(self) -> None:
-        for d in self.graph.data:
-            impl = Impl.load(self.kinds[d.name])
-            params = {k: v for k, v in d.params.to_python().items() if k in impl.accepts}
-            if "max_prompt_length" in impl.accepts:
-                params.setdefault("max_prompt_length", self.dims.get("P"))
-            if "max_response_length" in impl.accepts:
-                params.setdefault("max_response_length", self.dims.get("T"))
-            if "ground_truth_for" in impl.accepts:
-                params["ground_truth_for"] = self.graph.readers(d.name, "ground_truth")
-            self.res.data[d.name] = impl.fn(d.path, tokenizer=self._data_tokenizer(d),
-                                            seed=self.graph.trainer.seed, **params)
 
     # -- running ------------------------------------------------------------------------
 
@@ -346,19 +235,28 @@ class LocalExecutor:
             raise self.node_error(name, step, exc) from exc
         seconds = time.perf_counter() - t0
         metrics.update(ctx.metrics)
-        return _outputs(kind, result), seconds
+        return outputs_of(kind, result), seconds
 
-    def sliced(self, name: str) -> tuple[list[str], int]:
-        """A data-parallel node's input ports that the plan cuts into per-worker slices
-        (edges dispatched `split` or `reshard`), and the rows per unit of the cut: N
-        where an edge is group-aligned, else 1. The others arrive whole."""
+    def cut(self, name: str, inputs: dict[str, Any], world: int
+            ) -> tuple[Slices, Callable[[int], dict[str, Any]]] | None:
+        """A data-parallel node's inputs cut for `world` workers as the plan dispatches
+        them: the slices, and worker w's slice of each input on an edge dispatched
+        `split` or `reshard` (whole groups of N rows where an edge is group-aligned;
+        padded so every worker runs as many rows); the other inputs go whole. None when
+        the plan cuts no input of the node."""
+        from flowgraph.compilers._dist import Slices, take
+
         ports, aligned = [], False
         for port, ref in self.nodes[name].inputs:
             edge = self.edges[(str(ref), f"{name}.{port}")]
             if edge.dispatch in ("split", "reshard"):
                 ports.append(port)
                 aligned |= edge.group_aligned
-        return ports, self.dims.get("N", 1) if aligned else 1
+        if not ports:
+            return None
+        slices = Slices.of(len(inputs[ports[0]]), world,
+                           self.dims.get("N", 1) if aligned else 1)
+        return slices, lambda w: {p: take(inputs[p], slices.index(w)) for p in ports}
 
     def node_error(self, name: str, step: int, exc: Exception) -> NodeError:
         """What a node raised, as one message: the node, its kind and graph line, the step,
@@ -525,7 +423,21 @@ class LocalExecutor:
         tokens = metrics.get("perf/tokens", 0.0)
         if tokens:
             metrics["perf/throughput"] = tokens / wall
+        exporter = self.opts.exporter
+        for worker, timings, memory in self.worker_reports(step, metrics):
+            if exporter is not None:
+                if timings:
+                    exporter.observe_step(step, timings, worker=worker)
+                for device, used in memory:
+                    exporter.set_memory(worker, device, used)
         return metrics
+
+    def worker_reports(self, step: int, metrics: dict[str, float]
+                       ) -> list[tuple[str, dict[str, float], list[tuple[str, int]]]]:
+        """Hook: (worker, its node seconds, its device memory) of the workers whose step
+        this process's Prometheus endpoint reports besides its own row (fsdp: the other
+        ranks; ray: every pool worker). Called on every process of a target, every step."""
+        return []
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out prompts, each answered once, greedily; every node but the updates;
@@ -610,7 +522,7 @@ class LocalExecutor:
 
     def restore(self) -> int:
         """Load the latest checkpoint; return the next step to run (0 when none).
-        A checkpoint of the fsdp or ray target (DCP shards) loads here too."""
+        A checkpoint of any target loads on any other."""
         found = latest_checkpoint(self.opts.run_dir)
         if found is None:
             return 0
@@ -618,7 +530,7 @@ class LocalExecutor:
         return self.restore_state(found[1])
 
     def load_weights(self, folder: Path) -> None:
-        """This process's models, optimizers and schedulers from the checkpoint in
+        """Hook: this process's models, optimizers and schedulers from the checkpoint in
         `folder`: whole files (local target) or DCP shards (fsdp, ray), into whole
         models or sharded ones (fsdp, ray)."""
         from flowgraph.compilers import _dist
@@ -631,6 +543,17 @@ class LocalExecutor:
         load(folder, self.saved_models(), self.res.optimizers)
         for name, sched in self.res.schedulers.items():
             sched.load_state_dict(torch.load(folder / f"sched.{name}.pt", weights_only=False))
+
+    def save_shards(self, folder: Path) -> None:
+        """This process's part of a distributed checkpoint in `folder`: its DCP shards of
+        the trained models and optimizers; the schedulers (the same on every worker)
+        from worker 0."""
+        from flowgraph.compilers import _dist
+
+        _dist.dcp_save(folder, self.saved_models(), self.res.optimizers)
+        if self.rank == 0:
+            for name, sched in self.res.schedulers.items():
+                torch.save(sched.state_dict(), folder / f"sched.{name}.pt")
 
     def restore_state(self, folder: Path) -> int:
         """Cursors and node state of the checkpoint in `folder`; the next step."""
@@ -653,20 +576,37 @@ class LocalExecutor:
                           exporter=self.opts.exporter, worker=worker)
 
     def run(self) -> list[dict[str, float]]:
-        """The training loop; returns the metric rows this process produced."""
+        """The training loop; returns the metric rows this process produced. A fault a
+        target can recover from (`WorkerLost`: a Ray worker died or hung) goes to
+        `recover`, which says the step to go on from."""
         trainer = self.graph.trainer
         self.prepare_run_dir()
-        self.start_step = self.restore() if self.opts.resume else 0
+        step = self.start_step = self.restore() if self.opts.resume else 0
         log = self.open_log()
-        log.truncate_after(self.start_step - 1)
-        rows = []
+        log.truncate_after(step - 1)
+        rows: list[dict[str, float]] = []
         try:
             self.before_loop()
-            for step in range(self.start_step, trainer.steps):
-                rows.append(self.train_step(step, log)[0])
+            while step < trainer.steps:
+                try:
+                    metrics, saved = self.train_step(step, log)
+                except WorkerLost as exc:
+                    step = self.start_step = self.recover(exc, step)
+                    log.truncate_after(step - 1)
+                    continue
+                rows.append(metrics)
+                self.completed(saved)
+                step += 1
         finally:
             log.close()
         return rows
+
+    def recover(self, exc: WorkerLost, step: int) -> int:
+        """Hook: after `exc` at `step`, the step to run next; here, nothing recovers."""
+        raise exc
+
+    def completed(self, saved: bool) -> None:
+        """Hook: a step finished (`saved`: and its checkpoint was written)."""
 
     def before_loop(self) -> None:
         """The prologue over the training rows, and the held-out rows when the run
@@ -706,113 +646,6 @@ class LocalExecutor:
             return {"skipped": 1.0}
 
 
-# --- metrics from a step's values --------------------------------------------------------
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    m = mask.float()
-    return float((x.float() * m).sum() / m.sum().clamp_min(1.0))
-
-
-def step_metrics(graph: Graph, kinds: dict[str, KindSpec],
-                 env: dict[tuple[str, str], Any]) -> dict[str, float]:
-    """verl's batch metrics: score, rewards, advantages, returns, values, lengths, tokens."""
-    out: dict[str, float] = {}
-    for node in graph.nodes:
-        kind = kinds[node.name]
-        mask_ref = node.input("response_mask")
-        mask = env.get((mask_ref.node, mask_ref.port)) if mask_ref else None
-        if kind.category == "rollout" and (node.name, "response_mask") in env:
-            resp = env[(node.name, "response_mask")].float()
-            out.setdefault("response_length/mean", float(resp.sum(-1).mean()))
-            prompt = env[(node.name, "prompt_mask")].float()
-            out["perf/tokens"] = out.get("perf/tokens", 0.0) + float(resp.sum() + prompt.sum())
-            out["perf/response_tokens"] = out.get("perf/response_tokens", 0.0) + float(resp.sum())
-        elif kind.category == "reward" and (node.name, "scores") in env:
-            out.setdefault("critic/score/mean", float(env[(node.name, "scores")].mean()))
-        elif (node.name, "token_level_rewards") in env and mask is not None:  # kl_penalty
-            rewards = env[(node.name, "token_level_rewards")]
-            out["critic/rewards/mean"] = float((rewards * mask).sum(-1).mean())
-        elif kind.category == "advantage" and mask is not None:
-            out["critic/advantages/mean"] = _masked_mean(env[(node.name, "advantages")], mask)
-            out["critic/returns/mean"] = _masked_mean(env[(node.name, "returns")], mask)
-        elif kind.head == "scalar" and (node.name, "values") in env and mask is not None:
-            out["critic/values/mean"] = _masked_mean(env[(node.name, "values")], mask)
-    if "critic/score/mean" in out:
-        out.setdefault("critic/rewards/mean", out["critic/score/mean"])
-    return out
-
-
-# --- held-out metrics (evaluate) ----------------------------------------------------------
-
-
-def log_ratio_to_reference(graph: Graph, env: dict[tuple[str, str], Any]
-                           ) -> dict[str, float]:
-    """`log_ratio_to_ref`: the mean over valid response tokens of log π(y_t) − log π_ref(y_t).
-    On responses sampled from π this is the k1 estimate of KL(π ‖ π_ref); on the greedy
-    held-out responses it is not (it can be negative), hence its name. Read from the first node that
-    takes both an actor log-prob (`log_prob` or `old_log_prob`) and `ref_log_prob` (PPO's
-    `kl_penalty`, GRPO's actor update); nothing when the graph has no reference."""
-    for node in graph.nodes:
-        ref, mask = node.input("ref_log_prob"), node.input("response_mask")
-        actor = node.input("log_prob") or node.input("old_log_prob")
-        if ref is None or mask is None or actor is None:
-            continue
-        pi, pi_ref = env.get((actor.node, actor.port)), env.get((ref.node, ref.port))
-        if pi is not None and pi_ref is not None:
-            return {"log_ratio_to_ref": _masked_mean(pi - pi_ref, env[(mask.node, mask.port)])}
-    return {}
-
-
-@dataclass
-class HeldOut:
-    """Greedy responses to the held-out prompts, gathered over the evaluation batches."""
-
-    tokens: list[list[int]] = field(default_factory=list)
-    """Valid tokens of each response of the first `generate` node, special tokens dropped."""
-    judged: list[tuple[str, str]] = field(default_factory=list)
-    """(decoded response, ground truth) of the first `reward` node with fn `exact_match`."""
-
-    def add(self, graph: Graph, kinds: dict[str, KindSpec], env: dict[tuple[str, str], Any],
-            tokenizers: dict[str, Any]) -> None:
-        gen = next((n for n in graph.nodes if kinds[n.name].category == "rollout"), None)
-        if gen is not None:
-            special = set(getattr(tokenizers.get(gen.model or ""), "all_special_ids", ()) or ())
-            rows = _valid_rows(env[(gen.name, "responses")], env[(gen.name, "response_mask")])
-            self.tokens += [[t for t in row if t not in special] for row in rows]
-        for node in graph.nodes:
-            kind, truth = kinds[node.name], node.input("ground_truth")
-            ids, mask = node.input("responses"), node.input("response_mask")
-            if kind.category != "reward" or truth is None or ids is None or mask is None \
-                    or node.model is None:
-                continue
-            if kind.param_values(node.params.to_python()).get("fn") != "exact_match":
-                continue
-            tok = tokenizers[node.model]
-            texts = [tok.decode(row, skip_special_tokens=True) for row in
-                     _valid_rows(env[(ids.node, ids.port)], env[(mask.node, mask.port)])]
-            self.judged += zip(texts, [str(g) for g in env[(truth.node, truth.port)]],
-                               strict=True)
-            return
-
-    def metrics(self) -> dict[str, float]:
-        """`diversity/...`, `accuracy` (exact match), for the responses gathered."""
-        from flowgraph.runtime.evaluation import diversity_metrics, exact_match_accuracy
-
-        out = {}
-        if self.tokens:
-            out = {f"diversity/{k}": v for k, v in diversity_metrics(self.tokens).items()}
-        if self.judged:
-            texts, truths = zip(*self.judged, strict=True)
-            out["accuracy"] = exact_match_accuracy(texts, truths)
-        return out
-
-
-def _valid_rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
-    """Each row's tokens where the mask is set: (B, T) -> B lists."""
-    return [row[m].tolist() for row, m in zip(ids, mask.bool(), strict=True)]
-
-
 # --- entry point ---------------------------------------------------------------------------
 
 
@@ -842,7 +675,6 @@ def prepare_run(plan: ExecutionPlan, *, resume: bool, check_only: bool = False) 
     if not check_only:
         _quiet_hf()
         _writable(run_dir)
-    resume = resume or plan.graph.trainer.resume
     if not resume and not check_only and (latest_checkpoint(run_dir)
                                           or (run_dir / "metrics.jsonl").exists()):
         raise FlowgraphError(
@@ -869,14 +701,12 @@ def run_plan(plan: ExecutionPlan, opts: RunOptions) -> None:
     existing run without `opts.resume`. Prometheus metrics on `opts.metrics_port` (else
     `trainer.metrics_port`; 0 picks a free port) from before the models load until the
     run ends, and `opts.metrics_hold` seconds longer so a scraper sees the final values."""
-    trainer = plan.graph.trainer
     run_dir = prepare_run(plan, resume=opts.resume)
-    torch.manual_seed(trainer.seed)
     device = pick_device(plan.graph.resources.device)
     with serving(plan.graph, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
                  out=opts.out) as exporter:
         executor = LocalExecutor(plan, ExecOptions(
-            run_dir, device, opts.strict, opts.resume or trainer.resume, opts.out,
+            run_dir, device, opts.strict, opts.resume, opts.out,
             opts.tensorboard, exporter))
         executor.setup()
         executor.run()

@@ -55,7 +55,7 @@ from flowgraph.compilers.local import (
     pick_device,
     prepare_run,
 )
-from flowgraph.errors import DEBUG_ENV, FlowgraphError
+from flowgraph.errors import DEBUG_ENV, FlowgraphError, WorkerLost
 from flowgraph.plan import DRIVER, ExecutionPlan, ModelPlacement, PoolPlan
 from flowgraph.runtime.metrics import MetricsLog, serving
 
@@ -71,10 +71,6 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
     raise FlowgraphError(f"--target ray needs Ray: pip install 'ray>=2.40' ({exc})") from exc
 
 
-class WorkerLost(FlowgraphError):
-    """A worker died or hung; the driver restarts the worker groups from a checkpoint."""
-
-
 def _where(where: tuple[str, int] | None) -> str:
     return f" in node `{where[0]}` at step {where[1]}" if where else ""
 
@@ -88,19 +84,14 @@ class PoolExecutor(LocalExecutor):
     def __init__(self, plan: ExecutionPlan, options: ExecOptions, pool: PoolPlan,
                  rank: int) -> None:
         super().__init__(plan, options)
-        self.pool, self.rank = pool, rank
+        self.pool, self.rank, self.workers = pool, rank, pool.size
         self.reduce = _dist.reducer() if pool.size > 1 else None
 
-    def _load_data(self) -> None:
+    def load_data(self) -> None:
         pass  # the driver draws the batches
 
     def hosted_models(self) -> tuple[ModelPlacement, ...]:
         return self.pool.models
-
-    def place_model(self, placed: ModelPlacement, model: torch.nn.Module) -> torch.nn.Module:
-        if self.pool.size > 1 and placed.sharding == "full_shard":
-            return _dist.shard_model(model, self.opts.device)
-        return model
 
 
 class RayWorker:
@@ -141,7 +132,6 @@ class RayWorker:
         torch.set_num_threads(max(cpus, 1))
         if self.pool.size > 1:
             _dist.init_group(self.rank, self.pool.size, device, addr=addr, port=port)
-        torch.manual_seed(self.plan.graph.trainer.seed)
         self.executor = PoolExecutor(self.plan, ExecOptions(Path(run_dir), device),
                                      self.pool, self.rank)
         self.executor.setup()
@@ -173,11 +163,7 @@ class RayWorker:
         return metrics
 
     def save(self, folder: str) -> None:
-        ex = self._ready()
-        _dist.dcp_save(Path(folder), ex.saved_models(), ex.res.optimizers)
-        if self.rank == 0:
-            for name, sched in ex.res.schedulers.items():
-                torch.save(sched.state_dict(), Path(folder) / f"sched.{name}.pt")
+        self._ready().save_shards(Path(folder))
 
     @staticmethod
     def _env(ex: PoolExecutor, name: str, inputs: dict[str, Any]) -> dict[tuple[str, str], Any]:
@@ -216,10 +202,13 @@ class RayExecutor(LocalExecutor):
         """When the fault being recovered from was noticed (perf_counter)."""
         self.worker_times: dict[str, dict[str, float]] = {}
         """This step's node seconds per worker (`pool/rank`), for Prometheus."""
+        self.tries = 0
+        """Restarts since the last checkpoint."""
 
     # -- worker groups --------------------------------------------------------------------
 
-    def _load_models(self) -> None:
+    def load_models(self) -> None:
+        """The driver hosts no model: it starts a worker group per pool instead."""
         self.start_groups(None)
 
     def start_groups(self, checkpoint: Path | None) -> None:
@@ -297,9 +286,10 @@ class RayExecutor(LocalExecutor):
         group, node = self.groups[pool], self.nodes[name]
         inputs = {port: env[(ref.node, ref.port)] for port, ref in node.inputs}
         world = len(group.workers)
-        ports, unit = self.sliced(name)
-        if world == 1 or not ports or self.plan.node(name).trains \
-                or not self.plan.node(name).data_parallel:
+        placed = self.plan.node(name)
+        cut = None if world == 1 or placed.trains or not placed.data_parallel \
+            else self.cut(name, inputs, world)
+        if cut is None:  # the whole batch to every worker (an update takes its share)
             shared = {port: ray.put(v) for port, v in inputs.items()}
             extra = [{"dp_rank": w, "dp_size": world} if world > 1 else {}
                      for w in range(world)]
@@ -309,16 +299,13 @@ class RayExecutor(LocalExecutor):
             outputs, _, worker_metrics = results[0]
             metrics.update(worker_metrics)
             return outputs, max(r[1] for r in results)
-        batched = [port for port, _ in node.inputs if port in ports]
-        n = len(inputs[batched[0]])
-        slices = _dist.Slices.of(n, world, unit)
-        shared = {port: ray.put(v) for port, v in inputs.items() if port not in ports}
-        calls = []
-        for w, wk in enumerate(group.workers):
-            rows = slices.index(w)
-            mine = {**shared, **{p: _dist.take(inputs[p], rows) for p in batched}}
-            dp = {"dp_rank": w, "dp_size": world, "row_offset": slices.bounds[w][0]}
-            calls.append(wk.call.remote(name, mine, step, params, dp))
+        slices, part = cut
+        parts = [part(w) for w in range(world)]
+        shared = {p: ray.put(v) for p, v in inputs.items() if p not in parts[0]}  # once
+        calls = [wk.call.remote(name, {**shared, **parts[w]}, step, params,
+                                {"dp_rank": w, "dp_size": world,
+                                 "row_offset": slices.bounds[w][0]})
+                 for w, wk in enumerate(group.workers)]
         results = self._get(calls, (name, step))
         self._timed(pool, name, [r[1] for r in results])
         outputs = _dist.join_outputs(results[0][0], slices,
@@ -331,24 +318,28 @@ class RayExecutor(LocalExecutor):
             self.worker_times.setdefault(f"{pool}/{w}", {})[f"timing_s/{name}"] = s
 
     def run_step(self, step: int, *, strict: bool) -> dict[str, float]:
-        """The step; with Prometheus on, every worker's stage times and memory too (one
-        endpoint on the driver, a `worker="<pool>/<rank>"` label each)."""
+        """The step; the first one completed after a restart says how long recovering
+        took (`perf/recovery_s`)."""
         self.worker_times = {}
         metrics = super().run_step(step, strict=strict)
-        if self.failed_at is not None:  # the first step completed after a restart
+        if self.failed_at is not None:
             metrics["perf/recovery_s"] = time.perf_counter() - self.failed_at
             self.restarts.append(metrics["perf/recovery_s"])
             self.failed_at = None
-        exporter = self.opts.exporter
-        if exporter is not None:
-            for worker, timings in self.worker_times.items():
-                exporter.observe_step(step, timings, worker=worker)
-            for name, group in self.groups.items():
-                usage = self._get([w.memory.remote() for w in group.workers])
-                for rank, memory in enumerate(usage):
-                    for device, used in memory:
-                        exporter.set_memory(f"{name}/{rank}", device, used)
         return metrics
+
+    def worker_reports(self, step: int, metrics: dict[str, float]
+                       ) -> list[tuple[str, dict[str, float], list[tuple[str, int]]]]:
+        """With Prometheus on, every pool worker's node seconds and memory (one endpoint
+        on the driver, a `worker="<pool>/<rank>"` label each)."""
+        if self.opts.exporter is None:
+            return []
+        out = []
+        for name, group in self.groups.items():
+            usage = self._get([w.memory.remote() for w in group.workers])
+            out += [(f"{name}/{rank}", self.worker_times.get(f"{name}/{rank}", {}), memory)
+                    for rank, memory in enumerate(usage)]
+        return out
 
     def open_log(self, worker: str = "driver") -> MetricsLog:
         return super().open_log(worker)
@@ -369,50 +360,23 @@ class RayExecutor(LocalExecutor):
         self._get([w.save.remote(str(tmp)) for g in self.groups.values() for w in g.workers])
         publish_checkpoint(tmp, self.run_state(step), keep=self.graph.trainer.max_checkpoints)
 
-    def restore(self) -> int:
-        found = latest_checkpoint(self.opts.run_dir)
-        if found is None:
-            return 0
-        self._get([w.load.remote(str(found[1])) for g in self.groups.values()
+    def load_weights(self, folder: Path) -> None:
+        """Every worker loads its pool's part of the checkpoint."""
+        self._get([w.load.remote(str(folder)) for g in self.groups.values()
                    for w in g.workers], timed=False)
-        return self.restore_state(found[1])
 
-    # -- the loop, with restarts ----------------------------------------------------------------
+    # -- restarts ---------------------------------------------------------------------------
 
-    def run(self) -> list[dict[str, float]]:
-        trainer = self.graph.trainer
-        self.prepare_run_dir()
-        step = self.restore() if self.opts.resume else 0
-        self.start_step = step
-        log = self.open_log()
-        log.truncate_after(step - 1)
-        rows: list[dict[str, float]] = []
-        tries = 0
-        try:
-            self.before_loop()
-            while step < trainer.steps:
-                try:
-                    metrics, saved = self.train_step(step, log)
-                    rows.append(metrics)
-                    tries = 0 if saved else tries
-                    step += 1
-                except WorkerLost as exc:
-                    tries += 1
-                    if tries > MAX_RESTARTS:
-                        raise WorkerLost(f"{exc}; gave up after {MAX_RESTARTS} restarts "
-                                         "without a new checkpoint") from None
-                    self.failed_at = self.failed_at or time.perf_counter()
-                    print(f"step {step}: {exc}; restarting the worker groups from the last "
-                          "checkpoint", file=self.opts.out or sys.stdout, flush=True)
-                    step = self._recover()
-                    log.truncate_after(step - 1)
-                    self.start_step = step
-        finally:
-            log.close()
-        return rows
-
-    def _recover(self) -> int:
-        """Fresh worker groups holding the last checkpoint; the step to run next."""
+    def recover(self, exc: WorkerLost, step: int) -> int:
+        """Fresh worker groups holding the last checkpoint; the step to run next. After
+        `MAX_RESTARTS` restarts without a new checkpoint in between, the run stops."""
+        self.tries += 1
+        if self.tries > MAX_RESTARTS:
+            raise WorkerLost(f"{exc}; gave up after {MAX_RESTARTS} restarts without a new "
+                             "checkpoint") from None
+        self.failed_at = self.failed_at or time.perf_counter()
+        print(f"step {step}: {exc}; restarting the worker groups from the last checkpoint",
+              file=self.opts.out or sys.stdout, flush=True)
         self.stop_groups()
         found = latest_checkpoint(self.opts.run_dir)
         self.start_groups(found[1] if found else None)
@@ -423,6 +387,9 @@ class RayExecutor(LocalExecutor):
                 state.clear()
             return 0
         return self.restore_state(found[1])
+
+    def completed(self, saved: bool) -> None:
+        self.tries = 0 if saved else self.tries
 
 
 # --- entry point ------------------------------------------------------------------------------
@@ -468,14 +435,12 @@ def run_ray(plan: ExecutionPlan, opts: RunOptions) -> None:
     """`flowgraph run --target ray`: start or join a cluster (`opts.address`) and drive
     the plan. Prometheus metrics as `run_plan` serves them, from the driver."""
     run_dir = prepare_run(plan, resume=opts.resume).resolve()
-    resume = opts.resume or plan.graph.trainer.resume
     with serving(plan.graph, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
                  target="ray", out=opts.out) as exporter:
         executor = None
         try:
             start_ray(plan, opts.address)
-            torch.manual_seed(plan.graph.trainer.seed)
-            executor = RayExecutor(plan, ExecOptions(run_dir, "cpu", opts.strict, resume,
+            executor = RayExecutor(plan, ExecOptions(run_dir, "cpu", opts.strict, opts.resume,
                                                      opts.out, opts.tensorboard, exporter))
             executor.setup()
             executor.run()

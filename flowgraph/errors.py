@@ -64,3 +64,7 @@ class NonFiniteError(FlowgraphError):
     def __init__(self, node: str, step: int, what: str) -> None:
         self.node, self.step, self.what = node, step, what
         super().__init__(f"non-finite {what} in node `{node}` {at_step(step)}")
+
+
+class WorkerLost(FlowgraphError):
+    """A worker died or hung; the Ray target restarts the worker groups from a checkpoint."""

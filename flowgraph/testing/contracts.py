@@ -233,7 +233,7 @@ def assert_honours_contract(
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from flowgraph.compilers.local import Impl, _outputs
+    from flowgraph.compilers.build import Impl, outputs_of
 
     spec = _kind_spec(kind)
     impl = Impl.load(spec) if fn is None else Impl(fn, frozenset(inspect.signature(fn).parameters))
@@ -290,7 +290,7 @@ def assert_honours_contract(
                  f"sizes {out_sizes}, inputs {sorted(inputs)}")
         try:
             result = impl.fn(**kwargs)
-            outputs = _outputs(spec, result)
+            outputs = outputs_of(spec, result)
         except Exception as exc:  # a crash on well-formed inputs breaks the contract too
             raise AssertionError(f"{where}: raised {type(exc).__name__}: {exc}") from exc
         _check_outputs(spec, outputs, node_ctx, out_sizes, where)

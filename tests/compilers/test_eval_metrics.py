@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowgraph.check import check_graph
-from flowgraph.compilers.local import HeldOut, log_ratio_to_reference, step_metrics
+from flowgraph.compilers.metrics import HeldOut, log_ratio_to_reference, step_metrics
 from flowgraph.frontend import load_graph
 from flowgraph.ir import Graph
 from flowgraph.nodes.models import load_tokenizer

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from flowgraph.api import load_plan
-from flowgraph.compilers import RunOptions, _dist, read_metrics
+from flowgraph.compilers import RunOptions, _dist, read_metrics, run
 from flowgraph.compilers.checkpoint import latest_checkpoint
 from flowgraph.compilers.export import export_model
-from flowgraph.compilers.fsdp import RankFailed, launch
+from flowgraph.compilers.fsdp import RankFailed
 from flowgraph.nodes.models import load_model
 from flowgraph.passes import compile_graph
 from flowgraph.plan import ExecutionPlan
@@ -59,8 +59,8 @@ def _compile(graph: Path, run_dir: Path, overrides: tuple[str, ...], target: str
 
 def _fsdp(graph: Path, run_dir: Path, *overrides: str, resume: bool = False
           ) -> list[dict[str, Any]]:
-    launch(_compile(graph, run_dir, overrides, "fsdp"),
-           RunOptions(resume=resume, overrides=(f"trainer.run_dir={run_dir}", *overrides)))
+    run(_compile(graph, run_dir, overrides, "fsdp"),
+        RunOptions(resume=resume, overrides=(f"trainer.run_dir={run_dir}", *overrides)))
     return read_metrics(run_dir)
 
 

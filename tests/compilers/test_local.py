@@ -207,7 +207,7 @@ VERL = torch.load(ROOT / "tests" / "fixtures" / "verl" / "core_algos.pt", weight
 def test_lr_schedule_is_verls(case: str) -> None:
     """LR factors of training steps 0..total-1, from verl 0.9.1's schedulers
     (scripts/verl_fixtures.py): warm-up from 0 (i/w), then constant or half cosine."""
-    from flowgraph.compilers.local import lr_lambda
+    from flowgraph.compilers.build import lr_lambda
 
     name, warmup, total = case.split("/")
     factor = lr_lambda(int(warmup), int(total), name)

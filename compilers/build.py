@@ -1,0 +1,182 @@
+"""What an executor builds before the first step, from the plan: each node's kind and
+implementation, the models its process hosts (loaded with the head the plan says),
+their optimizers and LR schedules, tokenizers, and the data sources' datasets."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flowgraph.errors import FlowgraphError
+from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec, OptimizerSpec
+from flowgraph.plan import ExecutionPlan, ModelPlacement, verify_kinds
+from flowgraph.registry import KindSpec, Registry
+
+
+@dataclass(frozen=True)
+class Impl:
+    """A kind's implementation and how to call it."""
+
+    fn: Callable[..., Any]
+    accepts: frozenset[str]
+    """Keyword parameters the function declares."""
+
+    @staticmethod
+    def load(kind: KindSpec) -> Impl:
+        module, _, attr = kind.impl.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise FlowgraphError(f"kind `{kind.name}`: implementation `{kind.impl}` cannot be "
+                                 f"imported: {exc}") from exc
+        params = inspect.signature(fn).parameters
+        return Impl(fn, frozenset(params))
+
+    def verify(self, node: NodeSpec, kind: KindSpec) -> None:
+        """Every declared input and param must be accepted, before any step runs."""
+        names = [p.name for p in kind.inputs] + [p.name for p in kind.params]
+        missing = [n for n in names if n not in self.accepts]
+        if missing:
+            raise FlowgraphError(
+                f"node `{node.name}` (kind {kind.name}): implementation `{kind.impl}` does not "
+                f"accept {', '.join(f'`{m}`' for m in missing)} that the kind declares")
+
+
+def outputs_of(kind: KindSpec, result: Any) -> dict[str, Any]:
+    """What an implementation returned, by output name: a dict, a tuple in the order
+    of the kind's outputs, or the one output."""
+    if isinstance(result, dict):
+        return result
+    if isinstance(result, tuple):
+        return dict(zip([p.name for p in kind.outputs], result, strict=False))
+    if len(kind.outputs) == 1:
+        return {kind.outputs[0].name: result}
+    raise TypeError(f"returned {type(result).__name__}; expected a dict of outputs or a tuple")
+
+
+def plan_kinds(plan: ExecutionPlan) -> dict[str, KindSpec]:
+    """Each node's and data source's kind, from the registry after the graph's plugins
+    are imported; the plan is held to them (`verify_kinds`)."""
+    registry = Registry.default()
+    registry.load_plugins([p.module for p in plan.graph.plugins])
+    kinds = {}
+    for n in plan.nodes:
+        kind = registry.get(n.kind)
+        if kind is None:
+            raise FlowgraphError(f"node `{n.name}`: kind `{n.kind}` is not registered (a "
+                                 "plugin the graph lists under `plugins:` declares it?)")
+        kinds[n.name] = kind
+    verify_kinds(plan, kinds)
+    return kinds
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}[name]
+
+
+def load_model(spec: ModelSpec, placed: ModelPlacement, device: str) -> torch.nn.Module:
+    """`spec`'s weights as the plan places them: a causal LM (`head: lm`) or a backbone
+    with a scalar head (`scalar`: critic, reward model), on `device`."""
+    from flowgraph.nodes.models import load_model as load_lm
+    from flowgraph.nodes.values import ValueModel
+
+    kw = {"dtype": _dtype(spec.dtype), "trainable": spec.trainable,
+          "attn_implementation": spec.attn_implementation}
+    model = (ValueModel.from_pretrained(spec.path, **kw) if placed.head == "scalar"
+             else load_lm(spec.path, **kw))
+    if spec.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable()
+    return model.to(device)
+
+
+def make_optimizer(spec: ModelSpec, model: torch.nn.Module, total_steps: int
+                   ) -> tuple[torch.optim.Optimizer, Any]:
+    """The model's optimizer and its LR schedule (stepped once per training step)."""
+    opt_spec = spec.optimizer or OptimizerSpec()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt: torch.optim.Optimizer
+    if opt_spec.name == "sgd":
+        opt = torch.optim.SGD(params, lr=opt_spec.lr, weight_decay=opt_spec.weight_decay)
+    else:
+        cls = torch.optim.AdamW if opt_spec.name == "adamw" else torch.optim.Adam
+        opt = cls(params, lr=opt_spec.lr, betas=opt_spec.betas, eps=opt_spec.eps,
+                  weight_decay=opt_spec.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lr_lambda(opt_spec.warmup_steps, total_steps, opt_spec.schedule))
+    return opt, sched
+
+
+def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
+    """The LR factor of training step i (the scheduler steps once per update node call).
+
+    verl 0.9.1's `get_constant_schedule_with_warmup` / `get_cosine_schedule_with_warmup`
+    (held to them in tests/compilers/test_local.py): i/w while i < w, then 1, or the
+    half cosine over the remaining steps; `linear` decays to 0 as transformers'
+    `get_linear_schedule_with_warmup` does.
+    """
+    def factor(i: int) -> float:
+        if i < warmup:
+            return i / max(1, warmup)
+        if schedule == "constant":
+            return 1.0
+        frac = (i - warmup) / max(1, total - warmup)
+        if schedule == "linear":
+            return max(0.0, 1.0 - frac)
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * frac)))
+
+    return factor
+
+
+def load_tokenizers(graph: Graph) -> dict[str, Any]:
+    """Every model's tokenizer (a model a node uses for its tokenizer only included)."""
+    from flowgraph.nodes.models import load_tokenizer
+
+    return {m.name: load_tokenizer(m.tokenizer or m.path) for m in graph.models}
+
+
+def _data_tokenizer(graph: Graph, d: DataSpec, tokenizers: dict[str, Any]) -> Any:
+    for node in graph.nodes:
+        if node.model and any(ref.node == d.name for _, ref in node.inputs):
+            return tokenizers[node.model]
+    if not graph.models:
+        raise FlowgraphError(f"data source `{d.name}` needs a tokenizer: declare a model")
+    return tokenizers[graph.models[0].name]
+
+
+def load_data(plan: ExecutionPlan, kinds: dict[str, KindSpec], tokenizers: dict[str, Any]
+              ) -> dict[str, Any]:
+    """Data source -> its `flowgraph.nodes.data.Splits`, tokenized and checked (lengths
+    against P and T, the ground truth the graph's readers need) when it loads."""
+    graph, dims = plan.graph, {d.name: d.value for d in plan.dims}
+    out = {}
+    for d in graph.data:
+        impl = Impl.load(kinds[d.name])
+        params = {k: v for k, v in d.params.to_python().items() if k in impl.accepts}
+        if "max_prompt_length" in impl.accepts:
+            params.setdefault("max_prompt_length", dims.get("P"))
+        if "max_response_length" in impl.accepts:
+            params.setdefault("max_response_length", dims.get("T"))
+        if "ground_truth_for" in impl.accepts:
+            params["ground_truth_for"] = graph.readers(d.name, "ground_truth")
+        out[d.name] = impl.fn(d.path, tokenizer=_data_tokenizer(graph, d, tokenizers),
+                              seed=graph.trainer.seed, **params)
+    return out
+
+
+@dataclass
+class Resources:
+    """Everything loaded once per run."""
+
+    models: dict[str, Any] = field(default_factory=dict)
+    tokenizers: dict[str, Any] = field(default_factory=dict)
+    optimizers: dict[str, torch.optim.Optimizer] = field(default_factory=dict)
+    schedulers: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = field(default_factory=dict)
+    """Data source -> flowgraph.nodes.data.Splits."""

@@ -1,0 +1,115 @@
+"""Metrics an executor computes from a step's values: verl's batch metrics
+(`step_metrics`) and, on held-out data, the log-ratio to the reference and the text
+metrics of the greedy responses (`HeldOut`). Which node is which is read from its kind
+(`KindSpec.category`, `head`), never from its name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flowgraph.ir import Graph
+from flowgraph.registry import KindSpec
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    m = mask.float()
+    return float((x.float() * m).sum() / m.sum().clamp_min(1.0))
+
+
+def step_metrics(graph: Graph, kinds: dict[str, KindSpec],
+                 env: dict[tuple[str, str], Any]) -> dict[str, float]:
+    """verl's batch metrics: score, rewards, advantages, returns, values, lengths, tokens."""
+    out: dict[str, float] = {}
+    for node in graph.nodes:
+        kind = kinds[node.name]
+        mask_ref = node.input("response_mask")
+        mask = env.get((mask_ref.node, mask_ref.port)) if mask_ref else None
+        if kind.category == "rollout" and (node.name, "response_mask") in env:
+            resp = env[(node.name, "response_mask")].float()
+            out.setdefault("response_length/mean", float(resp.sum(-1).mean()))
+            prompt = env[(node.name, "prompt_mask")].float()
+            out["perf/tokens"] = out.get("perf/tokens", 0.0) + float(resp.sum() + prompt.sum())
+            out["perf/response_tokens"] = out.get("perf/response_tokens", 0.0) + float(resp.sum())
+        elif kind.category == "reward" and (node.name, "scores") in env:
+            out.setdefault("critic/score/mean", float(env[(node.name, "scores")].mean()))
+        elif (node.name, "token_level_rewards") in env and mask is not None:  # kl_penalty
+            rewards = env[(node.name, "token_level_rewards")]
+            out["critic/rewards/mean"] = float((rewards * mask).sum(-1).mean())
+        elif kind.category == "advantage" and mask is not None:
+            out["critic/advantages/mean"] = _masked_mean(env[(node.name, "advantages")], mask)
+            out["critic/returns/mean"] = _masked_mean(env[(node.name, "returns")], mask)
+        elif kind.head == "scalar" and (node.name, "values") in env and mask is not None:
+            out["critic/values/mean"] = _masked_mean(env[(node.name, "values")], mask)
+    if "critic/score/mean" in out:
+        out.setdefault("critic/rewards/mean", out["critic/score/mean"])
+    return out
+
+
+def log_ratio_to_reference(graph: Graph, env: dict[tuple[str, str], Any]
+                           ) -> dict[str, float]:
+    """`log_ratio_to_ref`: the mean over valid response tokens of log π(y_t) − log π_ref(y_t).
+    On responses sampled from π this is the k1 estimate of KL(π ‖ π_ref); on the greedy
+    held-out responses it is not (it can be negative), hence its name. Read from the first node that
+    takes both an actor log-prob (`log_prob` or `old_log_prob`) and `ref_log_prob` (PPO's
+    `kl_penalty`, GRPO's actor update); nothing when the graph has no reference."""
+    for node in graph.nodes:
+        ref, mask = node.input("ref_log_prob"), node.input("response_mask")
+        actor = node.input("log_prob") or node.input("old_log_prob")
+        if ref is None or mask is None or actor is None:
+            continue
+        pi, pi_ref = env.get((actor.node, actor.port)), env.get((ref.node, ref.port))
+        if pi is not None and pi_ref is not None:
+            return {"log_ratio_to_ref": _masked_mean(pi - pi_ref, env[(mask.node, mask.port)])}
+    return {}
+
+
+@dataclass
+class HeldOut:
+    """Greedy responses to the held-out prompts, gathered over the evaluation batches."""
+
+    tokens: list[list[int]] = field(default_factory=list)
+    """Valid tokens of each response of the first `generate` node, special tokens dropped."""
+    judged: list[tuple[str, str]] = field(default_factory=list)
+    """(decoded response, ground truth) of the first `reward` node with fn `exact_match`."""
+
+    def add(self, graph: Graph, kinds: dict[str, KindSpec], env: dict[tuple[str, str], Any],
+            tokenizers: dict[str, Any]) -> None:
+        gen = next((n for n in graph.nodes if kinds[n.name].category == "rollout"), None)
+        if gen is not None:
+            special = set(getattr(tokenizers.get(gen.model or ""), "all_special_ids", ()) or ())
+            rows = _valid_rows(env[(gen.name, "responses")], env[(gen.name, "response_mask")])
+            self.tokens += [[t for t in row if t not in special] for row in rows]
+        for node in graph.nodes:
+            kind, truth = kinds[node.name], node.input("ground_truth")
+            ids, mask = node.input("responses"), node.input("response_mask")
+            if kind.category != "reward" or truth is None or ids is None or mask is None \
+                    or node.model is None:
+                continue
+            if kind.param_values(node.params.to_python()).get("fn") != "exact_match":
+                continue
+            tok = tokenizers[node.model]
+            texts = [tok.decode(row, skip_special_tokens=True) for row in
+                     _valid_rows(env[(ids.node, ids.port)], env[(mask.node, mask.port)])]
+            self.judged += zip(texts, [str(g) for g in env[(truth.node, truth.port)]],
+                               strict=True)
+            return
+
+    def metrics(self) -> dict[str, float]:
+        """`diversity/...`, `accuracy` (exact match), for the responses gathered."""
+        from flowgraph.runtime.evaluation import diversity_metrics, exact_match_accuracy
+
+        out = {}
+        if self.tokens:
+            out = {f"diversity/{k}": v for k, v in diversity_metrics(self.tokens).items()}
+        if self.judged:
+            texts, truths = zip(*self.judged, strict=True)
+            out["accuracy"] = exact_match_accuracy(texts, truths)
+        return out
+
+
+def _valid_rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's tokens where the mask is set: (B, T) -> B lists."""
+    return [row[m].tolist() for row, m in zip(ids, mask.bool(), strict=True)]
