@@ -53,13 +53,9 @@ from flowgraph.compilers.checkpoint import (
     set_rng_state,
 )
 from flowgraph.compilers.local import ExecOptions, LocalExecutor, prepare_run
-from flowgraph.errors import FlowgraphError
+from flowgraph.errors import FlowgraphError, RankFailed
 from flowgraph.plan import ExecutionPlan, ModelPlacement
 from flowgraph.runtime.metrics import MetricsLog, serving
-
-
-class RankFailed(FlowgraphError):
-    """A rank of an fsdp run died or raised; the message names rank, node and step."""
 
 
 class FsdpExecutor(LocalExecutor):

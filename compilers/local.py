@@ -23,7 +23,6 @@ run computes them again) and read at every step.
 from __future__ import annotations
 
 import importlib
-import inspect
 import json
 import math
 import os
@@ -44,11 +43,11 @@ from flowgraph.compilers.checkpoint import (
     remove_partial,
     save_checkpoint,
 )
-from flowgraph.errors import DEBUG_ENV, FlowgraphError, NonFiniteError, at_step
-from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec
+from flowgraph.errors import DEBUG_ENV, FlowgraphError, NodeError, NonFiniteError, at_step
+from flowgraph.ir import DataSpec, Graph, ModelSpec
 from flowgraph.plan import ExecutionPlan, ModelPlacement, verify_kinds
 from flowgraph.registry import KindSpec, Registry
-from flowgraph.runtime.context import RESOURCE_ARGS, NodeContext
+from flowgraph.runtime.context import RESOURCE_ARGS, Impl, NodeContext, named_outputs
 from flowgraph.runtime.metrics import MetricsLog, serving
 from flowgraph.runtime.strict import RuntimeContracts
 
@@ -59,40 +58,7 @@ PROLOGUE = -1
 """The step number nodes see while the prologue runs."""
 
 
-class NodeError(FlowgraphError):
-    """A node's implementation failed; the message names node, kind and step."""
-
-
 # --- implementations ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Impl:
-    """A kind's implementation and how to call it."""
-
-    fn: Callable[..., Any]
-    accepts: frozenset[str]
-    """Keyword parameters the function declares."""
-
-    @staticmethod
-    def load(kind: KindSpec) -> Impl:
-        module, _, attr = kind.impl.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise FlowgraphError(f"kind `{kind.name}`: implementation `{kind.impl}` cannot be "
-                                 f"imported: {exc}") from exc
-        params = inspect.signature(fn).parameters
-        return Impl(fn, frozenset(params))
-
-    def verify(self, node: NodeSpec, kind: KindSpec) -> None:
-        """Every declared input and param must be accepted, before any step runs."""
-        names = [p.name for p in kind.inputs] + [p.name for p in kind.params]
-        missing = [n for n in names if n not in self.accepts]
-        if missing:
-            raise FlowgraphError(
-                f"node `{node.name}` (kind {kind.name}): implementation `{kind.impl}` does not "
-                f"accept {', '.join(f'`{m}`' for m in missing)} that the kind declares")
 
 
 _LIBRARIES = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
@@ -106,16 +72,6 @@ def _user_frame(exc: BaseException) -> traceback.FrameSummary:
     frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0]: the executor's call
     own = [f for f in frames if not f.filename.startswith(_LIBRARIES)]
     return (own or frames or traceback.extract_tb(exc.__traceback__))[-1]
-
-
-def _outputs(kind: KindSpec, result: Any) -> dict[str, Any]:
-    if isinstance(result, dict):
-        return result
-    if isinstance(result, tuple):
-        return dict(zip([p.name for p in kind.outputs], result, strict=False))
-    if len(kind.outputs) == 1:
-        return {kind.outputs[0].name: result}
-    raise TypeError(f"returned {type(result).__name__}; expected a dict of outputs or a tuple")
 
 
 # --- models, optimizers, data ---------------------------------------------------------
@@ -346,7 +302,7 @@ class LocalExecutor:
             raise self.node_error(name, step, exc) from exc
         seconds = time.perf_counter() - t0
         metrics.update(ctx.metrics)
-        return _outputs(kind, result), seconds
+        return named_outputs(kind, result), seconds
 
     def sliced(self, name: str) -> tuple[list[str], int]:
         """A data-parallel node's input ports that the plan cuts into per-worker slices

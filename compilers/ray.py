@@ -51,11 +51,10 @@ from flowgraph.compilers.checkpoint import (
 from flowgraph.compilers.local import (
     ExecOptions,
     LocalExecutor,
-    NodeError,
     pick_device,
     prepare_run,
 )
-from flowgraph.errors import DEBUG_ENV, FlowgraphError
+from flowgraph.errors import DEBUG_ENV, FlowgraphError, NodeError, WorkerLost
 from flowgraph.plan import DRIVER, ExecutionPlan, ModelPlacement, PoolPlan
 from flowgraph.runtime.metrics import MetricsLog, serving
 
@@ -69,10 +68,6 @@ try:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError as exc:  # pragma: no cover - depends on the machine
     raise FlowgraphError(f"--target ray needs Ray: pip install 'ray>=2.40' ({exc})") from exc
-
-
-class WorkerLost(FlowgraphError):
-    """A worker died or hung; the driver restarts the worker groups from a checkpoint."""
 
 
 def _where(where: tuple[str, int] | None) -> str:

@@ -27,32 +27,15 @@ Notation: B sequences, P prompt length, T response length.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from flowgraph.nodes.logprob import forward_hidden
+from flowgraph.runtime.answers import extract_answer, has_marked_answer, normalise_answer
 
-__all__ = ["extract_answer", "reward_model", "rule_reward", "token_reward"]
-
-_MARKED = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def _normalise(answer: str) -> str:
-    """`1,234.` -> `1234`: drop thousands commas, spaces, `$` and a final full stop."""
-    return re.sub(r"[\s,$]", "", answer).rstrip(".")
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer of a response: after `####`, else the last number; None if none."""
-    marked = _MARKED.search(text)
-    if marked is not None:
-        return _normalise(marked.group(1))
-    numbers = _NUMBER.findall(text)
-    return _normalise(numbers[-1]) if numbers else None
+__all__ = ["reward_model", "rule_reward", "token_reward"]
 
 
 def _texts(tokenizer: object, responses: Tensor, response_mask: Tensor, fn: str) -> list[str]:
@@ -93,7 +76,7 @@ def rule_reward(
         return {"scores": -length_coef * (length - target_length).abs()}
     texts = _texts(tokenizer, responses, response_mask, fn)
     if fn == "format":
-        scores = [correct_score if _MARKED.search(t) else 0.0 for t in texts]
+        scores = [correct_score if has_marked_answer(t) else 0.0 for t in texts]
     elif fn == "exact_match":
         if ground_truth is None or len(ground_truth) != len(texts):
             got = "none" if ground_truth is None else f"{len(ground_truth)} values"
@@ -103,7 +86,7 @@ def rule_reward(
             )
         answers = [extract_answer(t) for t in texts]
         scores = [
-            0.0 if a is None else correct_score if a == _normalise(str(g)) else format_score
+            0.0 if a is None else correct_score if a == normalise_answer(str(g)) else format_score
             for a, g in zip(answers, ground_truth, strict=True)
         ]
     else:
