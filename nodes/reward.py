@@ -96,15 +96,14 @@ def rule_reward(
 
 def _score_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(backbone, head) of a `ValueModel` or a Hugging Face *ForSequenceClassification."""
-    if hasattr(model, "value_head"):
-        return model.backbone, model.value_head
-    head = getattr(model, "score", None)
-    if head is None:
+    names = ("backbone", "value_head") if hasattr(model, "value_head") else ("base_model", "score")
+    backbone, head = (getattr(model, name, None) for name in names)
+    if not isinstance(backbone, nn.Module) or not isinstance(head, nn.Module):
         raise TypeError(
             f"reward_model needs a ValueModel or an AutoModelForSequenceClassification "
             f"with a `score` head; got {type(model).__name__}"
         )
-    return model.base_model, head
+    return backbone, head
 
 
 def reward_model(
