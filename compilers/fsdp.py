@@ -224,7 +224,8 @@ def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | No
         (run_dir / ".ranks").mkdir(parents=True, exist_ok=True)
         named = where is None or f"node `{where[1]}`" in text
         (run_dir / ".ranks" / f"error_{rank}").write_text(
-            text + ("" if named else f"\n(at step {where[0]}, node `{where[1]}`)"))
+            text + ("" if named or where is None
+                    else f"\n(at step {where[0]}, node `{where[1]}`)"))
         (run_dir / ".ranks" / f"traceback_{rank}").write_text(traceback.format_exc())
         raise
     finally:

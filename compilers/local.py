@@ -191,17 +191,19 @@ class LocalExecutor:
         self._load_models()
 
     def _load_models(self) -> None:
+        from transformers import PreTrainedModel
+
         from flowgraph.nodes.models import load_model
         from flowgraph.nodes.values import ValueModel
 
         for placed in self.hosted_models():
             m = self.graph.model(placed.name)
             assert m is not None  # the plan's verifier holds pools to the graph's models
-            kw = {"dtype": _dtype(m.dtype), "trainable": m.trainable,
-                  "attn_implementation": m.attn_implementation}
-            model = (ValueModel.from_pretrained(m.path, **kw) if placed.head == "scalar"
-                     else load_model(m.path, **kw))
-            if m.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+            kw: dict[str, Any] = {"dtype": _dtype(m.dtype), "trainable": m.trainable,
+                                  "attn_implementation": m.attn_implementation}
+            model: torch.nn.Module = (ValueModel.from_pretrained(m.path, **kw)
+                                      if placed.head == "scalar" else load_model(m.path, **kw))
+            if m.gradient_checkpointing and isinstance(model, PreTrainedModel):
                 model.gradient_checkpointing_enable()
             model = self.res.models[m.name] = self.place_model(placed,
                                                                model.to(self.opts.device))

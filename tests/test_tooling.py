@@ -1,5 +1,5 @@
 """House tooling runs with the tests: ruff (complexity <= 10) and mypy --strict on the
-core and the nodes."""
+core, the nodes and the compilers."""
 
 import shutil
 import subprocess
@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".mypy_cache"
-LINKED = {"nodes": ROOT / "nodes"}
+LINKED = {"nodes": ROOT / "nodes", "compilers": ROOT / "compilers"}
 """Subpackages pyproject's package-dir installs from outside flowgraph/."""
 
 
@@ -23,7 +23,8 @@ def test_ruff_is_clean() -> None:
 
 def installed_layout(view: Path) -> Path:
     """`view/flowgraph`: links to flowgraph/'s files with the `LINKED` folders linked in
-    (nodes/ as flowgraph/nodes), the layout a wheel installs. mypy cannot
+    (nodes/ as flowgraph/nodes, compilers/ as flowgraph/compilers), the layout a wheel
+    installs. mypy cannot
     follow package-dir (an editable install maps the folders with an import hook), so it
     checks this view; its paths map back to the repository's by `_repo_paths`."""
     package = view / "flowgraph"
