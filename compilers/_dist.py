@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -86,7 +86,8 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     if not lists:
         raise FlowgraphError(f"cannot shard `{type(model).__name__}`: no transformer blocks "
                              "(an nn.ModuleList) found")
-    return list(max(lists, key=len))
+    longest: nn.ModuleList = max(lists, key=len)
+    return list(longest)
 
 
 def shard_model(model: nn.Module, device: str) -> nn.Module:
@@ -95,7 +96,8 @@ def shard_model(model: nn.Module, device: str) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     model.to(device)
-    backbone = getattr(model, "backbone", None) or getattr(model, "base_model", model)
+    backbone = cast(nn.Module, getattr(model, "backbone", None)
+                    or getattr(model, "base_model", model))
     units = [*blocks(model), *([backbone] if backbone is not model else [])]
     shared = shared_params(model, units)
     for unit in units:
@@ -271,7 +273,8 @@ def _named_optim_state(model: nn.Module, opt: Any, saved: dict[str, Any]) -> dic
     """`Optimizer.state_dict()` (parameters numbered in `opt`'s order) keyed by parameter
     name instead, as `set_state_dict` takes it (a shared parameter by its first name)."""
     fqn = {id(p): name for name, p in model.named_parameters()}
-    names, groups = {}, []
+    names: dict[int, str] = {}
+    groups: list[dict[str, Any]] = []
     for group, kept in zip(opt.param_groups, saved["param_groups"], strict=True):
         ours = [fqn[id(p)] for p in group["params"]]
         names.update(zip(kept["params"], ours, strict=True))

@@ -4,8 +4,6 @@ their optimizers and LR schedules, tokenizers, and the data sources' datasets.""
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -14,50 +12,10 @@ from typing import Any
 import torch
 
 from flowgraph.errors import FlowgraphError
-from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec, OptimizerSpec
+from flowgraph.ir import DataSpec, Graph, ModelSpec, OptimizerSpec
 from flowgraph.plan import ExecutionPlan, ModelPlacement, verify_kinds
 from flowgraph.registry import KindSpec, Registry
-
-
-@dataclass(frozen=True)
-class Impl:
-    """A kind's implementation and how to call it."""
-
-    fn: Callable[..., Any]
-    accepts: frozenset[str]
-    """Keyword parameters the function declares."""
-
-    @staticmethod
-    def load(kind: KindSpec) -> Impl:
-        module, _, attr = kind.impl.partition(":")
-        try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise FlowgraphError(f"kind `{kind.name}`: implementation `{kind.impl}` cannot be "
-                                 f"imported: {exc}") from exc
-        params = inspect.signature(fn).parameters
-        return Impl(fn, frozenset(params))
-
-    def verify(self, node: NodeSpec, kind: KindSpec) -> None:
-        """Every declared input and param must be accepted, before any step runs."""
-        names = [p.name for p in kind.inputs] + [p.name for p in kind.params]
-        missing = [n for n in names if n not in self.accepts]
-        if missing:
-            raise FlowgraphError(
-                f"node `{node.name}` (kind {kind.name}): implementation `{kind.impl}` does not "
-                f"accept {', '.join(f'`{m}`' for m in missing)} that the kind declares")
-
-
-def outputs_of(kind: KindSpec, result: Any) -> dict[str, Any]:
-    """What an implementation returned, by output name: a dict, a tuple in the order
-    of the kind's outputs, or the one output."""
-    if isinstance(result, dict):
-        return result
-    if isinstance(result, tuple):
-        return dict(zip([p.name for p in kind.outputs], result, strict=False))
-    if len(kind.outputs) == 1:
-        return {kind.outputs[0].name: result}
-    raise TypeError(f"returned {type(result).__name__}; expected a dict of outputs or a tuple")
+from flowgraph.runtime.context import Impl
 
 
 def plan_kinds(plan: ExecutionPlan) -> dict[str, KindSpec]:
@@ -84,14 +42,16 @@ def _dtype(name: str) -> torch.dtype:
 def load_model(spec: ModelSpec, placed: ModelPlacement, device: str) -> torch.nn.Module:
     """`spec`'s weights as the plan places them: a causal LM (`head: lm`) or a backbone
     with a scalar head (`scalar`: critic, reward model), on `device`."""
+    from transformers import PreTrainedModel
+
     from flowgraph.nodes.models import load_model as load_lm
     from flowgraph.nodes.values import ValueModel
 
-    kw = {"dtype": _dtype(spec.dtype), "trainable": spec.trainable,
+    kw: dict[str, Any] = {"dtype": _dtype(spec.dtype), "trainable": spec.trainable,
           "attn_implementation": spec.attn_implementation}
-    model = (ValueModel.from_pretrained(spec.path, **kw) if placed.head == "scalar"
-             else load_lm(spec.path, **kw))
-    if spec.gradient_checkpointing and hasattr(model, "gradient_checkpointing_enable"):
+    model: torch.nn.Module = (ValueModel.from_pretrained(spec.path, **kw)
+                              if placed.head == "scalar" else load_lm(spec.path, **kw))
+    if spec.gradient_checkpointing and isinstance(model, PreTrainedModel):
         model.gradient_checkpointing_enable()
     return model.to(device)
 

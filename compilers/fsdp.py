@@ -53,13 +53,9 @@ from flowgraph.compilers.checkpoint import (
     set_rng_state,
 )
 from flowgraph.compilers.local import ExecOptions, LocalExecutor, prepare_run
-from flowgraph.errors import FlowgraphError
+from flowgraph.errors import FlowgraphError, RankFailed
 from flowgraph.plan import ExecutionPlan
 from flowgraph.runtime.metrics import MetricsLog, serving
-
-
-class RankFailed(FlowgraphError):
-    """A rank of an fsdp run died or raised; the message names rank, node and step."""
 
 
 class FsdpExecutor(LocalExecutor):
@@ -208,7 +204,8 @@ def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | No
         (run_dir / ".ranks").mkdir(parents=True, exist_ok=True)
         named = where is None or f"node `{where[1]}`" in text
         (run_dir / ".ranks" / f"error_{rank}").write_text(
-            text + ("" if named else f"\n(at step {where[0]}, node `{where[1]}`)"))
+            text + ("" if named or where is None
+                    else f"\n(at step {where[0]}, node `{where[1]}`)"))
         (run_dir / ".ranks" / f"traceback_{rank}").write_text(traceback.format_exc())
         raise
     finally:

@@ -49,13 +49,11 @@ import torch
 
 from flowgraph.compilers import RunOptions
 from flowgraph.compilers.build import (
-    Impl,
     Resources,
     load_data,
     load_model,
     load_tokenizers,
     make_optimizer,
-    outputs_of,
     plan_kinds,
 )
 from flowgraph.compilers.checkpoint import (
@@ -65,10 +63,17 @@ from flowgraph.compilers.checkpoint import (
     save_checkpoint,
 )
 from flowgraph.compilers.metrics import HeldOut, log_ratio_to_reference, step_metrics
-from flowgraph.errors import DEBUG_ENV, FlowgraphError, NonFiniteError, WorkerLost, at_step
+from flowgraph.errors import (
+    DEBUG_ENV,
+    FlowgraphError,
+    NodeError,
+    NonFiniteError,
+    WorkerLost,
+    at_step,
+)
 from flowgraph.plan import ExecutionPlan, ModelPlacement
 from flowgraph.registry import KindSpec
-from flowgraph.runtime.context import RESOURCE_ARGS, NodeContext
+from flowgraph.runtime.context import RESOURCE_ARGS, Impl, NodeContext, named_outputs
 from flowgraph.runtime.metrics import MetricsLog, serving
 from flowgraph.runtime.strict import RuntimeContracts
 
@@ -78,10 +83,6 @@ if TYPE_CHECKING:
 
 PROLOGUE = -1
 """The step number nodes see while the prologue runs."""
-
-
-class NodeError(FlowgraphError):
-    """A node's implementation failed; the message names node, kind and step."""
 
 
 _LIBRARIES = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
@@ -235,7 +236,7 @@ class LocalExecutor:
             raise self.node_error(name, step, exc) from exc
         seconds = time.perf_counter() - t0
         metrics.update(ctx.metrics)
-        return outputs_of(kind, result), seconds
+        return named_outputs(kind, result), seconds
 
     def cut(self, name: str, inputs: dict[str, Any], world: int
             ) -> tuple[Slices, Callable[[int], dict[str, Any]]] | None:

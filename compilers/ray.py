@@ -51,11 +51,10 @@ from flowgraph.compilers.checkpoint import (
 from flowgraph.compilers.local import (
     ExecOptions,
     LocalExecutor,
-    NodeError,
     pick_device,
     prepare_run,
 )
-from flowgraph.errors import DEBUG_ENV, FlowgraphError, WorkerLost
+from flowgraph.errors import DEBUG_ENV, FlowgraphError, NodeError, WorkerLost
 from flowgraph.plan import DRIVER, ExecutionPlan, ModelPlacement, PoolPlan
 from flowgraph.runtime.metrics import MetricsLog, serving
 

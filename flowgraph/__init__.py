@@ -15,7 +15,7 @@ _EXPORTS: dict[str, str] = {
     "compile": "flowgraph.api",
     "run": "flowgraph.api",
     "load_plan": "flowgraph.api",
-    "CompileError": "flowgraph.api",
+    "CompileError": "flowgraph.errors",
     "ExecutionPlan": "flowgraph.plan",
     "GraphBuilder": "flowgraph.builder",
     "CheckResult": "flowgraph.check",
@@ -94,12 +94,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from flowgraph.api import CompileError, compile, load_plan, run
+    from flowgraph.api import compile, load_plan, run
     from flowgraph.builder import GraphBuilder
     from flowgraph.check import CheckResult, check_graph
     from flowgraph.contracts import TensorSpec
     from flowgraph.diagnostics import Diagnostic
-    from flowgraph.errors import FlowgraphError, GraphError
+    from flowgraph.errors import CompileError, FlowgraphError, GraphError
     from flowgraph.frontend import graph_from_yaml, graph_to_yaml, load_graph
     from flowgraph.ir import (
         DataSpec,

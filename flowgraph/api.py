@@ -8,7 +8,8 @@
 `compile` raises `CompileError` (its `diagnostics` are what `flowgraph check` prints)
 instead of returning a plan with errors; `run` runs a plan as it is, or compiles a
 graph first, and returns the run's folder and metric rows (`flowgraph.compilers.Run`).
-This module and the CLI are the only parts of the core that reach the executors.
+With the CLI, this module is an entry point: the layer above the executors, the only
+one that starts them (`tests/test_boundaries.py`).
 """
 
 from __future__ import annotations
@@ -17,23 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flowgraph.diagnostics import Diagnostic
-from flowgraph.errors import FlowgraphError
+from flowgraph.errors import CompileError, FlowgraphError
 from flowgraph.ir import Graph
 from flowgraph.plan import ExecutionPlan
 
 if TYPE_CHECKING:
     from flowgraph.compilers import Run
-
-
-class CompileError(FlowgraphError):
-    """A graph that does not compile; `diagnostics` says why, each at its file:line."""
-
-    def __init__(self, diagnostics: Sequence[Diagnostic]) -> None:
-        self.diagnostics = tuple(diagnostics)
-        errors = [d for d in self.diagnostics if d.is_error]
-        super().__init__("the graph does not compile:\n" + "\n".join(
-            d.one_line() for d in errors))
 
 
 def compile(graph: Graph | str | Path, *, target: str = "local", nproc: int | None = None,

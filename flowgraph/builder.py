@@ -19,11 +19,11 @@ import sys
 from dataclasses import dataclass, replace
 from typing import Any
 
+from flowgraph.errors import IRError
 from flowgraph.ir import (
     DataSpec,
     DimBinding,
     Graph,
-    IRError,
     ModelSpec,
     NodeSpec,
     OptimizerSpec,

@@ -78,7 +78,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         if graph is not None:
             diags += list(check_graph(graph, dp=args.nproc).diagnostics)
         if graph is not None and args.data and not any(d.is_error for d in diags):
-            from flowgraph.check.data import check_data  # imports torch: only with --data
+            from flowgraph.nodes.data_check import check_data  # imports torch: only with --data
 
             diags += check_data(graph)
         all_diags += diags

@@ -1,4 +1,5 @@
-"""The error hierarchy of flowgraph.
+"""The error hierarchy of flowgraph: every error class of the core, the nodes and the
+executors is declared here.
 
 Every error a user can cause derives from `FlowgraphError`; the CLI turns these into
 a message and an exit code, never a traceback. Internal invariants use plain
@@ -7,6 +8,7 @@ exceptions (a bug in flowgraph should show its traceback).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,6 +43,24 @@ class GraphError(FlowgraphError):
         super().__init__("\n".join(lines))
 
 
+class CompileError(FlowgraphError):
+    """A graph that does not compile; `diagnostics` says why, each at its file:line."""
+
+    def __init__(self, diagnostics: Sequence[Diagnostic]) -> None:
+        self.diagnostics = tuple(diagnostics)
+        errors = [d for d in self.diagnostics if d.is_error]
+        super().__init__("the graph does not compile:\n" + "\n".join(
+            d.one_line() for d in errors))
+
+
+class IRError(FlowgraphError, ValueError):
+    """An IR record was built with values that break its invariants."""
+
+
+class PlanError(FlowgraphError, ValueError):
+    """A plan was built, or read from JSON, with values that break its invariants."""
+
+
 class DimError(FlowgraphError):
     """A dimension string does not parse (`"B T--1"`) or cannot be evaluated."""
 
@@ -66,5 +86,17 @@ class NonFiniteError(FlowgraphError):
         super().__init__(f"non-finite {what} in node `{node}` {at_step(step)}")
 
 
+class ContractViolation(FlowgraphError):
+    """A tensor broke its edge's contract at run time."""
+
+
+class NodeError(FlowgraphError):
+    """A node's implementation failed; the message names node, kind and step."""
+
+
+class RankFailed(FlowgraphError):
+    """A rank of an fsdp run died or raised; the message names rank, node and step."""
+
+
 class WorkerLost(FlowgraphError):
-    """A worker died or hung; the Ray target restarts the worker groups from a checkpoint."""
+    """A worker died or hung; the driver restarts the worker groups from a checkpoint."""

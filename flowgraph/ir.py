@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TypeAlias, Union
 
-from flowgraph.errors import FlowgraphError
+from flowgraph.errors import IRError
 from flowgraph.source import UNKNOWN_POS, SourcePos
 
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -22,10 +22,6 @@ NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 Scalar: TypeAlias = str | int | float | bool | None
 ParamValue: TypeAlias = Union[Scalar, tuple["ParamValue", ...], "Params"]
-
-
-class IRError(FlowgraphError, ValueError):
-    """An IR record was built with values that break its invariants."""
 
 
 def _check_name(what: str, name: str) -> None:

@@ -46,7 +46,7 @@ from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from flowgraph.document import YMap, YNode, YScalar, YSeq
-from flowgraph.errors import FlowgraphError
+from flowgraph.errors import PlanError
 from flowgraph.frontend import graph_from_document, graph_to_document
 from flowgraph.ir import NAME_RE, Graph
 from flowgraph.registry import HOISTABLE_CATEGORIES, KindSpec
@@ -63,10 +63,6 @@ MEMORY_ITEMS = ("weights", "grads", "optimizer", "activations", "logits", "kv_ca
 DRIVER = "driver"
 """The single controller's pool (target ray)."""
 GIB = 1 << 30
-
-
-class PlanError(FlowgraphError, ValueError):
-    """A plan was built, or read from JSON, with values that break its invariants."""
 
 
 def _require(problems: list[str], where: str) -> None:

@@ -40,9 +40,9 @@ from __future__ import annotations
 import multiprocessing.util
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import torch
 from torch import Tensor, nn
@@ -50,6 +50,18 @@ from torch import Tensor, nn
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.generate import SamplingSpec
 from flowgraph.passes.memory import ModelConfig, vllm_kv_cache_bytes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from vllm.config import ModelConfig as VllmModelConfig
+    from vllm.config import VllmConfig
+    from vllm.logprobs import LogprobsOnePosition
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    class _VllmModel(Protocol):
+        """What every vLLM model class defines; its loader feeds it (name, tensor) pairs."""
+
+        def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> set[str]: ...
 
 INSTALL_HINT = (
     "the vllm backend of `generate` needs vLLM: on a CPU machine "
@@ -74,6 +86,12 @@ __all__ = ["INSTALL_HINT", "Memory", "WeightSyncExtension", "close_engines", "en
 class WeightSyncExtension:
     """Methods mixed into vLLM's worker (`worker_extension_cls`); run in its process."""
 
+    # The worker's own attributes that these methods use (declared, not set: the worker
+    # sets them).
+    model_runner: GPUModelRunner
+    vllm_config: VllmConfig
+    model_config: VllmModelConfig
+
     def flowgraph_reload_begin(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
@@ -85,7 +103,8 @@ class WeightSyncExtension:
 
         tensor = torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
         with set_current_vllm_config(self.vllm_config):
-            self.model_runner.get_model().load_weights([(name, tensor)])
+            model = cast("_VllmModel", self.model_runner.get_model())  # typed as nn.Module
+            model.load_weights([(name, tensor)])
 
     def flowgraph_reload_end(self) -> None:
         from vllm.config import set_current_vllm_config
@@ -142,7 +161,7 @@ class Memory:
                 f"(sequences of up to {self.max_model_len} tokens)")
 
 
-def kv_cache_size(model: nn.Module, sequences: int, max_model_len: int) -> int:
+def kv_cache_size(model: PreTrainedModel, sequences: int, max_model_len: int) -> int:
     """Bytes for `sequences` sequences of `max_model_len` tokens each, held at once:
 
         sequences × ⌈(P+T)/block⌉·block × layers × 2 (K and V) × KV heads × head dim
@@ -160,6 +179,9 @@ def kv_cache_size(model: nn.Module, sequences: int, max_model_len: int) -> int:
 
 
 _ENGINES: dict[str, _Engine] = {}
+_VLLM_DTYPES: dict[torch.dtype, Literal["float32", "bfloat16", "float16"]] = {
+    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+"""The dtypes a model is loaded in (`models.<m>.dtype`), as vLLM names them."""
 
 
 def _whole(tensor: Tensor) -> Tensor:
@@ -204,7 +226,8 @@ def sync_weights(llm: LLM, model: nn.Module) -> None:
             cached.weights = _fingerprint(model)
 
 
-def engine(model: nn.Module, tokenizer: Any, memory: Memory, **engine_args: Any) -> LLM:
+def engine(model: PreTrainedModel, tokenizer: Any, memory: Memory, **engine_args: Any
+           ) -> LLM:
     """The cached engine of `model`'s folder, holding `model`'s current weights.
 
     An engine that cannot serve `memory` (longer sequences, a larger KV cache, another
@@ -224,7 +247,7 @@ def engine(model: nn.Module, tokenizer: Any, memory: Memory, **engine_args: Any)
     return cached.llm
 
 
-def _start(key: str, model: nn.Module, tokenizer: Any, memory: Memory,
+def _start(key: str, model: PreTrainedModel, tokenizer: Any, memory: Memory,
            engine_args: dict[str, Any]) -> _Engine:
     # Config and tokenizer only: the weights come through `sync_weights`, one tensor at a
     # time, so a sharded model is never gathered whole.
@@ -236,7 +259,7 @@ def _start(key: str, model: nn.Module, tokenizer: Any, memory: Memory,
     try:
         llm = LLM(
             model=folder.name,
-            dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+            dtype=_VLLM_DTYPES[next(model.parameters()).dtype],
             load_format="dummy",
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
@@ -294,10 +317,12 @@ def rollout(llm: LLM, prompts: Tensor, prompt_mask: Tensor, seeds: Sequence[int]
     log_prob = torch.zeros((r, T), dtype=torch.float32)
     for i, out in enumerate(outputs):  # in request order
         sample = out.outputs[0]
+        # vLLM declares a position's log-probs optional; a sampled token's are always there
+        positions = cast("list[LogprobsOnePosition]", sample.logprobs or [])
         ids = list(sample.token_ids)[:T]
         responses[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
         mask[i, : len(ids)] = 1
         log_prob[i, : len(ids)] = torch.tensor(
-            [lp[t].logprob for t, lp in zip(ids, sample.logprobs or [], strict=True)]
+            [lp[t].logprob for t, lp in zip(ids, positions, strict=True)]
         )
     return {"responses": responses, "response_mask": mask, "rollout_log_prob": log_prob}

@@ -42,6 +42,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -295,7 +296,7 @@ class _TableDataset:
         self._order: tuple[int, list[int]] | None = None
 
     def __len__(self) -> int:
-        return self.table.num_rows
+        return int(self.table.num_rows)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
@@ -508,19 +509,15 @@ def prompt_source(
 ) -> Splits:
     """The `prompts` kind: train (and eval) PromptDatasets from its params;
     `ground_truth_for` names the nodes that read the ground truth (it must be there)."""
-    kw = {
-        "prompt_key": prompt_key,
-        "max_prompt_length": max_prompt_length,
-        "apply_chat_template": apply_chat_template,
-        "format": format,
-        "truncation": truncation,
-        "filter_overlong_prompts": filter_overlong_prompts,
-        "ground_truth_for": ground_truth_for,
-    }
+    dataset = partial(
+        PromptDataset, tokenizer=tokenizer, prompt_key=prompt_key,
+        max_prompt_length=max_prompt_length, apply_chat_template=apply_chat_template,
+        format=format, truncation=truncation, filter_overlong_prompts=filter_overlong_prompts,
+        ground_truth_for=ground_truth_for)
     held_out = held_out_path(path, eval_path)
     return Splits(
-        PromptDataset(path, tokenizer, shuffle=shuffle, seed=seed, **kw),
-        None if held_out is None else PromptDataset(held_out, tokenizer, shuffle=False, **kw),
+        dataset(path, shuffle=shuffle, seed=seed),
+        None if held_out is None else dataset(held_out, shuffle=False),
     )
 
 
@@ -539,16 +536,13 @@ def preference_source(
     seed: int = 0,
 ) -> Splits:
     """The `preferences` kind: train (and eval) PreferenceDatasets from its params."""
-    kw = {
-        "max_prompt_length": max_prompt_length,
-        "max_response_length": max_response_length,
-        "format": format,
-        "apply_chat_template": apply_chat_template,
-        "truncation": truncation,
-        "filter_overlong_prompts": filter_overlong_prompts,
-    }
+    dataset = partial(
+        PreferenceDataset, tokenizer=tokenizer, max_prompt_length=max_prompt_length,
+        max_response_length=max_response_length, format=format,
+        apply_chat_template=apply_chat_template, truncation=truncation,
+        filter_overlong_prompts=filter_overlong_prompts)
     held_out = held_out_path(path, eval_path)
     return Splits(
-        PreferenceDataset(path, tokenizer, shuffle=shuffle, seed=seed, **kw),
-        None if held_out is None else PreferenceDataset(held_out, tokenizer, shuffle=False, **kw),
+        dataset(path, shuffle=shuffle, seed=seed),
+        None if held_out is None else dataset(held_out, shuffle=False),
     )

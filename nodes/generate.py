@@ -34,12 +34,15 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from flowgraph.runtime.context import NodeContext
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["SamplingSpec", "decode", "filter_logits", "generate", "sample_seed"]
 
@@ -182,7 +185,7 @@ def _stop_ids(model: nn.Module, tokenizer: Any) -> tuple[int, ...]:
 
 def generate(
     ctx: NodeContext,
-    model: nn.Module,
+    model: PreTrainedModel,
     tokenizer: Any,
     *,
     prompts: Tensor,
@@ -196,7 +199,7 @@ def generate(
     max_new_tokens: int | None = None,
     do_sample: bool = True,
     gpu_memory_utilization: float | None = None,
-) -> dict[str, Any]:
+) -> dict[str, Tensor | list[str]]:
     """The `generate` kind: n responses per prompt; samples of a prompt are consecutive.
 
     prompts, prompt_mask (b, P) -> prompts, prompt_mask (r, P); responses, response_mask,
@@ -227,15 +230,16 @@ def generate(
                 _all_done, ctx) if ctx.dp_size > 1 else None)
     else:
         raise ValueError(f"generate: backend must be `hf` or `vllm`, got `{backend}`")
-    out = {name: value.to(prompts.device) for name, value in out.items()}
-    out |= {"prompts": prompts, "prompt_mask": prompt_mask.long(),
-            "index": rows.repeat_interleave(n).to(prompts.device)}
+    outputs: dict[str, Tensor | list[str]] = {
+        name: value.to(prompts.device) for name, value in out.items()}
+    outputs |= {"prompts": prompts, "prompt_mask": prompt_mask.long(),
+                "index": rows.repeat_interleave(n).to(prompts.device)}
     if ground_truth is not None:
-        out["ground_truth"] = [str(g) for g in ground_truth for _ in range(n)]
-    return out
+        outputs["ground_truth"] = [str(g) for g in ground_truth for _ in range(n)]
+    return outputs
 
 
-def _vllm_memory(model: nn.Module, sequences: int, max_model_len: int,
+def _vllm_memory(model: PreTrainedModel, sequences: int, max_model_len: int,
                  gpu_memory_utilization: float | None) -> Any:
     from flowgraph.nodes import _vllm
 

@@ -21,11 +21,14 @@ n valid response tokens in the batch (n ≤ B·T), τ temperature.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["forward_hidden", "head_logprob", "logprob", "sequence_logprob"]
 
@@ -83,7 +86,8 @@ def forward_hidden(
     )
     P, T = prompts.shape[1], responses.shape[1]
     start = P if on_tokens else P - 1
-    return out.last_hidden_state[:, start : start + T]
+    hidden: Tensor = out.last_hidden_state
+    return hidden[:, start : start + T]
 
 
 class _TokenStats(torch.autograd.Function):
@@ -118,6 +122,7 @@ class _TokenStats(torch.autograd.Function):
         z, y, lse, *entropy = ctx.saved_tensors
         log_p_all = z.mul(ctx.inv_tau).sub_(lse.unsqueeze(-1))  # ℓ, the one (c, V) buffer
         if ctx.with_entropy:
+            assert g_entropy is not None  # forward returned (log_p, entropy): both have grads
             p = log_p_all.exp()
             # −p ⊙ (g_logp + g_H (ℓ + H)), computed in ℓ's buffer
             grad = log_p_all.add_(entropy[0].unsqueeze(-1)).mul_(g_entropy.unsqueeze(-1))
@@ -132,7 +137,8 @@ def _chunk_stats(
     lm_head: nn.Module, h: Tensor, y: Tensor, inv_tau: float, with_entropy: bool
 ) -> tuple[Tensor, ...]:
     """The head on one chunk of c tokens, h (c, H), in float32 whatever the model dtype."""
-    out = _TokenStats.apply(lm_head(h).float(), y, inv_tau, with_entropy)
+    # torch leaves Function.apply unannotated (and mypy cannot exclude it by module)
+    out = _TokenStats.apply(lm_head(h).float(), y, inv_tau, with_entropy)  # type: ignore[no-untyped-call]
     return out if with_entropy else (out,)
 
 
@@ -176,7 +182,7 @@ def head_logprob(
 
 
 def logprob(
-    model: nn.Module,
+    model: PreTrainedModel,
     prompts: Tensor,
     prompt_mask: Tensor,
     responses: Tensor,
@@ -209,7 +215,7 @@ def logprob(
 
 
 def sequence_logprob(
-    model: nn.Module,
+    model: PreTrainedModel,
     prompts: Tensor,
     prompt_mask: Tensor,
     responses: Tensor,

@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -141,7 +142,7 @@ def build_tiny_tokenizer(cache_dir: str | Path | None = None) -> PreTrainedToken
 
 def _build_builtin(name: str, target: Path) -> None:
     """Write tokenizer + seeded random model into `target` (a fresh folder)."""
-    config = dict(BUILTIN_MODELS[name])
+    config: dict[str, Any] = dict(BUILTIN_MODELS[name])  # Hugging Face config kwargs
     if config.pop("model_type") != "llama":
         raise FlowgraphError(f"builtin:{name}: only llama configs can be built")
     tok = build_tiny_tokenizer(target)

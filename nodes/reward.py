@@ -27,32 +27,15 @@ Notation: B sequences, P prompt length, T response length.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 
 from flowgraph.nodes.logprob import forward_hidden
+from flowgraph.runtime.answers import extract_answer, has_marked_answer, normalise_answer
 
-__all__ = ["extract_answer", "reward_model", "rule_reward", "token_reward"]
-
-_MARKED = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
-_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
-
-
-def _normalise(answer: str) -> str:
-    """`1,234.` -> `1234`: drop thousands commas, spaces, `$` and a final full stop."""
-    return re.sub(r"[\s,$]", "", answer).rstrip(".")
-
-
-def extract_answer(text: str) -> str | None:
-    """The final answer of a response: after `####`, else the last number; None if none."""
-    marked = _MARKED.search(text)
-    if marked is not None:
-        return _normalise(marked.group(1))
-    numbers = _NUMBER.findall(text)
-    return _normalise(numbers[-1]) if numbers else None
+__all__ = ["reward_model", "rule_reward", "token_reward"]
 
 
 def _texts(tokenizer: object, responses: Tensor, response_mask: Tensor, fn: str) -> list[str]:
@@ -93,7 +76,7 @@ def rule_reward(
         return {"scores": -length_coef * (length - target_length).abs()}
     texts = _texts(tokenizer, responses, response_mask, fn)
     if fn == "format":
-        scores = [correct_score if _MARKED.search(t) else 0.0 for t in texts]
+        scores = [correct_score if has_marked_answer(t) else 0.0 for t in texts]
     elif fn == "exact_match":
         if ground_truth is None or len(ground_truth) != len(texts):
             got = "none" if ground_truth is None else f"{len(ground_truth)} values"
@@ -103,7 +86,7 @@ def rule_reward(
             )
         answers = [extract_answer(t) for t in texts]
         scores = [
-            0.0 if a is None else correct_score if a == _normalise(str(g)) else format_score
+            0.0 if a is None else correct_score if a == normalise_answer(str(g)) else format_score
             for a, g in zip(answers, ground_truth, strict=True)
         ]
     else:
@@ -113,15 +96,14 @@ def rule_reward(
 
 def _score_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(backbone, head) of a `ValueModel` or a Hugging Face *ForSequenceClassification."""
-    if hasattr(model, "value_head"):
-        return model.backbone, model.value_head
-    head = getattr(model, "score", None)
-    if head is None:
+    names = ("backbone", "value_head") if hasattr(model, "value_head") else ("base_model", "score")
+    backbone, head = (getattr(model, name, None) for name in names)
+    if not isinstance(backbone, nn.Module) or not isinstance(head, nn.Module):
         raise TypeError(
             f"reward_model needs a ValueModel or an AutoModelForSequenceClassification "
             f"with a `score` head; got {type(model).__name__}"
         )
-    return model.base_model, head
+    return backbone, head
 
 
 def reward_model(

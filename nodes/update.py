@@ -37,7 +37,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable
 from functools import partial
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 from torch import Tensor, nn
@@ -46,8 +46,12 @@ from flowgraph.errors import NonFiniteError
 from flowgraph.nodes._agg import agg_loss, masked_mean
 from flowgraph.nodes.logprob import forward_hidden, head_logprob, sequence_logprob
 from flowgraph.nodes.losses import dpo_loss, kl_penalty, ppo_policy_loss, value_loss
+from flowgraph.nodes.values import ValueModel
 from flowgraph.nodes.values import values as predict_values
 from flowgraph.runtime import NodeContext
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["dpo_update", "ppo_actor_update", "ppo_critic_update"]
 
@@ -148,7 +152,7 @@ def _grad_norm(ctx: NodeContext) -> Tensor:
     squares = ctx.all_reduce(squares.reshape(1), "sum")[0]
     for g in replicated:
         squares += g.double().square().sum().cpu()
-    norm = squares.sqrt()
+    norm: Tensor = squares.sqrt()  # `all_reduce` is untyped: the core does not import torch
     coef = ctx.grad_clip / (float(norm) + 1e-6)  # torch's clip_grad_norm_ formula
     if ctx.grad_clip > 0 and coef < 1.0:
         for p in params:
@@ -266,7 +270,7 @@ def _agg_size(mode: str, mb: Batch) -> float:
 
 
 def _actor_loss(
-    model: nn.Module,
+    model: PreTrainedModel,
     mb: Batch,
     *,
     clip: dict[str, float],
@@ -371,11 +375,12 @@ def ppo_actor_update(
 
 
 def _critic_loss(
-    critic: nn.Module, mb: Batch, *, cliprange_value: float, mode: str
+    critic: ValueModel, mb: Batch, *, cliprange_value: float, mode: str
 ) -> tuple[Tensor, dict[str, float]]:
     """½·agg(max((v̂ − R)², (clip(v̂, V ± c) − R)²)) with v̂ recomputed with grad."""
     mask = mb["response_mask"]
-    vpreds = predict_values(critic, *(mb[k] for k in SEQUENCES))["values"]
+    vpreds = predict_values(critic, mb["prompts"], mb["prompt_mask"], mb["responses"],
+                            mb["response_mask"])["values"]
     loss, clipfrac = value_loss(vpreds, mb["values"], mb["returns"], mask, cliprange_value, mode)
     return loss, {
         "critic/vf_loss": loss.item(),
@@ -430,7 +435,7 @@ def ppo_critic_update(
 
 
 def _dpo_loss(
-    model: nn.Module, mb: Batch, *, beta: float, loss_type: str, label_smoothing: float
+    model: PreTrainedModel, mb: Batch, *, beta: float, loss_type: str, label_smoothing: float
 ) -> tuple[Tensor, dict[str, float]]:
     """Mean DPO loss over the pairs; chosen and rejected share one forward pass (TRL)."""
     n = len(mb["prompts"])

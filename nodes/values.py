@@ -65,7 +65,8 @@ class ValueModel(nn.Module):
         hidden = forward_hidden(
             self.backbone, prompts, prompt_mask, responses, response_mask, on_tokens=on_tokens
         )
-        return self.value_head(hidden)
+        v: Tensor = self.value_head(hidden)
+        return v
 
 
 def values(

@@ -13,13 +13,24 @@ resources by name:
 It returns either a mapping from output-port name to value, or a tuple in the order
 of the kind's outputs (so pure functions such as `gae` are used as they are). A sink
 (update node) returns an empty mapping and reports through `ctx.metrics`.
+
+`Impl` loads an implementation from its registry path and `named_outputs` reads what it
+returned; the executors and `flowgraph.testing.assert_honours_contract` call both.
 """
 
 from __future__ import annotations
 
+import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from flowgraph.errors import FlowgraphError
+
+if TYPE_CHECKING:
+    from flowgraph.ir import NodeSpec
+    from flowgraph.registry import KindSpec
 
 RESOURCE_ARGS = ("ctx", "model", "critic", "tokenizer")
 """Parameter names through which an implementation receives executor resources."""
@@ -63,3 +74,43 @@ class NodeContext:
     def all_reduce(self, tensor: Any, op: str = "sum") -> Any:
         """`tensor` reduced over the data-parallel workers; itself on one worker."""
         return tensor if self.reduce is None or self.dp_size == 1 else self.reduce(tensor, op)
+
+
+@dataclass(frozen=True)
+class Impl:
+    """A kind's implementation and how to call it."""
+
+    fn: Callable[..., Any]
+    accepts: frozenset[str]
+    """Keyword parameters the function declares."""
+
+    @staticmethod
+    def load(kind: KindSpec) -> Impl:
+        module, _, attr = kind.impl.partition(":")
+        try:
+            fn = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise FlowgraphError(f"kind `{kind.name}`: implementation `{kind.impl}` cannot be "
+                                 f"imported: {exc}") from exc
+        params = inspect.signature(fn).parameters
+        return Impl(fn, frozenset(params))
+
+    def verify(self, node: NodeSpec, kind: KindSpec) -> None:
+        """Every declared input and param must be accepted, before any step runs."""
+        names = [p.name for p in kind.inputs] + [p.name for p in kind.params]
+        missing = [n for n in names if n not in self.accepts]
+        if missing:
+            raise FlowgraphError(
+                f"node `{node.name}` (kind {kind.name}): implementation `{kind.impl}` does not "
+                f"accept {', '.join(f'`{m}`' for m in missing)} that the kind declares")
+
+
+def named_outputs(kind: KindSpec, result: Any) -> dict[str, Any]:
+    """An implementation's return value as output-port name -> value."""
+    if isinstance(result, dict):
+        return result
+    if isinstance(result, tuple):
+        return dict(zip([p.name for p in kind.outputs], result, strict=False))
+    if len(kind.outputs) == 1:
+        return {kind.outputs[0].name: result}
+    raise TypeError(f"returned {type(result).__name__}; expected a dict of outputs or a tuple")

@@ -21,6 +21,8 @@ import math
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
+from flowgraph.runtime.answers import extract_answer
+
 __all__ = [
     "distinct_n",
     "diversity_metrics",
@@ -82,12 +84,9 @@ def diversity_metrics(seqs: Sequence[Sequence[Hashable]]) -> dict[str, float]:
 
 def exact_match_accuracy(texts: Sequence[str], truths: Sequence[str]) -> float:
     """Share of responses whose final answer equals the ground truth, by the reward's
-    `exact_match` rule (`flowgraph.nodes.reward.extract_answer`: the number after
+    `exact_match` rule (`flowgraph.runtime.answers.extract_answer`: the number after
     `####`, else the last number; thousands commas, `$` and a final full stop ignored).
     Partial credit (the reward's `format_score`) does not count here."""
-    # torch comes with flowgraph.nodes; only executors evaluate, and they have it.
-    from flowgraph.nodes.reward import extract_answer
-
     if len(texts) != len(truths):
         raise ValueError(f"{len(texts)} responses but {len(truths)} ground truths")
     if not texts:

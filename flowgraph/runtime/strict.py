@@ -19,16 +19,12 @@ from typing import Any
 
 from flowgraph.contracts import TensorSpec
 from flowgraph.dims import Poly, format_dims, parse_resolved
-from flowgraph.errors import FlowgraphError, at_step
+from flowgraph.errors import ContractViolation, at_step
 from flowgraph.ir import PortRef
 from flowgraph.plan import ExecutionPlan
 from flowgraph.source import SourcePos
 
 Dims = tuple[Poly | None, ...]
-
-
-class ContractViolation(FlowgraphError):
-    """A tensor broke its edge's contract at run time."""
 
 
 @dataclass

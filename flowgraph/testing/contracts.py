@@ -37,6 +37,7 @@ from typing import Any
 from flowgraph.contracts import TensorSpec
 from flowgraph.dims import Poly
 from flowgraph.registry import KindSpec, PortSpec, Registry
+from flowgraph.runtime.context import Impl, NodeContext, named_outputs
 
 __all__ = ["assert_honours_contract", "default_context", "output_problem"]
 
@@ -45,10 +46,8 @@ DEFAULT_VOCAB = 32
 
 
 def default_context(kind: KindSpec | str, dims: Mapping[str, int], *, model: Any = None,
-                    tokenizer: Any = None) -> Any:
+                    tokenizer: Any = None) -> NodeContext:
     """A `NodeContext` for one call: seed 0, step 0, the given global dims."""
-    from flowgraph.runtime.context import NodeContext
-
     name = kind if isinstance(kind, str) else kind.name
     return NodeContext(node=name, kind=name, step=0, seed=0, model=model,
                        tokenizer=tokenizer, dims=dict(dims))
@@ -233,8 +232,6 @@ def assert_honours_contract(
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from flowgraph.compilers.build import Impl, outputs_of
-
     spec = _kind_spec(kind)
     impl = Impl.load(spec) if fn is None else Impl(fn, frozenset(inspect.signature(fn).parameters))
     unknown = set(params or {}) - {p.name for p in spec.params}
@@ -290,7 +287,7 @@ def assert_honours_contract(
                  f"sizes {out_sizes}, inputs {sorted(inputs)}")
         try:
             result = impl.fn(**kwargs)
-            outputs = outputs_of(spec, result)
+            outputs = named_outputs(spec, result)
         except Exception as exc:  # a crash on well-formed inputs breaks the contract too
             raise AssertionError(f"{where}: raised {type(exc).__name__}: {exc}") from exc
         _check_outputs(spec, outputs, node_ctx, out_sizes, where)

@@ -25,7 +25,7 @@ from flowgraph.api import load_plan
 from flowgraph.compilers import RunOptions, _dist, read_metrics, run
 from flowgraph.compilers.checkpoint import latest_checkpoint
 from flowgraph.compilers.export import export_model
-from flowgraph.compilers.fsdp import RankFailed
+from flowgraph.errors import RankFailed
 from flowgraph.nodes.models import load_model
 from flowgraph.passes import compile_graph
 from flowgraph.plan import ExecutionPlan

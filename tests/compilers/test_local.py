@@ -14,9 +14,8 @@ import torch
 from flowgraph.compilers import RunOptions, read_metrics, run
 from flowgraph.compilers.checkpoint import latest_checkpoint, load_checkpoint, remove_partial
 from flowgraph.compilers.export import export_model
-from flowgraph.errors import FlowgraphError, NonFiniteError
+from flowgraph.errors import ContractViolation, FlowgraphError, NonFiniteError
 from flowgraph.passes import compile_graph
-from flowgraph.runtime.strict import ContractViolation
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGINS = ROOT / "tests" / "plugins"

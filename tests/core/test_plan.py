@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from flowgraph.errors import PlanError
 from flowgraph.frontend import load_graph
 from flowgraph.passes import compile_graph
 from flowgraph.plan import (
@@ -17,7 +18,6 @@ from flowgraph.plan import (
     EdgePlan,
     ExecutionPlan,
     MemoryItem,
-    PlanError,
     PoolMemory,
     PoolPlan,
 )

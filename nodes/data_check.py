@@ -8,8 +8,9 @@ tokenizer whose vocabulary fits the model's, tied or untied embeddings (a note).
 Hub ids and paths that are not here are skipped with a note. Diagnostics sit on the
 data source's (or model's) `path` line.
 
-torch, transformers and pyarrow are imported only by `check_data`, so `check` without
-`--data` stays as fast as it was; `ground_truth_readers` is graph arithmetic only.
+The datasets are read by the data sources' own readers (`flowgraph.nodes.data`), so
+this module imports torch, pyarrow and transformers; the CLI imports it only for
+`--data`, and `check` without it stays as fast as it was.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from flowgraph.builtin_models import BUILTIN_PREFIX, builtin_config
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import DataSpec, Graph, ModelSpec
+from flowgraph.nodes import data as nd
+from flowgraph.nodes.models import load_tokenizer
 from flowgraph.source import SourcePos
 
 __all__ = ["check_data", "ground_truth_readers"]
@@ -65,12 +68,6 @@ def check_data(graph: Graph) -> list[Diagnostic]:
     return diags
 
 
-def _load_tokenizer(path: str) -> Any:
-    from flowgraph.nodes.models import load_tokenizer
-
-    return load_tokenizer(path)
-
-
 def _check_model(m: ModelSpec, tokenizers: dict[str, Any]) -> list[Diagnostic]:
     pos = _path_pos(m.pos)
     tok_path = m.tokenizer or m.path
@@ -83,7 +80,7 @@ def _check_model(m: ModelSpec, tokenizers: dict[str, Any]) -> list[Diagnostic]:
                            f"cannot be read: {config}", pos, node=m.name,
                            hint="point path at a folder saved with save_pretrained")]
     try:
-        tokenizers[m.name] = tok = _load_tokenizer(tok_path)
+        tokenizers[m.name] = tok = load_tokenizer(tok_path)
     except FlowgraphError as exc:
         return [Diagnostic("FG506", "error", f"model `{m.name}`: {exc}", pos, node=m.name)]
     diags = []
@@ -161,8 +158,6 @@ def _limits(graph: Graph, d: DataSpec) -> dict[str, tuple[str, int | None]]:
 
 
 def _dataset_problems(graph: Graph, d: DataSpec, path: str, tok: Any) -> Iterator[Problem]:
-    from flowgraph.nodes import data as nd
-
     params = d.params.to_python()
     limits = _limits(graph, d)
     chat = bool(params.get("apply_chat_template", True))
@@ -195,8 +190,6 @@ def _length_problems(path: str, table: Any, limits: dict[str, tuple[str, int | N
     """FG503 for the rows over P or T under the data node's policy; returns how many
     rows `filter_overlong_prompts` drops. Prompts are measured as the dataset renders
     them (`special_tokens`: false for preference prompts, as TRL)."""
-    from flowgraph.nodes import data as nd
-
     found = []
     for column, (name, limit) in limits.items():
         if limit is None:

@@ -1,0 +1,153 @@
+"""The layers hold: every module imports only its own layer and the layers below it.
+
+From the bottom:
+
+1. core       `flowgraph/` (graph IR, checker, passes, plan, `flowgraph.runtime`,
+              `flowgraph.testing`): no torch on import, and none of the layers above.
+2. nodes      `nodes/`, installed as `flowgraph.nodes`: the node implementations.
+3. compilers  `compilers/`, installed as `flowgraph.compilers`: the executors.
+4. entry      what a user calls, which starts the executors: the `flowgraph` command
+              (`flowgraph/cli.py`, `flowgraph/__main__.py`) and the package's Python
+              face (`flowgraph/__init__.py`, `flowgraph/api.py`: `flowgraph.compile`,
+              `flowgraph.run`). Nothing below imports them.
+
+An import is every `import` and `from ... import` anywhere in a file (inside functions
+and under `if TYPE_CHECKING:` too), relative ones resolved, and every call of
+`importlib.import_module`, `__import__` or `importlib.util.find_spec` with a literal
+module name. The registry's `impl="flowgraph.nodes.update:ppo_actor_update"` strings
+are data, not imports: the executors and `flowgraph.testing` load them through
+`flowgraph.runtime.context.Impl`, as they load a plugin's.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+ENTRY = frozenset({"flowgraph", "flowgraph.__main__", "flowgraph.api", "flowgraph.cli"})
+RANKS = {"core": 0, "nodes": 1, "compilers": 2, "entry": 3}
+IMPORT_CALLS = frozenset({"import_module", "__import__", "find_spec"})
+
+
+def _modules() -> dict[str, Path]:
+    """Module name -> file, for every .py file of the packages pyproject installs."""
+    package_dirs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-dir"]
+    modules = {}
+    for package, folder in package_dirs.items():
+        for file in (ROOT / folder).rglob("*.py"):
+            parts = file.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            modules.setdefault(name, file)
+    return modules
+
+
+MODULES = _modules()
+
+
+def layer(module: str) -> str | None:
+    """The layer of a flowgraph module; None for anything else (stdlib, torch...)."""
+    if module in ENTRY:
+        return "entry"
+    for package in ("flowgraph.compilers", "flowgraph.nodes"):
+        if module == package or module.startswith(package + "."):
+            return package.removeprefix("flowgraph.")
+    return "core" if module.startswith("flowgraph.") else None
+
+
+def _resolve(name: str) -> str:
+    """The module that `name` (a module, or a name in one) lives in."""
+    while name not in MODULES and "." in name:
+        name = name.rpartition(".")[0]
+    return name
+
+
+def _absolute(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    package = module if is_package else module.rpartition(".")[0]
+    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+    return f"{base}.{node.module}" if node.module else base
+
+
+def imports(source: str, module: str, is_package: bool = False) -> list[tuple[int, str]]:
+    """(line, imported name) for every import in `source`, the source of `module`."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = _absolute(node, module, is_package)
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Call) and node.args and _is_import_call(node.func):
+            arg = node.args[0]
+            if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                found.append((node.lineno, arg.value))
+    return found
+
+
+def _is_import_call(func: ast.expr) -> bool:
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    return name in IMPORT_CALLS
+
+
+def violations() -> list[str]:
+    found = []
+    for module, file in sorted(MODULES.items()):
+        here = layer(module)
+        assert here is not None, module
+        seen = {(line, _resolve(name))
+                for line, name in imports(file.read_text(), module, file.name == "__init__.py")}
+        for line, target in sorted(seen):
+            there = layer(target)
+            if there is not None and RANKS[there] > RANKS[here]:
+                found.append(f"{file.relative_to(ROOT)}:{line}: {module} ({here}) imports "
+                             f"{target} ({there})")
+    return found
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    bad = violations()
+    assert not bad, "imports across the layers (tests/test_boundaries.py):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("source", "module", "expected"),
+    [
+        ("import flowgraph.nodes.reward", "flowgraph.runtime.evaluation",
+         "flowgraph.nodes.reward"),
+        ("def f():\n    from flowgraph.compilers.local import Impl", "flowgraph.testing.contracts",
+         "flowgraph.compilers.local"),
+        ("from ..nodes import data as nd", "flowgraph.check.data", "flowgraph.nodes.data"),
+        ("from . import models", "flowgraph.nodes.data", "flowgraph.nodes.models"),
+        ("from flowgraph import nodes", "flowgraph.check.data", "flowgraph.nodes"),
+        ("if TYPE_CHECKING:\n    from flowgraph.compilers import Run", "flowgraph.plan",
+         "flowgraph.compilers"),
+        ("importlib.import_module('flowgraph.compilers.ray')", "flowgraph.plan",
+         "flowgraph.compilers.ray"),
+        ("from flowgraph import GraphBuilder", "flowgraph.nodes.data", "flowgraph"),
+    ],
+)
+def test_every_form_of_import_is_seen(source: str, module: str, expected: str) -> None:
+    assert [_resolve(name) for _, name in imports(source, module)] == [expected]
+
+
+def test_registry_strings_are_data_not_imports() -> None:
+    source = 'KindSpec(name="gae", impl="flowgraph.nodes.advantage:gae")'
+    assert imports(source, "flowgraph.kinds") == []
+
+
+@pytest.mark.parametrize(
+    ("module", "expected"),
+    [("flowgraph.plan", "core"), ("flowgraph.runtime.context", "core"),
+     ("flowgraph.testing.contracts", "core"), ("flowgraph.nodes", "nodes"),
+     ("flowgraph.nodes.update", "nodes"), ("flowgraph.compilers.local", "compilers"),
+     ("flowgraph.cli", "entry"), ("flowgraph.api", "entry"), ("flowgraph", "entry"),
+     ("torch.nn", None)],
+)
+def test_layers(module: str, expected: str | None) -> None:
+    assert layer(module) == expected
