@@ -169,12 +169,7 @@ def scale(path: Path, runs: int = 5) -> bool:
           f"load_graph + check_graph {elapsed:.2f} s wall, {cpu:.2f} s CPU (median of "
           f"{runs}; best {min(r[0] for r in results):.2f} s), target <= {SCALE_TARGET_S} s: "
           f"{'ok' if ok else 'MISSED'}")
-    from flowgraph.blockyaml import read_block
-
-    way = "line by line (blockyaml)" if read_block(path.read_text(encoding="utf-8"),
-                                                   str(path)) else "through libyaml's events"
-    print(f"    of which load_graph {loaded:.2f} s (read {way}), check_graph {checked:.2f} s "
-          "(medians)")
+    print(f"    of which load_graph {loaded:.2f} s, check_graph {checked:.2f} s (medians)")
     cli = _median_wall([sys.executable, "-m", "flowgraph", "check", str(path)], 1)
     print(f"    `python -m flowgraph check` on it: {cli:.2f} s (start-up included)")
     return ok

@@ -40,7 +40,6 @@ from flowgraph.document import (
     apply_override,
     did_you_mean,
     parse_override,
-    paused_gc,
     plain,
     read_document,
 )
@@ -464,13 +463,12 @@ def load_graph(
         if isinstance(loaded, Diagnostic):
             return None, [loaded]
         text = loaded
-    with paused_gc():
-        doc, diags = read_document(text, file)
-        doc, override_diags = apply_overrides(doc, overrides)
-        diags += override_diags
-        if doc is None:
-            return None, diags
-        graph, more = graph_from_document(doc, file)
+    doc, diags = read_document(text, file)
+    doc, override_diags = apply_overrides(doc, overrides)
+    diags += override_diags
+    if doc is None:
+        return None, diags
+    graph, more = graph_from_document(doc, file)
     return graph, diags + more
 
 

@@ -30,7 +30,6 @@ from flowgraph.check.structure import (
     resolve_kinds,
 )
 from flowgraph.diagnostics import Diagnostic, error, sort_key
-from flowgraph.document import paused_gc
 from flowgraph.errors import PluginError
 from flowgraph.ir import Graph, NodeSpec
 from flowgraph.registry import Registry
@@ -84,18 +83,17 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     dp = dp or graph.resources.nproc
     ranks, pools = ranks_of(graph, dp, target not in ("local", "fsdp"))
     out: list[Diagnostic] = []
-    with paused_gc():
-        _load_plugins(graph, registry, out)
-        table = resolve_kinds(graph, registry, out)
-        check_ports(table, out)
-        check_params(table, out)
-        check_models(graph, table, out)
-        check_temperatures(table, out)
-        check_held_out(graph, out)
-        order = topo_order(graph, set())
-        on_cycle = set() if _acyclic(graph, table, order) else check_cycles(graph, out)
-        check_unused(graph, table, out)
-        shapes = infer_shapes(graph, table, on_cycle, out, None if on_cycle else order)
-        check_batches(table, shapes, ranks, pools, out)
-        diags = tuple(sorted(dict.fromkeys(out), key=sort_key))
+    _load_plugins(graph, registry, out)
+    table = resolve_kinds(graph, registry, out)
+    check_ports(table, out)
+    check_params(table, out)
+    check_models(graph, table, out)
+    check_temperatures(table, out)
+    check_held_out(graph, out)
+    order = topo_order(graph, set())
+    on_cycle = set() if _acyclic(graph, table, order) else check_cycles(graph, out)
+    check_unused(graph, table, out)
+    shapes = infer_shapes(graph, table, on_cycle, out, None if on_cycle else order)
+    check_batches(table, shapes, ranks, pools, out)
+    diags = tuple(sorted(dict.fromkeys(out), key=sort_key))
     return CheckResult(graph, diags, table, shapes, registry, dp)
