@@ -221,8 +221,7 @@ class _Parser:
 def parse_expr(text: str) -> Poly:
     """Parse one axis expression such as `T-1` or `Bp*N` into a `Poly`.
 
-    Cached: every contract that writes `T` shares one `Poly`, so the checker's
-    comparisons along an edge mostly end at `is`.
+    Cached: contracts and kinds' dim defaults write the same few expressions.
     """
     if len(text) > 200:
         raise DimError(f"dim expression is {len(text)} characters long; the limit is 200")

@@ -1,7 +1,5 @@
 """Reading YAML safely into a located document tree.
 
-Plain block YAML, what graph files mostly are, is read line by line by
-`flowgraph.blockyaml`; any other text, or one with a problem, goes the long way:
 PyYAML parses the file into events (libyaml's C parser when present); we compose
 them into `YMap` / `YSeq` / `YScalar`, which keep the line and column of every key
 and value. Only the plain YAML types are accepted: any other tag (`!!python/object`,
@@ -13,12 +11,10 @@ overrides (`nodes.adv.params.lam=0.9`) are applied to this tree before the IR is
 from __future__ import annotations
 
 import difflib
-import gc
 import re
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeAlias, cast
+from typing import Any, NamedTuple, TypeAlias
 
 import yaml
 from yaml.composer import ComposerError
@@ -30,7 +26,6 @@ from flowgraph.ir import Scalar
 from flowgraph.source import SourcePos
 
 _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-_ScalarEvent = yaml.ScalarEvent
 _STD = "tag:yaml.org,2002:"
 _SCALAR_TAGS = {f"{_STD}{t}" for t in ("str", "int", "float", "bool", "null", "timestamp")}
 _STR_TAG, _MAP_TAG, _SEQ_TAG, _MERGE_TAG = (f"{_STD}{t}" for t in ("str", "map", "seq", "merge"))
@@ -86,41 +81,12 @@ def did_you_mean(word: str, options: list[str] | tuple[str, ...]) -> str:
     return f"did you mean `{close[0]}`?" if close else f"expected one of: {', '.join(options)}"
 
 
-@contextmanager
-def paused_gc() -> Iterator[None]:
-    """Pause the cyclic garbage collector while large acyclic trees are built.
-
-    Reading and checking a 10,000-node graph allocates about a million small objects,
-    none of them in a cycle; every collection rescans all that are alive, which took
-    40% of the time. Reference counting still frees everything; the collector resumes
-    afterwards (if it was running). On resuming, the objects made meanwhile go straight
-    to the oldest generation (`gc.freeze` then `gc.unfreeze` moves every tracked object
-    there without scanning it): as young objects, the first collection after the pause
-    would have scanned all million of them, a quarter of a second. They are still
-    collected, by the next full collection. Not when the program has frozen objects of
-    its own (before forking workers, say): unfreezing would thaw those too.
-    """
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        if gc.get_freeze_count() == 0:
-            gc.freeze()
-            gc.unfreeze()
-        gc.enable()
-
-
 class _Merge:
     """The `<<` merge key, as a mapping's key."""
 
 
 _MERGE = _Merge()
 _resolve: Callable[[type[yaml.Node], str, tuple[bool, bool]], str] = Resolver().resolve
-_IMPLICIT_FIRST = frozenset(k for k in Resolver.yaml_implicit_resolvers if k)
-"""First characters of plain scalars that may be something other than a string."""
 
 
 @dataclass(slots=True)
@@ -155,15 +121,9 @@ class _Composer:
     """YAML events -> YNode, collecting problems instead of stopping at the first.
 
     Built straight from the parser's events (PyYAML's own composer, in C, recurses
-    once per level: `[[[[...` 30,000 deep overflows the C stack and kills the process;
-    it is no faster either, as turning its nodes into YNodes costs what composing the
-    events does). An alias reuses the anchored YNode; its expanded size and depth are
-    counted at every use, so an alias bomb stops at `MAX_NODES` without being expanded.
-
-    Most events of a graph file are untagged scalars without an anchor, and most of
-    those are names: `run` takes them the short way, and mappings of distinct string
-    keys skip the duplicate-key walk (tests/core/test_fast_paths.py holds both to the
-    long way).
+    once per level: `[[[[...` 30,000 deep overflows the C stack and kills the process).
+    An alias reuses the anchored YNode; its expanded size and depth are counted at every
+    use, so an alias bomb stops at `MAX_NODES` without being expanded.
     """
 
     def __init__(self, file: str) -> None:
@@ -173,14 +133,9 @@ class _Composer:
         self.stack: list[_Open] = []
         self.roots: list[YNode | _Merge | None] = []
         """The document's top level: the root node, once it is complete."""
-        self.items = self.roots
-        """Where the next complete node goes: the innermost open collection's items."""
         self.anchors: dict[str, _Anchor] = {}
         self.first: Any = None
         """The first document's start event."""
-        self.plain: dict[str, tuple[Scalar]] = {}
-        """Plain scalars read so far, by their text: a graph file repeats a few hundred
-        names and numbers thousands of times, and resolving one costs a regex or two."""
 
     def pos(self, event: yaml.Event) -> SourcePos:
         m: Any = event.start_mark
@@ -190,38 +145,26 @@ class _Composer:
         """(whether the stream holds a document, its root)."""
         loader = _Loader(text)
         try:
-            self.run(iter(loader.get_event, None))
+            for event in iter(loader.get_event, None):
+                self.event(event)
         finally:
             loader.dispose()
         root = self.roots[-1] if self.roots else None
         return self.first is not None, root if isinstance(root, (YScalar, YSeq, YMap)) else None
 
-    def run(self, events: Iterator[Any]) -> None:
-        """Every event; an untagged scalar without an anchor (most of them) the short way."""
-        file, plain, stack = self.file, self.plain, self.stack
-        handlers: dict[type, Callable[[Any], None]] = {
-            yaml.MappingStartEvent: self.open, yaml.SequenceStartEvent: self.open,
-            yaml.MappingEndEvent: self.close, yaml.SequenceEndEvent: self.close,
-            yaml.ScalarEvent: self.tagged, yaml.AliasEvent: self.alias,
-            yaml.DocumentStartEvent: self.document}
-        for event in events:
-            if type(event) is not _ScalarEvent or event.tag is not None \
-                    or event.anchor is not None:
-                handlers.get(type(event), _ignore)(event)
-                continue
-            self.count += 1
-            if self.count > MAX_NODES or len(stack) > MAX_DEPTH:
-                self.limits(event, 0)
-            m: Any = event.start_mark
-            pos = SourcePos(file, m.line + 1, m.column + 1)
-            value = event.value
-            if not event.implicit[0] or (value and value[0] not in _IMPLICIT_FIRST):
-                # Quoted, a block scalar, or plain text no other type can start with.
-                self.items.append(YScalar(value, pos))
-                continue
-            known = plain.get(value)
-            self.items.append(YScalar(known[0], pos) if known is not None
-                              else self.plain_scalar(event, pos))
+    def event(self, event: yaml.Event) -> None:
+        """One event; the stream's start and end and a document's end compose nothing."""
+        if isinstance(event, yaml.ScalarEvent):
+            self.enter(event, 0, 1)
+            self.add(self.scalar(event), 0)
+        elif isinstance(event, yaml.CollectionStartEvent):
+            self.open(event)
+        elif isinstance(event, yaml.CollectionEndEvent):
+            self.close()
+        elif isinstance(event, yaml.AliasEvent):
+            self.alias(event)
+        elif isinstance(event, yaml.DocumentStartEvent):
+            self.document(event)
 
     def document(self, event: yaml.DocumentStartEvent) -> None:
         if self.first is not None:
@@ -230,16 +173,9 @@ class _Composer:
                                 self.first.start_mark, "but found another document", again)
         self.first = event
 
-    def tagged(self, event: yaml.ScalarEvent) -> None:
-        """A scalar with a tag or an anchor."""
-        self.count += 1
-        if self.count > MAX_NODES or len(self.stack) > MAX_DEPTH:
-            self.limits(event, 0)
-        self.items.append(self.scalar(event))
-
-    def add(self, node: YNode | None, height: int) -> None:
-        """A complete collection or alias, `height` levels deep, into the open collection."""
-        self.items.append(node)
+    def add(self, node: YNode | _Merge | None, height: int) -> None:
+        """A complete node, `height` levels deep, into the open collection."""
+        (self.stack[-1].items if self.stack else self.roots).append(node)
         if self.stack and height >= self.stack[-1].height:
             self.stack[-1].height = height + 1
 
@@ -280,22 +216,10 @@ class _Composer:
         top = self.stack[-1] if self.stack else None
         return top is not None and top.is_map and len(top.items) % 2 == 0
 
-    def plain_scalar(self, event: yaml.ScalarEvent, pos: SourcePos) -> YScalar | _Merge | None:
-        """An untagged plain scalar that may be more than a string, seen for the first
-        time: resolve and remember it."""
-        value = event.value
-        node = self.scalar_value(event, _resolve(yaml.ScalarNode, value, event.implicit), pos)
-        if isinstance(node, YScalar):  # not a merge key, not refused: the same every time
-            self.plain[value] = (node.value,)
-        return node
-
     def scalar(self, event: yaml.ScalarEvent) -> YScalar | _Merge | None:
-        tag, value = event.tag, event.value
-        if (tag is None or tag == "!") and event.implicit[0] and (
-                not value or value[0] in _IMPLICIT_FIRST):
-            tag = _resolve(yaml.ScalarNode, value, event.implicit)
-        elif tag is None or tag == "!":
-            tag = _STR_TAG  # quoted, or plain text no other type can start with
+        tag = event.tag
+        if tag is None or tag == "!":
+            tag = _resolve(yaml.ScalarNode, event.value, event.implicit)
         if event.anchor is None:
             return self.scalar_value(event, tag, self.pos(event))
         self.check_anchor(event)
@@ -313,34 +237,28 @@ class _Composer:
             self.bad_tag(tag, pos)
             return None
         try:
-            return YScalar(_construct(tag, event.value, event.style, event.start_mark,
-                                      event.end_mark), pos)
+            return YScalar(_construct(tag, event), pos)
         except _UNREADABLE as exc:
             self.diags.append(error("FG004", f"cannot read the value `{event.value[:40]}`: "
                                     f"{exc}", pos))
             return None
 
     def open(self, event: yaml.CollectionStartEvent) -> None:
-        self.count += 1
-        if self.count > MAX_NODES or len(self.stack) > MAX_DEPTH:
-            self.limits(event, 0)
+        self.enter(event, 0, 1)
         if event.anchor is not None:
             self.check_anchor(event)
-        is_map = type(event) is yaml.MappingStartEvent
+        is_map = isinstance(event, yaml.MappingStartEvent)
         tag = event.tag
         if tag is None or tag == "!":
             tag = _MAP_TAG if is_map else _SEQ_TAG
-        top = _Open(is_map, tag, self.pos(event), event.anchor, self.count - 1)
-        self.stack.append(top)
-        self.items = top.items
+        self.stack.append(_Open(is_map, tag, self.pos(event), event.anchor, self.count - 1))
         if event.anchor is not None:
             # Known but not complete: an alias to it from inside is a cycle.
             self.anchors[event.anchor] = _Anchor(None, -1, 0, self.pos(event),
                                                  event.start_mark)
 
-    def close(self, event: yaml.CollectionEndEvent) -> None:
+    def close(self) -> None:
         top = self.stack.pop()
-        self.items = self.stack[-1].items if self.stack else self.roots
         # `add` raised the height for nested collections and aliases; any item at all,
         # a scalar too, is one level below.
         height = max(top.height, 1) if top.items else 0
@@ -370,15 +288,6 @@ class _Composer:
         self.add(anchor.node, anchor.height)
 
     def mapping(self, top: _Open) -> YMap:
-        keys, values = top.items[0::2], top.items[1::2]
-        names = {k.value for k in keys if type(k) is YScalar and type(k.value) is str}
-        if len(names) == len(keys) and all(v is not None for v in values):
-            # The common case: distinct string keys, no merge, nothing refused.
-            pairs = tuple(zip(keys, values, strict=False))
-            return YMap(cast("tuple[tuple[YScalar, YNode], ...]", pairs), top.pos)
-        return self.checked_mapping(top)
-
-    def checked_mapping(self, top: _Open) -> YMap:
         out: dict[object, tuple[YScalar, YNode]] = {}
         merged: dict[object, tuple[YScalar, YNode]] = {}
         pairs = iter(top.items)
@@ -422,39 +331,23 @@ _UNREADABLE = (ValueError, yaml.YAMLError, OverflowError)
 """What the constructor raises for a value it cannot read (`2001-13-45`)."""
 
 
-def _construct(tag: str, text: str, style: str | None, start: Any = None, end: Any = None
-               ) -> Scalar:
+def _construct(tag: str, event: yaml.ScalarEvent) -> Scalar:
     """The value of a scalar whose tag is one of `_SCALAR_TAGS`; raises one of
     `_UNREADABLE` when it cannot be read."""
-    if tag == _STR_TAG:  # most values: skip the constructor, which costs 10x more
-        if not style and _EXP_FLOAT.match(text):
+    text = event.value
+    if tag == _STR_TAG:
+        if not event.style and _EXP_FLOAT.match(text):
             # YAML 1.1 reads `1e-5` as a string; everyone means a number. A plain
             # scalar's style is None from PyYAML's parser but '' from libyaml's.
             return float(text)
         return text
-    node = yaml.ScalarNode(tag, text, start, end, style)
+    start: Any = event.start_mark
+    end: Any = event.end_mark
+    node = yaml.ScalarNode(tag, text, start, end, event.style)
     value = SafeConstructor().construct_object(node, deep=True)
     if not isinstance(value, (str, int, float, bool)) and value is not None:
         return text  # a timestamp: keep the text
     return value
-
-
-def plain_value(text: str) -> tuple[Scalar] | None:
-    """(value,) of an untagged plain scalar written `text`, read as the composer reads
-    it; None where the composer gives no value (a merge key, the `=` tag, a value it
-    cannot read) and would say why."""
-    tag = _resolve(yaml.ScalarNode, text, (True, False)) if (
-        not text or text[0] in _IMPLICIT_FIRST) else _STR_TAG
-    if tag not in _SCALAR_TAGS:
-        return None
-    try:
-        return (_construct(tag, text, None),)
-    except _UNREADABLE:
-        return None
-
-
-def _ignore(event: yaml.Event) -> None:
-    """The stream's start and end, a document's end: nothing to compose."""
 
 
 class _TooLarge(Exception):
@@ -465,11 +358,6 @@ class _TooLarge(Exception):
 
 def read_document(text: str, file: str) -> tuple[YNode | None, list[Diagnostic]]:
     """Parse YAML text into a located tree; problems come back as diagnostics."""
-    from flowgraph.blockyaml import read_block  # built on this module's tree and values
-
-    quick = read_block(text, file)
-    if quick is not None:
-        return quick, []
     composer = _Composer(file)
     try:
         found, doc = composer.compose(text)

@@ -26,7 +26,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from pathlib import Path
-from typing import Any, TypeGuard
+from typing import Any
 
 import yaml
 
@@ -40,7 +40,6 @@ from flowgraph.document import (
     apply_override,
     did_you_mean,
     parse_override,
-    paused_gc,
     plain,
     read_document,
 )
@@ -111,11 +110,6 @@ class _Reader:
     def __init__(self, file: str) -> None:
         self.file = file
         self.diags: list[Diagnostic] = []
-        self.refs: dict[str, tuple[str, str] | None] = {}
-        """`node.port` texts split (None: malformed); a graph repeats a few hundred of
-        them thousands of times."""
-        self.names: dict[str, bool] = {}
-        """Whether a port name is a valid name."""
 
     def err(self, code: str, message: str, pos: SourcePos, **kw: Any) -> None:
         self.diags.append(error(code, message, pos, **kw))
@@ -152,31 +146,16 @@ class _Reader:
             if types is None:
                 self.err("FG003", f"unknown key `{name}` in {where}", key.pos,
                          hint=did_you_mean(name, tuple(schema)))
-            elif types in _NESTED:
+            elif types in ((dict,), (list,)):
                 if isinstance(value, YMap if types == (dict,) else YSeq):
                     out[name] = value
                 else:
                     self.type_error(value, types, f"{where}.{name}")
-            elif _plainly(value, types):  # most values: a string, an int or a bool
-                out[name] = value.value
             else:
                 typed = self.typed(value, types, f"{where}.{name}")
                 if typed is not None or (plain(value) is None and type(None) in types):
                     out[name] = typed
         return out
-
-    def ref(self, port: str, value: YNode) -> PortRef | None:
-        """An input's `node.port` at the value's position; None if it is malformed."""
-        text = value.value if isinstance(value, YScalar) else None
-        if not isinstance(text, str):
-            return None
-        if text not in self.refs:
-            m = REF_RE.match(text)
-            self.refs[text] = (m.group(1), m.group(2)) if m else None
-        if port not in self.names:
-            self.names[port] = NAME_RE.match(port) is not None
-        split = self.refs[text]
-        return PortRef(split[0], split[1], value.pos) if split and self.names[port] else None
 
     def named_entries(self, node: YNode | None, where: str) -> list[tuple[YScalar, YNode]]:
         if node is None:
@@ -200,16 +179,6 @@ class _Reader:
             self.err("FG004", f"`{where}` must be a mapping", node.pos)
             return Params()
         return Params(tuple(Param(str(k.value), _freeze(v), v.pos) for k, v in node.items))
-
-
-_NESTED = ((dict,), (list,))
-
-
-def _plainly(node: YNode, types: _T) -> TypeGuard[YScalar]:
-    """Whether `typed` would return the node's value as it is: a scalar of a type that
-    `types` names exactly, and not a float (`typed` checks that it is finite)."""
-    return isinstance(node, YScalar) and type(node.value) in types and (
-        type(node.value) is not float)
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",
@@ -350,14 +319,15 @@ def _read_inputs(r: _Reader, node: YNode | None, where: str) -> tuple[tuple[str,
     out = []
     for key, value in node.items:
         port = str(key.value)
-        ref = r.ref(port, value)
-        if ref is None:
+        text = plain(value)
+        m = REF_RE.match(text) if isinstance(text, str) else None
+        if not NAME_RE.match(port) or m is None:
             r.err("FG115", f"input `{where}.inputs.{port}` must be `node.port`, got "
-                  f"{_describe(plain(value))}", value.pos,
+                  f"{_describe(text)}", value.pos,
                   hint="write the upstream node's name and its output port, e.g. "
                        "`gen.responses`")
             continue
-        out.append((port, ref))
+        out.append((port, PortRef(m.group(1), m.group(2), value.pos)))
     return tuple(out)
 
 
@@ -464,13 +434,12 @@ def load_graph(
         if isinstance(loaded, Diagnostic):
             return None, [loaded]
         text = loaded
-    with paused_gc():
-        doc, diags = read_document(text, file)
-        doc, override_diags = apply_overrides(doc, overrides)
-        diags += override_diags
-        if doc is None:
-            return None, diags
-        graph, more = graph_from_document(doc, file)
+    doc, diags = read_document(text, file)
+    doc, override_diags = apply_overrides(doc, overrides)
+    diags += override_diags
+    if doc is None:
+        return None, diags
+    graph, more = graph_from_document(doc, file)
     return graph, diags + more
 
 

@@ -128,10 +128,7 @@ class KindSpec:
         return next((p for p in self.outputs if p.name == name), None)
 
     def param(self, name: str) -> ParamSpec | None:
-        for p in self.params:  # a loop, not `next` over a generator: the checker asks per node
-            if p.name == name:
-                return p
-        return None
+        return next((p for p in self.params if p.name == name), None)
 
     def param_values(self, given: Mapping[str, object]) -> dict[str, object]:
         """Every param's value: `given` where set, else the kind's default."""

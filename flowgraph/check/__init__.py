@@ -11,14 +11,7 @@ from dataclasses import dataclass
 
 from flowgraph.check.batch import check_batches, ranks_of
 from flowgraph.check.sampling import check_temperatures
-from flowgraph.check.shapes import (
-    DimEnv,
-    EdgeInfo,
-    PortShape,
-    ShapeResult,
-    infer_shapes,
-    topo_order,
-)
+from flowgraph.check.shapes import DimEnv, EdgeInfo, PortShape, ShapeResult, infer_shapes
 from flowgraph.check.structure import (
     Resolved,
     check_cycles,
@@ -30,9 +23,8 @@ from flowgraph.check.structure import (
     resolve_kinds,
 )
 from flowgraph.diagnostics import Diagnostic, error, sort_key
-from flowgraph.document import paused_gc
 from flowgraph.errors import PluginError
-from flowgraph.ir import Graph, NodeSpec
+from flowgraph.ir import Graph
 from flowgraph.registry import Registry
 
 __all__ = ["CheckResult", "DimEnv", "EdgeInfo", "PortShape", "Resolved", "check_graph"]
@@ -68,13 +60,6 @@ def _load_plugins(graph: Graph, registry: Registry, out: list[Diagnostic]) -> No
                                   "you would `import` it?"))
 
 
-def _acyclic(graph: Graph, table: dict[str, Resolved], order: list[NodeSpec]) -> bool:
-    """Whether a topological order of every node proves `check_cycles` would find nothing,
-    so its search can be skipped: where each name is one node's or data source's, the
-    order and the search walk the same graph."""
-    return len(order) == len(graph.nodes) and len(table) == len(graph.data) + len(graph.nodes)
-
-
 def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None = None,
                 target: str | None = None) -> CheckResult:
     """Check everything; `dp` (data-parallel size) defaults to `resources.nproc`. The
@@ -84,18 +69,16 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     dp = dp or graph.resources.nproc
     ranks, pools = ranks_of(graph, dp, target not in ("local", "fsdp"))
     out: list[Diagnostic] = []
-    with paused_gc():
-        _load_plugins(graph, registry, out)
-        table = resolve_kinds(graph, registry, out)
-        check_ports(table, out)
-        check_params(table, out)
-        check_models(graph, table, out)
-        check_temperatures(table, out)
-        check_held_out(graph, out)
-        order = topo_order(graph, set())
-        on_cycle = set() if _acyclic(graph, table, order) else check_cycles(graph, out)
-        check_unused(graph, table, out)
-        shapes = infer_shapes(graph, table, on_cycle, out, None if on_cycle else order)
-        check_batches(table, shapes, ranks, pools, out)
-        diags = tuple(sorted(dict.fromkeys(out), key=sort_key))
+    _load_plugins(graph, registry, out)
+    table = resolve_kinds(graph, registry, out)
+    check_ports(table, out)
+    check_params(table, out)
+    check_models(graph, table, out)
+    check_temperatures(table, out)
+    check_held_out(graph, out)
+    on_cycle = check_cycles(graph, out)
+    check_unused(graph, table, out)
+    shapes = infer_shapes(graph, table, on_cycle, out)
+    check_batches(table, shapes, ranks, pools, out)
+    diags = tuple(sorted(dict.fromkeys(out), key=sort_key))
     return CheckResult(graph, diags, table, shapes, registry, dp)

@@ -105,37 +105,21 @@ def _check_binding(node: NodeSpec, kind: KindSpec, declared: Mapping[str, object
 
 def check_ports(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
     """Input ports exist and are wired; references point at real outputs."""
-    ports = _PortNames()
-    produced = _produced(table, ports)
     for r in table.values():
         if not isinstance(r.spec, NodeSpec) or r.kind is None:
             continue
         node, kind = r.spec, r.kind
-        known = ports.get(kind)
-        needed = 0
+        names = [p.name for p in kind.inputs]
         for port, ref in node.inputs:
-            need = known.inputs.get(port)
-            if need:
-                needed += 1
-            elif need is None:
+            if port not in names:
                 out.append(error("FG103", f"kind `{kind.name}` has no input `{port}`", ref.pos,
                                  node=node.name, edge=f"{ref} -> {node.name}.{port}",
-                                 hint=did_you_mean(port, list(known.inputs))))
-            if (ref.node, ref.port) not in produced:
-                _check_ref(node, port, ref, table, ports, out)
-        if needed == known.needed:
-            continue  # every input that `KindSpec.needs` may ask for is wired
+                                 hint=did_you_mean(port, names)))
+            _check_ref(node, port, ref, table, out)
         wired = {port for port, _ in node.inputs}
         unwired = [p for p in kind.inputs if p.name not in wired]
         if unwired:
             _check_unwired(node, kind, unwired, out)
-
-
-def _produced(table: dict[str, Resolved], ports: _PortNames) -> set[tuple[str, str]]:
-    """Every `(node, port)` that is an output of a known kind: a reference to one needs
-    no `_check_ref`, and that is most references."""
-    return {(name, port) for name, r in table.items() if r.kind is not None
-            for port in ports.get(r.kind).outputs}
 
 
 def _check_unwired(node: NodeSpec, kind: KindSpec, unwired: list[PortSpec],
@@ -151,54 +135,18 @@ def _check_unwired(node: NodeSpec, kind: KindSpec, unwired: list[PortSpec],
                              hint=f"wire it: `inputs: {{{p.name}: <node>.<port>}}`"))
 
 
-@dataclass(frozen=True, slots=True)
-class _Ports:
-    """A kind's port names, in order."""
-
-    kind: KindSpec
-    """Kept alive: `_PortNames` files this under the id of the kind."""
-    inputs: dict[str, bool]
-    """Each input, and whether `KindSpec.needs` may ask for it: required, or named by
-    `required_when`."""
-    outputs: dict[str, None]
-    needed: int
-    """How many inputs `KindSpec.needs` may ask for."""
-
-
-class _PortNames:
-    """Port names per kind, looked up once per kind rather than once per edge."""
-
-    def __init__(self) -> None:
-        self.memo: dict[int, _Ports] = {}
-        """By the id of the kind."""
-
-    def outputs(self, kind: KindSpec) -> dict[str, None]:
-        return self.get(kind).outputs
-
-    def get(self, kind: KindSpec) -> _Ports:
-        memo = self.memo.get(id(kind))
-        if memo is None:
-            when = {name for name, _, _ in kind.required_when}
-            inputs = {p.name: not p.optional or p.name in when for p in kind.inputs}
-            memo = self.memo[id(kind)] = _Ports(kind, inputs,
-                                                dict.fromkeys(p.name for p in kind.outputs),
-                                                sum(inputs.values()))
-        return memo
-
-
 def _check_ref(node: NodeSpec, port: str, ref: PortRef, table: dict[str, Resolved],
-               ports: _PortNames, out: list[Diagnostic]) -> None:
+               out: list[Diagnostic]) -> None:
+    edge = f"{ref} -> {node.name}.{port}"
     src = table.get(ref.node)
     if src is None:
         out.append(error("FG105", f"`{ref.node}` is not a node or data source", ref.pos,
-                         node=node.name, edge=f"{ref} -> {node.name}.{port}",
-                         hint=did_you_mean(ref.node, list(table))))
+                         node=node.name, edge=edge, hint=did_you_mean(ref.node, list(table))))
         return
-    if src.kind is not None and ref.port not in ports.outputs(src.kind):
+    if src.kind is not None and src.kind.output(ref.port) is None:
         outs = [p.name for p in src.kind.outputs]
         out.append(error("FG106", f"`{ref.node}` (kind {src.kind.name}) has no output "
-                         f"`{ref.port}`", ref.pos, node=node.name,
-                         edge=f"{ref} -> {node.name}.{port}",
+                         f"`{ref.port}`", ref.pos, node=node.name, edge=edge,
                          hint=did_you_mean(ref.port, outs) if outs else
                          f"kind {src.kind.name} has no outputs"))
 
@@ -281,9 +229,9 @@ def _param_hint(spec: ParamSpec) -> str:
 
 def param_value(r: Resolved, name: str) -> ParamValue:
     """The param's value, or the kind's default."""
-    for p in r.spec.params.items:  # `Params.find`, without a generator: called per node
-        if p.name == name:
-            return p.value
+    p = r.spec.params.find(name)
+    if p is not None:
+        return p.value
     spec = r.kind.param(name) if r.kind else None
     return spec.default if spec else None
 

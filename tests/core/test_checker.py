@@ -1,11 +1,15 @@
 """The checker: every problem collected, each with code, position, edge and hint."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from flowgraph.check import check_graph
+from flowgraph.check import CheckResult, check_graph
+from flowgraph.contracts import TensorSpec
 from flowgraph.frontend import load_graph
+from flowgraph.kinds import BUILTIN_KINDS
+from flowgraph.registry import KindSpec, PortSpec, Registry
 
 ROOT = Path(__file__).resolve().parents[2]
 GRPO = (ROOT / "graphs" / "grpo.yaml").read_text()
@@ -103,6 +107,45 @@ def test_cycle_is_reported_with_its_path() -> None:
     cycles = [d for d in _check(text) if d.code == "FG107"]
     assert len(cycles) == 1
     assert "cycle: gen -> old_logprob -> gen" in cycles[0].message
+
+
+def test_a_name_two_nodes_share_is_reported_once() -> None:
+    # Only a graph built in Python can list two nodes of one name (YAML keys are unique).
+    graph, _ = load_graph("g.yaml", text=GRPO)
+    assert graph is not None
+    twice = dataclasses.replace(graph, nodes=(*graph.nodes, graph.nodes[1]))
+    assert [d.one_line() for d in check_graph(twice).diagnostics] == [
+        "g.yaml:28:3: error[FG101]: the name `old_logprob` is used twice"]
+
+
+def _check_three(kind: KindSpec) -> CheckResult:
+    """grpo.yaml plus three nodes of `kind` (x0, x1, x2) reading old_logprob.log_prob."""
+    nodes = "".join(f"  x{i}:\n    kind: {kind.name}\n    inputs: {{x: old_logprob.log_prob}}\n"
+                    for i in range(3))
+    graph, diags = load_graph("g.yaml", text=GRPO.replace("\ntrainer:", nodes + "\ntrainer:", 1))
+    assert graph is not None and not diags
+    result = check_graph(graph, Registry({**BUILTIN_KINDS, kind.name: kind}))
+    assert not result.errors
+    return result
+
+
+def test_a_local_dim_no_edge_binds_is_named_after_its_node() -> None:
+    widen = KindSpec("widen", "custom", "adds an axis of its own size",
+                     inputs=(PortSpec("x", TensorSpec("b T")),),
+                     outputs=(PortSpec("y", TensorSpec("b T c")),))
+    outputs = _check_three(widen).shapes.outputs
+    assert [str(outputs[(f"x{i}", "y")].dims[2]) for i in range(3)] == ["x0.c", "x1.c", "x2.c"]
+
+
+def test_a_local_dim_is_solved_from_an_axis_expression() -> None:
+    # `b+1` fed Bp*N sequences: b = Bp*N-1 (16 - 1 with Bp=4, N=4), for every node.
+    shifted = KindSpec("shifted", "custom", "gives one sequence fewer than it takes",
+                       inputs=(PortSpec("x", TensorSpec("b+1 T")),),
+                       outputs=(PortSpec("y", TensorSpec("b T")),))
+    shapes = _check_three(shifted).shapes
+    assert [str(shapes.outputs[(f"x{i}", "y")].dims[0]) for i in range(3)] == ["Bp*N-1"] * 3
+    assert shapes.env.why["x2.b"] == ("`b` of `x2` = Bp*N-1=15, from edge old_logprob.log_prob "
+                                      "-> x2.x (g.yaml:69:17)")
 
 
 def test_trainable_model_without_update_and_unused_outputs() -> None:

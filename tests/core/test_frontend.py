@@ -3,12 +3,17 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
+import flowgraph.document as document
 from flowgraph.builder import GraphBuilder
+from flowgraph.diagnostics import Diagnostic
+from flowgraph.document import YMap, YScalar, YSeq, plain, read_document
 from flowgraph.frontend import graph_from_yaml, graph_to_yaml, load_graph
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAPHS = sorted((ROOT / "graphs").glob("*.yaml"))
+ALL_GRAPHS = sorted((ROOT / "graphs").glob("**/*.yaml"))
 
 SMALL = """\
 name: small
@@ -77,6 +82,47 @@ def test_exponent_floats_are_numbers() -> None:
 )
 def test_document_problems_are_located(text: str, expected: list[tuple[str, int, int]]) -> None:
     assert _codes(text) == expected
+
+
+def _located(diags: list[Diagnostic]) -> list[tuple[str, int, int]]:
+    return [(d.code, d.pos.line, d.pos.col) for d in diags if d.pos]
+
+
+def test_each_unreadable_value_is_reported_where_it_is() -> None:
+    # The value is dropped; every occurrence has its own FG004.
+    doc, diags = read_document("a: 2001-13-45\nb: [2001-13-45, 2001-12-14]\n", "f.yaml")
+    assert _located(diags) == [("FG004", 1, 4), ("FG004", 2, 5)]
+    assert doc is not None and plain(doc) == {"b": ["2001-12-14"]}
+
+
+def test_exponent_floats_keep_their_positions_and_quoted_ones_stay_text() -> None:
+    doc, diags = read_document("a: 1e-5\nb: [1e-5, '1e-5', 1E5, +2e3, 1e-5]\nc: {1e-5: x}\n",
+                               "f.yaml")
+    assert _located(diags) == [("FG004", 3, 5)]  # a number is not a name: not a key
+    assert isinstance(doc, YMap)
+    b = doc.get("b")
+    assert isinstance(b, YSeq)
+    assert [(i.value, i.pos.col) for i in b.items if isinstance(i, YScalar)] == [
+        (1e-5, 5), ("1e-5", 11), (1e5, 19), (2e3, 24), (1e-5, 30)]
+
+
+def test_a_merge_key_is_never_taken_for_a_value() -> None:
+    _, diags = read_document("d: &d {x: 1}\ne: {y: <<, <<: *d}\nf: {<<: *d, z: <<}\n", "f.yaml")
+    assert _located(diags) == [("FG002", 2, 8), ("FG002", 3, 16)]
+
+
+@pytest.mark.parametrize("path", ALL_GRAPHS, ids=[str(p.relative_to(ROOT)) for p in ALL_GRAPHS])
+def test_libyaml_and_the_pure_python_parser_read_the_same(path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # Syntax errors are worded by each parser in its own way; code and place agree.
+    text = path.read_text(encoding="utf-8")
+    fast = read_document(text, "f.yaml")
+    monkeypatch.setattr(document, "_Loader", yaml.SafeLoader)
+    pure = read_document(text, "f.yaml")
+    assert fast[0] == pure[0]
+    assert [(d.code, d.pos) for d in fast[1]] == [(d.code, d.pos) for d in pure[1]]
+    if not any(d.code == "FG001" for d in fast[1]):
+        assert fast[1] == pure[1]
 
 
 def test_unknown_key_suggests_the_close_one() -> None:
