@@ -4,13 +4,16 @@ Sharding (FSDP2). A model is wrapped with `fully_shard` per transformer block an
 more around its backbone (embeddings, final norm): those run once per forward on every
 worker, so their collectives line up. The heads (a causal LM's `lm_head`, a critic's
 `value_head`) stay replicated: the chunked log-prob calls the LM head once per chunk of
-valid tokens, a number that differs between workers. Their gradients are averaged by
-the update node (`flowgraph.nodes.update`, through `NodeContext.all_reduce`).
+valid tokens, a number that differs between workers. Gradients are summed over the
+workers, not averaged (the update node weighs each worker's loss by its share of the
+whole mini-batch): FSDP's reduce-scatter with a divide factor of 1 and a plain sum
+(gloo has no pre-scaled sum), the replicated ones by `DataParallel.clip_grad_norm`
+before the norm is taken.
 A parameter that two of these parts share — a tied `lm_head.weight` is the backbone's
 `embed_tokens.weight` — stays replicated too, one Parameter for all its users: sharded
 in the backbone it would become a DTensor while the head kept the old tensor, two
 copies with the gradient split between them. Its gradient is the sum over its uses, as
-in one process, averaged over the workers like a head's. (It costs what an untied
+in one process, summed over the workers like a head's. (It costs what an untied
 model's head costs: V·H replicated.)
 
 Slicing. A data-parallel node's batch is cut into `world` contiguous parts of whole
@@ -32,7 +35,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -43,10 +46,10 @@ import torch.distributed as dist
 from torch import nn
 
 from flowgraph.errors import FlowgraphError
+from flowgraph.runtime.context import Workers
 
 DCP_DIR = "dcp"
 """Sub-folder of a checkpoint that holds the DCP shards of models and optimizers."""
-_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 
 
 # --- process groups ---------------------------------------------------------------------
@@ -67,14 +70,56 @@ def init_group(rank: int, world: int, device: str, *, addr: str | None = None,
                             timeout=timedelta(seconds=timeout_s))
 
 
-def reducer(group: Any = None) -> Callable[[torch.Tensor, str], torch.Tensor]:
-    """`NodeContext.reduce`: an in-place all-reduce over `group` (the default group)."""
+class DataParallel(Workers):
+    """`NodeContext.workers` of a data-parallel node: each service a collective over
+    `group` (the default group when None) that every worker calls at the same point."""
 
-    def reduce(tensor: torch.Tensor, op: str) -> torch.Tensor:
-        dist.all_reduce(tensor, op=_OPS[op], group=group)
-        return tensor
+    def __init__(self, group: Any = None) -> None:
+        self.group = group
 
-    return reduce
+    def all(self, flag: bool) -> bool:
+        t = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(t.item())
+
+    def sum(self, values: Mapping[str, float]) -> dict[str, float]:
+        names = sorted(values)
+        t = torch.tensor([values[k] for k in names], dtype=torch.float64)
+        dist.all_reduce(t, group=self.group)
+        return dict(zip(names, t.tolist(), strict=True))
+
+    def clip_grad_norm(self, model: Any, max_norm: float) -> float:
+        """The sharded parameters (DTensors) hold a slice of the summed gradient on
+        each worker; the replicated ones (heads, tied embeddings) their worker's part,
+        summed here first. The norm adds the slices' squares over the workers, then the
+        replicated ones' once (`parameters()` lists a tied parameter once)."""
+        self._sum_replicated(model)
+        params = [p for p in model.parameters() if p.grad is not None]
+        sharded = [p.grad.to_local() for p in params if hasattr(p.grad, "to_local")]
+        replicated = [p.grad for p in params if not hasattr(p.grad, "to_local")]
+        squares = torch.zeros(1, dtype=torch.float64)
+        for g in sharded:
+            squares += g.double().square().sum().cpu()
+        dist.all_reduce(squares, group=self.group)
+        for g in replicated:
+            squares += g.double().square().sum().cpu()
+        norm = float(squares.sqrt().float())
+        coef = max_norm / (norm + 1e-6)  # torch's clip_grad_norm_ formula
+        if max_norm > 0 and coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+        return norm
+
+    def _sum_replicated(self, model: nn.Module) -> None:
+        params = [p for p in model.parameters() if p.requires_grad
+                  and not hasattr(p, "to_local")]
+        if not params:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        for p, part in zip(params, flat.split([g.numel() for g in grads]), strict=True):
+            p.grad = part.view_as(p).to(p.dtype)
 
 
 # --- sharding ---------------------------------------------------------------------------
@@ -102,6 +147,8 @@ def shard_model(model: nn.Module, device: str) -> nn.Module:
     shared = shared_params(model, units)
     for unit in units:
         fully_shard(unit, ignored_params=shared)
+        unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # summed, see above
+        unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # gloo: no PREMUL_SUM
     return model
 
 

@@ -140,3 +140,12 @@ class Resources:
     schedulers: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
     """Data source -> flowgraph.nodes.data.Splits."""
+
+
+def rollout_engine(backend: str) -> Any:
+    """`NodeContext.engines`: the worker layer's rollout engine of a backend."""
+    if backend != "vllm":
+        raise FlowgraphError(f"no rollout engine for backend `{backend}` (there is `vllm`)")
+    from flowgraph.compilers import vllm_engine  # vLLM is optional and slow to import
+
+    return vllm_engine.ROLLOUT

@@ -68,7 +68,7 @@ class FsdpExecutor(LocalExecutor):
         self.workers = world
         self.exporting = exporting
         """Prometheus is on (rank 0 serves it): every rank reports to rank 0 each step."""
-        self.reduce = _dist.reducer()
+        self.group = _dist.DataParallel()
 
     # -- dispatch -------------------------------------------------------------------------
 
@@ -81,7 +81,7 @@ class FsdpExecutor(LocalExecutor):
         node = self.plan.node(name)
         if self.world == 1 or not node.data_parallel:
             return super().call(name, env, step, params, metrics)
-        dp = {"dp_rank": self.rank, "dp_size": self.world, "reduce": self.reduce}
+        dp = {"dp_rank": self.rank, "dp_size": self.world, "workers": self.group}
         if node.trains:
             return super().call(name, env, step, params, metrics, **dp)
         inputs = {(ref.node, ref.port): port for port, ref in self.nodes[name].inputs}

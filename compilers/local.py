@@ -55,6 +55,7 @@ from flowgraph.compilers.build import (
     load_tokenizers,
     make_optimizer,
     plan_kinds,
+    rollout_engine,
 )
 from flowgraph.compilers.checkpoint import (
     latest_checkpoint,
@@ -193,7 +194,7 @@ class LocalExecutor:
 
     def ctx(self, name: str, step: int, **dp: Any) -> NodeContext:
         """The node's context; `dp` sets the data-parallel fields (dp_rank, dp_size,
-        row_offset, reduce) where a distributed executor splits the batch."""
+        row_offset, workers) where a distributed executor splits the batch."""
         node = self.nodes[name]
         spec = self.graph.model(node.model) if node.model else None
         optimizer = self.res.optimizers.get(node.model or "")
@@ -205,7 +206,7 @@ class LocalExecutor:
             scheduler=self.res.schedulers.get(node.model or "") if self.kinds[name].trains
             else None,
             grad_clip=spec.optimizer.grad_clip if spec and spec.optimizer else 0.0,
-            state=self.node_state[name], dims=dict(self.dims), **dp)
+            state=self.node_state[name], dims=dict(self.dims), engines=rollout_engine, **dp)
 
     def call(self, name: str, env: dict[tuple[str, str], Any], step: int,
              params: dict[str, Any], metrics: dict[str, float], **dp: Any

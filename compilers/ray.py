@@ -84,7 +84,7 @@ class PoolExecutor(LocalExecutor):
                  rank: int) -> None:
         super().__init__(plan, options)
         self.pool, self.rank, self.workers = pool, rank, pool.size
-        self.reduce = _dist.reducer() if pool.size > 1 else None
+        self.group = _dist.DataParallel() if pool.size > 1 else None
 
     def load_data(self) -> None:
         pass  # the driver draws the batches
@@ -147,8 +147,8 @@ class RayWorker:
         value every worker shares); (outputs, seconds, metrics)."""
         ex = self._ready()
         env = self._env(ex, name, inputs)
-        if ex.reduce is not None and "dp_size" in dp:
-            dp = {**dp, "reduce": ex.reduce}
+        if ex.group is not None and "dp_size" in dp:
+            dp = {**dp, "workers": ex.group}
         metrics: dict[str, float] = {}
         outputs, seconds = ex.call(name, env, step, params, metrics, **dp)
         return outputs, seconds, metrics

@@ -3,8 +3,8 @@
 The `hf` backend is a decoding loop over the Hugging Face model written here: one
 prefill of the left-padded prompts (attention mask, position ids counted over real
 tokens, as `logprob` counts them), then one token at a time with the KV cache. The
-`vllm` backend (`flowgraph.nodes._vllm`, imported only when asked for) runs vLLM's
-offline engine, one request per (prompt, sample).
+`vllm` backend is the executor's engine (`ctx.rollout_engine("vllm")`: vLLM's offline
+engine, one request per (prompt, sample), in `flowgraph.compilers.vllm_engine`).
 
 Every sample draws its randomness from its own seed, a hash of (run seed, step, the
 prompt's row in the global batch, sample j); the hf backend keeps one
@@ -33,7 +33,6 @@ import inspect
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -137,15 +136,15 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 
 @torch.no_grad()
 def decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequence[int],
-           spec: SamplingSpec, all_done: Callable[[Tensor], bool] | None = None
+           spec: SamplingSpec, everywhere: Callable[[bool], bool] = bool
            ) -> dict[str, Tensor]:
     """The hf backend: prompts (r, P) left-padded, one seed per row -> responses,
     response_mask (r, T) int64 and rollout_log_prob (r, T) float32, on the model's device.
 
     Runs the model as it is; `generate` puts it in eval mode (no dropout) first.
-    `all_done(done)` says whether every row on every worker has stopped: a sharded
-    (FSDP) model runs collectives in each forward, so all workers must take the same
-    number of decoding steps.
+    `everywhere(flag)` says whether a flag holds on every worker (`ctx.workers.all`):
+    decoding stops when every row on every worker has, since a sharded (FSDP) model
+    runs collectives in each forward and all workers must take as many steps.
     """
     device = next(model.parameters()).device
     r, T = len(prompts), spec.max_new_tokens
@@ -167,7 +166,7 @@ def decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequen
         mask[:, t] = (~done).long()
         log_prob[:, t] = token_log_prob.masked_fill(done, 0.0)
         done |= torch.isin(token, stop)
-        if t == T - 1 or (all_done(done) if all_done else bool(done.all())):
+        if t == T - 1 or everywhere(bool(done.all())):
             break
         attention = torch.cat([attention, attention.new_ones(r, 1)], dim=1)
         positions = positions[:, -1:] + 1
@@ -206,8 +205,8 @@ def generate(
     rollout_log_prob (r, T); index (r,) the prompt's row in the global batch (this
     rank's rows start at `ctx.row_offset`: an executor splits a batch into contiguous
     parts); ground_truth (r,) when given. vLLM reserves a KV cache for the r sequences
-    of P+T tokens (`_vllm.kv_cache_size`), or, with `gpu_memory_utilization`, that
-    share of the accelerator's memory (on CPU: of NUMA node 0's RAM).
+    of P+T tokens, or, with `gpu_memory_utilization`, that share of the accelerator's
+    memory (on CPU: of NUMA node 0's RAM).
     """
     n = n or ctx.dims.get("N")
     T = max_new_tokens or ctx.dims.get("T")
@@ -219,15 +218,11 @@ def generate(
     seeds = [sample_seed(ctx.seed, ctx.step, int(row), j) for row in rows for j in range(n)]
     prompts, prompt_mask = prompts.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0)
     if backend == "vllm":
-        from flowgraph.nodes import _vllm  # vLLM is optional and slow to import
-
-        llm = _vllm.engine(model, tokenizer, _vllm_memory(model, len(prompts), prompts.shape[1] + T,
-                                                          gpu_memory_utilization))
-        out = _vllm.rollout(llm, prompts, prompt_mask, seeds, spec)
+        out = ctx.rollout_engine("vllm").rollout(model, tokenizer, prompts, prompt_mask, seeds,
+                                                 spec, gpu_memory_utilization)
     elif backend == "hf":
         with _eval_mode(model):
-            out = decode(model, prompts, prompt_mask, seeds, spec, all_done=partial(
-                _all_done, ctx) if ctx.dp_size > 1 else None)
+            out = decode(model, prompts, prompt_mask, seeds, spec, ctx.workers.all)
     else:
         raise ValueError(f"generate: backend must be `hf` or `vllm`, got `{backend}`")
     outputs: dict[str, Tensor | list[str]] = {
@@ -237,20 +232,6 @@ def generate(
     if ground_truth is not None:
         outputs["ground_truth"] = [str(g) for g in ground_truth for _ in range(n)]
     return outputs
-
-
-def _vllm_memory(model: PreTrainedModel, sequences: int, max_model_len: int,
-                 gpu_memory_utilization: float | None) -> Any:
-    from flowgraph.nodes import _vllm
-
-    if gpu_memory_utilization is not None:
-        return _vllm.Memory(max_model_len, None, gpu_memory_utilization)
-    return _vllm.Memory(max_model_len, _vllm.kv_cache_size(model, sequences, max_model_len))
-
-
-def _all_done(ctx: NodeContext, done: Tensor) -> bool:
-    flag = torch.tensor([int(bool(done.all()))], dtype=torch.int64)
-    return bool(ctx.all_reduce(flag, "min").item())
 
 
 def _pad_id(tokenizer: Any) -> int:

@@ -7,8 +7,8 @@ Each is a sink: it trains `ctx.model` with `ctx.optimizer` and reports through
         for each mini-batch of M sequences:       # one optimizer step
             for each micro-batch k of m:          # gradient accumulation
                 (w_k · L_k).backward()
-            clip (or measure) the grad norm; non-finite → NonFiniteError, model untouched
-            optimizer.step()
+            ctx.optimizer_step(): the grad norm, clipped; non-finite → NonFiniteError,
+                                  model untouched
     scheduler.step()                             # once per call: training steps, as verl
 
 Micro-batch weights. L_k is micro-batch k's own loss, aggregated as `loss_agg_mode`
@@ -25,6 +25,9 @@ resumed step reshuffles exactly as the original run did.
 Data parallel: the executor passes the whole batch to every worker with
 `ctx.dp_rank/dp_size`; each worker trains on its contiguous share of every
 mini-batch, so a run on N workers steps through the same mini-batches as on one.
+The weights' denominators are the whole mini-batch's, the gradients are summed over
+the workers by `ctx.optimizer_step` and the metrics by `ctx.workers.sum`: no
+collective is called here.
 
 Notation: B sequences (pairs for DPO) in the batch, M mini_batch_size (global), m
 micro_batch_size (per worker), P prompt length, T response length.
@@ -40,7 +43,7 @@ from functools import partial
 from typing import TYPE_CHECKING, NoReturn
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from flowgraph.errors import NonFiniteError
 from flowgraph.nodes._agg import agg_loss, masked_mean
@@ -125,71 +128,15 @@ def _abort(ctx: NodeContext, what: str) -> NoReturn:
     raise NonFiniteError(ctx.node, ctx.step, what)
 
 
-def _full(t: Tensor) -> Tensor:
-    """A sharded (DTensor) value made whole; a plain tensor as it is."""
-    full = getattr(t, "full_tensor", None)
-    return full() if full is not None else t
-
-
-def _grad_norm(ctx: NodeContext) -> Tensor:
-    """Global L2 grad norm before clipping; clips to `ctx.grad_clip` when that is > 0.
-
-    Data-parallel, the model's sharded parameters (FSDP DTensors) hold a slice of the
-    gradient on each worker and the replicated ones (heads and tied embeddings, see
-    `_sync_replicated`) the whole: the norm adds the slices' squares over the workers,
-    then the rest once (`parameters()` lists a tied parameter once).
-    """
-    params = [p for p in ctx.model.parameters() if p.grad is not None]
-    if ctx.dp_size == 1:
-        if ctx.grad_clip > 0:
-            return nn.utils.clip_grad_norm_(params, ctx.grad_clip)
-        return nn.utils.get_total_norm([p.grad for p in params])
-    sharded = [p.grad.to_local() for p in params if hasattr(p.grad, "to_local")]
-    replicated = [p.grad for p in params if not hasattr(p.grad, "to_local")]
-    squares = torch.zeros((), dtype=torch.float64)
-    for g in sharded:
-        squares += g.double().square().sum().cpu()
-    squares = ctx.all_reduce(squares.reshape(1), "sum")[0]
-    for g in replicated:
-        squares += g.double().square().sum().cpu()
-    norm: Tensor = squares.sqrt()  # `all_reduce` is untyped: the core does not import torch
-    coef = ctx.grad_clip / (float(norm) + 1e-6)  # torch's clip_grad_norm_ formula
-    if ctx.grad_clip > 0 and coef < 1.0:
-        for p in params:
-            p.grad.mul_(coef)
-    return norm.float()
-
-
-def _sync_replicated(ctx: NodeContext) -> None:
-    """Average the gradients of parameters FSDP does not shard (they are replicated on
-    every worker: heads, tied embeddings) over the workers, so their copies take the
-    same step everywhere."""
-    params = [p for p in ctx.model.parameters() if p.requires_grad
-              and not hasattr(p, "to_local")]
-    if not params:
-        return
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = ctx.all_reduce(torch.cat([g.reshape(-1) for g in grads]), "sum") / ctx.dp_size
-    for p, part in zip(params, flat.split([g.numel() for g in grads]), strict=True):
-        p.grad = part.view_as(p).to(p.dtype)
-
-
-def _finite_everywhere(ctx: NodeContext, loss: Tensor) -> bool:
-    """Whether the loss is finite on every worker: a worker that stops alone would
-    leave the others waiting in the gradient reduction."""
-    flag = torch.tensor([int(math.isfinite(loss.item()))], dtype=torch.int64)
-    return bool(ctx.all_reduce(flag, "min").item())
-
-
 def _optimizer_step(
     ctx: NodeContext, total: float, micro_batches: list[Batch], loss_fn: LossFn,
     size_fn: SizeFn
 ) -> dict[str, float]:
     """Accumulate w_k·L_k over the micro-batches, then one optimizer step.
 
-    `total` is the mini-batch's loss denominator over all workers. FSDP averages the
-    gradients over the dp_size workers, so each worker weighs its micro-batches by
-    dp_size·n_k/total: the average is then the whole mini-batch's gradient.
+    `total` is the mini-batch's loss denominator over all workers and w_k = n_k/total,
+    so the gradients summed over the workers (`ctx.optimizer_step`) are the whole
+    mini-batch's gradient, and so are the metrics' weighted sums.
     """
     sizes = [size_fn(mb) for mb in micro_batches]
     sums: dict[str, float] = defaultdict(float)
@@ -198,24 +145,15 @@ def _optimizer_step(
         # No valid token anywhere: every L_k is 0, any weights do.
         w = n / total if total else 1 / (len(sizes) * ctx.dp_size)
         loss, stats = loss_fn(mb)
-        if not _finite_everywhere(ctx, loss):
+        if not ctx.workers.all(math.isfinite(loss.item())):  # all stop, or none waits
             _abort(ctx, "loss")
         if loss.requires_grad:  # else no valid token reached the model: a zero gradient
-            (w * ctx.dp_size * loss).backward()
+            (w * loss).backward()
         for name, value in stats.items():
             sums[name] += w * value
-    metrics = dict(sums)
-    if ctx.dp_size > 1:  # each worker holds its share of the weighted means
-        _sync_replicated(ctx)
-        names = sorted(metrics)
-        reduced = ctx.all_reduce(torch.tensor([metrics[k] for k in names], dtype=torch.float64))
-        metrics = dict(zip(names, reduced.tolist(), strict=True))
-    grad_norm = float(_grad_norm(ctx))
-    if not math.isfinite(grad_norm):
-        _abort(ctx, "gradient norm")
-    metrics["grad_norm"], metrics["lr"] = grad_norm, ctx.optimizer.param_groups[0]["lr"]
-    ctx.optimizer.step()
-    ctx.model.zero_grad(set_to_none=True)
+    metrics = ctx.workers.sum(sums)
+    metrics["grad_norm"] = ctx.optimizer_step()
+    metrics["lr"] = ctx.optimizer.param_groups[0]["lr"]  # the scheduler moves it later
     return metrics
 
 

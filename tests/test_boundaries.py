@@ -110,6 +110,41 @@ def violations() -> list[str]:
     return found
 
 
+DISTRIBUTED = ("torch.distributed", "DTensor", "full_tensor", "to_local", "all_reduce",
+               "all_gather", "reduce_scatter", "broadcast_object", "barrier", "vllm")
+"""What only the worker layer (`compilers/`) may touch: nodes ask `NodeContext` for
+the services instead (`ctx.workers`, `ctx.optimizer_step`, `ctx.rollout_engine`)."""
+
+
+def node_collectives() -> list[str]:
+    found = []
+    for module, file in sorted(MODULES.items()):
+        if layer(module) != "nodes":
+            continue
+        tree = ast.parse(file.read_text())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom)
+                     else [node.attr] if isinstance(node, ast.Attribute)
+                     else [node.id] if isinstance(node, ast.Name)
+                     else [node.value] if isinstance(node, ast.Constant)  # getattr(x, "...")
+                     and isinstance(node.value, str) and node.value != "vllm" else [])
+            for name in names:
+                hit = next((d for d in DISTRIBUTED if name == d or name.startswith(d + ".")
+                            or name.endswith("." + d)), None)
+                if hit:
+                    found.append(f"{file.relative_to(ROOT)}:{node.lineno}: {name}")
+    return found
+
+
+def test_nodes_are_pure() -> None:
+    """No collective, sharded tensor or rollout engine in `nodes/` (the string "vllm"
+    names a backend the node asks `ctx.rollout_engine` for)."""
+    bad = node_collectives()
+    assert not bad, "distributed code in nodes/ (give it to the worker layer):\n" + "\n".join(bad)
+
+
 def test_no_module_imports_a_layer_above_its_own() -> None:
     bad = violations()
     assert not bad, "imports across the layers (tests/test_boundaries.py):\n" + "\n".join(bad)

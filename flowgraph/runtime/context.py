@@ -14,6 +14,14 @@ It returns either a mapping from output-port name to value, or a tuple in the or
 of the kind's outputs (so pure functions such as `gae` are used as they are). A sink
 (update node) returns an empty mapping and reports through `ctx.metrics`.
 
+Nodes are pure: no collective, no sharded tensor, no engine of their own. What they
+need of the processes that run them they ask `NodeContext` for: `ctx.workers` (is a
+flag true on every data-parallel worker, a sum of metrics over them),
+`ctx.optimizer_step()` (gradients summed over the workers, their global norm, clipping,
+the step) and `ctx.rollout_engine(backend)` (the vLLM engine). The executors' worker
+layer implements them (`flowgraph.compilers._dist.DataParallel`,
+`flowgraph.compilers.build.rollout_engine`); `Workers` below is the one-process case.
+
 `Impl` loads an implementation from its registry path and `named_outputs` reads what it
 returned; the executors and `flowgraph.testing.assert_honours_contract` call both.
 """
@@ -22,11 +30,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from flowgraph.errors import FlowgraphError
+from flowgraph.errors import FlowgraphError, NonFiniteError
 
 if TYPE_CHECKING:
     from flowgraph.ir import NodeSpec
@@ -67,13 +76,61 @@ class NodeContext:
     dp_size: int = 1
     row_offset: int = 0
     """Row of the global batch where this worker's slice starts (per-sample seeds)."""
-    reduce: Callable[[Any, str], Any] | None = None
-    """Set by a data-parallel executor: all-reduce a tensor in place across the node's
-    workers (`op` one of "sum", "min", "max") and return it. Nodes call `all_reduce`."""
+    workers: Workers = field(default_factory=lambda: Workers())
+    """The data-parallel workers running this call, as services (one process unless
+    the executor says otherwise)."""
+    engines: Callable[[str], Any] | None = None
+    """Set by an executor: the rollout engine of a backend; nodes call `rollout_engine`."""
 
-    def all_reduce(self, tensor: Any, op: str = "sum") -> Any:
-        """`tensor` reduced over the data-parallel workers; itself on one worker."""
-        return tensor if self.reduce is None or self.dp_size == 1 else self.reduce(tensor, op)
+    def optimizer_step(self) -> float:
+        """One step of `optimizer` on the gradients the workers' backward passes left,
+        summed over the workers; returns their global L2 norm before clipping to
+        `grad_clip` (when > 0), and zeroes them. A non-finite norm takes no step: it
+        raises `NonFiniteError` naming the node and step, the gradients cleared."""
+        norm = self.workers.clip_grad_norm(self.model, self.grad_clip)
+        if not math.isfinite(norm):
+            self.model.zero_grad(set_to_none=True)
+            raise NonFiniteError(self.node, self.step, "gradient norm")
+        self.optimizer.step()
+        self.model.zero_grad(set_to_none=True)
+        return norm
+
+    def rollout_engine(self, backend: str) -> Any:
+        """The executor's engine for `backend` (e.g. "vllm"): `.rollout(model, tokenizer,
+        prompts, prompt_mask, seeds, spec, gpu_memory_utilization)`."""
+        if self.engines is None:
+            raise FlowgraphError(
+                f"node `{self.node}`: backend `{backend}` needs a rollout engine, which the "
+                "executor provides (calling the node yourself: pass NodeContext(engines="
+                "flowgraph.compilers.build.rollout_engine))")
+        return self.engines(backend)
+
+
+class Workers:
+    """What a node may ask of the data-parallel workers that run it: here one process.
+
+    A distributed executor passes its own (`flowgraph.compilers._dist.DataParallel`),
+    where each service is a collective: every worker calls it at the same point.
+    """
+
+    def all(self, flag: bool) -> bool:
+        """Whether `flag` holds on every worker."""
+        return flag
+
+    def sum(self, values: Mapping[str, float]) -> dict[str, float]:
+        """Each value summed over the workers."""
+        return dict(values)
+
+    def clip_grad_norm(self, model: Any, max_norm: float) -> float:
+        """The L2 norm of `model`'s gradients, summed over the workers; scaled down to
+        `max_norm` first when that is > 0 and the norm exceeds it (torch's
+        `clip_grad_norm_`)."""
+        import torch
+
+        params = [p for p in model.parameters() if p.grad is not None]
+        if max_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return float(torch.nn.utils.get_total_norm([p.grad for p in params]))
 
 
 @dataclass(frozen=True)

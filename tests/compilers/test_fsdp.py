@@ -270,7 +270,7 @@ def test_grpo_vllm_rollouts_from_a_sharded_actor_equal_local(
     try:
         local = local_run(graph, tmp_path / "local", *overrides)
     finally:
-        from flowgraph.nodes import _vllm
+        from flowgraph.compilers import vllm_engine as _vllm
 
         _vllm.close_engines()
     assert_same_numbers(_fsdp(graph, tmp_path / "fsdp", *overrides), local)

@@ -496,7 +496,7 @@ def test_vllm_reserves_its_share_of_the_declared_device() -> None:
 
 
 def test_vllm_reserves_a_kv_cache_sized_for_the_rollout() -> None:
-    # The engine's kv_cache_memory_bytes (nodes/_vllm.py asks for the same): 16 sequences
+    # The engine's kv_cache_memory_bytes (compilers/vllm_engine.py asks for the same): 16 sequences
     # of P+T = 24 tokens in one 128-token block each, 2048 bytes a token (2 layers × K, V
     # × 2 KV heads × head_dim 64 × 4 bytes), × 1.25: 5 MiB; plus vLLM's copy of the
     # 459,392 fp32 weights.

@@ -18,6 +18,8 @@ import torch
 from torch import Tensor, nn
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
+from flowgraph.compilers.build import rollout_engine
+from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.data import prompt_source
 from flowgraph.nodes.generate import SamplingSpec, _pick, filter_logits, generate
 from flowgraph.nodes.logprob import logprob
@@ -32,7 +34,8 @@ BP, P = 4, 12
 def _ctx(n: int = 2, T: int = 16, *, seed: int = 0, step: int = 0, dp_rank: int = 0,
          dp_size: int = 1) -> NodeContext:
     return NodeContext("gen", "generate", step=step, seed=seed, dims={"N": n, "T": T},
-                       dp_rank=dp_rank, dp_size=dp_size, row_offset=dp_rank * BP // dp_size)
+                       dp_rank=dp_rank, dp_size=dp_size, row_offset=dp_rank * BP // dp_size,
+                       engines=rollout_engine)
 
 
 def _eos_prone(model: nn.Module) -> nn.Module:
@@ -161,6 +164,10 @@ def test_unknown_backend_and_unbound_dims_are_errors(model: nn.Module, tokenizer
     unbound = NodeContext("gen", "generate", step=0, seed=0)
     with pytest.raises(ValueError, match="set the params n and max_new_tokens"):
         _call(unbound, model, tokenizer, batch)
+    no_engine = NodeContext("gen", "generate", step=0, seed=0, dims={"N": 2, "T": 4})
+    with pytest.raises(FlowgraphError, match=r"node `gen`: backend `vllm` needs a rollout "
+                       r"engine, which the executor provides"):
+        _call(no_engine, model, tokenizer, batch, backend="vllm")
 
 
 # --- hf backend ------------------------------------------------------------------------------
@@ -245,7 +252,7 @@ def test_hf_params_override_dims_and_keep_the_model_mode(model: nn.Module, token
 
 def _memory(sequences: int, max_model_len: int) -> Any:
     """What the node asks of its engine (a KV cache sized for the rollout)."""
-    from flowgraph.nodes import _vllm
+    from flowgraph.compilers import vllm_engine as _vllm
 
     return _vllm.Memory(max_model_len, _vllm.kv_cache_size(load_model(MODEL), sequences,
                                                            max_model_len))
@@ -255,7 +262,7 @@ def _memory(sequences: int, max_model_len: int) -> Any:
 def vllm_model(tokenizer: Any) -> Iterator[nn.Module]:
     """A model with a running engine (built once: ~40 s on 2 CPU cores)."""
     try:
-        from flowgraph.nodes import _vllm
+        from flowgraph.compilers import vllm_engine as _vllm
     except ImportError as exc:
         pytest.fail(f"vLLM is not importable: {exc}", pytrace=False)
     model = _eos_prone(load_model(MODEL))
@@ -296,7 +303,7 @@ def test_vllm_backend(vllm_model: nn.Module, tokenizer: Any, batch: dict[str, An
 def test_vllm_sync_weights(vllm_model: nn.Module, tokenizer: Any,
                            batch: dict[str, Any]) -> None:
     """Changed weights reach the running engine: vLLM's log-probs follow the HF model's."""
-    from flowgraph.nodes import _vllm
+    from flowgraph.compilers import vllm_engine as _vllm
 
     llm = _vllm.engine(vllm_model, tokenizer, _memory(BP * 4, P + 16))
     # A fused AdamW step writes the weights without bumping their version counters.
@@ -329,7 +336,7 @@ def test_vllm_kv_cache_is_sized_for_the_rollout(model: nn.Module) -> None:
     """Per token: 2 layers × (K, V) × 2 KV heads × head_dim 64 × 4 bytes = 2048 bytes; a
     sequence takes whole 128-token blocks; 1.25 margin. 16 sequences of P+T = 28 tokens:
     16 × 128 × 2048 × 1.25 = 5 MiB; of 129 tokens, two blocks each: 10 MiB."""
-    from flowgraph.nodes import _vllm
+    from flowgraph.compilers import vllm_engine as _vllm
 
     assert _vllm.kv_cache_size(model, 16, 28) == 5 * 2**20
     assert _vllm.kv_cache_size(model, 16, 129) == 10 * 2**20
@@ -341,8 +348,8 @@ def test_vllm_kv_cache_is_sized_for_the_rollout(model: nn.Module) -> None:
 def test_vllm_engine_that_cannot_start_names_what_it_asked_for(tokenizer: Any) -> None:
     """A KV cache no machine has: one error with the size asked for, not vLLM's stack.
     (Last in the module: it replaces the engine the tests above share.)"""
+    from flowgraph.compilers import vllm_engine as _vllm
     from flowgraph.errors import FlowgraphError
-    from flowgraph.nodes import _vllm
 
     with pytest.raises(FlowgraphError, match=r"did not start with a KV cache of 1048576\.000 "
                                              r"GiB \(sequences of up to 28 tokens\).*NUMA"):

@@ -1,6 +1,9 @@
 """The vLLM backend of `generate`: one offline engine per model, rollouts, weight sync.
 
-Imported only when a graph asks for `backend: vllm` (importing vLLM takes seconds).
+The worker layer owns it: a `generate` node asks `ctx.rollout_engine("vllm")` and gets
+`ROLLOUT` (through `flowgraph.compilers.build.rollout_engine`), whose `rollout` sizes
+the KV cache, starts or reuses the engine, syncs the weights and samples. Imported
+only when a graph asks for `backend: vllm` (importing vLLM takes seconds).
 `engine` builds vLLM's offline `LLM` once per model folder and caches it: the Hugging
 Face model's config and tokenizer (no weights) are written with `save_pretrained` to
 a temporary folder, the engine starts on it with random weights (`load_format=
@@ -79,8 +82,9 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the machine
     raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
 
-__all__ = ["INSTALL_HINT", "Memory", "WeightSyncExtension", "close_engines", "engine",
-           "kv_cache_size", "rollout", "sampling_params", "sync_weights"]
+__all__ = ["INSTALL_HINT", "ROLLOUT", "Memory", "VllmRollout", "WeightSyncExtension",
+           "close_engines", "engine", "kv_cache_size", "rollout", "sampling_params",
+           "sync_weights"]
 
 
 class WeightSyncExtension:
@@ -326,3 +330,22 @@ def rollout(llm: LLM, prompts: Tensor, prompt_mask: Tensor, seeds: Sequence[int]
             [lp[t].logprob for t, lp in zip(ids, positions, strict=True)]
         )
     return {"responses": responses, "response_mask": mask, "rollout_log_prob": log_prob}
+
+
+class VllmRollout:
+    """The `vllm` backend as `NodeContext.rollout_engine` gives it to `generate`."""
+
+    def rollout(self, model: PreTrainedModel, tokenizer: Any, prompts: Tensor,
+                prompt_mask: Tensor, seeds: Sequence[int], spec: SamplingSpec,
+                gpu_memory_utilization: float | None = None) -> dict[str, Tensor]:
+        """`rollout` on `model`'s engine, holding its current weights. The engine keeps a
+        KV cache for these r sequences of P+T tokens (`kv_cache_size`), or, with
+        `gpu_memory_utilization`, that share of the accelerator's memory."""
+        max_model_len = prompts.shape[1] + spec.max_new_tokens
+        memory = (Memory(max_model_len, None, gpu_memory_utilization)
+                  if gpu_memory_utilization is not None else
+                  Memory(max_model_len, kv_cache_size(model, len(prompts), max_model_len)))
+        return rollout(engine(model, tokenizer, memory), prompts, prompt_mask, seeds, spec)
+
+
+ROLLOUT = VllmRollout()
