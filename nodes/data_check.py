@@ -25,6 +25,7 @@ from flowgraph.errors import FlowgraphError
 from flowgraph.ir import DataSpec, Graph, ModelSpec
 from flowgraph.nodes import data as nd
 from flowgraph.nodes.models import load_tokenizer
+from flowgraph.registry import KindSpec, Registry
 from flowgraph.source import SourcePos
 
 __all__ = ["check_data", "ground_truth_readers"]
@@ -142,31 +143,42 @@ Problem = tuple[str, str, str, str | None]
 """(code, severity, message, hint)."""
 
 
-def _limits(graph: Graph, d: DataSpec) -> dict[str, tuple[str, int | None]]:
-    """Column -> (the param that limits it, the limit), as the executor sets them."""
+def response_columns(kind: KindSpec) -> list[str]:
+    """The columns of response tokens a data kind reads: its token outputs with a mask
+    of their own (`chosen` + `chosen_mask`), read from the column of that name."""
+    names = {p.name for p in kind.outputs}
+    return [p.name for p in kind.outputs if f"{p.name}_mask" in names]
+
+
+def _limits(graph: Graph, d: DataSpec, kind: KindSpec) -> dict[str, tuple[str, int | None]]:
+    """Column -> (the param that limits it, the limit), as the executor sets them: the
+    prompt column first."""
     params, dims = d.params.to_python(), graph.dim_values()
 
     def limit(name: str, dim: str) -> tuple[str, int | None]:
         value = params.get(name, dims.get(dim))
         return name, value if isinstance(value, int) else None
 
-    if d.kind == "preferences":
-        return {"prompt": limit("max_prompt_length", "P"),
-                "chosen": limit("max_response_length", "T"),
-                "rejected": limit("max_response_length", "T")}
-    return {str(params.get("prompt_key", "prompt")): limit("max_prompt_length", "P")}
+    return {str(params.get("prompt_key", "prompt")): limit("max_prompt_length", "P"),
+            **{c: limit("max_response_length", "T") for c in response_columns(kind)}}
 
 
 def _dataset_problems(graph: Graph, d: DataSpec, path: str, tok: Any) -> Iterator[Problem]:
     params = d.params.to_python()
-    limits = _limits(graph, d)
+    kind = Registry.default().get(d.kind)
+    if kind is None:  # a plugin's data kind the CLI did not load
+        yield "FG509", "note", f"kind `{d.kind}` is not registered here: not checked", None
+        return
+    limits = _limits(graph, d, kind)
+    responses = response_columns(kind)
     chat = bool(params.get("apply_chat_template", True))
     try:
         table = nd.open_table(path, str(params.get("format", "auto")), list(limits))
     except FlowgraphError as exc:
         yield "FG501", "error", str(exc), None
         return
-    readers = ground_truth_readers(graph, d.name) if d.kind == "prompts" else ()
+    gives_truth = any(p.name == "ground_truth" for p in kind.outputs)
+    readers = ground_truth_readers(graph, d.name) if gives_truth else ()
     if readers and not nd.has_ground_truth(table):
         yield "FG502", "error", nd.missing_ground_truth(path, table.column_names, readers), None
     prompt_key = next(iter(limits))
@@ -175,8 +187,9 @@ def _dataset_problems(graph: Graph, d: DataSpec, path: str, tok: Any) -> Iterato
     except FlowgraphError as exc:
         yield "FG504", "error", str(exc), None
         return
+    # Pairs render a raw prompt without special tokens, as TRL's `tokenize_row`.
     dropped = yield from _length_problems(path, table, limits, prompt_key, chat,
-                                          d.kind != "preferences", tok, params)
+                                          not responses, tok, params)
     rows, batch = table.num_rows - dropped, graph.dim_values().get("Bp")
     if isinstance(batch, int) and rows < batch:
         yield ("FG505", "error", f"dataset `{path}` has {rows} rows"
