@@ -201,3 +201,25 @@ def test_strict_mode_reads_the_contracts_from_the_plan(tmp_path: Path) -> None:
         flowgraph.run(plan, out=out, tensorboard=False)
     assert "edge `gen.responses -> reward.responses`" in str(exc.value)
     assert "expected (Bp*N, T+1) = (16, 9): axis 2 is 8" in str(exc.value)
+
+
+EXAMPLES = sorted(p.name for p in GRAPHS.glob("*.yaml"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("target", ["local", "fsdp", "ray"])
+@pytest.mark.parametrize("graph", EXAMPLES)
+def test_every_example_plan_file_runs_with_the_numbers_of_its_yaml(
+        graph: str, target: str, tmp_path: Path) -> None:
+    """`flowgraph compile g.yaml --target t -o plan.json; flowgraph run plan.json` equals
+    `flowgraph run g.yaml --target t`, for every shipped graph on every target (the
+    default suite holds ppo, grpo and dpo on fsdp and ray to the local run)."""
+    where = ["--target", target] + (["--nproc", "2"] if target != "local" else [])
+    run = ("trainer.steps=2", "trainer.eval_every=0", "trainer.checkpoint_every=0")
+    plan = tmp_path / "plan.json"
+    _compile_to(plan, graph, *where, *run, f"trainer.run_dir={tmp_path / 'plan'}")
+    assert main(["run", str(plan)]) == 0
+    assert main(["run", str(GRAPHS / graph), *where, *run,
+                 f"trainer.run_dir={tmp_path / 'yaml'}"]) == 0
+    assert_same_numbers(read_metrics(tmp_path / "plan"), read_metrics(tmp_path / "yaml"))
