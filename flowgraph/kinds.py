@@ -280,6 +280,51 @@ _KINDS = (
         outputs=ADV_OUTPUTS,
         impl="flowgraph.nodes.advantage:remax",
     ),
+    # --- reward shaping and per-prompt values ---------------------------------------
+    KindSpec(
+        "overlong_penalty", "transform",
+        "DAPO's soft overlong punishment added to the scores (Yu et al. 2025).",
+        inputs=(SCORES, MASK),
+        outputs=(SCORES, _p("penalty", "b", "float", "finite", optional=True,
+                            doc="the term added: 0 down to -penalty_factor")),
+        params=(
+            ParamSpec("overlong_buffer_len", ("int",), None, required=True, minimum=1,
+                      doc="L_cache: the last tokens of the budget, over which the penalty "
+                          "ramps from 0 to -penalty_factor"),
+            _i("max_response_length", None, "L_max; null: T"),
+            _f("penalty_factor", 1.0, minimum=0.0),
+        ),
+        impl="flowgraph.nodes.shaping:overlong_penalty",
+    ),
+    KindSpec(
+        "length_penalty", "transform",
+        "-coef * |length - target| (no target: -coef * length) added to the scores.",
+        inputs=(SCORES, MASK),
+        outputs=(SCORES, _p("penalty", "b", "float", "finite", optional=True)),
+        params=(_f("coef", 0.01, minimum=0.0),
+                _i("target_length", None, "in tokens; null: penalise every token")),
+        impl="flowgraph.nodes.shaping:length_penalty",
+    ),
+    KindSpec(
+        "weighted_sum", "transform",
+        "Sum of the reward terms you wire (any input names), each times its weight; "
+        "each term's mean is logged as reward/<term>/mean.",
+        outputs=(SCORES,),
+        params=(ParamSpec("weights", ("mapping", "null"), None,
+                          doc="term name -> weight; a term not named weighs 1"),),
+        impl="flowgraph.nodes.shaping:weighted_sum",
+        terms=_p("term", "b", "float", "finite", doc="one number per sequence"),
+    ),
+    KindSpec(
+        "repeat", "transform",
+        "Each row's value n times in a row: per-prompt values (ReMax's greedy baseline, "
+        "a ground truth) broadcast to the prompt's n samples, as generate orders them.",
+        inputs=(_p("x", "b", "any"),),
+        outputs=(_p("x", "b*n", "any"),),
+        params=(_i("n", None, "copies of each row; null: the global N", dim="n"),),
+        impl="flowgraph.nodes.shaping:repeat",
+        dim_defaults=(("n", "N"),),
+    ),
     # --- losses and updates ---------------------------------------------------------
     KindSpec(
         "dpo_loss", "transform", "Per-pair DPO loss and implicit rewards (Rafailov et al. 2023).",

@@ -98,6 +98,9 @@ class KindSpec:
     """Node-local dims and the global expression they take when no param binds them."""
     source: str = "builtin"
     """`builtin`, the plugin module, or the entry point that declared the kind."""
+    terms: PortSpec | None = None
+    """Inputs the graph names itself (`weighted_sum`'s reward terms): every wired input
+    the kind does not declare takes this contract, and at least one must be wired."""
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.name):
@@ -122,7 +125,16 @@ class KindSpec:
         return self.trains
 
     def input(self, name: str) -> PortSpec | None:
-        return next((p for p in self.inputs if p.name == name), None)
+        declared = next((p for p in self.inputs if p.name == name), None)
+        if declared is None and self.terms is not None:
+            return replace(self.terms, name=name)
+        return declared
+
+    def wired_inputs(self, wired: Iterable[str]) -> tuple[PortSpec, ...]:
+        """The declared inputs, then a term for each wired name the kind does not declare."""
+        declared = {p.name for p in self.inputs}
+        extra = [self.input(n) for n in wired if n not in declared]
+        return self.inputs + tuple(p for p in extra if p is not None)
 
     def output(self, name: str) -> PortSpec | None:
         return next((p for p in self.outputs if p.name == name), None)

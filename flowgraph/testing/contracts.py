@@ -253,6 +253,8 @@ def assert_honours_contract(
                  "P": draw(st.integers(1, 6), label="P")}
         present = [p.name for p in spec.inputs
                    if spec.needs(p, call_params) or draw(st.booleans(), label=f"wire {p.name}")]
+        if spec.terms is not None:  # inputs the graph names: one to three of them
+            present += [f"term{i}" for i in range(draw(st.integers(1, 3), label="terms"))]
         seed = draw(st.integers(0, 2**31 - 1), label="seed")
         shuffle = draw(st.booleans(), label="shuffle groups") if grouped else False
         return {"sizes": sizes, "present": present, "seed": seed, "shuffle": shuffle}
@@ -273,7 +275,7 @@ def assert_honours_contract(
         gen = torch.Generator().manual_seed(d["seed"])
         inputs = {p.name: _make_input(p, _shape(p.spec, {**glob, **sizes}), vocab=vocab,
                                       group=n, gen=gen, shuffle_groups=d["shuffle"])
-                  for p in spec.inputs if p.name in d["present"]}
+                  for p in spec.wired_inputs(d["present"]) if p.name in d["present"]}
         if given_ctx is None:
             node_ctx = default_context(spec, glob, model=model, tokenizer=tokenizer)
         else:

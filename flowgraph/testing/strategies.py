@@ -523,6 +523,8 @@ def _misspell_input_port(draw: st.DrawFn, ctx: _Context) -> Mutation | None:
         return None
     node, key, value = picked
     port = str(key.value)
+    if kind.terms is not None:  # any name is a term of such a kind, not a typo
+        return None
     taken = {p.name for p in kind.inputs} | {str(k.value) for k, _ in ctx.inputs(node.name)}
     typo = draw(_misspellings(port).filter(lambda w: w not in taken))
     text = ctx.replace(key.pos, port, typo)

@@ -45,6 +45,36 @@ def test_grpo_runs_with_hf_rollouts(tmp_path: Path) -> None:
     assert rows[0]["response_length/mean"] <= 8
 
 
+def test_remax_with_n_samples_and_shaped_rewards_runs_strict(tmp_path: Path) -> None:
+    """ReMax with N = 4 (the greedy baseline repeated per sample) and the shaping kinds
+    spliced in front of the advantage, every edge checked on real tensors."""
+    text = (ROOT / "graphs" / "remax.yaml").read_text().replace(
+        "token_level_scores: token_reward.token_level_scores",
+        "token_level_scores: shaped_tokens.token_level_scores").replace("""  token_reward:
+    kind: token_reward""", """  overlong:
+    kind: overlong_penalty
+    inputs: {scores: reward.scores, response_mask: gen.response_mask}
+    params: {overlong_buffer_len: 4}
+  total:
+    kind: weighted_sum
+    inputs: {acc: reward.scores, overlong: overlong.penalty}
+  shaped_tokens:
+    kind: token_reward
+    inputs: {scores: total.scores, response_mask: gen.response_mask}
+  token_reward:
+    kind: token_reward""")
+    graph = tmp_path / "remax.yaml"
+    graph.write_text(text)
+    rc = main(["run", str(graph), f"trainer.run_dir={tmp_path / 'run'}", "trainer.steps=2",
+               "--strict"])
+    assert rc == 0
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1]
+    # Every response fills T = 8 tokens in the untrained model, so all are overlong.
+    assert rows[0]["response_length/mean"] == 8 and rows[0]["reward/overlong/mean"] == -1.0
+    assert rows[0]["reward/acc/mean"] == rows[0]["critic/score/mean"]
+
+
 def test_same_seed_same_numbers(tmp_path: Path) -> None:
     """Two fresh runs of one graph and seed: identical metrics.jsonl but wall-clock fields."""
     a = _run("grpo.yaml", tmp_path / "a", "trainer.steps=3")

@@ -246,3 +246,52 @@ def test_eval_every_without_held_out_data_warns(overrides: tuple[str, ...], warn
     if warned:
         assert found[0].message == ("`trainer.eval_every` is 5, but data source `train` has no "
                                     "held-out rows: no evaluation will run")
+
+
+REMAX = (ROOT / "graphs" / "remax.yaml").read_text()
+SHAPED = GRPO.replace("""  adv:
+    kind: grpo
+    inputs: {scores: reward.scores,""", """  overlong:
+    kind: overlong_penalty
+    inputs: {scores: reward.scores, response_mask: gen.response_mask}
+    params: {overlong_buffer_len: 4}
+  brevity:
+    kind: length_penalty
+    inputs: {scores: reward.scores, response_mask: gen.response_mask}
+  total:
+    kind: weighted_sum
+    inputs: {acc: reward.scores, overlong: overlong.penalty, brevity: brevity.penalty}
+    params: {weights: {acc: 1.0, brevity: 0.5}}
+  adv:
+    kind: grpo
+    inputs: {scores: total.scores,""")
+
+
+def test_shaping_kinds_check_clean_and_name_their_terms() -> None:
+    assert _check(SHAPED) == ()
+    # A term is any input name, checked like a declared port: one number per sequence.
+    bad = SHAPED.replace("brevity: brevity.penalty}", "brevity: gen.response_mask}")
+    errors = [(d.code, d.edge) for d in _check(bad) if d.is_error]
+    assert errors == [("FG201", "gen.response_mask -> total.brevity"),
+                      ("FG203", "gen.response_mask -> total.brevity")]
+
+
+def test_a_weighted_sum_with_no_term_and_an_overlong_penalty_without_its_buffer() -> None:
+    bad = SHAPED.replace("inputs: {acc: reward.scores, overlong: overlong.penalty, "
+                         "brevity: brevity.penalty}", "inputs: {}")
+    bad = bad.replace("    params: {overlong_buffer_len: 4}\n", "")
+    found = {(d.code, d.node): d.message for d in _check(bad) if d.is_error}
+    assert "none is wired" in found[("FG104", "total")]
+    assert "overlong_buffer_len" in found[("FG112", "overlong")]
+
+
+def test_repeat_broadcasts_the_greedy_baseline_to_the_prompts_samples() -> None:
+    assert _check(REMAX) == ()
+    # The baseline of every sample instead of every prompt: N times too many rows.
+    bad = REMAX.replace("inputs: {x: reward_greedy.scores}", "inputs: {x: reward.scores}")
+    errors = [d for d in _check(bad) if d.is_error]
+    assert [(d.code, d.edge) for d in errors] == [("FG202", "baseline.x -> adv.reward_baselines")]
+    assert "Bp*N*N=64, which differs from the expected Bp*N=16" in errors[0].message
+    # `repeat` carries its input's dtype: float scores stay float for the advantage.
+    wrong = REMAX.replace("inputs: {x: reward_greedy.scores}", "inputs: {x: gen_greedy.index}")
+    assert [d.code for d in _check(wrong) if d.is_error] == ["FG203"]
