@@ -350,7 +350,9 @@ _KINDS = (
         "ppo_actor_update", "update", "PPO clipped policy-gradient update of the actor.",
         inputs=(
             *SEQUENCE_INPUTS,
-            _p("old_log_prob", "b T", "float", "nonpositive"),
+            _p("old_log_prob", "b T", "float", "nonpositive", optional=True,
+               doc="log π_old; may stay unwired when ppo_epochs is 1 and mini_batch_size "
+                   "null (one optimizer step: π_old is the policy the update starts from)"),
             _p("advantages", "b T", "float", "finite"),
             _p("ref_log_prob", "b T", "float", "nonpositive", optional=True,
                doc="wire it for a KL loss (GRPO) instead of a KL reward penalty"),
@@ -369,6 +371,7 @@ _KINDS = (
         model="required",
         trains=True,
         impl="flowgraph.nodes.update:ppo_actor_update",
+        on_policy_input="old_log_prob",
     ),
     KindSpec(
         "ppo_critic_update", "update", "Clipped value-loss update of the critic.",

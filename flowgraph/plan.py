@@ -306,6 +306,9 @@ class ExecutionPlan:
     """Per pool with models; empty when pass `memory` was disabled."""
     dropped: tuple[str, ...] = ()
     """Nodes and data sources removed by dead-node elimination."""
+    rewrites: tuple[str, ...] = ()
+    """What the optimising passes changed in the graph, one line each; the changes
+    themselves are in `graph` (an input unwired, a node dropped)."""
     source: str = "<python>"
     """The graph file."""
     version: int = PLAN_VERSION
@@ -617,6 +620,7 @@ def _summary_lines(plan: ExecutionPlan) -> list[str]:
     lines += ["", "edges: " + _edge_counts(plan)]
     if plan.dropped:
         lines.append(f"dropped (dead): {', '.join(plan.dropped)}")
+    lines += [f"rewritten: {r}" for r in plan.rewrites]
     return lines + _memory_lines(plan)
 
 

@@ -98,6 +98,11 @@ class KindSpec:
     """Node-local dims and the global expression they take when no param binds them."""
     source: str = "builtin"
     """`builtin`, the plugin module, or the entry point that declared the kind."""
+    on_policy_input: str = ""
+    """An input holding log π_old, the log-probs of the policy that sampled the batch
+    (PPO's `old_log_prob`), which an update may replace by its own, detached, when it
+    takes one optimizer step per call (`ppo_epochs` 1, one mini-batch): pass `on_policy`
+    then unwires it, and left unwired it is required unless that holds."""
     terms: PortSpec | None = None
     """Inputs the graph names itself (`weighted_sum`'s reward terms): every wired input
     the kind does not declare takes this contract, and at least one must be wired."""
@@ -150,6 +155,11 @@ class KindSpec:
         """Why `port` must be wired with these params (defaults filled in), or None."""
         if not port.optional:
             return "it is required"
+        if port.name == self.on_policy_input and (
+                params.get("ppo_epochs") != 1 or params.get("mini_batch_size") is not None):
+            return ("the update may take more than one optimizer step per call "
+                    "(`ppo_epochs` > 1 or a `mini_batch_size`); only one step can use its "
+                    "own log-probs as the old policy's")
         for name, param, value in self.required_when:
             if name == port.name and params.get(param) == value:
                 return f"`{param}` is `{value}`"

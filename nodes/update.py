@@ -228,8 +228,10 @@ def _actor_loss(
         with torch.no_grad():
             entropy_t = head_logprob(head, hidden, responses, mask, temperature=temperature,
                                      with_entropy=True)["entropy"]
+    # No old_log_prob: one optimizer step per rollout, π_old is the policy we start from.
+    old_log_prob = mb.get("old_log_prob", log_prob.detach())
     pg_loss, pg = ppo_policy_loss(
-        mb["old_log_prob"], log_prob, mb["advantages"], mask, **clip, loss_agg_mode=mode
+        old_log_prob, log_prob, mb["advantages"], mask, **clip, loss_agg_mode=mode
     )
     entropy = agg_loss(entropy_t, mask, mode)
     metrics = {"actor/pg_loss": pg_loss.item(), "actor/entropy": entropy.item()}
@@ -249,8 +251,8 @@ def ppo_actor_update(
     prompt_mask: Tensor,
     responses: Tensor,
     response_mask: Tensor,
-    old_log_prob: Tensor,
     advantages: Tensor,
+    old_log_prob: Tensor | None = None,
     ref_log_prob: Tensor | None = None,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
@@ -268,19 +270,28 @@ def ppo_actor_update(
 
     Log-probs are recomputed at `temperature` (the rollout's: verl passes it to the
     actor the same way; 0, greedy, scores at 1). A wired `ref_log_prob` adds GRPO's KL
-    loss. Metrics: actor/{pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy,
-    kl_loss (with ref_log_prob), grad_norm, lr}.
+    loss. Without `old_log_prob` (pass `on_policy`) the update must take one optimizer
+    step, whose own log-probs, detached, are π_old's. Metrics: actor/{pg_loss,
+    pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, kl_loss (with ref_log_prob),
+    grad_norm, lr}.
     """
     batch = {
         "prompts": prompts,
         "prompt_mask": prompt_mask,
         "responses": responses,
         "response_mask": response_mask,
-        "old_log_prob": old_log_prob,
         "advantages": advantages,
     }
-    if ref_log_prob is not None:
-        batch["ref_log_prob"] = ref_log_prob
+    for name, value in (("old_log_prob", old_log_prob), ("ref_log_prob", ref_log_prob)):
+        if value is not None:
+            batch[name] = value
+    if old_log_prob is None and (ppo_epochs != 1 or (mini_batch_size or len(prompts))
+                                 < len(prompts)):
+        raise ValueError(
+            f"ppo_actor_update without old_log_prob takes its own log-probs as the old "
+            f"policy's, which holds for one optimizer step only; got ppo_epochs="
+            f"{ppo_epochs}, mini_batch_size={mini_batch_size} of {len(prompts)} rows: "
+            f"wire old_log_prob")
     clip = {
         "clip_ratio_low": clip_ratio_low,
         "clip_ratio_high": clip_ratio_high,

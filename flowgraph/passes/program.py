@@ -92,6 +92,8 @@ class Program:
     """Set by `infer_dims`: the resolved dims of every output."""
     dropped: tuple[str, ...] = ()
     """Set by `dce`: removed nodes and data sources, in file order."""
+    rewrites: tuple[str, ...] = ()
+    """What the optimising passes changed in the graph, one line each (`on_policy`)."""
     placement: Placement | None = None
     schedule: Schedule | None = None
     memory: tuple[PoolMemory, ...] | None = None
@@ -172,7 +174,8 @@ class Program:
             graph=self.graph, target=self.target, nproc=self.nproc, device=self.device,
             dims=self.dims, nodes=nodes, pools=self.placement.pools,
             stages=self.schedule.stages, edges=self.schedule.edges, memory=self.memory or (),
-            dropped=self.dropped, source=self.graph.source)
+            dropped=self.dropped, rewrites=self.rewrites,
+            source=self.graph.source)
 
     def _node_plan(self, name: str, stage: str, labels: dict[str, str]) -> NodePlan:
         assert self.placement is not None

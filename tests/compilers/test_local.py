@@ -74,6 +74,26 @@ def test_max_checkpoints_is_how_many_are_kept(tmp_path: Path, keep: int,
     assert steps == kept
 
 
+def test_on_policy_elision_keeps_the_numbers(tmp_path: Path) -> None:
+    """GRPO with one optimizer step per rollout, with and without pass `on_policy`: the
+    old-log-prob forward repeated the update's own, so every metric is the same."""
+    from flowgraph.passes import PassPipeline
+
+    runs = []
+    for disabled in ((), ("on_policy",)):
+        result = compile_graph(ROOT / "graphs" / "grpo.yaml", pipeline=PassPipeline.default(
+            disabled=disabled), overrides=[f"trainer.run_dir={tmp_path / str(len(disabled))}",
+                                           "trainer.steps=3",
+                                           "nodes.update_actor.params.mini_batch_size=null"])
+        assert result.plan is not None
+        assert ("old_logprob" in result.plan.dropped) == (not disabled)
+        with open(os.devnull, "w") as out:
+            runs.append(run(result.plan, RunOptions(tensorboard=False, out=out)).rows)
+    elided, full = runs
+    assert "timing_s/old_logprob" in full[0] and "timing_s/old_logprob" not in elided[0]
+    assert _numbers(elided) == _numbers(full)
+
+
 def test_resumed_run_reproduces_the_uninterrupted_one(tmp_path: Path) -> None:
     full = _run(ROOT / "graphs" / "dpo.yaml", tmp_path / "a", "trainer.steps=4",
                 "trainer.checkpoint_every=2")

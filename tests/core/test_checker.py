@@ -295,3 +295,13 @@ def test_repeat_broadcasts_the_greedy_baseline_to_the_prompts_samples() -> None:
     # `repeat` carries its input's dtype: float scores stay float for the advantage.
     wrong = REMAX.replace("inputs: {x: reward_greedy.scores}", "inputs: {x: gen_greedy.index}")
     assert [d.code for d in _check(wrong) if d.is_error] == ["FG203"]
+
+
+def test_old_log_prob_may_stay_unwired_only_for_one_optimizer_step() -> None:
+    unwired = GRPO.replace("      old_log_prob: old_logprob.log_prob\n", "")
+    assert unwired != GRPO
+    errors = [d for d in _check(unwired) if d.is_error]
+    assert [(d.code, d.node) for d in errors] == [("FG104", "update_actor")]
+    assert "only one step can use its own log-probs" in errors[0].message
+    one_step = ("nodes.update_actor.params.mini_batch_size=null",)
+    assert [d.code for d in _check(unwired, one_step)] == ["FG108"]  # old_logprob unread

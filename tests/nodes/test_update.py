@@ -296,6 +296,26 @@ def test_batch_sizes_that_do_not_divide_are_refused(
         )
 
 
+def test_one_step_without_old_log_prob_is_the_step_with_it() -> None:
+    """Pass `on_policy`: with one optimizer step, the update's own detached log-probs are
+    π_old's, so leaving `old_log_prob` out changes neither the step nor its metrics."""
+    model = _actor()
+    batch = _ppo_batch(model)
+    with_old, without = _ctx(model), _ctx(copy.deepcopy(model))
+    ppo_actor_update(with_old, **batch)
+    ppo_actor_update(without, **{k: v for k, v in batch.items() if k != "old_log_prob"})
+    assert torch.equal(_params(with_old.model), _params(without.model))
+    assert with_old.metrics == pytest.approx(without.metrics, abs=1e-6)
+
+
+@pytest.mark.parametrize("params", [{"mini_batch_size": 2}, {"ppo_epochs": 2}])
+def test_more_than_one_step_without_old_log_prob_is_refused(params: dict[str, int]) -> None:
+    model = _actor()
+    batch = {k: v for k, v in _ppo_batch(model).items() if k != "old_log_prob"}
+    with pytest.raises(ValueError, match=r"holds for one optimizer step only.*wire old_log_prob"):
+        ppo_actor_update(_ctx(model), **batch, **params)
+
+
 def test_critic_update_lowers_the_value_loss() -> None:
     critic = _critic()
     seqs = _sequences()
