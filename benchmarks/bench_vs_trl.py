@@ -20,15 +20,16 @@ prompts and hyper-parameters, each run in a fresh process, the two alternating
   TRL's defaults otherwise (it computes the reference log-probs every step, flowgraph
   once per pair: the compiler hoists them).
 
-Printed per setting: per-step time by stage (median over the steps after the first
+Printed per setting: per-step time by phase (median over the steps after the first
 two), steps/s (GRPO) or pairs/s (DPO) from the summed step times of those steps, the
 ratio flowgraph / TRL (> 1: flowgraph faster), the wall time of each whole run (start-up
 included), peak RSS of each process, and both learning curves (mean reward or loss per
 tenth of the run). TRL's step is timed from `on_step_begin` to `on_step_end`
-(generation, scoring, the update; not its logging), its stages by wrapping
-`_generate_single_turn` (generation), `_calculate_rewards` (scoring) and
-`_generate_and_score_completions` (the rest of preparing a batch: log-probs, advantages);
-flowgraph's from `metrics.jsonl` (`timing_s/<node>`; `timing_s/step` the step).
+(generation, scoring, the update; not its logging), split into the phases flowgraph
+reports: generation (`_generate_single_turn`), scoring (the rest of
+`_generate_and_score_completions`: decoding, rewards, log-probs, advantages) and update
+(the rest of the step); flowgraph's from `metrics.jsonl` (`phase_s/<phase>`,
+`timing_s/step`).
 
 Notation: Bp prompts per step, N samples per prompt, P prompt length, T response length.
 """
@@ -157,11 +158,6 @@ def flowgraph_dpo(s: Setting, ws: dict[str, str], run_dir: Path) -> Any:
     return g.build()
 
 
-STAGES = {"generation": ("gen",), "scoring": ("reward", "adv"),
-          "logprob": ("old_logprob", "ref_chosen", "ref_rejected"),
-          "update": ("update_actor", "update")}
-
-
 def run_flowgraph(s: Setting, ws: dict[str, str], out: Path) -> dict[str, Any]:
     import flowgraph
 
@@ -174,9 +170,8 @@ def run_flowgraph(s: Setting, ws: dict[str, str], out: Path) -> dict[str, Any]:
     wall = time.perf_counter() - start
     steps = []
     for row in result.rows:
-        stages = {stage: sum(row.get(f"timing_s/{n}", 0.0) for n in nodes)
-                  for stage, nodes in STAGES.items()}
-        stages["other"] = row["timing_s/step"] - sum(stages.values())
+        stages = {k.removeprefix("phase_s/"): v for k, v in row.items()
+                  if k.startswith("phase_s/")}
         curve = row.get("critic/score/mean", row.get("actor/dpo_loss", row.get("actor/loss")))
         steps.append({"time": row["timing_s/step"], "stages": stages, "curve": curve})
     return {"steps": steps, "wall": wall}
@@ -219,7 +214,6 @@ def run_trl(s: Setting, ws: dict[str, str], out: Path) -> dict[str, Any]:
     if s.algo == "grpo":
         trainer = _trl_grpo(s, ws, model, tok, common)
         _Timer(trainer, "_generate_single_turn", stages, "generation")
-        _Timer(trainer, "_calculate_rewards", stages, "scoring")
         _Timer(trainer, "_generate_and_score_completions", stages, "prepare")
     else:
         trainer = _trl_dpo(s, ws, model, tok, common)
@@ -232,11 +226,9 @@ def run_trl(s: Setting, ws: dict[str, str], out: Path) -> dict[str, Any]:
 
         def on_step_end(self, *args: Any, **kwargs: Any) -> None:
             took = time.perf_counter() - self.t0
-            split = dict(stages)
-            prepare = split.pop("prepare", 0.0)
-            inner = split.get("generation", 0.0) + split.get("scoring", 0.0)
-            split["logprob"] = max(prepare - inner, 0.0)
-            split["update"] = took - prepare
+            prepare, generation = stages.get("prepare", 0.0), stages.get("generation", 0.0)
+            split = {"generation": generation, "scoring": prepare - generation,
+                     "update": took - prepare}
             steps.append({"time": took, "stages": split, "curve": None})
 
         def on_log(self, args: Any, state: Any, control: Any, logs: Any = None,

@@ -63,7 +63,12 @@ from flowgraph.compilers.checkpoint import (
     remove_partial,
     save_checkpoint,
 )
-from flowgraph.compilers.metrics import HeldOut, log_ratio_to_reference, step_metrics
+from flowgraph.compilers.metrics import (
+    HeldOut,
+    log_ratio_to_reference,
+    phase_seconds,
+    step_metrics,
+)
 from flowgraph.errors import (
     DEBUG_ENV,
     FlowgraphError,
@@ -409,19 +414,18 @@ class LocalExecutor:
         t0 = time.perf_counter()
         env: dict[tuple[str, str], Any] = {}
         metrics: dict[str, float] = {}
-        loading = self.next_batches(env)
-        metrics.update({f"timing_s/{name}": s for name, s in loading.items()})
-        inside = sum(loading.values())
+        seconds = self.next_batches(env)
         for name in self.prologue:
             self.run_node(name, env, step, strict=strict, metrics=metrics)
         for name in self.order:
-            seconds = self.run_node(name, env, step, strict=strict, metrics=metrics)
-            metrics[f"timing_s/{name}"] = seconds
-            inside += seconds
+            seconds[name] = self.run_node(name, env, step, strict=strict, metrics=metrics)
+        metrics.update({f"timing_s/{name}": s for name, s in seconds.items()})
         metrics.update(step_metrics(self.graph, self.kinds, env))
         wall = time.perf_counter() - t0
         metrics["timing_s/step"] = wall
-        metrics["perf/orchestration_frac"] = max(wall - inside, 0.0) / wall if wall else 0.0
+        metrics.update(phase_seconds(self.kinds, seconds, wall))
+        metrics["perf/orchestration_frac"] = (metrics["phase_s/orchestration"] / wall
+                                              if wall else 0.0)
         tokens = metrics.get("perf/tokens", 0.0)
         if tokens:
             metrics["perf/throughput"] = tokens / wall

@@ -45,6 +45,21 @@ def test_grpo_runs_with_hf_rollouts(tmp_path: Path) -> None:
     assert rows[0]["response_length/mean"] <= 8
 
 
+def test_a_step_splits_into_phases_by_kind(tmp_path: Path) -> None:
+    row = _run("grpo.yaml", tmp_path / "grpo", "trainer.steps=1")[0]
+    node = {k.removeprefix("timing_s/"): v for k, v in row.items() if k.startswith("timing_s/")}
+    assert row["phase_s/generation"] == node["gen"]
+    assert row["phase_s/scoring"] == pytest.approx(
+        node["old_logprob"] + node["ref_logprob"] + node["reward"] + node["adv"])
+    assert row["phase_s/update"] == node["update_actor"]
+    assert row["phase_s/data"] == node["train"]
+    phases = [row[f"phase_s/{p}"] for p in ("generation", "scoring", "update", "data",
+                                            "orchestration")]
+    assert min(phases) >= 0 and sum(phases) == pytest.approx(node["step"])
+    assert row["perf/orchestration_frac"] == pytest.approx(row["phase_s/orchestration"]
+                                                           / node["step"])
+
+
 def test_remax_with_n_samples_and_shaped_rewards_runs_strict(tmp_path: Path) -> None:
     """ReMax with N = 4 (the greedy baseline repeated per sample) and the shaping kinds
     spliced in front of the advantage, every edge checked on real tensors."""
