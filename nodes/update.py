@@ -320,6 +320,31 @@ def ppo_actor_update(
     return {}
 
 
+def ppo_actor_update_eval(
+    ctx: NodeContext,
+    *,
+    prompts: Tensor,
+    prompt_mask: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    ref_log_prob: Tensor | None = None,
+    temperature: float = 1.0,
+    **_: object,
+) -> dict[str, Tensor]:
+    """`ppo_actor_update`'s metric on held-out responses, without a step (the executor's
+    eval hook): `log_ratio_to_ref`, the mean over valid tokens of log π − log π_ref,
+    when `ref_log_prob` is wired. The executor reads it from an actor log-prob node
+    when the graph has one; with that forward elided (pass `on_policy`), from here."""
+    if ref_log_prob is None:
+        return {}
+    with torch.no_grad():
+        hidden = forward_hidden(ctx.model, prompts, prompt_mask, responses, response_mask)
+        log_prob = head_logprob(ctx.model.get_output_embeddings(), hidden, responses,
+                                response_mask, temperature=temperature)["log_prob"]
+    ctx.metrics["log_ratio_to_ref"] = masked_mean(log_prob - ref_log_prob, response_mask).item()
+    return {}
+
+
 # --------------------------------------------------------------------------- PPO critic
 
 

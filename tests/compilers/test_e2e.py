@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from flowgraph.cli import main
+from flowgraph.testing.targets import WALL_CLOCK
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -96,7 +97,7 @@ def test_same_seed_same_numbers(tmp_path: Path) -> None:
     b = _run("grpo.yaml", tmp_path / "b", "trainer.steps=3")
 
     def numbers(rows: list[dict[str, float]]) -> list[dict[str, float]]:
-        return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))}
+        return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)}
                 for r in rows]
 
     assert numbers(a) == numbers(b)
