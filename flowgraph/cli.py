@@ -270,7 +270,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
     from flowgraph.schema import schema_json
 
     registry = Registry.default()
-    registry.load_plugins(args.plugin)
+    registry.load_plugins(args.plugin, ["."])
     text = schema_json(registry)
     if not args.output:
         sys.stdout.write(text)

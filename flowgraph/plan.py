@@ -309,6 +309,9 @@ class ExecutionPlan:
     rewrites: tuple[str, ...] = ()
     """What the optimising passes changed in the graph, one line each; the changes
     themselves are in `graph` (an input unwired, a node dropped)."""
+    plugin_paths: tuple[str, ...] = ()
+    """Absolute folders holding the graph's plugins (the graph file's folder when a
+    plugin lies there): every process that runs the plan imports them from there."""
     source: str = "<python>"
     """The graph file."""
     version: int = PLAN_VERSION

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from flowgraph.contracts import TensorSpec, spec_from_annotation
@@ -166,8 +168,62 @@ class KindSpec:
         return None
 
 
+def plugin_source(entry: str, folder: str | Path) -> Path | None:
+    """The absolute file or package folder of plugin `entry` (`rewards.py`, `my_rewards`,
+    `pkg.mod`) when it lies in `folder` (a graph file's folder), else None."""
+    here = Path(folder)
+    if entry.endswith(".py"):
+        candidates = [here / entry]
+    else:
+        top = entry.split(".")[0]
+        candidates = [here / f"{top}.py", here / top]
+    found = next((c for c in candidates if c.is_file() or (c / "__init__.py").is_file()), None)
+    return found.resolve() if found is not None else None
+
+
+def plugin_folder(entry: str, folder: str | Path) -> str | None:
+    """The absolute folder to import plugin `entry` from, when it lies in `folder`."""
+    source = plugin_source(entry, folder)
+    return str(source.parent) if source is not None else None
+
+
+def plugin_module(entry: str, folders: Iterable[str]) -> str:
+    """The module name to import for plugin `entry`, with the folder that holds it (if
+    one of `folders` does) first on `sys.path`: found there before an installed module of
+    the same name, in this process and in every worker that calls it. A `.py` file
+    must be in one of `folders`."""
+    for folder in folders:
+        holder = plugin_folder(entry, folder)
+        if holder is None:
+            continue
+        if holder in sys.path:
+            sys.path.remove(holder)
+        sys.path.insert(0, holder)
+        return Path(entry).stem if entry.endswith(".py") else entry
+    if entry.endswith(".py"):
+        looked = ", ".join(str(Path(f).resolve()) for f in folders) or "no folder (a graph "
+        raise PluginError(f"plugin file `{entry}` not found; looked in {looked}"
+                          + (")" if not folders else "") + ": files are listed relative to "
+                          "the graph file's folder")
+    return entry
+
+
 _DECLARED: dict[str, KindSpec] = {}
 """Kinds declared by imported plugin modules and entry points."""
+
+
+_FUNCTIONS: dict[str, Callable[..., Any]] = {}
+"""The functions `@node_kind` declared kinds from, by kind name."""
+
+
+def declared_kind(name: str) -> KindSpec | None:
+    """A kind declared in this process by `@node_kind` or `register_kind`, if any."""
+    return _DECLARED.get(name)
+
+
+def declared_function(name: str) -> Callable[..., Any] | None:
+    """The function a kind was declared from with `@node_kind` in this process, if any."""
+    return _FUNCTIONS.get(name)
 
 
 def register_kind(kind: KindSpec) -> KindSpec:
@@ -218,6 +274,7 @@ def node_kind(
         kind = replace(kind, head=head) if head != kind.head else kind
         register_kind(kind)
         fn.__flowgraph_kind__ = kind  # type: ignore[attr-defined]
+        _FUNCTIONS[name] = fn
         return fn
 
     return wrap
@@ -321,9 +378,13 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self.kinds)
 
-    def load_plugins(self, modules: Iterable[str]) -> None:
-        """Import each module; the kinds it (or its submodules) declares join this registry."""
-        for module in modules:
+    def load_plugins(self, modules: Iterable[str], folders: Iterable[str] = ()) -> None:
+        """Import each plugin — a module name, or a `.py` file — found in `folders` first
+        (the graph file's), then among the installed packages; the kinds it (or its
+        submodules) declares join this registry."""
+        folders = tuple(folders)
+        for entry in modules:
+            module = plugin_module(entry, folders)
             before = set(_DECLARED)
             try:
                 importlib.import_module(module)

@@ -52,12 +52,13 @@ class CheckResult:
 
 def _load_plugins(graph: Graph, registry: Registry, out: list[Diagnostic]) -> None:
     for plugin in graph.plugins:
+        folder = plugin.folder()
         try:
-            registry.load_plugins([plugin.module])
+            registry.load_plugins([plugin.module], [folder] if folder else [])
         except PluginError as exc:
             out.append(error("FG113", str(exc), plugin.pos,
-                             hint="is the package installed, and the module name spelt as "
-                                  "you would `import` it?"))
+                             hint="a file or module next to the graph file, or an installed "
+                                  "package: is the name spelt as you would `import` it?"))
 
 
 def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None = None,

@@ -29,7 +29,7 @@ from flowgraph.plan import (
     StagePlan,
     gib,
 )
-from flowgraph.registry import KindSpec, PortSpec
+from flowgraph.registry import KindSpec, PortSpec, plugin_folder
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +175,7 @@ class Program:
             dims=self.dims, nodes=nodes, pools=self.placement.pools,
             stages=self.schedule.stages, edges=self.schedule.edges, memory=self.memory or (),
             dropped=self.dropped, rewrites=self.rewrites,
-            source=self.graph.source)
+            plugin_paths=plugin_paths(self.graph), source=self.graph.source)
 
     def _node_plan(self, name: str, stage: str, labels: dict[str, str]) -> NodePlan:
         assert self.placement is not None
@@ -210,3 +210,10 @@ class Pass(Protocol):
     """Passes whose results `apply` reads; they cannot be disabled while this one runs."""
 
     def apply(self, program: Program) -> Program: ...
+
+
+def plugin_paths(graph: Graph) -> tuple[str, ...]:
+    """The absolute folders of the graph's plugins that lie next to the file listing them."""
+    found = [plugin_folder(p.module, folder) for p in graph.plugins
+             if (folder := p.folder()) is not None]
+    return tuple(dict.fromkeys(f for f in found if f is not None))

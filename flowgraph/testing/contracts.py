@@ -36,7 +36,13 @@ from typing import Any
 
 from flowgraph.contracts import TensorSpec
 from flowgraph.dims import Poly
-from flowgraph.registry import KindSpec, PortSpec, Registry
+from flowgraph.registry import (
+    KindSpec,
+    PortSpec,
+    Registry,
+    declared_function,
+    declared_kind,
+)
 from flowgraph.runtime.context import Impl, NodeContext, named_outputs
 
 __all__ = ["assert_honours_contract", "default_context", "output_problem"]
@@ -53,12 +59,22 @@ def default_context(kind: KindSpec | str, dims: Mapping[str, int], *, model: Any
                        tokenizer=tokenizer, dims=dict(dims))
 
 
-def _kind_spec(kind: KindSpec | str) -> KindSpec:
+def _kind_spec(kind: KindSpec | str | Callable[..., Any]) -> KindSpec:
+    """A kind by spec, by name (built in, declared in this process with `@node_kind` or
+    `register_kind`, or an installed entry point), or by its `@node_kind` function."""
     if isinstance(kind, KindSpec):
         return kind
-    spec = Registry.default().get(kind)
+    if callable(kind):
+        declared = getattr(kind, "__flowgraph_kind__", None)
+        if not isinstance(declared, KindSpec):
+            raise ValueError(f"{getattr(kind, '__qualname__', kind)} is not a kind: decorate "
+                             "it with @node_kind, or pass its KindSpec or kind name")
+        return declared
+    spec = Registry.default().get(kind) or declared_kind(kind)
     if spec is None:
-        raise ValueError(f"unknown kind `{kind}`: pass a KindSpec or a registered kind name")
+        raise ValueError(f"unknown kind `{kind}`: not built in, not declared with "
+                         "@node_kind in this process (import its module first), not an "
+                         "installed entry point")
     return spec
 
 
@@ -214,7 +230,7 @@ def _output_sizes(spec: KindSpec, params: Mapping[str, Any], sizes: Mapping[str,
 
 
 def assert_honours_contract(
-    kind: KindSpec | str,
+    kind: KindSpec | str | Callable[..., Any],
     *,
     fn: Callable[..., Any] | None = None,
     model: Any = None,
@@ -233,6 +249,10 @@ def assert_honours_contract(
     from hypothesis import strategies as st
 
     spec = _kind_spec(kind)
+    if fn is None and callable(kind) and not isinstance(kind, KindSpec):
+        fn = kind  # the decorated function itself, wherever it was defined
+    elif fn is None and isinstance(kind, str):
+        fn = declared_function(kind)  # None for a built-in: its registry path
     impl = Impl.load(spec) if fn is None else Impl(fn, frozenset(inspect.signature(fn).parameters))
     unknown = set(params or {}) - {p.name for p in spec.params}
     if unknown:

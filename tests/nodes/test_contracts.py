@@ -10,15 +10,22 @@ Notation: b batch of the node, Bp prompts, P prompt length, T response length.
 from __future__ import annotations
 
 import math
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from jaxtyping import Float, Int
+from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flowgraph.kinds import BUILTIN_KINDS
 from flowgraph.nodes.values import ValueModel
-from flowgraph.registry import KindSpec
+from flowgraph.registry import KindSpec, node_kind
 from flowgraph.runtime import NodeContext
 from flowgraph.testing import assert_honours_contract
 from flowgraph.testing.contracts import output_problem
@@ -151,3 +158,45 @@ def test_a_wrong_shape_is_reported_with_its_port() -> None:
                     outputs=BUILTIN_KINDS["reward"].outputs)
     with pytest.raises(AssertionError, match=r"kind `wrong_scores`.*output `scores`: shape is"):
         assert_honours_contract(kind, fn=_wrong_token_reward, max_examples=5)
+
+
+@node_kind("test_contracts_brevity", outputs=["scores"], category="reward")
+def _brevity(response_mask: Int[Tensor, "b T"], scale: float = 0.1) -> Float[Tensor, " b"]:
+    return -scale * response_mask.sum(-1).float()
+
+
+def test_a_kind_declared_in_this_process_is_found_by_name_and_by_function(
+        honours_contract: Callable[..., None]) -> None:
+    """As the README documents: a user's own kind, just declared with @node_kind, checked
+    by name and by its function, through the pytest plugin's fixture as well."""
+    assert_honours_contract("test_contracts_brevity", max_examples=5)
+    assert_honours_contract(_brevity, max_examples=5)
+    honours_contract("test_contracts_brevity", max_examples=5)
+
+
+def test_a_broken_kind_is_caught_by_name() -> None:
+    @node_kind("test_contracts_broken", outputs=["scores"], category="reward")
+    def broken(response_mask: Int[Tensor, "b T"]) -> Float[Tensor, " b"]:
+        return response_mask.sum().float()  # a scalar, not one score per sequence
+
+    with pytest.raises(AssertionError, match="test_contracts_broken"):
+        assert_honours_contract("test_contracts_broken", max_examples=5)
+
+
+def test_an_unknown_kind_name_says_where_kinds_come_from() -> None:
+    with pytest.raises(ValueError, match="not declared with @node_kind in this process"):
+        assert_honours_contract("no_such_kind_anywhere")
+
+
+def test_the_readme_custom_node_and_its_property_test_run(tmp_path: Path) -> None:
+    """The README's `brevity.py` and `test_brevity.py`, written out and run by pytest."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = re.findall(r"<!-- readme-example: (\S+) -->\n```python\n(.*?)```", readme, re.S)
+    assert [name for name, _ in blocks] == ["brevity.py", "test_brevity.py"]
+    for name, code in blocks:
+        (tmp_path / name).write_text(code)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "test_brevity.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "1 passed" in proc.stdout
