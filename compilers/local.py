@@ -99,6 +99,8 @@ def _user_frame(exc: BaseException) -> traceback.FrameSummary:
     """The innermost frame of the node's own code: below the executor's call, outside
     the standard library and installed packages (torch, transformers...); the innermost
     frame of all when every frame is a library's (a node installed as a package)."""
+    while exc.__cause__ is not None:  # re-raised with context (a reward fn's row): the
+        exc = exc.__cause__          # frame is the original error's
     frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0]: the executor's call
     own = [f for f in frames if not f.filename.startswith(_LIBRARIES)]
     return (own or frames or traceback.extract_tb(exc.__traceback__))[-1]

@@ -54,6 +54,8 @@ ADV_OUTPUTS = (
     _p("returns", "b T", "float", "finite"),
 )
 MASK = _p("response_mask", "b T", "mask", "binary")
+SCORE_FUNCTIONS = ("gsm8k", "math")
+"""Built-in verl-style scoring functions (`flowgraph.nodes.scores`)."""
 SCORES = _p("scores", "b", "float", "finite")
 INDEX = _p("index", "b", "int", doc="group id: samples of one prompt share it")
 TOKEN_REWARDS = _p("token_level_rewards", "b T", "float", "finite")
@@ -82,11 +84,17 @@ _KINDS = (
             _p("attention_mask", "Bp P", "int", "binary"),
             _p("ground_truth", "Bp", "str", optional=True),
             _p("data_source", "Bp", "str", optional=True),
+            _p("extra_info", "Bp", "object", optional=True,
+               doc="each row's `extra_info` dict (verl layout; {} without the column), with "
+                   "the columns the param `columns` names"),
             _p("uid", "Bp", "int", doc="row id in the dataset"),
         ),
         params=(
             _s("format", "auto", ("auto", "parquet", "jsonl", "builtin")),
             _s("prompt_key", "prompt"),
+            ParamSpec("columns", ("list",), (), doc="more dataset columns for the rewards, "
+                      "added to each row's extra_info by name (a struct field as "
+                      "`reward_model.style`)"),
             _i("max_prompt_length", None, "left-pad prompts to this", dim="P"),
             _b("shuffle", True),
             _s("eval_path", None, doc="held-out prompts for evaluation"),
@@ -123,6 +131,8 @@ _KINDS = (
             _p("prompts", "b P", "int"),
             _p("prompt_mask", "b P", "mask", "binary"),
             _p("ground_truth", "b", "str", optional=True),
+            _p("data_source", "b", "str", optional=True),
+            _p("extra_info", "b", "object", optional=True),
         ),
         outputs=(
             _p("prompts", "b*n P", "int"),
@@ -132,6 +142,8 @@ _KINDS = (
             _p("rollout_log_prob", "b*n T", "float", "nonpositive", optional=True),
             _p("index", "b*n", "int", doc="group id: the prompt's position in the batch"),
             _p("ground_truth", "b*n", "str", optional=True),
+            _p("data_source", "b*n", "str", optional=True),
+            _p("extra_info", "b*n", "object", optional=True),
         ),
         params=(
             _s("backend", "hf", ("hf", "vllm")),
@@ -202,6 +214,30 @@ _KINDS = (
         head="tokenizer",
         impl="flowgraph.nodes.reward:rule_reward",
         required_when=(("ground_truth", "fn", "exact_match"),),
+    ),
+    KindSpec(
+        "compute_score", "reward",
+        "A reward function as verl users write them: compute_score(data_source, "
+        "solution_str, ground_truth, extra_info) -> float or dict with `score`.",
+        inputs=(
+            _p("responses", "b T", "int"),
+            _p("response_mask", "b T", "mask", "binary"),
+            _p("ground_truth", "b", "str", optional=True),
+            _p("data_source", "b", "str", optional=True),
+            _p("extra_info", "b", "object", optional=True),
+        ),
+        outputs=(SCORES,),
+        params=(
+            ParamSpec("fn", ("str", "null"), None, functions=SCORE_FUNCTIONS,
+                      doc="`file.py:function` (the file listed under plugins:), "
+                          "`module:function` (listed too), or a built-in: gsm8k, math"),
+            ParamSpec("fns", ("mapping", "null"), None, functions=SCORE_FUNCTIONS,
+                      doc="data_source -> function, as verl's default reward routes; rows "
+                          "of other sources go to fn"),
+        ),
+        model="optional",
+        head="tokenizer",
+        impl="flowgraph.nodes.reward:compute_score",
     ),
     KindSpec(
         "reward_model", "reward", "Sequence classifier scored at the last valid token.",

@@ -62,6 +62,10 @@ class ParamSpec:
     dim: str | None = None
     """A dim this param's value binds (`n` -> the node's group size, `max_new_tokens` -> T)."""
     minimum: float | None = None
+    functions: tuple[str, ...] | None = None
+    """Set when the value names a function (a mapping param: each of its values does):
+    one of these built-in names, or `file.py:function` / `module:function` of a plugin
+    the graph lists. A kind with such params needs one of them set."""
 
     def __post_init__(self) -> None:
         bad = [t for t in self.types if t not in PARAM_TYPES]

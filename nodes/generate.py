@@ -214,6 +214,8 @@ def generate(
     prompts: Tensor,
     prompt_mask: Tensor,
     ground_truth: Sequence[str] | None = None,
+    data_source: Sequence[str] | None = None,
+    extra_info: Sequence[Any] | None = None,
     backend: str = "hf",
     n: int | None = None,
     temperature: float = 1.0,
@@ -222,15 +224,15 @@ def generate(
     max_new_tokens: int | None = None,
     do_sample: bool = True,
     gpu_memory_utilization: float | None = None,
-) -> dict[str, Tensor | list[str]]:
+) -> dict[str, Tensor | list[Any]]:
     """The `generate` kind: n responses per prompt; samples of a prompt are consecutive.
 
     prompts, prompt_mask (b, P) -> prompts, prompt_mask (r, P); responses, response_mask,
     rollout_log_prob (r, T); index (r,) the prompt's row in the global batch (this
     rank's rows start at `ctx.row_offset`: an executor splits a batch into contiguous
-    parts); ground_truth (r,) when given. vLLM reserves a KV cache for the r sequences
-    of P+T tokens, or, with `gpu_memory_utilization`, that share of the accelerator's
-    memory (on CPU: of NUMA node 0's RAM).
+    parts); ground_truth, data_source, extra_info (r,) lists when given. vLLM reserves a
+    KV cache for the r sequences of P+T tokens, or, with `gpu_memory_utilization`, that
+    share of the accelerator's memory (on CPU: of NUMA node 0's RAM).
     """
     n = n or ctx.dims.get("N")
     T = max_new_tokens or ctx.dims.get("T")
@@ -249,12 +251,14 @@ def generate(
             out = decode(model, prompts, prompt_mask, seeds, spec, ctx.workers.all)
     else:
         raise ValueError(f"generate: backend must be `hf` or `vllm`, got `{backend}`")
-    outputs: dict[str, Tensor | list[str]] = {
+    outputs: dict[str, Tensor | list[Any]] = {
         name: value.to(prompts.device) for name, value in out.items()}
     outputs |= {"prompts": prompts, "prompt_mask": prompt_mask.long(),
                 "index": rows.repeat_interleave(n).to(prompts.device)}
-    if ground_truth is not None:
-        outputs["ground_truth"] = [str(g) for g in ground_truth for _ in range(n)]
+    for name, rows_of in (("ground_truth", ground_truth), ("data_source", data_source),
+                          ("extra_info", extra_info)):
+        if rows_of is not None:  # one value per prompt -> one per sample, in sample order
+            outputs[name] = [v for v in rows_of for _ in range(n)]
     return outputs
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flowgraph.check.batch import check_batches, ranks_of
+from flowgraph.check.functions import check_functions
 from flowgraph.check.sampling import check_temperatures
 from flowgraph.check.shapes import DimEnv, EdgeInfo, PortShape, ShapeResult, infer_shapes
 from flowgraph.check.structure import (
@@ -74,6 +75,7 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     table = resolve_kinds(graph, registry, out)
     check_ports(table, out)
     check_params(table, out)
+    check_functions(graph, table, out)
     check_models(graph, table, out)
     check_temperatures(table, out)
     check_held_out(graph, out)

@@ -333,5 +333,5 @@ def check_held_out(graph: Graph, out: list[Diagnostic]) -> None:
         out.append(warning(
             "FG117", f"`trainer.eval_every` is {graph.trainer.eval_every}, but data source "
             f"`{d.name}` has no held-out rows: no evaluation will run", graph.trainer.pos,
-            node=d.name, hint=f"set data.{d.name}.params.eval_path to a held-out file, or "
+            node=d.name, hint=f"set data.{d.name}.eval_path to a held-out file, or "
             "trainer.eval_every: 0"))

@@ -111,9 +111,12 @@ def _make_input(port: PortSpec, shape: tuple[int, ...], *, vocab: int, group: in
 
     spec = port.spec
     shape = tuple(1 if s < 0 else s for s in shape)
-    if spec.dtype == "str":
+    if spec.dtype in ("str", "object"):
         n = shape[0] if shape else 1
-        return [str(int(d)) for d in torch.randint(0, 19, (n,), generator=gen)]
+        values = [str(int(d)) for d in torch.randint(0, 19, (n,), generator=gen)]
+        # an `object` port carries any per-row value: verl's extra_info is a dict
+        return values if spec.dtype == "str" else [{"index": i, "text": v}
+                                                   for i, v in enumerate(values)]
     if port.name == "index" and len(shape) == 1:
         b = shape[0]
         groups = max(b // group, 1)
@@ -161,10 +164,12 @@ def _actual_shape(spec: TensorSpec, value: Any) -> tuple[int, ...] | str:
     """The value's shape, or why it is not of the port's dtype family."""
     import torch
 
-    if spec.dtype == "str":
+    if spec.dtype in ("str", "object") or ({"str", "object"} & spec.dtypes
+                                           and isinstance(value, list)):
+        what = "strings" if spec.dtype == "str" else "values, one per row"
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
-            return f"expected a list of strings, got {type(value).__name__}"
-        if not all(isinstance(v, str) for v in value):
+            return f"expected a list of {what}, got {type(value).__name__}"
+        if spec.dtype == "str" and not all(isinstance(v, str) for v in value):
             return "expected a list of strings, got non-string items"
         return (len(value),)
     if not isinstance(value, torch.Tensor):
@@ -189,7 +194,7 @@ def _output_problem(spec: TensorSpec, value: Any, want: tuple[int, ...]) -> str 
     tail = actual[len(actual) - len(want):] if want else ()
     if any(w >= 0 and w != a for w, a in zip(want, tail, strict=True)):
         return f"shape is {actual}, expected {want}"
-    if spec.dtype == "str":
+    if isinstance(value, list):  # per-row values (`str`, `object`): no value constraints
         return None
     problem = _constraint_problem(spec.constraints, value)
     if problem is None and value.is_floating_point() and value.numel() \

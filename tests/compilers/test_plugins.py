@@ -100,3 +100,35 @@ def test_a_missing_plugin_file_names_the_graph_line(tmp_path: Path) -> None:
     assert proc.returncode == 1
     assert f"{tmp_path / 'g.yaml'}:1:11: error[FG113]: plugin file `nowhere.py` not found; " \
            f"looked in {tmp_path.resolve()}" in proc.stdout + proc.stderr
+
+
+VERL_FORMAT = ROOT / "graphs" / "verl_format" / "grpo.yaml"
+
+
+@pytest.fixture(scope="module")
+def verl_local(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, float]]:
+    run_dir = tmp_path_factory.mktemp("verl_format") / "local"
+    proc = _flowgraph(ROOT, "run", str(VERL_FORMAT), f"trainer.run_dir={run_dir}",
+                      "trainer.steps=2", "--strict")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return read_metrics(run_dir)
+
+
+def test_a_verl_compute_score_file_reads_columns_through_generate(
+        verl_local: list[dict[str, float]]) -> None:
+    """graphs/verl_format: data_source, extra_info (with the `ability` column) flow from
+    the parquet through generate into rewards.py's compute_score, whose dict result adds
+    critic/acc/mean and critic/answered/mean (strict mode checks the object ports)."""
+    row = verl_local[0]
+    assert {"critic/acc/mean", "critic/answered/mean", "critic/score/mean"} <= set(row)
+    assert row["critic/score/mean"] == pytest.approx(
+        row["critic/acc/mean"] + 0.1 * (row["critic/answered/mean"] - row["critic/acc/mean"]))
+
+
+@pytest.mark.parametrize("target", ["fsdp", "ray"])
+def test_the_verl_format_example_gives_equal_numbers_on_every_target(
+        verl_local: list[dict[str, float]], tmp_path: Path, target: str) -> None:
+    proc = _flowgraph(ROOT, "run", str(VERL_FORMAT), f"trainer.run_dir={tmp_path / 'run'}",
+                      "trainer.steps=2", "--target", target, "--nproc", "2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_numbers(read_metrics(tmp_path / "run"), verl_local)

@@ -305,3 +305,30 @@ def test_old_log_prob_may_stay_unwired_only_for_one_optimizer_step() -> None:
     assert "only one step can use its own log-probs" in errors[0].message
     one_step = ("nodes.update_actor.params.mini_batch_size=null",)
     assert [d.code for d in _check(unwired, one_step)] == ["FG108"]  # old_logprob unread
+
+
+VERL_FORMAT = (ROOT / "graphs" / "verl_format" / "grpo.yaml").read_text()
+
+
+@pytest.mark.parametrize(("old", "new", "code", "words"), [
+    ('fn: "rewards.py:compute_score"', 'fn: "rewards.py:compute_scor"', "FG112",
+     "`rewards.py` has no function `compute_scor`"),
+    ('fn: "rewards.py:compute_score"', 'fn: "other.py:compute_score"', "FG113",
+     "`other.py` is not listed under plugins:"),
+    ('fn: "rewards.py:compute_score"', "fn: gsm9k", "FG112", "no built-in function `gsm9k`"),
+    ('fn: "rewards.py:compute_score"', "fns: {arith: gsm8k, other: 3}", "FG112",
+     "names a function as a string, got 3"),
+    ('{fn: "rewards.py:compute_score"}', "{}", "FG112", "needs `fn` or `fns`"),
+])
+def test_a_reward_function_is_checked_before_launch(
+        tmp_path: Path, old: str, new: str, code: str, words: str) -> None:
+    (tmp_path / "rewards.py").write_text(
+        (ROOT / "graphs" / "verl_format" / "rewards.py").read_text())
+    file = tmp_path / "g.yaml"
+    assert old in VERL_FORMAT
+    file.write_text(VERL_FORMAT.replace(old, new))
+    graph, _ = load_graph(str(file), ())
+    assert graph is not None
+    errors = [d for d in check_graph(graph).diagnostics if d.is_error]
+    assert [(d.code, d.node) for d in errors] == [(code, "reward")]
+    assert words in errors[0].message

@@ -69,7 +69,7 @@ def tokenizer() -> Any:
 
 def test_every_builtin_kind_is_covered() -> None:
     covered = (DATA_KINDS + PURE_KINDS + WHITENING_KINDS + CAUSAL_KINDS + CRITIC_KINDS
-               + UPDATE_KINDS + ("reward",))
+               + UPDATE_KINDS + ("reward", "compute_score"))
     assert sorted(covered) == sorted(BUILTIN_KINDS)
 
 
@@ -100,6 +100,11 @@ def test_reward_honours_contract(tokenizer: Any) -> None:
     # `format` does not need the optional ground_truth; the default fn does (below).
     assert_honours_contract("reward", tokenizer=tokenizer, max_examples=EXAMPLES["reward"],
                             params={"fn": "format"})
+
+
+def test_compute_score_honours_contract(tokenizer: Any) -> None:
+    assert_honours_contract("compute_score", tokenizer=tokenizer,
+                            max_examples=EXAMPLES["reward"], params={"fn": "gsm8k"})
 
 
 def test_reward_with_default_params_honours_contract(tokenizer: Any) -> None:
