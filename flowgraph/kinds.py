@@ -13,7 +13,7 @@ Notation: b batch of the node, B = Bp*N, P prompt length, T response length.
 from __future__ import annotations
 
 from flowgraph.contracts import TensorSpec
-from flowgraph.registry import KindSpec, ParamSpec, PortSpec
+from flowgraph.registry import KindSpec, LossSpec, ParamSpec, PortSpec
 
 
 def _p(name: str, dims: str, dtype: str = "float", *constraints: str, optional: bool = False,
@@ -48,7 +48,7 @@ SEQUENCE_INPUTS = (
     _p("responses", "b T", "int"),
     _p("response_mask", "b T", "mask", "binary"),
 )
-LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ADV_OUTPUTS = (
     _p("advantages", "b T", "float", "finite"),
     _p("returns", "b T", "float", "finite"),
@@ -392,11 +392,27 @@ _KINDS = (
             _p("advantages", "b T", "float", "finite"),
             _p("ref_log_prob", "b T", "float", "nonpositive", optional=True,
                doc="wire it for a KL loss (GRPO) instead of a KL reward penalty"),
+            _p("rollout_log_prob", "b T", "float", "nonpositive", optional=True,
+               doc="generate's own log-probs, for rollout_is"),
         ),
         params=(
+            ParamSpec("policy_loss", ("str",), "vanilla", names="policy_loss",
+                      doc="vanilla, gspo, cispo, gpg, clip_cov, kl_cov (verl's names), or "
+                          "one a plugin declares with @policy_loss"),
+            ParamSpec("policy_loss_params", ("mapping", "null"), None, doc="the policy loss's own "
+                      "params (clip_cov: clip_cov_ratio, clip_cov_lb, clip_cov_ub; kl_cov: "
+                      "kl_cov_ratio, ppo_kl_coef)"),
             _f("clip_ratio_low", 0.2, minimum=0.0),
             _f("clip_ratio_high", 0.2, minimum=0.0),
             _f("clip_ratio_c", 3.0, minimum=1.0),
+            _s("rollout_is", None, ("token", "sequence"),
+               "rollout correction: weigh each token (or sequence) by pi_old / pi_rollout "
+               "from generate's rollout_log_prob; null: off"),
+            _f("rollout_is_threshold", 2.0, "weights above are truncated to it (TIS)",
+               minimum=0.0),
+            _f("rollout_is_threshold_lower", None, "set: tokens with weights outside "
+               "[lower, threshold] are masked out instead (IcePop)", minimum=0.0),
+            _f("loss_scale_factor", None, "seq-mean-token-sum-norm divides by it; null: T"),
             _f("entropy_coeff", 0.0),
             _f("kl_loss_coef", 0.001, minimum=0.0),
             _s("kl_loss_type", "low_var_kl", ("kl", "abs", "mse", "low_var_kl")),
@@ -408,6 +424,8 @@ _KINDS = (
         trains=True,
         impl="flowgraph.nodes.update:ppo_actor_update",
         on_policy_input="old_log_prob",
+        required_when=(("rollout_log_prob", "rollout_is", "token"),
+                       ("rollout_log_prob", "rollout_is", "sequence")),
     ),
     KindSpec(
         "ppo_critic_update", "update", "Clipped value-loss update of the critic.",
@@ -449,3 +467,21 @@ _KINDS = (
 
 BUILTIN_KINDS: dict[str, KindSpec] = {k.name: k for k in _KINDS}
 """Every built-in kind by name."""
+
+
+def _loss(name: str, doc: str, *params: ParamSpec) -> LossSpec:
+    return LossSpec(name, params, f"flowgraph.nodes.policy_losses:{name}", doc)
+
+
+POLICY_LOSSES: dict[str, LossSpec] = {loss.name: loss for loss in (
+    _loss("vanilla", "PPO's clipped objective, dual clip for A < 0 (Schulman et al. 2017)"),
+    _loss("gspo", "sequence-level importance ratio (Zheng et al. 2025)"),
+    _loss("cispo", "clipped importance weight on the log-prob gradient (MiniMax 2025)"),
+    _loss("gpg", "-A log pi, no ratio (Chu et al. 2025)"),
+    _loss("clip_cov", "PPO with high-covariance tokens' gradients cut (Cui et al. 2025)",
+          _f("clip_cov_ratio", 0.0002, minimum=0.0), _f("clip_cov_lb", 1.0),
+          _f("clip_cov_ub", 5.0)),
+    _loss("kl_cov", "-A rho plus |log rho| on high-covariance tokens (Cui et al. 2025)",
+          _f("kl_cov_ratio", 0.0002, minimum=0.0), _f("ppo_kl_coef", 1.0)),
+)}
+"""The built-in policy losses of `ppo_actor_update` (`flowgraph.nodes.policy_losses`)."""

@@ -62,6 +62,9 @@ class ParamSpec:
     dim: str | None = None
     """A dim this param's value binds (`n` -> the node's group size, `max_new_tokens` -> T)."""
     minimum: float | None = None
+    names: str | None = None
+    """Set (`policy_loss`) when the value names an entry of that registry; the entry's own
+    params are given in the mapping param `<this param>_params`, checked against it."""
     functions: tuple[str, ...] | None = None
     """Set when the value names a function (a mapping param: each of its values does):
     one of these built-in names, or `file.py:function` / `module:function` of a plugin
@@ -214,6 +217,85 @@ def plugin_module(entry: str, folders: Iterable[str]) -> str:
 
 _DECLARED: dict[str, KindSpec] = {}
 """Kinds declared by imported plugin modules and entry points."""
+
+
+@dataclass(frozen=True, slots=True)
+class LossSpec:
+    """A policy loss `ppo_actor_update` may use: its name, own params and implementation."""
+
+    name: str
+    params: tuple[ParamSpec, ...]
+    """Its own params (set in `policy_loss_params`); the clip ratios are the update's."""
+    impl: str
+    """`module:function`, imported by the update."""
+    doc: str = ""
+
+
+LOSS_INPUTS = ("old_log_prob", "log_prob", "advantages", "response_mask")
+"""The tensors every policy loss takes first, each (B, T)."""
+LOSS_SHARED = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+"""Params a loss may take from the update's own params (not `policy_loss_params`)."""
+_LOSSES: dict[str, LossSpec] = {}
+"""Policy losses declared by plugins with `@policy_loss`."""
+
+
+def policy_loss(name: str) -> Callable[[F], F]:
+    """Declare a policy loss for `ppo_actor_update(policy_loss=name)`:
+
+        @policy_loss("my_loss")
+        def my_loss(old_log_prob, log_prob, advantages, response_mask,
+                    clip_ratio_high: float = 0.2, beta: float = 1.0):
+            return per_token_loss, {"my_metric": 0.0}     # (B, T) tensor, floats
+
+    It takes the four (B, T) tensors, then keyword params with defaults: a clip ratio
+    (`clip_ratio_low/high/c`) comes from the update's params, any other is the loss's own,
+    set in `policy_loss_params` and checked before launch. It returns the per-token loss
+    (the update aggregates it by `loss_agg_mode`) and metrics (logged as actor/<name>)."""
+    if not NAME_RE.match(name):
+        raise RegistryError(f"policy loss name {name!r} is not an identifier")
+
+    def wrap(fn: F) -> F:
+        params = list(inspect.signature(fn).parameters.values())
+        first = [p.name for p in params[:len(LOSS_INPUTS)]]
+        if first != list(LOSS_INPUTS):
+            raise RegistryError(f"policy loss `{name}`: the first parameters must be "
+                                f"{', '.join(LOSS_INPUTS)}; got {', '.join(first)}")
+        hints = _annotations(fn)
+        own = tuple(_param_from_signature(p.name, p, hints.get(p.name))
+                    for p in params[len(LOSS_INPUTS):] if p.name not in LOSS_SHARED)
+        spec = LossSpec(name, own, f"{fn.__module__}:{fn.__qualname__}",
+                        (fn.__doc__ or "").strip().split("\n")[0])
+        if name in _builtin_losses() or _LOSSES.get(name, spec).impl != spec.impl:
+            raise RegistryError(f"policy loss `{name}` is declared twice (built in or by "
+                                f"{_LOSSES[name].impl if name in _LOSSES else 'flowgraph'})")
+        _LOSSES[name] = spec
+        _LOSS_FUNCTIONS[name] = fn
+        return fn
+
+    return wrap
+
+
+_LOSS_FUNCTIONS: dict[str, Callable[..., Any]] = {}
+
+
+def _builtin_losses() -> dict[str, LossSpec]:
+    from flowgraph.kinds import POLICY_LOSSES
+
+    return POLICY_LOSSES
+
+
+def loss_spec(name: str) -> LossSpec | None:
+    """A policy loss by name: built in, or declared by an imported plugin."""
+    return _builtin_losses().get(name) or _LOSSES.get(name)
+
+
+def loss_names() -> list[str]:
+    return sorted({*_builtin_losses(), *_LOSSES})
+
+
+def loss_function(name: str) -> Callable[..., Any] | None:
+    """The function a plugin declared `name` from in this process, if any."""
+    return _LOSS_FUNCTIONS.get(name)
 
 
 _FUNCTIONS: dict[str, Callable[..., Any]] = {}

@@ -117,8 +117,10 @@ def _mean(values: list[float]) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("graph", "extra"), [("ppo.yaml", ()), ("grpo.yaml", ()),
-                                              ("grpo.yaml", ("nodes.gen.params.backend=vllm",))],
-                         ids=["ppo", "grpo-hf", "grpo-vllm"])
+                                              ("grpo.yaml", ("nodes.gen.params.backend=vllm",)),
+                                              ("gspo.yaml", ()), ("drgrpo.yaml", ()),
+                                              ("verl_format/grpo.yaml", ())],
+                         ids=["ppo", "grpo-hf", "grpo-vllm", "gspo", "drgrpo", "verl-format"])
 def test_default_rl_runs_learn(tmp_path: Path, graph: str, extra: tuple[str, ...]) -> None:
     rows = _run(graph, tmp_path / "run", *extra)
     scores = [r["critic/score/mean"] for r in rows]

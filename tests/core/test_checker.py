@@ -332,3 +332,40 @@ def test_a_reward_function_is_checked_before_launch(
     errors = [d for d in check_graph(graph).diagnostics if d.is_error]
     assert [(d.code, d.node) for d in errors] == [(code, "reward")]
     assert words in errors[0].message
+
+
+PLAIN_PG = '''
+from flowgraph.registry import policy_loss
+
+
+@policy_loss("test_checker_plain_pg")
+def plain(old_log_prob, log_prob, advantages, response_mask, clip_ratio_high: float = 0.2,
+          scale: float = 1.0):
+    return -scale * advantages * log_prob, {}
+'''
+
+
+@pytest.mark.parametrize(("params", "words"), [
+    ("{policy_loss: test_checker_plain_pg, policy_loss_params: {scale: 2.0}}", None),
+    ("{policy_loss: test_checker_plain_pg, policy_loss_params: {scale: two}}",
+     "`policy_loss_params` of `update_actor`: expected float"),
+    ("{policy_loss: test_checker_plain_pg, policy_loss_params: {clip_ratio_high: 0.3}}",
+     "takes no param `clip_ratio_high` (its params: scale)"),
+    ("{policy_loss: clip_cov, policy_loss_params: {kl_cov_ratio: 0.1}}",
+     "takes no param `kl_cov_ratio` (its params: clip_cov_ratio, clip_cov_lb, clip_cov_ub)"),
+    ("{policy_loss: gspoo}", "no policy loss `gspoo`"),
+])
+def test_a_policy_loss_and_its_params_are_checked(tmp_path: Path, params: str,
+                                                  words: str | None) -> None:
+    (tmp_path / "plain_pg.py").write_text(PLAIN_PG)
+    old = "params: {kl_loss_coef: 0.001, kl_loss_type: low_var_kl, mini_batch_size: 8}"
+    assert old in GRPO
+    file = tmp_path / "g.yaml"
+    file.write_text("plugins: [plain_pg.py]\n" + GRPO.replace(old, "params: " + params))
+    graph, _ = load_graph(str(file), ())
+    assert graph is not None
+    errors = [d for d in check_graph(graph).diagnostics if d.is_error]
+    assert [d.message for d in errors if words is None] == []
+    if words is not None:
+        assert [(d.code, d.node) for d in errors] == [("FG112", "update_actor")]
+        assert words in errors[0].message
