@@ -27,11 +27,9 @@ from verl.trainer.ppo import core_algos as ca
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
 from verl.workers.config import ActorConfig
 from verl.workers.config.actor import PolicyLossConfig
+from verl_fixtures import B, T, masks  # the same 8 x 12 masks as core_algos.pt
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "verl" / "policy_losses.pt"
-B, T = 8, 12
-LENGTHS = [12, 9, 5, 1, 12, 7, 3, 10]
-HOLES = [(2, 4), (5, 6), (1, 3), (7, 9), (2, 4), (3, 5), (1, 2), (4, 8)]
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 OWN = {"vanilla": {}, "gspo": {}, "cispo": {}, "gpg": {},
        "clip_cov": {"clip_cov_ratio": 0.1, "clip_cov_lb": -1.0, "clip_cov_ub": 5.0},
@@ -39,16 +37,6 @@ OWN = {"vanilla": {}, "gspo": {}, "cispo": {}, "gpg": {},
 """Each loss's own params: large ratios, so that the covariance rules pick tokens."""
 CORRECTIONS = {"none": None, "token_tis": ("token", 2.0, None),
                "sequence_tis": ("sequence", 2.0, None), "token_icepop": ("token", 2.0, 0.5)}
-
-
-def masks() -> dict[str, torch.Tensor]:
-    contiguous = torch.zeros(B, T)
-    for i, n in enumerate(LENGTHS):
-        contiguous[i, :n] = 1
-    holes = contiguous.clone()
-    for i, (a, b) in enumerate(HOLES):
-        holes[i, a:b] = 0
-    return {"contiguous": contiguous, "holes": holes}
 
 
 def config(loss: str) -> ActorConfig:
