@@ -59,12 +59,17 @@ SCORE_FUNCTIONS = ("gsm8k", "math")
 SCORES = _p("scores", "b", "float", "finite")
 INDEX = _p("index", "b", "int", doc="group id: samples of one prompt share it")
 TOKEN_REWARDS = _p("token_level_rewards", "b T", "float", "finite")
+MAX_TOKEN_LEN = _i(
+    "max_token_len", None, "token budget per forward/backward on one rank instead of "
+    "micro_batch_size: consecutive rows while rows x longest (prompt + response) fits "
+    "(verl's use_dynamic_bsz, ppo_max_token_len_per_gpu); at least P + T")
 MINI_BATCH = (
     _i("ppo_epochs", 1, "passes over the batch per step"),
     _i("mini_batch_size", None, "sequences per optimizer step, over all data-parallel "
        "ranks (verl's ppo_mini_batch_size); null: the whole batch"),
     _i("micro_batch_size", None, "sequences per forward/backward on one rank (gradient "
        "accumulation); null: the rank's share of the mini-batch"),
+    MAX_TOKEN_LEN,
     _s("loss_agg_mode", "token-mean", LOSS_AGG),
 )
 DATA_PARAMS = (
@@ -172,6 +177,7 @@ _KINDS = (
             _i("chunk_size", 1024, "tokens per chunk of the vocabulary projection"),
             _f("temperature", 1.0, minimum=0.0),
             _i("micro_batch_size", None),
+            MAX_TOKEN_LEN,
         ),
         model="required",
         impl="flowgraph.nodes.logprob:logprob",
@@ -180,7 +186,7 @@ _KINDS = (
         "sequence_logprob", "model", "Summed response log-prob per sequence (DPO).",
         inputs=SEQUENCE_INPUTS,
         outputs=(_p("log_prob", "b", "float", "nonpositive", "finite"),),
-        params=(_i("chunk_size", 1024), _i("micro_batch_size", None)),
+        params=(_i("chunk_size", 1024), _i("micro_batch_size", None), MAX_TOKEN_LEN),
         model="required",
         impl="flowgraph.nodes.logprob:sequence_logprob",
     ),
@@ -188,7 +194,7 @@ _KINDS = (
         "values", "model", "Critic: causal-LM backbone + scalar value head, one value per token.",
         inputs=SEQUENCE_INPUTS,
         outputs=(_p("values", "b T", "float", "finite"),),
-        params=(_i("micro_batch_size", None),),
+        params=(_i("micro_batch_size", None), MAX_TOKEN_LEN),
         model="required",
         head="scalar",
         impl="flowgraph.nodes.values:values",
@@ -243,7 +249,7 @@ _KINDS = (
         "reward_model", "reward", "Sequence classifier scored at the last valid token.",
         inputs=SEQUENCE_INPUTS,
         outputs=(SCORES,),
-        params=(_i("micro_batch_size", None),),
+        params=(_i("micro_batch_size", None), MAX_TOKEN_LEN),
         model="required",
         head="scalar",
         impl="flowgraph.nodes.reward:reward_model",

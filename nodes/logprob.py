@@ -30,7 +30,14 @@ from torch.utils.checkpoint import checkpoint
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["forward_hidden", "head_logprob", "logprob", "sequence_logprob"]
+__all__ = [
+    "forward_hidden",
+    "head_logprob",
+    "logprob",
+    "micro_batches",
+    "sequence_lengths",
+    "sequence_logprob",
+]
 
 
 def _check_sequences(
@@ -73,9 +80,15 @@ def forward_hidden(
     which is where a sequence classifier reads its score.
     """
     _check_sequences(prompts, prompt_mask, responses, response_mask)
+    P, T = prompts.shape[1], responses.shape[1]
+    # Padding trimmed: the leading prompt columns and trailing response columns that
+    # are padding in every row change no valid position's state (positions are counted
+    # over the mask, attention is causal), so the backbone runs on the batch's longest
+    # sequence only; the trimmed response positions come back as zeros.
+    lo, t = _trimmed(prompt_mask, response_mask)
     backbone = getattr(model, "base_model", model)
-    input_ids = torch.cat([prompts, responses], dim=1)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    input_ids = torch.cat([prompts[:, lo:], responses[:, :t]], dim=1)
+    attention_mask = torch.cat([prompt_mask[:, lo:], response_mask[:, :t]], dim=1).long()
     # Left padding: count positions over real tokens only (HF generate does the same).
     position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
     out = backbone(
@@ -84,10 +97,20 @@ def forward_hidden(
         position_ids=position_ids,
         use_cache=False,
     )
-    P, T = prompts.shape[1], responses.shape[1]
-    start = P if on_tokens else P - 1
-    hidden: Tensor = out.last_hidden_state
-    return hidden[:, start : start + T]
+    start = P - lo if on_tokens else P - lo - 1
+    hidden: Tensor = out.last_hidden_state[:, start : start + t]
+    return hidden if t == T else torch.nn.functional.pad(hidden, (0, 0, 0, T - t))
+
+
+def _trimmed(prompt_mask: Tensor, response_mask: Tensor) -> tuple[int, int]:
+    """(lo, t): the batch's prompt columns from `lo` and response columns up to `t` hold
+    every valid token; at least the last prompt column and one response column stay."""
+    P = prompt_mask.shape[1]
+    valid_p = prompt_mask.bool().any(0).nonzero()
+    valid_r = response_mask.bool().any(0).nonzero()
+    lo = min(int(valid_p[0]), P - 1) if len(valid_p) else P - 1
+    t = int(valid_r[-1]) + 1 if len(valid_r) else 1
+    return lo, t
 
 
 class _TokenStats(torch.autograd.Function):
@@ -101,19 +124,25 @@ class _TokenStats(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, z: Tensor, y: Tensor, inv_tau: float, with_entropy: bool
+        ctx: Any, z: Tensor, y: Tensor, inv_tau: float, with_entropy: bool,
+        entropy_grad: bool = True,
     ) -> Tensor | tuple[Tensor, Tensor]:
         s = z if inv_tau == 1.0 else z * inv_tau
         lse = torch.logsumexp(s, dim=-1)
         log_p = s.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse
-        ctx.inv_tau, ctx.with_entropy = inv_tau, with_entropy
+        # the entropy's backward only when it is in the loss (else a metric: no gradient)
+        ctx.inv_tau, ctx.with_entropy = inv_tau, with_entropy and entropy_grad
         if not with_entropy:
             ctx.save_for_backward(z, y, lse)
             return log_p
         log_p_all = s - lse.unsqueeze(-1)
-        entropy = -log_p_all.exp().mul_(log_p_all).sum(-1)
-        ctx.save_for_backward(z, y, lse, entropy)
-        return log_p, entropy.clamp_min(0.0)  # rounding can leave -1e-7
+        entropy = (-log_p_all.exp().mul_(log_p_all).sum(-1)).clamp_min(0.0)  # rounding: -1e-7
+        if entropy_grad:
+            ctx.save_for_backward(z, y, lse, entropy)
+        else:
+            ctx.save_for_backward(z, y, lse)
+            ctx.mark_non_differentiable(entropy)
+        return log_p, entropy
 
     @staticmethod
     def backward(
@@ -130,15 +159,16 @@ class _TokenStats(torch.autograd.Function):
         else:
             grad = log_p_all.exp_().mul_(-g_log_p.unsqueeze(-1))
         grad.scatter_add_(-1, y.unsqueeze(-1), g_log_p.unsqueeze(-1))
-        return grad.mul_(ctx.inv_tau), None, None, None
+        return grad.mul_(ctx.inv_tau), None, None, None, None
 
 
 def _chunk_stats(
-    lm_head: nn.Module, h: Tensor, y: Tensor, inv_tau: float, with_entropy: bool
+    lm_head: nn.Module, h: Tensor, y: Tensor, inv_tau: float, with_entropy: bool,
+    entropy_grad: bool = True,
 ) -> tuple[Tensor, ...]:
     """The head on one chunk of c tokens, h (c, H), in float32 whatever the model dtype."""
     # torch leaves Function.apply unannotated (and mypy cannot exclude it by module)
-    out = _TokenStats.apply(lm_head(h).float(), y, inv_tau, with_entropy)  # type: ignore[no-untyped-call]
+    out = _TokenStats.apply(lm_head(h).float(), y, inv_tau, with_entropy, entropy_grad)  # type: ignore[no-untyped-call]
     return out if with_entropy else (out,)
 
 
@@ -150,12 +180,14 @@ def head_logprob(
     chunk_size: int = 1024,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    entropy_grad: bool = True,
 ) -> dict[str, Tensor]:
     """The chunked LM-head part: hidden (B, T, H) -> log_prob (B, T) [, entropy (B, T)].
 
     Float32 outputs, 0 on masked positions. `temperature` divides the logits as the
     sampler did; 0 (greedy sampling) scores the untempered distribution, as there is
-    no τ→0 distribution to score.
+    no τ→0 distribution to score. With `entropy_grad` false the entropy comes from the
+    same logits as the log-probs but has no gradient (a metric, not a loss term).
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -167,7 +199,8 @@ def head_logprob(
     )
     parts = []
     for i in range(0, len(y), chunk_size):
-        args = (lm_head, h[i : i + chunk_size], y[i : i + chunk_size], inv_tau, with_entropy)
+        args = (lm_head, h[i : i + chunk_size], y[i : i + chunk_size], inv_tau, with_entropy,
+                entropy_grad)
         parts.append(
             checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args)
         )
@@ -181,6 +214,41 @@ def head_logprob(
     }
 
 
+def micro_batches(
+    lengths: Tensor, micro_batch_size: int | None = None, max_token_len: int | None = None,
+    per_row: int = 1,
+) -> list[Tensor]:
+    """The row indices of each micro-batch, in order: `micro_batch_size` rows each (null:
+    one), or with `max_token_len` (verl's dynamic batch size) consecutive rows as long as
+    per_row × rows × (the longest prompt + the longest response among them) — the padded
+    tokens `forward_hidden` runs after trimming — stays within the budget. `lengths`
+    (B, 2): each row's valid prompt and response tokens (`sequence_lengths`); `per_row`:
+    sequences a row puts in the forward (a DPO pair: 2)."""
+    B = len(lengths)
+    if max_token_len is None:
+        return list(torch.arange(B).split(micro_batch_size or max(B, 1)))
+    out: list[list[int]] = [[]]
+    prompt = response = 0
+    for row, (p, r) in enumerate(lengths.tolist()):
+        if per_row * (p + r) > max_token_len:
+            raise ValueError(f"max_token_len={max_token_len} is less than row {row}'s "
+                             f"{per_row * (p + r)} tokens (prompt + response); use at least "
+                             f"{per_row} x (P + T)")
+        width = max(prompt, p) + max(response, r)
+        if out[-1] and per_row * (len(out[-1]) + 1) * width > max_token_len:
+            out.append([])
+            prompt = response = 0
+        out[-1].append(row)
+        prompt, response = max(prompt, p), max(response, r)
+    return [torch.tensor(rows, dtype=torch.long) for rows in out if rows]
+
+
+def sequence_lengths(prompt_mask: Tensor, *response_masks: Tensor) -> Tensor:
+    """(B, 2): each row's valid prompt tokens and the most valid tokens of its responses."""
+    responses = torch.stack([m.bool().sum(-1) for m in response_masks]).amax(0)
+    return torch.stack([prompt_mask.bool().sum(-1), responses], dim=-1)
+
+
 def logprob(
     model: PreTrainedModel,
     prompts: Tensor,
@@ -191,12 +259,12 @@ def logprob(
     temperature: float = 1.0,
     micro_batch_size: int | None = None,
     with_entropy: bool = False,
+    max_token_len: int | None = None,
 ) -> dict[str, Tensor]:
     """log_prob (B, T) of each response token (0 where masked); entropy (B, T) if asked."""
-    step = micro_batch_size or len(prompts)
     parts = []
-    for i in range(0, len(prompts), step):
-        rows = slice(i, i + step)
+    lengths = sequence_lengths(prompt_mask, response_mask)
+    for rows in micro_batches(lengths, micro_batch_size, max_token_len):
         hidden = forward_hidden(
             model, prompts[rows], prompt_mask[rows], responses[rows], response_mask[rows]
         )
@@ -222,6 +290,7 @@ def sequence_logprob(
     response_mask: Tensor,
     chunk_size: int = 1024,
     micro_batch_size: int | None = None,
+    max_token_len: int | None = None,
 ) -> dict[str, Tensor]:
     """Σ_t log π(y_t | ·) over the valid response tokens: log_prob (B,) (DPO's log π(y|x))."""
     tokens = logprob(
@@ -232,5 +301,6 @@ def sequence_logprob(
         response_mask,
         chunk_size=chunk_size,
         micro_batch_size=micro_batch_size,
+        max_token_len=max_token_len,
     )
     return {"log_prob": tokens["log_prob"].sum(-1)}

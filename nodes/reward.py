@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from flowgraph.errors import RewardFnError
-from flowgraph.nodes.logprob import forward_hidden
+from flowgraph.nodes.logprob import forward_hidden, micro_batches, sequence_lengths
 from flowgraph.nodes.scores import BUILTIN_SCORES
 from flowgraph.runtime import NodeContext
 from flowgraph.runtime.answers import extract_answer, has_marked_answer, normalise_answer
@@ -203,13 +203,13 @@ def reward_model(
     responses: Tensor,
     response_mask: Tensor,
     micro_batch_size: int | None = None,
+    max_token_len: int | None = None,
 ) -> dict[str, Tensor]:
     """scores (B,) float32: r(x, y) read at the last valid response token (0 if none)."""
     backbone, head = _score_head(model)
-    step = micro_batch_size or len(prompts)
     parts = []
-    for i in range(0, len(prompts), step):
-        rows = slice(i, i + step)
+    lengths = sequence_lengths(prompt_mask, response_mask)
+    for rows in micro_batches(lengths, micro_batch_size, max_token_len):
         hidden = forward_hidden(
             backbone,
             prompts[rows],

@@ -49,7 +49,13 @@ from torch import Tensor
 
 from flowgraph.errors import NonFiniteError
 from flowgraph.nodes._agg import agg_loss, masked_mean
-from flowgraph.nodes.logprob import forward_hidden, head_logprob, sequence_logprob
+from flowgraph.nodes.logprob import (
+    forward_hidden,
+    head_logprob,
+    micro_batches,
+    sequence_lengths,
+    sequence_logprob,
+)
 from flowgraph.nodes.losses import dpo_loss, kl_penalty, value_loss
 from flowgraph.nodes.policy_losses import rollout_is_weights
 from flowgraph.nodes.values import ValueModel
@@ -75,10 +81,12 @@ SEQUENCES = ("prompts", "prompt_mask", "responses", "response_mask")
 
 
 def _schedule(
-    B: int, ppo_epochs: int, mini: int | None, micro: int | None, dp_size: int = 1
+    B: int, ppo_epochs: int, mini: int | None, micro: int | None, dp_size: int = 1,
+    max_token_len: int | None = None,
 ) -> tuple[int, int]:
     """(M, m): M | B global rows per mini-batch, m | M/dp_size rows per micro-batch on
-    each worker; the message names the numbers that do not fit."""
+    each worker (with `max_token_len` the budget cuts the micro-batches instead); the
+    message names the numbers that do not fit."""
     M = mini or B
     if B < 1 or ppo_epochs < 1:
         raise ValueError(
@@ -94,6 +102,9 @@ def _schedule(
             f"mini_batch_size={M} does not split evenly over {dp_size} data-parallel "
             f"workers; use a multiple of {dp_size}"
         )
+    if max_token_len is not None and micro is not None:
+        raise ValueError(f"micro_batch_size={micro} and max_token_len={max_token_len}: set "
+                         "one (rows per micro-batch, or a token budget)")
     m = micro or M // dp_size
     if (M // dp_size) % m:
         raise ValueError(
@@ -115,15 +126,16 @@ def _rows(batch: Batch, rows: Tensor) -> Batch:
 
 
 def _mini_batches(
-    batch: Batch, order: Tensor, M: int, m: int, ctx: NodeContext, size_fn: SizeFn
+    batch: Batch, order: Tensor, M: int, ctx: NodeContext, size_fn: SizeFn,
+    split: Callable[[Batch], list[Tensor]],
 ) -> list[tuple[float, list[Batch]]]:
     """The rows of `batch` in `order` as B/M mini-batches, each as (its whole loss
-    denominator, this worker's M/dp_size rows of it in micro-batches of m)."""
+    denominator, this worker's M/dp_size rows of it in the micro-batches `split` cuts)."""
     out = []
     for mini in order.split(M):
-        mine = mini.tensor_split(ctx.dp_size)[ctx.dp_rank]
+        mine = _rows(batch, mini.tensor_split(ctx.dp_size)[ctx.dp_rank])
         total = size_fn(_rows(batch, mini)) if ctx.dp_size > 1 else None
-        micro = [_rows(batch, rows) for rows in mine.split(m)]
+        micro = [_rows(mine, rows) for rows in split(mine)]
         out.append((total if total is not None else sum(map(size_fn, micro)), micro))
     return out
 
@@ -172,12 +184,16 @@ def _train(
     ppo_epochs: int,
     mini_batch_size: int | None,
     micro_batch_size: int | None,
+    max_token_len: int | None = None,
+    responses: tuple[str, ...] = ("response_mask",),
 ) -> None:
     """Epochs × shuffled mini-batches × micro-batches; metric means into `ctx.metrics`.
 
     Data-parallel (ctx.dp_size > 1): every worker gets the whole batch and draws the
     same permutation; each takes its contiguous 1/dp_size of every mini-batch. The
-    mini-batches are those of a one-worker run, so the numbers are too.
+    mini-batches are those of a one-worker run, so the numbers are too. Micro-batches
+    are `micro_batch_size` rows, or cut by the token budget `max_token_len` over the
+    prompt and the `responses` masks of a row (all of them in one forward: DPO's pair).
     """
     if ctx.model is None or ctx.optimizer is None:
         raise ValueError(
@@ -186,11 +202,17 @@ def _train(
             f"optimizer={type(ctx.optimizer).__name__}"
         )
     B = len(next(iter(batch.values())))
-    M, m = _schedule(B, ppo_epochs, mini_batch_size, micro_batch_size, ctx.dp_size)
+    M, m = _schedule(B, ppo_epochs, mini_batch_size, micro_batch_size, ctx.dp_size,
+                     max_token_len)
+
+    def split(mine: Batch) -> list[Tensor]:
+        lengths = sequence_lengths(mine["prompt_mask"], *(mine[r] for r in responses))
+        return micro_batches(lengths, m, max_token_len, per_row=len(responses))
+
     plan = (
         mini
         for epoch in range(ppo_epochs)
-        for mini in _mini_batches(batch, _permutation(ctx, epoch, B), M, m, ctx, size_fn)
+        for mini in _mini_batches(batch, _permutation(ctx, epoch, B), M, ctx, size_fn, split)
     )
     with torch.enable_grad():  # an executor may call nodes under no_grad
         steps = [_optimizer_step(ctx, total, micro, loss_fn, size_fn) for total, micro in plan]
@@ -262,13 +284,10 @@ def _actor_loss(
     """L = L_pg − c_H·H + c_KL·KL(π ‖ π_ref), each aggregated by `mode` (verl's actor)."""
     mask, responses, head = mb["response_mask"], mb["responses"], model.get_output_embeddings()
     hidden = forward_hidden(model, *(mb[k] for k in SEQUENCES))
+    # one pass over the head for both; the entropy is in the backward only when in the loss
     out = head_logprob(head, hidden, responses, mask, temperature=temperature,
-                       with_entropy=entropy_coeff != 0)
-    log_prob, entropy_t = out["log_prob"], out.get("entropy")
-    if entropy_t is None:  # for the metric only: keep the entropy out of the backward pass
-        with torch.no_grad():
-            entropy_t = head_logprob(head, hidden, responses, mask, temperature=temperature,
-                                     with_entropy=True)["entropy"]
+                       with_entropy=True, entropy_grad=entropy_coeff != 0)
+    log_prob, entropy_t = out["log_prob"], out["entropy"]
     pg_loss, pg = policy(mb, log_prob, mode, scale)
     entropy = agg_loss(entropy_t, mask, mode, scale)
     metrics = {"actor/pg_loss": pg_loss.item(), "actor/entropy": entropy.item()}
@@ -309,6 +328,7 @@ def ppo_actor_update(
     ppo_epochs: int = 1,
     mini_batch_size: int | None = None,
     micro_batch_size: int | None = None,
+    max_token_len: int | None = None,
     loss_agg_mode: str = "token-mean",
 ) -> dict[str, Tensor]:
     """Dual-clip PPO on the actor `ctx.model` (a causal LM); all tensors (B, P) or (B, T).
@@ -369,6 +389,7 @@ def ppo_actor_update(
         ppo_epochs=ppo_epochs,
         mini_batch_size=mini_batch_size,
         micro_batch_size=micro_batch_size,
+        max_token_len=max_token_len,
     )
     return {}
 
@@ -429,6 +450,7 @@ def ppo_critic_update(
     ppo_epochs: int = 1,
     mini_batch_size: int | None = None,
     micro_batch_size: int | None = None,
+    max_token_len: int | None = None,
     loss_agg_mode: str = "token-mean",
 ) -> dict[str, Tensor]:
     """Clipped value regression of the critic `ctx.model` (a `ValueModel`) onto `returns`.
@@ -454,6 +476,7 @@ def ppo_critic_update(
         ppo_epochs=ppo_epochs,
         mini_batch_size=mini_batch_size,
         micro_batch_size=micro_batch_size,
+        max_token_len=max_token_len,
     )
     return {}
 
@@ -509,6 +532,7 @@ def dpo_update(
     ppo_epochs: int = 1,
     mini_batch_size: int | None = None,
     micro_batch_size: int | None = None,
+    max_token_len: int | None = None,
     loss_agg_mode: str = "token-mean",
 ) -> dict[str, Tensor]:
     """DPO on the policy `ctx.model`: prompts (B, P), chosen/rejected (B, T), ref logps (B,).
@@ -541,6 +565,8 @@ def dpo_update(
         ppo_epochs=ppo_epochs,
         mini_batch_size=mini_batch_size,
         micro_batch_size=micro_batch_size,
+        max_token_len=max_token_len,
+        responses=("chosen_mask", "rejected_mask"),
     )
     return {}
 

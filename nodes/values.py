@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from flowgraph.nodes.logprob import forward_hidden
+from flowgraph.nodes.logprob import forward_hidden, micro_batches, sequence_lengths
 from flowgraph.nodes.models import load_model
 
 __all__ = ["ValueModel", "values"]
@@ -76,12 +76,12 @@ def values(
     responses: Tensor,
     response_mask: Tensor,
     micro_batch_size: int | None = None,
+    max_token_len: int | None = None,
 ) -> dict[str, Tensor]:
     """values (B, T) float32: V_t for each response token, 0 where masked."""
-    step = micro_batch_size or len(prompts)
     parts = []
-    for i in range(0, len(prompts), step):
-        rows = slice(i, i + step)
+    lengths = sequence_lengths(prompt_mask, response_mask)
+    for rows in micro_batches(lengths, micro_batch_size, max_token_len):
         v = critic(prompts[rows], prompt_mask[rows], responses[rows], response_mask[rows])
         if v.shape[-1] != 1:
             raise ValueError(

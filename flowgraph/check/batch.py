@@ -57,6 +57,7 @@ def check_batches(table: dict[str, Resolved], shapes: ShapeResult, dp: Ranks,
         batch = shapes.batch.get(r.name)
         if batch is None:
             continue
+        _check_token_budget(r, shapes.env, out)
         if r.kind.trains:
             _check_update(r, batch, pools.get(r.spec.model or "", dp), out)
         if r.kind.grouped:
@@ -111,6 +112,35 @@ def _check_update(r: Resolved, batch: int, ranks: Ranks, out: list[Diagnostic]) 
                          actual=f"{per_rank} % {micro} = {per_rank % micro}",
                          hint=f"micro_batch_size must divide {per_rank}: one of "
                               f"{_divisors(per_rank)}"))
+
+
+def _check_token_budget(r: Resolved, env: DimEnv, out: list[Diagnostic]) -> None:
+    """`max_token_len` replaces `micro_batch_size` and holds a whole row: P + T tokens
+    for each sequence the row puts in the forward."""
+    budget = _int_param(r, "max_token_len")
+    if budget is None:
+        return
+    q = r.spec.params.find("max_token_len")
+    pos = q.pos if q is not None else r.pos
+    micro = _int_param(r, "micro_batch_size")
+    if micro is not None:
+        out.append(error("FG303", f"`{r.name}`: micro_batch_size {micro} and max_token_len "
+                         f"{budget} both cut the micro-batches", pos, node=r.name,
+                         hint="set one: rows per micro-batch, or a token budget (verl's "
+                              "use_dynamic_bsz); remove the other"))
+        return
+    P, T = env.values.get("P"), env.values.get("T")
+    if P is None or T is None:
+        return
+    per_row = r.kind.sequences_per_row if r.kind is not None else 1
+    need = per_row * (P + T)
+    if budget < need:
+        rows = f"{per_row} x (P + T)" if per_row > 1 else "P + T"
+        out.append(error("FG303", f"`{r.name}`: max_token_len {budget} cannot hold one row "
+                         f"of {need} tokens ({rows} = {need})", pos, node=r.name,
+                         expected=f"max_token_len >= {need}", actual=str(budget),
+                         hint=f"use at least {need}; a micro-batch takes as many rows as "
+                              "fit, each padded to the longest prompt and response in it"))
 
 
 def _check_groups(r: Resolved, batch: int, dp: int, table: dict[str, Resolved], env: DimEnv,

@@ -1,6 +1,7 @@
 """Compile passes: a graph file -> an `ExecutionPlan`, through a pipeline you can inspect.
 
-    validate -> infer_dims -> on_policy -> dce -> hoist -> placement -> schedule -> memory
+    validate -> infer_dims -> on_policy -> token_budget -> dce -> hoist -> placement ->
+    schedule -> memory
 
 Each pass is a small frozen dataclass with a `name` and one `apply(program) ->
 program` (see `program.py`), one per module here, listed in the flat registry
@@ -32,6 +33,7 @@ from flowgraph.passes.on_policy import ElideOldLogProb
 from flowgraph.passes.placement import PlaceNodes
 from flowgraph.passes.program import Pass, Program
 from flowgraph.passes.schedule import ScheduleStages
+from flowgraph.passes.token_budget import TokenBudget
 from flowgraph.passes.validate import Validate
 from flowgraph.plan import DEVICES, TARGETS, ExecutionPlan
 
@@ -47,8 +49,8 @@ __all__ = [
 
 PASSES: dict[str, type[Pass]] = {
     p.name: p
-    for p in (Validate, InferDims, ElideOldLogProb, EliminateDeadNodes, HoistInvariants,
-              PlaceNodes, ScheduleStages, EstimateMemory)
+    for p in (Validate, InferDims, ElideOldLogProb, TokenBudget, EliminateDeadNodes,
+              HoistInvariants, PlaceNodes, ScheduleStages, EstimateMemory)
 }
 """Every pass by name, in pipeline order."""
 

@@ -328,6 +328,9 @@ def _node_items(inp: _Inputs, pool: PoolPlan, node: NodeSpec) -> list[MemoryItem
     if kind.category == "rollout":
         return _rollout_items(inp, node, kind, per_worker)
     micro = _micro(node, kind, per_worker, inp.rows.get(node.name))[0]
+    budget = _int_param(node, kind, "max_token_len")
+    if budget is not None:  # rows x the padded length <= budget: full-length rows at most
+        micro = min(micro, max(budget // (sum(inp.seq) * kind.sequences_per_row), 1))
     if kind.trains:
         return _training_items(inp, node, kind, micro)
     return _forward_items(inp, node, kind, micro)

@@ -69,7 +69,7 @@ ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "r
 """Pipeline skeletons `graphs()` draws from."""
 GROUPED = frozenset({"grpo", "rloo", "reinforce_pp_baseline"})
 """Skeletons whose advantage needs whole groups of N samples (N >= 2)."""
-_BATCH_PARAMS = frozenset({"mini_batch_size", "micro_batch_size"})
+_BATCH_PARAMS = frozenset({"mini_batch_size", "micro_batch_size", "max_token_len"})
 _PATH = "builtin:tiny-lm"
 _TEXT = string.ascii_letters + string.digits + "_-./:+ "
 """Characters of random string params: enough to spell paths and numbers."""

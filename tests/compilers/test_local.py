@@ -16,7 +16,7 @@ from flowgraph.compilers.checkpoint import latest_checkpoint, load_checkpoint, r
 from flowgraph.compilers.export import export_model
 from flowgraph.errors import ContractViolation, FlowgraphError, NonFiniteError
 from flowgraph.passes import compile_graph
-from flowgraph.testing.targets import WALL_CLOCK
+from flowgraph.testing.targets import WALL_CLOCK, assert_same_numbers
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGINS = ROOT / "tests" / "plugins"
@@ -95,6 +95,33 @@ def test_on_policy_elision_keeps_the_numbers(tmp_path: Path) -> None:
     assert _numbers(elided) == _numbers(full)
     # Held out, the update scores the actor itself (`ppo_actor_update_eval`).
     assert "val/log_ratio_to_ref" in elided[-1]
+
+
+def test_token_budgets_keep_the_numbers_of_the_padded_run(tmp_path: Path) -> None:
+    """PPO with micro_batch_size 2 on every forward and update: pass `token_budget`
+    turns each into max_token_len 48 (two full-length rows, more of shorter ones, each
+    micro-batch trimmed to its longest prompt and response). Its numbers are those of
+    the row-count micro-batches (the pass disabled) and of one whole padded batch."""
+    from flowgraph.passes import PassPipeline
+
+    nodes = ("old_logprob", "ref_logprob", "values", "update_actor", "update_critic")
+    runs = {}
+    for name, micro, disabled in (("budget", 2, ()), ("rows", 2, ("token_budget",)),
+                                  ("whole", "null", ())):
+        result = compile_graph(ROOT / "graphs" / "ppo.yaml", pipeline=PassPipeline.default(
+            disabled=disabled), overrides=[
+                f"trainer.run_dir={tmp_path / name}", "trainer.steps=3", "trainer.eval_every=3",
+                *(f"nodes.{n}.params.micro_batch_size={micro}" for n in nodes)])
+        assert result.plan is not None
+        rewritten = [r for r in result.plan.rewrites if r.startswith("token_budget")]
+        assert len(rewritten) == (5 if name == "budget" else 0), result.plan.rewrites
+        if name == "budget":
+            assert "`update_actor` micro_batch_size 2 -> max_token_len 48 " in rewritten[3]
+        with open(os.devnull, "w") as out:
+            runs[name] = run(result.plan, RunOptions(tensorboard=False, out=out)).rows
+    assert min(r["response_length/mean"] for r in runs["budget"]) < 8  # rows of several lengths
+    assert_same_numbers(runs["budget"], runs["rows"])
+    assert_same_numbers(runs["budget"], runs["whole"])
 
 
 def test_resumed_run_reproduces_the_uninterrupted_one(tmp_path: Path) -> None:

@@ -173,6 +173,11 @@ def test_trainable_model_without_update_and_unused_outputs() -> None:
          "micro_batch_size 3"),
         (("nodes.update_actor.params.mini_batch_size=2",), 4, "FG301",
          "mini_batch_size 2 does not split evenly over 4 data-parallel ranks"),
+        (("nodes.update_actor.params.max_token_len=100",
+          "nodes.update_actor.params.micro_batch_size=2"), 1, "FG303",
+         "micro_batch_size 2 and max_token_len 100 both cut the micro-batches"),
+        (("nodes.old_logprob.params.max_token_len=20",), 1, "FG303",
+         "`old_logprob`: max_token_len 20 cannot hold one row of 24 tokens (P + T = 24)"),
     ],
 )
 def test_batch_arithmetic(overrides: tuple[str, ...], dp: int, code: str, words: str) -> None:

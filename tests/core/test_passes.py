@@ -463,6 +463,19 @@ def test_memory_of_ppo_on_local() -> None:
     assert mem.missing == ()
 
 
+def test_a_token_budget_is_estimated_as_the_full_length_rows_it_holds() -> None:
+    """max_token_len 48 holds two rows of P + T = 24: estimated as micro_batch_size 2."""
+    nodes = ("old_logprob", "ref_logprob", "values", "update_actor", "update_critic")
+
+    def memory(param: str, value: int) -> tuple[int, str]:
+        (mem,) = plan_of("ppo.yaml", target="local", overrides=[
+            f"nodes.{n}.params.{param}={value}" for n in nodes]).memory
+        return mem.total_bytes, mem.peak_node
+
+    assert memory("max_token_len", 48) == memory("micro_batch_size", 2)
+    assert memory("max_token_len", 48)[0] < plan_of("ppo.yaml").memory[0].total_bytes
+
+
 def test_memory_shards_state_over_the_pool() -> None:
     plan = plan_of("ppo.yaml", target="ray", nproc=2)
     weights = {(m.pool, i.owner): i.bytes for m in plan.memory for i in m.items
@@ -579,15 +592,16 @@ def test_describe_numbers_the_passes_and_marks_disabled_ones() -> None:
     text = PassPipeline.default(disabled=("hoist",)).describe()
     lines = text.splitlines()
     assert [line.split()[:2] for line in lines] == [
-        ["1.", "validate"], ["2.", "infer_dims"], ["3.", "on_policy"], ["4.", "dce"],
-        ["5.", "hoist"], ["6.", "placement"], ["7.", "schedule"], ["8.", "memory"]]
+        ["1.", "validate"], ["2.", "infer_dims"], ["3.", "on_policy"], ["4.", "token_budget"],
+        ["5.", "dce"], ["6.", "hoist"], ["7.", "placement"], ["8.", "schedule"],
+        ["9.", "memory"]]
     assert [line.endswith("[disabled]") for line in lines] == [
-        False, False, False, False, True, False, False, False]
+        False, False, False, False, False, True, False, False, False]
 
 
 @pytest.mark.parametrize(("disabled", "message"), [
     (("hoisting",), "unknown pass `hoisting`; the passes are: validate, infer_dims, on_policy, "
-                    "dce, hoist, placement, schedule, memory"),
+                    "token_budget, dce, hoist, placement, schedule, memory"),
     (("validate",), "pass `validate` cannot be disabled: the plan is built from its result"),
     (("schedule",), "pass `schedule` cannot be disabled: the plan is built from its result"),
     (("infer_dims",), "pass `infer_dims` cannot be disabled while `memory` runs: `memory` reads "
@@ -642,11 +656,11 @@ class Broken:
 
 
 def test_a_failing_pass_is_named_with_the_passes_before_it() -> None:
-    passes = (*(cls() for cls in list(PASSES.values())[:4]), Broken())
+    passes = (*(cls() for cls in list(PASSES.values())[:5]), Broken())
     with pytest.raises(FlowgraphError) as exc:
         compile_graph(GRAPHS / "ppo.yaml", pipeline=PassPipeline(passes))
     assert str(exc.value) == ("pass `broken` failed: KeyError: 'boom' (passes run before it: "
-                              "validate, infer_dims, on_policy, dce)")
+                              "validate, infer_dims, on_policy, token_budget, dce)")
 
 
 def test_graph_errors_stop_the_pipeline_after_validate() -> None:
@@ -659,8 +673,8 @@ def test_graph_errors_stop_the_pipeline_after_validate() -> None:
     ({"target": "slurm"}, "unknown target `slurm`; the targets are: local, fsdp, ray"),
     ({"nproc": 0}, "nproc must be >= 1, got 0"),
     ({"dump_after": ("nope",)}, "--dump-after `nope`: no such pass; the passes are: validate, "
-                                "infer_dims, on_policy, dce, hoist, placement, schedule, "
-                                "memory"),
+                                "infer_dims, on_policy, token_budget, dce, hoist, placement, "
+                                "schedule, memory"),
 ])
 def test_wrong_calls_are_usage_errors(kw: dict[str, Any], message: str) -> None:
     with pytest.raises(UsageError) as exc:

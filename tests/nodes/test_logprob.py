@@ -86,6 +86,32 @@ def test_head_logprob_gradients_equal_reference(
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("chunk_size", [3, 1000])
+def test_an_entropy_without_gradient_comes_from_the_same_pass(chunk_size: int) -> None:
+    """entropy_grad=False (the actor update's metric when entropy_coeff is 0): the
+    entropy of the reference, no gradient through it, and the log-probs' gradient that
+    of a pass without entropy."""
+    lm_head, hidden = _head()
+    _, _, responses, mask = _batch()
+    weights = torch.randn(B, T)
+
+    def run(**kw: bool) -> tuple[dict[str, Tensor], list[Tensor]]:
+        h = hidden.clone().requires_grad_(True)
+        lm_head.zero_grad()
+        out = head_logprob(lm_head, h, responses, mask, chunk_size, 0.7, **kw)
+        (weights * out["log_prob"]).sum().backward()
+        assert h.grad is not None and lm_head.weight.grad is not None
+        return out, [h.grad, lm_head.weight.grad]
+
+    metric, got = run(with_entropy=True, entropy_grad=False)
+    _, want = run()
+    assert not metric["entropy"].requires_grad
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
+    _, ref_entropy = _reference(lm_head(hidden) / 0.7, responses, mask)
+    torch.testing.assert_close(metric["entropy"], ref_entropy.detach(), atol=1e-5, rtol=0)
+
+
 def test_autograd_keeps_no_full_logits() -> None:
     """With grad, nothing of size n·V outlives a chunk: checkpoint recomputes instead."""
     lm_head, hidden = _head()
@@ -180,3 +206,34 @@ def test_mismatched_shapes_are_named(model: LlamaForCausalLM) -> None:
     prompts, prompt_mask, responses, mask = _batch()
     with pytest.raises(ValueError, match=r"response_mask=\(3, 6\)"):
         logprob(model, prompts, prompt_mask, responses, mask[:, :6])
+
+
+def test_padding_every_row_shares_is_trimmed_and_changes_nothing(model: LlamaForCausalLM
+                                                                  ) -> None:
+    """The batch with 3 more all-pad prompt columns (left) and 4 more all-pad response
+    columns (right): the backbone runs on the original length, and the valid tokens'
+    log-probs, entropies and states are those of the unpadded batch."""
+    prompts, prompt_mask, responses, mask = _batch()
+    wide = (torch.nn.functional.pad(prompts, (3, 0), value=0),
+            torch.nn.functional.pad(prompt_mask, (3, 0), value=0),
+            torch.nn.functional.pad(responses, (0, 4), value=0),
+            torch.nn.functional.pad(mask, (0, 4), value=0))
+    lengths: list[int] = []
+    hook = model.model.register_forward_pre_hook(
+        lambda _m, _a, kw: lengths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            narrow_out = logprob(model, prompts, prompt_mask, responses, mask, with_entropy=True)
+            wide_out = logprob(model, *wide, with_entropy=True)
+            on = forward_hidden(model, *wide, on_tokens=True)
+            on_narrow = forward_hidden(model, prompts, prompt_mask, responses, mask,
+                                       on_tokens=True)
+    finally:
+        hook.remove()
+    assert lengths == [P + T] * 4
+    for name in ("log_prob", "entropy"):
+        assert wide_out[name].shape == (B, T + 4)
+        torch.testing.assert_close(wide_out[name][:, :T], narrow_out[name], atol=0, rtol=0)
+        assert not wide_out[name][:, T:].any()
+    torch.testing.assert_close(on[:, :T], on_narrow, atol=0, rtol=0)
+    assert not on[:, T:].any()

@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from flowgraph.errors import NonFiniteError
 from flowgraph.kinds import BUILTIN_KINDS, LOSS_AGG
-from flowgraph.nodes.logprob import logprob, sequence_logprob
+from flowgraph.nodes.logprob import logprob, micro_batches, sequence_logprob
 from flowgraph.nodes.update import dpo_update, ppo_actor_update, ppo_critic_update
 from flowgraph.nodes.values import ValueModel
 from flowgraph.nodes.values import values as predict_values
@@ -186,6 +186,61 @@ def test_micro_batches_accumulate_to_the_one_shot_mini_batch_gradient(kind: str,
     assert split.metrics.keys() == one_shot.metrics.keys()
     loss = "actor/pg_loss" if kind == "actor" else "critic/vf_loss"
     assert split.metrics[loss] == pytest.approx(one_shot.metrics[loss], abs=1e-6)
+
+
+def test_micro_batches_cut_by_a_token_budget() -> None:
+    """Consecutive rows while rows x (longest prompt + longest response) fits: rows of
+    3+5, 2+2, 1+4, 3+0 tokens in 12 are [3+5] [2+2 1+4] [3+0]; a DPO pair puts two
+    sequences in the forward."""
+    lengths = torch.tensor([[3, 5], [2, 2], [1, 4], [3, 0]])
+    assert [r.tolist() for r in micro_batches(lengths, max_token_len=12)] == [[0], [1, 2], [3]]
+    assert [r.tolist() for r in micro_batches(lengths, max_token_len=16, per_row=2)] == \
+        [[0], [1], [2], [3]]
+    assert [r.tolist() for r in micro_batches(lengths, max_token_len=32)] == [[0, 1, 2, 3]]
+    assert [r.tolist() for r in micro_batches(lengths, 3)] == [[0, 1, 2], [3]]
+    # 3+0 and 1+4 pad to 2 x (3 + 4) = 14 tokens, not 2 x 5
+    assert [r.tolist() for r in micro_batches(lengths[[3, 2]], max_token_len=12)] == [[0], [1]]
+    with pytest.raises(ValueError, match=r"max_token_len=7 is less than row 0's 8 tokens"):
+        micro_batches(lengths, max_token_len=7)
+
+
+@pytest.mark.parametrize(("kind", "mode"), [*((k, m) for k in ("actor", "critic")
+                                               for m in LOSS_AGG), ("dpo", "token-mean")])
+def test_a_token_budget_accumulates_to_the_one_shot_gradient(kind: str, mode: str) -> None:
+    """max_token_len cuts the 3+5, 2+2, 1+4, 3+0-token rows into micro-batches of different sizes
+    (at most 12 padded tokens each; 16 for two sequences a pair), trimmed to their
+    longest prompt and response: the step equals the one-shot step."""
+    if kind == "dpo":  # a mean over pairs: no loss_agg_mode
+        model = _actor()
+        update, kwargs, budget = dpo_update, {**_pairs(model), "beta": 0.1}, 16
+    else:
+        model, update, kwargs = _accumulation_case(kind, mode)
+        budget = 12
+    twin = copy.deepcopy(model)
+    forwards: list[int] = []
+    backbone = twin.backbone if kind == "critic" else twin.model
+    hook = backbone.register_forward_pre_hook(
+        lambda _m, _a, kw: forwards.append(kw["input_ids"].numel()), with_kwargs=True)
+    one_shot, budgeted = _ctx(model), _ctx(twin)
+    update(one_shot, **kwargs, mini_batch_size=4)
+    update(budgeted, **kwargs, mini_batch_size=4, max_token_len=budget)
+    hook.remove()
+    assert len(forwards) > 1 and max(forwards) <= budget, forwards
+    assert (_params(model) - _params(twin)).abs().max() < 1e-6
+    assert budgeted.metrics.keys() == one_shot.metrics.keys()
+    # the loss and the gradient; token-level ratios (clipfrac, ppo_kl) are per-micro-batch
+    # means weighted by the loss denominators, as with micro_batch_size and in verl
+    for name in ("actor/pg_loss", "critic/vf_loss", "actor/dpo_loss", "actor/grad_norm",
+                 "critic/grad_norm", "rewards/margins"):
+        if name in one_shot.metrics:
+            assert budgeted.metrics[name] == pytest.approx(one_shot.metrics[name], abs=1e-5)
+
+
+def test_a_token_budget_and_a_micro_batch_size_are_refused_together() -> None:
+    model = _actor()
+    with pytest.raises(ValueError, match=r"micro_batch_size=2 and max_token_len=10: set one"):
+        ppo_actor_update(_ctx(model), **_ppo_batch(model), micro_batch_size=2,
+                         max_token_len=10)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean",
