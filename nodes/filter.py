@@ -35,8 +35,9 @@ def keep_mask(scores: Tensor, index: Tensor, metric: str = "std_nonzero",
               min_score: float | None = None, max_score: float | None = None) -> Tensor:
     """(b,) bool: the rows of the groups the predicate keeps.
 
-    `std_nonzero` (DAPO): the group's scores are not all equal; a group of one sample
-    is kept (verl: `len(vals) == 1`). `mean_in_range`: min_score <= mean <= max_score
+    `std_nonzero` (DAPO): the group's scores have a nonzero standard deviation (are not
+    all equal); a group of one sample is kept (verl: `len(values) > 1 and std == 0`
+    drops). `mean_in_range`: min_score <= mean <= max_score
     (an open bound is no bound).
     """
     _, inverse = torch.unique(index, return_inverse=True)
@@ -45,12 +46,12 @@ def keep_mask(scores: Tensor, index: Tensor, metric: str = "std_nonzero",
     count = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, torch.ones_like(s))
     mean = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, s) / count
     if metric == "std_nonzero":
-        # max != min rather than std > 0: a mean of equal values can round off.
-        spread = (torch.zeros(groups, dtype=torch.float64).scatter_reduce(
-            0, inverse, s, "amax", include_self=False) - torch.zeros(
-            groups, dtype=torch.float64).scatter_reduce(0, inverse, s, "amin",
-                                                        include_self=False))
-        keep = (spread > 0) | (count == 1)
+        # verl's test, np.std(values) == 0 with the population std in float64, taken the
+        # way numpy takes it (mean, then squared deviations): a mean of equal values can
+        # round off (np.std([0.1] * 3) = 1.4e-17 in float64), and verl keeps such a group.
+        dev2 = torch.zeros(groups, dtype=torch.float64).index_add_(
+            0, inverse, (s - mean[inverse]) ** 2)
+        keep = (dev2 != 0) | (count == 1)
     elif metric == "mean_in_range":
         keep = torch.ones(groups, dtype=torch.bool)
         if min_score is not None:
