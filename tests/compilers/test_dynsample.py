@@ -128,3 +128,12 @@ def test_ray_gives_the_numbers_of_the_local_run(
     finally:
         ray.shutdown()
     assert_same_numbers(read_metrics(tmp_path / "ray"), local)
+
+
+def test_the_yaml_run_gives_the_numbers_of_the_plan_file(
+        local: list[dict[str, Any]], tmp_path: Path) -> None:
+    """`flowgraph run graphs/dapo.yaml` and `flowgraph run plan.json` (the fixture's run)."""
+    from flowgraph.cli import main
+
+    assert main(["run", str(DAPO), f"trainer.run_dir={tmp_path / 'yaml'}", *SHORT]) == 0
+    assert_same_numbers(read_metrics(tmp_path / "yaml"), local, rel=0, abs_floor=0)
