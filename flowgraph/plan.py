@@ -703,6 +703,11 @@ def _summary_lines(plan: ExecutionPlan) -> list[str]:
     once = "  (once per row, before the loop)"
     lines += [f"  {s.name:<10} {', '.join(s.nodes)}{once if s.once else ''}"
               for s in plan.stages]
+    if plan.resample is not None:
+        loop = plan.resample
+        lines.append(f"  resample   {', '.join(loop.repeat)} again until `{loop.filter}` has "
+                     f"kept {loop.groups} groups ({loop.rows} rows); at most "
+                     f"{loop.max_tries} tries a step")
     lines += ["", "edges: " + _edge_counts(plan)]
     if plan.dropped:
         lines.append(f"dropped (dead): {', '.join(plan.dropped)}")
