@@ -22,7 +22,7 @@ def plan_kinds(plan: ExecutionPlan) -> dict[str, KindSpec]:
     """Each node's and data source's kind, from the registry after the graph's plugins
     are imported; the plan is held to them (`verify_kinds`)."""
     registry = Registry.default()
-    registry.load_plugins([p.module for p in plan.graph.plugins])
+    registry.load_plugins([p.module for p in plan.graph.plugins], plan.plugin_paths)
     kinds = {}
     for n in plan.nodes:
         kind = registry.get(n.kind)

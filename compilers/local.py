@@ -63,7 +63,12 @@ from flowgraph.compilers.checkpoint import (
     remove_partial,
     save_checkpoint,
 )
-from flowgraph.compilers.metrics import HeldOut, log_ratio_to_reference, step_metrics
+from flowgraph.compilers.metrics import (
+    HeldOut,
+    log_ratio_to_reference,
+    phase_seconds,
+    step_metrics,
+)
 from flowgraph.errors import (
     DEBUG_ENV,
     FlowgraphError,
@@ -94,6 +99,8 @@ def _user_frame(exc: BaseException) -> traceback.FrameSummary:
     """The innermost frame of the node's own code: below the executor's call, outside
     the standard library and installed packages (torch, transformers...); the innermost
     frame of all when every frame is a library's (a node installed as a package)."""
+    while exc.__cause__ is not None:  # re-raised with context (a reward fn's row): the
+        exc = exc.__cause__          # frame is the original error's
     frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0]: the executor's call
     own = [f for f in frames if not f.filename.startswith(_LIBRARIES)]
     return (own or frames or traceback.extract_tb(exc.__traceback__))[-1]
@@ -413,15 +420,19 @@ class LocalExecutor:
         metrics: dict[str, float] = {}
         loop = self.plan.resample
         if loop is None:
-            inside = self.run_stages(env, step, strict, metrics, self.order)
+            self.run_stages(env, step, strict, metrics, self.order)
         else:
-            inside = self.run_tries(env, step, strict, metrics)
-            rest = [n for n in self.order if n not in loop.repeat]
-            inside += self._run_nodes(env, step, strict, metrics, rest)
+            self.run_tries(env, step, strict, metrics)
+            self._run_nodes(env, step, strict, metrics,
+                            [n for n in self.order if n not in loop.repeat])
+        seconds = {k.removeprefix("timing_s/"): v for k, v in metrics.items()
+                   if k.startswith("timing_s/")}
         metrics.update(step_metrics(self.graph, self.kinds, env))
         wall = time.perf_counter() - t0
         metrics["timing_s/step"] = wall
-        metrics["perf/orchestration_frac"] = max(wall - inside, 0.0) / wall if wall else 0.0
+        metrics.update(phase_seconds(self.kinds, seconds, wall))
+        metrics["perf/orchestration_frac"] = (metrics["phase_s/orchestration"] / wall
+                                              if wall else 0.0)
         tokens = metrics.get("perf/tokens", 0.0)
         if tokens:
             metrics["perf/throughput"] = tokens / wall
@@ -435,28 +446,25 @@ class LocalExecutor:
         return metrics
 
     def run_stages(self, env: dict[tuple[str, str], Any], step: int, strict: bool,
-                   metrics: dict[str, float], names: list[str]) -> float:
+                   metrics: dict[str, float], names: list[str]) -> None:
         """Draw every data source's next batch, look up the prologue's rows for it, and
-        run `names` in order; seconds spent in data loading and nodes (added up over the
-        tries of a step in `timing_s/...`)."""
+        run `names` in order; seconds spent in data loading and in each node are added up
+        over the tries of a step in `timing_s/<name>`."""
         loading = self.next_batches(env)
         for name, seconds in loading.items():
             metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + seconds
         for name in self.prologue:
             self.run_node(name, env, step, strict=strict, metrics=metrics)
-        return sum(loading.values()) + self._run_nodes(env, step, strict, metrics, names)
+        self._run_nodes(env, step, strict, metrics, names)
 
     def _run_nodes(self, env: dict[tuple[str, str], Any], step: int, strict: bool,
-                   metrics: dict[str, float], names: list[str]) -> float:
-        inside = 0.0
+                   metrics: dict[str, float], names: list[str]) -> None:
         for name in names:
             seconds = self.run_node(name, env, step, strict=strict, metrics=metrics)
             metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + seconds
-            inside += seconds
-        return inside
 
     def run_tries(self, env: dict[tuple[str, str], Any], step: int, strict: bool,
-                  metrics: dict[str, float]) -> float:
+                  metrics: dict[str, float]) -> None:
         """The plan's resample loop (DAPO's dynamic sampling): each try draws the next
         batches and runs the nodes up to the filter; the filter's kept rows are joined
         over tries until `groups` groups are kept, then cut to exactly `groups * N` rows
@@ -468,17 +476,15 @@ class LocalExecutor:
         repeat = [n for n in self.order if n in loop.repeat and n != loop.filter]
         parts: list[dict[str, Any]] = []
         kept = dropped = tries = 0
-        inside = 0.0
         while kept < loop.groups:
             if tries == loop.max_tries:
                 raise FlowgraphError(self._exhausted(step, tries, kept, dropped))
             tries += 1
             env.clear()
-            inside += self.run_stages(env, step, strict, metrics, repeat)
+            self.run_stages(env, step, strict, metrics, repeat)
             outputs, seconds = self._filter_try(env, step, strict, metrics, offset=kept)
             metrics[f"timing_s/{loop.filter}"] = \
                 metrics.get(f"timing_s/{loop.filter}", 0.0) + seconds
-            inside += seconds
             new = int(outputs["index"].unique().numel())
             kept, dropped = kept + new, dropped + self._groups_in(env, loop.filter) - new
             parts.append(outputs)
@@ -487,7 +493,6 @@ class LocalExecutor:
         metrics.update({"filter/kept_groups": float(kept), "filter/dropped_groups":
                         float(dropped), "filter/tries": float(tries),
                         "train/num_gen_batches": float(tries)})
-        return inside
 
     def _filter_try(self, env: dict[tuple[str, str], Any], step: int, strict: bool,
                     metrics: dict[str, float], offset: int) -> tuple[dict[str, Any], float]:

@@ -53,6 +53,25 @@ def step_metrics(graph: Graph, kinds: dict[str, KindSpec],
     return out
 
 
+PHASES = ("generation", "scoring", "update", "data", "orchestration")
+"""Where a step's time goes (`phase_s/<phase>`): rollouts; everything that scores them
+(log-prob and value forwards, rewards, transforms, advantages); updates; loading the
+batch; and the rest of the step, outside any node (the executor's own work)."""
+_PHASE_OF_CATEGORY = {"rollout": "generation", "update": "update", "data": "data"}
+
+
+def phase_seconds(kinds: dict[str, KindSpec], seconds: dict[str, float], wall: float
+                  ) -> dict[str, float]:
+    """`phase_s/<phase>` from each node's (and data source's) seconds in one step of
+    `wall` seconds; they add up to `wall`."""
+    out = dict.fromkeys(PHASES, 0.0)
+    for name, s in seconds.items():
+        kind = kinds[name]
+        out["update" if kind.trains else _PHASE_OF_CATEGORY.get(kind.category, "scoring")] += s
+    out["orchestration"] = max(wall - sum(seconds.values()), 0.0)
+    return {f"phase_s/{phase}": s for phase, s in out.items()}
+
+
 def log_ratio_to_reference(graph: Graph, env: dict[tuple[str, str], Any]
                            ) -> dict[str, float]:
     """`log_ratio_to_ref`: the mean over valid response tokens of log π(y_t) − log π_ref(y_t).

@@ -56,6 +56,7 @@ from flowgraph.compilers.local import (
 )
 from flowgraph.errors import DEBUG_ENV, FlowgraphError, NodeError, WorkerLost
 from flowgraph.plan import DRIVER, ExecutionPlan, ModelPlacement, PoolPlan
+from flowgraph.registry import plugin_source
 from flowgraph.runtime.metrics import MetricsLog, serving
 
 MAX_RESTARTS = 3
@@ -404,12 +405,11 @@ def start_ray(plan: ExecutionPlan, address: str | None) -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    # --debug reaches the workers, wherever they run
-    debug = {"env_vars": {DEBUG_ENV: os.environ[DEBUG_ENV]}} if DEBUG_ENV in os.environ else None
+    env = _runtime_env(plan)
     if address:
         try:
             _answers(address)
-            ray.init(address=address, log_to_driver=True, runtime_env=debug)
+            ray.init(address=address, log_to_driver=True, runtime_env=env)
         except (OSError, RuntimeError, ValueError) as exc:  # ConnectionError is an OSError
             raise FlowgraphError(
                 f"cannot join the Ray cluster at `{address}`: {exc}. Is `ray start --head` "
@@ -417,7 +417,21 @@ def start_ray(plan: ExecutionPlan, address: str | None) -> None:
                 "leave out --address for a local cluster") from None
         return
     ray.init(num_cpus=cluster_cpus(plan), include_dashboard=False, log_to_driver=True,
-             configure_logging=False, runtime_env=debug)
+             configure_logging=False, runtime_env=env)
+
+
+def _runtime_env(plan: ExecutionPlan) -> dict[str, Any] | None:
+    """What the job's workers need wherever they run: the plugin files and packages
+    next to the graph (`py_modules`, uploaded with the job) and `--debug`."""
+    env: dict[str, Any] = {}
+    if DEBUG_ENV in os.environ:
+        env["env_vars"] = {DEBUG_ENV: os.environ[DEBUG_ENV]}
+    sources = [plugin_source(p.module, folder) for p in plan.graph.plugins
+               for folder in plan.plugin_paths]
+    modules = sorted({str(s) for s in sources if s is not None})
+    if modules:
+        env["py_modules"] = modules
+    return env or None
 
 
 def _answers(address: str) -> None:

@@ -27,14 +27,15 @@ if TYPE_CHECKING:
 
 
 def compile(graph: Graph | str | Path, *, target: str = "local", nproc: int | None = None,
-            overrides: Sequence[str] = (), device: str | None = None) -> ExecutionPlan:
+            overrides: Sequence[str] = (), device: str | None = None,
+            disable: Sequence[str] = ()) -> ExecutionPlan:
     """Lower a graph (built in Python, or a graph file with `overrides`) to the plan that
     `run` executes on `target` (`local`, `fsdp`, `ray`) with `nproc` data-parallel
-    workers (default `resources.nproc`)."""
-    from flowgraph.passes import compile_graph
+    workers (default `resources.nproc`), without the passes named in `disable`."""
+    from flowgraph.passes import PassPipeline, compile_graph
 
     result = compile_graph(graph, target=target, nproc=nproc, overrides=overrides,
-                           device=device)
+                           device=device, pipeline=PassPipeline.default(disabled=disable))
     if result.plan is None:
         raise CompileError(result.diagnostics)
     return result.plan
@@ -50,7 +51,8 @@ def load_plan(path: str | Path) -> ExecutionPlan:
 
 
 def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
-        nproc: int | None = None, overrides: Sequence[str] = (), **options: Any) -> Run:
+        nproc: int | None = None, overrides: Sequence[str] = (), disable: Sequence[str] = (),
+        **options: Any) -> Run:
     """Run a plan as it is, or compile a graph (or graph file) for `target` (default
     `local`) first; a `.json` path is a plan file. `options` are the fields of
     `flowgraph.compilers.RunOptions` (`resume`, `strict`, `out`, `tensorboard`,
@@ -62,8 +64,9 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
         options.setdefault("plan_file", Path(plan))
         plan = load_plan(plan)
     if not isinstance(plan, ExecutionPlan):
-        plan = compile(plan, target=target or "local", nproc=nproc, overrides=overrides)
-    elif overrides or nproc is not None or target not in (None, plan.target):
+        plan = compile(plan, target=target or "local", nproc=nproc, overrides=overrides,
+                       disable=disable)
+    elif overrides or disable or nproc is not None or target not in (None, plan.target):
         raise FlowgraphError(
             f"a plan runs as compiled (target {plan.target}, {plan.nproc} per pool): edit the "
             "plan, or compile the graph again with other overrides, --target or --nproc")

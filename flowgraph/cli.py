@@ -196,12 +196,13 @@ def _run(args: argparse.Namespace) -> int:
 def _compile_for_run(args: argparse.Namespace) -> ExecutionPlan | int:
     """The graph compiled for the run, or the exit code when it does not compile."""
     from flowgraph.diagnostics import render_text
-    from flowgraph.passes import compile_graph
+    from flowgraph.passes import PassPipeline, compile_graph
 
     target, nproc = args.target or "local", args.nproc
     if target == "fsdp" and nproc is None and "WORLD_SIZE" in os.environ:
         nproc = int(os.environ["WORLD_SIZE"])  # started by torchrun: check for its ranks
     result = compile_graph(args.file, target=target, nproc=nproc, overrides=args.overrides,
+                           pipeline=PassPipeline.default(disabled=tuple(args.disable_pass)),
                            dump=sys.stderr)
     if result.diagnostics:
         print(render_text(result.diagnostics, _lines_of({}), color=_use_color(sys.stderr)),
@@ -269,7 +270,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
     from flowgraph.schema import schema_json
 
     registry = Registry.default()
-    registry.load_plugins(args.plugin)
+    registry.load_plugins(args.plugin, ["."])
     text = schema_json(registry)
     if not args.output:
         sys.stdout.write(text)
@@ -320,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--nproc", type=int, default=None,
                    help="fsdp: processes in all (split over --nnodes); ray: workers per "
                         "pool (default: resources.nproc)")
+    r.add_argument("--disable-pass", action="append", default=[], metavar="NAME",
+                   help="compile a graph file without this pass (`compile --print-passes`)")
     r.add_argument("--nnodes", type=int, default=1, help="fsdp: machines taking part")
     r.add_argument("--node-rank", type=int, default=0, help="fsdp: this machine's rank")
     r.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",

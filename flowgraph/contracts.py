@@ -22,9 +22,12 @@ DTYPE_FAMILIES: dict[str, frozenset[str]] = {
     "int": frozenset({"int8", "int16", "int32", "int64", "uint8"}),
     "bool": frozenset({"bool"}),
     "str": frozenset({"str"}),
+    "object": frozenset({"object"}),
     "mask": frozenset({"bool", "int8", "int16", "int32", "int64", "uint8", "float32"}),
 }
-"""Families a port may name; a concrete dtype (`int64`) names just itself."""
+"""Families a port may name; a concrete dtype (`int64`) names just itself. `str` and
+`object` ports carry a Python list with one value per row (a string; any value, such as
+verl's `extra_info` dicts) instead of a tensor."""
 
 ALL_DTYPES: frozenset[str] = frozenset().union(*DTYPE_FAMILIES.values())
 
@@ -57,7 +60,8 @@ class TensorSpec:
     dims: str
     """Dim string in jaxtyping grammar, e.g. `"b T"`; `""` is a scalar."""
     dtype: str = "float"
-    """A family (`float`, `int`, `bool`, `str`, `mask`), a concrete dtype, or `any`."""
+    """A family (`float`, `int`, `bool`, `str`, `object`, `mask`), a concrete dtype, or
+    `any`."""
     constraints: tuple[str, ...] = ()
     """Names from `CONSTRAINTS` that every value satisfies (outputs) or must (inputs)."""
     shape: Shape = field(init=False, compare=False, repr=False)

@@ -90,6 +90,11 @@ class ContractViolation(FlowgraphError):
     """A tensor broke its edge's contract at run time."""
 
 
+class RewardFnError(FlowgraphError):
+    """A user's reward function raised: the message names the function, the row and its
+    data source; the function's own exception is the cause (its frame is reported)."""
+
+
 class NodeError(FlowgraphError):
     """A node's implementation failed; the message names node, kind and step."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TypeAlias, Union
 
 from flowgraph.errors import IRError
@@ -265,10 +266,17 @@ class ResourceSpec:
 
 @dataclass(frozen=True, slots=True)
 class Plugin:
-    """A module the graph may import to register custom kinds."""
+    """A module the graph may import to register custom kinds: a module name, or a `.py`
+    file relative to the folder of the file that lists it."""
 
     module: str
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+    def folder(self) -> str | None:
+        """The folder of the file that lists the plugin (a graph file, or the Python file
+        that called `GraphBuilder.plugin`), where it is looked for first."""
+        listed_in = Path(self.pos.file)
+        return str(listed_in.parent) if listed_in.is_file() else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ Notation: b batch of the node, B = Bp*N, P prompt length, T response length.
 from __future__ import annotations
 
 from flowgraph.contracts import TensorSpec
-from flowgraph.registry import KindSpec, ParamSpec, PortSpec
+from flowgraph.registry import KindSpec, LossSpec, ParamSpec, PortSpec
 
 
 def _p(name: str, dims: str, dtype: str = "float", *constraints: str, optional: bool = False,
@@ -48,12 +48,14 @@ SEQUENCE_INPUTS = (
     _p("responses", "b T", "int"),
     _p("response_mask", "b T", "mask", "binary"),
 )
-LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ADV_OUTPUTS = (
     _p("advantages", "b T", "float", "finite"),
     _p("returns", "b T", "float", "finite"),
 )
 MASK = _p("response_mask", "b T", "mask", "binary")
+SCORE_FUNCTIONS = ("gsm8k", "math")
+"""Built-in verl-style scoring functions (`flowgraph.nodes.scores`)."""
 SCORES = _p("scores", "b", "float", "finite")
 INDEX = _p("index", "b", "int", doc="group id: samples of one prompt share it")
 TOKEN_REWARDS = _p("token_level_rewards", "b T", "float", "finite")
@@ -82,11 +84,17 @@ _KINDS = (
             _p("attention_mask", "Bp P", "int", "binary"),
             _p("ground_truth", "Bp", "str", optional=True),
             _p("data_source", "Bp", "str", optional=True),
+            _p("extra_info", "Bp", "object", optional=True,
+               doc="each row's `extra_info` dict (verl layout; {} without the column), with "
+                   "the columns the param `columns` names"),
             _p("uid", "Bp", "int", doc="row id in the dataset"),
         ),
         params=(
             _s("format", "auto", ("auto", "parquet", "jsonl", "builtin")),
             _s("prompt_key", "prompt"),
+            ParamSpec("columns", ("list",), (), doc="more dataset columns for the rewards, "
+                      "added to each row's extra_info by name (a struct field as "
+                      "`reward_model.style`)"),
             _i("max_prompt_length", None, "left-pad prompts to this", dim="P"),
             _b("shuffle", True),
             _s("eval_path", None, doc="held-out prompts for evaluation"),
@@ -123,6 +131,8 @@ _KINDS = (
             _p("prompts", "b P", "int"),
             _p("prompt_mask", "b P", "mask", "binary"),
             _p("ground_truth", "b", "str", optional=True),
+            _p("data_source", "b", "str", optional=True),
+            _p("extra_info", "b", "object", optional=True),
         ),
         outputs=(
             _p("prompts", "b*n P", "int"),
@@ -132,6 +142,8 @@ _KINDS = (
             _p("rollout_log_prob", "b*n T", "float", "nonpositive", optional=True),
             _p("index", "b*n", "int", doc="group id: the prompt's position in the batch"),
             _p("ground_truth", "b*n", "str", optional=True),
+            _p("data_source", "b*n", "str", optional=True),
+            _p("extra_info", "b*n", "object", optional=True),
         ),
         params=(
             _s("backend", "hf", ("hf", "vllm")),
@@ -202,6 +214,30 @@ _KINDS = (
         head="tokenizer",
         impl="flowgraph.nodes.reward:rule_reward",
         required_when=(("ground_truth", "fn", "exact_match"),),
+    ),
+    KindSpec(
+        "compute_score", "reward",
+        "A reward function as verl users write them: compute_score(data_source, "
+        "solution_str, ground_truth, extra_info) -> float or dict with `score`.",
+        inputs=(
+            _p("responses", "b T", "int"),
+            _p("response_mask", "b T", "mask", "binary"),
+            _p("ground_truth", "b", "str", optional=True),
+            _p("data_source", "b", "str", optional=True),
+            _p("extra_info", "b", "object", optional=True),
+        ),
+        outputs=(SCORES,),
+        params=(
+            ParamSpec("fn", ("str", "null"), None, functions=SCORE_FUNCTIONS,
+                      doc="`file.py:function` (the file listed under plugins:), "
+                          "`module:function` (listed too), or a built-in: gsm8k, math"),
+            ParamSpec("fns", ("mapping", "null"), None, functions=SCORE_FUNCTIONS,
+                      doc="data_source -> function, as verl's default reward routes; rows "
+                          "of other sources go to fn"),
+        ),
+        model="optional",
+        head="tokenizer",
+        impl="flowgraph.nodes.reward:compute_score",
     ),
     KindSpec(
         "reward_model", "reward", "Sequence classifier scored at the last valid token.",
@@ -280,6 +316,51 @@ _KINDS = (
         outputs=ADV_OUTPUTS,
         impl="flowgraph.nodes.advantage:remax",
     ),
+    # --- reward shaping and per-prompt values ---------------------------------------
+    KindSpec(
+        "overlong_penalty", "transform",
+        "DAPO's soft overlong punishment added to the scores (Yu et al. 2025).",
+        inputs=(SCORES, MASK),
+        outputs=(SCORES, _p("penalty", "b", "float", "finite", optional=True,
+                            doc="the term added: 0 down to -penalty_factor")),
+        params=(
+            ParamSpec("overlong_buffer_len", ("int",), None, required=True, minimum=1,
+                      doc="L_cache: the last tokens of the budget, over which the penalty "
+                          "ramps from 0 to -penalty_factor"),
+            _i("max_response_length", None, "L_max; null: T"),
+            _f("penalty_factor", 1.0, minimum=0.0),
+        ),
+        impl="flowgraph.nodes.shaping:overlong_penalty",
+    ),
+    KindSpec(
+        "length_penalty", "transform",
+        "-coef * |length - target| (no target: -coef * length) added to the scores.",
+        inputs=(SCORES, MASK),
+        outputs=(SCORES, _p("penalty", "b", "float", "finite", optional=True)),
+        params=(_f("coef", 0.01, minimum=0.0),
+                _i("target_length", None, "in tokens; null: penalise every token")),
+        impl="flowgraph.nodes.shaping:length_penalty",
+    ),
+    KindSpec(
+        "weighted_sum", "transform",
+        "Sum of the reward terms you wire (any input names), each times its weight; "
+        "each term's mean is logged as reward/<term>/mean.",
+        outputs=(SCORES,),
+        params=(ParamSpec("weights", ("mapping", "null"), None,
+                          doc="term name -> weight; a term not named weighs 1"),),
+        impl="flowgraph.nodes.shaping:weighted_sum",
+        terms=_p("term", "b", "float", "finite", doc="one number per sequence"),
+    ),
+    KindSpec(
+        "repeat", "transform",
+        "Each row's value n times in a row: per-prompt values (ReMax's greedy baseline, "
+        "a ground truth) broadcast to the prompt's n samples, as generate orders them.",
+        inputs=(_p("x", "b", "any"),),
+        outputs=(_p("x", "b*n", "any"),),
+        params=(_i("n", None, "copies of each row; null: the global N", dim="n"),),
+        impl="flowgraph.nodes.shaping:repeat",
+        dim_defaults=(("n", "N"),),
+    ),
     # --- losses and updates ---------------------------------------------------------
     KindSpec(
         "dpo_loss", "transform", "Per-pair DPO loss and implicit rewards (Rafailov et al. 2023).",
@@ -305,15 +386,33 @@ _KINDS = (
         "ppo_actor_update", "update", "PPO clipped policy-gradient update of the actor.",
         inputs=(
             *SEQUENCE_INPUTS,
-            _p("old_log_prob", "b T", "float", "nonpositive"),
+            _p("old_log_prob", "b T", "float", "nonpositive", optional=True,
+               doc="log π_old; may stay unwired when ppo_epochs is 1 and mini_batch_size "
+                   "null (one optimizer step: π_old is the policy the update starts from)"),
             _p("advantages", "b T", "float", "finite"),
             _p("ref_log_prob", "b T", "float", "nonpositive", optional=True,
                doc="wire it for a KL loss (GRPO) instead of a KL reward penalty"),
+            _p("rollout_log_prob", "b T", "float", "nonpositive", optional=True,
+               doc="generate's own log-probs, for rollout_is"),
         ),
         params=(
+            ParamSpec("policy_loss", ("str",), "vanilla", names="policy_loss",
+                      doc="vanilla, gspo, cispo, gpg, clip_cov, kl_cov (verl's names), or "
+                          "one a plugin declares with @policy_loss"),
+            ParamSpec("policy_loss_params", ("mapping", "null"), None, doc="the policy loss's own "
+                      "params (clip_cov: clip_cov_ratio, clip_cov_lb, clip_cov_ub; kl_cov: "
+                      "kl_cov_ratio, ppo_kl_coef)"),
             _f("clip_ratio_low", 0.2, minimum=0.0),
             _f("clip_ratio_high", 0.2, minimum=0.0),
             _f("clip_ratio_c", 3.0, minimum=1.0),
+            _s("rollout_is", None, ("token", "sequence"),
+               "rollout correction: weigh each token (or sequence) by pi_old / pi_rollout "
+               "from generate's rollout_log_prob; null: off"),
+            _f("rollout_is_threshold", 2.0, "weights above are truncated to it (TIS)",
+               minimum=0.0),
+            _f("rollout_is_threshold_lower", None, "set: tokens with weights outside "
+               "[lower, threshold] are masked out instead (IcePop)", minimum=0.0),
+            _f("loss_scale_factor", None, "seq-mean-token-sum-norm divides by it; null: T"),
             _f("entropy_coeff", 0.0),
             _f("kl_loss_coef", 0.001, minimum=0.0),
             _s("kl_loss_type", "low_var_kl", ("kl", "abs", "mse", "low_var_kl")),
@@ -324,6 +423,9 @@ _KINDS = (
         model="required",
         trains=True,
         impl="flowgraph.nodes.update:ppo_actor_update",
+        on_policy_input="old_log_prob",
+        required_when=(("rollout_log_prob", "rollout_is", "token"),
+                       ("rollout_log_prob", "rollout_is", "sequence")),
     ),
     KindSpec(
         "ppo_critic_update", "update", "Clipped value-loss update of the critic.",
@@ -402,3 +504,21 @@ _FILTER_KINDS = (
 
 BUILTIN_KINDS: dict[str, KindSpec] = {k.name: k for k in _KINDS + _FILTER_KINDS}
 """Every built-in kind by name."""
+
+
+def _loss(name: str, doc: str, *params: ParamSpec) -> LossSpec:
+    return LossSpec(name, params, f"flowgraph.nodes.policy_losses:{name}", doc)
+
+
+POLICY_LOSSES: dict[str, LossSpec] = {loss.name: loss for loss in (
+    _loss("vanilla", "PPO's clipped objective, dual clip for A < 0 (Schulman et al. 2017)"),
+    _loss("gspo", "sequence-level importance ratio (Zheng et al. 2025)"),
+    _loss("cispo", "clipped importance weight on the log-prob gradient (MiniMax 2025)"),
+    _loss("gpg", "-A log pi, no ratio (Chu et al. 2025)"),
+    _loss("clip_cov", "PPO with high-covariance tokens' gradients cut (Cui et al. 2025)",
+          _f("clip_cov_ratio", 0.0002, minimum=0.0), _f("clip_cov_lb", 1.0),
+          _f("clip_cov_ub", 5.0)),
+    _loss("kl_cov", "-A rho plus |log rho| on high-covariance tokens (Cui et al. 2025)",
+          _f("kl_cov_ratio", 0.0002, minimum=0.0), _f("ppo_kl_coef", 1.0)),
+)}
+"""The built-in policy losses of `ppo_actor_update` (`flowgraph.nodes.policy_losses`)."""

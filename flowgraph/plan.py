@@ -342,6 +342,12 @@ class ExecutionPlan:
     """Per pool with models; empty when pass `memory` was disabled."""
     dropped: tuple[str, ...] = ()
     """Nodes and data sources removed by dead-node elimination."""
+    rewrites: tuple[str, ...] = ()
+    """What the optimising passes changed in the graph, one line each; the changes
+    themselves are in `graph` (an input unwired, a node dropped)."""
+    plugin_paths: tuple[str, ...] = ()
+    """Absolute folders holding the graph's plugins (the graph file's folder when a
+    plugin lies there): every process that runs the plan imports them from there."""
     source: str = "<python>"
     """The graph file."""
     version: int = PLAN_VERSION
@@ -711,6 +717,7 @@ def _summary_lines(plan: ExecutionPlan) -> list[str]:
     lines += ["", "edges: " + _edge_counts(plan)]
     if plan.dropped:
         lines.append(f"dropped (dead): {', '.join(plan.dropped)}")
+    lines += [f"rewritten: {r}" for r in plan.rewrites]
     return lines + _memory_lines(plan)
 
 

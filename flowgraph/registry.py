@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from flowgraph.contracts import TensorSpec, spec_from_annotation
@@ -63,6 +65,13 @@ class ParamSpec:
     dim: str | None = None
     """A dim this param's value binds (`n` -> the node's group size, `max_new_tokens` -> T)."""
     minimum: float | None = None
+    names: str | None = None
+    """Set (`policy_loss`) when the value names an entry of that registry; the entry's own
+    params are given in the mapping param `<this param>_params`, checked against it."""
+    functions: tuple[str, ...] | None = None
+    """Set when the value names a function (a mapping param: each of its values does):
+    one of these built-in names, or `file.py:function` / `module:function` of a plugin
+    the graph lists. A kind with such params needs one of them set."""
 
     def __post_init__(self) -> None:
         bad = [t for t in self.types if t not in PARAM_TYPES]
@@ -101,6 +110,14 @@ class KindSpec:
     """Node-local dims and the global expression they take when no param binds them."""
     source: str = "builtin"
     """`builtin`, the plugin module, or the entry point that declared the kind."""
+    on_policy_input: str = ""
+    """An input holding log π_old, the log-probs of the policy that sampled the batch
+    (PPO's `old_log_prob`), which an update may replace by its own, detached, when it
+    takes one optimizer step per call (`ppo_epochs` 1, one mini-batch): pass `on_policy`
+    then unwires it, and left unwired it is required unless that holds."""
+    terms: PortSpec | None = None
+    """Inputs the graph names itself (`weighted_sum`'s reward terms): every wired input
+    the kind does not declare takes this contract, and at least one must be wired."""
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.name):
@@ -125,7 +142,16 @@ class KindSpec:
         return self.trains
 
     def input(self, name: str) -> PortSpec | None:
-        return next((p for p in self.inputs if p.name == name), None)
+        declared = next((p for p in self.inputs if p.name == name), None)
+        if declared is None and self.terms is not None:
+            return replace(self.terms, name=name)
+        return declared
+
+    def wired_inputs(self, wired: Iterable[str]) -> tuple[PortSpec, ...]:
+        """The declared inputs, then a term for each wired name the kind does not declare."""
+        declared = {p.name for p in self.inputs}
+        extra = [self.input(n) for n in wired if n not in declared]
+        return self.inputs + tuple(p for p in extra if p is not None)
 
     def output(self, name: str) -> PortSpec | None:
         return next((p for p in self.outputs if p.name == name), None)
@@ -141,14 +167,152 @@ class KindSpec:
         """Why `port` must be wired with these params (defaults filled in), or None."""
         if not port.optional:
             return "it is required"
+        if port.name == self.on_policy_input and (
+                params.get("ppo_epochs") != 1 or params.get("mini_batch_size") is not None):
+            return ("the update may take more than one optimizer step per call "
+                    "(`ppo_epochs` > 1 or a `mini_batch_size`); only one step can use its "
+                    "own log-probs as the old policy's")
         for name, param, value in self.required_when:
             if name == port.name and params.get(param) == value:
                 return f"`{param}` is `{value}`"
         return None
 
 
+def plugin_source(entry: str, folder: str | Path) -> Path | None:
+    """The absolute file or package folder of plugin `entry` (`rewards.py`, `my_rewards`,
+    `pkg.mod`) when it lies in `folder` (a graph file's folder), else None."""
+    here = Path(folder)
+    if entry.endswith(".py"):
+        candidates = [here / entry]
+    else:
+        top = entry.split(".")[0]
+        candidates = [here / f"{top}.py", here / top]
+    found = next((c for c in candidates if c.is_file() or (c / "__init__.py").is_file()), None)
+    return found.resolve() if found is not None else None
+
+
+def plugin_folder(entry: str, folder: str | Path) -> str | None:
+    """The absolute folder to import plugin `entry` from, when it lies in `folder`."""
+    source = plugin_source(entry, folder)
+    return str(source.parent) if source is not None else None
+
+
+def plugin_module(entry: str, folders: Iterable[str]) -> str:
+    """The module name to import for plugin `entry`, with the folder that holds it (if
+    one of `folders` does) first on `sys.path`: found there before an installed module of
+    the same name, in this process and in every worker that calls it. A `.py` file
+    must be in one of `folders`."""
+    for folder in folders:
+        holder = plugin_folder(entry, folder)
+        if holder is None:
+            continue
+        if holder in sys.path:
+            sys.path.remove(holder)
+        sys.path.insert(0, holder)
+        return Path(entry).stem if entry.endswith(".py") else entry
+    if entry.endswith(".py"):
+        looked = ", ".join(str(Path(f).resolve()) for f in folders) or "no folder (a graph "
+        raise PluginError(f"plugin file `{entry}` not found; looked in {looked}"
+                          + (")" if not folders else "") + ": files are listed relative to "
+                          "the graph file's folder")
+    return entry
+
+
 _DECLARED: dict[str, KindSpec] = {}
 """Kinds declared by imported plugin modules and entry points."""
+
+
+@dataclass(frozen=True, slots=True)
+class LossSpec:
+    """A policy loss `ppo_actor_update` may use: its name, own params and implementation."""
+
+    name: str
+    params: tuple[ParamSpec, ...]
+    """Its own params (set in `policy_loss_params`); the clip ratios are the update's."""
+    impl: str
+    """`module:function`, imported by the update."""
+    doc: str = ""
+
+
+LOSS_INPUTS = ("old_log_prob", "log_prob", "advantages", "response_mask")
+"""The tensors every policy loss takes first, each (B, T)."""
+LOSS_SHARED = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+"""Params a loss may take from the update's own params (not `policy_loss_params`)."""
+_LOSSES: dict[str, LossSpec] = {}
+"""Policy losses declared by plugins with `@policy_loss`."""
+
+
+def policy_loss(name: str) -> Callable[[F], F]:
+    """Declare a policy loss for `ppo_actor_update(policy_loss=name)`:
+
+        @policy_loss("my_loss")
+        def my_loss(old_log_prob, log_prob, advantages, response_mask,
+                    clip_ratio_high: float = 0.2, beta: float = 1.0):
+            return per_token_loss, {"my_metric": 0.0}     # (B, T) tensor, floats
+
+    It takes the four (B, T) tensors, then keyword params with defaults: a clip ratio
+    (`clip_ratio_low/high/c`) comes from the update's params, any other is the loss's own,
+    set in `policy_loss_params` and checked before launch. It returns the per-token loss
+    (the update aggregates it by `loss_agg_mode`) and metrics (logged as actor/<name>)."""
+    if not NAME_RE.match(name):
+        raise RegistryError(f"policy loss name {name!r} is not an identifier")
+
+    def wrap(fn: F) -> F:
+        params = list(inspect.signature(fn).parameters.values())
+        first = [p.name for p in params[:len(LOSS_INPUTS)]]
+        if first != list(LOSS_INPUTS):
+            raise RegistryError(f"policy loss `{name}`: the first parameters must be "
+                                f"{', '.join(LOSS_INPUTS)}; got {', '.join(first)}")
+        hints = _annotations(fn)
+        own = tuple(_param_from_signature(p.name, p, hints.get(p.name))
+                    for p in params[len(LOSS_INPUTS):] if p.name not in LOSS_SHARED)
+        spec = LossSpec(name, own, f"{fn.__module__}:{fn.__qualname__}",
+                        (fn.__doc__ or "").strip().split("\n")[0])
+        if name in _builtin_losses() or _LOSSES.get(name, spec).impl != spec.impl:
+            raise RegistryError(f"policy loss `{name}` is declared twice (built in or by "
+                                f"{_LOSSES[name].impl if name in _LOSSES else 'flowgraph'})")
+        _LOSSES[name] = spec
+        _LOSS_FUNCTIONS[name] = fn
+        return fn
+
+    return wrap
+
+
+_LOSS_FUNCTIONS: dict[str, Callable[..., Any]] = {}
+
+
+def _builtin_losses() -> dict[str, LossSpec]:
+    from flowgraph.kinds import POLICY_LOSSES
+
+    return POLICY_LOSSES
+
+
+def loss_spec(name: str) -> LossSpec | None:
+    """A policy loss by name: built in, or declared by an imported plugin."""
+    return _builtin_losses().get(name) or _LOSSES.get(name)
+
+
+def loss_names() -> list[str]:
+    return sorted({*_builtin_losses(), *_LOSSES})
+
+
+def loss_function(name: str) -> Callable[..., Any] | None:
+    """The function a plugin declared `name` from in this process, if any."""
+    return _LOSS_FUNCTIONS.get(name)
+
+
+_FUNCTIONS: dict[str, Callable[..., Any]] = {}
+"""The functions `@node_kind` declared kinds from, by kind name."""
+
+
+def declared_kind(name: str) -> KindSpec | None:
+    """A kind declared in this process by `@node_kind` or `register_kind`, if any."""
+    return _DECLARED.get(name)
+
+
+def declared_function(name: str) -> Callable[..., Any] | None:
+    """The function a kind was declared from with `@node_kind` in this process, if any."""
+    return _FUNCTIONS.get(name)
 
 
 def register_kind(kind: KindSpec) -> KindSpec:
@@ -199,6 +363,7 @@ def node_kind(
         kind = replace(kind, head=head) if head != kind.head else kind
         register_kind(kind)
         fn.__flowgraph_kind__ = kind  # type: ignore[attr-defined]
+        _FUNCTIONS[name] = fn
         return fn
 
     return wrap
@@ -302,9 +467,13 @@ class Registry:
     def names(self) -> list[str]:
         return sorted(self.kinds)
 
-    def load_plugins(self, modules: Iterable[str]) -> None:
-        """Import each module; the kinds it (or its submodules) declares join this registry."""
-        for module in modules:
+    def load_plugins(self, modules: Iterable[str], folders: Iterable[str] = ()) -> None:
+        """Import each plugin — a module name, or a `.py` file — found in `folders` first
+        (the graph file's), then among the installed packages; the kinds it (or its
+        submodules) declares join this registry."""
+        folders = tuple(folders)
+        for entry in modules:
+            module = plugin_module(entry, folders)
             before = set(_DECLARED)
             try:
                 importlib.import_module(module)

@@ -370,7 +370,7 @@ def _node_kind(k: KindSpec) -> Schema:
         "kind": {"const": k.name},
         "model": {"type": "string", "pattern": NAME},
         "inputs": {"type": "object", "properties": {p.name: _port(p) for p in k.inputs},
-                   "additionalProperties": False},
+                   "additionalProperties": _port(k.terms) if k.terms else False},
         "params": _params(k),
     }
     wired = [p.name for p in k.inputs if not p.optional]

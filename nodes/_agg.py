@@ -30,7 +30,8 @@ __all__ = [
     "masked_whiten",
 ]
 
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LOSS_AGG_MODES: tuple[str, ...] = (
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def _check_mask_shape(fn: str, values: Tensor, mask: Tensor) -> None:
@@ -112,12 +113,15 @@ def masked_whiten(
     return whitened if shift_mean else whitened + mean
 
 
-def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str) -> Tensor:
+def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str,
+             loss_scale_factor: float | None = None) -> Tensor:
     """Reduce a (B, T) per-token loss to a scalar (verl ``core_algos.agg_loss``).
 
     token-mean:          Σ_{b,t} m·ℓ / Σ_{b,t} m
     seq-mean-token-sum:  mean over sequences with ≥1 valid token of Σ_t m·ℓ
     seq-mean-token-mean: mean over sequences with ≥1 valid token of Σ_t m·ℓ / (Σ_t m + 1e-8)
+    seq-mean-token-sum-norm: seq-mean-token-sum / loss_scale_factor (default T, the padded
+                         length), a constant: Dr. GRPO's length-unbiased loss (Liu et al. 2025)
     As verl 0.9.1 (tests/nodes/test_verl_reference.py), except that no valid row at all
     gives 0, not nan.
     """
@@ -137,4 +141,7 @@ def agg_loss(loss_mat: Tensor, mask: Tensor, mode: str) -> Tensor:
     seq_losses = masked_sum(loss_mat, mask, dim=-1)
     if mode == "seq-mean-token-mean":
         seq_losses = seq_losses / (_weights(mask, loss_mat).sum(dim=-1) + 1e-8)
-    return masked_mean(seq_losses, has_tokens)
+    loss = masked_mean(seq_losses, has_tokens)
+    if mode == "seq-mean-token-sum-norm":
+        loss = loss / (loss_scale_factor or loss_mat.shape[-1])
+    return loss

@@ -355,8 +355,11 @@ class PromptDataset(_TableDataset):
         truncation: str = "error",
         filter_overlong_prompts: bool = False,
         ground_truth_for: Sequence[str] = (),
+        columns: Sequence[str] = (),
     ) -> None:
         super().__init__(path, format, [prompt_key], shuffle, seed)
+        self.columns = tuple(columns)
+        _check_columns(self.table, self.columns, path)
         self._ground_truth = _ground_truth_getter(self.table)
         if ground_truth_for and self._ground_truth is None:
             raise FlowgraphError(missing_ground_truth(path, self.table.column_names,
@@ -373,7 +376,7 @@ class PromptDataset(_TableDataset):
 
     def batch(self, ids: list[int], rows: list[dict[str, Any]]) -> dict[str, Any]:
         """input_ids, attention_mask (Bp, P) int64; uid (Bp,) int64; ground_truth and
-        data_source list[str] (Bp) when the dataset has them."""
+        data_source list[str] (Bp) when the dataset has them; extra_info list[dict] (Bp)."""
         prompts = render_prompts(self.tokenizer, [r[self.prompt_key] for r in rows], self.chat)
         prompts = [_truncate(p, self.max_prompt_length, self.keep_end) for p in prompts]
         input_ids, attention_mask = _pad(
@@ -388,7 +391,37 @@ class PromptDataset(_TableDataset):
             batch["ground_truth"] = [str(self._ground_truth(r)) for r in rows]
         if "data_source" in self.table.column_names:
             batch["data_source"] = [str(r["data_source"]) for r in rows]
+        batch["extra_info"] = [_extra_info(r, self.columns) for r in rows]
         return batch
+
+
+def _field(row: dict[str, Any], name: str) -> Any:
+    """`reward_model.style` of a row: a struct column's field, by its dotted name."""
+    value: Any = row
+    for part in name.split("."):
+        value = value[part]
+    return value
+
+
+def _extra_info(row: dict[str, Any], columns: Sequence[str]) -> dict[str, Any]:
+    """verl's `extra_info` of a row (a dict; {} without the column) plus `columns`."""
+    info = dict(row.get("extra_info") or {})
+    info.update({name: _field(row, name) for name in columns})
+    return info
+
+
+def _check_columns(table: pa.Table, columns: Sequence[str], path: str) -> None:
+    """Every column (or struct field) `columns` names is in the dataset."""
+    for name in columns:
+        kind: Any = table.schema
+        for part in name.split("."):
+            names = ([f.name for f in kind] if isinstance(kind, (pa.Schema, pa.StructType))
+                     else [])
+            if part not in names:
+                raise FlowgraphError(
+                    f"{path}: the param columns names `{name}`, which the dataset does not "
+                    f"have; its columns: {', '.join(table.column_names)}")
+            kind = kind.field(part).type
 
 
 def has_ground_truth(table: pa.Table) -> bool:
@@ -506,6 +539,7 @@ def prompt_source(
     filter_overlong_prompts: bool = False,
     seed: int = 0,
     ground_truth_for: Sequence[str] = (),
+    columns: Sequence[str] = (),
 ) -> Splits:
     """The `prompts` kind: train (and eval) PromptDatasets from its params;
     `ground_truth_for` names the nodes that read the ground truth (it must be there)."""
@@ -513,7 +547,7 @@ def prompt_source(
         PromptDataset, tokenizer=tokenizer, prompt_key=prompt_key,
         max_prompt_length=max_prompt_length, apply_chat_template=apply_chat_template,
         format=format, truncation=truncation, filter_overlong_prompts=filter_overlong_prompts,
-        ground_truth_for=ground_truth_for)
+        ground_truth_for=ground_truth_for, columns=columns)
     held_out = held_out_path(path, eval_path)
     return Splits(
         dataset(path, shuffle=shuffle, seed=seed),

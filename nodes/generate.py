@@ -7,14 +7,16 @@ tokens, as `logprob` counts them), then one token at a time with the KV cache. T
 engine, one request per (prompt, sample), in `flowgraph.compilers.vllm_engine`).
 
 Every sample draws its randomness from its own seed, a hash of (run seed, step, the
-prompt's row in the global batch, sample j); the hf backend keeps one
-`torch.Generator` per sample and picks tokens by Gumbel-max,
+prompt's row in the global batch, sample j); the hf backend picks tokens by Gumbel-max,
 
-    y_t = argmax_v (z̃_v + g_v),   g_v = −log(−log u_v),  u_v ~ U(0, 1),
+    y_t = argmax_v (z̃_v + g_v),   g_v = −log(−log u_v),  u_v = U(seed, t, v),
 
-where z̃ are the logits divided by τ and filtered by top-k then top-p (Hugging Face's
-`TopKLogitsWarper`, `TopPLogitsWarper`), so a sample's tokens do not depend on the
-batch it is generated in nor on how the batch is split across data-parallel ranks.
+with counter-based noise: u is splitmix64 (Steele et al. 2014) of the sample's seed and
+the counter (t, v), so the whole batch's noise is one vectorised computation and each
+sample's numbers are still its own. z̃ are the logits divided by τ and filtered by
+top-k then top-p (Hugging Face's `TopKLogitsWarper`, `TopPLogitsWarper`), so a sample's
+tokens do not depend on the batch it is generated in nor on how the batch is split
+across data-parallel ranks.
 Greedy decoding (`do_sample` false or τ = 0) takes argmax_v z_v.
 
 `rollout_log_prob` is log π(y_t) under the distribution that drew y_t: log_softmax(z̃),
@@ -43,7 +45,8 @@ from flowgraph.runtime.context import NodeContext
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["SamplingSpec", "decode", "filter_logits", "generate", "sample_seed"]
+__all__ = ["SamplingSpec", "counter_uniform", "decode", "filter_logits", "generate",
+           "sample_seed"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,17 +104,38 @@ def filter_logits(scores: Tensor, top_k: int, top_p: float) -> Tensor:
     return scores
 
 
-def _pick(logits: Tensor, generators: Sequence[torch.Generator], spec: SamplingSpec
-          ) -> tuple[Tensor, Tensor]:
-    """Next tokens (r,) and their log-probs (r,) from last-position logits (r, V)."""
+_GOLDEN, _MIX1, _MIX2 = (c - (1 << 64) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                                   0x94D049BB133111EB))
+"""splitmix64's constants as int64 (torch multiplies int64 modulo 2**64)."""
+
+
+def _shift(x: Tensor, k: int) -> Tensor:
+    """x >> k as on unsigned 64-bit integers (torch's >> keeps the sign)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def counter_uniform(seeds: Tensor, t: int, V: int) -> Tensor:
+    """(r, V) float32 in (0, 1): u[i, v] a function of (seeds[i], t, v) alone.
+
+    splitmix64's output function applied to seed + γ·(t·V + v + 1), γ the golden ratio
+    constant (Steele, Lea & Flood 2014); the top 24 bits give (k + ½)/2**24.
+    """
+    counter = torch.arange(V, dtype=torch.int64, device=seeds.device) + (t * V + 1)
+    x = seeds[:, None] + counter[None, :] * _GOLDEN
+    x = (x ^ _shift(x, 30)) * _MIX1
+    x = (x ^ _shift(x, 27)) * _MIX2
+    x = x ^ _shift(x, 31)
+    return (_shift(x, 40).to(torch.float32) + 0.5) * 2.0**-24
+
+
+def _pick(logits: Tensor, seeds: Tensor, t: int, spec: SamplingSpec) -> tuple[Tensor, Tensor]:
+    """Next tokens (r,) and their log-probs (r,) from last-position logits (r, V); `seeds`
+    (r,) int64 are the rows' sample seeds, t the position."""
     if spec.greedy:
         token = logits.argmax(-1)
         return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
     scores = filter_logits(logits / spec.temperature, spec.top_k, spec.top_p)
-    # Noise from each sample's own generator (on the logits' device: no transfer of r·V).
-    u = torch.stack([torch.rand(logits.size(-1), generator=g, device=g.device)
-                     for g in generators])
-    gumbel = -torch.log(-torch.log(u.clamp_min(torch.finfo(u.dtype).tiny)))
+    gumbel = -torch.log(-torch.log(counter_uniform(seeds, t, logits.size(-1))))
     token = (scores + gumbel).argmax(-1)
     return token, scores.log_softmax(-1).gather(-1, token[:, None])[:, 0]
 
@@ -148,7 +172,7 @@ def decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequen
     """
     device = next(model.parameters()).device
     r, T = len(prompts), spec.max_new_tokens
-    generators = [torch.Generator(device).manual_seed(s) for s in seeds]
+    row_seeds = torch.tensor(list(seeds), dtype=torch.int64, device=device)
     # Only the last position's logits are needed; most HF models can skip the rest.
     takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
     keep = {"logits_to_keep": 1} if takes_keep else {}
@@ -161,7 +185,7 @@ def decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequen
     stop = torch.tensor(spec.stop_ids, device=device)
     logits, cache = _forward(model, prompts.to(device), attention, positions, None, keep)
     for t in range(T):
-        token, token_log_prob = _pick(logits, generators, spec)
+        token, token_log_prob = _pick(logits, row_seeds, t, spec)
         responses[:, t] = token.masked_fill(done, spec.pad_id)
         mask[:, t] = (~done).long()
         log_prob[:, t] = token_log_prob.masked_fill(done, 0.0)
@@ -190,6 +214,8 @@ def generate(
     prompts: Tensor,
     prompt_mask: Tensor,
     ground_truth: Sequence[str] | None = None,
+    data_source: Sequence[str] | None = None,
+    extra_info: Sequence[Any] | None = None,
     backend: str = "hf",
     n: int | None = None,
     temperature: float = 1.0,
@@ -198,15 +224,15 @@ def generate(
     max_new_tokens: int | None = None,
     do_sample: bool = True,
     gpu_memory_utilization: float | None = None,
-) -> dict[str, Tensor | list[str]]:
+) -> dict[str, Tensor | list[Any]]:
     """The `generate` kind: n responses per prompt; samples of a prompt are consecutive.
 
     prompts, prompt_mask (b, P) -> prompts, prompt_mask (r, P); responses, response_mask,
     rollout_log_prob (r, T); index (r,) the prompt's row in the global batch (this
     rank's rows start at `ctx.row_offset`: an executor splits a batch into contiguous
-    parts); ground_truth (r,) when given. vLLM reserves a KV cache for the r sequences
-    of P+T tokens, or, with `gpu_memory_utilization`, that share of the accelerator's
-    memory (on CPU: of NUMA node 0's RAM).
+    parts); ground_truth, data_source, extra_info (r,) lists when given. vLLM reserves a
+    KV cache for the r sequences of P+T tokens, or, with `gpu_memory_utilization`, that
+    share of the accelerator's memory (on CPU: of NUMA node 0's RAM).
     """
     n = n or ctx.dims.get("N")
     T = max_new_tokens or ctx.dims.get("T")
@@ -225,12 +251,14 @@ def generate(
             out = decode(model, prompts, prompt_mask, seeds, spec, ctx.workers.all)
     else:
         raise ValueError(f"generate: backend must be `hf` or `vllm`, got `{backend}`")
-    outputs: dict[str, Tensor | list[str]] = {
+    outputs: dict[str, Tensor | list[Any]] = {
         name: value.to(prompts.device) for name, value in out.items()}
     outputs |= {"prompts": prompts, "prompt_mask": prompt_mask.long(),
                 "index": rows.repeat_interleave(n).to(prompts.device)}
-    if ground_truth is not None:
-        outputs["ground_truth"] = [str(g) for g in ground_truth for _ in range(n)]
+    for name, rows_of in (("ground_truth", ground_truth), ("data_source", data_source),
+                          ("extra_info", extra_info)):
+        if rows_of is not None:  # one value per prompt -> one per sample, in sample order
+            outputs[name] = [v for v in rows_of for _ in range(n)]
     return outputs
 
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flowgraph.nodes._agg import LOSS_AGG_MODES, agg_loss, masked_mean
+from flowgraph.nodes.policy_losses import vanilla
 
 __all__ = [
     "DPO_LOSS_TYPES",
@@ -104,25 +105,9 @@ def ppo_policy_loss(
         advantages=advantages,
         response_mask=response_mask,
     )
-    negative_approx_kl = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-    ratio = torch.exp(negative_approx_kl)
-    pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
-    pg_losses3 = -advantages * clip_ratio_c
-    clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)
-    negative = advantages < 0
-    pg_losses = torch.where(negative, clip_pg_losses2, clip_pg_losses1)
-    loss = agg_loss(pg_losses, response_mask, loss_agg_mode)
-    with torch.no_grad():
-        metrics = {
-            "pg_clipfrac": _fraction(pg_losses2 > pg_losses1, response_mask, pg_losses),
-            "pg_clipfrac_lower": _fraction(
-                (clip_pg_losses1 > pg_losses3) & negative, response_mask, pg_losses
-            ),
-            "ppo_kl": _metric(masked_mean(-negative_approx_kl, response_mask)),
-        }
-    return loss, metrics
+    pg_losses, metrics = vanilla(old_log_prob, log_prob, advantages, response_mask,
+                                 clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    return agg_loss(pg_losses, response_mask, loss_agg_mode), metrics
 
 
 def value_loss(

@@ -8,6 +8,10 @@
   (the reward model of Ouyang et al. 2022).
 * `token_reward` puts a sequence score on the last valid response token, the sparse
   reward that PPO's per-token advantage (GAE) consumes.
+* `compute_score` calls a function with verl's signature, `compute_score(data_source,
+  solution_str, ground_truth, extra_info=None) -> float | dict`, on each decoded response:
+  yours from a plugin (`fn: rewards.py:compute_score`), a built-in (`gsm8k`, `math`:
+  `flowgraph.nodes.scores`), or one per data source (`fns`), as verl's reward managers.
 
 Your own reward is a plain function whose jaxtyping annotations are its contract.
 List its module under `plugins:` in the graph, and `flowgraph check` reads the
@@ -27,15 +31,22 @@ Notation: B sequences, P prompt length, T response length.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import importlib
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from flowgraph.errors import RewardFnError
 from flowgraph.nodes.logprob import forward_hidden
+from flowgraph.nodes.scores import BUILTIN_SCORES
+from flowgraph.runtime import NodeContext
 from flowgraph.runtime.answers import extract_answer, has_marked_answer, normalise_answer
 
-__all__ = ["reward_model", "rule_reward", "token_reward"]
+__all__ = ["compute_score", "reward_model", "rule_reward", "token_reward"]
 
 
 def _texts(tokenizer: object, responses: Tensor, response_mask: Tensor, fn: str) -> list[str]:
@@ -91,6 +102,85 @@ def rule_reward(
         ]
     else:
         raise ValueError(f"unknown reward fn `{fn}`; known: exact_match, format, length_penalty")
+    return {"scores": torch.tensor(scores, dtype=torch.float32)}
+
+
+ScoreFn = Callable[..., Any]
+
+
+@functools.cache
+def _function(ref: str) -> ScoreFn:
+    """A scoring function: a built-in name, `file.py:function` (a plugin file, imported
+    from the graph's folder by the executor) or `module:function`."""
+    if ":" not in ref:
+        if ref not in BUILTIN_SCORES:
+            raise ValueError(f"compute_score: no built-in function `{ref}`; built-ins: "
+                             f"{', '.join(BUILTIN_SCORES)}")
+        return BUILTIN_SCORES[ref]
+    module, _, name = ref.partition(":")
+    loaded = importlib.import_module(module.removesuffix(".py"))
+    fn = getattr(loaded, name, None)
+    if not callable(fn):
+        raise ValueError(f"compute_score: `{module}` has no function `{name}`")
+    return fn
+
+
+def _score(result: Any, ref: str, row: int, source: str | None) -> tuple[float, dict[str, Any]]:
+    """(score, extra numbers) of what a function returned: a number, or a dict whose
+    `score` is one (its other numeric entries are extra info, as verl's reward managers)."""
+    where = f"reward fn `{ref}` on row {row} (data_source `{source}`)"
+    extra: dict[str, Any] = {}
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise ValueError(f"{where} returned a dict without `score`: keys "
+                             f"{sorted(result)}")
+        extra = {k: v for k, v in result.items() if k != "score"}
+        result = result["score"]
+    if isinstance(result, bool) or not isinstance(result, (int, float)):
+        raise ValueError(f"{where} returned {type(result).__name__} {result!r}; a score is "
+                         "a number (or a dict with `score`)")
+    return float(result), extra
+
+
+def compute_score(
+    responses: Tensor,
+    response_mask: Tensor,
+    ground_truth: Sequence[str] | None = None,
+    data_source: Sequence[str] | None = None,
+    extra_info: Sequence[Any] | None = None,
+    *,
+    ctx: NodeContext,
+    tokenizer: object = None,
+    fn: str | None = None,
+    fns: Mapping[str, str] | None = None,
+) -> dict[str, Tensor]:
+    """scores (b,) float32: each decoded response scored by verl's signature,
+    `f(data_source=, solution_str=, ground_truth=, extra_info=)`, with f = fns[data_source]
+    when the map has the row's source, else fn. Numeric extra entries of dict results are
+    reported as `critic/<key>/mean` over the rows that gave them."""
+    # verl's NaiveRewardManager / default_compute_score routing, one row at a time.
+    texts = _texts(tokenizer, responses, response_mask, "compute_score")
+    scores, extras = [], defaultdict(list)
+    for i, text in enumerate(texts):
+        source = None if data_source is None else data_source[i]
+        ref = (fns or {}).get(source, fn) if source is not None else fn
+        if ref is None:
+            raise ValueError(f"compute_score: no function for row {i} (data_source "
+                             f"`{source}`): set fn, or list the source under fns")
+        try:
+            result = _function(ref)(
+                data_source=source, solution_str=text,
+                ground_truth=None if ground_truth is None else ground_truth[i],
+                extra_info=None if extra_info is None else extra_info[i])
+        except Exception as exc:
+            raise RewardFnError(f"reward fn `{ref}` raised on row {i} (data_source "
+                                f"`{source}`): {type(exc).__name__}: {exc}") from exc
+        score, extra = _score(result, ref, i, source)
+        scores.append(score)
+        for key, value in extra.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                extras[key].append(float(value))
+    ctx.metrics.update({f"critic/{k}/mean": sum(v) / len(v) for k, v in extras.items()})
     return {"scores": torch.tensor(scores, dtype=torch.float32)}
 
 

@@ -36,9 +36,11 @@ micro_batch_size (per worker), P prompt length, T response length.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, NoReturn
 
@@ -48,10 +50,13 @@ from torch import Tensor
 from flowgraph.errors import NonFiniteError
 from flowgraph.nodes._agg import agg_loss, masked_mean
 from flowgraph.nodes.logprob import forward_hidden, head_logprob, sequence_logprob
-from flowgraph.nodes.losses import dpo_loss, kl_penalty, ppo_policy_loss, value_loss
+from flowgraph.nodes.losses import dpo_loss, kl_penalty, value_loss
+from flowgraph.nodes.policy_losses import rollout_is_weights
 from flowgraph.nodes.values import ValueModel
 from flowgraph.nodes.values import values as predict_values
+from flowgraph.registry import loss_function, loss_names, loss_spec
 from flowgraph.runtime import NodeContext
+from flowgraph.runtime.context import Impl
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -207,18 +212,54 @@ def _agg_size(mode: str, mb: Batch) -> float:
 # --------------------------------------------------------------------------- PPO actor
 
 
+@dataclass(frozen=True)
+class PolicyLoss:
+    """The policy loss an update uses, with its params; rollout correction, if on."""
+
+    fn: Callable[..., tuple[Tensor, dict[str, float]]]
+    params: dict[str, object]
+    rollout_is: str | None = None
+    threshold: float = 2.0
+    threshold_lower: float | None = None
+
+    @staticmethod
+    def of(name: str, own: Mapping[str, object], shared: Mapping[str, float]) -> PolicyLoss:
+        """`name` (built in, or a plugin's `@policy_loss`) with its own params and the
+        update's clip ratios it takes."""
+        spec = loss_spec(name)
+        if spec is None:
+            raise ValueError(f"unknown policy_loss `{name}`; known: {', '.join(loss_names())}")
+        fn = loss_function(name) or Impl.load_function(spec.impl)
+        accepts = inspect.signature(fn).parameters
+        return PolicyLoss(fn, {**{k: v for k, v in shared.items() if k in accepts}, **own})
+
+    def __call__(self, mb: Batch, log_prob: Tensor, mode: str, scale: float | None
+                 ) -> tuple[Tensor, dict[str, float]]:
+        mask = mb["response_mask"]
+        # No old_log_prob: one optimizer step per rollout, π_old is the policy we start from.
+        old = mb.get("old_log_prob", log_prob.detach())
+        pg_losses, metrics = self.fn(old, log_prob, mb["advantages"], mask, **self.params)
+        if self.rollout_is is not None:
+            weights, is_metrics = rollout_is_weights(
+                old, mb["rollout_log_prob"], mask, self.rollout_is, self.threshold,
+                self.threshold_lower)
+            pg_losses, metrics = pg_losses * weights, {**metrics, **is_metrics}
+        return agg_loss(pg_losses, mask, mode, scale), metrics
+
+
 def _actor_loss(
     model: PreTrainedModel,
     mb: Batch,
     *,
-    clip: dict[str, float],
+    policy: PolicyLoss,
     entropy_coeff: float,
     kl_loss_coef: float,
     kl_loss_type: str,
     mode: str,
+    scale: float | None = None,
     temperature: float = 1.0,
 ) -> tuple[Tensor, dict[str, float]]:
-    """L = L_clip − c_H·H + c_KL·KL(π ‖ π_ref), each aggregated by `mode` (verl's actor)."""
+    """L = L_pg − c_H·H + c_KL·KL(π ‖ π_ref), each aggregated by `mode` (verl's actor)."""
     mask, responses, head = mb["response_mask"], mb["responses"], model.get_output_embeddings()
     hidden = forward_hidden(model, *(mb[k] for k in SEQUENCES))
     out = head_logprob(head, hidden, responses, mask, temperature=temperature,
@@ -228,15 +269,14 @@ def _actor_loss(
         with torch.no_grad():
             entropy_t = head_logprob(head, hidden, responses, mask, temperature=temperature,
                                      with_entropy=True)["entropy"]
-    pg_loss, pg = ppo_policy_loss(
-        mb["old_log_prob"], log_prob, mb["advantages"], mask, **clip, loss_agg_mode=mode
-    )
-    entropy = agg_loss(entropy_t, mask, mode)
+    pg_loss, pg = policy(mb, log_prob, mode, scale)
+    entropy = agg_loss(entropy_t, mask, mode, scale)
     metrics = {"actor/pg_loss": pg_loss.item(), "actor/entropy": entropy.item()}
     metrics |= {f"actor/{k}": v for k, v in pg.items()}
     loss = pg_loss - entropy_coeff * entropy if entropy_coeff else pg_loss
     if "ref_log_prob" in mb:
-        kl = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], kl_loss_type), mask, mode)
+        kl = agg_loss(kl_penalty(log_prob, mb["ref_log_prob"], kl_loss_type), mask, mode,
+                      scale)
         loss = loss + kl_loss_coef * kl
         metrics["actor/kl_loss"] = kl.item()
     return loss, metrics
@@ -249,12 +289,19 @@ def ppo_actor_update(
     prompt_mask: Tensor,
     responses: Tensor,
     response_mask: Tensor,
-    old_log_prob: Tensor,
     advantages: Tensor,
+    old_log_prob: Tensor | None = None,
     ref_log_prob: Tensor | None = None,
+    rollout_log_prob: Tensor | None = None,
+    policy_loss: str = "vanilla",
+    policy_loss_params: Mapping[str, object] | None = None,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
+    rollout_is: str | None = None,
+    rollout_is_threshold: float = 2.0,
+    rollout_is_threshold_lower: float | None = None,
+    loss_scale_factor: float | None = None,
     entropy_coeff: float = 0.0,
     kl_loss_coef: float = 0.001,
     kl_loss_type: str = "low_var_kl",
@@ -268,28 +315,45 @@ def ppo_actor_update(
 
     Log-probs are recomputed at `temperature` (the rollout's: verl passes it to the
     actor the same way; 0, greedy, scores at 1). A wired `ref_log_prob` adds GRPO's KL
-    loss. Metrics: actor/{pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy,
-    kl_loss (with ref_log_prob), grad_norm, lr}.
+    loss. Without `old_log_prob` (pass `on_policy`) the update must take one optimizer
+    step, whose own log-probs, detached, are π_old's. Metrics: actor/{pg_loss,
+    pg_clipfrac, pg_clipfrac_lower, ppo_kl, entropy, kl_loss (with ref_log_prob),
+    grad_norm, lr}.
     """
     batch = {
         "prompts": prompts,
         "prompt_mask": prompt_mask,
         "responses": responses,
         "response_mask": response_mask,
-        "old_log_prob": old_log_prob,
         "advantages": advantages,
     }
-    if ref_log_prob is not None:
-        batch["ref_log_prob"] = ref_log_prob
+    for name, value in (("old_log_prob", old_log_prob), ("ref_log_prob", ref_log_prob),
+                        ("rollout_log_prob", rollout_log_prob)):
+        if value is not None:
+            batch[name] = value
+    if rollout_is is not None and rollout_log_prob is None:
+        raise ValueError(f"ppo_actor_update: rollout_is={rollout_is!r} weighs by pi_old / "
+                         "pi_rollout: wire generate's rollout_log_prob")
+    if old_log_prob is None and (ppo_epochs != 1 or (mini_batch_size or len(prompts))
+                                 < len(prompts)):
+        raise ValueError(
+            f"ppo_actor_update without old_log_prob takes its own log-probs as the old "
+            f"policy's, which holds for one optimizer step only; got ppo_epochs="
+            f"{ppo_epochs}, mini_batch_size={mini_batch_size} of {len(prompts)} rows: "
+            f"wire old_log_prob")
     clip = {
         "clip_ratio_low": clip_ratio_low,
         "clip_ratio_high": clip_ratio_high,
         "clip_ratio_c": clip_ratio_c,
     }
+    policy = replace(PolicyLoss.of(policy_loss, dict(policy_loss_params or {}), clip),
+                     rollout_is=rollout_is, threshold=rollout_is_threshold,
+                     threshold_lower=rollout_is_threshold_lower)
     loss_fn = partial(
         _actor_loss,
         ctx.model,
-        clip=clip,
+        policy=policy,
+        scale=loss_scale_factor,
         entropy_coeff=entropy_coeff,
         kl_loss_coef=kl_loss_coef,
         kl_loss_type=kl_loss_type,
@@ -306,6 +370,31 @@ def ppo_actor_update(
         mini_batch_size=mini_batch_size,
         micro_batch_size=micro_batch_size,
     )
+    return {}
+
+
+def ppo_actor_update_eval(
+    ctx: NodeContext,
+    *,
+    prompts: Tensor,
+    prompt_mask: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    ref_log_prob: Tensor | None = None,
+    temperature: float = 1.0,
+    **_: object,
+) -> dict[str, Tensor]:
+    """`ppo_actor_update`'s metric on held-out responses, without a step (the executor's
+    eval hook): `log_ratio_to_ref`, the mean over valid tokens of log π − log π_ref,
+    when `ref_log_prob` is wired. The executor reads it from an actor log-prob node
+    when the graph has one; with that forward elided (pass `on_policy`), from here."""
+    if ref_log_prob is None:
+        return {}
+    with torch.no_grad():
+        hidden = forward_hidden(ctx.model, prompts, prompt_mask, responses, response_mask)
+        log_prob = head_logprob(ctx.model.get_output_embeddings(), hidden, responses,
+                                response_mask, temperature=temperature)["log_prob"]
+    ctx.metrics["log_ratio_to_ref"] = masked_mean(log_prob - ref_log_prob, response_mask).item()
     return {}
 
 

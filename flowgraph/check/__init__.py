@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from flowgraph.check.batch import check_batches, ranks_of
 from flowgraph.check.filters import check_filters
+from flowgraph.check.functions import check_functions
 from flowgraph.check.sampling import check_temperatures
 from flowgraph.check.shapes import DimEnv, EdgeInfo, PortShape, ShapeResult, infer_shapes
 from flowgraph.check.structure import (
@@ -53,12 +54,13 @@ class CheckResult:
 
 def _load_plugins(graph: Graph, registry: Registry, out: list[Diagnostic]) -> None:
     for plugin in graph.plugins:
+        folder = plugin.folder()
         try:
-            registry.load_plugins([plugin.module])
+            registry.load_plugins([plugin.module], [folder] if folder else [])
         except PluginError as exc:
             out.append(error("FG113", str(exc), plugin.pos,
-                             hint="is the package installed, and the module name spelt as "
-                                  "you would `import` it?"))
+                             hint="a file or module next to the graph file, or an installed "
+                                  "package: is the name spelt as you would `import` it?"))
 
 
 def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None = None,
@@ -74,6 +76,7 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     table = resolve_kinds(graph, registry, out)
     check_ports(table, out)
     check_params(table, out)
+    check_functions(graph, table, out)
     check_models(graph, table, out)
     check_temperatures(table, out)
     check_held_out(graph, out)

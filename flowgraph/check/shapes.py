@@ -11,7 +11,7 @@ that led there.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from flowgraph.check.structure import Resolved, param_value
 from flowgraph.contracts import TensorSpec
@@ -251,9 +251,23 @@ def _apply_defaults(r: Resolved, env: DimEnv) -> None:
 
 def _outputs(r: Resolved, env: DimEnv, res: ShapeResult) -> None:
     assert r.kind is not None
+    carried = _carried_dtype(r, res)
     for p in r.kind.outputs:
         dims = env.qualify_dims(p.spec, r.name)
-        res.outputs[(r.name, p.name)] = PortShape(dims, p.spec.shape.variadic, p.spec)
+        spec = replace(p.spec, dtype=carried) if p.spec.dtype == "any" and carried else p.spec
+        res.outputs[(r.name, p.name)] = PortShape(dims, p.spec.shape.variadic, spec)
+
+
+def _carried_dtype(r: Resolved, res: ShapeResult) -> str | None:
+    """What an `any` output carries: the dtype its node's `any` input was given
+    (`repeat` of float scores gives float)."""
+    if not isinstance(r.spec, NodeSpec) or r.kind is None:
+        return None
+    for port, ref in r.spec.inputs:
+        declared, given = r.kind.input(port), res.outputs.get((ref.node, ref.port))
+        if declared is not None and declared.spec.dtype == "any" and given is not None:
+            return given.spec.dtype
+    return None
 
 
 def _unify_inputs(node: NodeSpec, r: Resolved, env: DimEnv, res: ShapeResult,
@@ -262,7 +276,7 @@ def _unify_inputs(node: NodeSpec, r: Resolved, env: DimEnv, res: ShapeResult,
     assert r.kind is not None
     known = True
     wired = dict(node.inputs)
-    for port in r.kind.inputs:
+    for port in r.kind.wired_inputs(wired):
         ref = wired.get(port.name)
         if ref is None:
             known = known and port.optional

@@ -111,12 +111,16 @@ def check_ports(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
         node, kind = r.spec, r.kind
         names = [p.name for p in kind.inputs]
         for port, ref in node.inputs:
-            if port not in names:
+            if kind.input(port) is None:
                 out.append(error("FG103", f"kind `{kind.name}` has no input `{port}`", ref.pos,
                                  node=node.name, edge=f"{ref} -> {node.name}.{port}",
                                  hint=did_you_mean(port, names)))
             _check_ref(node, port, ref, table, out)
         wired = {port for port, _ in node.inputs}
+        if kind.terms is not None and wired <= set(names):
+            out.append(error("FG104", f"node `{node.name}` (kind {kind.name}) sums the "
+                             "inputs you name, and none is wired", node.pos, node=node.name,
+                             hint="wire a term, e.g. `inputs: {acc: reward.scores}`"))
         unwired = [p for p in kind.inputs if p.name not in wired]
         if unwired:
             _check_unwired(node, kind, unwired, out)
@@ -329,5 +333,5 @@ def check_held_out(graph: Graph, out: list[Diagnostic]) -> None:
         out.append(warning(
             "FG117", f"`trainer.eval_every` is {graph.trainer.eval_every}, but data source "
             f"`{d.name}` has no held-out rows: no evaluation will run", graph.trainer.pos,
-            node=d.name, hint=f"set data.{d.name}.params.eval_path to a held-out file, or "
+            node=d.name, hint=f"set data.{d.name}.eval_path to a held-out file, or "
             "trainer.eval_every: 0"))

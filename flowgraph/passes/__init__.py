@@ -1,6 +1,6 @@
 """Compile passes: a graph file -> an `ExecutionPlan`, through a pipeline you can inspect.
 
-    validate -> infer_dims -> dce -> hoist -> placement -> schedule -> memory
+    validate -> infer_dims -> on_policy -> dce -> hoist -> placement -> schedule -> memory
 
 Each pass is a small frozen dataclass with a `name` and one `apply(program) ->
 program` (see `program.py`), one per module here, listed in the flat registry
@@ -28,6 +28,7 @@ from flowgraph.passes.dce import EliminateDeadNodes
 from flowgraph.passes.hoist import HoistInvariants
 from flowgraph.passes.infer_dims import InferDims
 from flowgraph.passes.memory import EstimateMemory
+from flowgraph.passes.on_policy import ElideOldLogProb
 from flowgraph.passes.placement import PlaceNodes
 from flowgraph.passes.program import Pass, Program
 from flowgraph.passes.schedule import ScheduleStages
@@ -46,8 +47,8 @@ __all__ = [
 
 PASSES: dict[str, type[Pass]] = {
     p.name: p
-    for p in (Validate, InferDims, EliminateDeadNodes, HoistInvariants, PlaceNodes,
-              ScheduleStages, EstimateMemory)
+    for p in (Validate, InferDims, ElideOldLogProb, EliminateDeadNodes, HoistInvariants,
+              PlaceNodes, ScheduleStages, EstimateMemory)
 }
 """Every pass by name, in pipeline order."""
 

@@ -31,7 +31,7 @@ from flowgraph.plan import (
     gib,
     repeated,
 )
-from flowgraph.registry import KindSpec, PortSpec
+from flowgraph.registry import KindSpec, PortSpec, plugin_folder
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +94,8 @@ class Program:
     """Set by `infer_dims`: the resolved dims of every output."""
     dropped: tuple[str, ...] = ()
     """Set by `dce`: removed nodes and data sources, in file order."""
+    rewrites: tuple[str, ...] = ()
+    """What the optimising passes changed in the graph, one line each (`on_policy`)."""
     placement: Placement | None = None
     schedule: Schedule | None = None
     memory: tuple[PoolMemory, ...] | None = None
@@ -174,7 +176,9 @@ class Program:
             graph=self.graph, target=self.target, nproc=self.nproc, device=self.device,
             dims=self.dims, nodes=nodes, pools=self.placement.pools,
             stages=self.schedule.stages, edges=self.schedule.edges, memory=self.memory or (),
-            dropped=self.dropped, source=self.graph.source, resample=self._resample())
+            dropped=self.dropped, rewrites=self.rewrites,
+            plugin_paths=plugin_paths(self.graph), source=self.graph.source,
+            resample=self._resample())
 
     def _resample(self) -> ResamplePlan | None:
         """The refill loop of the graph's filter node (the checker allows one, and only
@@ -227,3 +231,10 @@ class Pass(Protocol):
     """Passes whose results `apply` reads; they cannot be disabled while this one runs."""
 
     def apply(self, program: Program) -> Program: ...
+
+
+def plugin_paths(graph: Graph) -> tuple[str, ...]:
+    """The absolute folders of the graph's plugins that lie next to the file listing them."""
+    found = [plugin_folder(p.module, folder) for p in graph.plugins
+             if (folder := p.folder()) is not None]
+    return tuple(dict.fromkeys(f for f in found if f is not None))

@@ -143,14 +143,24 @@ class Impl:
 
     @staticmethod
     def load(kind: KindSpec) -> Impl:
-        module, _, attr = kind.impl.partition(":")
         try:
-            fn = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise FlowgraphError(f"kind `{kind.name}`: implementation `{kind.impl}` cannot be "
-                                 f"imported: {exc}") from exc
+            fn = Impl.load_function(kind.impl)
+        except FlowgraphError as exc:
+            raise FlowgraphError(f"kind `{kind.name}`: {exc}") from exc
         params = inspect.signature(fn).parameters
         return Impl(fn, frozenset(params))
+
+    @staticmethod
+    def load_function(path: str) -> Callable[..., Any]:
+        """The function a registry path (`module:function`) names."""
+        module, _, attr = path.partition(":")
+        try:
+            fn = importlib.import_module(module)
+            for part in attr.split("."):
+                fn = getattr(fn, part)
+        except (ImportError, AttributeError) as exc:
+            raise FlowgraphError(f"implementation `{path}` cannot be imported: {exc}") from exc
+        return fn  # type: ignore[return-value]
 
     def verify(self, node: NodeSpec, kind: KindSpec) -> None:
         """Every declared input and param must be accepted, before any step runs."""

@@ -89,10 +89,11 @@ class MetricsLog:
         progress.update(task, completed=step + 1)
 
     def line(self, step: int, metrics: dict[str, float]) -> str:
-        """`step 3/40 [gen] 1.24s [ref] 0.87s … | score 0.250 pg_loss -0.013`."""
+        """`step 3/40 [generation] 1.24s [scoring] 0.87s … | score 0.250 pg_loss -0.013`:
+        the phases of the step (`phase_s/…`; each node's time is in `timing_s/<node>`)."""
         timings = " ".join(
-            f"[{k.removeprefix('timing_s/')}] {v:.2f}s" for k, v in metrics.items()
-            if k.startswith("timing_s/") and k != "timing_s/step")
+            f"[{k.removeprefix('phase_s/')}] {v:.2f}s" for k, v in metrics.items()
+            if k.startswith("phase_s/"))
         keys = " ".join(f"{k.split('/')[-2] if k.endswith('/mean') else k.split('/')[-1]} "
                         f"{metrics[k]:.4g}" for k in KEY_METRICS if k in metrics)
         total = f"/{self.total}" if self.total else ""

@@ -70,7 +70,8 @@ class RuntimeContracts:
                                     f"the kind declares {spec.describe()}")
 
     def _problem(self, want: Dims, spec: TensorSpec, value: Any) -> str | None:
-        if spec.dtype == "str":
+        rows = {"str", "object"} & spec.dtypes
+        if spec.dtype in ("str", "object") or (rows and isinstance(value, list)):
             return self._list_problem(want, spec, value)
         shape = getattr(value, "shape", None)
         if shape is None:
@@ -82,8 +83,12 @@ class RuntimeContracts:
         return problem or _constraint_problem(spec.constraints, value)
 
     def _list_problem(self, want: Dims, spec: TensorSpec, value: Any) -> str | None:
+        what = "strings" if spec.dtype == "str" else "values, one per row"
         if not isinstance(value, Sequence) or isinstance(value, str):
-            return f"expected a list of strings, got {type(value).__name__}"
+            return f"expected a list of {what}, got {type(value).__name__}"
+        if spec.dtype == "str" and not all(isinstance(v, str) for v in value):
+            wrong = next(v for v in value if not isinstance(v, str))
+            return f"expected a list of strings, got a {type(wrong).__name__} in it"
         return self._shape_problem(want, spec, (len(value),))
 
     def _shape_problem(self, want: Dims, spec: TensorSpec, actual: tuple[int, ...]

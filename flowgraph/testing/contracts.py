@@ -36,7 +36,13 @@ from typing import Any
 
 from flowgraph.contracts import TensorSpec
 from flowgraph.dims import Poly
-from flowgraph.registry import KindSpec, PortSpec, Registry
+from flowgraph.registry import (
+    KindSpec,
+    PortSpec,
+    Registry,
+    declared_function,
+    declared_kind,
+)
 from flowgraph.runtime.context import Impl, NodeContext, named_outputs
 
 __all__ = ["assert_honours_contract", "default_context", "output_problem"]
@@ -53,12 +59,22 @@ def default_context(kind: KindSpec | str, dims: Mapping[str, int], *, model: Any
                        tokenizer=tokenizer, dims=dict(dims))
 
 
-def _kind_spec(kind: KindSpec | str) -> KindSpec:
+def _kind_spec(kind: KindSpec | str | Callable[..., Any]) -> KindSpec:
+    """A kind by spec, by name (built in, declared in this process with `@node_kind` or
+    `register_kind`, or an installed entry point), or by its `@node_kind` function."""
     if isinstance(kind, KindSpec):
         return kind
-    spec = Registry.default().get(kind)
+    if callable(kind):
+        declared = getattr(kind, "__flowgraph_kind__", None)
+        if not isinstance(declared, KindSpec):
+            raise ValueError(f"{getattr(kind, '__qualname__', kind)} is not a kind: decorate "
+                             "it with @node_kind, or pass its KindSpec or kind name")
+        return declared
+    spec = Registry.default().get(kind) or declared_kind(kind)
     if spec is None:
-        raise ValueError(f"unknown kind `{kind}`: pass a KindSpec or a registered kind name")
+        raise ValueError(f"unknown kind `{kind}`: not built in, not declared with "
+                         "@node_kind in this process (import its module first), not an "
+                         "installed entry point")
     return spec
 
 
@@ -95,9 +111,12 @@ def _make_input(port: PortSpec, shape: tuple[int, ...], *, vocab: int, group: in
 
     spec = port.spec
     shape = tuple(1 if s < 0 else s for s in shape)
-    if spec.dtype == "str":
+    if spec.dtype in ("str", "object"):
         n = shape[0] if shape else 1
-        return [str(int(d)) for d in torch.randint(0, 19, (n,), generator=gen)]
+        values = [str(int(d)) for d in torch.randint(0, 19, (n,), generator=gen)]
+        # an `object` port carries any per-row value: verl's extra_info is a dict
+        return values if spec.dtype == "str" else [{"index": i, "text": v}
+                                                   for i, v in enumerate(values)]
     if port.name == "index" and len(shape) == 1:
         b = shape[0]
         groups = max(b // group, 1)
@@ -145,10 +164,12 @@ def _actual_shape(spec: TensorSpec, value: Any) -> tuple[int, ...] | str:
     """The value's shape, or why it is not of the port's dtype family."""
     import torch
 
-    if spec.dtype == "str":
+    if spec.dtype in ("str", "object") or ({"str", "object"} & spec.dtypes
+                                           and isinstance(value, list)):
+        what = "strings" if spec.dtype == "str" else "values, one per row"
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
-            return f"expected a list of strings, got {type(value).__name__}"
-        if not all(isinstance(v, str) for v in value):
+            return f"expected a list of {what}, got {type(value).__name__}"
+        if spec.dtype == "str" and not all(isinstance(v, str) for v in value):
             return "expected a list of strings, got non-string items"
         return (len(value),)
     if not isinstance(value, torch.Tensor):
@@ -173,7 +194,7 @@ def _output_problem(spec: TensorSpec, value: Any, want: tuple[int, ...]) -> str 
     tail = actual[len(actual) - len(want):] if want else ()
     if any(w >= 0 and w != a for w, a in zip(want, tail, strict=True)):
         return f"shape is {actual}, expected {want}"
-    if spec.dtype == "str":
+    if isinstance(value, list):  # per-row values (`str`, `object`): no value constraints
         return None
     problem = _constraint_problem(spec.constraints, value)
     if problem is None and value.is_floating_point() and value.numel() \
@@ -214,7 +235,7 @@ def _output_sizes(spec: KindSpec, params: Mapping[str, Any], sizes: Mapping[str,
 
 
 def assert_honours_contract(
-    kind: KindSpec | str,
+    kind: KindSpec | str | Callable[..., Any],
     *,
     fn: Callable[..., Any] | None = None,
     model: Any = None,
@@ -233,6 +254,10 @@ def assert_honours_contract(
     from hypothesis import strategies as st
 
     spec = _kind_spec(kind)
+    if fn is None and callable(kind) and not isinstance(kind, KindSpec):
+        fn = kind  # the decorated function itself, wherever it was defined
+    elif fn is None and isinstance(kind, str):
+        fn = declared_function(kind)  # None for a built-in: its registry path
     impl = Impl.load(spec) if fn is None else Impl(fn, frozenset(inspect.signature(fn).parameters))
     unknown = set(params or {}) - {p.name for p in spec.params}
     if unknown:
@@ -253,6 +278,8 @@ def assert_honours_contract(
                  "P": draw(st.integers(1, 6), label="P")}
         present = [p.name for p in spec.inputs
                    if spec.needs(p, call_params) or draw(st.booleans(), label=f"wire {p.name}")]
+        if spec.terms is not None:  # inputs the graph names: one to three of them
+            present += [f"term{i}" for i in range(draw(st.integers(1, 3), label="terms"))]
         seed = draw(st.integers(0, 2**31 - 1), label="seed")
         shuffle = draw(st.booleans(), label="shuffle groups") if grouped else False
         return {"sizes": sizes, "present": present, "seed": seed, "shuffle": shuffle}
@@ -273,7 +300,7 @@ def assert_honours_contract(
         gen = torch.Generator().manual_seed(d["seed"])
         inputs = {p.name: _make_input(p, _shape(p.spec, {**glob, **sizes}), vocab=vocab,
                                       group=n, gen=gen, shuffle_groups=d["shuffle"])
-                  for p in spec.inputs if p.name in d["present"]}
+                  for p in spec.wired_inputs(d["present"]) if p.name in d["present"]}
         if given_ctx is None:
             node_ctx = default_context(spec, glob, model=model, tokenizer=tokenizer)
         else:

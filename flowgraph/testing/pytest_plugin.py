@@ -1,7 +1,10 @@
-"""pytest plugin: the `flowgraph_check` fixture checks graph files in a test.
+"""pytest plugin: fixtures that check graph files and node kinds in a test.
 
     def test_my_graphs(flowgraph_check):
         flowgraph_check("graphs/my_grpo.yaml", dp=4)
+
+    def test_my_reward(honours_contract):
+        honours_contract("length_reward")   # or the @node_kind function itself
 """
 
 from __future__ import annotations
@@ -11,9 +14,16 @@ from collections.abc import Callable
 import pytest
 
 from flowgraph.check import CheckResult
-from flowgraph.testing import check_file
+from flowgraph.testing import assert_honours_contract, check_file
 
 
 @pytest.fixture
 def flowgraph_check() -> Callable[..., CheckResult]:
     return check_file
+
+
+@pytest.fixture
+def honours_contract() -> Callable[..., None]:
+    """`flowgraph.testing.assert_honours_contract`: a kind (by name, spec or its
+    `@node_kind` function) holds its contract on hypothesis-drawn inputs."""
+    return assert_honours_contract

@@ -60,7 +60,7 @@ from flowgraph.ir import (
     TrainerSpec,
 )
 from flowgraph.kinds import BUILTIN_KINDS
-from flowgraph.registry import KindSpec, ParamSpec
+from flowgraph.registry import KindSpec, ParamSpec, loss_names
 from flowgraph.source import SourcePos
 
 __all__ = ["ALGORITHMS", "Mutation", "graph_texts", "graphs", "mutate", "names", "yaml_strings"]
@@ -160,6 +160,10 @@ def _scalar(spec: ParamSpec) -> st.SearchStrategy[ParamValue]:
         options.append(st.none())
     if spec.choices:
         return st.one_of(st.sampled_from(spec.choices), *options)
+    if spec.functions:  # a function: one of the built-ins (plugins are not drawn)
+        return st.one_of(st.sampled_from(spec.functions), *options)
+    if spec.names == "policy_loss":
+        return st.one_of(st.sampled_from(loss_names()), *options)
     low = spec.minimum
     for t in spec.types:
         if t == "float":
@@ -196,9 +200,18 @@ def _params(draw: st.DrawFn, kind: KindSpec, sizes: _Sizes,
             continue
         if spec.name in _BATCH_PARAMS or spec.dim == "n" or not draw(st.booleans()):
             continue
+        if _adds_an_input(kind, spec):  # an optional input the pipeline may not wire
+            continue
         value = dims[spec.dim] if spec.dim in dims else draw(_scalar(spec))
         out.append(Param(spec.name, value))
     return Params(tuple(draw(st.permutations(out))))
+
+
+def _adds_an_input(kind: KindSpec, spec: ParamSpec) -> bool:
+    """Whether some value of the param makes an optional input required that its default
+    does not (`rollout_is` needs `rollout_log_prob`)."""
+    return any(param == spec.name and value != spec.default
+               for _, param, value in kind.required_when)
 
 
 @st.composite
@@ -523,6 +536,8 @@ def _misspell_input_port(draw: st.DrawFn, ctx: _Context) -> Mutation | None:
         return None
     node, key, value = picked
     port = str(key.value)
+    if kind.terms is not None:  # any name is a term of such a kind, not a typo
+        return None
     taken = {p.name for p in kind.inputs} | {str(k.value) for k, _ in ctx.inputs(node.name)}
     typo = draw(_misspellings(port).filter(lambda w: w not in taken))
     text = ctx.replace(key.pos, port, typo)

@@ -10,7 +10,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-WALL_CLOCK = ("timing_s/", "perf/")
+WALL_CLOCK = ("timing_s/", "phase_s/", "perf/")
 """Prefixes of metrics that measure time, not training: never equal run to run."""
 
 

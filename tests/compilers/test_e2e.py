@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from flowgraph.cli import main
+from flowgraph.testing.targets import WALL_CLOCK
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -45,13 +46,58 @@ def test_grpo_runs_with_hf_rollouts(tmp_path: Path) -> None:
     assert rows[0]["response_length/mean"] <= 8
 
 
+def test_a_step_splits_into_phases_by_kind(tmp_path: Path) -> None:
+    row = _run("grpo.yaml", tmp_path / "grpo", "trainer.steps=1")[0]
+    node = {k.removeprefix("timing_s/"): v for k, v in row.items() if k.startswith("timing_s/")}
+    assert row["phase_s/generation"] == node["gen"]
+    assert row["phase_s/scoring"] == pytest.approx(
+        node["old_logprob"] + node["ref_logprob"] + node["reward"] + node["adv"])
+    assert row["phase_s/update"] == node["update_actor"]
+    assert row["phase_s/data"] == node["train"]
+    phases = [row[f"phase_s/{p}"] for p in ("generation", "scoring", "update", "data",
+                                            "orchestration")]
+    assert min(phases) >= 0 and sum(phases) == pytest.approx(node["step"])
+    assert row["perf/orchestration_frac"] == pytest.approx(row["phase_s/orchestration"]
+                                                           / node["step"])
+
+
+def test_remax_with_n_samples_and_shaped_rewards_runs_strict(tmp_path: Path) -> None:
+    """ReMax with N = 4 (the greedy baseline repeated per sample) and the shaping kinds
+    spliced in front of the advantage, every edge checked on real tensors."""
+    text = (ROOT / "graphs" / "remax.yaml").read_text().replace(
+        "token_level_scores: token_reward.token_level_scores",
+        "token_level_scores: shaped_tokens.token_level_scores").replace("""  token_reward:
+    kind: token_reward""", """  overlong:
+    kind: overlong_penalty
+    inputs: {scores: reward.scores, response_mask: gen.response_mask}
+    params: {overlong_buffer_len: 4}
+  total:
+    kind: weighted_sum
+    inputs: {acc: reward.scores, overlong: overlong.penalty}
+  shaped_tokens:
+    kind: token_reward
+    inputs: {scores: total.scores, response_mask: gen.response_mask}
+  token_reward:
+    kind: token_reward""")
+    graph = tmp_path / "remax.yaml"
+    graph.write_text(text)
+    rc = main(["run", str(graph), f"trainer.run_dir={tmp_path / 'run'}", "trainer.steps=2",
+               "--strict"])
+    assert rc == 0
+    rows = _rows(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1]
+    # Every response fills T = 8 tokens in the untrained model, so all are overlong.
+    assert rows[0]["response_length/mean"] == 8 and rows[0]["reward/overlong/mean"] == -1.0
+    assert rows[0]["reward/acc/mean"] == rows[0]["critic/score/mean"]
+
+
 def test_same_seed_same_numbers(tmp_path: Path) -> None:
     """Two fresh runs of one graph and seed: identical metrics.jsonl but wall-clock fields."""
     a = _run("grpo.yaml", tmp_path / "a", "trainer.steps=3")
     b = _run("grpo.yaml", tmp_path / "b", "trainer.steps=3")
 
     def numbers(rows: list[dict[str, float]]) -> list[dict[str, float]]:
-        return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))}
+        return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)}
                 for r in rows]
 
     assert numbers(a) == numbers(b)
@@ -71,8 +117,10 @@ def _mean(values: list[float]) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("graph", "extra"), [("ppo.yaml", ()), ("grpo.yaml", ()),
-                                              ("grpo.yaml", ("nodes.gen.params.backend=vllm",))],
-                         ids=["ppo", "grpo-hf", "grpo-vllm"])
+                                              ("grpo.yaml", ("nodes.gen.params.backend=vllm",)),
+                                              ("gspo.yaml", ()), ("drgrpo.yaml", ()),
+                                              ("verl_format/grpo.yaml", ())],
+                         ids=["ppo", "grpo-hf", "grpo-vllm", "gspo", "drgrpo", "verl-format"])
 def test_default_rl_runs_learn(tmp_path: Path, graph: str, extra: tuple[str, ...]) -> None:
     rows = _run(graph, tmp_path / "run", *extra)
     scores = [r["critic/score/mean"] for r in rows]

@@ -16,6 +16,7 @@ from flowgraph.compilers.checkpoint import latest_checkpoint, load_checkpoint, r
 from flowgraph.compilers.export import export_model
 from flowgraph.errors import ContractViolation, FlowgraphError, NonFiniteError
 from flowgraph.passes import compile_graph
+from flowgraph.testing.targets import WALL_CLOCK
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGINS = ROOT / "tests" / "plugins"
@@ -36,7 +37,7 @@ def _run(graph: str | Path, tmp_path: Path, *overrides: str, text: str | None = 
 
 
 def _numbers(rows: list[dict[str, float]]) -> list[dict[str, float]]:
-    return [{k: v for k, v in r.items() if not k.startswith(("timing_s", "perf/"))}
+    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)}
             for r in rows]
 
 
@@ -72,6 +73,28 @@ def test_max_checkpoints_is_how_many_are_kept(tmp_path: Path, keep: int,
     steps = sorted(int(p.name.removeprefix("step_"))
                    for p in (tmp_path / "run" / "checkpoints").iterdir())
     assert steps == kept
+
+
+def test_on_policy_elision_keeps_the_numbers(tmp_path: Path) -> None:
+    """GRPO with one optimizer step per rollout, with and without pass `on_policy`: the
+    old-log-prob forward repeated the update's own, so every metric is the same."""
+    from flowgraph.passes import PassPipeline
+
+    runs = []
+    for disabled in ((), ("on_policy",)):
+        result = compile_graph(ROOT / "graphs" / "grpo.yaml", pipeline=PassPipeline.default(
+            disabled=disabled), overrides=[f"trainer.run_dir={tmp_path / str(len(disabled))}",
+                                           "trainer.steps=3", "trainer.eval_every=3",
+                                           "nodes.update_actor.params.mini_batch_size=null"])
+        assert result.plan is not None
+        assert ("old_logprob" in result.plan.dropped) == (not disabled)
+        with open(os.devnull, "w") as out:
+            runs.append(run(result.plan, RunOptions(tensorboard=False, out=out)).rows)
+    elided, full = runs
+    assert "timing_s/old_logprob" in full[0] and "timing_s/old_logprob" not in elided[0]
+    assert _numbers(elided) == _numbers(full)
+    # Held out, the update scores the actor itself (`ppo_actor_update_eval`).
+    assert "val/log_ratio_to_ref" in elided[-1]
 
 
 def test_resumed_run_reproduces_the_uninterrupted_one(tmp_path: Path) -> None:

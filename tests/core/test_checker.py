@@ -246,3 +246,126 @@ def test_eval_every_without_held_out_data_warns(overrides: tuple[str, ...], warn
     if warned:
         assert found[0].message == ("`trainer.eval_every` is 5, but data source `train` has no "
                                     "held-out rows: no evaluation will run")
+
+
+REMAX = (ROOT / "graphs" / "remax.yaml").read_text()
+SHAPED = GRPO.replace("""  adv:
+    kind: grpo
+    inputs: {scores: reward.scores,""", """  overlong:
+    kind: overlong_penalty
+    inputs: {scores: reward.scores, response_mask: gen.response_mask}
+    params: {overlong_buffer_len: 4}
+  brevity:
+    kind: length_penalty
+    inputs: {scores: reward.scores, response_mask: gen.response_mask}
+  total:
+    kind: weighted_sum
+    inputs: {acc: reward.scores, overlong: overlong.penalty, brevity: brevity.penalty}
+    params: {weights: {acc: 1.0, brevity: 0.5}}
+  adv:
+    kind: grpo
+    inputs: {scores: total.scores,""")
+
+
+def test_shaping_kinds_check_clean_and_name_their_terms() -> None:
+    assert _check(SHAPED) == ()
+    # A term is any input name, checked like a declared port: one number per sequence.
+    bad = SHAPED.replace("brevity: brevity.penalty}", "brevity: gen.response_mask}")
+    errors = [(d.code, d.edge) for d in _check(bad) if d.is_error]
+    assert errors == [("FG201", "gen.response_mask -> total.brevity"),
+                      ("FG203", "gen.response_mask -> total.brevity")]
+
+
+def test_a_weighted_sum_with_no_term_and_an_overlong_penalty_without_its_buffer() -> None:
+    bad = SHAPED.replace("inputs: {acc: reward.scores, overlong: overlong.penalty, "
+                         "brevity: brevity.penalty}", "inputs: {}")
+    bad = bad.replace("    params: {overlong_buffer_len: 4}\n", "")
+    found = {(d.code, d.node): d.message for d in _check(bad) if d.is_error}
+    assert "none is wired" in found[("FG104", "total")]
+    assert "overlong_buffer_len" in found[("FG112", "overlong")]
+
+
+def test_repeat_broadcasts_the_greedy_baseline_to_the_prompts_samples() -> None:
+    assert _check(REMAX) == ()
+    # The baseline of every sample instead of every prompt: N times too many rows.
+    bad = REMAX.replace("inputs: {x: reward_greedy.scores}", "inputs: {x: reward.scores}")
+    errors = [d for d in _check(bad) if d.is_error]
+    assert [(d.code, d.edge) for d in errors] == [("FG202", "baseline.x -> adv.reward_baselines")]
+    assert "Bp*N*N=64, which differs from the expected Bp*N=16" in errors[0].message
+    # `repeat` carries its input's dtype: float scores stay float for the advantage.
+    wrong = REMAX.replace("inputs: {x: reward_greedy.scores}", "inputs: {x: gen_greedy.index}")
+    assert [d.code for d in _check(wrong) if d.is_error] == ["FG203"]
+
+
+def test_old_log_prob_may_stay_unwired_only_for_one_optimizer_step() -> None:
+    unwired = GRPO.replace("      old_log_prob: old_logprob.log_prob\n", "")
+    assert unwired != GRPO
+    errors = [d for d in _check(unwired) if d.is_error]
+    assert [(d.code, d.node) for d in errors] == [("FG104", "update_actor")]
+    assert "only one step can use its own log-probs" in errors[0].message
+    one_step = ("nodes.update_actor.params.mini_batch_size=null",)
+    assert [d.code for d in _check(unwired, one_step)] == ["FG108"]  # old_logprob unread
+
+
+VERL_FORMAT = (ROOT / "graphs" / "verl_format" / "grpo.yaml").read_text()
+
+
+@pytest.mark.parametrize(("old", "new", "code", "words"), [
+    ('fn: "rewards.py:compute_score"', 'fn: "rewards.py:compute_scor"', "FG112",
+     "`rewards.py` has no function `compute_scor`"),
+    ('fn: "rewards.py:compute_score"', 'fn: "other.py:compute_score"', "FG113",
+     "`other.py` is not listed under plugins:"),
+    ('fn: "rewards.py:compute_score"', "fn: gsm9k", "FG112", "no built-in function `gsm9k`"),
+    ('fn: "rewards.py:compute_score"', "fns: {arith: gsm8k, other: 3}", "FG112",
+     "names a function as a string, got 3"),
+    ('{fn: "rewards.py:compute_score"}', "{}", "FG112", "needs `fn` or `fns`"),
+])
+def test_a_reward_function_is_checked_before_launch(
+        tmp_path: Path, old: str, new: str, code: str, words: str) -> None:
+    (tmp_path / "rewards.py").write_text(
+        (ROOT / "graphs" / "verl_format" / "rewards.py").read_text())
+    file = tmp_path / "g.yaml"
+    assert old in VERL_FORMAT
+    file.write_text(VERL_FORMAT.replace(old, new))
+    graph, _ = load_graph(str(file), ())
+    assert graph is not None
+    errors = [d for d in check_graph(graph).diagnostics if d.is_error]
+    assert [(d.code, d.node) for d in errors] == [(code, "reward")]
+    assert words in errors[0].message
+
+
+PLAIN_PG = '''
+from flowgraph.registry import policy_loss
+
+
+@policy_loss("test_checker_plain_pg")
+def plain(old_log_prob, log_prob, advantages, response_mask, clip_ratio_high: float = 0.2,
+          scale: float = 1.0):
+    return -scale * advantages * log_prob, {}
+'''
+
+
+@pytest.mark.parametrize(("params", "words"), [
+    ("{policy_loss: test_checker_plain_pg, policy_loss_params: {scale: 2.0}}", None),
+    ("{policy_loss: test_checker_plain_pg, policy_loss_params: {scale: two}}",
+     "`policy_loss_params` of `update_actor`: expected float"),
+    ("{policy_loss: test_checker_plain_pg, policy_loss_params: {clip_ratio_high: 0.3}}",
+     "takes no param `clip_ratio_high` (its params: scale)"),
+    ("{policy_loss: clip_cov, policy_loss_params: {kl_cov_ratio: 0.1}}",
+     "takes no param `kl_cov_ratio` (its params: clip_cov_ratio, clip_cov_lb, clip_cov_ub)"),
+    ("{policy_loss: gspoo}", "no policy loss `gspoo`"),
+])
+def test_a_policy_loss_and_its_params_are_checked(tmp_path: Path, params: str,
+                                                  words: str | None) -> None:
+    (tmp_path / "plain_pg.py").write_text(PLAIN_PG)
+    old = "params: {kl_loss_coef: 0.001, kl_loss_type: low_var_kl, mini_batch_size: 8}"
+    assert old in GRPO
+    file = tmp_path / "g.yaml"
+    file.write_text("plugins: [plain_pg.py]\n" + GRPO.replace(old, "params: " + params))
+    graph, _ = load_graph(str(file), ())
+    assert graph is not None
+    errors = [d for d in check_graph(graph).diagnostics if d.is_error]
+    assert [d.message for d in errors if words is None] == []
+    if words is not None:
+        assert [(d.code, d.node) for d in errors] == [("FG112", "update_actor")]
+        assert words in errors[0].message

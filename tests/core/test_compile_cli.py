@@ -46,8 +46,8 @@ def test_output_file_holds_the_plan_as_json(tmp_path: Path,
     ([str(GRAPHS)], 2, "is a directory, not a graph file"),
     # wrong calls
     ([PPO, "--disable-pass", "nope"], 2, "flowgraph: error: unknown pass `nope`; the passes are: "
-                                         "validate, infer_dims, dce, hoist, placement, schedule, "
-                                         "memory"),
+                                         "validate, infer_dims, on_policy, dce, hoist, placement, "
+                                         "schedule, memory"),
     ([PPO, "--dump-after", "hoist", "--disable-pass", "hoist"], 2, "that pass is disabled"),
     ([], 2, "compile needs a graph FILE (or --print-passes)"),
 ])
@@ -63,9 +63,9 @@ def test_print_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compile", "--print-passes", "--disable-pass", "dce"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line[:15] for line in lines] == [
-        " 1. validate   ", " 2. infer_dims ", " 3. dce        ", " 4. hoist      ",
-        " 5. placement  ", " 6. schedule   ", " 7. memory     "]
-    assert lines[2].endswith("[disabled]") and not lines[3].endswith("[disabled]")
+        " 1. validate   ", " 2. infer_dims ", " 3. on_policy  ", " 4. dce        ",
+        " 5. hoist      ", " 6. placement  ", " 7. schedule   ", " 8. memory     "]
+    assert lines[3].endswith("[disabled]") and not lines[4].endswith("[disabled]")
 
 
 def test_dump_after_dce_prints_yaml(capsys: pytest.CaptureFixture[str]) -> None:

@@ -83,8 +83,47 @@ def test_dce_keeps_everything_without_a_sink() -> None:
 
 
 def test_dce_keeps_the_example_graphs_whole() -> None:
+    # RLOO's update takes one optimizer step per rollout: pass `on_policy` drops its
+    # old-log-prob forward (tested below); nothing else in the examples is dead.
     for file in sorted(GRAPHS.glob("*.yaml")):
-        assert plan_of(file.name).dropped == (), file
+        dropped = plan_of(file.name).dropped
+        assert dropped == (("old_logprob",) if file.name == "rloo.yaml" else ()), file
+
+
+# --- on_policy -------------------------------------------------------------------------------
+
+ONE_STEP = ["nodes.update_actor.params.mini_batch_size=null"]
+"""GRPO's update on its whole batch in one optimizer step: π_old is the policy it starts from."""
+
+
+@pytest.mark.parametrize(("overrides", "elided"), [
+    (ONE_STEP, True),
+    ([], False),  # mini_batch_size 8 of 16: two optimizer steps, the second off-policy
+    ([*ONE_STEP, "nodes.update_actor.params.ppo_epochs=2"], False),
+    ([*ONE_STEP, "nodes.update_actor.params.mini_batch_size=16"], True),  # = the batch
+    ([*ONE_STEP, "nodes.old_logprob.params.temperature=0.7"], False),  # another distribution
+])
+def test_on_policy_elides_the_old_log_prob_forward_of_one_step_updates(
+        overrides: list[str], elided: bool) -> None:
+    plan = plan_of("grpo.yaml", overrides=overrides)
+    update = next(n for n in plan.graph.nodes if n.name == "update_actor")
+    assert (update.input("old_log_prob") is None) == elided
+    assert ("old_logprob" in plan.dropped) == elided
+    assert [r.split(":")[0] for r in plan.rewrites] == (["on_policy"] if elided else [])
+    if elided:
+        assert "rewritten: on_policy: `update_actor` takes one optimizer step" in plan.summary()
+
+
+def test_on_policy_keeps_a_forward_another_node_reads() -> None:
+    # PPO's kl_penalty reads old_logprob.log_prob too: the forward runs anyway.
+    plan = plan_of("ppo.yaml", overrides=["nodes.update_actor.params.mini_batch_size=null"])
+    assert plan.rewrites == () and "old_logprob" not in plan.dropped
+
+
+def test_on_policy_can_be_disabled_by_name() -> None:
+    plan = plan_of("grpo.yaml", overrides=ONE_STEP,
+                   pipeline=PassPipeline.default(disabled=("on_policy",)))
+    assert plan.rewrites == () and "old_logprob" in {n.name for n in plan.nodes}
 
 
 # --- hoist -----------------------------------------------------------------------------------
@@ -540,15 +579,15 @@ def test_describe_numbers_the_passes_and_marks_disabled_ones() -> None:
     text = PassPipeline.default(disabled=("hoist",)).describe()
     lines = text.splitlines()
     assert [line.split()[:2] for line in lines] == [
-        ["1.", "validate"], ["2.", "infer_dims"], ["3.", "dce"], ["4.", "hoist"],
-        ["5.", "placement"], ["6.", "schedule"], ["7.", "memory"]]
+        ["1.", "validate"], ["2.", "infer_dims"], ["3.", "on_policy"], ["4.", "dce"],
+        ["5.", "hoist"], ["6.", "placement"], ["7.", "schedule"], ["8.", "memory"]]
     assert [line.endswith("[disabled]") for line in lines] == [
-        False, False, False, True, False, False, False]
+        False, False, False, False, True, False, False, False]
 
 
 @pytest.mark.parametrize(("disabled", "message"), [
-    (("hoisting",), "unknown pass `hoisting`; the passes are: validate, infer_dims, dce, hoist, "
-                    "placement, schedule, memory"),
+    (("hoisting",), "unknown pass `hoisting`; the passes are: validate, infer_dims, on_policy, "
+                    "dce, hoist, placement, schedule, memory"),
     (("validate",), "pass `validate` cannot be disabled: the plan is built from its result"),
     (("schedule",), "pass `schedule` cannot be disabled: the plan is built from its result"),
     (("infer_dims",), "pass `infer_dims` cannot be disabled while `memory` runs: `memory` reads "
@@ -603,11 +642,11 @@ class Broken:
 
 
 def test_a_failing_pass_is_named_with_the_passes_before_it() -> None:
-    passes = (*(cls() for cls in list(PASSES.values())[:3]), Broken())
+    passes = (*(cls() for cls in list(PASSES.values())[:4]), Broken())
     with pytest.raises(FlowgraphError) as exc:
         compile_graph(GRAPHS / "ppo.yaml", pipeline=PassPipeline(passes))
     assert str(exc.value) == ("pass `broken` failed: KeyError: 'boom' (passes run before it: "
-                              "validate, infer_dims, dce)")
+                              "validate, infer_dims, on_policy, dce)")
 
 
 def test_graph_errors_stop_the_pipeline_after_validate() -> None:
@@ -620,7 +659,8 @@ def test_graph_errors_stop_the_pipeline_after_validate() -> None:
     ({"target": "slurm"}, "unknown target `slurm`; the targets are: local, fsdp, ray"),
     ({"nproc": 0}, "nproc must be >= 1, got 0"),
     ({"dump_after": ("nope",)}, "--dump-after `nope`: no such pass; the passes are: validate, "
-                                "infer_dims, dce, hoist, placement, schedule, memory"),
+                                "infer_dims, on_policy, dce, hoist, placement, schedule, "
+                                "memory"),
 ])
 def test_wrong_calls_are_usage_errors(kw: dict[str, Any], message: str) -> None:
     with pytest.raises(UsageError) as exc:

@@ -66,7 +66,8 @@ def test_the_plan_graph_rebuilds_the_compiled_ir() -> None:
 def test_json_layout() -> None:
     data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
     assert list(data) == ["graph", "target", "nproc", "device", "dims", "nodes", "pools",
-                          "stages", "edges", "memory", "dropped", "source", "version", "resample"]
+                          "stages", "edges", "memory", "dropped", "rewrites",
+                          "plugin_paths", "source", "version", "resample"]
     assert data["version"] == PLAN_VERSION
     assert data["graph"]["nodes"]["ref_chosen"]["hoisted"] is True
     assert data["pools"] == [{

@@ -10,22 +10,32 @@ Notation: b batch of the node, Bp prompts, P prompt length, T response length.
 from __future__ import annotations
 
 import math
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from jaxtyping import Float, Int
+from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flowgraph.kinds import BUILTIN_KINDS
 from flowgraph.nodes.values import ValueModel
-from flowgraph.registry import KindSpec
+from flowgraph.registry import KindSpec, node_kind
 from flowgraph.runtime import NodeContext
 from flowgraph.testing import assert_honours_contract
 from flowgraph.testing.contracts import output_problem
 
 V, H = 32, 32
 DATA_KINDS = ("prompts", "preferences")
-PURE_KINDS = ("token_reward", "kl_penalty", "grpo", "rloo", "remax", "dpo_loss")
+PURE_KINDS = ("token_reward", "kl_penalty", "grpo", "rloo", "remax", "dpo_loss",
+              "overlong_penalty", "length_penalty", "weighted_sum", "repeat")
+PARAMS = {"overlong_penalty": {"overlong_buffer_len": 1}}
+"""Params a kind cannot do without (a buffer of 1 token fits every drawn T)."""
 # Whitening once needed >= 2 valid tokens, which the contract did not say (b=1, T=1,
 # response_mask [[1]] raised); a single valid token now whitens to 0.
 WHITENING_KINDS = ("gae", "reinforce_pp", "reinforce_pp_baseline")
@@ -62,13 +72,13 @@ def tokenizer() -> Any:
 
 def test_every_builtin_kind_is_covered() -> None:
     covered = (DATA_KINDS + PURE_KINDS + WHITENING_KINDS + CAUSAL_KINDS + CRITIC_KINDS
-               + UPDATE_KINDS + FILTER_KINDS + ("reward",))
+               + UPDATE_KINDS + FILTER_KINDS + ("reward", "compute_score"))
     assert sorted(covered) == sorted(BUILTIN_KINDS)
 
 
 @pytest.mark.parametrize("name", PURE_KINDS)
 def test_pure_kind_honours_contract(name: str) -> None:
-    assert_honours_contract(name, max_examples=30)
+    assert_honours_contract(name, max_examples=30, params=PARAMS.get(name))
 
 
 @pytest.mark.parametrize("name", WHITENING_KINDS)
@@ -93,6 +103,11 @@ def test_reward_honours_contract(tokenizer: Any) -> None:
     # `format` does not need the optional ground_truth; the default fn does (below).
     assert_honours_contract("reward", tokenizer=tokenizer, max_examples=EXAMPLES["reward"],
                             params={"fn": "format"})
+
+
+def test_compute_score_honours_contract(tokenizer: Any) -> None:
+    assert_honours_contract("compute_score", tokenizer=tokenizer,
+                            max_examples=EXAMPLES["reward"], params={"fn": "gsm8k"})
 
 
 def test_reward_with_default_params_honours_contract(tokenizer: Any) -> None:
@@ -182,3 +197,45 @@ def test_a_wrong_shape_is_reported_with_its_port() -> None:
                     outputs=BUILTIN_KINDS["reward"].outputs)
     with pytest.raises(AssertionError, match=r"kind `wrong_scores`.*output `scores`: shape is"):
         assert_honours_contract(kind, fn=_wrong_token_reward, max_examples=5)
+
+
+@node_kind("test_contracts_brevity", outputs=["scores"], category="reward")
+def _brevity(response_mask: Int[Tensor, "b T"], scale: float = 0.1) -> Float[Tensor, " b"]:
+    return -scale * response_mask.sum(-1).float()
+
+
+def test_a_kind_declared_in_this_process_is_found_by_name_and_by_function(
+        honours_contract: Callable[..., None]) -> None:
+    """As the README documents: a user's own kind, just declared with @node_kind, checked
+    by name and by its function, through the pytest plugin's fixture as well."""
+    assert_honours_contract("test_contracts_brevity", max_examples=5)
+    assert_honours_contract(_brevity, max_examples=5)
+    honours_contract("test_contracts_brevity", max_examples=5)
+
+
+def test_a_broken_kind_is_caught_by_name() -> None:
+    @node_kind("test_contracts_broken", outputs=["scores"], category="reward")
+    def broken(response_mask: Int[Tensor, "b T"]) -> Float[Tensor, " b"]:
+        return response_mask.sum().float()  # a scalar, not one score per sequence
+
+    with pytest.raises(AssertionError, match="test_contracts_broken"):
+        assert_honours_contract("test_contracts_broken", max_examples=5)
+
+
+def test_an_unknown_kind_name_says_where_kinds_come_from() -> None:
+    with pytest.raises(ValueError, match="not declared with @node_kind in this process"):
+        assert_honours_contract("no_such_kind_anywhere")
+
+
+def test_the_readme_custom_node_and_its_property_test_run(tmp_path: Path) -> None:
+    """The README's `brevity.py` and `test_brevity.py`, written out and run by pytest."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = re.findall(r"<!-- readme-example: (\S+) -->\n```python\n(.*?)```", readme, re.S)
+    assert [name for name, _ in blocks] == ["brevity.py", "test_brevity.py"]
+    for name, code in blocks:
+        (tmp_path / name).write_text(code)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "test_brevity.py"], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "1 passed" in proc.stdout

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from jaxtyping import Float, Int
@@ -11,11 +14,14 @@ from transformers import LlamaConfig, LlamaForSequenceClassification, LlamaModel
 from flowgraph.builder import GraphBuilder
 from flowgraph.builtin_models import BUILTIN_MODELS
 from flowgraph.check import check_graph
+from flowgraph.errors import RewardFnError
 from flowgraph.nodes.logprob import forward_hidden
 from flowgraph.nodes.models import build_tiny_tokenizer
-from flowgraph.nodes.reward import reward_model, rule_reward, token_reward
+from flowgraph.nodes.reward import compute_score, reward_model, rule_reward, token_reward
+from flowgraph.nodes.scores import BUILTIN_SCORES
 from flowgraph.nodes.values import ValueModel
 from flowgraph.registry import node_kind
+from flowgraph.runtime import NodeContext
 
 CONFIG = {k: v for k, v in BUILTIN_MODELS["tiny-lm"].items() if k != "model_type"}
 
@@ -205,3 +211,77 @@ def test_user_reward_kind_is_checked_in_a_graph(advantage: str, port: str, ok: b
     messages = [d.one_line() for d in result.errors]
     assert result.ok == ok, messages
     assert ok or any("reward.scores" in m for m in messages)
+
+
+# --- compute_score: verl-style reward functions ----------------------------------------
+
+VERL_SCORES = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "verl"
+                          / "reward_scores.json").read_text())["cases"]
+
+
+@pytest.mark.parametrize("name", ["gsm8k", "math"])
+def test_builtin_scores_equal_verls(name: str) -> None:
+    """verl 0.9.1's gsm8k / math_reward on the fixture's strings
+    (scripts/verl_reward_fixtures.py)."""
+    fn = BUILTIN_SCORES[name]
+    ours = [fn(None, c["solution"], c["ground_truth"]) for c in VERL_SCORES[name]]
+    assert ours == [c["score"] for c in VERL_SCORES[name]]
+
+
+def _ctx() -> NodeContext:
+    return NodeContext("reward", "compute_score", step=3, seed=0)
+
+
+def by_source(data_source: str, solution_str: str, ground_truth: str,
+              extra_info: dict[str, object] | None = None) -> dict[str, float]:
+    """A user's function: a dict with `score` and extra numbers."""
+    length = float(len(solution_str))
+    return {"score": 1.0 if solution_str == ground_truth else 0.0, "length": length,
+            "split_is_train": float((extra_info or {}).get("split") == "train")}
+
+
+def raises_on_twelve(data_source: str, solution_str: str, ground_truth: str,
+                     extra_info: object = None) -> float:
+    if "12" in solution_str:
+        raise KeyError("twelve")
+    return 0.5
+
+
+def test_compute_score_routes_by_data_source_and_logs_extra_numbers() -> None:
+    tok, responses, mask = _encode(["7", "#### 5", "8"])
+    ctx = _ctx()
+    out = compute_score(
+        responses, mask, ground_truth=["7", "5", "9"], data_source=["mine", "openai/gsm8k",
+                                                                     "mine"],
+        extra_info=[{"split": "train"}, {}, {"split": "test"}], ctx=ctx, tokenizer=tok,
+        fn=f"{__name__}:by_source", fns={"openai/gsm8k": "gsm8k"})
+    # row 0: by_source, "7" == "7"; row 1: gsm8k, #### 5; row 2: by_source, "8" != "9"
+    assert out["scores"].tolist() == [1.0, 1.0, 0.0]
+    assert out["scores"].dtype == torch.float32
+    # extra numbers are averaged over the rows whose function gave them (rows 0 and 2)
+    assert ctx.metrics == {"critic/length/mean": 1.0, "critic/split_is_train/mean": 0.5}
+
+
+def test_a_raising_function_names_the_row_and_its_data_source() -> None:
+    tok, responses, mask = _encode(["7", "3 then 12."])
+    with pytest.raises(RewardFnError) as exc:
+        compute_score(responses, mask, data_source=["a", "b"], ctx=_ctx(), tokenizer=tok,
+                      fn=f"{__name__}:raises_on_twelve")
+    assert str(exc.value) == (f"reward fn `{__name__}:raises_on_twelve` raised on row 1 "
+                              "(data_source `b`): KeyError: 'twelve'")
+    assert isinstance(exc.value.__cause__, KeyError)  # the user's frame is the cause's
+
+
+@pytest.mark.parametrize(("returned", "message"), [
+    ({"acc": 1.0}, "returned a dict without `score`: keys \\['acc'\\]"),
+    ("1.0", "returned str '1.0'; a score is a number"),
+    (None, "returned NoneType None"),
+])
+def test_a_result_that_is_not_a_score_is_named(returned: object, message: str,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    tok, responses, mask = _encode(["7"])
+    name = f"gives_{type(returned).__name__}"  # one name per case: functions are cached
+    monkeypatch.setitem(globals(), name, lambda **_: returned)
+    with pytest.raises(ValueError, match=f"reward fn `{__name__}:{name}` on row 0 "
+                                         f"\\(data_source `None`\\) {message}"):
+        compute_score(responses, mask, ctx=_ctx(), tokenizer=tok, fn=f"{__name__}:{name}")

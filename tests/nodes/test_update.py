@@ -23,6 +23,7 @@ from flowgraph.nodes.logprob import logprob, sequence_logprob
 from flowgraph.nodes.update import dpo_update, ppo_actor_update, ppo_critic_update
 from flowgraph.nodes.values import ValueModel
 from flowgraph.nodes.values import values as predict_values
+from flowgraph.registry import policy_loss
 from flowgraph.runtime import NodeContext
 
 B, P, T, V, H = 4, 3, 5, 32, 32
@@ -187,6 +188,64 @@ def test_micro_batches_accumulate_to_the_one_shot_mini_batch_gradient(kind: str,
     assert split.metrics[loss] == pytest.approx(one_shot.metrics[loss], abs=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean",
+                                  "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("policy_loss", ["gspo", "cispo", "gpg"])
+def test_every_loss_of_tokens_accumulates_to_the_one_shot_gradient(
+        policy_loss: str, mode: str) -> None:
+    """As above for the other policy losses whose per-token loss depends on its own row
+    only (clip_cov and kl_cov rank tokens within the micro-batch, as verl's do)."""
+    model, update, kwargs = _accumulation_case("actor", mode)
+    kwargs = {**kwargs, "policy_loss": policy_loss, "clip_ratio_low": 0.1}
+    twin = copy.deepcopy(model)
+    update(_ctx(model), **kwargs, mini_batch_size=4, micro_batch_size=4)
+    update(_ctx(twin), **kwargs, mini_batch_size=4, micro_batch_size=2)
+    assert (_params(model) - _params(twin)).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("policy_loss", ["vanilla", "gspo", "cispo", "gpg", "clip_cov",
+                                         "kl_cov"])
+def test_every_policy_loss_steps_the_actor(policy_loss: str) -> None:
+    model = _actor()
+    before = _params(model)
+    ctx = _ctx(model)
+    ppo_actor_update(ctx, **_ppo_batch(model), policy_loss=policy_loss)
+    assert math.isfinite(ctx.metrics["actor/pg_loss"])
+    assert not torch.equal(before, _params(model))
+
+
+def test_rollout_correction_weighs_by_the_rollout_s_own_probabilities() -> None:
+    model = _actor()
+    batch = _ppo_batch(model)
+    mask = batch["response_mask"]
+    # The rollout engine gave the first response's tokens e^1 times less probability:
+    # its truncated weight is min(e, 2) = 2, the others' 1.
+    rollout = batch["old_log_prob"] - mask * torch.tensor([1.0, 0, 0, 0])[:, None]
+    ctx = _ctx(model)
+    ppo_actor_update(ctx, **batch, rollout_log_prob=rollout, rollout_is="token")
+    valid = float(mask.sum())
+    assert ctx.metrics["actor/rollout_is/mean"] == pytest.approx(
+        (2 * float(mask[0].sum()) + float(mask[1:].sum())) / valid)
+    assert ctx.metrics["actor/rollout_is/cut_frac"] == pytest.approx(float(mask[0].sum()) / valid)
+    with pytest.raises(ValueError, match="wire generate's rollout_log_prob"):
+        ppo_actor_update(_ctx(model), **batch, rollout_is="token")
+
+
+def test_a_plugin_policy_loss_is_used_by_name() -> None:
+    @policy_loss("test_update_plain_pg")
+    def plain(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
+              response_mask: Tensor, scale: float = 1.0) -> tuple[Tensor, dict[str, float]]:
+        return -scale * advantages * log_prob, {"scale": scale}
+
+    model = _actor()
+    ctx = _ctx(model)
+    ppo_actor_update(ctx, **_ppo_batch(model), policy_loss="test_update_plain_pg",
+                     policy_loss_params={"scale": 2.0})
+    assert ctx.metrics["actor/scale"] == 2.0
+    with pytest.raises(ValueError, match="unknown policy_loss `nope`; known: cispo"):
+        ppo_actor_update(_ctx(model), **_ppo_batch(model), policy_loss="nope")
+
+
 def test_shuffling_is_seeded_by_seed_step_and_epoch_only() -> None:
     first = _actor()
     batch = _ppo_batch(first)
@@ -294,6 +353,26 @@ def test_batch_sizes_that_do_not_divide_are_refused(
         ppo_actor_update(
             _ctx(model), **_ppo_batch(model), mini_batch_size=mini, micro_batch_size=micro
         )
+
+
+def test_one_step_without_old_log_prob_is_the_step_with_it() -> None:
+    """Pass `on_policy`: with one optimizer step, the update's own detached log-probs are
+    π_old's, so leaving `old_log_prob` out changes neither the step nor its metrics."""
+    model = _actor()
+    batch = _ppo_batch(model)
+    with_old, without = _ctx(model), _ctx(copy.deepcopy(model))
+    ppo_actor_update(with_old, **batch)
+    ppo_actor_update(without, **{k: v for k, v in batch.items() if k != "old_log_prob"})
+    assert torch.equal(_params(with_old.model), _params(without.model))
+    assert with_old.metrics == pytest.approx(without.metrics, abs=1e-6)
+
+
+@pytest.mark.parametrize("params", [{"mini_batch_size": 2}, {"ppo_epochs": 2}])
+def test_more_than_one_step_without_old_log_prob_is_refused(params: dict[str, int]) -> None:
+    model = _actor()
+    batch = {k: v for k, v in _ppo_batch(model).items() if k != "old_log_prob"}
+    with pytest.raises(ValueError, match=r"holds for one optimizer step only.*wire old_log_prob"):
+        ppo_actor_update(_ctx(model), **batch, **params)
 
 
 def test_critic_update_lowers_the_value_loss() -> None:

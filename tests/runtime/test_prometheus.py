@@ -152,8 +152,8 @@ def test_stage_histograms_count_every_node_of_every_step(live_run: LiveRun) -> N
     s, rows = live_run.final, _rows(live_run.run_dir)
     stages = sorted(k.removeprefix("timing_s/") for k in rows[0]
                     if k.startswith("timing_s/") and k != "timing_s/step")
-    assert stages == ["adv", "gen", "old_logprob", "ref_logprob", "reward", "train",
-                      "update_actor"]
+    # One optimizer step per rollout: pass `on_policy` elides old_logprob.
+    assert stages == ["adv", "gen", "ref_logprob", "reward", "train", "update_actor"]
     for stage in stages:
         assert value(s, "flowgraph_stage_seconds_count", stage=stage) == STEPS
         total = sum(r[f"timing_s/{stage}"] for r in rows)
