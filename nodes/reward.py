@@ -119,7 +119,7 @@ def _function(ref: str) -> ScoreFn:
         return BUILTIN_SCORES[ref]
     module, _, name = ref.partition(":")
     loaded = importlib.import_module(module.removesuffix(".py"))
-    fn = getattr(loaded, name, None)
+    fn: ScoreFn | None = getattr(loaded, name, None)
     if not callable(fn):
         raise ValueError(f"compute_score: `{module}` has no function `{name}`")
     return fn

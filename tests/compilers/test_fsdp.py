@@ -104,9 +104,13 @@ def test_ppo_equals_local_resumes_locally_and_exports(
     trained = torch.load(weights)
     for name, value in exported.items():
         # 5 Adam steps at lr 2e-3 move every weight by ~1e-2; the two runs differ by the
-        # order of float32 sums only (measured: 2e-5 at most, in the embedding).
+        # order of float32 sums only: 2e-5 at most, except a weight whose gradient is near
+        # zero, where Adam's normalised update (m / (sqrt(v) + eps)) magnifies that order
+        # (measured: 1 of 65536 embedding weights apart by 2e-4, a tenth of one step).
         assert float((value - initial[name]).abs().max()) > 1e-3, name
-        torch.testing.assert_close(value, trained[name], rtol=0, atol=1e-4)
+        torch.testing.assert_close(value, trained[name], rtol=0, atol=5e-4)
+        apart = int(((value - trained[name]).abs() > 2e-5).sum())
+        assert apart <= max(1, value.numel() // 10_000), (name, apart)
 
 
 def _resumed_from(run_dir: Path, copy: Path, step: int) -> Path:
