@@ -413,15 +413,20 @@ class LocalExecutor:
         return seconds
 
     def run_step(self, step: int, *, strict: bool) -> dict[str, float]:
+        """Draw the batch and run the step's nodes; with a resample loop in the plan,
+        the tries up to its filter first (`run_tries`), then the rest once."""
         t0 = time.perf_counter()
         env: dict[tuple[str, str], Any] = {}
         metrics: dict[str, float] = {}
-        seconds = self.next_batches(env)
-        for name in self.prologue:
-            self.run_node(name, env, step, strict=strict, metrics=metrics)
-        for name in self.order:
-            seconds[name] = self.run_node(name, env, step, strict=strict, metrics=metrics)
-        metrics.update({f"timing_s/{name}": s for name, s in seconds.items()})
+        loop = self.plan.resample
+        if loop is None:
+            self.run_stages(env, step, strict, metrics, self.order)
+        else:
+            self.run_tries(env, step, strict, metrics)
+            self._run_nodes(env, step, strict, metrics,
+                            [n for n in self.order if n not in loop.repeat])
+        seconds = {k.removeprefix("timing_s/"): v for k, v in metrics.items()
+                   if k.startswith("timing_s/")}
         metrics.update(step_metrics(self.graph, self.kinds, env))
         wall = time.perf_counter() - t0
         metrics["timing_s/step"] = wall
@@ -439,6 +444,87 @@ class LocalExecutor:
                 for device, used in memory:
                     exporter.set_memory(worker, device, used)
         return metrics
+
+    def run_stages(self, env: dict[tuple[str, str], Any], step: int, strict: bool,
+                   metrics: dict[str, float], names: list[str]) -> None:
+        """Draw every data source's next batch, look up the prologue's rows for it, and
+        run `names` in order; seconds spent in data loading and in each node are added up
+        over the tries of a step in `timing_s/<name>`."""
+        loading = self.next_batches(env)
+        for name, seconds in loading.items():
+            metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + seconds
+        for name in self.prologue:
+            self.run_node(name, env, step, strict=strict, metrics=metrics)
+        self._run_nodes(env, step, strict, metrics, names)
+
+    def _run_nodes(self, env: dict[tuple[str, str], Any], step: int, strict: bool,
+                   metrics: dict[str, float], names: list[str]) -> None:
+        for name in names:
+            seconds = self.run_node(name, env, step, strict=strict, metrics=metrics)
+            metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + seconds
+
+    def run_tries(self, env: dict[tuple[str, str], Any], step: int, strict: bool,
+                  metrics: dict[str, float]) -> None:
+        """The plan's resample loop (DAPO's dynamic sampling): each try draws the next
+        batches and runs the nodes up to the filter; the filter's kept rows are joined
+        over tries until `groups` groups are kept, then cut to exactly `groups * N` rows
+        (the first groups kept, as verl's DAPO trainer keeps the first
+        train_batch_size). `env` ends with the last try's tensors and the filter's joined
+        outputs. Short of `groups` after `max_tries` tries, the run stops."""
+        loop = self.plan.resample
+        assert loop is not None
+        repeat = [n for n in self.order if n in loop.repeat and n != loop.filter]
+        parts: list[dict[str, Any]] = []
+        kept = dropped = tries = 0
+        while kept < loop.groups:
+            if tries == loop.max_tries:
+                raise FlowgraphError(self._exhausted(step, tries, kept, dropped))
+            tries += 1
+            env.clear()
+            self.run_stages(env, step, strict, metrics, repeat)
+            outputs, seconds = self._filter_try(env, step, strict, metrics, offset=kept)
+            metrics[f"timing_s/{loop.filter}"] = \
+                metrics.get(f"timing_s/{loop.filter}", 0.0) + seconds
+            new = int(outputs["index"].unique().numel())
+            kept, dropped = kept + new, dropped + self._groups_in(env, loop.filter) - new
+            parts.append(outputs)
+        joined = {port: _join([p[port] for p in parts])[:loop.rows] for port in parts[0]}
+        self._store(loop.filter, self.kinds[loop.filter], joined, env, step, strict)
+        metrics.update({"filter/kept_groups": float(kept), "filter/dropped_groups":
+                        float(dropped), "filter/tries": float(tries),
+                        "train/num_gen_batches": float(tries)})
+
+    def _filter_try(self, env: dict[tuple[str, str], Any], step: int, strict: bool,
+                    metrics: dict[str, float], offset: int) -> tuple[dict[str, Any], float]:
+        """The filter on one try's batch, its inputs held to their contracts in strict
+        mode; its outputs (a variable number of rows) are checked once joined."""
+        loop = self.plan.resample
+        assert loop is not None
+        node, kind = self.nodes[loop.filter], self.kinds[loop.filter]
+        if strict:
+            for port, ref in node.inputs:
+                spec = kind.input(port)
+                assert spec is not None
+                self.contracts.check_edge(ref, node.name, port, spec.spec,
+                                          env[(ref.node, ref.port)], step)
+        params = {**self.params_of(node.name), "offset": offset}
+        return self.call(node.name, env, step, params, metrics)
+
+    def _groups_in(self, env: dict[tuple[str, str], Any], name: str) -> int:
+        ref = self.nodes[name].input("index")
+        assert ref is not None  # a required port of the filter kind
+        return int(env[(ref.node, ref.port)].unique().numel())
+
+    def _exhausted(self, step: int, tries: int, kept: int, dropped: int) -> str:
+        loop = self.plan.resample
+        assert loop is not None
+        node = self.nodes[loop.filter]
+        return (f"node `{node.name}` (kind {node.kind}, {node.pos}) {at_step(step)}: "
+                f"{tries} tries (max_tries) kept {kept} of the {loop.groups} groups the batch "
+                f"needs ({dropped} dropped: {self.params_of(node.name)['metric']} refused "
+                "them). The data may be too hard or too easy for the model (verl: 'Generated "
+                f"too many'); raise nodes.{node.name}.params.max_tries, lower "
+                f"nodes.{node.name}.params.groups, or sample more per prompt (N)")
 
     def worker_reports(self, step: int, metrics: dict[str, float]
                        ) -> list[tuple[str, dict[str, float], list[tuple[str, int]]]]:
@@ -652,6 +738,13 @@ class LocalExecutor:
                 raise
             print(f"step {step}: skipped the batch: {exc}", file=self.opts.out)
             return {"skipped": 1.0}
+
+
+def _join(values: list[Any]) -> Any:
+    """One port's rows of every try, in order: tensors concatenated, lists chained."""
+    if isinstance(values[0], torch.Tensor):
+        return torch.cat(values)
+    return [row for value in values for row in value]
 
 
 # --- entry point ---------------------------------------------------------------------------

@@ -35,6 +35,11 @@ def step_metrics(graph: Graph, kinds: dict[str, KindSpec],
             out["perf/response_tokens"] = out.get("perf/response_tokens", 0.0) + float(resp.sum())
         elif kind.category == "reward" and (node.name, "scores") in env:
             out.setdefault("critic/score/mean", float(env[(node.name, "scores")].mean()))
+        elif kind.category == "filter" and (node.name, "scores") in env:
+            # The batch trained on is the filter's (the last try's rollout is one part).
+            out["critic/score/mean"] = float(env[(node.name, "scores")].mean())
+            kept = env[(node.name, "response_mask")].float()
+            out["response_length/mean"] = float(kept.sum(-1).mean())
         elif (node.name, "token_level_rewards") in env and mask is not None:  # kl_penalty
             rewards = env[(node.name, "token_level_rewards")]
             out["critic/rewards/mean"] = float((rewards * mask).sum(-1).mean())

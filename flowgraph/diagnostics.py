@@ -53,6 +53,8 @@ CODES: dict[str, str] = {
     "FG301": "batch not divisible by mini-batch x data-parallel size",
     "FG302": "sample groups split across data-parallel ranks",
     "FG303": "mini-batch not divisible by micro-batch",
+    "FG304": "a filter node where it cannot work (no group index, too many groups, a node "
+             "after it reading one try's tensor)",
     # compilation
     "FG401": "the plan does not fit the declared device memory",
     "FG402": "memory cannot be estimated for a model",

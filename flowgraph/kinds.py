@@ -471,7 +471,44 @@ _KINDS = (
     ),
 )
 
-BUILTIN_KINDS: dict[str, KindSpec] = {k.name: k for k in _KINDS}
+# --- filter: data-dependent batch dims (DAPO's dynamic sampling, #13.4) ----------------
+FILTERED = (
+    _p("scores", "b", "float", "finite"),
+    _p("index", "b", "int", doc="group id: the kept groups are renumbered 0..g-1"),
+    _p("prompts", "b P", "int"),
+    _p("prompt_mask", "b P", "mask", "binary"),
+    _p("responses", "b T", "int"),
+    _p("response_mask", "b T", "mask", "binary"),
+    _p("rollout_log_prob", "b T", "float", "nonpositive", optional=True),
+    _p("ground_truth", "b", "str", optional=True),
+)
+_FILTER_KINDS = (
+    KindSpec(
+        "filter", "filter",
+        "Keep the sample groups a predicate accepts (DAPO dynamic sampling); the run draws "
+        "the next data batches until `groups` groups are kept.",
+        inputs=FILTERED,
+        outputs=tuple(_p(p.name, p.spec.dims.replace("b", "g*n", 1), p.spec.dtype,
+                         *p.spec.constraints, optional=p.optional, doc=p.doc)
+                      for p in FILTERED),
+        params=(
+            _s("metric", "std_nonzero", ("std_nonzero", "mean_in_range"),
+               "std_nonzero (DAPO): keep groups whose scores are not all equal (a group of "
+               "one is kept); mean_in_range: min_score <= group mean <= max_score"),
+            _f("min_score", None, "mean_in_range: lowest group mean kept; null: no bound"),
+            _f("max_score", None, "mean_in_range: highest group mean kept; null: no bound"),
+            _i("groups", None, "groups in the filtered batch (verl's train_batch_size); "
+               "null: Bp. Binds the output dim g", dim="g"),
+            _i("max_tries", 10, "generation batches drawn per step at most (verl's "
+               "max_num_gen_batches); fewer kept groups then stop the run"),
+        ),
+        grouped=True,
+        impl="flowgraph.nodes.filter:filter_groups",
+        dim_defaults=(("g", "Bp"), ("n", "N")),
+    ),
+)
+
+BUILTIN_KINDS: dict[str, KindSpec] = {k.name: k for k in _KINDS + _FILTER_KINDS}
 """Every built-in kind by name."""
 
 

@@ -29,6 +29,12 @@ Vocabulary:
   samples of one prompt. `dispatch_of` is the rule, used by the compiler and by the
   verifier alike.
 
+A **resample** loop (DAPO's dynamic sampling) is plan data too: `ResamplePlan` names
+the filter node, the producers each try repeats (the data sources and every step node
+the filter depends on, in stage order), the number of groups to keep and the tries
+allowed; an executor repeats exactly those, then runs the other step nodes once on
+the filter's joined, truncated outputs.
+
 A plan read from JSON is checked by `verify` (`from_json` calls it): the format
 version, every reference, pools hosting the models their nodes run, stages that
 respect every dependency, and each edge's dispatch against the rule.
@@ -287,6 +293,36 @@ class PoolMemory:
 
 
 @dataclass(frozen=True, slots=True)
+class ResamplePlan:
+    """The refill loop of a filter node: each try draws the next batch of every data
+    source and runs `repeat`; the filter's kept rows are joined over tries until
+    `groups` groups are kept, then cut to exactly `groups * group_size` rows."""
+
+    filter: str
+    """The filter node, last of `repeat`."""
+    repeat: tuple[str, ...]
+    """Data sources, then the step nodes the filter depends on and the filter, in the
+    order they run; every other step node runs once per step, after the loop."""
+    groups: int
+    """Groups the filtered batch holds (the filter's `groups`, else Bp)."""
+    group_size: int
+    """Samples per group (N): the filtered batch has `groups * group_size` rows."""
+    max_tries: int
+    """Tries (generation batches) per step at most; short of `groups` then, the run stops."""
+
+    def __post_init__(self) -> None:
+        bad = [f"{k} must be >= 1, got {v}" for k, v in (("groups", self.groups),
+               ("group_size", self.group_size), ("max_tries", self.max_tries)) if v < 1]
+        bad += [] if self.repeat[-1:] == (self.filter,) else [
+            f"repeat must end with the filter `{self.filter}`"]
+        _require(bad, f"resample loop of `{self.filter}`")
+
+    @property
+    def rows(self) -> int:
+        return self.groups * self.group_size
+
+
+@dataclass(frozen=True, slots=True)
 class ExecutionPlan:
     """Everything an executor needs to run a graph on one target."""
 
@@ -315,6 +351,8 @@ class ExecutionPlan:
     source: str = "<python>"
     """The graph file."""
     version: int = PLAN_VERSION
+    resample: ResamplePlan | None = None
+    """The step's refill loop when the graph has a filter node; None: one pass."""
 
     def __post_init__(self) -> None:
         _require(_plan_problems(self), "execution plan")
@@ -367,7 +405,52 @@ def _plan_problems(plan: ExecutionPlan) -> list[str]:
     problems += _graph_problems(plan) + _reference_problems(plan) + _stage_problems(plan)
     if problems:  # the checks below read the references these ones vouch for
         return problems
-    return _placement_problems(plan) + _order_problems(plan) + _edge_problems(plan)
+    return (_placement_problems(plan) + _order_problems(plan) + _edge_problems(plan)
+            + _resample_problems(plan))
+
+
+def upstream_of(graph: Graph, name: str) -> set[str]:
+    """The producers `name` reads, directly or not (data sources included)."""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        node = graph.node(todo.pop())
+        for _, ref in node.inputs if node is not None else ():
+            if ref.node not in seen:
+                seen.add(ref.node)
+                todo.append(ref.node)
+    return seen
+
+
+def repeated(graph: Graph, stages: tuple[StagePlan, ...], filter_node: str) -> tuple[str, ...]:
+    """What each try of `filter_node`'s loop runs, in stage order: every data source
+    (each try draws the next batch of all of them), the step nodes the filter reads
+    directly or not, then the filter."""
+    before = upstream_of(graph, filter_node) | {d.name for d in graph.data}
+    steps = [n for s in stages if not s.once for n in s.nodes if n in before]
+    return (*steps, filter_node)
+
+
+def _resample_problems(plan: ExecutionPlan) -> list[str]:
+    """The loop repeats exactly the data and the step nodes before its filter, and no
+    node after it reads a tensor of a single try (anything but the filter's outputs)."""
+    loop = plan.resample
+    if loop is None:
+        return []
+    if plan.graph.node(loop.filter) is None:
+        return [f"the resample loop names `{loop.filter}`, not a node of the plan's graph"]
+    once = {n for s in plan.stages if s.once for n in s.nodes}
+    want = repeated(plan.graph, plan.stages, loop.filter)
+    problems = [] if loop.repeat == want else [
+        f"the resample loop of `{loop.filter}` repeats {list(loop.repeat)}; the data "
+        f"sources and the step nodes before the filter are {list(want)}"]
+    for node in plan.graph.nodes:
+        if node.name in want or node.name in once:
+            continue
+        problems += [f"node `{node.name}` runs after the filter `{loop.filter}` but reads "
+                     f"`{ref}`, a tensor of one try" for _, ref in node.inputs
+                     if (ref.node in want or ref.node in once) and ref.node != loop.filter]
+    return problems
 
 
 def dispatch_of(src_dp: bool, dst_dp: bool, dst_trains: bool, batched: bool) -> str:
@@ -469,6 +552,12 @@ def verify_kinds(plan: ExecutionPlan, kinds: Mapping[str, KindSpec]) -> None:
         if (n.trains, n.loads_model) != (kind.trains, loads):
             problems.append(f"node `{n.name}`: trains {n.trains}, loads_model "
                             f"{n.loads_model}; kind `{kind.name}` says {kind.trains}, {loads}")
+        if (kind.category == "filter") != (plan.resample is not None
+                                            and plan.resample.filter == n.name):
+            problems.append(f"node `{n.name}` (kind `{kind.name}`, category "
+                            f"`{kind.category}`) and the plan's resample loop "
+                            f"({plan.resample.filter if plan.resample else 'none'}) disagree: "
+                            "a filter node, and only one, drives the loop")
         if n.hoisted and (kind.category not in HOISTABLE_CATEGORIES or kind.trains
                           or (spec is not None and spec.trainable)):
             problems.append(f"node `{n.name}` (kind `{kind.name}`) is in the prologue, but it "
@@ -620,6 +709,11 @@ def _summary_lines(plan: ExecutionPlan) -> list[str]:
     once = "  (once per row, before the loop)"
     lines += [f"  {s.name:<10} {', '.join(s.nodes)}{once if s.once else ''}"
               for s in plan.stages]
+    if plan.resample is not None:
+        loop = plan.resample
+        lines.append(f"  resample   {', '.join(loop.repeat)} again until `{loop.filter}` has "
+                     f"kept {loop.groups} groups ({loop.rows} rows); at most "
+                     f"{loop.max_tries} tries a step")
     lines += ["", "edges: " + _edge_counts(plan)]
     if plan.dropped:
         lines.append(f"dropped (dead): {', '.join(plan.dropped)}")

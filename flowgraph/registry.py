@@ -33,7 +33,10 @@ statistics such as whitening would change if computed over the whole dataset), n
 `custom` (nothing is known about it)."""
 HEADS = ("lm", "scalar", "tokenizer")
 """What a kind uses its model as: `KindSpec.head`."""
-CATEGORIES = ("data", "rollout", "model", "reward", "transform", "advantage", "update", "custom")
+CATEGORIES = ("data", "rollout", "model", "reward", "transform", "advantage", "update", "custom",
+              "filter")
+"""`filter`: keeps some sample groups of a generation batch; the executor repeats the
+stages before it (data, generate, reward) until enough groups are kept (`ResamplePlan`)."""
 ENTRY_POINT_GROUP = "flowgraph.nodes"
 
 

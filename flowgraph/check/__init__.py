@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from flowgraph.check.batch import check_batches, ranks_of
+from flowgraph.check.filters import check_filters
 from flowgraph.check.functions import check_functions
 from flowgraph.check.sampling import check_temperatures
 from flowgraph.check.shapes import DimEnv, EdgeInfo, PortShape, ShapeResult, infer_shapes
@@ -83,5 +84,6 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     check_unused(graph, table, out)
     shapes = infer_shapes(graph, table, on_cycle, out)
     check_batches(table, shapes, ranks, pools, out)
+    check_filters(graph, table, shapes, out)
     diags = tuple(sorted(dict.fromkeys(out), key=sort_key))
     return CheckResult(graph, diags, table, shapes, registry, dp)

@@ -26,8 +26,10 @@ from flowgraph.plan import (
     OutputPlan,
     PoolMemory,
     PoolPlan,
+    ResamplePlan,
     StagePlan,
     gib,
+    repeated,
 )
 from flowgraph.registry import KindSpec, PortSpec, plugin_folder
 
@@ -175,7 +177,26 @@ class Program:
             dims=self.dims, nodes=nodes, pools=self.placement.pools,
             stages=self.schedule.stages, edges=self.schedule.edges, memory=self.memory or (),
             dropped=self.dropped, rewrites=self.rewrites,
-            plugin_paths=plugin_paths(self.graph), source=self.graph.source)
+            plugin_paths=plugin_paths(self.graph), source=self.graph.source,
+            resample=self._resample())
+
+    def _resample(self) -> ResamplePlan | None:
+        """The refill loop of the graph's filter node (the checker allows one, and only
+        with bound dims: FG305), None without one."""
+        name = next((n.name for n in self.graph.nodes if self.kind(n.name).category == "filter"),
+                    None)
+        if name is None or self.check is None or self.schedule is None:
+            return None
+        env = self.check.shapes.env
+        groups, size = (env.value(env.locals_.get(f"{name}.{d}")) for d in ("g", "n"))
+        if groups is None or size is None:
+            raise RuntimeError(f"filter `{name}`: its dims g and n are not bound")
+        repeat = repeated(self.graph, self.schedule.stages, name)
+        node = self.graph.node(name)
+        assert node is not None
+        tries = self.kind(name).param_values(node.params.to_python())["max_tries"]
+        assert isinstance(tries, int)
+        return ResamplePlan(name, repeat, groups, size, tries)
 
     def _node_plan(self, name: str, stage: str, labels: dict[str, str]) -> NodePlan:
         assert self.placement is not None

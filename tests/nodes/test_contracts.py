@@ -42,6 +42,9 @@ WHITENING_KINDS = ("gae", "reinforce_pp", "reinforce_pp_baseline")
 CAUSAL_KINDS = ("generate", "logprob", "sequence_logprob")
 CRITIC_KINDS = ("values", "reward_model")
 UPDATE_KINDS = ("ppo_actor_update", "ppo_critic_update", "dpo_update")
+FILTER_KINDS = ("filter",)
+"""Their outputs' batch dim (`g*n`) is that of the rows joined over a step's tries;
+one call returns the kept rows of one try (test_filter_kind_keeps_whole_groups)."""
 EXAMPLES = {"generate": 6, "logprob": 8, "sequence_logprob": 8, "values": 8,
             "reward_model": 8, "reward": 10, "ppo_actor_update": 5,
             "ppo_critic_update": 5, "dpo_update": 5}
@@ -69,7 +72,7 @@ def tokenizer() -> Any:
 
 def test_every_builtin_kind_is_covered() -> None:
     covered = (DATA_KINDS + PURE_KINDS + WHITENING_KINDS + CAUSAL_KINDS + CRITIC_KINDS
-               + UPDATE_KINDS + ("reward", "compute_score"))
+               + UPDATE_KINDS + FILTER_KINDS + ("reward", "compute_score"))
     assert sorted(covered) == sorted(BUILTIN_KINDS)
 
 
@@ -120,6 +123,37 @@ def test_update_kind_honours_contract(name: str, lm: LlamaForCausalLM,
     assert_honours_contract(name, model=model, ctx=ctx, max_examples=EXAMPLES[name])
     assert ctx.metrics, "an update reports its metrics"
     assert all(math.isfinite(v) for v in ctx.metrics.values()), ctx.metrics
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_filter_kind_keeps_whole_groups(seed: int) -> None:
+    """One try: each output has the kept rows of its input (whole groups of n, at most
+    the b given), the dtypes and trailing dims of the contract, the index renumbered
+    0..groups-1 from the offset."""
+    from flowgraph.nodes.filter import filter_groups
+
+    gen = torch.Generator().manual_seed(seed)
+    groups, n, p, t = (int(torch.randint(1, 6, (1,), generator=gen)) for _ in range(4))
+    b = groups * n
+    scores = torch.randint(0, 2, (b,), generator=gen).float()
+    index = torch.arange(groups).repeat_interleave(n)
+    out = filter_groups(scores, index, torch.ones(b, p, dtype=torch.long),
+                        torch.ones(b, p, dtype=torch.long), torch.ones(b, t, dtype=torch.long),
+                        torch.ones(b, t, dtype=torch.long),
+                        rollout_log_prob=torch.zeros(b, t), ground_truth=["1"] * b, offset=3)
+    rows = len(out["index"])
+    assert rows <= b and rows % n == 0
+    kept = rows // n
+    assert out["index"].tolist() == [3 + g for g in range(kept) for _ in range(n)]
+    for port in FILTER_SPEC.outputs:
+        value = out[port.name]
+        assert len(value) == rows, port.name
+        if isinstance(value, torch.Tensor):
+            assert value.dim() == len(port.spec.dims.split()), port.name
+            assert value.dtype.is_floating_point == (port.spec.dtype == "float"), port.name
+
+
+FILTER_SPEC = BUILTIN_KINDS["filter"]
 
 
 def _data_sizes(kind: KindSpec, batch: dict[str, Any], bp: int) -> dict[str, int]:
