@@ -147,7 +147,7 @@ class _TokenStats(torch.autograd.Function):
     @staticmethod
     def backward(
         ctx: Any, g_log_p: Tensor, g_entropy: Tensor | None = None
-    ) -> tuple[Tensor, None, None, None]:
+    ) -> tuple[Tensor, None, None, None, None]:
         z, y, lse, *entropy = ctx.saved_tensors
         log_p_all = z.mul(ctx.inv_tau).sub_(lse.unsqueeze(-1))  # ℓ, the one (c, V) buffer
         if ctx.with_entropy:
