@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -346,11 +347,13 @@ def node_kind(
 ) -> Callable[[F], F]:
     """Declare a kind from a function annotated with jaxtyping.
 
-    Tensor-annotated parameters are input ports; the others are params (their
-    defaults become param defaults). The return annotation is one array type or a
-    `tuple[...]` of them, named by `outputs`. A kind with a model (`model="required"`)
-    uses it as a causal LM unless `head` says `scalar` (a critic: the checker, the
-    memory estimate and the executors treat it as the built-in `values`) or `tokenizer`.
+    Tensor-annotated parameters are input ports, and so are plain lists of one value per
+    sequence (`ground_truth: list[str]`, `extra_info: list[dict]`: dtype str or object,
+    dim b); the others are params (their defaults become param defaults). The return
+    annotation is one such type or a `tuple[...]` of them, named by `outputs`. A kind
+    with a model (`model="required"`) uses it as a causal LM unless `head` says
+    `scalar` (a critic: the checker, the memory estimate and the executors treat it as
+    the built-in `values`) or `tokenizer`.
 
         @node_kind("length_reward", outputs=["scores"])
         def length_reward(response_mask: Float[Tensor, "b T"], scale: float = 0.01
@@ -385,7 +388,7 @@ def kind_from_function(
     for pname, p in inspect.signature(fn).parameters.items():
         if pname in RESOURCE_ARGS:
             continue  # supplied by the executor, not by the graph
-        spec = spec_from_annotation(hints.get(pname), constraints.get(pname, ()))
+        spec = _port_spec(hints.get(pname), constraints.get(pname, ()))
         if spec is not None:
             inputs.append(PortSpec(pname, spec, optional=p.default is not inspect.Parameter.empty))
             continue
@@ -403,6 +406,21 @@ def kind_from_function(
         impl=f"{module}:{fn.__qualname__}",
         source=module,
     )
+
+
+def _port_spec(annotation: Any, constraints: tuple[str, ...] = ()) -> TensorSpec | None:
+    """A port's contract from its annotation: a jaxtyping array type, or a plain list of
+    one value per sequence (`list[str]`: dtype str, as `ground_truth` and `data_source`;
+    `list[dict]` or any other `list[...]`: dtype object, as `extra_info`); None for a
+    param. `X | None` reads as X (an optional port, given its default None)."""
+    args = typing.get_args(annotation)
+    if type(None) in args and len(args) == 2:  # `X | None`, `Optional[X]`
+        annotation = next(a for a in args if a is not type(None))
+    spec = spec_from_annotation(annotation, constraints)
+    if spec is not None or typing.get_origin(annotation) is not list:
+        return spec
+    return TensorSpec("b", "str" if typing.get_args(annotation) == (str,) else "object",
+                      constraints)
 
 
 def _annotations(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -429,13 +447,13 @@ def _output_specs(
     names: tuple[str, ...],
     constraints: dict[str, tuple[str, ...]],
 ) -> tuple[PortSpec, ...]:
-    single = spec_from_annotation(ret)
+    single = _port_spec(ret)
     parts = (ret,) if single is not None else tuple(getattr(ret, "__args__", ()))
-    specs = [spec_from_annotation(a) for a in parts]
+    specs = [_port_spec(a) for a in parts]
     if len(specs) != len(names) or any(s is None for s in specs):
         raise RegistryError(
             f"{fn.__qualname__}: the return annotation must be {len(names)} jaxtyping array "
-            f"type(s) for outputs {list(names)}, got {ret!r}"
+            f"type(s) or list[...] for outputs {list(names)}, got {ret!r}"
         )
     return tuple(
         PortSpec(n, TensorSpec(s.dims, s.dtype, constraints.get(n, ())))

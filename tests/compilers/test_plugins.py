@@ -17,6 +17,7 @@ from flowgraph.testing.targets import assert_same_numbers
 
 ROOT = Path(__file__).resolve().parents[2]
 REWARD = '''
+import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
@@ -24,8 +25,11 @@ from flowgraph import node_kind
 
 
 @node_kind("brevity_next_to_graph", outputs=["scores"], category="reward")
-def brevity(response_mask: Int[Tensor, "b T"], scale: float = 0.1) -> Float[Tensor, " b"]:
-    return -scale * response_mask.sum(-1).float()
+def brevity(response_mask: Int[Tensor, "b T"], ground_truth: list[str], scale: float = 0.1
+            ) -> Float[Tensor, " b"]:
+    """Responses as long as the answer (a plain list port: one string per sequence)."""
+    answer = torch.tensor([float(len(g)) for g in ground_truth])
+    return -scale * (response_mask.sum(-1).float() - answer).abs()
 '''
 GRPO_REWARD = """  reward:
     kind: reward
@@ -46,7 +50,8 @@ def project(tmp_path_factory: pytest.TempPathFactory) -> Path:
     text = (ROOT / "graphs" / "grpo.yaml").read_text()
     assert GRPO_REWARD in text
     text = text.replace(GRPO_REWARD, "  reward:\n    kind: brevity_next_to_graph\n"
-                                     "    inputs: {response_mask: gen.response_mask}\n")
+                                     "    inputs: {response_mask: gen.response_mask, "
+                                     "ground_truth: gen.ground_truth}\n")
     (folder / "g.yaml").write_text("plugins: [brevity.py]\n" + text)
     return folder
 
@@ -83,7 +88,7 @@ def test_check_and_a_plan_file_find_the_plugin_from_other_folders(
     ran = _flowgraph(tmp_path / "b", "run", str(plan))
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert_same_numbers(read_metrics(tmp_path / "run"), local)
-    assert local[0]["critic/score/mean"] < 0  # the plugin's reward: -0.1 per token
+    assert local[0]["critic/score/mean"] < 0  # the plugin's reward: -0.1 per token off
 
 
 @pytest.mark.parametrize("target", ["fsdp", "ray"])

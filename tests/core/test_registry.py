@@ -164,3 +164,56 @@ def test_public_api_names_resolve() -> None:
 
     for name in flowgraph.__all__:
         assert getattr(flowgraph, name) is not None
+
+
+LIST_PLUGIN = '''
+from typing import Any
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+from flowgraph.registry import node_kind
+
+@node_kind("answer_length", outputs=["scores", "notes"], category="reward")
+def answer_length(response_mask: Int[Tensor, "b T"], ground_truth: list[str],
+                  extra_info: list[dict[str, Any]] | None = None
+                  ) -> tuple[Float[Tensor, "b"], list[str]]:
+    scores = torch.tensor([float(len(g)) for g in ground_truth])
+    return scores, [f"{len(g)} chars" for g in ground_truth]
+'''
+
+
+def test_plain_list_annotations_are_ports_of_one_value_per_sequence(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`list[str]` is a str port, `list[dict]` (optional with `| None`) an object port,
+    in and out; the checker holds edges to them: a str port takes `gen.ground_truth`,
+    not a token tensor."""
+    (tmp_path / "fg_list_plugin.py").write_text(LIST_PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    text = GRAPH.format(module="fg_list_plugin").replace(
+        "  rew:\n    kind: shifted_reward\n    inputs: {response_mask: gen.response_mask}\n"
+        "    params: {scale: 2.0}\n",
+        "  rew:\n    kind: answer_length\n    inputs: {response_mask: gen.response_mask, "
+        "ground_truth: WIRE}\n")
+    assert "WIRE" in text
+    good, _ = load_graph(tmp_path / "g.yaml", text=text.replace("WIRE", "gen.ground_truth")
+                         .replace("prompt_mask: train.attention_mask}",
+                                  "prompt_mask: train.attention_mask, "
+                                  "ground_truth: train.ground_truth}"))
+    assert good is not None
+    result = check_graph(good)
+    kind = result.registry.get("answer_length")
+    assert kind is not None
+    assert [(p.name, p.spec.describe(), p.optional) for p in kind.inputs] == [
+        ("response_mask", "int[b T]", False), ("ground_truth", "str[b]", False),
+        ("extra_info", "object[b]", True)]
+    assert [(p.name, p.spec.describe()) for p in kind.outputs] == [
+        ("scores", "float[b]"), ("notes", "str[b]")]
+    assert str(good.node("rew").input("ground_truth")) == "gen.ground_truth"  # type: ignore[union-attr]
+    assert not [d for d in result.diagnostics if d.is_error and d.edge is not None
+                and d.edge.endswith("rew.ground_truth")], \
+        [d.one_line() for d in result.diagnostics]
+    bad, _ = load_graph(tmp_path / "g.yaml", text=text.replace("WIRE", "gen.responses"))
+    assert bad is not None
+    errors = [d for d in check_graph(bad).diagnostics if d.is_error
+              and d.edge == "gen.responses -> rew.ground_truth"]
+    assert errors, [d.one_line() for d in check_graph(bad).diagnostics]
