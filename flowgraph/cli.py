@@ -18,6 +18,8 @@ torch for graphs made of built-in kinds.
 from __future__ import annotations
 
 import argparse
+import difflib
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -26,9 +28,11 @@ from typing import TYPE_CHECKING, TextIO
 
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.errors import FlowgraphError
+from flowgraph.ir import to_python
 
 if TYPE_CHECKING:
     from flowgraph.plan import ExecutionPlan
+    from flowgraph.registry import KindSpec, Registry
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 
@@ -283,6 +287,68 @@ def cmd_schema(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_kinds(args: argparse.Namespace) -> int:
+    from flowgraph.registry import Registry
+
+    registry = Registry.default()
+    registry.load_plugins(args.plugin, ["."])
+    if args.name is None:
+        sys.stdout.write(_kinds_table(registry))
+        return EXIT_OK
+    kind = registry.get(args.name)
+    if kind is None:
+        close = difflib.get_close_matches(args.name, registry.names(), n=3)
+        hint = f"; did you mean {', '.join(f'`{c}`' for c in close)}?" if close else ""
+        raise FlowgraphError(f"no kind `{args.name}`{hint} (`flowgraph kinds` lists them; "
+                         "--plugin MODULE for a plugin's)")
+    sys.stdout.write(_describe_kind(kind))
+    return EXIT_OK
+
+
+def _kinds_table(registry: Registry) -> str:
+    """Every kind the registry knows, by category, with its one-line doc."""
+    kinds = [k for k in (registry.get(n) for n in registry.names()) if k is not None]
+    width = max(len(k.name) for k in kinds)
+    lines = []
+    for category in sorted({k.category for k in kinds}):
+        lines.append(f"{category}:")
+        lines += [f"  {k.name:<{width}}  {k.doc}" for k in kinds if k.category == category]
+    lines.append("`flowgraph kinds KIND`: its ports and params.")
+    return "\n".join(lines) + "\n"
+
+
+def _describe_kind(kind: KindSpec) -> str:
+    """A kind's contract: ports with dims and dtype, params with type, default, meaning."""
+    from flowgraph.registry import loss_names, loss_spec
+
+    lines = [f"{kind.name} ({kind.category}): {kind.doc}",
+             f"  model: {kind.model}" + (f", head {kind.head}" if kind.model != "none" else "")
+             + (", trains it" if kind.trains else "")]
+    for title, ports in (("inputs", kind.inputs), ("outputs", kind.outputs)):
+        terms = kind.terms if title == "inputs" else None
+        if ports or terms is not None:
+            lines.append(f"{title}:")
+        lines += [f"  {p.name:<22} {p.spec.describe()}"
+                  + (" (optional)" if p.optional else "") + (f"  {p.doc}" if p.doc else "")
+                  for p in ports]
+        if terms is not None:
+            lines.append(f"  {'<any name>':<22} {terms.spec.describe()}  {terms.doc}")
+    if kind.params:
+        lines.append("params:")
+        for p in kind.params:
+            value = "required" if p.required else f"default {json.dumps(to_python(p.default))}"
+            choices = f" one of {', '.join(p.choices)};" if p.choices else ""
+            lines.append(f"  {p.name:<22} {'|'.join(p.types)}, {value};{choices} {p.doc}")
+            if p.names == "policy_loss":
+                for name in loss_names():
+                    spec = loss_spec(name)
+                    assert spec is not None
+                    own = ", ".join(f"{q.name}={json.dumps(to_python(q.default))}"
+                                    for q in spec.params)
+                    lines.append(f"      {name:<10} {spec.doc}" + (f" [{own}]" if own else ""))
+    return "\n".join(lines) + "\n"
+
+
 # --- parser --------------------------------------------------------------------------
 
 
@@ -381,6 +447,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                    help="also describe the kinds this module declares (repeatable)")
     s.set_defaults(func=cmd_schema)
+
+    kd = sub.add_parser("kinds", help="list the node kinds, or print one's ports and params")
+    kd.add_argument("name", nargs="?", metavar="KIND", help="the kind to describe")
+    kd.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                    help="also the kinds this module or .py file declares (repeatable)")
+    kd.set_defaults(func=cmd_kinds)
     return p
 
 

@@ -12,6 +12,8 @@ Notation: b batch of the node, B = Bp*N, P prompt length, T response length.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from flowgraph.contracts import TensorSpec
 from flowgraph.registry import KindSpec, LossSpec, ParamSpec, PortSpec
 
@@ -508,7 +510,59 @@ _FILTER_KINDS = (
     ),
 )
 
-BUILTIN_KINDS: dict[str, KindSpec] = {k.name: k for k in _KINDS + _FILTER_KINDS}
+_PARAM_DOCS = {
+    "backend": "rollout engine: hf (the decoding loop here) or vllm",
+    "beta": "DPO's inverse temperature: the scale of the implicit reward log(pi/pi_ref)",
+    "chunk_size": "tokens per chunk of the vocabulary projection (peak memory chunk x V)",
+    "clip_ratio_c": "dual-clip bound for negative advantages (verl's clip_ratio_c)",
+    "clip_ratio_high": "upper clip range: ratio <= 1 + clip_ratio_high (DAPO's clip-higher)",
+    "clip_ratio_low": "lower clip range: ratio >= 1 - clip_ratio_low",
+    "cliprange_value": "value clipping around the old values (verl's cliprange_value)",
+    "coef": "penalty per token of distance from the target length",
+    "correct_score": "score of a correct answer",
+    "do_sample": "false: greedy decoding",
+    "entropy_coeff": "weight of the entropy bonus in the loss (0: reported, not trained)",
+    "epsilon": "added to the group's std before dividing (numerical safety)",
+    "eval_path": "held-out data for evaluation (same layout)",
+    "fn": "scoring rule: exact_match of the answer, format (any number), length_penalty",
+    "format": "file format; auto: from the extension (builtin:... for the embedded data)",
+    "format_score": "score of a well-formed but wrong answer",
+    "gamma": "discount factor",
+    "horizon": "adaptive KL controller's horizon in steps",
+    "kl_coef": "weight of the KL penalty in the token rewards (verl's kl_ctrl.kl_coef)",
+    "kl_loss_coef": "weight of the KL loss to the reference (GRPO; with ref_log_prob wired)",
+    "kl_loss_type": "KL estimator of the loss: kl (k1), abs, mse (k2), low_var_kl (k3)",
+    "label_smoothing": "conservative DPO / robust DPO smoothing epsilon",
+    "lam": "GAE lambda",
+    "length_coef": "penalty per token for fn length_penalty",
+    "loss_agg_mode": "how token losses are averaged (verl's loss_agg_mode)",
+    "loss_type": "DPO loss variant (sigmoid: the paper's; TRL's names)",
+    "max_prompt_length": "prompt tokens kept; binds P",
+    "max_response_length": "response tokens kept; binds T",
+    "micro_batch_size": "sequences per forward on one rank; null: the rank's whole batch",
+    "norm_by_std": "divide by the group's std (GRPO); false: mean-centred only (Dr. GRPO)",
+    "penalty": "KL estimator: kl (k1), abs, mse (k2), low_var_kl (k3)",
+    "penalty_factor": "the penalty at the full budget (L_max): 0 down to -penalty_factor",
+    "prompt_key": "column holding the prompt (text or chat messages)",
+    "shuffle": "reshuffle the rows every epoch (seeded by the run's seed)",
+    "target_length": "length in tokens fn length_penalty aims at; null: shorter is better",
+    "temperature": "softmax temperature of sampling (0: greedy)",
+    "logprob.temperature": "score at this temperature (the rollout's, as verl does)",
+    "top_p": "nucleus sampling: smallest set of tokens with this much mass (1: off)",
+    "whiten": "whiten the advantages over the batch's valid tokens",
+}
+"""The meaning of params several kinds share, written once; `kind.param` when a kind's
+differs. A param declared with its own doc keeps it."""
+
+
+def _documented(kind: KindSpec) -> KindSpec:
+    return replace(kind, params=tuple(
+        p if p.doc else replace(p, doc=_PARAM_DOCS.get(f"{kind.name}.{p.name}",
+                                                       _PARAM_DOCS.get(p.name, "")))
+        for p in kind.params))
+
+
+BUILTIN_KINDS: dict[str, KindSpec] = {k.name: _documented(k) for k in _KINDS + _FILTER_KINDS}
 """Every built-in kind by name."""
 
 
@@ -522,9 +576,13 @@ POLICY_LOSSES: dict[str, LossSpec] = {loss.name: loss for loss in (
     _loss("cispo", "clipped importance weight on the log-prob gradient (MiniMax 2025)"),
     _loss("gpg", "-A log pi, no ratio (Chu et al. 2025)"),
     _loss("clip_cov", "PPO with high-covariance tokens' gradients cut (Cui et al. 2025)",
-          _f("clip_cov_ratio", 0.0002, minimum=0.0), _f("clip_cov_lb", 1.0),
-          _f("clip_cov_ub", 5.0)),
+          _f("clip_cov_ratio", 0.0002, "share of tokens whose gradient is cut (highest "
+             "covariance)", minimum=0.0),
+          _f("clip_cov_lb", 1.0, "lower covariance bound of the tokens that may be cut"),
+          _f("clip_cov_ub", 5.0, "upper covariance bound of the tokens that may be cut")),
     _loss("kl_cov", "-A rho plus |log rho| on high-covariance tokens (Cui et al. 2025)",
-          _f("kl_cov_ratio", 0.0002, minimum=0.0), _f("ppo_kl_coef", 1.0)),
+          _f("kl_cov_ratio", 0.0002, "share of tokens given the KL term (highest "
+             "covariance)", minimum=0.0),
+          _f("ppo_kl_coef", 1.0, "weight of |log ratio| on those tokens")),
 )}
 """The built-in policy losses of `ppo_actor_update` (`flowgraph.nodes.policy_losses`)."""

@@ -217,3 +217,14 @@ def test_plain_list_annotations_are_ports_of_one_value_per_sequence(
     errors = [d for d in check_graph(bad).diagnostics if d.is_error
               and d.edge == "gen.responses -> rew.ground_truth"]
     assert errors, [d.one_line() for d in check_graph(bad).diagnostics]
+
+
+def test_every_builtin_param_says_what_it_means() -> None:
+    """`flowgraph kinds <kind>` and the JSON Schema print these docs."""
+    from flowgraph.kinds import BUILTIN_KINDS, POLICY_LOSSES
+
+    undocumented = [f"{k.name}.{p.name}" for k in BUILTIN_KINDS.values() for p in k.params
+                    if not p.doc.strip()]
+    undocumented += [f"policy_loss {loss.name}.{p.name}" for loss in POLICY_LOSSES.values()
+                     for p in loss.params if not p.doc.strip()]
+    assert not undocumented

@@ -273,7 +273,8 @@ def test_kind_schema_follows_its_contract(schema: dict[str, Any]) -> None:
     assert inputs["additionalProperties"] is False
     assert "float[b T] {finite}" in inputs["properties"]["values"]["description"]
     lam = gae["properties"]["params"]["properties"]["lam"]
-    assert lam == {"type": "number", "minimum": 0, "default": 1.0, "description": "Default: 1.0."}
+    assert lam == {"type": "number", "minimum": 0, "default": 1.0,
+                   "description": "GAE lambda. Default: 1.0."}
 
     gen = schema["$defs"]["node.generate"]
     assert "model" in gen["required"]
@@ -287,8 +288,9 @@ def test_kind_schema_follows_its_contract(schema: dict[str, Any]) -> None:
 
     prompts = schema["$defs"]["data.prompts"]
     assert prompts["required"] == ["kind", "path"]
-    assert prompts["properties"]["shuffle"] == {"type": "boolean", "default": True,
-                                                "description": "Default: true."}
+    assert prompts["properties"]["shuffle"] == {
+        "type": "boolean", "default": True,
+        "description": "reshuffle the rows every epoch (seeded by the run's seed). Default: true."}
 
 
 @pytest.mark.parametrize(("path", "table"), [
