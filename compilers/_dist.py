@@ -88,6 +88,11 @@ class DataParallel(Workers):
         dist.all_reduce(t, group=self.group)
         return dict(zip(names, t.tolist(), strict=True))
 
+    def max(self, value: int) -> int:
+        t = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
     def clip_grad_norm(self, model: Any, max_norm: float) -> float:
         """The sharded parameters (DTensors) hold a slice of the summed gradient on
         each worker; the replicated ones (heads, tied embeddings) their worker's part,

@@ -30,6 +30,9 @@ from torch.utils.checkpoint import checkpoint
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from flowgraph.runtime import NodeContext
+    from flowgraph.runtime.context import Workers
+
 __all__ = [
     "forward_hidden",
     "head_logprob",
@@ -216,14 +219,16 @@ def head_logprob(
 
 def micro_batches(
     lengths: Tensor, micro_batch_size: int | None = None, max_token_len: int | None = None,
-    per_row: int = 1,
+    per_row: int = 1, workers: Workers | None = None,
 ) -> list[Tensor]:
     """The row indices of each micro-batch, in order: `micro_batch_size` rows each (null:
     one), or with `max_token_len` (verl's dynamic batch size) consecutive rows as long as
     per_row × rows × (the longest prompt + the longest response among them) — the padded
     tokens `forward_hidden` runs after trimming — stays within the budget. `lengths`
     (B, 2): each row's valid prompt and response tokens (`sequence_lengths`); `per_row`:
-    sequences a row puts in the forward (a DPO pair: 2)."""
+    sequences a row puts in the forward (a DPO pair: 2). With `workers`, a budget's cut
+    is split further until every worker runs as many micro-batches as the one with the
+    most (a sharded model's forward is a collective), the largest halved first."""
     B = len(lengths)
     if max_token_len is None:
         return list(torch.arange(B).split(micro_batch_size or max(B, 1)))
@@ -240,7 +245,16 @@ def micro_batches(
             prompt = response = 0
         out[-1].append(row)
         prompt, response = max(prompt, p), max(response, r)
-    return [torch.tensor(rows, dtype=torch.long) for rows in out if rows]
+    out = [rows for rows in out if rows]
+    need = workers.max(len(out)) if workers is not None else len(out)
+    while len(out) < need:
+        i = max(range(len(out)), key=lambda k: len(out[k]))
+        if len(out[i]) < 2:
+            raise ValueError(f"max_token_len: another worker runs {need} micro-batches and "
+                             f"this one has only {B} rows; give every worker as many rows")
+        half = (len(out[i]) + 1) // 2
+        out[i:i + 1] = [out[i][:half], out[i][half:]]
+    return [torch.tensor(rows, dtype=torch.long) for rows in out]
 
 
 def sequence_lengths(prompt_mask: Tensor, *response_masks: Tensor) -> Tensor:
@@ -260,11 +274,13 @@ def logprob(
     micro_batch_size: int | None = None,
     with_entropy: bool = False,
     max_token_len: int | None = None,
+    ctx: NodeContext | None = None,
 ) -> dict[str, Tensor]:
     """log_prob (B, T) of each response token (0 where masked); entropy (B, T) if asked."""
     parts = []
     lengths = sequence_lengths(prompt_mask, response_mask)
-    for rows in micro_batches(lengths, micro_batch_size, max_token_len):
+    workers = ctx.workers if ctx is not None else None
+    for rows in micro_batches(lengths, micro_batch_size, max_token_len, workers=workers):
         hidden = forward_hidden(
             model, prompts[rows], prompt_mask[rows], responses[rows], response_mask[rows]
         )
@@ -291,6 +307,7 @@ def sequence_logprob(
     chunk_size: int = 1024,
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
+    ctx: NodeContext | None = None,
 ) -> dict[str, Tensor]:
     """Σ_t log π(y_t | ·) over the valid response tokens: log_prob (B,) (DPO's log π(y|x))."""
     tokens = logprob(
@@ -302,5 +319,6 @@ def sequence_logprob(
         chunk_size=chunk_size,
         micro_batch_size=micro_batch_size,
         max_token_len=max_token_len,
+        ctx=ctx,
     )
     return {"log_prob": tokens["log_prob"].sum(-1)}

@@ -204,12 +204,14 @@ def reward_model(
     response_mask: Tensor,
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
+    ctx: NodeContext | None = None,
 ) -> dict[str, Tensor]:
     """scores (B,) float32: r(x, y) read at the last valid response token (0 if none)."""
     backbone, head = _score_head(model)
     parts = []
     lengths = sequence_lengths(prompt_mask, response_mask)
-    for rows in micro_batches(lengths, micro_batch_size, max_token_len):
+    workers = ctx.workers if ctx is not None else None
+    for rows in micro_batches(lengths, micro_batch_size, max_token_len, workers=workers):
         hidden = forward_hidden(
             backbone,
             prompts[rows],

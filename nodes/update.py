@@ -207,7 +207,8 @@ def _train(
 
     def split(mine: Batch) -> list[Tensor]:
         lengths = sequence_lengths(mine["prompt_mask"], *(mine[r] for r in responses))
-        return micro_batches(lengths, m, max_token_len, per_row=len(responses))
+        return micro_batches(lengths, m, max_token_len, per_row=len(responses),
+                             workers=ctx.workers)
 
     plan = (
         mini

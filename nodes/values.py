@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from flowgraph.nodes.logprob import forward_hidden, micro_batches, sequence_lengths
 from flowgraph.nodes.models import load_model
+from flowgraph.runtime import NodeContext
 
 __all__ = ["ValueModel", "values"]
 
@@ -77,11 +78,13 @@ def values(
     response_mask: Tensor,
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
+    ctx: NodeContext | None = None,
 ) -> dict[str, Tensor]:
     """values (B, T) float32: V_t for each response token, 0 where masked."""
     parts = []
     lengths = sequence_lengths(prompt_mask, response_mask)
-    for rows in micro_batches(lengths, micro_batch_size, max_token_len):
+    workers = ctx.workers if ctx is not None else None
+    for rows in micro_batches(lengths, micro_batch_size, max_token_len, workers=workers):
         v = critic(prompts[rows], prompt_mask[rows], responses[rows], response_mask[rows])
         if v.shape[-1] != 1:
             raise ValueError(

@@ -121,6 +121,11 @@ class Workers:
         """Each value summed over the workers."""
         return dict(values)
 
+    def max(self, value: int) -> int:
+        """The largest `value` of the workers (the micro-batch count every worker of a
+        sharded model must run, as each forward is a collective)."""
+        return value
+
     def clip_grad_norm(self, model: Any, max_norm: float) -> float:
         """The L2 norm of `model`'s gradients, summed over the workers; scaled down to
         `max_norm` first when that is > 0 and the norm exceeds it (torch's

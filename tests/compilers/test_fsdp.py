@@ -278,3 +278,15 @@ def test_grpo_vllm_rollouts_from_a_sharded_actor_equal_local(
 
         _vllm.close_engines()
     assert_same_numbers(_fsdp(graph, tmp_path / "fsdp", *overrides), local)
+
+
+def test_token_budgets_on_sharded_models_equal_local(tmp_path: Path, local_run: Any) -> None:
+    """PPO with max_token_len on every forward and update: the two ranks cut their rows
+    by the budget, run as many micro-batches as the busier one (each forward of a sharded
+    model is a collective), and give the local run's numbers."""
+    nodes = ("old_logprob", "ref_logprob", "values", "update_actor", "update_critic")
+    overrides = ("trainer.steps=3", "trainer.eval_every=0", "trainer.checkpoint_every=0",
+                 *(f"nodes.{n}.params.max_token_len=48" for n in nodes))
+    graph = GRAPHS / "ppo.yaml"
+    assert_same_numbers(_fsdp(graph, tmp_path / "fsdp", *overrides),
+                        local_run(graph, tmp_path / "local", *overrides))

@@ -25,6 +25,7 @@ from flowgraph.nodes.values import ValueModel
 from flowgraph.nodes.values import values as predict_values
 from flowgraph.registry import policy_loss
 from flowgraph.runtime import NodeContext
+from flowgraph.runtime.context import Workers
 
 B, P, T, V, H = 4, 3, 5, 32, 32
 ACTOR_METRICS = (
@@ -234,6 +235,34 @@ def test_a_token_budget_accumulates_to_the_one_shot_gradient(kind: str, mode: st
                  "critic/grad_norm", "rewards/margins"):
         if name in one_shot.metrics:
             assert budgeted.metrics[name] == pytest.approx(one_shot.metrics[name], abs=1e-5)
+
+
+class _BusierWorker(Workers):
+    """Another worker whose rows needed `count` micro-batches."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def max(self, value: int) -> int:
+        return max(value, self.count)
+
+
+def test_every_worker_runs_as_many_micro_batches_as_the_busiest() -> None:
+    """A sharded model's forward is a collective: the cut [3+5] [2+2 1+4] [3+0] becomes
+    four micro-batches when another worker needs four (the largest halved), and the step
+    is still the one-shot step."""
+    lengths = torch.tensor([[3, 5], [2, 2], [1, 4], [3, 0]])
+    cut = micro_batches(lengths, max_token_len=12, workers=_BusierWorker(4))
+    assert [r.tolist() for r in cut] == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="another worker runs 5 micro-batches"):
+        micro_batches(lengths, max_token_len=12, workers=_BusierWorker(5))
+    model, update, kwargs = _accumulation_case("actor", "token-mean")
+    twin = copy.deepcopy(model)
+    busy = _ctx(twin)
+    busy.workers = _BusierWorker(4)
+    update(_ctx(model), **kwargs, mini_batch_size=4)
+    update(busy, **kwargs, mini_batch_size=4, max_token_len=12)
+    assert (_params(model) - _params(twin)).abs().max() < 1e-6
 
 
 def test_a_token_budget_and_a_micro_batch_size_are_refused_together() -> None:
