@@ -449,6 +449,16 @@ _KINDS = (
         impl="flowgraph.nodes.update:ppo_critic_update",
     ),
     KindSpec(
+        "sft_update", "update",
+        "Supervised fine-tuning: cross-entropy of the response tokens given the prompt "
+        "(prompt tokens carry no loss).",
+        inputs=SEQUENCE_INPUTS,
+        params=MINI_BATCH,
+        model="required",
+        trains=True,
+        impl="flowgraph.nodes.update:sft_update",
+    ),
+    KindSpec(
         "dpo_update", "update", "DPO update of the policy on preference pairs.",
         inputs=(
             _p("prompts", "b P", "int"),

@@ -1,7 +1,8 @@
-"""Update nodes: PPO actor (Schulman et al. 2017), PPO critic, DPO (Rafailov et al. 2023).
+"""Update nodes: PPO actor (Schulman et al. 2017), PPO critic, DPO (Rafailov et al. 2023),
+SFT (cross-entropy on response tokens).
 
 Each is a sink: it trains `ctx.model` with `ctx.optimizer` and reports through
-`ctx.metrics`. All three share one loop, verl's `dp_actor.update_policy`:
+`ctx.metrics`. All four share one loop, verl's `dp_actor.update_policy`:
 
     for epoch in range(ppo_epochs):              # permutation seeded by (seed, step, epoch)
         for each mini-batch of M sequences:       # one optimizer step
@@ -67,7 +68,7 @@ from flowgraph.runtime.context import Impl
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["dpo_update", "ppo_actor_update", "ppo_critic_update"]
+__all__ = ["dpo_update", "ppo_actor_update", "ppo_critic_update", "sft_update"]
 
 Batch = dict[str, Tensor]
 LossFn = Callable[[Batch], tuple[Tensor, dict[str, float]]]
@@ -602,5 +603,71 @@ def dpo_update_eval(
         _, metrics = _dpo_loss(
             ctx.model, batch, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing
         )
+    ctx.metrics.update(metrics)
+    return {}
+
+
+# --------------------------------------------------------------------------- SFT
+
+
+def _sft_loss(model: PreTrainedModel, mb: Batch, *, mode: str) -> tuple[Tensor, dict[str, float]]:
+    """−log π(y_t | x, y_<t) over the valid response tokens, aggregated by `mode`."""
+    hidden = forward_hidden(model, *(mb[k] for k in SEQUENCES))
+    log_prob = head_logprob(model.get_output_embeddings(), hidden, mb["responses"],
+                            mb["response_mask"])["log_prob"]
+    loss = agg_loss(-log_prob, mb["response_mask"], mode)
+    return loss, {"sft/loss": loss.item()}
+
+
+def sft_update(
+    ctx: NodeContext,
+    *,
+    prompts: Tensor,
+    prompt_mask: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    ppo_epochs: int = 1,
+    mini_batch_size: int | None = None,
+    micro_batch_size: int | None = None,
+    max_token_len: int | None = None,
+    loss_agg_mode: str = "token-mean",
+) -> dict[str, Tensor]:
+    """Supervised fine-tuning of `ctx.model`: the cross-entropy of each valid response
+    token given the prompt and the tokens before it; prompt tokens carry no loss (HF's
+    labels = -100). token-mean is Hugging Face's / verl's SFT loss. Metrics: sft/loss,
+    actor/{grad_norm, lr}."""
+    batch = {"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
+             "response_mask": response_mask}
+    _train(
+        ctx,
+        batch,
+        partial(_sft_loss, ctx.model, mode=loss_agg_mode),
+        partial(_agg_size, loss_agg_mode),
+        "actor",
+        ppo_epochs=ppo_epochs,
+        mini_batch_size=mini_batch_size,
+        micro_batch_size=micro_batch_size,
+        max_token_len=max_token_len,
+    )
+    return {}
+
+
+def sft_update_eval(
+    ctx: NodeContext,
+    *,
+    prompts: Tensor,
+    prompt_mask: Tensor,
+    responses: Tensor,
+    response_mask: Tensor,
+    loss_agg_mode: str = "token-mean",
+    **mini_batch: object,
+) -> dict[str, Tensor]:
+    """`sft_update`'s loss on held-out rows, without a step (the executor's eval hook);
+    the mini-batch params are ignored."""
+    del mini_batch
+    batch = {"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
+             "response_mask": response_mask}
+    with torch.no_grad():
+        _, metrics = _sft_loss(ctx.model, batch, mode=loss_agg_mode)
     ctx.metrics.update(metrics)
     return {}

@@ -28,6 +28,7 @@ KEY_METRICS = (
     "actor/entropy",
     "critic/vf_loss",
     "actor/dpo_loss",
+    "sft/loss",
     "rewards/accuracies",
     "response_length/mean",
     "perf/throughput",

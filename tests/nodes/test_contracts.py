@@ -41,13 +41,13 @@ PARAMS = {"overlong_penalty": {"overlong_buffer_len": 1}}
 WHITENING_KINDS = ("gae", "reinforce_pp", "reinforce_pp_baseline")
 CAUSAL_KINDS = ("generate", "logprob", "sequence_logprob")
 CRITIC_KINDS = ("values", "reward_model")
-UPDATE_KINDS = ("ppo_actor_update", "ppo_critic_update", "dpo_update")
+UPDATE_KINDS = ("ppo_actor_update", "ppo_critic_update", "dpo_update", "sft_update")
 FILTER_KINDS = ("filter",)
 """Their outputs' batch dim (`g*n`) is that of the rows joined over a step's tries;
 one call returns the kept rows of one try (test_filter_kind_keeps_whole_groups)."""
 EXAMPLES = {"generate": 6, "logprob": 8, "sequence_logprob": 8, "values": 8,
             "reward_model": 8, "reward": 10, "ppo_actor_update": 5,
-            "ppo_critic_update": 5, "dpo_update": 5}
+            "ppo_critic_update": 5, "dpo_update": 5, "sft_update": 5}
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 from flowgraph.errors import NonFiniteError
 from flowgraph.kinds import BUILTIN_KINDS, LOSS_AGG
 from flowgraph.nodes.logprob import logprob, micro_batches, sequence_logprob
-from flowgraph.nodes.update import dpo_update, ppo_actor_update, ppo_critic_update
+from flowgraph.nodes.update import dpo_update, ppo_actor_update, ppo_critic_update, sft_update
 from flowgraph.nodes.values import ValueModel
 from flowgraph.nodes.values import values as predict_values
 from flowgraph.registry import policy_loss
@@ -110,7 +110,7 @@ def _assert_metrics(ctx: NodeContext, names: tuple[str, ...]) -> None:
     assert not bad, bad
 
 
-@pytest.mark.parametrize("fn", [ppo_actor_update, ppo_critic_update, dpo_update])
+@pytest.mark.parametrize("fn", [ppo_actor_update, ppo_critic_update, dpo_update, sft_update])
 def test_signature_is_exactly_the_kind_contract(fn: Callable[..., object]) -> None:
     kind = BUILTIN_KINDS[fn.__name__]
     sig = inspect.signature(fn)
@@ -548,3 +548,43 @@ def test_the_actor_rescores_at_the_rollout_temperature() -> None:
     other = _ctx(model, lr=0.0)
     ppo_actor_update(other, **batch)
     assert abs(other.metrics["actor/ppo_kl"]) > 1e-3
+
+
+# --------------------------------------------------------------------------- SFT
+
+
+def _sft_batch() -> dict[str, Tensor]:
+    seqs = _sequences()
+    return {k: seqs[k] for k in ("prompts", "prompt_mask", "responses", "response_mask")}
+
+
+def test_sft_loss_is_hugging_face_s_cross_entropy_on_response_tokens() -> None:
+    """token-mean SFT loss = the loss HF computes with labels -100 on prompt and padding."""
+    model, batch = _actor(), _sft_batch()
+    ids = torch.cat([batch["prompts"], batch["responses"]], 1)
+    mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], 1)
+    labels = torch.cat([torch.full_like(batch["prompts"], -100),
+                        batch["responses"].masked_fill(batch["response_mask"] == 0, -100)], 1)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, labels=labels,
+                     position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).loss
+    ctx = _ctx(model, lr=0.0)
+    sft_update(ctx, **batch, micro_batch_size=2)
+    assert ctx.metrics["sft/loss"] == pytest.approx(float(want), abs=1e-5)
+    assert {"actor/grad_norm", "actor/lr"} <= set(ctx.metrics)
+
+
+def test_sft_steps_lower_the_loss_and_micro_batches_give_the_one_shot_step() -> None:
+    model, batch = _actor(), _sft_batch()
+    twin = copy.deepcopy(model)
+    sft_update(_ctx(model, lr=0.1), **batch)
+    sft_update(_ctx(twin, lr=0.1), **batch, max_token_len=12)
+    assert (_params(model) - _params(twin)).abs().max() < 1e-6
+    losses = []
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for step in range(5):
+        ctx = NodeContext("sft", "sft_update", step=step, seed=7, model=model,
+                          optimizer=optimizer)
+        sft_update(ctx, **batch)
+        losses.append(ctx.metrics["sft/loss"])
+    assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 0.1, losses

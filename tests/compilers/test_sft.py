@@ -1,0 +1,81 @@
+"""graphs/sft.yaml: supervised fine-tuning with the `sft_update` kind on the chosen
+answers of the embedded arithmetic pairs. It learns, evaluates its held-out loss,
+resumes exactly, and gives the same numbers on local, fsdp(2) and ray(2)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowgraph.compilers import RunOptions, read_metrics, run
+from flowgraph.passes import compile_graph
+from flowgraph.plan import ExecutionPlan
+from flowgraph.testing.targets import assert_same_numbers
+
+ROOT = Path(__file__).resolve().parents[2]
+SFT = ROOT / "graphs" / "sft.yaml"
+SHORT = ("trainer.steps=4", "trainer.checkpoint_every=2", "trainer.eval_every=4")
+
+
+def _plan(run_dir: Path, *overrides: str, target: str = "local") -> ExecutionPlan:
+    result = compile_graph(SFT, target=target, nproc=None if target == "local" else 2,
+                           overrides=[f"trainer.run_dir={run_dir}", *overrides])
+    assert result.plan is not None, [d.one_line() for d in result.diagnostics]
+    return result.plan
+
+
+def _run(run_dir: Path, *overrides: str, target: str = "local", resume: bool = False
+         ) -> list[dict[str, Any]]:
+    with open(os.devnull, "w") as out:
+        run(_plan(run_dir, *overrides, target=target),
+            RunOptions(resume=resume, tensorboard=False, out=out,
+                       overrides=(f"trainer.run_dir={run_dir}", *overrides)))
+    return read_metrics(run_dir)
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    return _run(tmp_path_factory.mktemp("sft") / "local", *SHORT)
+
+
+def test_the_shipped_run_learns(tmp_path: Path) -> None:
+    """200 steps, ~15 s: the train loss falls from ~6.2 (a random model over 512 tokens)
+    to ~1.1 (measured), and the held-out loss is reported at every evaluation."""
+    rows = _run(tmp_path / "run")
+    loss = [r["sft/loss"] for r in rows]
+    assert loss[0] > 5.0 and sum(loss[-25:]) / 25 < 1.6, (loss[0], loss[-25:])
+    val = [r["val/sft/loss"] for r in rows if "val/sft/loss" in r]
+    assert len(val) == 4 and max(val) < 1.6, val
+
+
+def test_a_resumed_run_gives_the_uninterrupted_numbers(
+        local: list[dict[str, Any]], tmp_path: Path) -> None:
+    _run(tmp_path / "run", "trainer.steps=2", "trainer.checkpoint_every=2")
+    rows = _run(tmp_path / "run", *SHORT, resume=True)
+    assert_same_numbers(rows, local, rel=0, abs_floor=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_fsdp_gives_the_numbers_of_the_local_run(
+        local: list[dict[str, Any]], tmp_path: Path) -> None:
+    assert_same_numbers(_run(tmp_path / "fsdp", *SHORT, target="fsdp"), local)
+
+
+@pytest.mark.multiprocess
+def test_ray_gives_the_numbers_of_the_local_run(
+        local: list[dict[str, Any]], tmp_path: Path) -> None:
+    ray = pytest.importorskip("ray", reason="the ray target needs Ray (the dev extra has it)")
+    from flowgraph.compilers.ray import start_ray
+
+    plan = _plan(tmp_path / "ray", *SHORT, target="ray")
+    start_ray(plan, None)
+    try:
+        with open(os.devnull, "w") as out:
+            run(plan, RunOptions(tensorboard=False, out=out))
+    finally:
+        ray.shutdown()
+    assert_same_numbers(read_metrics(tmp_path / "ray"), local)
