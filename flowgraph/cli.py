@@ -300,7 +300,7 @@ def cmd_kinds(args: argparse.Namespace) -> int:
         close = difflib.get_close_matches(args.name, registry.names(), n=3)
         hint = f"; did you mean {', '.join(f'`{c}`' for c in close)}?" if close else ""
         raise FlowgraphError(f"no kind `{args.name}`{hint} (`flowgraph kinds` lists them; "
-                         "--plugin MODULE for a plugin's)")
+                             "--plugin MODULE for a plugin's)")
     sys.stdout.write(_describe_kind(kind))
     return EXIT_OK
 
