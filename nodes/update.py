@@ -53,6 +53,7 @@ from flowgraph.nodes._agg import agg_loss, masked_mean
 from flowgraph.nodes.logprob import (
     forward_hidden,
     head_logprob,
+    logprob,
     micro_batches,
     sequence_lengths,
     sequence_logprob,
@@ -414,9 +415,8 @@ def ppo_actor_update_eval(
     if ref_log_prob is None:
         return {}
     with torch.no_grad():
-        hidden = forward_hidden(ctx.model, prompts, prompt_mask, responses, response_mask)
-        log_prob = head_logprob(ctx.model.get_output_embeddings(), hidden, responses,
-                                response_mask, temperature=temperature)["log_prob"]
+        log_prob = logprob(ctx.model, prompts, prompt_mask, responses, response_mask,
+                           temperature=temperature)["log_prob"]
     ctx.metrics["log_ratio_to_ref"] = masked_mean(log_prob - ref_log_prob, response_mask).item()
     return {}
 
@@ -612,9 +612,8 @@ def dpo_update_eval(
 
 def _sft_loss(model: PreTrainedModel, mb: Batch, *, mode: str) -> tuple[Tensor, dict[str, float]]:
     """−log π(y_t | x, y_<t) over the valid response tokens, aggregated by `mode`."""
-    hidden = forward_hidden(model, *(mb[k] for k in SEQUENCES))
-    log_prob = head_logprob(model.get_output_embeddings(), hidden, mb["responses"],
-                            mb["response_mask"])["log_prob"]
+    log_prob = logprob(model, mb["prompts"], mb["prompt_mask"], mb["responses"],
+                       mb["response_mask"])["log_prob"]
     loss = agg_loss(-log_prob, mb["response_mask"], mode)
     return loss, {"sft/loss": loss.item()}
 

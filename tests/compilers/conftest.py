@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from flowgraph.compilers import RunOptions, read_metrics, run
+import flowgraph
 from flowgraph.passes import compile_graph
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,8 +33,7 @@ def run_local(graph: Path, run_dir: Path, *overrides: str, resume: bool = False
     result = compile_graph(graph, overrides=[f"trainer.run_dir={run_dir}", *overrides])
     assert result.plan is not None, [d.one_line() for d in result.diagnostics]
     with open(os.devnull, "w") as out:
-        run(result.plan, RunOptions(resume=resume, tensorboard=False, out=out))
-    return read_metrics(run_dir)
+        return flowgraph.run(result.plan, resume=resume, tensorboard=False, out=out).rows
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
+import flowgraph
 from flowgraph.api import load_plan
-from flowgraph.compilers import RunOptions, read_metrics, run
+from flowgraph.compilers import read_metrics
 from flowgraph.errors import FlowgraphError
 from flowgraph.passes import compile_graph
 from flowgraph.plan import ExecutionPlan
@@ -39,11 +40,10 @@ def _plan(run_dir: Path, *overrides: str, target: str = "local") -> ExecutionPla
 
 def _run(run_dir: Path, *overrides: str, target: str = "local", resume: bool = False
          ) -> list[dict[str, Any]]:
-    plan = _plan(run_dir, *overrides, target=target)
+    """Its rows; a ray plan starts its own Ray instance and shuts it down after."""
     with open(os.devnull, "w") as out:
-        run(plan, RunOptions(resume=resume, tensorboard=False, out=out,
-                             overrides=(f"trainer.run_dir={run_dir}", *overrides)))
-    return read_metrics(run_dir)
+        return flowgraph.run(_plan(run_dir, *overrides, target=target), resume=resume,
+                             tensorboard=False, out=out).rows
 
 
 @pytest.fixture(scope="module")
@@ -117,17 +117,7 @@ def test_fsdp_gives_the_numbers_of_the_local_run(
 @pytest.mark.multiprocess
 def test_ray_gives_the_numbers_of_the_local_run(
         local: list[dict[str, Any]], tmp_path: Path) -> None:
-    ray = pytest.importorskip("ray", reason="the ray target needs Ray (the dev extra has it)")
-    from flowgraph.compilers.ray import start_ray
-
-    plan = _plan(tmp_path / "ray", *SHORT, target="ray")
-    start_ray(plan, None)
-    try:
-        with open(os.devnull, "w") as out:
-            run(plan, RunOptions(tensorboard=False, out=out))
-    finally:
-        ray.shutdown()
-    assert_same_numbers(read_metrics(tmp_path / "ray"), local)
+    assert_same_numbers(_run(tmp_path / "ray", *SHORT, target="ray"), local)
 
 
 def test_the_yaml_run_gives_the_numbers_of_the_plan_file(
