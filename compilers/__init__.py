@@ -3,6 +3,8 @@
 `run(plan, options)` is the one entry point for every target: it runs the plan as it
 is (its target, pools, stages and dispatch; nothing is compiled again) and returns the
 run, its folder and metric rows. `flowgraph run`, `flowgraph.run` and the tests call it.
+A trained built-in model the plan names (`builtin:tiny-lm-sft`) is trained first, once
+per machine (`builtins.py`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ def run(plan: ExecutionPlan, options: RunOptions | None = None) -> Run:
     opts = options or RunOptions()
     # the one place `--resume` and `trainer.resume` are merged
     opts = replace(opts, resume=opts.resume or plan.graph.trainer.resume)
+    from flowgraph.compilers.builtins import ensure_builtins
+
+    ensure_builtins(plan.graph, opts.out)  # before any worker looks for them
     if plan.target == "fsdp":
         from flowgraph.compilers.fsdp import run_fsdp
 

@@ -537,39 +537,48 @@ class LocalExecutor:
         """Held-out prompts, each answered once, greedily; every node but the updates;
         `val/...` metrics: the step metrics, the log-ratio to the reference, and text
         metrics of the responses (diversity, exact-match accuracy:
-        `flowgraph.runtime.evaluation`)."""
+        `flowgraph.runtime.evaluation`). Every held-out row counts once: batches of Bp
+        in file order, the last one the last Bp rows, of which only the rows not seen
+        yet count (its step metrics weigh by them)."""
         out: dict[str, float] = {}
         if not all(self.res.data[d.name].eval is not None for d in self.graph.data):
             return out
         evals = [self.res.data[d.name].eval for d in self.graph.data]
         for ev in evals:
             ev.load_state_dict({"epoch": 0, "position": 0})
-        rows = min(len(ev) for ev in evals)
-        batches = max(rows // self.dims["Bp"], 1)
+        rows, size = min(len(ev) for ev in evals), self.dims["Bp"]
         self.run_prologue("eval")
         sums: dict[str, float] = {}
         held_out = HeldOut()
         with torch.no_grad():
-            for _ in range(batches):
+            for fresh in _new_rows_per_batch(rows, size):
+                if fresh < size:  # the last batch: the last Bp rows
+                    for ev in evals:
+                        ev.load_state_dict({"epoch": 0, "position": rows - size})
                 env: dict[tuple[str, str], Any] = {}
                 self.next_batches(env, split="eval")
-                scratch: dict[str, float] = {}
-                for name in self.prologue + self.order:
-                    if not self.kinds[name].trains:
-                        self.run_node(name, env, step, strict=False, metrics=scratch,
-                                      split="eval")
-                    else:
-                        self._update_eval(name, env, step, scratch)
+                scratch = self._eval_nodes(env, step)
                 scratch.update(step_metrics(self.graph, self.kinds, env))
                 scratch.update(log_ratio_to_reference(self.graph, env))
-                held_out.add(self.graph, self.kinds, env, self.res.tokenizers)
+                held_out.add(self.graph, self.kinds, env, self.res.tokenizers,
+                             skip=size - fresh)
                 for k, v in scratch.items():
-                    sums[k] = sums.get(k, 0.0) + v / batches
+                    sums[k] = sums.get(k, 0.0) + v * fresh / max(rows, size)
         for k, v in sums.items():
             if not k.startswith("perf/"):
                 out["val/" + k.removeprefix("critic/")] = v
         out.update({f"val/{k}": v for k, v in held_out.metrics().items()})
         return out
+
+    def _eval_nodes(self, env: dict[tuple[str, str], Any], step: int) -> dict[str, float]:
+        """Every node on one held-out batch, the updates' `_eval` taking their place."""
+        scratch: dict[str, float] = {}
+        for name in self.prologue + self.order:
+            if not self.kinds[name].trains:
+                self.run_node(name, env, step, strict=False, metrics=scratch, split="eval")
+            else:
+                self._update_eval(name, env, step, scratch)
+        return scratch
 
     def _update_eval(self, name: str, env: dict[tuple[str, str], Any], step: int,
                      metrics: dict[str, float]) -> None:
@@ -706,14 +715,18 @@ class LocalExecutor:
         """The prologue over the training rows, and the held-out rows when the run
         evaluates; its time goes in the first row (`timing_s/prologue`)."""
         self.prologue_seconds = self.run_prologue("train")
-        if self.graph.trainer.eval_every:
+        if self.graph.trainer.eval_every or self.graph.trainer.val_before_train:
             self.prologue_seconds += self.run_prologue("eval")
 
     def train_step(self, step: int, log: MetricsLog) -> tuple[dict[str, float], bool]:
         """One turn of the loop: the step, the evaluation when due, the row logged, a
         checkpoint when due; (the row, whether a checkpoint was written)."""
         trainer = self.graph.trainer
+        before = {}
+        if trainer.val_before_train and step == 0 and trainer.eval_every != 1:
+            before = self.evaluate(step)  # the model before any update: the baseline
         metrics = self._guarded_step(step)
+        metrics.update(before)
         if trainer.eval_every and (step + 1) % trainer.eval_every == 0:
             metrics.update(self.evaluate(step))
         if step == self.start_step:  # the prologue, what the data load dropped: first row
@@ -811,3 +824,12 @@ def run_plan(plan: ExecutionPlan, opts: RunOptions) -> None:
             opts.tensorboard, exporter))
         executor.setup()
         executor.run()
+
+
+def _new_rows_per_batch(rows: int, size: int) -> list[int]:
+    """Rows not seen before in each held-out batch of `size`: ⌈rows/size⌉ batches, the
+    last one overlapping the one before (one batch when rows < size: it cannot be
+    drawn, and the dataset says so)."""
+    if rows <= size:
+        return [size]
+    return [min(size, rows - start) for start in range(0, rows, size)]

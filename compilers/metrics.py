@@ -100,12 +100,13 @@ class HeldOut:
     """(decoded response, ground truth) of the first `reward` node with fn `exact_match`."""
 
     def add(self, graph: Graph, kinds: dict[str, KindSpec], env: dict[tuple[str, str], Any],
-            tokenizers: dict[str, Any]) -> None:
+            tokenizers: dict[str, Any], skip: int = 0) -> None:
+        """The batch's responses, but its first `skip` rows (counted already)."""
         gen = next((n for n in graph.nodes if kinds[n.name].category == "rollout"), None)
         if gen is not None:
             special = set(getattr(tokenizers.get(gen.model or ""), "all_special_ids", ()) or ())
             rows = _valid_rows(env[(gen.name, "responses")], env[(gen.name, "response_mask")])
-            self.tokens += [[t for t in row if t not in special] for row in rows]
+            self.tokens += [[t for t in row if t not in special] for row in rows[skip:]]
         for node in graph.nodes:
             kind, truth = kinds[node.name], node.input("ground_truth")
             ids, mask = node.input("responses"), node.input("response_mask")
@@ -117,8 +118,8 @@ class HeldOut:
             tok = tokenizers[node.model]
             texts = [tok.decode(row, skip_special_tokens=True) for row in
                      _valid_rows(env[(ids.node, ids.port)], env[(mask.node, mask.port)])]
-            self.judged += zip(texts, [str(g) for g in env[(truth.node, truth.port)]],
-                               strict=True)
+            truths = [str(g) for g in env[(truth.node, truth.port)]]
+            self.judged += zip(texts[skip:], truths[skip:], strict=True)
             return
 
     def metrics(self) -> dict[str, float]:

@@ -9,6 +9,13 @@ memory estimate.
 `tiny-lm` has its own LM head; `tiny-tied` is the same architecture with the LM head
 tied to the input embeddings (`tie_word_embeddings`, as Llama-3.2-1B/3B, Qwen2.5-0.5B-3B
 and Gemma): one parameter used twice, which every target keeps one parameter.
+
+`tiny-lm-sft` is what real RL starts from: `tiny-lm` after supervised fine-tuning by the
+project's own SFT graph (`SFT_RECIPE`, the same graph as graphs/sft.yaml), trained on
+first use by the executors (`flowgraph.compilers.builtins`) and cached under a name
+that carries the recipe's hash, so a changed recipe trains a new model. The recipe is
+short on purpose: the model learns the answer format and reverses ~15% of the held-out
+strings, which leaves the RL graphs something to improve.
 """
 
 from __future__ import annotations
@@ -41,6 +48,45 @@ BUILTIN_MODELS: dict[str, dict[str, int | str | float]] = {
 }
 """Name -> Hugging Face config fields."""
 
+SFT_RECIPE = """\
+# Supervised fine-tuning: cross-entropy on the response tokens (the prompt's carry no
+# loss), the usual first stage before RL. This graph is the recipe of the embedded
+# `builtin:tiny-lm-sft` (the RL graphs' start), short on purpose: after 60 steps the
+# model answers in the task's format and reverses ~15% of the held-out strings.
+#   flowgraph run graphs/sft.yaml
+#   flowgraph export runs/sft --model policy -o sft-model   # then: models.actor.path=sft-model
+version: 1
+name: sft
+dims: {Bp: 32, P: 16, T: 8}
+
+models:
+  policy:
+    path: "builtin:tiny-lm"
+    trainable: true
+    optimizer: {lr: 1.0e-3, grad_clip: 1.0}
+
+data:
+  train: {kind: sft, path: "builtin:reverse"}
+
+nodes:
+  update:
+    kind: sft_update
+    model: policy
+    inputs:
+      prompts: train.prompts
+      prompt_mask: train.prompt_mask
+      responses: train.responses
+      response_mask: train.response_mask
+    params: {mini_batch_size: 32, loss_agg_mode: token-mean}
+
+trainer: {steps: 60, seed: 0, run_dir: runs/sft, checkpoint_every: 60, eval_every: 20}
+"""
+"""The SFT graph that trains `builtin:tiny-lm-sft`; graphs/sft.yaml is this text."""
+
+TRAINED_BUILTINS: dict[str, tuple[str, str]] = {"tiny-lm-sft": ("tiny-lm", SFT_RECIPE)}
+"""Name -> (the built-in it starts from, the recipe graph that trains it; its model
+`policy` is the result)."""
+
 BUILTIN_PREFIX = "builtin:"
 
 
@@ -48,7 +94,16 @@ def builtin_config(path: str) -> dict[str, int | str | float] | None:
     """The config of `builtin:<name>`, or None if `path` names no embedded model."""
     if not path.startswith(BUILTIN_PREFIX):
         return None
-    return BUILTIN_MODELS.get(path[len(BUILTIN_PREFIX):])
+    name = path[len(BUILTIN_PREFIX):]
+    name = TRAINED_BUILTINS[name][0] if name in TRAINED_BUILTINS else name
+    return BUILTIN_MODELS.get(name)
+
+
+def recipe_hash(name: str) -> str:
+    """Eight hex digits of a trained built-in's recipe: part of its cache folder's name."""
+    import hashlib
+
+    return hashlib.sha256(TRAINED_BUILTINS[name][1].encode()).hexdigest()[:8]
 
 
 def held_out_path(path: str, eval_path: str | None) -> str | None:

@@ -90,7 +90,8 @@ NODE: dict[str, _T] = {
 TRAINER: dict[str, _T] = {
     "steps": (int,), "seed": (int,), "run_dir": (str,), "checkpoint_every": (int,),
     "max_checkpoints": (int,),
-    "eval_every": (int,), "resume": (bool,), "strict": (bool,), "on_nonfinite": (str,),
+    "eval_every": (int,), "val_before_train": (bool,),
+    "resume": (bool,), "strict": (bool,), "on_nonfinite": (str,),
     "step_timeout_s": (float,), "metrics_port": (int, type(None)),
 }
 RESOURCES: dict[str, _T] = {

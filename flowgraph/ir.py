@@ -222,6 +222,9 @@ class TrainerSpec:
     """The newest this many checkpoints are kept; 0 keeps all."""
     eval_every: int = 0
     """0: never."""
+    val_before_train: bool = False
+    """Evaluate the model before its first update too (verl's `val_before_train`): the
+    first row's `val/` metrics are that baseline (unless eval_every is 1)."""
     resume: bool = False
     strict: bool = False
     """Check every tensor on every edge at every step (the first step always is)."""

@@ -130,6 +130,32 @@ _KINDS = (
         ),
         impl="flowgraph.nodes.data:preference_source",
     ),
+    KindSpec(
+        "sft", "data",
+        "Prompt-response rows for supervised fine-tuning (verl SFT parquet: prompt and "
+        "response columns, or a chat `messages` list).",
+        outputs=(
+            _p("prompts", "Bp P", "int"),
+            _p("prompt_mask", "Bp P", "int", "binary"),
+            _p("responses", "Bp T", "int"),
+            _p("response_mask", "Bp T", "int", "binary"),
+            _p("uid", "Bp", "int", doc="row id in the dataset"),
+        ),
+        params=(
+            _s("format", "auto", ("auto", "parquet", "jsonl", "builtin")),
+            _s("prompt_key", "prompt", doc="the prompt column (string or message list); a "
+               "struct field by its dotted name, as verl's prompt_dict_keys"),
+            _s("response_key", "response", doc="the response column (a string)"),
+            _s("messages_key", "messages", doc="a chat column read when the prompt column is "
+               "absent: the last message is the assistant's answer, the others the prompt"),
+            _i("max_prompt_length", None, dim="P"),
+            _i("max_response_length", None, dim="T"),
+            _b("shuffle", True),
+            _s("eval_path", None),
+            *DATA_PARAMS,
+        ),
+        impl="flowgraph.nodes.data:sft_source",
+    ),
     # --- rollout and model passes ------------------------------------------------
     KindSpec(
         "generate", "rollout",

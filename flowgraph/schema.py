@@ -128,6 +128,8 @@ DOCS: dict[str, str] = {
     "trainer.checkpoint_every": "Checkpoint every this many steps; 0: only at the end.",
     "trainer.max_checkpoints": "Keep the newest this many checkpoints; 0: keep all.",
     "trainer.eval_every": "Evaluate every this many steps; 0: never.",
+    "trainer.val_before_train": "Also evaluate before the first update (the baseline); its "
+                                "val/ metrics go in the first row.",
     "trainer.resume": "Resume from the latest checkpoint in run_dir.",
     "trainer.strict": "Check every tensor on every edge at every step (the first step "
                       "always is).",

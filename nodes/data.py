@@ -7,12 +7,21 @@ Layouts:
   is optional.
 * preferences (TRL): `prompt`, `chosen`, `rejected`; each a string or a message list.
   Responses end with EOS, as sampled responses do.
+* sft (verl's SFT parquet): a `prompt` and a `response` column (strings; the keys are
+  params, a struct field by its dotted name as `extra_info.question`), or a `messages`
+  chat list whose last message is the assistant's answer: the messages before it are
+  the prompt (chat template, generation prompt), its content the response + EOS.
 
 Files are parquet (`.parquet`, `.pq`) or JSON lines (`.jsonl`, `.json`); `builtin:arith`
 (and `builtin:arith:test`, its held-out fifth) is a generated toy task: single-digit
 sums and differences such as `3+4=`, whose answers are one or two tokens, so even a
 random tiny model samples a correct answer now and then and RL has a signal to
 climb. `builtin:arith-pairs[:test]` pairs each problem's answer with a wrong one.
+`builtin:reverse[:test]` (the main job's task) asks for a string of 3-4 digits
+backwards (`reverse 381` -> `183`): 1,000 training and 100 held-out strings, disjoint.
+Unlike single-digit sums, which a tiny model can only memorise, reversal is one skill
+shared by every prompt, so what training teaches on one prompt carries to held-out
+ones. Built-in tables also carry a `response` column (the answer), so `sft` reads them.
 
 A batch is drawn without replacement from a per-epoch order (shuffled by seed and
 epoch); an epoch's last incomplete batch is dropped, as verl's sampler does. The
@@ -44,7 +53,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pyarrow as pa
 import pyarrow.json as pa_json
@@ -59,6 +68,7 @@ __all__ = [
     "Overlong",
     "PreferenceDataset",
     "PromptDataset",
+    "SFTDataset",
     "Splits",
     "arith_problems",
     "check_rendering",
@@ -70,6 +80,8 @@ __all__ = [
     "prompt_source",
     "render_prompts",
     "render_responses",
+    "reverse_problems",
+    "sft_source",
 ]
 
 _SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
@@ -87,6 +99,24 @@ def arith_problems(split: str = "train") -> list[tuple[str, str]]:
     return problems[:n_test] if split == "test" else problems[n_test:]
 
 
+def reverse_problems(split: str = "train") -> list[tuple[str, str]]:
+    """(question, answer) pairs of `builtin:reverse`: `reverse 381` -> `183`.
+
+    1,100 distinct random strings of 3 or 4 digits (seeded); the last 100 are `test`.
+    """
+    rng, seen, digits = random.Random(0), set(), list[str]()
+    while len(digits) < 1100:
+        s = "".join(rng.choice("0123456789") for _ in range(rng.choice((3, 4))))
+        if s not in seen:
+            seen.add(s)
+            digits.append(s)
+    chosen = digits[1000:] if split == "test" else digits[:1000]
+    return [(f"reverse {s}", s[::-1]) for s in chosen]
+
+
+_TASKS = {"arith": arith_problems, "reverse": reverse_problems}
+
+
 def _wrong_answer(question: str, answer: str) -> str:
     candidates = [str(x) for x in range(19) if str(x) != answer]
     return random.Random(question).choice(candidates)
@@ -94,14 +124,15 @@ def _wrong_answer(question: str, answer: str) -> str:
 
 def _builtin_table(name: str) -> pa.Table:
     task, _, split = name.partition(":")
-    if task not in ("arith", "arith-pairs") or split not in ("", "train", "test"):
+    pairs = task == "arith-pairs"
+    if (task not in _TASKS and not pairs) or split not in ("", "train", "test"):
         raise FlowgraphError(
-            f"unknown built-in dataset `{BUILTIN_PREFIX}{name}`; known: "
-            f"builtin:arith, builtin:arith-pairs (suffix `:test` for held-out)"
+            f"unknown built-in dataset `{BUILTIN_PREFIX}{name}`; known: builtin:arith, "
+            f"builtin:arith-pairs, builtin:reverse (suffix `:test` for held-out)"
         )
-    problems = arith_problems(split or "train")
+    problems = _TASKS["arith" if pairs else task](split or "train")
     prompts = [[{"role": "user", "content": q}] for q, _ in problems]
-    if task == "arith-pairs":
+    if pairs:
         return pa.table(
             {
                 "prompt": prompts,
@@ -112,7 +143,8 @@ def _builtin_table(name: str) -> pa.Table:
     return pa.table(
         {
             "prompt": prompts,
-            "data_source": ["arith"] * len(problems),
+            "response": [a for _, a in problems],
+            "data_source": [task] * len(problems),
             "reward_model": [{"ground_truth": a} for _, a in problems],
         }
     )
@@ -289,7 +321,7 @@ class _TableDataset:
         self, path: str, fmt: str, required: Sequence[str], shuffle: bool, seed: int
     ) -> None:
         self.path = path
-        self.table = open_table(path, fmt, required)
+        self.table = self._prepare(open_table(path, fmt, required))
         self.shuffle, self.seed = shuffle, seed
         self.filtered_overlong = 0
         self.epoch, self.position = 0, 0
@@ -297,6 +329,10 @@ class _TableDataset:
 
     def __len__(self) -> int:
         return int(self.table.num_rows)
+
+    def _prepare(self, table: pa.Table) -> pa.Table:
+        """The table as the subclass reads it (the `sft` kind brings its layouts to one)."""
+        return table
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
@@ -455,6 +491,12 @@ def _ground_truth_getter(table: pa.Table) -> Callable[[dict[str, Any]], Any] | N
 class PreferenceDataset(_TableDataset):
     """Preference pairs; `next_batch(Bp)` gives the outputs of the `preferences` kind."""
 
+    RESPONSES: ClassVar[dict[str, tuple[str, str]]] = {
+        "chosen": ("chosen", "chosen_mask"),
+        "rejected": ("rejected", "rejected_mask"),
+    }
+    """Response column -> its output ports (ids, mask)."""
+
     def __init__(
         self,
         path: str,
@@ -468,21 +510,22 @@ class PreferenceDataset(_TableDataset):
         truncation: str = "error",
         filter_overlong_prompts: bool = False,
     ) -> None:
-        super().__init__(path, format, ["prompt", "chosen", "rejected"], shuffle, seed)
+        super().__init__(path, format, self._required(), shuffle, seed)
         check_rendering(tokenizer, apply_chat_template, self.table, "prompt", path)
         self.tokenizer, self.chat = tokenizer, apply_chat_template
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
         self.keep_end = truncation != "right"
         _apply_limits(self, self._overlong(), truncation, filter_overlong_prompts)
 
+    def _required(self) -> list[str]:
+        return ["prompt", *self.RESPONSES]
+
     def _overlong(self) -> list[Overlong]:
-        """Prompts over P and chosen / rejected responses over T, per column."""
+        """Prompts over P and responses over T, per column."""
         rows = self.table.to_pylist()
-        limits = {
-            "prompt": ("max_prompt_length", self.max_prompt_length),
-            "chosen": ("max_response_length", self.max_response_length),
-            "rejected": ("max_response_length", self.max_response_length),
-        }
+        limits = {"prompt": ("max_prompt_length", self.max_prompt_length)}
+        limits |= {key: ("max_response_length", self.max_response_length)
+                   for key in self.RESPONSES}
         found = [overlong(key, name, limit, self._render(rows, key))
                  for key, (name, limit) in limits.items() if limit is not None]
         return [o for o in found if o is not None]
@@ -494,25 +537,78 @@ class PreferenceDataset(_TableDataset):
         return render_responses(self.tokenizer, column)
 
     def batch(self, ids: list[int], rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """prompts, prompt_mask (Bp, P); chosen, chosen_mask, rejected, rejected_mask
-        (Bp, T), one T for both; uid (Bp,); all int64."""
+        """prompts, prompt_mask (Bp, P); each response column's ids and mask (Bp, T), one
+        T for all; uid (Bp,); all int64."""
         pad, P, T = _pad_id(self.tokenizer), self.max_prompt_length, self.max_response_length
         prompts = [_truncate(s, P, self.keep_end) for s in self._render(rows, "prompt")]
-        chosen = [_truncate(s, T, False) for s in self._render(rows, "chosen")]
-        rejected = [_truncate(s, T, False) for s in self._render(rows, "rejected")]
-        T = T or max(len(s) for s in chosen + rejected)
+        responses = {key: [_truncate(s, T, False) for s in self._render(rows, key)]
+                     for key in self.RESPONSES}
+        T = T or max(len(s) for seqs in responses.values() for s in seqs)
         prompt_ids, prompt_mask = _pad(prompts, P, pad, left=True)
-        chosen_ids, chosen_mask = _pad(chosen, T, pad, left=False)
-        rejected_ids, rejected_mask = _pad(rejected, T, pad, left=False)
-        return {
-            "prompts": prompt_ids,
-            "prompt_mask": prompt_mask,
-            "chosen": chosen_ids,
-            "chosen_mask": chosen_mask,
-            "rejected": rejected_ids,
-            "rejected_mask": rejected_mask,
-            "uid": torch.tensor(ids, dtype=torch.int64),
-        }
+        batch = {"prompts": prompt_ids, "prompt_mask": prompt_mask}
+        for key, (ids_port, mask_port) in self.RESPONSES.items():
+            batch[ids_port], batch[mask_port] = _pad(responses[key], T, pad, left=False)
+        batch["uid"] = torch.tensor(ids, dtype=torch.int64)
+        return batch
+
+
+class SFTDataset(PreferenceDataset):
+    """Prompt-response rows; `next_batch(Bp)` gives the outputs of the `sft` kind.
+
+    verl's SFT layouts: `prompt_key` and `response_key` columns (dotted names reach
+    into struct columns), or, when the table has no `prompt_key` column, a
+    `messages_key` chat list whose last message is the assistant's answer."""
+
+    RESPONSES: ClassVar[dict[str, tuple[str, str]]] = {
+        "response": ("responses", "response_mask")}
+
+    def __init__(self, path: str, tokenizer: Any, prompt_key: str = "prompt",
+                 response_key: str = "response", messages_key: str = "messages",
+                 **params: Any) -> None:
+        self.keys = (prompt_key, response_key, messages_key)
+        super().__init__(path, tokenizer, **params)
+
+    def _required(self) -> list[str]:
+        return []
+
+    def _prepare(self, table: pa.Table) -> pa.Table:
+        """One layout: a `prompt` (string or message list) and a `response` string."""
+        prompt_key, response_key, messages_key = self.keys
+        if prompt_key.split(".")[0] not in table.column_names \
+                and messages_key in table.column_names:
+            return pa.table(_split_messages(self.path, messages_key,
+                                            table.column(messages_key).to_pylist()))
+        for key, param in ((prompt_key, "prompt_key"), (response_key, "response_key")):
+            try:
+                _check_columns(table, [key], self.path)
+            except FlowgraphError:
+                raise FlowgraphError(
+                    f"{self.path}: the sft kind reads `{key}` (param {param}), which the "
+                    f"dataset does not have; its columns: {', '.join(table.column_names)} "
+                    f"(a chat dataset: a `{messages_key}` column, param messages_key)"
+                ) from None
+        rows = table.select([prompt_key.split(".")[0], response_key.split(".")[0]]).to_pylist()
+        return pa.table({"prompt": [_field(r, prompt_key) for r in rows],
+                         "response": [str(_field(r, response_key)) for r in rows]})
+
+
+def _split_messages(path: str, key: str, conversations: list[Any]) -> dict[str, list[Any]]:
+    """Chat rows -> prompt (the messages before the answer) and response (its content)."""
+    prompts, responses = [], []
+    for i, messages in enumerate(conversations):
+        roles = [m.get("role") for m in messages or []]
+        if not roles or roles[-1] != "assistant":
+            raise FlowgraphError(
+                f"{path}: row {i}: the last message of `{key}` must be the assistant's "
+                f"answer (the response trained on); the roles are {roles}")
+        if "assistant" in roles[:-1]:
+            raise FlowgraphError(
+                f"{path}: row {i} has {roles.count('assistant')} assistant turns; the sft kind "
+                f"trains one response per row (the last turn) and would silently drop the "
+                f"others: split the conversation into one row per assistant turn")
+        prompts.append([{"role": m["role"], "content": m["content"]} for m in messages[:-1]])
+        responses.append(str(messages[-1]["content"]))
+    return {"prompt": prompts, "response": responses}
 
 
 @dataclass(frozen=True, slots=True)
@@ -572,6 +668,37 @@ def preference_source(
     """The `preferences` kind: train (and eval) PreferenceDatasets from its params."""
     dataset = partial(
         PreferenceDataset, tokenizer=tokenizer, max_prompt_length=max_prompt_length,
+        max_response_length=max_response_length, format=format,
+        apply_chat_template=apply_chat_template, truncation=truncation,
+        filter_overlong_prompts=filter_overlong_prompts)
+    held_out = held_out_path(path, eval_path)
+    return Splits(
+        dataset(path, shuffle=shuffle, seed=seed),
+        None if held_out is None else dataset(held_out, shuffle=False),
+    )
+
+
+def sft_source(
+    path: str,
+    *,
+    tokenizer: Any,
+    format: str = "auto",
+    prompt_key: str = "prompt",
+    response_key: str = "response",
+    messages_key: str = "messages",
+    max_prompt_length: int | None = None,
+    max_response_length: int | None = None,
+    shuffle: bool = True,
+    eval_path: str | None = None,
+    apply_chat_template: bool = True,
+    truncation: str = "error",
+    filter_overlong_prompts: bool = False,
+    seed: int = 0,
+) -> Splits:
+    """The `sft` kind: train (and eval) SFTDatasets from its params."""
+    dataset = partial(
+        SFTDataset, tokenizer=tokenizer, prompt_key=prompt_key, response_key=response_key,
+        messages_key=messages_key, max_prompt_length=max_prompt_length,
         max_response_length=max_response_length, format=format,
         apply_chat_template=apply_chat_template, truncation=truncation,
         filter_overlong_prompts=filter_overlong_prompts)

@@ -35,7 +35,12 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from flowgraph.builtin_models import BUILTIN_MODELS, BUILTIN_PREFIX
+from flowgraph.builtin_models import (
+    BUILTIN_MODELS,
+    BUILTIN_PREFIX,
+    TRAINED_BUILTINS,
+    recipe_hash,
+)
 from flowgraph.errors import FlowgraphError
 
 __all__ = [
@@ -95,9 +100,11 @@ _WORDS = (
 
 
 def builtin_dir(name: str, cache_dir: str | Path | None = None) -> Path:
-    """The folder holding `builtin:<name>`: `<cache root>/builtin/<name>`."""
+    """The folder holding `builtin:<name>`: `<cache root>/builtin/<name>` (a trained
+    built-in: `<name>-<recipe hash>`)."""
     root = cache_dir or os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "flowgraph"
-    return Path(root).expanduser() / "builtin" / name
+    folder = f"{name}-{recipe_hash(name)}" if name in TRAINED_BUILTINS else name
+    return Path(root).expanduser() / "builtin" / folder
 
 
 def _corpus() -> list[str]:
@@ -159,14 +166,22 @@ def _build_builtin(name: str, target: Path) -> None:
     model.save_pretrained(target)
 
 
-def _ensure_builtin(name: str, cache_dir: str | Path | None) -> Path:
-    """Return the cached folder of `builtin:<name>`, building it once if needed."""
-    if name not in BUILTIN_MODELS:
-        known = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)
+def _ensure_builtin(name: str, cache_dir: str | Path | None, build: bool = True) -> Path:
+    """Return the cached folder of `builtin:<name>`, building it once if needed. A
+    trained built-in is trained by the executors before a run
+    (`flowgraph.compilers.builtins`), not here: without `build`, the path it will have."""
+    if name not in BUILTIN_MODELS and name not in TRAINED_BUILTINS:
+        known = ", ".join(BUILTIN_PREFIX + n for n in (*BUILTIN_MODELS, *TRAINED_BUILTINS))
         raise FlowgraphError(f"unknown built-in model `{BUILTIN_PREFIX}{name}`; known: {known}")
     final = builtin_dir(name, cache_dir)
-    if (final / "config.json").exists():
+    if (final / "config.json").exists() or (not build and name in TRAINED_BUILTINS):
         return final
+    if name in TRAINED_BUILTINS:
+        raise FlowgraphError(
+            f"`{BUILTIN_PREFIX}{name}` is trained on first use by `flowgraph run` (the SFT "
+            f"graph of flowgraph.builtin_models.SFT_RECIPE) and is not in {final.parent} "
+            f"yet: run a graph that uses it, or call "
+            f"flowgraph.compilers.builtins.ensure_builtin({name!r})")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
     try:
@@ -184,10 +199,10 @@ def _ensure_builtin(name: str, cache_dir: str | Path | None) -> Path:
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
-def _resolve(path: str, cache_dir: str | Path | None) -> str:
+def _resolve(path: str, cache_dir: str | Path | None, build: bool = True) -> str:
     """A loadable folder or hub id; a missing local path fails here, before any loading."""
     if path.startswith(BUILTIN_PREFIX):
-        return str(_ensure_builtin(path[len(BUILTIN_PREFIX) :], cache_dir))
+        return str(_ensure_builtin(path[len(BUILTIN_PREFIX) :], cache_dir, build))
     if Path(path).expanduser().exists():
         return str(Path(path).expanduser())
     if not _HUB_ID.match(path):
@@ -200,8 +215,9 @@ def _resolve(path: str, cache_dir: str | Path | None) -> str:
 
 
 def check_model_path(path: str, cache_dir: str | Path | None = None) -> None:
-    """Fail fast, before anything loads, when `path` names no model."""
-    _resolve(path, cache_dir)
+    """Fail fast, before anything loads, when `path` names no model (a trained built-in
+    is not trained here)."""
+    _resolve(path, cache_dir, build=False)
 
 
 def load_model(

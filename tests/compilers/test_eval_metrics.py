@@ -1,5 +1,6 @@
 """The local executor's held-out metrics: KL to the reference, diversity, accuracy."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -78,3 +79,24 @@ def test_step_metrics_count_response_tokens() -> None:
     got = step_metrics(graph, kinds, env)
     # 3 response tokens; with the 3 prompt tokens, 6 tokens in all
     assert got["perf/response_tokens"] == 3.0 and got["perf/tokens"] == 6.0
+
+
+def test_every_held_out_row_counts_once_and_val_before_train_is_the_baseline(
+        tmp_path: Path) -> None:
+    """31 held-out arithmetic rows in batches of Bp=4: the last batch is the last 4 rows
+    and only its 3 new ones count, so the accuracy is k/31; val_before_train puts the
+    untrained model's evaluation in the first row."""
+    import flowgraph
+    from flowgraph.passes import compile_graph
+
+    graph = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
+    result = compile_graph(graph, overrides=[
+        f"trainer.run_dir={tmp_path}", "trainer.steps=2", "trainer.eval_every=2",
+        "trainer.val_before_train=true", "trainer.checkpoint_every=0"])
+    assert result.plan is not None
+    with open(os.devnull, "w") as out:
+        rows = flowgraph.run(result.plan, tensorboard=False, out=out).rows
+    assert ["val/accuracy" in r for r in rows] == [True, True]
+    for row in rows:
+        hits = row["val/accuracy"] * 31
+        assert abs(hits - round(hits)) < 1e-9, row["val/accuracy"]

@@ -1,7 +1,7 @@
 """Every built-in kind's implementation honours its declared contract (hypothesis).
 
 Model kinds run on a 1-layer random Llama (vocab 32); critics are `ValueModel`s on its
-backbone. The data kinds (`prompts`, `preferences`) are datasets rather than per-step
+backbone. The data kinds (`prompts`, `preferences`, `sft`) are datasets rather than per-step
 functions and are checked on one `next_batch` of the built-in arithmetic task.
 
 Notation: b batch of the node, Bp prompts, P prompt length, T response length.
@@ -31,7 +31,7 @@ from flowgraph.testing import assert_honours_contract
 from flowgraph.testing.contracts import output_problem
 
 V, H = 32, 32
-DATA_KINDS = ("prompts", "preferences")
+DATA_KINDS = ("prompts", "preferences", "sft")
 PURE_KINDS = ("token_reward", "kl_penalty", "grpo", "rloo", "remax", "dpo_loss",
               "overlong_penalty", "length_penalty", "weighted_sum", "repeat")
 PARAMS = {"overlong_penalty": {"overlong_buffer_len": 1}}
@@ -159,18 +159,21 @@ FILTER_SPEC = BUILTIN_KINDS["filter"]
 def _data_sizes(kind: KindSpec, batch: dict[str, Any], bp: int) -> dict[str, int]:
     first = kind.outputs[0].name  # input_ids / prompts: binds P
     sizes = {"Bp": bp, "P": int(batch[first].shape[1])}
-    if "chosen" in batch:
-        sizes["T"] = int(batch["chosen"].shape[1])
+    for response in ("chosen", "responses"):
+        if response in batch:
+            sizes["T"] = int(batch[response].shape[1])
     return sizes
 
 
 @pytest.mark.parametrize(("name", "path"), [("prompts", "builtin:arith"),
-                                            ("preferences", "builtin:arith-pairs")])
+                                            ("preferences", "builtin:arith-pairs"),
+                                            ("sft", "builtin:reverse")])
 def test_data_kind_batches_honour_contract(name: str, path: str, tokenizer: Any) -> None:
-    from flowgraph.nodes.data import preference_source, prompt_source
+    from flowgraph.nodes.data import preference_source, prompt_source, sft_source
 
     kind = BUILTIN_KINDS[name]
-    source = prompt_source if name == "prompts" else preference_source
+    source = {"prompts": prompt_source, "preferences": preference_source,
+              "sft": sft_source}[name]
     splits = source(path, tokenizer=tokenizer)
     for bp in (1, 4):
         batch = splits.train.next_batch(bp)

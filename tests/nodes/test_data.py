@@ -19,6 +19,8 @@ from flowgraph.nodes.data import (
     arith_problems,
     preference_source,
     prompt_source,
+    reverse_problems,
+    sft_source,
 )
 from flowgraph.nodes.models import build_tiny_tokenizer
 
@@ -221,6 +223,55 @@ def test_builtin_arith_is_small_and_learnable() -> None:
     assert batch["attention_mask"].sum(-1).max() <= 16
     questions = [TOK.decode(ids, skip_special_tokens=True) for ids in batch["input_ids"]]
     assert [(q, a) for q, a in zip(questions, batch["ground_truth"], strict=True)] == test
+
+
+def test_builtin_reverse_has_disjoint_splits_and_sft_rows() -> None:
+    train, test = reverse_problems("train"), reverse_problems("test")
+    assert (len(train), len(test)) == (1000, 100)
+    assert not {q for q, _ in train} & {q for q, _ in test}
+    assert all(a == q.removeprefix("reverse ")[::-1] for q, a in train + test)
+    splits = sft_source("builtin:reverse", tokenizer=TOK, max_prompt_length=16,
+                        max_response_length=8)
+    batch = splits.eval.next_batch(4)
+    for p, r, m in zip(batch["prompts"], batch["responses"], batch["response_mask"],
+                       strict=True):
+        question = TOK.decode(p, skip_special_tokens=True)
+        assert TOK.decode(r[m.bool()], skip_special_tokens=True) == dict(test)[question]
+        assert r[m.bool()][-1] == TOK.eos_token_id  # the response ends with EOS
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_sft_reads_verl_columns_struct_fields_and_chat_messages(
+        tmp_path: Path, suffix: str) -> None:
+    flat = sft_source(str(_write(tmp_path / f"flat{suffix}", [
+        {"prompt": "reverse 12", "response": "21"}])), tokenizer=TOK)
+    nested = sft_source(str(_write(tmp_path / f"nested{suffix}", [
+        {"extra_info": {"question": "reverse 12", "answer": "21"}}])), tokenizer=TOK,
+        prompt_key="extra_info.question", response_key="extra_info.answer")
+    chat = sft_source(str(_write(tmp_path / f"chat{suffix}", [{"messages": [
+        {"role": "user", "content": "reverse 12"},
+        {"role": "assistant", "content": "21"}]}])), tokenizer=TOK)
+    batches = [s.train.next_batch(1) for s in (flat, nested, chat)]
+    assert _equal(batches[0], batches[1]) and _equal(batches[0], batches[2])
+    prompt = TOK.apply_chat_template([{"role": "user", "content": "reverse 12"}],
+                                     add_generation_prompt=True, tokenize=False)
+    assert batches[0]["prompts"][0].tolist() == TOK(prompt, add_special_tokens=False).input_ids
+    assert batches[0]["responses"][0].tolist() == [*TOK("21").input_ids, TOK.eos_token_id]
+
+
+@pytest.mark.parametrize(("row", "needle"), [
+    ({"question": "q", "response": "r"}, "reads `prompt` (param prompt_key)"),
+    ({"messages": [{"role": "user", "content": "q"}]}, "must be the assistant's answer"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
+                   {"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]},
+     "row 0 has 2 assistant turns"),
+])
+def test_sft_layout_errors_name_the_file_row_and_param(
+        tmp_path: Path, row: dict[str, Any], needle: str) -> None:
+    path = _write(tmp_path / "bad.jsonl", [row])
+    with pytest.raises(FlowgraphError, match=r"bad\.jsonl") as exc:
+        sft_source(str(path), tokenizer=TOK)
+    assert needle in str(exc.value)
 
 
 def test_builtin_arith_pairs() -> None:

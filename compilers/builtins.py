@@ -1,0 +1,79 @@
+"""Trained built-in models: trained on first use by running their recipe graph.
+
+`builtin:tiny-lm-sft` (see `flowgraph.builtin_models.TRAINED_BUILTINS`) is `tiny-lm`
+after the project's own SFT graph. `run` calls `ensure_builtins(graph)` before any
+target starts, so every process of a run finds the model in the cache. The recipe runs
+on the local target in a private temporary folder; its `policy` is exported there and
+published by an atomic rename (as `flowgraph.nodes.models` publishes the random
+built-ins): two processes training at once both succeed and a reader never sees half
+a model. The recipe's `metrics.jsonl` is kept next to the weights (`sft_metrics.jsonl`).
+CPU float32 training is deterministic, so one machine always builds the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TextIO
+
+from flowgraph.builtin_models import BUILTIN_PREFIX, TRAINED_BUILTINS
+from flowgraph.frontend import graph_from_yaml
+from flowgraph.ir import Graph
+
+__all__ = ["ensure_builtin", "ensure_builtins"]
+
+
+def ensure_builtins(graph: Graph, out: TextIO | None = None) -> None:
+    """Train every trained built-in the graph's models (or tokenizers) name, once."""
+    for m in graph.models:
+        for path in (m.path, m.tokenizer):
+            name = (path or "").removeprefix(BUILTIN_PREFIX)
+            if path and path.startswith(BUILTIN_PREFIX) and name in TRAINED_BUILTINS:
+                ensure_builtin(name, out=out)
+
+
+def ensure_builtin(name: str, out: TextIO | None = None) -> Path:
+    """The cached folder of trained built-in `name`, trained by its recipe if absent."""
+    from flowgraph.compilers import RunOptions, run
+    from flowgraph.compilers.export import export_model
+    from flowgraph.errors import CompileError
+    from flowgraph.nodes.models import builtin_dir
+    from flowgraph.passes import compile_graph
+
+    final = builtin_dir(name)
+    if (final / "config.json").exists():
+        return final
+    out = out or sys.stdout
+    base, recipe = TRAINED_BUILTINS[name]
+    graph = graph_from_yaml(recipe, file=f"<recipe of {BUILTIN_PREFIX}{name}>")
+    print(f"{BUILTIN_PREFIX}{name}: training it once from {BUILTIN_PREFIX}{base} "
+          f"({graph.trainer.steps} steps of the SFT graph graphs/sft.yaml); cached in "
+          f"{final}", file=out, flush=True)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    try:
+        t0 = time.perf_counter()
+        run_dir = tmp / "run"
+        graph = replace(graph, trainer=replace(graph.trainer, run_dir=str(run_dir)))
+        plan = compile_graph(graph).plan
+        if plan is None:  # the recipe is tested to compile; a broken one must not pass
+            raise CompileError(compile_graph(graph).diagnostics)
+        with open(os.devnull, "w") as quiet:
+            run(plan, RunOptions(out=quiet, tensorboard=False))
+        model = export_model(run_dir, "policy", tmp / "model")
+        shutil.copy(run_dir / "metrics.jsonl", model / "sft_metrics.jsonl")
+        try:
+            os.rename(model, final)  # atomic; fails if another process published first
+        except OSError:
+            if not (final / "config.json").exists():
+                raise
+        print(f"{BUILTIN_PREFIX}{name}: trained in {time.perf_counter() - t0:.0f} s",
+              file=out, flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
