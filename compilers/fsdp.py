@@ -152,7 +152,7 @@ class _Silent(MetricsLog):
     """The log of ranks > 0: rank 0 writes the run's one metrics.jsonl."""
 
     def __init__(self, run_dir: Path) -> None:
-        super().__init__(run_dir, tensorboard=False, out=sys.stdout)
+        super().__init__(run_dir, out=sys.stdout)
 
     def truncate_after(self, step: int) -> None:
         pass

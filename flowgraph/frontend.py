@@ -21,6 +21,7 @@ ports, params) is checked by the checker. A graph file looks like:
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 from collections.abc import Sequence
@@ -45,6 +46,7 @@ from flowgraph.document import (
 )
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import (
+    LOGGERS,
     NAME_RE,
     DataSpec,
     DimBinding,
@@ -92,7 +94,8 @@ TRAINER: dict[str, _T] = {
     "max_checkpoints": (int,),
     "eval_every": (int,), "val_before_train": (bool,),
     "resume": (bool,), "strict": (bool,), "on_nonfinite": (str,),
-    "step_timeout_s": (float,), "metrics_port": (int, type(None)),
+    "step_timeout_s": (float,), "metrics_port": (int, type(None)), "loggers": (list,),
+    "mlflow_tracking_uri": (str, type(None)),
 }
 RESOURCES: dict[str, _T] = {
     "device": (str,), "nproc": (int,), "memory_gib": (float, type(None)), "pools": (dict,),
@@ -356,7 +359,24 @@ def _read_trainer(r: _Reader, node: YNode | None) -> TrainerSpec:
         r.err("FG004", f"`trainer.on_nonfinite` is `{f['on_nonfinite']}`", node.pos,
               hint="use `stop` (the default) or `skip`")
         del f["on_nonfinite"]
+    if "loggers" in f:
+        f["loggers"] = _read_loggers(r, f["loggers"])
     return TrainerSpec(**f, pos=node.pos)
+
+
+def _read_loggers(r: _Reader, node: YSeq) -> tuple[str, ...]:
+    """The known names of `trainer.loggers`; each other item is an error at its line."""
+    out = []
+    for item in node.items:
+        name = plain(item)
+        if name in LOGGERS:
+            out.append(name)
+            continue
+        close = difflib.get_close_matches(str(name), LOGGERS, n=1)
+        r.err("FG004", f"`trainer.loggers` lists `{name}`, which is not a logger", item.pos,
+              hint=(f"did you mean `{close[0]}`? " if close else "")
+              + f"the loggers are {', '.join(LOGGERS)}")
+    return tuple(out)
 
 
 def _read_resources(r: _Reader, node: YNode | None) -> ResourceSpec:

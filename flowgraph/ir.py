@@ -209,6 +209,12 @@ class DimBinding:
             )
 
 
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+"""What `trainer.loggers` may list: the per-step console line, `run_dir/metrics.jsonl`
+(always written: resume and `flowgraph.run(...).rows` read it), and the experiment
+trackers of `flowgraph.runtime.trackers`."""
+
+
 @dataclass(frozen=True, slots=True)
 class TrainerSpec:
     """The training loop around the graph."""
@@ -233,6 +239,11 @@ class TrainerSpec:
     step_timeout_s: float = 0.0
     """A worker with no progress for this long is treated as dead; 0 disables."""
     metrics_port: int | None = None
+    loggers: tuple[str, ...] = ("console", "jsonl", "tensorboard")
+    """Where step rows go, from `LOGGERS`; `jsonl` is written whether listed or not."""
+    mlflow_tracking_uri: str | None = None
+    """The MLflow store of the `mlflow` logger; None: `MLFLOW_TRACKING_URI`, else
+    `sqlite:///<run_dir>/mlflow/mlflow.db`."""
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
 
     def __post_init__(self) -> None:
@@ -240,6 +251,10 @@ class TrainerSpec:
             raise IRError(
                 f"trainer.on_nonfinite must be `stop` or `skip`, got {self.on_nonfinite!r}"
             )
+        unknown = [name for name in self.loggers if name not in LOGGERS]
+        if unknown:
+            raise IRError(f"trainer.loggers: {', '.join(map(repr, unknown))} is not one of "
+                          f"{', '.join(LOGGERS)}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -58,7 +58,15 @@ from flowgraph.frontend import (
     TOP,
     TRAINER,
 )
-from flowgraph.ir import NAME_RE, ModelSpec, OptimizerSpec, ResourceSpec, TrainerSpec, to_python
+from flowgraph.ir import (
+    LOGGERS,
+    NAME_RE,
+    ModelSpec,
+    OptimizerSpec,
+    ResourceSpec,
+    TrainerSpec,
+    to_python,
+)
 from flowgraph.registry import ENTRY_POINT_GROUP, KindSpec, ParamSpec, PortSpec, Registry
 
 __all__ = ["graph_schema", "schema_json"]
@@ -138,6 +146,13 @@ DOCS: dict[str, str] = {
     "trainer.step_timeout_s": "A worker with no progress for this long is treated as "
                               "dead; 0 disables.",
     "trainer.metrics_port": "Serve Prometheus metrics on this port; null: off.",
+    "trainer.loggers": "Where step rows go: console (the line per step), jsonl "
+                       "(run_dir/metrics.jsonl, always written), tensorboard, wandb (offline "
+                       "unless WANDB_MODE says otherwise), mlflow. wandb and mlflow need "
+                       "pip install 'flowgraph[trackers]'.",
+    "trainer.mlflow_tracking_uri": "The MLflow store of the mlflow logger; null: "
+                                   "MLFLOW_TRACKING_URI, else "
+                                   "sqlite:///<run_dir>/mlflow/mlflow.db.",
     "resources.device": "cpu, cuda, or auto (cuda when available).",
     "resources.nproc": "Data-parallel size: ranks (fsdp) or workers per pool (ray).",
     "resources.memory_gib": "Memory of one device in GiB; the compiler's estimate must "
@@ -180,7 +195,9 @@ def graph_schema(registry: Registry | None = None) -> Schema:
         "models": _named(_model()),
         "data": _named(_entry(data, "data")),
         "nodes": _named(_entry(nodes, "node")),
-        "trainer": _record(TRAINER, "trainer", TrainerSpec, {"on_nonfinite": ON_NONFINITE}),
+        "trainer": _record(TRAINER, "trainer", TrainerSpec, {"on_nonfinite": ON_NONFINITE},
+                           {"loggers": {"type": "array",
+                                        "items": {"type": "string", "enum": list(LOGGERS)}}}),
         "resources": _resources(),
         "plugins": {"type": "array", "items": {"type": "string", "pattern": MODULE}},
     }

