@@ -35,7 +35,7 @@ import socket
 import sys
 import traceback
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
@@ -158,6 +158,9 @@ class _Silent(MetricsLog):
         pass
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def table(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
         pass
 
 

@@ -146,6 +146,8 @@ class LocalExecutor:
             n: {} for n in self.prologue}
         """Prologue node -> (split, uid) -> that row's outputs."""
         self.prologue_done: set[str] = set()
+        self.generations: list[dict[str, Any]] = []
+        """The last evaluation's responses (`HeldOut.table`), logged as `validation`."""
         self.start_step = 0
         self.workers, self.rank = 1, 0
         """The processes this one's models are sharded over (fsdp: the world; a Ray
@@ -288,11 +290,15 @@ class LocalExecutor:
         return NodeError(text + (f"\n{full}" if os.environ.get(DEBUG_ENV) else saved))
 
     def params_of(self, name: str, *, evaluation: bool = False) -> dict[str, Any]:
+        """The node's params; a rollout's `val_n` / `val_temperature` are the executor's:
+        at evaluation they replace n and the sampling (0: greedy, one response)."""
         node, kind = self.nodes[name], self.kinds[name]
         values = kind.param_values(node.params.to_python())
+        val_n, val_temperature = values.pop("val_n", 1), values.pop("val_temperature", 0.0)
         if evaluation and kind.category == "rollout":
-            # Held-out prompts are answered greedily, so N samples would be N copies.
-            values.update({k: v for k, v in (("do_sample", False), ("n", 1))
+            sampled = {"do_sample": True, "n": val_n, "temperature": val_temperature}
+            greedy = {"do_sample": False, "n": 1}  # n greedy answers would be n copies
+            values.update({k: v for k, v in (sampled if val_temperature > 0 else greedy).items()
                            if kind.param(k) is not None})
         return values
 
@@ -569,6 +575,7 @@ class LocalExecutor:
             if not k.startswith("perf/"):
                 out["val/" + k.removeprefix("critic/")] = v
         out.update({f"val/{k}": v for k, v in held_out.metrics().items()})
+        self.generations = held_out.table
         return out
 
     def _eval_nodes(self, env: dict[tuple[str, str], Any], step: int) -> dict[str, float]:
@@ -726,7 +733,8 @@ class LocalExecutor:
         """One turn of the loop: the step, the evaluation when due, the row logged, a
         checkpoint when due; (the row, whether a checkpoint was written)."""
         trainer = self.graph.trainer
-        before = {}
+        before: dict[str, float] = {}
+        self.generations = []
         if trainer.val_before_train and step == 0 and trainer.eval_every != 1:
             before = self.evaluate(step)  # the model before any update: the baseline
         metrics = self._guarded_step(step)
@@ -740,6 +748,8 @@ class LocalExecutor:
                             for name, s in self.res.data.items()
                             if getattr(s.train, "filtered_overlong", 0)})
         log.write(step, metrics)
+        if self.generations:
+            log.table(step, "validation", self.generations)
         every = trainer.checkpoint_every
         due = bool(every and (step + 1) % every == 0) or step == trainer.steps - 1
         if due:

@@ -1,6 +1,6 @@
 """Metrics an executor computes from a step's values: verl's batch metrics
 (`step_metrics`) and, on held-out data, the log-ratio to the reference and the text
-metrics of the greedy responses (`HeldOut`). Which node is which is read from its kind
+metrics of the responses (`HeldOut`). Which node is which is read from its kind
 (`KindSpec.category`, `head`), never from its name."""
 
 from __future__ import annotations
@@ -92,21 +92,32 @@ def log_ratio_to_reference(graph: Graph, env: dict[tuple[str, str], Any]
 
 @dataclass
 class HeldOut:
-    """Greedy responses to the held-out prompts, gathered over the evaluation batches."""
+    """Responses to the held-out prompts, gathered over the evaluation batches: n per
+    prompt (the rollout's `val_n`; one when greedy)."""
 
     tokens: list[list[int]] = field(default_factory=list)
     """Valid tokens of each response of the first `generate` node, special tokens dropped."""
-    judged: list[tuple[str, str]] = field(default_factory=list)
-    """(decoded response, ground truth) of the first `reward` node with fn `exact_match`."""
+    table: list[dict[str, Any]] = field(default_factory=list)
+    """One row per response judged by the first `reward` node with fn `exact_match`:
+    prompt, response, ground_truth, score, correct, and `prompt_id` (its prompt's number
+    in the held-out set)."""
+    prompts: int = 0
+    """Held-out prompts counted so far."""
 
     def add(self, graph: Graph, kinds: dict[str, KindSpec], env: dict[tuple[str, str], Any],
             tokenizers: dict[str, Any], skip: int = 0) -> None:
-        """The batch's responses, but its first `skip` rows (counted already)."""
+        """The batch's responses, but those of its first `skip` prompts (counted already)."""
+        from flowgraph.runtime.evaluation import exact_match
+
         gen = next((n for n in graph.nodes if kinds[n.name].category == "rollout"), None)
-        if gen is not None:
-            special = set(getattr(tokenizers.get(gen.model or ""), "all_special_ids", ()) or ())
-            rows = _valid_rows(env[(gen.name, "responses")], env[(gen.name, "response_mask")])
-            self.tokens += [[t for t in row if t not in special] for row in rows[skip:]]
+        if gen is None:
+            return
+        index = [int(i) for i in env[(gen.name, "index")]]
+        keep = [r for r, i in enumerate(index) if i >= skip]
+        special = set(getattr(tokenizers.get(gen.model or ""), "all_special_ids", ()) or ())
+        rows = _valid_rows(env[(gen.name, "responses")], env[(gen.name, "response_mask")])
+        self.tokens += [[t for t in rows[r] if t not in special] for r in keep]
+        first, self.prompts = self.prompts, self.prompts + max(index, default=-1) + 1 - skip
         for node in graph.nodes:
             kind, truth = kinds[node.name], node.input("ground_truth")
             ids, mask = node.input("responses"), node.input("response_mask")
@@ -118,20 +129,34 @@ class HeldOut:
             tok = tokenizers[node.model]
             texts = [tok.decode(row, skip_special_tokens=True) for row in
                      _valid_rows(env[(ids.node, ids.port)], env[(mask.node, mask.port)])]
+            prompts = [tok.decode(row, skip_special_tokens=True) for row in
+                       _valid_rows(env[(gen.name, "prompts")], env[(gen.name, "prompt_mask")])]
             truths = [str(g) for g in env[(truth.node, truth.port)]]
-            self.judged += zip(texts[skip:], truths[skip:], strict=True)
+            scores = env.get((node.name, "scores"))
+            for r in keep:
+                self.table.append({
+                    "prompt_id": first + index[r] - skip, "prompt": prompts[r],
+                    "response": texts[r], "ground_truth": truths[r],
+                    "score": None if scores is None else float(scores[r]),
+                    "correct": exact_match(texts[r], truths[r])})
             return
 
     def metrics(self) -> dict[str, float]:
-        """`diversity/...`, `accuracy` (exact match), for the responses gathered."""
-        from flowgraph.runtime.evaluation import diversity_metrics, exact_match_accuracy
+        """`diversity/...`; `accuracy` (exact match, the mean over every response: with
+        n > 1 responses a prompt, also `accuracy/mean@n` and `accuracy/pass@n`)."""
+        from flowgraph.runtime.evaluation import diversity_metrics, pass_at_n
 
         out = {}
         if self.tokens:
             out = {f"diversity/{k}": v for k, v in diversity_metrics(self.tokens).items()}
-        if self.judged:
-            texts, truths = zip(*self.judged, strict=True)
-            out["accuracy"] = exact_match_accuracy(texts, truths)
+        if self.table:
+            correct = [row["correct"] for row in self.table]
+            out["accuracy"] = sum(correct) / len(correct)
+            n = len(correct) // max(len({row["prompt_id"] for row in self.table}), 1)
+            if n > 1:
+                out[f"accuracy/mean@{n}"] = out["accuracy"]
+                out[f"accuracy/pass@{n}"] = pass_at_n(
+                    correct, [row["prompt_id"] for row in self.table])
         return out
 
 

@@ -186,6 +186,11 @@ _KINDS = (
             _i("top_k", 0, "0: off", minimum=0),
             _i("max_new_tokens", None, "response length; binds T", dim="T"),
             _b("do_sample", True),
+            _i("val_n", 1, "held-out responses per prompt at evaluation (val/accuracy is "
+               "their mean, mean@n; val/pass@n: a prompt with any right); > 1 needs "
+               "val_temperature > 0"),
+            _f("val_temperature", 0.0, "sampling temperature at evaluation (verl's "
+               "val_kwargs); 0: greedy, one response per prompt", minimum=0.0),
             _f("gpu_memory_utilization", None, "vLLM only: the share of accelerator memory "
                "(on CPU: of NUMA node 0's RAM) the engine takes; null: a KV cache sized for "
                "the node's sequences of P+T tokens", minimum=0.0),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from flowgraph.check.batch import check_batches, ranks_of
 from flowgraph.check.filters import check_filters
 from flowgraph.check.functions import check_functions
-from flowgraph.check.sampling import check_temperatures
+from flowgraph.check.sampling import check_temperatures, check_val_sampling
 from flowgraph.check.shapes import DimEnv, EdgeInfo, PortShape, ShapeResult, infer_shapes
 from flowgraph.check.structure import (
     Resolved,
@@ -79,6 +79,7 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     check_functions(graph, table, out)
     check_models(graph, table, out)
     check_temperatures(table, out)
+    check_val_sampling(table, out)
     check_held_out(graph, out)
     on_cycle = check_cycles(graph, out)
     check_unused(graph, table, out)

@@ -12,7 +12,7 @@ every node, so any scoring temperature is accepted there.
 from __future__ import annotations
 
 from flowgraph.check.structure import Resolved, param_value
-from flowgraph.diagnostics import Diagnostic, warning
+from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.ir import NodeSpec
 
 
@@ -44,3 +44,19 @@ def check_temperatures(table: dict[str, Resolved], out: list[Diagnostic]) -> Non
             hint=f"set nodes.{r.name}.params.temperature: {drawn:g} (the PPO ratio compares "
                  "log-probs of one distribution only when every node scores at the "
                  "sampling temperature)"))
+
+
+def check_val_sampling(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
+    """A rollout's `val_n` > 1 needs `val_temperature` > 0: n greedy answers are copies."""
+    for r in table.values():
+        if r.kind is None or r.kind.category != "rollout" or not isinstance(r.spec, NodeSpec):
+            continue
+        n, temperature = param_value(r, "val_n"), param_value(r, "val_temperature")
+        if isinstance(n, int) and n > 1 and temperature in (0, 0.0):
+            p = r.spec.params.find("val_n")
+            out.append(error(
+                "FG118", f"`{r.name}` asks for {n} held-out responses a prompt "
+                f"(val_n) but evaluates greedily (val_temperature 0): they would be {n} "
+                f"copies of one", p.pos if p is not None else r.pos, node=r.name,
+                hint=f"set nodes.{r.name}.params.val_temperature (verl's val_kwargs use "
+                     f"1.0 for mean@n), or val_n: 1"))

@@ -26,9 +26,11 @@ from flowgraph.runtime.answers import extract_answer
 __all__ = [
     "distinct_n",
     "diversity_metrics",
+    "exact_match",
     "exact_match_accuracy",
     "ngram_entropy",
     "ngrams",
+    "pass_at_n",
     "repetition_rate",
 ]
 
@@ -82,17 +84,31 @@ def diversity_metrics(seqs: Sequence[Sequence[Hashable]]) -> dict[str, float]:
     }
 
 
-def exact_match_accuracy(texts: Sequence[str], truths: Sequence[str]) -> float:
-    """Share of responses whose final answer equals the ground truth, by the reward's
+def exact_match(text: str, truth: str) -> bool:
+    """Whether a response's final answer equals the ground truth, by the reward's
     `exact_match` rule (`flowgraph.runtime.answers.extract_answer`: the number after
     `####`, else the last number; thousands commas, `$` and a final full stop ignored).
     Partial credit (the reward's `format_score`) does not count here."""
+    answer, expected = extract_answer(text), extract_answer(str(truth))
+    return answer is not None and answer == expected
+
+
+def exact_match_accuracy(texts: Sequence[str], truths: Sequence[str]) -> float:
+    """Share of responses that are an `exact_match` of their ground truth."""
     if len(texts) != len(truths):
         raise ValueError(f"{len(texts)} responses but {len(truths)} ground truths")
     if not texts:
         return 0.0
-    hits = 0
-    for text, truth in zip(texts, truths, strict=True):
-        answer, expected = extract_answer(text), extract_answer(str(truth))
-        hits += answer is not None and answer == expected
-    return hits / len(texts)
+    return sum(exact_match(t, g) for t, g in zip(texts, truths, strict=True)) / len(texts)
+
+
+def pass_at_n(correct: Sequence[bool], groups: Sequence[int]) -> float:
+    """Share of prompts (`groups`: each response's prompt) with at least one right
+    response among their n: pass@n as reported with n samples (not the unbiased
+    estimator of Chen et al. 2021 for k < n)."""
+    if len(correct) != len(groups):
+        raise ValueError(f"{len(correct)} verdicts but {len(groups)} group ids")
+    by_prompt: dict[int, bool] = {}
+    for ok, g in zip(correct, groups, strict=True):
+        by_prompt[g] = by_prompt.get(g, False) or ok
+    return sum(by_prompt.values()) / len(by_prompt) if by_prompt else 0.0

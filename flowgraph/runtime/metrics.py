@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -91,6 +91,16 @@ class MetricsLog:
         progress, task = self._bar
         progress.console.print(self.line(step, metrics), highlight=False, markup=False)
         progress.update(task, completed=step + 1)
+
+    def table(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """`run_dir/<name>/step_<step>.jsonl` (one JSON object a row) and the trackers'
+        tables: the validation generations (`name` = `validation`)."""
+        folder = self.path.parent / name
+        folder.mkdir(exist_ok=True)
+        with (folder / f"step_{step}.jsonl").open("w", encoding="utf-8") as f:
+            f.writelines(json.dumps(dict(r)) + "\n" for r in rows)
+        for tracker in self.trackers:
+            tracker.table(step, f"val/{name}", rows)
 
     def line(self, step: int, metrics: dict[str, float]) -> str:
         """`step 3/40 [generation] 1.24s [scoring] 0.87s … | score 0.250 pg_loss -0.013`:

@@ -31,7 +31,7 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -54,6 +54,10 @@ class Tracker(Protocol):
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """The finite numbers of step `step`'s row."""
+
+    def table(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """A table logged at step `step` (the validation generations), rows of one
+        set of columns."""
 
     def close(self) -> None:
         """Flush and end the tracker's run."""
@@ -123,6 +127,15 @@ class TensorBoard:
             self.writer.add_scalar(name, value, step)
         self.writer.flush()
 
+    def table(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """A markdown table in the Text tab."""
+        columns = list(rows[0]) if rows else []
+        lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+        lines += ["| " + " | ".join(str(r[c]).replace("|", "\\|").replace("\n", " ")
+                                    for c in columns) + " |" for r in rows]
+        self.writer.add_text(name, "\n".join(lines), step)
+        self.writer.flush()
+
     def close(self) -> None:
         self.writer.close()
 
@@ -153,6 +166,13 @@ class Wandb:
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         self.run.log(dict(metrics), step=step)
+
+    def table(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        import wandb
+
+        columns: list[str | int] = list(rows[0]) if rows else []
+        data = [[r[str(c)] for c in columns] for r in rows]
+        self.run.log({name: wandb.Table(columns=columns, data=data)}, step=step)
 
     def close(self) -> None:
         self.run.finish()
@@ -209,6 +229,12 @@ class Mlflow:
                 for name, value in metrics.items()]
         for i in range(0, len(rows), MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=rows[i:i + MAX_METRICS_PER_BATCH])
+
+    def table(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """An artifact `<name>/step_<step>.json` (MLflow's `log_table`)."""
+        columns = list(rows[0]) if rows else []
+        self.client.log_table(self.run_id, {c: [r[c] for r in rows] for c in columns},
+                              f"{name}/step_{step}.json")
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

@@ -2,6 +2,7 @@
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -51,7 +52,8 @@ def test_held_out_responses_give_diversity_and_accuracy() -> None:
     responses = torch.tensor([r + [pad] * (T - len(r)) for r in rows])
     mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows])
     env = {("gen", "responses"): responses, ("gen", "response_mask"): mask,
-           ("gen", "ground_truth"): ["7", "12", "8", "3"]}
+           ("gen", "ground_truth"): ["7", "12", "8", "3"], ("gen", "index"): torch.arange(4),
+           **_prompts(tok, ["3+4=", "6+6=", "4+4=", "1+1="])}
     held_out = HeldOut()
     held_out.add(graph, kinds, env, {"actor": tok, "ref": tok})
     # eos is special and left out; the builtin BPE reads `#### 7` as `##` `##` `␣` `7`
@@ -66,6 +68,76 @@ def test_held_out_responses_give_diversity_and_accuracy() -> None:
     assert set(metrics) == {"accuracy", "diversity/distinct_1", "diversity/distinct_2",
                             "diversity/entropy_1", "diversity/entropy_2",
                             "diversity/repetition_2"}
+
+
+def _prompts(tok: Any, questions: list[str]) -> dict[tuple[str, str], torch.Tensor]:
+    ids = [tok(q, add_special_tokens=False).input_ids for q in questions]
+    P = max(len(i) for i in ids)
+    return {("gen", "prompts"): torch.tensor([[0] * (P - len(i)) + i for i in ids]),
+            ("gen", "prompt_mask"): torch.tensor([[0] * (P - len(i)) + [1] * len(i)
+                                                  for i in ids])}
+
+
+def _responses(tok: Any, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [[*tok(t, add_special_tokens=False).input_ids, tok.eos_token_id] for t in texts]
+    T = max(len(r) for r in rows)
+    return (torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in rows]),
+            torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rows]))
+
+
+def test_n_responses_a_prompt_give_mean_and_pass_at_n_and_a_table() -> None:
+    """Two held-out batches of 2 prompts x 2 samples; the second repeats prompt `2+1=`
+    (the last batch is the last Bp rows), so only its second prompt counts."""
+    graph, kinds = _graph("grpo.yaml")
+    tok = load_tokenizer("builtin:tiny-lm")
+    held_out = HeldOut()
+    batches = [(["3+4=", "5+0="], ["7", "8", "5", "5"], ["7", "5"], 0),
+               (["5+0=", "2+1="], ["5", "9", "0", "1"], ["5", "3"], 1)]
+    for questions, texts, truths, skip in batches:
+        responses, mask = _responses(tok, texts)
+        env = {("gen", "responses"): responses, ("gen", "response_mask"): mask,
+               ("gen", "ground_truth"): [t for t in truths for _ in range(2)],
+               ("gen", "index"): torch.tensor([0, 0, 1, 1]),
+               ("reward", "scores"): torch.tensor([1.0, 0.1, 1.0, 0.0]),
+               **_prompts(tok, [q for q in questions for _ in range(2)])}
+        held_out.add(graph, kinds, env, {"actor": tok, "ref": tok}, skip=skip)
+    # 3+4: 7 right, 8 wrong; 5+0: 5, 5 right; 2+1: 0, 1 wrong (the repeated 5+0 skipped)
+    assert [(r["prompt_id"], r["prompt"], r["response"], r["correct"])
+            for r in held_out.table] == [
+        (0, "3+4=", "7", True), (0, "3+4=", "8", False), (1, "5+0=", "5", True),
+        (1, "5+0=", "5", True), (2, "2+1=", "0", False), (2, "2+1=", "1", False)]
+    assert [r["score"] for r in held_out.table] == pytest.approx([1.0, 0.1, 1.0, 0.0, 1.0, 0.0])
+    assert held_out.prompts == 3
+    metrics = held_out.metrics()
+    assert metrics["accuracy"] == metrics["accuracy/mean@2"] == pytest.approx(3 / 6)
+    assert metrics["accuracy/pass@2"] == pytest.approx(2 / 3)
+
+
+def test_sampled_validation_logs_a_table_and_mean_at_n(tmp_path: Path) -> None:
+    """val_n 3 at temperature 1 on the 100 held-out strings: 300 table rows per
+    evaluation in run_dir/validation, accuracy = mean@3 <= pass@3."""
+    import json
+
+    import flowgraph
+    from flowgraph.passes import compile_graph
+
+    graph = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
+    result = compile_graph(graph, overrides=[
+        f"trainer.run_dir={tmp_path}", "trainer.steps=1", "trainer.eval_every=1",
+        "trainer.checkpoint_every=0", "dims.Bp=4", "dims.N=2",
+        "nodes.update_actor.params.mini_batch_size=8", "nodes.gen.params.val_n=3",
+        "nodes.gen.params.val_temperature=1.0"])
+    assert result.plan is not None
+    with open(os.devnull, "w") as out:
+        (row,) = flowgraph.run(result.plan, tensorboard=False, out=out).rows
+    table = [json.loads(line) for line in
+             (tmp_path / "validation" / "step_0.jsonl").read_text().splitlines()]
+    assert len(table) == 300 and len({r["prompt_id"] for r in table}) == 100
+    assert set(table[0]) == {"prompt_id", "prompt", "response", "ground_truth", "score",
+                             "correct"}
+    assert row["val/accuracy"] == row["val/accuracy/mean@3"] == pytest.approx(
+        sum(r["correct"] for r in table) / 300)
+    assert row["val/accuracy/mean@3"] <= row["val/accuracy/pass@3"]
 
 
 def test_step_metrics_count_response_tokens() -> None:
