@@ -16,8 +16,18 @@ ROOT = Path(__file__).resolve().parents[2]
 GRAPHS = ROOT / "graphs"
 SHORT = ("trainer.steps=5", "trainer.checkpoint_every=2")
 """The runs compared across targets: 5 steps, checkpoints after steps 1, 3 and 4."""
-EQUAL = {"ppo": (*SHORT, "trainer.eval_every=5"), "grpo": SHORT, "dpo": SHORT}
-"""Overrides of each graph's equal-numbers run (PPO also evaluates at its last step)."""
+SMALL = {
+    "ppo": ("dims.Bp=16", "nodes.update_actor.params.mini_batch_size=8",
+            "nodes.update_critic.params.mini_batch_size=8"),
+    "grpo": ("dims.Bp=4", "dims.N=4", "nodes.update_actor.params.mini_batch_size=8",
+             "trainer.val_before_train=false"),
+}
+"""The shipped PPO and GRPO at small batches (two optimizer steps a rollout), so that
+the runs compared across targets stay quick (the shipped batches are for learning)."""
+EQUAL = {"ppo": (*SMALL["ppo"], *SHORT, "trainer.eval_every=5"),
+         "grpo": (*SMALL["grpo"], *SHORT), "dpo": SHORT}
+"""Overrides of each graph's equal-numbers run (PPO also evaluates before its first and
+after its last step)."""
 MODELS = {"ppo": ("actor", "ref", "critic"), "grpo": ("actor", "ref"), "dpo": ("policy", "ref")}
 """Each graph's models: `tied_overrides(graph)` loads them all from the tied built-in."""
 

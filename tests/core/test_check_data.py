@@ -15,10 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 GRPO = (ROOT / "graphs" / "grpo.yaml").read_text()
 
 
-def _graph(tmp_path: Path, data: str = '{kind: prompts, path: "builtin:arith"}',
-           actor: str = '"builtin:tiny-lm"') -> str:
-    text = GRPO.replace('train: {kind: prompts, path: "builtin:arith"}', f"train: {data}")
-    text = text.replace('    path: "builtin:tiny-lm"\n', f"    path: {actor}\n", 1)
+def _graph(tmp_path: Path, data: str = '{kind: prompts, path: "builtin:reverse"}',
+           actor: str = '"builtin:tiny-lm-sft"') -> str:
+    text = GRPO.replace('train: {kind: prompts, path: "builtin:reverse"}', f"train: {data}")
+    text = text.replace('    path: "builtin:tiny-lm-sft"\n', f"    path: {actor}\n", 1)
     path = tmp_path / "g.yaml"
     path.write_text(text)
     return str(path)
@@ -58,7 +58,7 @@ def test_a_dataset_without_ground_truth_too_long_and_too_short(
     for needle in ("q.jsonl` row 1 (0-based)", "24 tokens", "max_prompt_length 16",
                    "truncation: left"):
         assert needle in by_code["FG503"]["message"]
-    assert "2 rows, fewer than one batch (Bp = 4)" in by_code["FG505"]["message"]
+    assert "2 rows, fewer than one batch (Bp = 16)" in by_code["FG505"]["message"]
     assert {d["line"] for d in diags if d["code"].startswith("FG50")} >= {
         _line_of(graph, "train: {kind: prompts")}
 
@@ -70,13 +70,13 @@ def test_a_dataset_without_ground_truth_too_long_and_too_short(
 def test_the_length_report_follows_the_policy(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], policy: str, severity: str, needle: str
 ) -> None:
-    rows = [{**r, "ground_truth": r["answer"]} for r in ROWS * 4]
+    rows = [{**r, "ground_truth": r["answer"]} for r in ROWS * 16]  # 16 rows fit: Bp = 16
     data = _jsonl(tmp_path / "q.jsonl", rows)
     status, diags = _diags(capsys, _graph(tmp_path, f"{{kind: prompts, path: {data}, {policy}}}"))
     over = [d for d in diags if d["code"] == "FG503"]
     assert status == 0
     assert [d["severity"] for d in over] == [severity]
-    assert needle.replace("2 rows", "8 rows").replace("1 of", "4 of") in over[0]["message"]
+    assert needle.replace("2 rows", "32 rows").replace("1 of", "16 of") in over[0]["message"]
 
 
 def test_model_folders_vocabulary_and_hub_ids(tmp_path: Path,

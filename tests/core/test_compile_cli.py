@@ -33,7 +33,8 @@ def test_output_file_holds_the_plan_as_json(tmp_path: Path,
     data = json.loads(out.read_text())
     assert (data["target"], data["nproc"], data["version"]) == ("fsdp", 2, PLAN_VERSION)
     plan = ExecutionPlan.from_json(out.read_text())
-    assert plan.edge("gen.responses", "old_logprob.responses").group_aligned
+    # one optimizer step per rollout: no old log-prob forward; the update reads the groups
+    assert plan.edge("gen.responses", "ref_logprob.responses").group_aligned
 
 
 @pytest.mark.parametrize(("args", "code", "stderr"), [

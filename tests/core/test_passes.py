@@ -42,7 +42,22 @@ def graph_of(doc: dict[str, Any]) -> Graph:
     return graph_from_yaml(yaml.safe_dump(doc, sort_keys=False), "test.yaml")
 
 
+SMALL = {
+    "ppo.yaml": ("dims.Bp=16", "nodes.update_actor.params.mini_batch_size=8",
+                 "nodes.update_critic.params.mini_batch_size=8"),
+    "grpo.yaml": ("dims.Bp=4", "dims.N=4", "nodes.update_actor.params.mini_batch_size=8"),
+}
+"""graphs/ppo.yaml and grpo.yaml at the small dims the numbers below are of (the shipped
+graphs use larger batches, so that they learn), the test's own overrides after them."""
+
+
+def small(file: str, overrides: Any = ()) -> list[str]:
+    return [*SMALL.get(file, ()), *overrides]
+
+
 def plan_of(file: str | Graph, **kw: Any) -> ExecutionPlan:
+    if isinstance(file, str):
+        kw["overrides"] = small(file, kw.get("overrides", ()))
     result = compile_graph(GRAPHS / file if isinstance(file, str) else file, **kw)
     assert result.plan is not None, [d.one_line() for d in result.diagnostics]
     return result.plan
@@ -302,6 +317,8 @@ def test_a_tensor_of_generated_groups_splits_group_aligned() -> None:
     doc = doc_of("ppo")
     doc["dims"]["N"] = 4
     doc["dims"]["Bp"] = 4
+    for update in ("update_actor", "update_critic"):
+        doc["nodes"][update]["params"]["mini_batch_size"] = 8
     grouped = plan_of(graph_of(doc), target="ray", nproc=2)
     single = plan_of("ppo.yaml", target="ray", nproc=2)
     for plan, aligned in ((grouped, True), (single, False)):
@@ -495,7 +512,8 @@ def test_memory_shards_state_over_the_pool() -> None:
 
 
 def test_memory_over_the_declared_device_is_fg401() -> None:
-    result = compile_graph(GRAPHS / "ppo.yaml", overrides=["resources.memory_gib=0.0001"])
+    result = compile_graph(GRAPHS / "ppo.yaml", overrides=small("ppo.yaml",
+                                                                ["resources.memory_gib=0.0001"]))
     (err,) = [d for d in result.diagnostics if d.is_error]
     need = 19_489_280 / GIB  # the total of test_memory_of_ppo_on_local
     assert result.plan is None and err.code == "FG401"
@@ -515,7 +533,8 @@ def test_memory_over_the_declared_device_is_fg401() -> None:
 
 
 def fg401_hint(file: str, *overrides: str, **kw: Any) -> str:
-    result = compile_graph(GRAPHS / file, overrides=["resources.memory_gib=0.001", *overrides],
+    result = compile_graph(GRAPHS / file, overrides=small(file, ["resources.memory_gib=0.001",
+                                                             *overrides]),
                            **kw)
     (err,) = [d for d in result.diagnostics if d.code == "FG401"][:1]
     assert err.hint is not None

@@ -227,7 +227,10 @@ memory per device (estimate):
 
 
 def test_summary_on_ray_names_pools_workers_and_dispatch() -> None:
-    text = plan_of(GRAPHS / "grpo.yaml", target="ray", nproc=2, device="cuda").summary()
+    # at 4 prompts x 4 samples and mini-batches of 8 (two optimizer steps: the old log-prob
+    # forward runs; the shipped one-step graph elides it)
+    text = plan_of(GRAPHS / "grpo.yaml", target="ray", nproc=2, device="cuda", overrides=[
+        "dims.Bp=4", "dims.N=4", "nodes.update_actor.params.mini_batch_size=8"]).summary()
     assert "  driver             1 process (the single controller)\n" in text
     assert "  actor_rollout_ref  2 worker(s) on cuda, each {CPU: 1, GPU: 1}\n" in text
     assert "model ref (frozen, FSDP-sharded 2 ways)" in text

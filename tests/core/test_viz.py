@@ -158,8 +158,8 @@ def test_ppo_mermaid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         ':::update\n' in text
     edges = MERMAID_EDGE.findall(text)
     assert len(edges) == _wired_inputs(PPO) == 39
-    assert ("gen", "responses → responses<br/>(Bp*N, T) = (16, 8)", "old_logprob") in edges
-    assert ("train", "input_ids → prompts<br/>(Bp, P) = (16, 16)", "gen") in edges
+    assert ("gen", "responses → responses<br/>(Bp*N, T) = (64, 8)", "old_logprob") in edges
+    assert ("train", "input_ids → prompts<br/>(Bp, P) = (64, 16)", "gen") in edges
     assert all("(Bp" in label for _, label, _ in edges)
     assert "linkStyle" not in text
     assert capsys.readouterr().err == ""
@@ -174,7 +174,7 @@ def test_ppo_dot(tmp_path: Path) -> None:
         'shape=box, style="filled,bold", peripheries=2' in text
     edges = DOT_EDGE.findall(text)
     assert len(edges) == _wired_inputs(PPO)
-    assert ("kl", "adv", "token_level_rewards → token_level_rewards\\n(Bp*N, T) = (16, 8)", "") \
+    assert ("kl", "adv", "token_level_rewards → token_level_rewards\\n(Bp*N, T) = (64, 8)", "") \
         in edges
     assert "red" not in text
 
@@ -196,7 +196,7 @@ def test_failing_edge_is_red_in_mermaid(broken_ppo: Path, tmp_path: Path,
     assert len(edges) == _wired_inputs(broken_ppo)
     red = [int(i) for i in re.findall(r"^  linkStyle (\d+) stroke:red\b", text, re.M)]
     assert len(red) == 1 == text.count("linkStyle")
-    assert edges[red[0]] == ("reward", "scores → token_level_rewards<br/>(Bp*N,) = (16,)", "adv")
+    assert edges[red[0]] == ("reward", "scores → token_level_rewards<br/>(Bp*N,) = (64,)", "adv")
     err = capsys.readouterr().err
     assert "error[FG201]: edge `reward.scores -> adv.token_level_rewards`" in err
     assert "Traceback" not in err
@@ -206,7 +206,7 @@ def test_failing_edge_is_red_in_dot(broken_ppo: Path, tmp_path: Path) -> None:
     code, text = _viz(broken_ppo, tmp_path / "broken.dot")
     assert code == 1
     red = [e for e in DOT_EDGE.findall(text) if "red" in e[3]]
-    assert red == [("reward", "adv", "scores → token_level_rewards\\n(Bp*N,) = (16,)",
+    assert red == [("reward", "adv", "scores → token_level_rewards\\n(Bp*N,) = (64,)",
                     ", color=red, fontcolor=red, penwidth=2")]
 
 
@@ -335,7 +335,7 @@ def test_cli_writes_mermaid(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 def test_cli_overrides_reach_the_labels(tmp_path: Path) -> None:
     out = tmp_path / "ppo.mmd"
     assert main(["viz", str(PPO), "dims.T=4", "-o", str(out)]) == 0
-    assert "(Bp*N, T) = (16, 4)" in out.read_text(encoding="utf-8")
+    assert "(Bp*N, T) = (64, 4)" in out.read_text(encoding="utf-8")
 
 
 @pytest.mark.parametrize("name", ["out.png", "out", "out.mmd.txt"])

@@ -392,7 +392,7 @@ def test_the_filtered_count_is_logged_in_the_first_row(tmp_path: Path) -> None:
     from flowgraph.compilers import RunOptions, run
     from flowgraph.passes import compile_graph
 
-    rows = [{"prompt": f"{a}+{a}=", "ground_truth": str(2 * a)} for a in range(8)]
+    rows = [{"prompt": f"{a}+{a}=", "ground_truth": str(2 * a)} for a in range(16)]  # Bp
     rows += [{"prompt": "1234567890+1234567890=", "ground_truth": "0"}] * 3  # 24 tokens > 16
     data = _write(tmp_path / "q.jsonl", rows)
     graph = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"

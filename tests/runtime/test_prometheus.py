@@ -181,7 +181,8 @@ def test_tokens_reward_kl_and_memory_follow_metrics_jsonl(live_run: LiveRun) -> 
 
 def test_held_out_metrics_reach_jsonl_tensorboard_and_prometheus(live_run: LiveRun) -> None:
     rows = _rows(live_run.run_dir)
-    assert [any(k.startswith("val/") for k in r) for r in rows] == [False, False, True]
+    # grpo.yaml evaluates before training too (val_before_train): the first row
+    assert [any(k.startswith("val/") for k in r) for r in rows] == [True, False, True]
     val = {k: v for k, v in rows[-1].items() if k.startswith("val/")}
     expected = {"val/accuracy", "val/log_ratio_to_ref", "val/response_length/mean",
                 "val/score/mean",
