@@ -231,10 +231,16 @@ class Mlflow:
             self.client.log_batch(self.run_id, metrics=rows[i:i + MAX_METRICS_PER_BATCH])
 
     def table(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
-        """An artifact `<name>/step_<step>.json` (MLflow's `log_table`)."""
+        """An artifact `<name>/step_<step>.json` in the layout of MLflow's `log_table`
+        ({"columns", "data"}; written here: `log_table` needs pandas)."""
+        import tempfile
+
         columns = list(rows[0]) if rows else []
-        self.client.log_table(self.run_id, {c: [r[c] for r in rows] for c in columns},
-                              f"{name}/step_{step}.json")
+        with tempfile.TemporaryDirectory() as tmp:
+            file = Path(tmp) / f"step_{step}.json"
+            file.write_text(json.dumps({"columns": columns,
+                                        "data": [[r[c] for c in columns] for r in rows]}))
+            self.client.log_artifact(self.run_id, str(file), name)
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)

@@ -164,7 +164,9 @@ def test_every_held_out_row_counts_once_and_val_before_train_is_the_baseline(
     graph = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
     result = compile_graph(graph, overrides=[
         f"trainer.run_dir={tmp_path}", "trainer.steps=2", "trainer.eval_every=2",
-        "trainer.val_before_train=true", "trainer.checkpoint_every=0"])
+        "trainer.val_before_train=true", "trainer.checkpoint_every=0",
+        "data.train.path=builtin:arith", "dims.Bp=4", "dims.N=4",
+        "nodes.update_actor.params.mini_batch_size=8"])
     assert result.plan is not None
     with open(os.devnull, "w") as out:
         rows = flowgraph.run(result.plan, tensorboard=False, out=out).rows

@@ -378,3 +378,15 @@ def test_a_policy_loss_and_its_params_are_checked(tmp_path: Path, params: str,
     if words is not None:
         assert [(d.code, d.node) for d in errors] == [("FG112", "update_actor")]
         assert words in errors[0].message
+
+
+@pytest.mark.parametrize(("params", "errors"), [
+    ("val_n: 4, val_temperature: 1.0", []), ("val_n: 4", ["FG118"]), ("val_n: 1", [])])
+def test_n_held_out_responses_need_a_sampling_temperature(params: str, errors: list[str]) -> None:
+    text = GRPO.replace("params: {backend: hf, temperature: 1.0}",
+                        f"params: {{backend: hf, temperature: 1.0, {params}}}")
+    found = [d for d in _check(text) if d.is_error]
+    assert [d.code for d in found] == errors
+    if errors:
+        assert "val_temperature" in found[0].hint and found[0].pos.line == _last_line_of(
+            text, "val_n")

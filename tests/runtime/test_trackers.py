@@ -94,7 +94,9 @@ def _wandb_runs(run_dir: Path) -> list[tuple[str, dict[str, Any], dict[int, dict
             elif kind == "history":
                 row = {i.key or "/".join(i.nested_key): json.loads(i.value_json)
                        for i in record.history.item}
-                history[row["_step"]] = {k: v for k, v in row.items() if not k.startswith("_")}
+                history[row["_step"]] = {  # the validation table's fields: elsewhere
+                    k: v for k, v in row.items()
+                    if not k.startswith(("_", "val/validation/"))}
         out.append((run_id, config, history))
     return out
 
@@ -145,7 +147,29 @@ def test_wandb_and_mlflow_hold_the_rows_of_metrics_jsonl(tmp_path: Path) -> None
     params = mlflow_run.data.params
     assert params["trainer.steps"] == "3" and params["dims.Bp"] == "2"
     assert params["nodes.gen.params.backend"] == "hf"
-    assert params["models.actor.optimizer.lr"] == "0.002"
+    assert params["models.actor.optimizer.lr"] == "0.0003"
+
+
+def test_validation_generations_reach_the_run_dir_and_every_tracker(tmp_path: Path) -> None:
+    """Before training (val_before_train) and after step 1: run_dir/validation/step_*.jsonl,
+    an MLflow table artifact and a wandb Table, of the same rows."""
+    run_dir = tmp_path / "run"
+    _grpo(run_dir, "trainer.steps=2", "trainer.eval_every=2",
+          "trainer.loggers=[jsonl, tensorboard, wandb, mlflow]")
+    tables = sorted(p.name for p in (run_dir / "validation").iterdir())
+    assert tables == ["step_0.jsonl", "step_1.jsonl"]
+    rows = [json.loads(line) for line in (run_dir / "validation" / "step_1.jsonl").open()]
+    assert len(rows) == 100  # every held-out string of builtin:reverse, once
+    assert rows[0]["prompt"].startswith("reverse ") and "ground_truth" in rows[0]
+    client, run_id = _mlflow(run_dir)
+    logged = json.loads(Path(client.download_artifacts(
+        run_id, "val/validation/step_1.json", str(tmp_path))).read_text())
+    column = logged["columns"].index("response")
+    assert [row[column] for row in logged["data"]] == [r["response"] for r in rows]
+    (media,) = (run_dir / "wandb").glob("offline-run-*/files/media/table/val/validation_1_*")
+    table = json.loads(media.read_text())
+    assert [row[table["columns"].index("response")] for row in table["data"]] == \
+        [r["response"] for r in rows]
 
 
 def test_a_resumed_run_continues_the_tracker_runs(tmp_path: Path) -> None:
