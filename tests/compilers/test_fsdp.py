@@ -175,14 +175,15 @@ def test_parameters_shared_between_shard_units_are_left_replicated() -> None:
     assert {id(p) for p in shared} == {id(base.embed.weight), id(base.layers[1].weight)}
 
 
-def test_grpo_through_the_cli_equals_local(tmp_path: Path, local_reference: Any) -> None:
+def test_grpo_through_the_cli_equals_local(tmp_path: Path, local_reference: Any,
+                                           equal_overrides: dict[str, tuple[str, ...]]) -> None:
     """(a) and (e): `python -m flowgraph run … --target fsdp --nproc 2`, end to end."""
     graph = GRAPHS / "grpo.yaml"
     local = local_reference("grpo")
     run_dir = tmp_path / "fsdp"
     proc = subprocess.run(
         [sys.executable, "-m", "flowgraph", "run", str(graph), "--target", "fsdp",
-         "--nproc", "2", f"trainer.run_dir={run_dir}", *SHORT],
+         "--nproc", "2", f"trainer.run_dir={run_dir}", *equal_overrides["grpo"]],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"run finished: {run_dir}/metrics.jsonl" in proc.stdout

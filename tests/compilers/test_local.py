@@ -287,10 +287,10 @@ def test_evaluation_answers_each_held_out_prompt_once(tmp_path: Path,
 
     monkeypatch.setattr(generate_module, "decode", spy)
     _run(ROOT / "graphs" / "grpo.yaml", tmp_path, "trainer.steps=1", "trainer.eval_every=1")
-    assert [r for sampled, r in calls if sampled] == [16]  # Bp = 4 prompts × N = 4
-    # builtin:arith:test has 31 prompts: 8 batches of Bp = 4 (the last one the last 4
-    # rows, 3 of them new), one response each
-    assert [r for sampled, r in calls if not sampled] == [4] * 8
+    assert [r for sampled, r in calls if sampled] == [128]  # Bp = 16 prompts × N = 8
+    # builtin:reverse:test has 100 prompts: 7 batches of Bp = 16 (the last one the last
+    # 16 rows, 4 of them new), one response each
+    assert [r for sampled, r in calls if not sampled] == [16] * 7
 
 
 def test_a_run_dir_that_cannot_be_created_is_one_error(tmp_path: Path) -> None:

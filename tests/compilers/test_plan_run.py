@@ -98,11 +98,11 @@ def test_a_plan_from_another_version_or_with_overrides_is_refused(
 def _grpo_in_python(run_dir: Path) -> flowgraph.Graph:
     """graphs/grpo.yaml, built with GraphBuilder (the README's example)."""
     g = GraphBuilder("grpo")
-    g.dims(Bp=4, N=4, P=16, T=8)
-    g.model("actor", "builtin:tiny-lm", trainable=True,
-            optimizer={"lr": 2e-3, "warmup_steps": 2, "grad_clip": 1.0})
-    g.model("ref", "builtin:tiny-lm")
-    train = g.data("train", "prompts", "builtin:arith")
+    g.dims(Bp=16, N=8, P=16, T=8)
+    g.model("actor", "builtin:tiny-lm-sft", trainable=True,
+            optimizer={"lr": 3e-4, "warmup_steps": 2, "grad_clip": 1.0})
+    g.model("ref", "builtin:tiny-lm-sft")
+    train = g.data("train", "prompts", "builtin:reverse")
     gen = g.node("gen", "generate", model="actor", params={"backend": "hf", "temperature": 1.0},
                  prompts=train.input_ids, prompt_mask=train.attention_mask,
                  ground_truth=train.ground_truth)
@@ -117,7 +117,7 @@ def _grpo_in_python(run_dir: Path) -> flowgraph.Graph:
     adv = g.node("adv", "grpo", params={"norm_by_std": True}, scores=reward.scores,
                  response_mask=gen.response_mask, index=gen.index)
     g.node("update_actor", "ppo_actor_update", model="actor",
-           params={"kl_loss_coef": 0.001, "kl_loss_type": "low_var_kl", "mini_batch_size": 8},
+           params={"kl_loss_coef": 0.001, "kl_loss_type": "low_var_kl", "mini_batch_size": 128},
            **seq, old_log_prob=old.log_prob, advantages=adv.advantages,
            ref_log_prob=ref.log_prob)
     g.trainer(steps=2, seed=0, run_dir=str(run_dir), checkpoint_every=0, eval_every=0)
@@ -132,7 +132,7 @@ def test_grpo_built_compiled_and_run_from_python_equals_the_yaml(tmp_path: Path)
         result = flowgraph.run(plan, out=out, tensorboard=False)
         yaml = flowgraph.run(GRAPHS / "grpo.yaml", out=out, tensorboard=False, overrides=(
             "trainer.steps=2", "trainer.checkpoint_every=0", "trainer.eval_every=0",
-            f"trainer.run_dir={tmp_path / 'yaml'}"))
+            "trainer.val_before_train=false", f"trainer.run_dir={tmp_path / 'yaml'}"))
     assert result.run_dir == tmp_path / "python"
     assert [r["step"] for r in result.rows] == [0, 1]
     assert result.rows == read_metrics(tmp_path / "python")
@@ -207,7 +207,7 @@ def test_strict_mode_reads_the_contracts_from_the_plan(tmp_path: Path) -> None:
     with pytest.raises(flowgraph.FlowgraphError) as exc, open(os.devnull, "w") as out:
         flowgraph.run(plan, out=out, tensorboard=False)
     assert "edge `gen.responses -> reward.responses`" in str(exc.value)
-    assert "expected (Bp*N, T+1) = (16, 9): axis 2 is 8" in str(exc.value)
+    assert "expected (Bp*N, T+1) = (128, 9): axis 2 is 8" in str(exc.value)
 
 
 EXAMPLES = sorted(p.name for p in GRAPHS.glob("*.yaml"))

@@ -33,7 +33,8 @@ from flowgraph.runtime.prometheus import Exporter
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "flowgraph.json"
 STEPS = 3
-EVAL_SET = [("1+1=", "2"), ("2+3=", "5"), ("4-1=", "3"), ("5+2=", "7")]
+EVAL_SET = [("reverse 123", "321"), ("reverse 4070", "0704"), ("reverse 981", "189"),
+            ("reverse 5512", "2155")]
 SMALL = ["dims.Bp=2", "dims.N=2", "nodes.update_actor.params.mini_batch_size=4",
          f"trainer.steps={STEPS}", f"trainer.eval_every={STEPS}"]
 """GRPO at its smallest: 2 prompts × 2 samples, one evaluation after the last step."""
