@@ -294,7 +294,9 @@ class LocalExecutor:
         at evaluation they replace n and the sampling (0: greedy, one response)."""
         node, kind = self.nodes[name], self.kinds[name]
         values = kind.param_values(node.params.to_python())
-        val_n, val_temperature = values.pop("val_n", 1), values.pop("val_temperature", 0.0)
+        n, temperature = values.pop("val_n", 1), values.pop("val_temperature", 0.0)
+        val_n = n if isinstance(n, int) else 1
+        val_temperature = float(temperature) if isinstance(temperature, (int, float)) else 0.0
         if evaluation and kind.category == "rollout":
             sampled = {"do_sample": True, "n": val_n, "temperature": val_temperature}
             greedy = {"do_sample": False, "n": 1}  # n greedy answers would be n copies

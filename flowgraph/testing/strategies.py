@@ -204,7 +204,17 @@ def _params(draw: st.DrawFn, kind: KindSpec, sizes: _Sizes,
             continue
         value = dims[spec.dim] if spec.dim in dims else draw(_scalar(spec))
         out.append(Param(spec.name, value))
+    drawn = {p.name: p.value for p in out}
+    val_n = drawn.get("val_n")
+    if isinstance(val_n, int) and val_n > 1 and not _positive(drawn.get("val_temperature")):
+        # n held-out responses a prompt are sampled (FG118): greedy ones would be copies
+        out = [p for p in out if p.name != "val_temperature"]
+        out.append(Param("val_temperature", 1.0))
     return Params(tuple(draw(st.permutations(out))))
+
+
+def _positive(value: ParamValue | None) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def _adds_an_input(kind: KindSpec, spec: ParamSpec) -> bool:
