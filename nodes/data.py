@@ -621,6 +621,15 @@ class Splits:
     """Held-out rows in file order: `eval_path`, or a built-in's `:test` split."""
 
 
+def _splits(dataset: Callable[..., Any], path: str, eval_path: str | None, *,
+            shuffle: bool, seed: int) -> Splits:
+    """The train set (shuffled) and the held-out set (file order) a source's datasets
+    read."""
+    held_out = held_out_path(path, eval_path)
+    return Splits(dataset(path, shuffle=shuffle, seed=seed),
+                  None if held_out is None else dataset(held_out, shuffle=False))
+
+
 def prompt_source(
     path: str,
     *,
@@ -644,11 +653,7 @@ def prompt_source(
         max_prompt_length=max_prompt_length, apply_chat_template=apply_chat_template,
         format=format, truncation=truncation, filter_overlong_prompts=filter_overlong_prompts,
         ground_truth_for=ground_truth_for, columns=columns)
-    held_out = held_out_path(path, eval_path)
-    return Splits(
-        dataset(path, shuffle=shuffle, seed=seed),
-        None if held_out is None else dataset(held_out, shuffle=False),
-    )
+    return _splits(dataset, path, eval_path, shuffle=shuffle, seed=seed)
 
 
 def preference_source(
@@ -671,11 +676,7 @@ def preference_source(
         max_response_length=max_response_length, format=format,
         apply_chat_template=apply_chat_template, truncation=truncation,
         filter_overlong_prompts=filter_overlong_prompts)
-    held_out = held_out_path(path, eval_path)
-    return Splits(
-        dataset(path, shuffle=shuffle, seed=seed),
-        None if held_out is None else dataset(held_out, shuffle=False),
-    )
+    return _splits(dataset, path, eval_path, shuffle=shuffle, seed=seed)
 
 
 def sft_source(
@@ -702,8 +703,4 @@ def sft_source(
         max_response_length=max_response_length, format=format,
         apply_chat_template=apply_chat_template, truncation=truncation,
         filter_overlong_prompts=filter_overlong_prompts)
-    held_out = held_out_path(path, eval_path)
-    return Splits(
-        dataset(path, shuffle=shuffle, seed=seed),
-        None if held_out is None else dataset(held_out, shuffle=False),
-    )
+    return _splits(dataset, path, eval_path, shuffle=shuffle, seed=seed)

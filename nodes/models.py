@@ -241,7 +241,12 @@ def load_model(
 
 
 def load_tokenizer(path: str, cache_dir: str | Path | None = None) -> PreTrainedTokenizerBase:
-    """The tokenizer of a model path; a missing pad token falls back to EOS."""
+    """The tokenizer of a model path; a missing pad token falls back to EOS. A trained
+    built-in's tokenizer is its base's (training leaves it as it was), so reading one
+    (`flowgraph check --data`) needs no training."""
+    name = path.removeprefix(BUILTIN_PREFIX)
+    if path.startswith(BUILTIN_PREFIX) and name in TRAINED_BUILTINS:
+        path = BUILTIN_PREFIX + TRAINED_BUILTINS[name][0]
     source = _resolve(path, cache_dir)
     try:
         tok = AutoTokenizer.from_pretrained(source)

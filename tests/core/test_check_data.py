@@ -224,3 +224,16 @@ def test_ground_truth_read_under_another_input_name_is_required(
     with pytest.raises(FlowgraphError, match=r"q.jsonl` has no ground truth, which node "
                                              r"`reward` needs; its columns: prompt"):
         run(result.plan, RunOptions(tensorboard=False))
+
+
+def test_a_trained_builtin_is_checked_without_training_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a fresh cache `check --data` reads builtin:tiny-lm-sft's tokenizer (its base's)
+    and trains nothing: the run trains it."""
+    monkeypatch.setenv("FLOWGRAPH_CACHE", str(tmp_path / "cache"))
+    status, diags = _diags(capsys, _graph(tmp_path))
+    assert status == 0, diags
+    built = sorted(p.name for p in (tmp_path / "cache" / "builtin").iterdir()
+                   if not p.name.startswith("."))
+    assert built == ["tiny-lm"]
