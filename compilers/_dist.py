@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flowgraph.compilers.checkpoint import TrainedPart, frozen_names
 from flowgraph.errors import FlowgraphError
 from flowgraph.runtime.context import Workers
 
@@ -249,10 +250,21 @@ def all_gather(value: Any, world: int) -> list[Any]:
 # --- checkpoints ------------------------------------------------------------------------
 
 
+def _options(model: nn.Module, *, full_state_dict: bool = False) -> Any:
+    """State-dict options: a model's frozen parameters (a LoRA model's base) are left
+    out of its checkpoint, as `checkpoint.TrainedPart` leaves them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    partial = bool(frozen_names(model))
+    return StateDictOptions(full_state_dict=full_state_dict, ignore_frozen_params=partial,
+                            strict=not partial)
+
+
 def _model_state(model: nn.Module, opt: Any) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    msd, osd = get_state_dict(model, [opt] if opt is not None else [])
+    msd, osd = get_state_dict(model, [opt] if opt is not None else [],
+                              options=_options(model))
     return {"model": msd, "optim": osd} if opt is not None else {"model": msd}
 
 
@@ -288,18 +300,19 @@ def dcp_load(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, A
                      no_dist=not dist.is_initialized())
         set_state_dict(model, [opt] if opt is not None else [],
                        model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}))
+                       optim_state_dict=state.get("optim", {}), options=_options(model))
 
 
 def dcp_full_model(folder: Path, name: str, model: nn.Module) -> None:
     """Load model `name` of a DCP checkpoint whole into a plain model, in one process."""
     import torch.distributed.checkpoint as dcp
 
-    state = {"model": model.state_dict()}
+    part = TrainedPart(model)
+    state = {"model": part.state_dict()}
     with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(folder / DCP_DIR / name), no_dist=True)
-    model.load_state_dict(state["model"])
+    part.load_state_dict(state["model"])
 
 
 def has_dcp(folder: Path) -> bool:
@@ -310,7 +323,7 @@ def load_whole(folder: Path, models: dict[str, nn.Module], optimizers: dict[str,
                ) -> None:
     """A checkpoint of the local target (`model.<name>.pt`, `optim.<name>.pt`: whole
     tensors) into models sharded over any number of workers: each keeps its shards."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     for name, model in models.items():
         weights = torch.load(folder / f"model.{name}.pt", map_location="cpu")
@@ -318,7 +331,7 @@ def load_whole(folder: Path, models: dict[str, nn.Module], optimizers: dict[str,
         optim = ({} if opt is None else _named_optim_state(
             model, opt, torch.load(folder / f"optim.{name}.pt", map_location="cpu")))
         set_state_dict(model, [opt] if opt is not None else [], model_state_dict=weights,
-                       optim_state_dict=optim, options=StateDictOptions(full_state_dict=True))
+                       optim_state_dict=optim, options=_options(model, full_state_dict=True))
 
 
 def _named_optim_state(model: nn.Module, opt: Any, saved: dict[str, Any]) -> dict[str, Any]:

@@ -5,14 +5,16 @@ their optimizers and LR schedules, tokenizers, and the data sources' datasets.""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from flowgraph.errors import FlowgraphError
-from flowgraph.ir import DataSpec, Graph, ModelSpec, OptimizerSpec
+from flowgraph.ir import DataSpec, Graph, LoraSpec, ModelSpec, OptimizerSpec
 from flowgraph.plan import ExecutionPlan, ModelPlacement, verify_kinds
 from flowgraph.registry import KindSpec, Registry
 from flowgraph.runtime.context import Impl
@@ -39,9 +41,11 @@ def _dtype(name: str) -> torch.dtype:
             "float16": torch.float16}[name]
 
 
-def load_model(spec: ModelSpec, placed: ModelPlacement, device: str) -> torch.nn.Module:
+def load_model(spec: ModelSpec, placed: ModelPlacement, device: str, seed: int = 0
+               ) -> torch.nn.Module:
     """`spec`'s weights as the plan places them: a causal LM (`head: lm`) or a backbone
-    with a scalar head (`scalar`: critic, reward model), on `device`."""
+    with a scalar head (`scalar`: critic, reward model), on `device`; LoRA adapters
+    (`spec.lora`) injected, their init seeded by `seed`."""
     from transformers import PreTrainedModel
 
     from flowgraph.nodes.models import load_model as load_lm
@@ -51,9 +55,86 @@ def load_model(spec: ModelSpec, placed: ModelPlacement, device: str) -> torch.nn
           "attn_implementation": spec.attn_implementation}
     model: torch.nn.Module = (ValueModel.from_pretrained(spec.path, **kw)
                               if placed.head == "scalar" else load_lm(spec.path, **kw))
+    if spec.lora is not None:
+        model = add_adapters(model, spec.lora, seed, spec.name)
     if spec.gradient_checkpointing and isinstance(model, PreTrainedModel):
         model.gradient_checkpointing_enable()
     return model.to(device)
+
+
+def lora_config(lora: LoraSpec) -> Any:
+    """peft's `LoraConfig` of `models.<m>.lora`."""
+    try:
+        from peft import LoraConfig
+    except ImportError as exc:
+        raise FlowgraphError("`lora` needs the peft library: pip install 'flowgraph[lora]'"
+                             ) from exc
+    every = "all-linear" in lora.target_modules
+    # peft types lora_alpha as int but scales by it as a number (alpha / r)
+    alpha: Any = int(lora.alpha) if float(lora.alpha).is_integer() else lora.alpha
+    return LoraConfig(r=lora.r, lora_alpha=alpha, lora_dropout=lora.dropout,
+                      target_modules="all-linear" if every else list(lora.target_modules))
+
+
+def add_adapters(model: torch.nn.Module, lora: LoraSpec, seed: int, name: str
+                 ) -> torch.nn.Module:
+    """`model` with LoRA adapters injected in place (peft), only they trainable. The model
+    keeps its class, so nodes run it as any causal LM. A: peft's random init from a
+    generator seeded by the run's seed and the model's name (the same on every target
+    and worker, whatever else loaded first); B: zeros, so training starts at the base."""
+    from peft import inject_adapter_in_model
+
+    config = lora_config(lora)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + zlib.crc32(name.encode()))
+        try:
+            inject_adapter_in_model(config, model)
+        except ValueError as exc:  # no module matches target_modules
+            raise FlowgraphError(f"models.{name}.lora ({lora.pos}): {exc}") from exc
+    return model
+
+
+@contextmanager
+def adapters_off(model: torch.nn.Module) -> Iterator[None]:
+    """Run `model` as its base: every LoRA layer's adapters off for the block (a frozen
+    model placed as its base, `ModelPlacement.base_of`)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    trained = [p for p in model.parameters() if p.requires_grad]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)
+        for p in trained:  # as before: enable_adapters touches requires_grad
+            p.requires_grad_(True)
+
+
+def merged_parameters(model: torch.nn.Module, whole: Callable[[torch.Tensor], torch.Tensor]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's parameters under their Hugging Face names, each made whole by `whole`;
+    a LoRA layer's weight merged (W + scale·B·A), its adapters not listed: what a rollout
+    engine or an export of the merged model loads."""
+    lora: dict[str, Any] = {name: m for name, m in model.named_modules()
+                            if hasattr(m, "lora_A") and hasattr(m, "base_layer")}  # peft's
+    for name, p in model.named_parameters():
+        layer_name = next((n for n in lora if name.startswith(n + ".")), None)
+        if layer_name is None:
+            yield name, whole(p.detach())
+            continue
+        leaf = name.removeprefix(f"{layer_name}.base_layer.")
+        if leaf == name:
+            continue  # an adapter: merged into its layer's weight
+        layer, weight = lora[layer_name], whole(p.detach())
+        if leaf == "weight":
+            for adapter in layer.active_adapters:
+                a = whole(layer.lora_A[adapter].weight.detach())
+                b = whole(layer.lora_B[adapter].weight.detach())
+                weight = weight + layer.scaling[adapter] * (b @ a).to(weight.dtype)
+        yield f"{layer_name}.{leaf}", weight
 
 
 def make_optimizer(spec: ModelSpec, model: torch.nn.Module, total_steps: int
@@ -142,10 +223,11 @@ class Resources:
     """Data source -> flowgraph.nodes.data.Splits."""
 
 
-def rollout_engine(backend: str) -> Any:
-    """`NodeContext.engines`: the worker layer's rollout engine of a backend."""
+def rollout_engine(backend: str, verify_every: int = 0) -> Any:
+    """`NodeContext.engines`: the worker layer's rollout engine of a backend
+    (`verify_every`: `trainer.verify_sync_every`)."""
     if backend != "vllm":
         raise FlowgraphError(f"no rollout engine for backend `{backend}` (there is `vllm`)")
     from flowgraph.compilers import vllm_engine  # vLLM is optional and slow to import
 
-    return vllm_engine.ROLLOUT
+    return vllm_engine.VllmRollout(verify_every)

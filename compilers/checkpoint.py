@@ -4,7 +4,9 @@ A checkpoint is built in `step_N.tmp-<pid>` and renamed into place; a rename is
 atomic, so a SIGKILL mid-write leaves the previous checkpoints untouched and at most
 a `*.tmp-*` folder, which the next run removes. It holds every model's weights, each
 optimizer and scheduler, the data cursors, per-node state (KL controllers) and the
-RNG states — everything a resumed run needs to produce the same numbers.
+RNG states — everything a resumed run needs to produce the same numbers. A trained
+model's frozen parameters (a LoRA model's base) are not in it: they load from the
+model's source, and only the adapters are saved (`TrainedPart`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from flowgraph.errors import FlowgraphError
 
 _STEP = re.compile(r"^step_(\d+)$")
 
@@ -51,6 +55,35 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+
+
+def frozen_names(model: torch.nn.Module) -> set[str]:
+    """The names of a trained model's frozen parameters (a LoRA model's base weights):
+    a checkpoint leaves them out, the model's source holds them."""
+    return {n for n, p in model.named_parameters() if not p.requires_grad}
+
+
+class TrainedPart:
+    """A trained model as a checkpoint module: its state without the frozen parameters
+    (a LoRA model: the adapters alone)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        frozen = frozen_names(self.model)
+        return {k: v for k, v in self.model.state_dict().items() if k not in frozen}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing, unexpected = self.model.load_state_dict(state, strict=False)
+        lost = sorted(set(missing) - frozen_names(self.model))
+        if lost or unexpected:
+            raise FlowgraphError(
+                "the checkpoint does not match the model: "
+                + "; ".join(f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
+                            for what, names in (("missing", lost), ("unexpected", unexpected))
+                            if names)
+                + " (was it written with other lora settings?)")
 
 
 def save_checkpoint(run_dir: Path, step: int, *, modules: dict[str, Any],

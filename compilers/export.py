@@ -5,7 +5,10 @@ known) and `checkpoints/step_N/model.<name>.pt` — or, from the fsdp and ray ta
 `checkpoints/step_N/dcp/<name>/`, every worker's shards, read back whole here in one
 process. The model is rebuilt from its source, the checkpoint's weights are loaded,
 and `save_pretrained` writes weights and tokenizer, loadable with
-`AutoModelForCausalLM.from_pretrained(DIR)`.
+`AutoModelForCausalLM.from_pretrained(DIR)`. A LoRA model's checkpoint holds its
+adapters only: they go on a fresh copy of the base (peft's `get_peft_model`, the module
+names training used) and are merged into it (`merge_and_unload`), or written alone
+(`--adapter-only`: `PeftModel.from_pretrained(base, DIR)` loads them).
 """
 
 from __future__ import annotations
@@ -15,33 +18,21 @@ from pathlib import Path
 import torch
 
 from flowgraph.compilers import _dist
-from flowgraph.compilers.checkpoint import checkpoint_root, latest_checkpoint
+from flowgraph.compilers.build import lora_config
+from flowgraph.compilers.checkpoint import TrainedPart, checkpoint_root, latest_checkpoint
 from flowgraph.errors import FlowgraphError
+from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan
 
 
 def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = None,
-                 force: bool = False) -> Path:
+                 force: bool = False, adapter_only: bool = False) -> Path:
     """Write model `model` of the run's latest (or `step`'s) checkpoint to `out`, a new
-    or empty folder (`force`: write over what is there)."""
+    or empty folder (`force`: write over what is there). A LoRA model is written merged
+    (a plain Hugging Face model), or with `adapter_only` as its peft adapter alone."""
     from flowgraph.nodes.models import load_model, load_tokenizer
 
-    plan_file = run_dir / "plan.json"
-    if not plan_file.exists():
-        raise FlowgraphError(f"`{run_dir}` is not a flowgraph run dir (no plan.json)")
-    plan = ExecutionPlan.from_json(plan_file.read_text())
-    graph = plan.graph
-    spec = graph.model(model)
-    if spec is None:
-        names = ", ".join(m.name for m in graph.models)
-        raise FlowgraphError(f"the run has no model `{model}`; its models: {names}")
-    heads = {m.name: m.head for p in plan.pools for m in p.models}
-    if heads.get(model) != "lm":
-        raise FlowgraphError(f"model `{model}` is not a causal LM (a critic or reward model); "
-                             "only causal LMs export as Hugging Face models")
-    if not spec.trainable:
-        raise FlowgraphError(f"model `{model}` is frozen (not trainable): checkpoints do not "
-                             f"hold it, its weights are those of `{spec.path}`")
+    spec = _trained_lm(run_dir, model, adapter_only)
     if out.is_dir() and any(out.iterdir()) and not force:
         raise FlowgraphError(f"`{out}` is not empty; export into a new folder, or pass "
                              "--force to write over its files")
@@ -52,14 +43,47 @@ def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = Non
     if not weights.exists():
         raise FlowgraphError(f"checkpoint `{folder}` holds no weights for `{model}`")
     lm = load_model(spec.path)
+    peft_model = None
+    if spec.lora is not None:  # peft's own wrapper, around the same module names
+        from peft import get_peft_model
+
+        peft_model = get_peft_model(lm, lora_config(spec.lora))
+        lm = peft_model.base_model.model
     if sharded:
         _dist.dcp_full_model(folder, model, lm)
     else:
-        lm.load_state_dict(torch.load(weights, weights_only=False))
+        TrainedPart(lm).load_state_dict(torch.load(weights, weights_only=False))
     out.mkdir(parents=True, exist_ok=True)
-    lm.save_pretrained(out)
+    if peft_model is not None and adapter_only:
+        peft_model.save_pretrained(out)
+    else:
+        (peft_model.merge_and_unload() if peft_model is not None else lm).save_pretrained(out)
     load_tokenizer(spec.tokenizer or spec.path).save_pretrained(out)
     return out
+
+
+def _trained_lm(run_dir: Path, model: str, adapter_only: bool) -> ModelSpec:
+    """The spec of `model`, a trained causal LM of the run (with LoRA for
+    `adapter_only`)."""
+    plan_file = run_dir / "plan.json"
+    if not plan_file.exists():
+        raise FlowgraphError(f"`{run_dir}` is not a flowgraph run dir (no plan.json)")
+    plan = ExecutionPlan.from_json(plan_file.read_text())
+    spec = plan.graph.model(model)
+    if spec is None:
+        names = ", ".join(m.name for m in plan.graph.models)
+        raise FlowgraphError(f"the run has no model `{model}`; its models: {names}")
+    heads = {m.name: m.head for p in plan.pools for m in p.models}
+    if heads.get(model) != "lm":
+        raise FlowgraphError(f"model `{model}` is not a causal LM (a critic or reward model); "
+                             "only causal LMs export as Hugging Face models")
+    if not spec.trainable:
+        raise FlowgraphError(f"model `{model}` is frozen (not trainable): checkpoints do not "
+                             f"hold it, its weights are those of `{spec.path}`")
+    if adapter_only and spec.lora is None:
+        raise FlowgraphError(f"model `{model}` has no LoRA adapter (no `lora` in its "
+                             "spec): export it without --adapter-only")
+    return spec
 
 
 def _checkpoint(run_dir: Path, step: int | None) -> Path:

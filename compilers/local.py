@@ -41,7 +41,9 @@ import sysconfig
 import time
 import traceback
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -50,6 +52,7 @@ import torch
 from flowgraph.compilers import RunOptions
 from flowgraph.compilers.build import (
     Resources,
+    adapters_off,
     load_data,
     load_model,
     load_tokenizers,
@@ -58,6 +61,7 @@ from flowgraph.compilers.build import (
     rollout_engine,
 )
 from flowgraph.compilers.checkpoint import (
+    TrainedPart,
     latest_checkpoint,
     load_checkpoint,
     remove_partial,
@@ -149,6 +153,8 @@ class LocalExecutor:
         self.generations: list[dict[str, Any]] = []
         """The last evaluation's responses (`HeldOut.table`), logged as `validation`."""
         self.start_step = 0
+        self.adapters_off: set[str] = set()
+        """Models placed as a LoRA model's base: nodes run that model, adapters off."""
         self.workers, self.rank = 1, 0
         """The processes this one's models are sharded over (fsdp: the world; a Ray
         worker: its pool's size), and this one's rank among them."""
@@ -177,14 +183,22 @@ class LocalExecutor:
     def load_models(self) -> None:
         """Hook: this process's models, placed, and the optimizers of the trainable ones
         (the Ray driver starts its worker groups instead)."""
-        for placed in self.hosted_models():
+        hosted = self.hosted_models()
+        for placed in hosted:
             spec = self.graph.model(placed.name)
             assert spec is not None  # the plan's verifier holds pools to the graph's models
-            model = self.place_model(placed, load_model(spec, placed, self.opts.device))
+            if placed.base_of is not None:
+                continue
+            model = self.place_model(placed, load_model(spec, placed, self.opts.device,
+                                                        self.graph.trainer.seed))
             self.res.models[spec.name] = model
             if spec.trainable:
                 self.res.optimizers[spec.name], self.res.schedulers[spec.name] = \
                     make_optimizer(spec, model, self.graph.trainer.steps)
+        for placed in hosted:  # a LoRA model's base: that model, its adapters off
+            if placed.base_of is not None:
+                self.res.models[placed.name] = self.res.models[placed.base_of]
+                self.adapters_off.add(placed.name)
 
     def hosted_models(self) -> tuple[ModelPlacement, ...]:
         """Hook: the models this process loads, as the plan places them: every pool's
@@ -216,7 +230,9 @@ class LocalExecutor:
             scheduler=self.res.schedulers.get(node.model or "") if self.kinds[name].trains
             else None,
             grad_clip=spec.optimizer.grad_clip if spec and spec.optimizer else 0.0,
-            state=self.node_state[name], dims=dict(self.dims), engines=rollout_engine, **dp)
+            state=self.node_state[name], dims=dict(self.dims),
+            engines=partial(rollout_engine, verify_every=self.graph.trainer.verify_sync_every),
+            **dp)
 
     def call(self, name: str, env: dict[tuple[str, str], Any], step: int,
              params: dict[str, Any], metrics: dict[str, float], **dp: Any
@@ -239,7 +255,9 @@ class LocalExecutor:
             # Only updates build autograd graphs; everything else is inference, and a
             # log-prob carrying the actor's graph into the update would be backpropagated
             # through twice.
-            with torch.set_grad_enabled(kind.trains):
+            base = (adapters_off(ctx.model) if node.model in self.adapters_off
+                    and ctx.model is not None else nullcontext())
+            with torch.set_grad_enabled(kind.trains), base:
                 result = impl.fn(**kw)
         except (NonFiniteError, NodeError):
             raise
@@ -284,7 +302,9 @@ class LocalExecutor:
         except OSError:
             saved = ""
         frame = _user_frame(exc)
-        text = (f"while executing node `{name}` (kind {kind.name}, {node.pos}) {at_step(step)}: "
+        model = f"model {node.model}, " if node.model else ""
+        text = (f"while executing node `{name}` (kind {kind.name}, {model}{node.pos}) "
+                f"{at_step(step)}: "
                 f"{type(exc).__name__}: {exc}\n  at {frame.filename}:{frame.lineno} in "
                 f"{frame.name}: {(frame.line or '').strip()}")
         return NodeError(text + (f"\n{full}" if os.environ.get(DEBUG_ENV) else saved))
@@ -614,7 +634,7 @@ class LocalExecutor:
     def checkpoint_modules(self) -> dict[str, Any]:
         mods: dict[str, Any] = {}
         for name, model in self.saved_models().items():
-            mods[f"model.{name}"] = model
+            mods[f"model.{name}"] = TrainedPart(model)
         for name, opt in self.res.optimizers.items():
             mods[f"optim.{name}"] = opt
             mods[f"sched.{name}"] = self.res.schedulers[name]

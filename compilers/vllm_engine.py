@@ -1,8 +1,8 @@
 """The vLLM backend of `generate`: one offline engine per model, rollouts, weight sync.
 
 The worker layer owns it: a `generate` node asks `ctx.rollout_engine("vllm")` and gets
-`ROLLOUT` (through `flowgraph.compilers.build.rollout_engine`), whose `rollout` sizes
-the KV cache, starts or reuses the engine, syncs the weights and samples. Imported
+a `VllmRollout` (through `flowgraph.compilers.build.rollout_engine`), whose `rollout`
+sizes the KV cache, starts or reuses the engine, syncs the weights and samples. Imported
 only when a graph asks for `backend: vllm` (importing vLLM takes seconds).
 `engine` builds vLLM's offline `LLM` once per model folder and caches it: the Hugging
 Face model's config and tokenizer (no weights) are written with `save_pretrained` to
@@ -29,6 +29,10 @@ layer back in checkpoint format, the model's own `load_weights` takes each tenso
 worker process through `LLM.collective_rpc` and `WeightSyncExtension`, mixed into
 vLLM's worker with the engine argument `worker_extension_cls`. The prefix cache
 holds keys and values computed with the old weights, so it is reset afterwards.
+A LoRA model's layers are merged on the way (W + scale·B·A). The first sync, and every
+`trainer.verify_sync_every`-th, is verified (`verify_sync`): the engine's log-probs of a
+fixed probe batch against the trainer's, so weights that did not arrive (the adapter of
+a LoRA model, above all) stop the run instead of silently sampling another policy.
 
 Requests carry their prompt's tokens without padding (`TokensPrompt`) and their own
 seed, so a sample does not depend on its batch. The engine reports log-probs in
@@ -50,6 +54,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 import torch
 from torch import Tensor, nn
 
+from flowgraph.compilers.build import merged_parameters
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.generate import SamplingSpec
 from flowgraph.passes.memory import ModelConfig, vllm_kv_cache_bytes
@@ -82,9 +87,9 @@ try:
 except ImportError as exc:  # pragma: no cover - depends on the machine
     raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
 
-__all__ = ["INSTALL_HINT", "ROLLOUT", "Memory", "VllmRollout", "WeightSyncExtension",
+__all__ = ["INSTALL_HINT", "Memory", "VllmRollout", "WeightSyncError", "WeightSyncExtension",
            "close_engines", "engine", "kv_cache_size", "rollout", "sampling_params",
-           "sync_weights"]
+           "sync_weights", "verify_sync"]
 
 
 class WeightSyncExtension:
@@ -127,6 +132,10 @@ class _Engine:
     weights: tuple[float, ...]
     """`_fingerprint` of the model whose weights the engine holds; () while it holds the
     random weights it started with."""
+    syncs: int = 0
+    """Weight syncs so far (`verify_sync` checks the first and every n-th)."""
+    probe: list[list[int]] | None = None
+    """The token ids `verify_sync` scores: the first rollout's first prompts."""
 
 
 @dataclass(frozen=True)
@@ -216,11 +225,12 @@ def _wire(name: str, tensor: Tensor) -> tuple[str, str, list[int], bytes]:
 
 def sync_weights(llm: LLM, model: nn.Module) -> None:
     """Load `model`'s current parameters into the running engine, one tensor at a time
-    (a sharded one made whole first: a collective, see the module docstring)."""
+    (a sharded one made whole first: a collective, see the module docstring); a LoRA
+    model's layers merged (W + scale·B·A), so the engine samples the trained policy."""
     llm.collective_rpc("flowgraph_reload_begin")
     try:
-        for name, p in model.named_parameters():
-            llm.collective_rpc("flowgraph_reload_tensor", args=_wire(name, _whole(p.detach())))
+        for name, tensor in merged_parameters(model, _whole):
+            llm.collective_rpc("flowgraph_reload_tensor", args=_wire(name, tensor))
     finally:
         # Also after a failure: layers that got no tensor get their old weights back.
         llm.collective_rpc("flowgraph_reload_end")
@@ -230,14 +240,16 @@ def sync_weights(llm: LLM, model: nn.Module) -> None:
             cached.weights = _fingerprint(model)
 
 
-def engine(model: PreTrainedModel, tokenizer: Any, memory: Memory, **engine_args: Any
+def engine(model: PreTrainedModel, tokenizer: Any, memory: Memory, *,
+           probe: list[list[int]] | None = None, verify_every: int = 0, **engine_args: Any
            ) -> LLM:
     """The cached engine of `model`'s folder, holding `model`'s current weights.
 
     An engine that cannot serve `memory` (longer sequences, a larger KV cache, another
     utilization) is replaced. `engine_args` (e.g. `enforce_eager=True`: no torch.compile
     warm-up, a faster start) go to `vllm.LLM` when the engine is built and are ignored
-    once it is cached.
+    once it is cached. The first sync, and every `verify_every`-th after it, is checked
+    by `verify_sync` on `probe` (the first probe given is kept: a fixed batch).
     """
     key = str(getattr(model, "name_or_path", "") or id(model))
     cached = _ENGINES.get(key)
@@ -246,9 +258,63 @@ def engine(model: PreTrainedModel, tokenizer: Any, memory: Memory, **engine_args
         cached = None
     if cached is None:
         cached = _ENGINES[key] = _start(key, model, tokenizer, memory, engine_args)
+    if cached.probe is None and probe:
+        cached.probe = probe
     if cached.weights != _fingerprint(model):
         sync_weights(cached.llm, model)
+        cached.syncs += 1
+        if cached.probe and (cached.syncs == 1
+                             or (verify_every > 0 and (cached.syncs - 1) % verify_every == 0)):
+            verify_sync(cached.llm, model, cached.probe, key)
     return cached.llm
+
+
+SYNC_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 0.15, torch.float16: 0.1}
+"""Largest |log-prob difference| between engine and trainer `verify_sync` accepts, by
+the model's dtype: kernels differ (float32 on CPU: ~1e-4 measured), wrong weights
+differ by far more."""
+
+
+class WeightSyncError(FlowgraphError):
+    """The rollout engine does not hold the trainer's weights after a sync."""
+
+
+def verify_sync(llm: LLM, model: nn.Module, probe: list[list[int]], key: str) -> float:
+    """Compare the engine's log-probs of the probe's tokens (each given its prefix) with
+    the trainer's model's; the largest difference, or `WeightSyncError` past
+    `SYNC_TOLERANCE`. One batched forward of `model` (a collective when it is sharded:
+    every worker runs it once)."""
+    params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in probe], params,
+                           use_tqdm=False)
+    width = max(map(len, probe))
+    device = next(model.parameters()).device
+    ids = torch.zeros((len(probe), width), dtype=torch.long)
+    mask = torch.zeros((len(probe), width), dtype=torch.long)
+    for i, row in enumerate(probe):  # right-padded: positions need no shift
+        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+    training = model.training
+    model.eval()  # no dropout (a LoRA adapter's)
+    try:
+        with torch.no_grad():
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+    finally:
+        model.train(training)
+    ours = logits[:, :-1].float().log_softmax(-1).gather(-1, ids[:, 1:, None].to(device))[..., 0]
+    worst = 0.0
+    for i, (row, out) in enumerate(zip(probe, outputs, strict=True)):
+        positions = cast("list[LogprobsOnePosition]", out.prompt_logprobs or [])[1:]
+        theirs = torch.tensor([lp[t].logprob for t, lp in zip(row[1:], positions, strict=True)])
+        worst = max(worst, (ours[i, : len(row) - 1].cpu() - theirs).abs().max().item())
+    dtype = next(model.parameters()).dtype
+    if not worst <= SYNC_TOLERANCE.get(dtype, 0.1):
+        raise WeightSyncError(
+            f"weight sync check failed for model `{key}`: after the sync, the vLLM engine's "
+            f"log-probs of a probe batch ({len(probe)} prompts) differ from the trainer's by "
+            f"up to {worst:.3g} (tolerance {SYNC_TOLERANCE.get(dtype, 0.1):g} for {dtype}): "
+            "the engine is not sampling the policy being trained (a weight, or a LoRA "
+            "adapter, that did not reach it); stopped before training on its samples")
+    return worst
 
 
 def _start(key: str, model: PreTrainedModel, tokenizer: Any, memory: Memory,
@@ -332,8 +398,16 @@ def rollout(llm: LLM, prompts: Tensor, prompt_mask: Tensor, seeds: Sequence[int]
     return {"responses": responses, "response_mask": mask, "rollout_log_prob": log_prob}
 
 
+PROBE_ROWS = 4
+"""Prompts of the first rollout kept as `verify_sync`'s probe."""
+
+
+@dataclass(frozen=True)
 class VllmRollout:
     """The `vllm` backend as `NodeContext.rollout_engine` gives it to `generate`."""
+
+    verify_every: int = 0
+    """`trainer.verify_sync_every`."""
 
     def rollout(self, model: PreTrainedModel, tokenizer: Any, prompts: Tensor,
                 prompt_mask: Tensor, seeds: Sequence[int], spec: SamplingSpec,
@@ -345,7 +419,8 @@ class VllmRollout:
         memory = (Memory(max_model_len, None, gpu_memory_utilization)
                   if gpu_memory_utilization is not None else
                   Memory(max_model_len, kv_cache_size(model, len(prompts), max_model_len)))
-        return rollout(engine(model, tokenizer, memory), prompts, prompt_mask, seeds, spec)
-
-
-ROLLOUT = VllmRollout()
+        probe = [ids[m.bool()].tolist() for ids, m in
+                 zip(prompts[:PROBE_ROWS].cpu(), prompt_mask[:PROBE_ROWS].cpu(), strict=True)]
+        llm = engine(model, tokenizer, memory, probe=[p for p in probe if len(p) > 1],
+                     verify_every=self.verify_every)
+        return rollout(llm, prompts, prompt_mask, seeds, spec)

@@ -24,6 +24,7 @@ from flowgraph.ir import (
     DataSpec,
     DimBinding,
     Graph,
+    LoraSpec,
     ModelSpec,
     NodeSpec,
     OptimizerSpec,
@@ -78,8 +79,14 @@ class GraphBuilder:
 
     def model(self, name: str, path: str, *, trainable: bool = False,
               optimizer: dict[str, Any] | OptimizerSpec | None = None,
-              config: dict[str, Any] | None = None, **kw: Any) -> str:
+              config: dict[str, Any] | None = None,
+              lora: dict[str, Any] | LoraSpec | None = None, **kw: Any) -> str:
+        """Declare a model; `lora` ({r, alpha, dropout, target_modules}) trains adapters."""
         pos = _caller()
+        if isinstance(lora, dict):
+            targets = lora.get("target_modules", ("all-linear",))
+            lora = LoraSpec(**{**lora, "target_modules": (
+                (targets,) if isinstance(targets, str) else tuple(targets))}, pos=pos)
         opt = optimizer
         if isinstance(optimizer, dict):
             betas = optimizer.get("betas")
@@ -87,7 +94,8 @@ class GraphBuilder:
             opt = OptimizerSpec(**fixed, pos=pos)
         assert opt is None or isinstance(opt, OptimizerSpec)
         self._models.append(ModelSpec(name, path, trainable=trainable, optimizer=opt,
-                                      config=Params.of(config or {}, pos), pos=pos, **kw))
+                                      config=Params.of(config or {}, pos), lora=lora, pos=pos,
+                                      **kw))
         return name
 
     def data(self, name: str, kind: str, path: str, **params: Any) -> Handle:

@@ -5,7 +5,7 @@
     flowgraph run FILE [KEY=VALUE...] [--resume] [--strict] [--metrics-port PORT]
     flowgraph plot RUN_DIR [RUN_DIR...] [-o curves.png]
     flowgraph env [--target local|fsdp|ray] [--gpu]
-    flowgraph export RUN_DIR --model NAME -o DIR
+    flowgraph export RUN_DIR --model NAME -o DIR [--adapter-only]
     flowgraph viz FILE -o out.mmd|out.dot|out.svg
     flowgraph schema [-o FILE] [--plugin MODULE]
 
@@ -220,8 +220,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     from flowgraph.compilers.export import export_model
 
     out = export_model(Path(args.run_dir), args.model, Path(args.output), step=args.step,
-                       force=args.force)
-    print(f"exported `{args.model}` to {out}")
+                       force=args.force, adapter_only=args.adapter_only)
+    what = "the LoRA adapter of " if args.adapter_only else ""
+    print(f"exported {what}`{args.model}` to {out}")
     return EXIT_OK
 
 
@@ -420,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--step", type=int, default=None, help="default: the latest checkpoint")
     e.add_argument("--force", action="store_true",
                    help="write into DIR even when it is not empty (its files are replaced)")
+    e.add_argument("--adapter-only", action="store_true",
+                   help="a LoRA model: write its adapter alone (peft's adapter_config.json "
+                        "and adapter_model.safetensors) instead of the merged weights")
     e.set_defaults(func=cmd_export)
 
     v = sub.add_parser("viz", help="draw a graph: Mermaid, Graphviz DOT or SVG")

@@ -43,6 +43,7 @@ CODES: dict[str, str] = {
     "FG116": "log-probs scored at another temperature than the rollout sampled at",
     "FG117": "evaluation asked for (`trainer.eval_every`) with no held-out data",
     "FG118": "n held-out responses a prompt asked for with greedy evaluation",
+    "FG119": "LoRA adapters on a model that cannot train them",
     # contracts
     "FG201": "rank mismatch along an edge",
     "FG202": "dim mismatch along an edge",

@@ -51,6 +51,7 @@ from flowgraph.ir import (
     DataSpec,
     DimBinding,
     Graph,
+    LoraSpec,
     ModelSpec,
     NodeSpec,
     OptimizerSpec,
@@ -80,7 +81,10 @@ TOP: dict[str, _T] = {
 MODEL: dict[str, _T] = {
     "path": (str,), "trainable": (bool,), "dtype": (str,), "optimizer": (dict,),
     "tokenizer": (str,), "gradient_checkpointing": (bool,), "config": (dict,),
-    "attn_implementation": (str,),
+    "attn_implementation": (str,), "lora": (dict,),
+}
+LORA: dict[str, _T] = {
+    "r": (int,), "alpha": (float,), "dropout": (float,), "target_modules": (list, str),
 }
 OPTIMIZER: dict[str, _T] = {
     "name": (str,), "lr": (float,), "weight_decay": (float,), "betas": (list,),
@@ -92,7 +96,7 @@ NODE: dict[str, _T] = {
 TRAINER: dict[str, _T] = {
     "steps": (int,), "seed": (int,), "run_dir": (str,), "checkpoint_every": (int,),
     "max_checkpoints": (int,),
-    "eval_every": (int,), "val_before_train": (bool,),
+    "eval_every": (int,), "val_before_train": (bool,), "verify_sync_every": (int,),
     "resume": (bool,), "strict": (bool,), "on_nonfinite": (str,),
     "step_timeout_s": (float,), "metrics_port": (int, type(None)), "loggers": (list,),
     "mlflow_tracking_uri": (str, type(None)),
@@ -247,8 +251,31 @@ def _read_models(r: _Reader, node: YNode | None) -> tuple[ModelSpec, ...]:
             dtype=dtype, optimizer=opt, tokenizer=f.get("tokenizer"),
             gradient_checkpointing=f.get("gradient_checkpointing", False),
             attn_implementation=attn, config=config,
+            lora=_read_lora(r, f.get("lora"), f"models.{key.value}.lora"),
             pos=key.pos))
     return tuple(out)
+
+
+def _read_lora(r: _Reader, node: YNode | None, where: str) -> LoraSpec | None:
+    if node is None:
+        return None
+    f = r.section(node, LORA, where)
+    targets = f.pop("target_modules", ["all-linear"])
+    targets = [targets] if isinstance(targets, str) else targets
+    if not targets or not all(isinstance(t, str) and t for t in targets):
+        r.err("FG004", f"{where}.target_modules must name modules (a list of names, or "
+              "`all-linear`)", node.pos, hint="e.g. target_modules: [q_proj, v_proj]")
+        targets = ["all-linear"]
+    spec = LoraSpec(**f, target_modules=tuple(targets), pos=node.pos)
+    if spec.r < 1:
+        r.err("FG004", f"{where}.r is {spec.r}; the adapters' rank must be >= 1", node.pos,
+              hint="r: 8 (verl's lora_rank) is a common start")
+    if not 0 <= spec.dropout < 1:
+        r.err("FG004", f"{where}.dropout is {spec.dropout}; it must be in [0, 1)", node.pos)
+    if spec.alpha <= 0:
+        r.err("FG004", f"{where}.alpha is {spec.alpha}; it must be > 0", node.pos,
+              hint="alpha: 2·r is common (the update is scaled by alpha / r)")
+    return spec
 
 
 def _read_optimizer(r: _Reader, node: YNode | None, where: str) -> OptimizerSpec | None:
@@ -351,7 +378,8 @@ def _read_trainer(r: _Reader, node: YNode | None) -> TrainerSpec:
     if node is None:
         return TrainerSpec()
     f = r.section(node, TRAINER, "trainer")
-    for key in ("steps", "checkpoint_every", "max_checkpoints", "eval_every", "seed"):
+    for key in ("steps", "checkpoint_every", "max_checkpoints", "eval_every", "seed",
+                "verify_sync_every"):
         if key in f and f[key] < 0:
             r.err("FG004", f"`trainer.{key}` must be >= 0, got {f[key]}", node.pos)
             del f[key]
@@ -546,9 +574,13 @@ def _put_non_default(doc: dict[str, object], key: str, obj: Any, default: Any) -
 
 def _model_doc(m: ModelSpec) -> dict[str, object]:
     out: dict[str, object] = {"path": m.path}
-    out.update(_non_default(m, ModelSpec(m.name, m.path), skip=("name", "optimizer", "config")))
+    out.update(_non_default(m, ModelSpec(m.name, m.path),
+                            skip=("name", "optimizer", "config", "lora")))
     if m.optimizer is not None:
         out["optimizer"] = _non_default(m.optimizer, OptimizerSpec())
+    if m.lora is not None:
+        out["lora"] = {**_non_default(m.lora, LoraSpec()),
+                       "target_modules": list(m.lora.target_modules)}
     if m.config.items:
         out["config"] = m.config.to_python()
     return out

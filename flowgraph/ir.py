@@ -153,6 +153,22 @@ class OptimizerSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class LoraSpec:
+    """Low-rank adapters (LoRA, through `peft`) on a trainable model: only they train and
+    are checkpointed; the base weights load once from `path` and stay frozen."""
+
+    r: int = 8
+    """The adapters' rank."""
+    alpha: float = 16.0
+    """Scale: the update is (alpha / r)·B·A."""
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """Module names (suffixes) that get adapters; `all-linear`: every linear layer but
+    the output head (peft's and verl's default)."""
+    pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """A model: where its weights come from and whether it is trained."""
 
@@ -171,6 +187,8 @@ class ModelSpec:
     config: Params = Params()
     """Architecture fields (hidden_size, num_hidden_layers, …) for the memory estimate
     when `path` has no readable config.json."""
+    lora: LoraSpec | None = None
+    """Train low-rank adapters instead of the weights (`models.<m>.lora`)."""
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
 
     def __post_init__(self) -> None:
@@ -238,6 +256,10 @@ class TrainerSpec:
     """`stop` or `skip` a batch with NaN/inf in rewards, advantages, losses or grads."""
     step_timeout_s: float = 0.0
     """A worker with no progress for this long is treated as dead; 0 disables."""
+    verify_sync_every: int = 0
+    """After a weight sync into a rollout engine (vLLM), its log-probs of a fixed probe
+    batch are compared with the trainer's, and a mismatch stops the run: at the first
+    sync always, and every this many syncs (one a step) after it; 0: the first only."""
     metrics_port: int | None = None
     loggers: tuple[str, ...] = ("console", "jsonl", "tensorboard")
     """Where step rows go, from `LOGGERS`; `jsonl` is written whether listed or not."""

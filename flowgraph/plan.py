@@ -58,7 +58,7 @@ from flowgraph.ir import NAME_RE, Graph
 from flowgraph.registry import HOISTABLE_CATEGORIES, KindSpec
 from flowgraph.source import SourcePos
 
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 """Format version of the JSON plan; `from_json` refuses any other."""
 TARGETS = ("local", "fsdp", "ray")
 DEVICES = ("cpu", "cuda")
@@ -166,6 +166,9 @@ class ModelPlacement:
     head: str = "lm"
     """What the model is loaded as (`KindSpec.head` of the nodes that run it): `lm`, a
     causal LM; `scalar`, a backbone with a scalar head (critic, reward model)."""
+    base_of: str | None = None
+    """A frozen model that is the base of this pool's LoRA model `base_of` (same weights):
+    it loads nothing and runs as that model with its adapters off."""
 
     def __post_init__(self) -> None:
         problems = [f"sharding must be one of {SHARDINGS}"] if self.sharding not in SHARDINGS \
@@ -465,7 +468,9 @@ def dispatch_of(src_dp: bool, dst_dp: bool, dst_trains: bool, batched: bool) -> 
 
 
 def _placement_problems(plan: ExecutionPlan) -> list[str]:
-    problems = []
+    problems = [_base_problem(plan, p, m) for p in plan.pools for m in p.models
+                if m.base_of is not None]
+    problems = [p for p in problems if p]
     for n in plan.nodes:
         if not n.loads_model:
             continue
@@ -475,6 +480,25 @@ def _placement_problems(plan: ExecutionPlan) -> list[str]:
             problems.append(f"node `{n.name}` runs model `{n.model}` on pool `{n.pool}`, which "
                             f"does not host it (hosted by: {', '.join(hosts) or 'no pool'})")
     return problems
+
+
+def _base_problem(plan: ExecutionPlan, pool: PoolPlan, placed: ModelPlacement) -> str:
+    """Why `placed` cannot run as the base of `placed.base_of` ("" when it can)."""
+    spec, adapted = plan.graph.model(placed.name), plan.graph.model(placed.base_of or "")
+    where = f"model `{placed.name}` on pool `{pool.name}` is placed as the base of " \
+            f"`{placed.base_of}`"
+    if adapted is None or spec is None:
+        return f"{where}, which is not a model of the graph"
+    if placed.base_of not in {m.name for m in pool.models}:
+        return f"{where}, which the pool does not host"
+    if adapted.lora is None:
+        return f"{where}, which has no lora adapters"
+    if spec.trainable or spec.lora is not None:
+        return f"{where} but is trained itself"
+    if (spec.path, spec.dtype) != (adapted.path, adapted.dtype) or placed.head != "lm":
+        return (f"{where} but its weights are not that model's base (path {spec.path} "
+                f"{spec.dtype} vs {adapted.path} {adapted.dtype})")
+    return ""
 
 
 def _order_problems(plan: ExecutionPlan) -> list[str]:
@@ -693,6 +717,15 @@ def gib(n_bytes: float) -> str:
     return f"{v:.2f} GiB" if v >= 1 else f"{v:.3g} GiB"
 
 
+def _role(plan: ExecutionPlan, m: ModelPlacement) -> str:
+    spec = plan.graph.model(m.name)
+    if m.base_of is not None:
+        return f"frozen: the base of `{m.base_of}`, its adapters off, no weights of its own"
+    if spec is not None and spec.lora is not None:
+        return f"trainable: LoRA r={spec.lora.r} adapters on a frozen base"
+    return "trainable" if m.trainable else "frozen"
+
+
 def _summary_lines(plan: ExecutionPlan) -> list[str]:
     dims = " ".join(f"{d.name}={d.value}" for d in plan.dims) or "(none bound)"
     lines = [f"plan for `{plan.graph.name}` ({plan.source}): target {plan.target}, "
@@ -701,8 +734,8 @@ def _summary_lines(plan: ExecutionPlan) -> list[str]:
     width = max(len(p.name) for p in plan.pools)
     for p in plan.pools:
         lines.append(f"  {p.name:<{width}}  {_workers(p)}")
-        lines += [f"  {'':<{width}}    model {m.name} ({'trainable' if m.trainable else 'frozen'}"
-                  f", {_sharding(m, p)})" for m in p.models]
+        lines += [f"  {'':<{width}}    model {m.name} ({_role(plan, m)}, {_sharding(m, p)})"
+                  for m in p.models]
         lines.append(f"  {'':<{width}}    nodes: "
                      + ", ".join(n.name for n in plan.nodes if n.pool == p.name))
     lines += ["", "stages:"]

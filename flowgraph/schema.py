@@ -46,6 +46,7 @@ from flowgraph.dims import CANONICAL_DIMS
 from flowgraph.frontend import (
     ATTN_IMPLEMENTATIONS,
     DEVICES,
+    LORA,
     MODEL,
     MODEL_DTYPES,
     NODE,
@@ -61,6 +62,7 @@ from flowgraph.frontend import (
 from flowgraph.ir import (
     LOGGERS,
     NAME_RE,
+    LoraSpec,
     ModelSpec,
     OptimizerSpec,
     ResourceSpec,
@@ -114,6 +116,14 @@ DOCS: dict[str, str] = {
                                      "memory.",
     "models.config": "Architecture fields (hidden_size, num_hidden_layers, ...) for the "
                      "memory estimate when `path` has no readable config.json.",
+    "models.lora": "Train low-rank adapters (peft LoRA) instead of the weights: only they "
+                   "train and are checkpointed; a frozen model with the same path (the "
+                   "reference) is the base with the adapters off, no second copy.",
+    "lora.r": "The adapters' rank (verl's lora_rank).",
+    "lora.alpha": "Scale of the update, (alpha / r)*B*A (verl's lora_alpha).",
+    "lora.dropout": "Dropout on the adapters' input.",
+    "lora.target_modules": "Names of the modules that get adapters (q_proj, v_proj, ...), "
+                           "or all-linear: every linear layer but the output head.",
     "optimizer.name": "Optimizer.",
     "optimizer.lr": "Peak learning rate.",
     "optimizer.weight_decay": "Decoupled weight decay.",
@@ -136,6 +146,10 @@ DOCS: dict[str, str] = {
     "trainer.checkpoint_every": "Checkpoint every this many steps; 0: only at the end.",
     "trainer.max_checkpoints": "Keep the newest this many checkpoints; 0: keep all.",
     "trainer.eval_every": "Evaluate every this many steps; 0: never.",
+    "trainer.verify_sync_every": "After a weight sync into the vLLM engine, compare its "
+                                 "log-probs of a probe batch with the trainer's and stop on "
+                                 "a mismatch: at the first sync, and every this many after "
+                                 "(0: the first only).",
     "trainer.val_before_train": "Also evaluate before the first update (the baseline); its "
                                 "val/ metrics go in the first row.",
     "trainer.resume": "Resume from the latest checkpoint in run_dir.",
@@ -292,9 +306,12 @@ def _model() -> Schema:
                         {"betas": {"type": "array", "items": {"type": "number"},
                                    "minItems": 2, "maxItems": 2}})
     config = {"type": "object", "additionalProperties": True}
+    lora = _record(LORA, "lora", LoraSpec, {},
+                   {"target_modules": {"oneOf": [
+                       {"type": "string"}, {"type": "array", "items": {"type": "string"}}]}})
     model = _record(MODEL, "models", ModelSpec,
                     {"dtype": MODEL_DTYPES, "attn_implementation": ATTN_IMPLEMENTATIONS},
-                    {"optimizer": optimizer, "config": config})
+                    {"optimizer": optimizer, "config": config, "lora": lora})
     return {**model, "required": ["path"]}
 
 

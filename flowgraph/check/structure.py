@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from flowgraph.builtin_models import held_out_path
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.document import did_you_mean
-from flowgraph.ir import DataSpec, Graph, NodeSpec, Params, ParamValue, PortRef
+from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec, Params, ParamValue, PortRef
 from flowgraph.registry import KindSpec, ParamSpec, PortSpec, Registry
 from flowgraph.source import SourcePos
 
@@ -78,11 +78,31 @@ def check_models(graph: Graph, table: dict[str, Resolved], out: list[Diagnostic]
                                  node=node.name,
                                  hint=f"set `models.{node.model}.trainable: true`"))
     for m in graph.models:
+        if m.lora is not None:
+            _check_lora(m, table, out)
         if m.trainable and m.name not in trained:
             out.append(error("FG110", f"model `{m.name}` is trainable but no update node "
                              "trains it", m.pos,
                              hint="add an update node (ppo_actor_update, ppo_critic_update, "
                                   "dpo_update) with this model, or set `trainable: false`"))
+
+
+def _check_lora(m: ModelSpec, table: dict[str, Resolved], out: list[Diagnostic]) -> None:
+    """Adapters train on a trainable causal LM only."""
+    pos = m.lora.pos if m.lora is not None else m.pos
+    if not m.trainable:
+        out.append(error("FG119", f"model `{m.name}` has `lora` but is frozen: adapters on a "
+                         "model nothing trains stay zero", pos,
+                         hint=f"set `models.{m.name}.trainable: true`, or remove its lora (the "
+                              "reference of a LoRA actor is its base: it needs no adapters)"))
+    scalar = [r.spec.name for r in table.values() if isinstance(r.spec, NodeSpec)
+              and r.spec.model == m.name and r.kind is not None and r.kind.head == "scalar"]
+    if scalar:
+        out.append(error("FG119", f"model `{m.name}` has `lora` and runs with a scalar head "
+                         f"(node `{scalar[0]}`): adapters train causal LMs only", pos,
+                         node=scalar[0],
+                         hint=f"remove models.{m.name}.lora: critics and reward models train "
+                              "in full"))
 
 
 def _check_binding(node: NodeSpec, kind: KindSpec, declared: Mapping[str, object],

@@ -51,9 +51,9 @@ from flowgraph.check import CheckResult
 from flowgraph.check.structure import Resolved, param_value
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.frontend import with_params
-from flowgraph.ir import Graph, ModelSpec, NodeSpec, OptimizerSpec
+from flowgraph.ir import Graph, LoraSpec, ModelSpec, NodeSpec, OptimizerSpec
 from flowgraph.passes.program import Placement, Program
-from flowgraph.plan import GIB, MemoryItem, PoolMemory, PoolPlan, gib
+from flowgraph.plan import GIB, MemoryItem, ModelPlacement, PoolMemory, PoolPlan, gib
 from flowgraph.registry import KindSpec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -144,6 +144,21 @@ def count_parameters(cfg: ModelConfig, lm_head: bool = True) -> int:
     else:
         head = cfg.vocab_size * h
     return embeddings + cfg.num_hidden_layers * layer + h + head
+
+
+def lora_parameters(cfg: ModelConfig, lora: LoraSpec) -> int:
+    """Adapter parameters: r·(in + out) for every linear layer `lora.target_modules`
+    names (by the last part of its name; `all-linear`: all seven of a llama layer)."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    q_dim = cfg.num_attention_heads * cfg.head_dim
+    kv_dim = cfg.num_key_value_heads * cfg.head_dim
+    shapes = {"q_proj": (h, q_dim), "k_proj": (h, kv_dim), "v_proj": (h, kv_dim),
+              "o_proj": (q_dim, h), "gate_proj": (h, i), "up_proj": (h, i),
+              "down_proj": (i, h)}
+    every = "all-linear" in lora.target_modules
+    per_layer = sum(lora.r * (a + b) for name, (a, b) in shapes.items()
+                    if every or any(t.split(".")[-1] == name for t in lora.target_modules))
+    return cfg.num_hidden_layers * per_layer
 
 
 def replicated_parameters(cfg: ModelConfig, lm_head: bool = True) -> int:
@@ -287,7 +302,7 @@ def _estimate_pool(inp: _Inputs, pool: PoolPlan) -> PoolMemory:
     missing = [m.name for m in pool.models if m.name not in inp.configs]
     for mp in pool.models:
         if mp.name in inp.configs:
-            items += _state_items(inp, pool, mp.name)
+            items += _state_items(inp, pool, mp)
     for node in inp.graph.nodes:
         if not _runs_in(inp, node, pool) or node.model not in inp.configs:
             continue
@@ -304,18 +319,26 @@ def _runs_in(inp: _Inputs, node: NodeSpec, pool: PoolPlan) -> bool:
             and inp.placement.of(node.name).pool == pool.name)
 
 
-def _state_items(inp: _Inputs, pool: PoolPlan, name: str) -> list[MemoryItem]:
+def _state_items(inp: _Inputs, pool: PoolPlan, placed: ModelPlacement) -> list[MemoryItem]:
+    """Weights, and a trained model's gradients and optimizer state (a LoRA model's:
+    its adapters'); a LoRA model's base (`base_of`) holds nothing of its own."""
+    name = placed.name
     model = inp.graph.model(name)
     assert model is not None
+    if placed.base_of is not None:
+        return []
     cfg, lm_head = inp.configs[name], inp.lm_head.get(name, True)
     head = replicated_parameters(cfg, lm_head)
-    per_worker = (count_parameters(cfg, lm_head) - head) / pool.shards(name) + head
+    adapters = lora_parameters(cfg, model.lora) / pool.shards(name) if model.lora else 0
+    per_worker = (count_parameters(cfg, lm_head) - head) / pool.shards(name) + head + adapters
     weights = math.ceil(per_worker * DTYPE_BYTES[model.dtype])
     items = [MemoryItem("weights", name, weights, False)]
     if model.trainable:
+        trained = adapters if model.lora else per_worker
         state = OPTIMIZER_STATE_BYTES[(model.optimizer or OptimizerSpec()).name]
-        items += [MemoryItem("grads", name, weights, False),
-                  MemoryItem("optimizer", name, math.ceil(per_worker * state), False)]
+        items += [MemoryItem("grads", name, math.ceil(trained * DTYPE_BYTES[model.dtype]),
+                             False),
+                  MemoryItem("optimizer", name, math.ceil(trained * state), False)]
     return items
 
 

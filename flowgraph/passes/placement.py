@@ -19,6 +19,10 @@ only (the rule `reward`) runs with the model-free nodes. Per target:
   (frozen models a reward kind runs with a scalar head: `reward_model`), each of nproc
   workers.
 
+The reference of a LoRA model (a frozen model with the same path and dtype, in its
+pool) is placed as its base (`ModelPlacement.base_of`): it loads no weights and runs as
+the LoRA model with its adapters off.
+
 Declared pools are checked on every target: each model a node runs is in exactly one
 pool, sizes are >= 1, model names exist (FG403).
 """
@@ -70,7 +74,8 @@ class PlaceNodes:
         bundle = Bundle(cpu=1, gpu=1 if program.device == "cuda" else 0)
         if program.target == "local":
             device = "cuda:0" if program.device == "cuda" else "cpu"
-            models = tuple(ModelPlacement(m.name, m.trainable, "none", heads[m.name])
+            models = tuple(ModelPlacement(m.name, m.trainable, "none", heads[m.name],
+                                          _base_of(m, used, heads))
                            for m in used)
             return (PoolPlan("main", 1, device, models, (bundle,)),)
         if program.target == "fsdp":
@@ -84,12 +89,25 @@ class PlaceNodes:
 
     def _pool(self, name: str, size: int, device: str, models: list[ModelSpec],
               bundle: Bundle, heads: dict[str, str]) -> PoolPlan:
-        placed = tuple(ModelPlacement(m.name, m.trainable, self._sharding(m), heads[m.name])
-                       for m in models if m.name in heads)
+        hosted = [m for m in models if m.name in heads]
+        bases = {m.name: _base_of(m, hosted, heads) for m in hosted}
+        by_name = {m.name: m for m in hosted}
+        placed = tuple(ModelPlacement(m.name, m.trainable, self._sharding(
+            by_name[bases[m.name] or m.name]), heads[m.name], bases[m.name]) for m in hosted)
         return PoolPlan(name, size, device, placed, (bundle,) * size)
 
     def _sharding(self, model: ModelSpec) -> str:
         return "full_shard" if model.trainable or self.shard_frozen else "none"
+
+
+def _base_of(model: ModelSpec, pool: list[ModelSpec], heads: dict[str, str]) -> str | None:
+    """The LoRA model of the pool whose base `model` is (same path and dtype, frozen,
+    run as a causal LM): the reference of a LoRA actor is its base with the adapters
+    off — no second copy of the weights (verl's `ref_in_actor`)."""
+    if model.trainable or heads.get(model.name) != "lm":
+        return None
+    return next((m.name for m in pool if m.lora is not None and heads.get(m.name) == "lm"
+                 and (m.path, m.dtype) == (model.path, model.dtype)), None)
 
 
 Group = tuple[str, int, tuple[str, ...]]

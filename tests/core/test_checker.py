@@ -390,3 +390,30 @@ def test_n_held_out_responses_need_a_sampling_temperature(params: str, errors: l
     if errors:
         assert "val_temperature" in found[0].hint and found[0].pos.line == _last_line_of(
             text, "val_n")
+
+
+@pytest.mark.parametrize(("overrides", "words"), [
+    (("models.actor.lora.r=8",), None),
+    (("models.ref.lora.r=8",), "`ref` has `lora` but is frozen"),
+    (("models.critic.lora.r=8",), "runs with a scalar head (node `values`)"),
+])
+def test_lora_goes_on_a_trained_causal_lm(overrides: tuple[str, ...], words: str | None) -> None:
+    text = (ROOT / "graphs" / "ppo.yaml").read_text()
+    found = [d for d in _check(text, overrides) if d.is_error]
+    assert [(d.code, words in d.message) for d in found] == ([] if words is None else
+                                                            [("FG119", True)])
+
+
+@pytest.mark.parametrize(("lora", "words"), [
+    ("{r: 0}", "rank must be >= 1"), ("{dropout: 1.0}", "dropout is 1.0"),
+    ("{alpha: 0}", "alpha is 0.0"), ("{target_modules: []}", "must name modules"),
+    ("{rank: 8}", "unknown key `rank`"),
+])
+def test_a_malformed_lora_is_an_error_at_its_line(lora: str, words: str) -> None:
+    text = (ROOT / "graphs" / "grpo_lora.yaml").read_text()
+    old = "    lora: {r: 8, alpha: 16, target_modules: all-linear}\n"
+    assert old in text
+    _, diags = load_graph("g.yaml", (), text=text.replace(old, f"    lora: {lora}\n"))
+    errors = [d for d in diags if d.is_error]
+    assert len(errors) == 1 and words in errors[0].message, errors
+    assert errors[0].pos.line == _last_line_of(text, "lora:")

@@ -47,6 +47,7 @@ SMALL = {
                  "nodes.update_critic.params.mini_batch_size=8"),
     "grpo.yaml": ("dims.Bp=4", "dims.N=4", "nodes.update_actor.params.mini_batch_size=8"),
 }
+SMALL["grpo_lora.yaml"] = SMALL["grpo.yaml"]
 """graphs/ppo.yaml and grpo.yaml at the small dims the numbers below are of (the shipped
 graphs use larger batches, so that they learn), the test's own overrides after them."""
 

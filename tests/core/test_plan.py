@@ -72,8 +72,10 @@ def test_json_layout() -> None:
     assert data["graph"]["nodes"]["ref_chosen"]["hoisted"] is True
     assert data["pools"] == [{
         "name": "main", "size": 1, "device": "cpu",
-        "models": [{"name": "policy", "trainable": True, "sharding": "none", "head": "lm"},
-                   {"name": "ref", "trainable": False, "sharding": "none", "head": "lm"}],
+        "models": [{"name": "policy", "trainable": True, "sharding": "none", "head": "lm",
+                    "base_of": None},
+                   {"name": "ref", "trainable": False, "sharding": "none", "head": "lm",
+                    "base_of": None}],
         "bundles": [{"cpu": 1, "gpu": 0}]}]
     assert data["nodes"][1]["inputs"][2] == {"port": "responses", "src": "pairs.chosen",
                                              "shape": "(Bp, T) = (8, 8)", "dims": "Bp T"}

@@ -365,6 +365,51 @@ def test_vllm_sync_weights(vllm_model: nn.Module, tokenizer: Any,
     torch.testing.assert_close(fresh["rollout_log_prob"], rescored, atol=1e-3, rtol=0)
 
 
+def test_vllm_takes_a_lora_model_merged_and_each_sync_is_verified(
+        vllm_model: nn.Module, tokenizer: Any, batch: dict[str, Any],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A LoRA model's layers reach the engine merged (W + scale*B*A); `verify_sync` finds
+    the peers' silent failure, an engine left sampling the base model."""
+    from flowgraph.compilers import vllm_engine as _vllm
+    from flowgraph.compilers.build import add_adapters
+    from flowgraph.ir import LoraSpec
+
+    llm = _vllm.engine(vllm_model, tokenizer, _memory(BP * 4, P + 16))
+    lora = add_adapters(load_model(MODEL), LoraSpec(r=4), 0, "actor")
+    generator = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+    probe = [ids[m.bool()].tolist() for ids, m in zip(batch["input_ids"],
+                                                      batch["attention_mask"], strict=True)]
+    _vllm.sync_weights(llm, lora)
+    assert _vllm.verify_sync(llm, lora, probe, "actor") < 1e-3
+    out = _vllm.rollout(llm, batch["input_ids"], batch["attention_mask"], [0] * BP,
+                        SamplingSpec(8, 1.0, 1.0, 0, True, (EOS,), PAD))
+    torch.testing.assert_close(out["rollout_log_prob"], logprob(
+        lora, batch["input_ids"], batch["attention_mask"], out["responses"],
+        out["response_mask"])["log_prob"], atol=1e-3, rtol=0)
+
+    _vllm.sync_weights(llm, load_model(MODEL))  # the adapters never arrived
+    with pytest.raises(_vllm.WeightSyncError, match=r"model `actor`.* differ from the "
+                       r"trainer's by up to .*a LoRA adapter"):
+        _vllm.verify_sync(llm, lora, probe, "actor")
+
+    # engine() checks its first sync: a sync that drops the adapters stops the run
+    def unmerged(model: nn.Module, whole: Any) -> Iterator[tuple[str, Tensor]]:
+        for name, p in model.named_parameters():
+            if "lora_" not in name:
+                yield name.replace(".base_layer", ""), whole(p.detach())
+
+    monkeypatch.setattr(_vllm, "merged_parameters", unmerged)
+    monkeypatch.setattr(_vllm._ENGINES[str(vllm_model.name_or_path)], "syncs", 0)
+    with pytest.raises(_vllm.WeightSyncError):
+        _vllm.engine(lora, tokenizer, _memory(BP * 4, P + 16), probe=probe)
+    monkeypatch.undo()
+    _vllm.sync_weights(llm, vllm_model)  # the engine as the other tests expect it
+
+
 def test_vllm_kv_cache_is_sized_for_the_rollout(model: nn.Module) -> None:
     """Per token: 2 layers × (K, V) × 2 KV heads × head_dim 64 × 4 bytes = 2048 bytes; a
     sequence takes whole 128-token blocks; 1.25 margin. 16 sequences of P+T = 28 tokens:
