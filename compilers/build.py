@@ -206,6 +206,8 @@ def load_data(plan: ExecutionPlan, kinds: dict[str, KindSpec], tokenizers: dict[
             params.setdefault("max_response_length", dims.get("T"))
         if "ground_truth_for" in impl.accepts:
             params["ground_truth_for"] = graph.readers(d.name, "ground_truth")
+        if "loss_mask_read" in impl.accepts:
+            params["loss_mask_read"] = bool(graph.readers(d.name, "loss_mask"))
         out[d.name] = impl.fn(d.path, tokenizer=_data_tokenizer(graph, d, tokenizers),
                               seed=graph.trainer.seed, **params)
     return out

@@ -42,7 +42,7 @@ def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = Non
                else folder / f"model.{model}.pt")
     if not weights.exists():
         raise FlowgraphError(f"checkpoint `{folder}` holds no weights for `{model}`")
-    lm = load_model(spec.path)
+    lm = load_model(spec.path, trainable=True)  # what a checkpoint holds: the trained part
     peft_model = None
     if spec.lora is not None:  # peft's own wrapper, around the same module names
         from peft import get_peft_model

@@ -77,6 +77,7 @@ nodes:
       prompt_mask: train.prompt_mask
       responses: train.responses
       response_mask: train.response_mask
+      loss_mask: train.loss_mask
     params: {mini_batch_size: 32, loss_agg_mode: token-mean}
 
 trainer: {steps: 60, seed: 0, run_dir: runs/sft, checkpoint_every: 60, eval_every: 20}

@@ -139,6 +139,9 @@ _KINDS = (
             _p("prompt_mask", "Bp P", "int", "binary"),
             _p("responses", "Bp T", "int"),
             _p("response_mask", "Bp T", "int", "binary"),
+            _p("loss_mask", "Bp T", "int", "binary", optional=True,
+               doc="the response tokens trained on: all of a one-answer row, the assistant "
+                   "turns of a multi-turn conversation"),
             _p("uid", "Bp", "int", doc="row id in the dataset"),
         ),
         params=(
@@ -147,7 +150,8 @@ _KINDS = (
                "struct field by its dotted name, as verl's prompt_dict_keys"),
             _s("response_key", "response", doc="the response column (a string)"),
             _s("messages_key", "messages", doc="a chat column read when the prompt column is "
-               "absent: the last message is the assistant's answer, the others the prompt"),
+               "absent: the messages before the first assistant turn are the prompt, the rest "
+               "the response, its assistant turns trained (loss_mask)"),
             _i("max_prompt_length", None, dim="P"),
             _i("max_response_length", None, dim="T"),
             _b("shuffle", True),
@@ -482,8 +486,10 @@ _KINDS = (
     KindSpec(
         "sft_update", "update",
         "Supervised fine-tuning: cross-entropy of the response tokens given the prompt "
-        "(prompt tokens carry no loss).",
-        inputs=SEQUENCE_INPUTS,
+        "(prompt tokens carry no loss; with loss_mask, only the tokens it marks).",
+        inputs=(*SEQUENCE_INPUTS,
+                _p("loss_mask", "b T", "mask", "binary", optional=True,
+                   doc="the response tokens trained on (default: response_mask)")),
         params=MINI_BATCH,
         model="required",
         trains=True,

@@ -557,22 +557,46 @@ class SFTDataset(PreferenceDataset):
 
     verl's SFT layouts: `prompt_key` and `response_key` columns (dotted names reach
     into struct columns), or, when the table has no `prompt_key` column, a
-    `messages_key` chat list whose last message is the assistant's answer."""
+    `messages_key` chat list ending with an assistant turn: the messages before the
+    first assistant turn are the prompt, the rest the response, in which only the
+    assistant turns are trained (`loss_mask`; verl's multi-turn SFT)."""
 
     RESPONSES: ClassVar[dict[str, tuple[str, str]]] = {
         "response": ("responses", "response_mask")}
 
-    def __init__(self, path: str, tokenizer: Any, prompt_key: str = "prompt",
-                 response_key: str = "response", messages_key: str = "messages",
-                 **params: Any) -> None:
-        self.keys = (prompt_key, response_key, messages_key)
-        super().__init__(path, tokenizer, **params)
-
     def _required(self) -> list[str]:
         return []
 
+    def __init__(self, path: str, tokenizer: Any, prompt_key: str = "prompt",
+                 response_key: str = "response", messages_key: str = "messages",
+                 loss_mask_read: bool = True, **params: Any) -> None:
+        self.keys = (prompt_key, response_key, messages_key)
+        self.loss_mask_read = loss_mask_read
+        super().__init__(path, tokenizer, **params)
+        if "turns" in self.table.column_names:
+            self._check_turns()
+
+    def _check_turns(self) -> None:
+        """Multi-turn rows need the chat template, and an update that reads loss_mask
+        (else the user turns inside the response would be trained on, silently)."""
+        turns = self.table.column("turns").to_pylist()
+        multi = [i for i, t in enumerate(turns) if t]
+        if not multi:
+            return
+        if not self.chat:
+            raise FlowgraphError(f"{self.path}: row {multi[0]} is a conversation with several "
+                                 "assistant turns; rendering it needs the chat template "
+                                 "(apply_chat_template: true)")
+        if not self.loss_mask_read:
+            raise FlowgraphError(
+                f"{self.path}: {len(multi)} rows (the first: row {multi[0]}) are conversations "
+                "with several assistant turns, and no node reads this source's loss_mask: the "
+                "user turns between them would be trained on. Wire `<source>.loss_mask` into "
+                "the sft_update's loss_mask input")
+
     def _prepare(self, table: pa.Table) -> pa.Table:
-        """One layout: a `prompt` (string or message list) and a `response` string."""
+        """One layout: a `prompt` (string or message list) and a `response` string; a
+        conversation's later turns (after its first answer) in `turns`."""
         prompt_key, response_key, messages_key = self.keys
         if prompt_key.split(".")[0] not in table.column_names \
                 and messages_key in table.column_names:
@@ -591,24 +615,82 @@ class SFTDataset(PreferenceDataset):
         return pa.table({"prompt": [_field(r, prompt_key) for r in rows],
                          "response": [str(_field(r, response_key)) for r in rows]})
 
+    def _spans(self, row: dict[str, Any]) -> list[tuple[list[int], bool]]:
+        """A row's response as (token ids, trained) spans: one trained span (the answer
+        and EOS), or a conversation's turns (`conversation_spans`)."""
+        if not row.get("turns"):
+            return [(render_responses(self.tokenizer, [row["response"]])[0], True)]
+        if not self.chat:
+            raise FlowgraphError(f"{self.path}: a conversation with several assistant turns "
+                                 "needs the chat template (apply_chat_template: true)")
+        prompt = row["prompt"]
+        prompt = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        answer = {"role": "assistant", "content": row["response"]}
+        return conversation_spans(self.tokenizer, [*prompt, answer, *row["turns"]],
+                                  len(prompt))
+
+    def _render(self, rows: Sequence[dict[str, Any]], key: str) -> list[list[int]]:
+        if key != "response" or not any(r.get("turns") for r in rows):
+            return super()._render(rows, key)
+        return [[t for ids, _ in self._spans(r) for t in ids] for r in rows]
+
+    def batch(self, ids: list[int], rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """The `sft` kind's outputs: PreferenceDataset's, and loss_mask (Bp, T): the
+        trained response tokens (a conversation's assistant turns), cut and padded as
+        the responses are."""
+        out = super().batch(ids, rows)
+        T = out["responses"].shape[1]
+        trained = [[int(keep) for span, keep in self._spans(r) for _ in span][:T] for r in rows]
+        out["loss_mask"] = _pad(trained, T, 0, left=False)[0]
+        return out
+
 
 def _split_messages(path: str, key: str, conversations: list[Any]) -> dict[str, list[Any]]:
-    """Chat rows -> prompt (the messages before the answer) and response (its content)."""
-    prompts, responses = [], []
+    """Chat rows -> prompt (the messages before the first answer), response (its
+    content) and turns (every message after it: empty for a one-answer row)."""
+    prompts, responses, turns = [], [], []
     for i, messages in enumerate(conversations):
         roles = [m.get("role") for m in messages or []]
         if not roles or roles[-1] != "assistant":
             raise FlowgraphError(
                 f"{path}: row {i}: the last message of `{key}` must be the assistant's "
                 f"answer (the response trained on); the roles are {roles}")
-        if "assistant" in roles[:-1]:
+        first = roles.index("assistant")
+        plain = [{"role": str(m["role"]), "content": str(m["content"])} for m in messages]
+        prompts.append(plain[:first])
+        responses.append(plain[first]["content"])
+        turns.append(plain[first + 1:])
+    return {"prompt": prompts, "response": responses, "turns": turns}
+
+
+def conversation_spans(tokenizer: Any, messages: list[dict[str, str]], first: int
+                       ) -> list[tuple[list[int], bool]]:
+    """The response of a conversation whose first answer is `messages[first]`, as
+    (token ids, trained) spans: each assistant turn as the chat template renders it
+    (trained), each run of other messages with the next generation prompt (not
+    trained). A span is the text the template adds to the conversation so far."""
+    def text(upto: int, generation: bool) -> str:
+        out: str = tokenizer.apply_chat_template(messages[:upto], tokenize=False,
+                                                 add_generation_prompt=generation)
+        return out
+
+    spans: list[tuple[str, bool]] = []
+    done, i = text(first, True), first
+    while i < len(messages):
+        j = i + 1
+        if messages[i]["role"] != "assistant":
+            while messages[j]["role"] != "assistant":
+                j += 1
+        upto = text(j, messages[i]["role"] != "assistant")
+        if not upto.startswith(done):
             raise FlowgraphError(
-                f"{path}: row {i} has {roles.count('assistant')} assistant turns; the sft kind "
-                f"trains one response per row (the last turn) and would silently drop the "
-                f"others: split the conversation into one row per assistant turn")
-        prompts.append([{"role": m["role"], "content": m["content"]} for m in messages[:-1]])
-        responses.append(str(messages[-1]["content"]))
-    return {"prompt": prompts, "response": responses}
+                "the chat template does not render this conversation turn by turn (the text "
+                f"of its first {i} messages is not the start of the text of its first {j}), "
+                "so its assistant turns cannot be marked: split it into one row per answer")
+        spans.append((upto[len(done):], messages[i]["role"] == "assistant"))
+        done, i = upto, j
+    ids = tokenizer([t for t, _ in spans], add_special_tokens=False).input_ids
+    return [(list(t), trained) for t, (_, trained) in zip(ids, spans, strict=True)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -695,12 +777,14 @@ def sft_source(
     truncation: str = "error",
     filter_overlong_prompts: bool = False,
     seed: int = 0,
+    loss_mask_read: bool = True,
 ) -> Splits:
-    """The `sft` kind: train (and eval) SFTDatasets from its params."""
+    """The `sft` kind: train (and eval) SFTDatasets from its params; `loss_mask_read`:
+    whether a node reads the loss mask (multi-turn rows need one)."""
     dataset = partial(
         SFTDataset, tokenizer=tokenizer, prompt_key=prompt_key, response_key=response_key,
         messages_key=messages_key, max_prompt_length=max_prompt_length,
         max_response_length=max_response_length, format=format,
         apply_chat_template=apply_chat_template, truncation=truncation,
-        filter_overlong_prompts=filter_overlong_prompts)
+        filter_overlong_prompts=filter_overlong_prompts, loss_mask_read=loss_mask_read)
     return _splits(dataset, path, eval_path, shuffle=shuffle, seed=seed)

@@ -226,9 +226,9 @@ def _train(
         ctx.metrics[full] = sum(s[name] for s in steps) / len(steps)
 
 
-def _agg_size(mode: str, mb: Batch) -> float:
-    """The denominator of `agg_loss(·, response_mask, mode)` on this (micro-)batch."""
-    mask = mb["response_mask"]
+def _agg_size(mode: str, mb: Batch, mask_key: str = "response_mask") -> float:
+    """The denominator of `agg_loss(·, mb[mask_key], mode)` on this (micro-)batch."""
+    mask = mb[mask_key]
     if mode == "token-mean":
         return float(mask.sum())
     return float((mask != 0).any(-1).sum())  # both seq-mean modes: sequences with a token
@@ -611,11 +611,22 @@ def dpo_update_eval(
 
 
 def _sft_loss(model: PreTrainedModel, mb: Batch, *, mode: str) -> tuple[Tensor, dict[str, float]]:
-    """−log π(y_t | x, y_<t) over the valid response tokens, aggregated by `mode`."""
+    """−log π(y_t | x, y_<t) over the trained response tokens (`loss_mask`: a
+    conversation's assistant turns), aggregated by `mode`."""
     log_prob = logprob(model, mb["prompts"], mb["prompt_mask"], mb["responses"],
                        mb["response_mask"])["log_prob"]
-    loss = agg_loss(-log_prob, mb["response_mask"], mode)
+    loss = agg_loss(-log_prob, mb["loss_mask"], mode)
     return loss, {"sft/loss": loss.item()}
+
+
+def _sft_batch(prompts: Tensor, prompt_mask: Tensor, responses: Tensor, response_mask: Tensor,
+               loss_mask: Tensor | None) -> Batch:
+    if loss_mask is not None and bool((loss_mask.bool() & ~response_mask.bool()).any()):
+        raise ValueError("loss_mask marks tokens response_mask does not (padding): the "
+                         "trained tokens must be response tokens")
+    return {"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
+            "response_mask": response_mask,
+            "loss_mask": response_mask if loss_mask is None else loss_mask}
 
 
 def sft_update(
@@ -625,23 +636,24 @@ def sft_update(
     prompt_mask: Tensor,
     responses: Tensor,
     response_mask: Tensor,
+    loss_mask: Tensor | None = None,
     ppo_epochs: int = 1,
     mini_batch_size: int | None = None,
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
     loss_agg_mode: str = "token-mean",
 ) -> dict[str, Tensor]:
-    """Supervised fine-tuning of `ctx.model`: the cross-entropy of each valid response
-    token given the prompt and the tokens before it; prompt tokens carry no loss (HF's
-    labels = -100). token-mean is Hugging Face's / verl's SFT loss. Metrics: sft/loss,
-    actor/{grad_norm, lr}."""
-    batch = {"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
-             "response_mask": response_mask}
+    """Supervised fine-tuning of `ctx.model`: the cross-entropy of each trained response
+    token (`loss_mask`, default every valid one) given the prompt and the tokens before
+    it; prompt tokens carry no loss (HF's labels = -100), nor do the user turns inside a
+    multi-turn response. token-mean is Hugging Face's / verl's SFT loss. Metrics:
+    sft/loss, actor/{grad_norm, lr}."""
+    batch = _sft_batch(prompts, prompt_mask, responses, response_mask, loss_mask)
     _train(
         ctx,
         batch,
         partial(_sft_loss, ctx.model, mode=loss_agg_mode),
-        partial(_agg_size, loss_agg_mode),
+        partial(_agg_size, loss_agg_mode, mask_key="loss_mask"),
         "actor",
         ppo_epochs=ppo_epochs,
         mini_batch_size=mini_batch_size,
@@ -658,14 +670,14 @@ def sft_update_eval(
     prompt_mask: Tensor,
     responses: Tensor,
     response_mask: Tensor,
+    loss_mask: Tensor | None = None,
     loss_agg_mode: str = "token-mean",
     **mini_batch: object,
 ) -> dict[str, Tensor]:
     """`sft_update`'s loss on held-out rows, without a step (the executor's eval hook);
     the mini-batch params are ignored."""
     del mini_batch
-    batch = {"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
-             "response_mask": response_mask}
+    batch = _sft_batch(prompts, prompt_mask, responses, response_mask, loss_mask)
     with torch.no_grad():
         _, metrics = _sft_loss(ctx.model, batch, mode=loss_agg_mode)
     ctx.metrics.update(metrics)

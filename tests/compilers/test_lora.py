@@ -144,14 +144,36 @@ def test_adapters_off_runs_the_base_and_keeps_training_state() -> None:
     assert [n for n, p in model.named_parameters() if p.requires_grad] == trained
 
 
+def _same_exports(run_dir: Path, local_dir: Path, tmp_path: Path) -> None:
+    """A distributed run's checkpoint (DCP shards of the adapters alone) exports, merged
+    and adapter-only, to the local run's policy."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from flowgraph.compilers.export import export_model
+    from flowgraph.nodes.models import load_model
+
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
+    want = AutoModelForCausalLM.from_pretrained(
+        export_model(local_dir, "actor", tmp_path / "want"))(input_ids=ids).logits
+    merged = AutoModelForCausalLM.from_pretrained(
+        export_model(run_dir, "actor", tmp_path / "merged"))
+    torch.testing.assert_close(merged(input_ids=ids).logits, want, atol=1e-4, rtol=1e-4)
+    adapter = export_model(run_dir, "actor", tmp_path / "adapter", adapter_only=True)
+    peft = PeftModel.from_pretrained(load_model("builtin:tiny-lm-sft"), str(adapter))
+    torch.testing.assert_close(peft(input_ids=ids).logits, want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_fsdp_gives_the_numbers_of_the_local_run(
         local: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
     assert_same_numbers(_run(tmp_path / "fsdp", *SHORT, target="fsdp"), local[1])
+    _same_exports(tmp_path / "fsdp", local[0], tmp_path)
 
 
 @pytest.mark.multiprocess
 def test_ray_gives_the_numbers_of_the_local_run(
         local: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
     assert_same_numbers(_run(tmp_path / "ray", *SHORT, target="ray"), local[1])
+    _same_exports(tmp_path / "ray", local[0], tmp_path)

@@ -259,19 +259,44 @@ def test_sft_reads_verl_columns_struct_fields_and_chat_messages(
     assert batches[0]["responses"][0].tolist() == [*TOK("21").input_ids, TOK.eos_token_id]
 
 
+CONVERSATION = [{"role": "user", "content": "reverse 12"}, {"role": "assistant", "content": "21"},
+                {"role": "user", "content": "reverse 345"},
+                {"role": "assistant", "content": "543"}]
+
+
 @pytest.mark.parametrize(("row", "needle"), [
     ({"question": "q", "response": "r"}, "reads `prompt` (param prompt_key)"),
     ({"messages": [{"role": "user", "content": "q"}]}, "must be the assistant's answer"),
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
-                   {"role": "user", "content": "q"}, {"role": "assistant", "content": "b"}]},
-     "row 0 has 2 assistant turns"),
+    ({"messages": CONVERSATION}, "1 rows (the first: row 0) are conversations with several "
+     "assistant turns, and no node reads this source's loss_mask"),
 ])
 def test_sft_layout_errors_name_the_file_row_and_param(
         tmp_path: Path, row: dict[str, Any], needle: str) -> None:
     path = _write(tmp_path / "bad.jsonl", [row])
     with pytest.raises(FlowgraphError, match=r"bad\.jsonl") as exc:
-        sft_source(str(path), tokenizer=TOK)
+        sft_source(str(path), tokenizer=TOK, loss_mask_read=False)
     assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl"])
+def test_a_multi_turn_conversation_trains_its_assistant_turns_only(
+        tmp_path: Path, suffix: str) -> None:
+    """The response is everything after the first user turn, as the chat template
+    renders it; loss_mask marks the assistant turns (with their EOS), not the user turn
+    between them; a one-answer row in the same batch is trained whole."""
+    single = [{"role": "user", "content": "reverse 12"}, {"role": "assistant", "content": "21"}]
+    splits = sft_source(str(_write(tmp_path / f"chat{suffix}", [
+        {"messages": CONVERSATION}, {"messages": single}])), tokenizer=TOK, shuffle=False)
+    batch = splits.train.next_batch(2)
+    text = TOK.apply_chat_template(CONVERSATION, tokenize=False)
+    prompt = TOK.apply_chat_template(CONVERSATION[:1], add_generation_prompt=True, tokenize=False)
+    assert TOK.decode(batch["prompts"][0][batch["prompt_mask"][0].bool()]) == prompt
+    response, mask = batch["responses"][0], batch["response_mask"][0].bool()
+    assert TOK.decode(response[mask]) == text.removeprefix(prompt)
+    trained = batch["loss_mask"][0].bool()
+    assert TOK.decode(response[trained]) == "21<|eos|>543<|eos|>"
+    assert TOK.decode(response[mask & ~trained]) == "<|user|>reverse 345<|assistant|>"
+    assert torch.equal(batch["loss_mask"][1], batch["response_mask"][1])
 
 
 def test_builtin_arith_pairs() -> None:
@@ -371,7 +396,10 @@ def test_a_run_stops_at_load_before_any_model(
 ) -> None:
     import flowgraph.nodes.models as models
     from flowgraph.compilers import RunOptions, run
+    from flowgraph.compilers.builtins import ensure_builtin
     from flowgraph.passes import compile_graph
+
+    ensure_builtin("tiny-lm-sft")  # trained (loading models) on a fresh cache; not the point
 
     def no_loading(*args: object, **kw: object) -> None:
         raise AssertionError("a model was loaded before the dataset was checked")

@@ -588,3 +588,38 @@ def test_sft_steps_lower_the_loss_and_micro_batches_give_the_one_shot_step() -> 
         sft_update(ctx, **batch)
         losses.append(ctx.metrics["sft/loss"])
     assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 0.1, losses
+
+
+def test_sft_update_trains_the_loss_mask_tokens_only() -> None:
+    """The loss is the token-mean cross-entropy over loss_mask; tokens outside it get no
+    gradient (a response token the mask leaves out can be anything)."""
+    from flowgraph.nodes.logprob import logprob
+    from flowgraph.nodes.models import load_model
+    from flowgraph.nodes.update import sft_update
+    from flowgraph.runtime.context import NodeContext
+
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, 500, (2, 4), generator=g)
+    responses = torch.randint(3, 500, (2, 5), generator=g)
+    ones, response_mask = torch.ones(2, 4, dtype=torch.long), torch.ones(2, 5, dtype=torch.long)
+    loss_mask = torch.tensor([[1, 1, 0, 0, 1], [0, 1, 1, 1, 0]])
+    results = []
+    for changed in (False, True):
+        model = load_model("builtin:tiny-lm", trainable=True)
+        want = -(logprob(model, prompts, ones, responses, response_mask)["log_prob"]
+                 * loss_mask).sum() / loss_mask.sum()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ctx = NodeContext("sft", "sft_update", step=0, seed=0, model=model, optimizer=opt,
+                          grad_clip=0.0)
+        seen = responses.clone()
+        if changed:  # after each masked-out token: the loss's tokens see other contexts
+            seen[loss_mask == 0] = 7
+        sft_update(ctx, prompts=prompts, prompt_mask=ones, responses=seen,
+                   response_mask=response_mask, loss_mask=loss_mask)
+        if not changed:
+            assert ctx.metrics["sft/loss"] == pytest.approx(want.item(), rel=1e-5)
+        results.append(ctx.metrics["sft/loss"])
+    assert results[0] != results[1]  # the masked tokens are context, not targets
+    with pytest.raises(ValueError, match="loss_mask marks tokens response_mask does not"):
+        sft_update(ctx, prompts=prompts, prompt_mask=ones, responses=responses,
+                   response_mask=loss_mask, loss_mask=response_mask)
