@@ -489,7 +489,8 @@ _KINDS = (
         "(prompt tokens carry no loss; with loss_mask, only the tokens it marks).",
         inputs=(*SEQUENCE_INPUTS,
                 _p("loss_mask", "b T", "mask", "binary", optional=True,
-                   doc="the response tokens trained on (default: response_mask)")),
+                   doc="the response tokens trained on, among response_mask's (default: "
+                       "all of them)")),
         params=MINI_BATCH,
         model="required",
         trains=True,

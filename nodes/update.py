@@ -621,12 +621,11 @@ def _sft_loss(model: PreTrainedModel, mb: Batch, *, mode: str) -> tuple[Tensor, 
 
 def _sft_batch(prompts: Tensor, prompt_mask: Tensor, responses: Tensor, response_mask: Tensor,
                loss_mask: Tensor | None) -> Batch:
-    if loss_mask is not None and bool((loss_mask.bool() & ~response_mask.bool()).any()):
-        raise ValueError("loss_mask marks tokens response_mask does not (padding): the "
-                         "trained tokens must be response tokens")
+    """The trained tokens are those `loss_mask` marks among the valid response tokens
+    (a padding position has no log-prob to train)."""
+    trained = response_mask if loss_mask is None else loss_mask * response_mask
     return {"prompts": prompts, "prompt_mask": prompt_mask, "responses": responses,
-            "response_mask": response_mask,
-            "loss_mask": response_mask if loss_mask is None else loss_mask}
+            "response_mask": response_mask, "loss_mask": trained}
 
 
 def sft_update(

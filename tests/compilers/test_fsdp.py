@@ -262,16 +262,18 @@ def test_a_failing_rank_names_node_and_step_without_tracebacks(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("model", ["untied", "tied", "lora"])
 def test_grpo_vllm_rollouts_from_a_sharded_actor_equal_local(
-        tied: bool, tmp_path: Path, local_run: Any, tied_models: Any) -> None:
+        model: str, tmp_path: Path, local_run: Any, tied_models: Any) -> None:
     """Each rank's engine starts without weights and gets the actor's, one parameter made
     whole at a time, after every update; the rollouts are the local vLLM run's (a tied
-    embedding goes once, and the engine ties its head to it).
+    embedding goes once, and the engine ties its head to it; a LoRA actor's layers go
+    merged, each sync checked against the trainer's log-probs).
     Slow: a vLLM engine takes 20-40 s to start, one per rank, ~3 min in all."""
-    graph = GRAPHS / "grpo.yaml"
+    graph = GRAPHS / ("grpo_lora.yaml" if model == "lora" else "grpo.yaml")
     overrides = ("trainer.steps=3", "nodes.gen.params.backend=vllm",
-                 *(tied_models("grpo") if tied else ()))
+                 *(tied_models("grpo") if model == "tied" else ()),
+                 *(("trainer.verify_sync_every=1",) if model == "lora" else ()))
     try:
         local = local_run(graph, tmp_path / "local", *overrides)
     finally:

@@ -65,6 +65,23 @@ def test_the_shipped_run_learns_and_is_the_embedded_sft_model(tmp_path: Path) ->
                                  strict=True):
         assert torch.equal(a, b), name
 
+    # SFT then RL as two graphs: GRPO pointed at the export runs as from the embedded model
+    grpo = ROOT / "graphs" / "grpo.yaml"
+    small = ("dims.Bp=4", "dims.N=4", "nodes.update_actor.params.mini_batch_size=8",
+             "trainer.val_before_train=false", "trainer.steps=2")
+    export = tmp_path / "export"
+    two_graphs = _rl(grpo, tmp_path / "grpo-export", *small,
+                     f"models.actor.path={export}", f"models.ref.path={export}")
+    assert_same_numbers(two_graphs, _rl(grpo, tmp_path / "grpo-builtin", *small),
+                        rel=0, abs_floor=0)
+
+
+def _rl(graph: Path, run_dir: Path, *overrides: str) -> list[dict[str, Any]]:
+    result = compile_graph(graph, overrides=[f"trainer.run_dir={run_dir}", *overrides])
+    assert result.plan is not None, [d.one_line() for d in result.diagnostics]
+    with open(os.devnull, "w") as out:
+        return flowgraph.run(result.plan, tensorboard=False, out=out).rows
+
 
 def test_a_resumed_run_gives_the_uninterrupted_numbers(
         local: list[dict[str, Any]], tmp_path: Path) -> None:

@@ -620,6 +620,13 @@ def test_sft_update_trains_the_loss_mask_tokens_only() -> None:
             assert ctx.metrics["sft/loss"] == pytest.approx(want.item(), rel=1e-5)
         results.append(ctx.metrics["sft/loss"])
     assert results[0] != results[1]  # the masked tokens are context, not targets
-    with pytest.raises(ValueError, match="loss_mask marks tokens response_mask does not"):
-        sft_update(ctx, prompts=prompts, prompt_mask=ones, responses=responses,
-                   response_mask=loss_mask, loss_mask=response_mask)
+    # a mark on padding trains nothing: the trained tokens are loss_mask ∧ response_mask
+    model = load_model("builtin:tiny-lm", trainable=True)
+    ctx = NodeContext("sft", "sft_update", step=0, seed=0, model=model,
+                      optimizer=torch.optim.SGD(model.parameters(), lr=0.1), grad_clip=0.0)
+    padded = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    sft_update(ctx, prompts=prompts, prompt_mask=ones, responses=responses,
+               response_mask=padded, loss_mask=response_mask)
+    want = -(logprob(load_model("builtin:tiny-lm"), prompts, ones, responses, padded)
+             ["log_prob"] * padded).sum() / padded.sum()
+    assert ctx.metrics["sft/loss"] == pytest.approx(want.item(), rel=1e-5)
