@@ -120,7 +120,29 @@ class WeightSyncExtension:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         with set_current_vllm_config(self.vllm_config):
-            finalize_layerwise_reload(self.model_runner.get_model(), self.model_config)
+            model = self.model_runner.get_model()
+            finalize_layerwise_reload(model, self.model_config)
+            if getattr(self.model_config.hf_config, "tie_word_embeddings", False):
+                _retie(model)
+
+
+def _retie(model: nn.Module) -> None:
+    """A tied LM head gets no tensor of its own in a sync (the embedding is sent once),
+    and the layerwise reload leaves it with what it held before (at the first sync, the
+    engine's random start): tie it to the embedding again, and redo its post-load
+    processing (on CPU: the weight packed for oneDNN). `verify_sync` caught this."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        ParallelLMHead,
+        VocabParallelEmbedding,
+    )
+
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead)]
+    embeds = [m for m in model.modules()
+              if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)]
+    if len(heads) != 1 or len(embeds) != 1:
+        return
+    head = heads[0].tie_weights(embeds[0])
+    head.quant_method.process_weights_after_loading(head)
 
 
 @dataclass
@@ -204,6 +226,17 @@ def _whole(tensor: Tensor) -> Tensor:
     return full() if full is not None else tensor
 
 
+def _reshard(model: nn.Module) -> None:
+    """Free the unsharded parameters FSDP keeps after a forward (the root module's, until
+    the next backward), so `model.parameters()` are the sharded ones: a fingerprint
+    taken in either state would differ, and a needless sync would follow. Local."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def _fingerprint(model: nn.Module) -> tuple[float, ...]:
     """Changes when a parameter is replaced, or modified in place, or its values change."""
     # The version counter catches in-place ops (optimizer.step, load_state_dict), but a
@@ -218,8 +251,10 @@ def _fingerprint(model: nn.Module) -> tuple[float, ...]:
 
 
 def _wire(name: str, tensor: Tensor) -> tuple[str, str, list[int], bytes]:
-    """A tensor as plain msgpack values: vLLM's RPC decodes a bare tensor as a list."""
-    data = tensor.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    """A tensor as plain msgpack values: vLLM's RPC decodes a bare tensor as a list.
+    Read through a copy: `.numpy()` pins a storage's size for good, and FSDP frees an
+    unsharded parameter by resizing its storage to 0."""
+    data = tensor.detach().cpu().reshape(-1).view(torch.uint8).clone().numpy().tobytes()
     return name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), data
 
 
@@ -252,6 +287,7 @@ def engine(model: PreTrainedModel, tokenizer: Any, memory: Memory, *,
     by `verify_sync` on `probe` (the first probe given is kept: a fixed batch).
     """
     key = str(getattr(model, "name_or_path", "") or id(model))
+    _reshard(model)  # parameters as the optimizer sees them: the same fingerprint always
     cached = _ENGINES.get(key)
     if cached is not None and not cached.memory.serves(memory):
         close_engines(key)  # what an engine reserves is fixed when it starts

@@ -410,6 +410,40 @@ def test_vllm_takes_a_lora_model_merged_and_each_sync_is_verified(
     _vllm.sync_weights(llm, vllm_model)  # the engine as the other tests expect it
 
 
+def test_vllm_serves_a_tied_model_with_its_own_head(tokenizer: Any) -> None:
+    """A tied LM head is the embedding (sent once): after each sync the engine's head is
+    tied to it again. Before that fix the engine kept its random start's head and
+    sampled another policy (verify_sync measured a log-prob gap of 0.5-1.1)."""
+    from flowgraph.compilers import vllm_engine as _vllm
+
+    tied = load_model("builtin:tiny-tied")
+    assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
+    llm = _vllm.engine(tied, load_tokenizer("builtin:tiny-tied"), _memory(BP, P + 16),
+                       enforce_eager=True)
+    probe = [[5, 17, 42, 99, 7, 3, 8], [11, 12, 13, 14]]
+    try:
+        assert _vllm.verify_sync(llm, tied, probe, "tied") < 1e-4
+        with torch.no_grad():  # a second sync: the new embedding is the new head
+            tied.get_input_embeddings().weight.mul_(1.5)
+        _vllm.sync_weights(llm, tied)
+        assert _vllm.verify_sync(llm, tied, probe, "tied") < 1e-4
+    finally:
+        _vllm.close_engines(str(tied.name_or_path))
+
+
+def test_a_synced_tensor_keeps_a_resizable_storage() -> None:
+    """FSDP frees an unsharded parameter by resizing its storage to 0; reading it for a
+    weight sync must not pin its size (`.numpy()` on the tensor itself would)."""
+    from flowgraph.compilers import vllm_engine as _vllm
+
+    tensor = torch.arange(6, dtype=torch.float32)
+    name, dtype, shape, data = _vllm._wire("w", tensor)
+    assert (name, dtype, shape) == ("w", "float32", [6]) and data == tensor.numpy().tobytes()
+    tensor = torch.arange(6, dtype=torch.float32)
+    _vllm._wire("w", tensor)
+    tensor.untyped_storage().resize_(0)
+
+
 def test_vllm_kv_cache_is_sized_for_the_rollout(model: nn.Module) -> None:
     """Per token: 2 layers × (K, V) × 2 KV heads × head_dim 64 × 4 bytes = 2048 bytes; a
     sequence takes whole 128-token blocks; 1.25 margin. 16 sequences of P+T = 28 tokens:
