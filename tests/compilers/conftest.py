@@ -11,6 +11,7 @@ import pytest
 
 import flowgraph
 from flowgraph.passes import compile_graph
+from flowgraph.plan import ExecutionPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAPHS = ROOT / "graphs"
@@ -37,13 +38,28 @@ def tied_overrides(graph: str) -> tuple[str, ...]:
     return tuple(f"models.{m}.path=builtin:tiny-tied" for m in MODELS[graph])
 
 
-def run_local(graph: Path, run_dir: Path, *overrides: str, resume: bool = False
-              ) -> list[dict[str, Any]]:
-    """A local run in this process; its metrics.jsonl rows."""
-    result = compile_graph(graph, overrides=[f"trainer.run_dir={run_dir}", *overrides])
+def compile_for(graph: Path, run_dir: Path, *overrides: str, target: str = "local"
+                ) -> ExecutionPlan:
+    """`graph`'s plan for `target` (2 workers off the local target) writing to `run_dir`."""
+    result = compile_graph(graph, target=target, nproc=None if target == "local" else 2,
+                           overrides=[f"trainer.run_dir={run_dir}", *overrides])
     assert result.plan is not None, [d.one_line() for d in result.diagnostics]
+    return result.plan
+
+
+def run_local(graph: Path, run_dir: Path, *overrides: str, resume: bool = False,
+              target: str = "local") -> list[dict[str, Any]]:
+    """A run started from this process (local: in it; a ray plan starts its own Ray
+    instance and shuts it down after); its metrics.jsonl rows."""
     with open(os.devnull, "w") as out:
-        return flowgraph.run(result.plan, resume=resume, tensorboard=False, out=out).rows
+        return flowgraph.run(compile_for(graph, run_dir, *overrides, target=target),
+                             resume=resume, tensorboard=False, out=out).rows
+
+
+@pytest.fixture(scope="session")
+def compile_plan() -> Any:
+    """`compile_plan(graph, run_dir, *overrides, target="local")` -> ExecutionPlan."""
+    return compile_for
 
 
 @pytest.fixture(scope="session")

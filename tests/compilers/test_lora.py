@@ -7,16 +7,12 @@ the local numbers."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-import flowgraph
-from flowgraph.passes import compile_graph
-from flowgraph.plan import ExecutionPlan
 from flowgraph.testing.targets import assert_same_numbers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,30 +24,17 @@ SHORT = ("dims.Bp=4", "dims.N=4", "nodes.update_actor.params.mini_batch_size=8",
 checkpoints after steps 1, 3 and 4."""
 
 
-def _plan(run_dir: Path, *overrides: str, target: str = "local") -> ExecutionPlan:
-    result = compile_graph(GRAPH, target=target, nproc=None if target == "local" else 2,
-                           overrides=[f"trainer.run_dir={run_dir}", *overrides])
-    assert result.plan is not None, [d.one_line() for d in result.diagnostics]
-    return result.plan
-
-
-def _run(run_dir: Path, *overrides: str, target: str = "local", resume: bool = False
-         ) -> list[dict[str, Any]]:
-    with open(os.devnull, "w") as out:
-        return flowgraph.run(_plan(run_dir, *overrides, target=target), resume=resume,
-                             tensorboard=False, out=out).rows
-
-
 @pytest.fixture(scope="module")
-def local(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+def local(tmp_path_factory: pytest.TempPathFactory, local_run: Any
+          ) -> tuple[Path, list[dict[str, Any]]]:
     run_dir = tmp_path_factory.mktemp("lora") / "local"
-    return run_dir, _run(run_dir, *SHORT)
+    return run_dir, local_run(GRAPH, run_dir, *SHORT)
 
 
 @pytest.mark.parametrize("target", ["local", "fsdp", "ray"])
 def test_the_reference_is_the_actors_base_and_memory_counts_adapters(
-        tmp_path: Path, target: str) -> None:
-    plan = _plan(tmp_path, target=target)
+        tmp_path: Path, target: str, compile_plan: Any) -> None:
+    plan = compile_plan(GRAPH, tmp_path, target=target)
     placed = {m.name: (p.name, m) for p in plan.pools for m in p.models}
     assert placed["ref"][1].base_of == "actor" and placed["ref"][0] == placed["actor"][0]
     assert "the base of `actor`, its adapters off" in plan.summary()
@@ -62,9 +45,7 @@ def test_the_reference_is_the_actors_base_and_memory_counts_adapters(
     # sharded over the workers where the plan shards the actor
     shards = 1 if target == "local" else 2
     assert items[("grads", "actor")] == 34816 * 4 // shards
-    full = compile_graph(ROOT / "graphs" / "grpo.yaml", target=target,
-                         nproc=None if target == "local" else 2).plan
-    assert full is not None
+    full = compile_plan(ROOT / "graphs" / "grpo.yaml", tmp_path, target=target)
     grads = {i.owner: i.bytes for p in full.memory for i in p.items if i.what == "grads"}
     assert grads["actor"] > 10 * items[("grads", "actor")]
     assert ("weights", "ref") in {(i.what, i.owner) for p in full.memory for i in p.items}
@@ -83,9 +64,9 @@ def test_only_adapters_train_and_are_checkpointed(
 
 
 def test_a_resumed_run_gives_the_uninterrupted_numbers(
-        local: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
-    _run(tmp_path / "run", *SHORT, "trainer.steps=2")
-    rows = _run(tmp_path / "run", *SHORT, resume=True)
+        local: tuple[Path, list[dict[str, Any]]], tmp_path: Path, local_run: Any) -> None:
+    local_run(GRAPH, tmp_path / "run", *SHORT, "trainer.steps=2")
+    rows = local_run(GRAPH, tmp_path / "run", *SHORT, resume=True)
     assert_same_numbers(rows, local[1], rel=0, abs_floor=0)
 
 
@@ -167,13 +148,13 @@ def _same_exports(run_dir: Path, local_dir: Path, tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_fsdp_gives_the_numbers_of_the_local_run(
-        local: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
-    assert_same_numbers(_run(tmp_path / "fsdp", *SHORT, target="fsdp"), local[1])
+        local: tuple[Path, list[dict[str, Any]]], tmp_path: Path, local_run: Any) -> None:
+    assert_same_numbers(local_run(GRAPH, tmp_path / "fsdp", *SHORT, target="fsdp"), local[1])
     _same_exports(tmp_path / "fsdp", local[0], tmp_path)
 
 
 @pytest.mark.multiprocess
 def test_ray_gives_the_numbers_of_the_local_run(
-        local: tuple[Path, list[dict[str, Any]]], tmp_path: Path) -> None:
-    assert_same_numbers(_run(tmp_path / "ray", *SHORT, target="ray"), local[1])
+        local: tuple[Path, list[dict[str, Any]]], tmp_path: Path, local_run: Any) -> None:
+    assert_same_numbers(local_run(GRAPH, tmp_path / "ray", *SHORT, target="ray"), local[1])
     _same_exports(tmp_path / "ray", local[0], tmp_path)

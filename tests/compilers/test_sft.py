@@ -5,15 +5,11 @@ embedded `builtin:tiny-lm-sft`."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-import flowgraph
-from flowgraph.passes import compile_graph
-from flowgraph.plan import ExecutionPlan
 from flowgraph.testing.targets import assert_same_numbers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,27 +17,13 @@ SFT = ROOT / "graphs" / "sft.yaml"
 SHORT = ("trainer.steps=4", "trainer.checkpoint_every=2", "trainer.eval_every=4")
 
 
-def _plan(run_dir: Path, *overrides: str, target: str = "local") -> ExecutionPlan:
-    result = compile_graph(SFT, target=target, nproc=None if target == "local" else 2,
-                           overrides=[f"trainer.run_dir={run_dir}", *overrides])
-    assert result.plan is not None, [d.one_line() for d in result.diagnostics]
-    return result.plan
-
-
-def _run(run_dir: Path, *overrides: str, target: str = "local", resume: bool = False
-         ) -> list[dict[str, Any]]:
-    """Its rows; a ray plan starts its own Ray instance and shuts it down after."""
-    with open(os.devnull, "w") as out:
-        return flowgraph.run(_plan(run_dir, *overrides, target=target), resume=resume,
-                             tensorboard=False, out=out).rows
-
-
 @pytest.fixture(scope="module")
-def local(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    return _run(tmp_path_factory.mktemp("sft") / "local", *SHORT)
+def local(tmp_path_factory: pytest.TempPathFactory, local_run: Any) -> list[dict[str, Any]]:
+    return local_run(SFT, tmp_path_factory.mktemp("sft") / "local", *SHORT)
 
 
-def test_the_shipped_run_learns_and_is_the_embedded_sft_model(tmp_path: Path) -> None:
+def test_the_shipped_run_learns_and_is_the_embedded_sft_model(tmp_path: Path,
+                                                              local_run: Any) -> None:
     """60 steps, ~3 s: the train loss falls from ~6.3 (a random model over 512 tokens)
     to ~1.0 (measured), the held-out loss at every evaluation falls (2.46, 1.42, 0.86);
     its export is, weight for weight, `builtin:tiny-lm-sft` (trained by the same graph
@@ -54,7 +36,7 @@ def test_the_shipped_run_learns_and_is_the_embedded_sft_model(tmp_path: Path) ->
     from flowgraph.nodes.models import load_model
 
     assert SFT.read_text() == SFT_RECIPE
-    rows = _run(tmp_path / "run")
+    rows = local_run(SFT, tmp_path / "run")
     loss = [r["sft/loss"] for r in rows]
     assert loss[0] > 5.0 and sum(loss[-10:]) / 10 < 1.3, (loss[0], loss[-10:])
     val = [r["val/sft/loss"] for r in rows if "val/sft/loss" in r]
@@ -70,34 +52,27 @@ def test_the_shipped_run_learns_and_is_the_embedded_sft_model(tmp_path: Path) ->
     small = ("dims.Bp=4", "dims.N=4", "nodes.update_actor.params.mini_batch_size=8",
              "trainer.val_before_train=false", "trainer.steps=2")
     export = tmp_path / "export"
-    two_graphs = _rl(grpo, tmp_path / "grpo-export", *small,
-                     f"models.actor.path={export}", f"models.ref.path={export}")
-    assert_same_numbers(two_graphs, _rl(grpo, tmp_path / "grpo-builtin", *small),
+    two_graphs = local_run(grpo, tmp_path / "grpo-export", *small,
+                           f"models.actor.path={export}", f"models.ref.path={export}")
+    assert_same_numbers(two_graphs, local_run(grpo, tmp_path / "grpo-builtin", *small),
                         rel=0, abs_floor=0)
 
 
-def _rl(graph: Path, run_dir: Path, *overrides: str) -> list[dict[str, Any]]:
-    result = compile_graph(graph, overrides=[f"trainer.run_dir={run_dir}", *overrides])
-    assert result.plan is not None, [d.one_line() for d in result.diagnostics]
-    with open(os.devnull, "w") as out:
-        return flowgraph.run(result.plan, tensorboard=False, out=out).rows
-
-
 def test_a_resumed_run_gives_the_uninterrupted_numbers(
-        local: list[dict[str, Any]], tmp_path: Path) -> None:
-    _run(tmp_path / "run", "trainer.steps=2", "trainer.checkpoint_every=2")
-    rows = _run(tmp_path / "run", *SHORT, resume=True)
+        local: list[dict[str, Any]], tmp_path: Path, local_run: Any) -> None:
+    local_run(SFT, tmp_path / "run", "trainer.steps=2", "trainer.checkpoint_every=2")
+    rows = local_run(SFT, tmp_path / "run", *SHORT, resume=True)
     assert_same_numbers(rows, local, rel=0, abs_floor=0)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_fsdp_gives_the_numbers_of_the_local_run(
-        local: list[dict[str, Any]], tmp_path: Path) -> None:
-    assert_same_numbers(_run(tmp_path / "fsdp", *SHORT, target="fsdp"), local)
+        local: list[dict[str, Any]], tmp_path: Path, local_run: Any) -> None:
+    assert_same_numbers(local_run(SFT, tmp_path / "fsdp", *SHORT, target="fsdp"), local)
 
 
 @pytest.mark.multiprocess
 def test_ray_gives_the_numbers_of_the_local_run(
-        local: list[dict[str, Any]], tmp_path: Path) -> None:
-    assert_same_numbers(_run(tmp_path / "ray", *SHORT, target="ray"), local)
+        local: list[dict[str, Any]], tmp_path: Path, local_run: Any) -> None:
+    assert_same_numbers(local_run(SFT, tmp_path / "ray", *SHORT, target="ray"), local)
