@@ -1,6 +1,7 @@
 """Benchmark: rollout tokens/s of both `generate` backends, and the node's overhead.
 
 Run:  python benchmarks/bench_generate.py                       (Bp=16, n=4, T=64, both)
+      python benchmarks/bench_generate.py --backends hf --length 256   (long responses)
       python benchmarks/bench_generate.py --backends hf --repeats 7
       python benchmarks/bench_generate.py --compile      (vLLM with torch.compile: slow start)
 
@@ -15,7 +16,9 @@ runs of the same generation differ by more than 5%, so the overhead is measured
 inside each node call as well: the node's own work is its time minus the time spent
 in the backend call it makes (`decode` or `llm.generate`, wrapped in a timer), and
 overhead = median own work / median direct time (target ≤ 5%). Tokens are the valid
-response tokens (the random model seldom says EOS).
+response tokens (the random model seldom says EOS). The hf decoding loop is also timed
+per token against transformers' `model.generate` sampling the same prompts (target: at
+least as fast).
 
 vLLM runs in its own processes; on CPU it binds its worker to one core and keeps one
 for the caller. It is started with `enforce_eager=True` unless `--compile`.
@@ -114,6 +117,39 @@ def bench_hf(s: dict[str, Any], repeats: int) -> dict[str, float]:
         generate_module.decode = decode
 
 
+def bench_hf_vs_transformers(s: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Seconds per valid response token of the hf backend's decoding loop and of
+    transformers' `model.generate` (sampling at τ=1, no top-k/top-p, stopping at EOS)
+    on the same expanded prompts, alternating after one warm-up of each; medians."""
+    n, spec, model = s["ctx"].dims["N"], s["spec"], s["model"]
+    prompts = s["prompts"].repeat_interleave(n, 0)
+    mask = s["prompt_mask"].repeat_interleave(n, 0)
+    model.eval()
+
+    def ours() -> int:
+        return int(decode(model, prompts, mask, s["seeds"], spec)["response_mask"].sum())
+
+    def theirs() -> int:
+        with torch.no_grad():
+            out = model.generate(input_ids=prompts, attention_mask=mask, do_sample=True,
+                                 temperature=1.0, top_k=0, top_p=1.0,
+                                 max_new_tokens=spec.max_new_tokens,
+                                 eos_token_id=list(spec.stop_ids), pad_token_id=spec.pad_id)
+        new = out[:, prompts.shape[1]:]
+        ended = torch.isin(new, torch.tensor(spec.stop_ids)).long().cumsum(-1)
+        return int(((ended == 0) | ((ended == 1) & torch.isin(
+            new, torch.tensor(spec.stop_ids)))).sum())
+
+    ours(), theirs()
+    per_token: dict[str, list[float]] = {"ours": [], "theirs": []}
+    for _ in range(repeats):
+        for name, fn in (("ours", ours), ("theirs", theirs)):
+            start = time.perf_counter()
+            tokens = fn()
+            per_token[name].append((time.perf_counter() - start) / max(tokens, 1))
+    return {name: statistics.median(ts) for name, ts in per_token.items()}
+
+
 def bench_vllm(s: dict[str, Any], repeats: int, eager: bool) -> dict[str, float]:
     from vllm.inputs import TokensPrompt
 
@@ -160,6 +196,13 @@ def main() -> int:
     print(f"Bp={args.prompts} n={args.n} T={args.length} P=16 torch threads="
           f"{torch.get_num_threads()} repeats={args.repeats}")
     ok = True
+    if "hf" in args.backends.split(","):
+        r = bench_hf_vs_transformers(s, args.repeats)
+        ratio = r["theirs"] / r["ours"]
+        ok &= ratio >= 1.0
+        print(f"hf decoding loop {1 / r['ours']:.0f} tok/s vs transformers' model.generate "
+              f"{1 / r['theirs']:.0f} tok/s: {ratio:.2f}x per token (target >= 1: "
+              f"{'met' if ratio >= 1.0 else 'MISSED'})")
     for backend in args.backends.split(","):
         if backend == "hf":
             r = bench_hf(s, args.repeats)
