@@ -117,7 +117,7 @@ def merged_parameters(model: torch.nn.Module, whole: Callable[[torch.Tensor], to
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """The model's parameters under their Hugging Face names, each made whole by `whole`;
     a LoRA layer's weight merged (W + scale·B·A), its adapters not listed: what a rollout
-    engine or an export of the merged model loads."""
+    engine loads."""
     lora: dict[str, Any] = {name: m for name, m in model.named_modules()
                             if hasattr(m, "lora_A") and hasattr(m, "base_layer")}  # peft's
     for name, p in model.named_parameters():
