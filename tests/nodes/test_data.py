@@ -431,3 +431,20 @@ def test_the_filtered_count_is_logged_in_the_first_row(tmp_path: Path) -> None:
     with open(os.devnull, "w") as out:
         logged = run(result.plan, RunOptions(tensorboard=False, out=out)).rows
     assert [r.get("data/train/filtered_overlong") for r in logged] == [3.0, None]
+
+
+def test_multi_turn_rows_are_verls(tmp_path: Path) -> None:
+    """Prompt + response and the loss mask of each conversation are verl 0.9.1's
+    `MultiTurnSFTDataset` input_ids and loss_mask (scripts/verl_sft_fixtures.py), a
+    system message and two user turns in a row included."""
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "verl" / "multiturn_sft.json"
+    rows = json.loads(fixture.read_text())["rows"]
+    splits = sft_source(str(_write(tmp_path / "chat.jsonl", [
+        {"messages": r["messages"]} for r in rows])), tokenizer=TOK, shuffle=False)
+    batch = splits.train.next_batch(len(rows))
+    for i, row in enumerate(rows):
+        prompt = batch["prompts"][i][batch["prompt_mask"][i].bool()].tolist()
+        valid = batch["response_mask"][i].bool()
+        response = batch["responses"][i][valid].tolist()
+        assert prompt + response == row["input_ids"], i
+        assert [0] * len(prompt) + batch["loss_mask"][i][valid].tolist() == row["loss_mask"], i
