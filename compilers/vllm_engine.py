@@ -343,11 +343,12 @@ def verify_sync(llm: LLM, model: nn.Module, probe: list[list[int]], key: str) ->
         theirs = torch.tensor([lp[t].logprob for t, lp in zip(row[1:], positions, strict=True)])
         worst = max(worst, (ours[i, : len(row) - 1].cpu() - theirs).abs().max().item())
     dtype = next(model.parameters()).dtype
-    if not worst <= SYNC_TOLERANCE.get(dtype, 0.1):
+    tolerance = SYNC_TOLERANCE.get(dtype, 0.1)
+    if not worst <= tolerance:
         raise WeightSyncError(
             f"weight sync check failed for model `{key}`: after the sync, the vLLM engine's "
             f"log-probs of a probe batch ({len(probe)} prompts) differ from the trainer's by "
-            f"up to {worst:.3g} (tolerance {SYNC_TOLERANCE.get(dtype, 0.1):g} for {dtype}): "
+            f"up to {worst:.3g} (tolerance {tolerance:g} for {dtype}): "
             "the engine is not sampling the policy being trained (a weight, or a LoRA "
             "adapter, that did not reach it); stopped before training on its samples")
     return worst

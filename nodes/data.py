@@ -639,9 +639,12 @@ class SFTDataset(PreferenceDataset):
         trained response tokens (a conversation's assistant turns), cut and padded as
         the responses are."""
         out = super().batch(ids, rows)
-        T = out["responses"].shape[1]
-        trained = [[int(keep) for span, keep in self._spans(r) for _ in span][:T] for r in rows]
-        out["loss_mask"] = _pad(trained, T, 0, left=False)[0]
+        out["loss_mask"] = loss_mask = out["response_mask"].clone()  # one answer: all of it
+        T = loss_mask.shape[1]
+        for i, row in enumerate(rows):
+            if row.get("turns"):
+                trained = [int(keep) for span, keep in self._spans(row) for _ in span][:T]
+                loss_mask[i, : len(trained)] = torch.tensor(trained, dtype=loss_mask.dtype)
         return out
 
 
