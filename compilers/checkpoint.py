@@ -87,7 +87,8 @@ class TrainedPart:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, modules: dict[str, Any],
-                    state: dict[str, Any], keep: int = 2) -> Path:
+                    state: dict[str, Any], keep: int = 2, rollouts: list[Any] | None = None
+                    ) -> Path:
     """Write `step_<step>` atomically; keep the newest `keep` checkpoints.
 
     `modules` maps a file stem to an object with `state_dict()` (models, optimizers,
@@ -97,7 +98,7 @@ def save_checkpoint(run_dir: Path, step: int, *, modules: dict[str, Any],
     for stem, obj in modules.items():
         torch.save(obj.state_dict(), tmp / f"{stem}.pt")
     torch.save(rng_state(), tmp / "rng.pt")
-    return publish_checkpoint(tmp, state, keep)
+    return publish_checkpoint(tmp, state, keep, rollouts)
 
 
 def begin_checkpoint(run_dir: Path, step: int, suffix: str) -> Path:
@@ -110,8 +111,14 @@ def begin_checkpoint(run_dir: Path, step: int, suffix: str) -> Path:
     return tmp
 
 
-def publish_checkpoint(tmp: Path, state: dict[str, Any], keep: int = 2) -> Path:
-    """Write `state.json` last, then rename `tmp` into place and prune old ones."""
+def publish_checkpoint(tmp: Path, state: dict[str, Any], keep: int = 2,
+                       rollouts: list[Any] | None = None) -> Path:
+    """Write the rollout buffer of an asynchronous run (`rollouts`, when not None) and
+    `state.json` last, then rename `tmp` into place and prune old ones."""
+    if rollouts is not None:
+        from flowgraph.compilers.rollouts import save_buffer
+
+        save_buffer(tmp, rollouts)
     root, final = tmp.parent, tmp.parent / tmp.name.split(".")[0]
     (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
     _fsync_dir(tmp)

@@ -61,6 +61,8 @@ from flowgraph.runtime.metrics import MetricsLog, serving
 class FsdpExecutor(LocalExecutor):
     """One rank of an fsdp run."""
 
+    overlap_rollouts = False  # every rank produces its asynchronous rollouts in its loop
+
     def __init__(self, plan: ExecutionPlan, options: ExecOptions, rank: int, world: int,
                  *, exporting: bool = False) -> None:
         super().__init__(plan, options)
@@ -109,7 +111,8 @@ class FsdpExecutor(LocalExecutor):
         dist.barrier()
         if self.rank == 0:
             publish_checkpoint(tmp, self.run_state(step),
-                               keep=self.graph.trainer.max_checkpoints)
+                               keep=self.graph.trainer.max_checkpoints,
+                               rollouts=self.buffered(step))
         dist.barrier()
 
     def load_weights(self, folder: Path) -> None:

@@ -73,6 +73,13 @@ from flowgraph.compilers.metrics import (
     phase_seconds,
     step_metrics,
 )
+from flowgraph.compilers.rollouts import (
+    InlineRollouts,
+    ProcessRollouts,
+    Rollout,
+    Rollouts,
+    load_buffer,
+)
 from flowgraph.errors import (
     DEBUG_ENV,
     FlowgraphError,
@@ -131,6 +138,10 @@ class ExecOptions:
 class LocalExecutor:
     """Runs an `ExecutionPlan` in this process."""
 
+    overlap_rollouts = True
+    """An asynchronous plan's producer runs in a process of its own, overlapping the
+    update (`ProcessRollouts`); False: in this loop (`InlineRollouts`)."""
+
     def __init__(self, plan: ExecutionPlan, options: ExecOptions) -> None:
         self.plan, self.graph, self.opts = plan, plan.graph, options
         self.kinds = plan_kinds(plan)
@@ -158,6 +169,11 @@ class LocalExecutor:
         self.workers, self.rank = 1, 0
         """The processes this one's models are sharded over (fsdp: the world; a Ray
         worker: its pool's size), and this one's rank among them."""
+        cut = plan.asynchronous
+        self.consumer = [n for n in self.order if cut is None or n not in cut.producer]
+        """The step nodes run on the batch a rollout brings (all of them: synchronous)."""
+        self.rollouts: Rollouts | None = None
+        """The buffer of an asynchronous plan, from `run()` on."""
         torch.manual_seed(self.graph.trainer.seed)  # before any model or head is made
 
     # -- setup ------------------------------------------------------------------------
@@ -192,7 +208,8 @@ class LocalExecutor:
             model = self.place_model(placed, load_model(spec, placed, self.opts.device,
                                                         self.graph.trainer.seed))
             self.res.models[spec.name] = model
-            if spec.trainable:
+            if spec.trainable and any(self.kinds[n].trains and self.nodes[n].model == spec.name
+                                      for n in self.order):
                 self.res.optimizers[spec.name], self.res.schedulers[spec.name] = \
                     make_optimizer(spec, model, self.graph.trainer.steps)
         for placed in hosted:  # a LoRA model's base: that model, its adapters off
@@ -442,24 +459,30 @@ class LocalExecutor:
         return seconds
 
     def run_step(self, step: int, *, strict: bool) -> dict[str, float]:
-        """Draw the batch and run the step's nodes; with a resample loop in the plan,
-        the tries up to its filter first (`run_tries`), then the rest once."""
+        """Draw the batch and run the step's nodes (`produce`); with asynchronous
+        rollouts, take the producer's outputs for the step from the buffer and run the
+        consumer's nodes."""
         t0 = time.perf_counter()
         env: dict[tuple[str, str], Any] = {}
         metrics: dict[str, float] = {}
-        loop = self.plan.resample
-        if loop is None:
-            self.run_stages(env, step, strict, metrics, self.order)
-        else:
-            self.run_tries(env, step, strict, metrics)
-            self._run_nodes(env, step, strict, metrics,
-                            [n for n in self.order if n not in loop.repeat])
+        if self.rollouts is None:
+            self.produce(env, step, strict, metrics, self.order)
+        else:  # the producer's outputs from the buffer, then the consumer's nodes
+            env = self.rollouts.take(step, metrics)
+            for name in self.prologue:
+                self.run_node(name, env, step, strict=strict, metrics=metrics)
+            self._run_nodes(env, step, strict, metrics, self.consumer)
         seconds = {k.removeprefix("timing_s/"): v for k, v in metrics.items()
                    if k.startswith("timing_s/")}
+        waited = 0.0
+        if isinstance(self.rollouts, ProcessRollouts):
+            # generation overlapped the step: what the step waited for it is its cost
+            seconds = {n: s for n, s in seconds.items() if n in self.consumer}
+            waited = metrics["perf/rollout_wait_s"]
         metrics.update(step_metrics(self.graph, self.kinds, env))
         wall = time.perf_counter() - t0
         metrics["timing_s/step"] = wall
-        metrics.update(phase_seconds(self.kinds, seconds, wall))
+        metrics.update(phase_seconds(self.kinds, seconds, wall, waited))
         metrics["perf/orchestration_frac"] = (metrics["phase_s/orchestration"] / wall
                                               if wall else 0.0)
         tokens = metrics.get("perf/tokens", 0.0)
@@ -473,6 +496,18 @@ class LocalExecutor:
                 for device, used in memory:
                     exporter.set_memory(worker, device, used)
         return metrics
+
+    def produce(self, env: dict[tuple[str, str], Any], step: int, strict: bool,
+                metrics: dict[str, float], names: list[str]) -> None:
+        """Run `names` (the step's nodes, or an asynchronous plan's producer) on the next
+        batches; with a resample loop in the plan, the tries up to its filter first
+        (`run_tries`), then the rest of `names` once."""
+        loop = self.plan.resample
+        if loop is None:
+            self.run_stages(env, step, strict, metrics, names)
+        else:
+            self.run_tries(env, step, strict, metrics)
+            self._run_nodes(env, step, strict, metrics, [n for n in names if n not in loop.repeat])
 
     def run_stages(self, env: dict[tuple[str, str], Any], step: int, strict: bool,
                    metrics: dict[str, float], names: list[str]) -> None:
@@ -642,16 +677,23 @@ class LocalExecutor:
 
     def run_state(self, step: int) -> dict[str, Any]:
         """What a checkpoint holds besides weights and optimizers (JSON-able)."""
+        cursors = (self.rollouts.data_cursors(step) if self.rollouts is not None
+                   else {d: s.train.state_dict() for d, s in self.res.data.items()})
         return {
             "step": step,
-            "cursors": {d: s.train.state_dict() for d, s in self.res.data.items()},
+            "cursors": cursors,
             "node_state": self.node_state,
             "plan": self.plan.graph.name,
         }
 
     def save(self, step: int) -> None:
         save_checkpoint(self.opts.run_dir, step, modules=self.checkpoint_modules(),
-                        state=self.run_state(step), keep=self.graph.trainer.max_checkpoints)
+                        state=self.run_state(step), keep=self.graph.trainer.max_checkpoints,
+                        rollouts=self.buffered(step))
+
+    def buffered(self, step: int) -> list[Rollout] | None:
+        """The rollouts a checkpoint after `step` holds; None: synchronous."""
+        return self.rollouts.buffered(step) if self.rollouts is not None else None
 
     def restore(self) -> int:
         """Load the latest checkpoint; return the next step to run (0 when none).
@@ -693,6 +735,8 @@ class LocalExecutor:
         state = json.loads((folder / "state.json").read_text())
         for d, cursor in state["cursors"].items():
             self.res.data[d].train.load_state_dict(cursor)
+        if self.rollouts is not None:  # a synchronous run's checkpoint holds no buffer
+            self.rollouts.load(load_buffer(folder) or [], state["cursors"])
         for name, node_state in state["node_state"].items():
             self.node_state.setdefault(name, {}).update(node_state)
         return int(state["step"]) + 1
@@ -717,23 +761,31 @@ class LocalExecutor:
         `recover`, which says the step to go on from."""
         trainer = self.graph.trainer
         self.prepare_run_dir()
+        if self.plan.asynchronous is not None:
+            self.rollouts = (ProcessRollouts if self.overlap_rollouts else InlineRollouts)(self)
         step = self.start_step = self.restore() if self.opts.resume else 0
         log = self.open_log()
         log.truncate_after(step - 1)
         rows: list[dict[str, float]] = []
         try:
             self.before_loop()
+            if self.rollouts is not None:
+                self.rollouts.start(step)
             while step < trainer.steps:
                 try:
                     metrics, saved = self.train_step(step, log)
                 except WorkerLost as exc:
                     step = self.start_step = self.recover(exc, step)
                     log.truncate_after(step - 1)
+                    if self.rollouts is not None:
+                        self.rollouts.start(step)
                     continue
                 rows.append(metrics)
                 self.completed(saved)
                 step += 1
         finally:
+            if self.rollouts is not None:
+                self.rollouts.close()
             log.close()
         return rows
 
@@ -760,6 +812,8 @@ class LocalExecutor:
         if trainer.val_before_train and step == 0 and trainer.eval_every != 1:
             before = self.evaluate(step)  # the model before any update: the baseline
         metrics = self._guarded_step(step)
+        if self.rollouts is not None:  # the update is done: its weights go to the producer
+            self.rollouts.advance(step)
         metrics.update(before)
         if trainer.eval_every and (step + 1) % trainer.eval_every == 0:
             metrics.update(self.evaluate(step))
@@ -787,6 +841,24 @@ class LocalExecutor:
                 raise
             print(f"step {step}: skipped the batch: {exc}", file=self.opts.out)
             return {"skipped": 1.0}
+
+
+class ProducerExecutor(LocalExecutor):
+    """The producer of an asynchronous plan in a process of its own
+    (`flowgraph.compilers.rollouts`): its nodes only, the models they run, no
+    optimizer, no prologue (its outputs are looked up by the consumer)."""
+
+    def __init__(self, plan: ExecutionPlan, options: ExecOptions) -> None:
+        super().__init__(plan, options)
+        assert plan.asynchronous is not None
+        self.order = [n for n in plan.asynchronous.producer if n in self.nodes]
+        self.prologue = []
+
+    def hosted_models(self) -> tuple[ModelPlacement, ...]:
+        run = {n.model for n in self.plan.nodes if n.name in self.order and n.loads_model}
+        bases = {m.base_of for p in self.plan.pools for m in p.models if m.name in run}
+        return tuple(m for p in self.plan.pools for m in p.models
+                     if m.name in run or m.name in bases)
 
 
 def _join(values: list[Any]) -> Any:

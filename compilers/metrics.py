@@ -60,15 +60,17 @@ batch; and the rest of the step, outside any node (the executor's own work)."""
 _PHASE_OF_CATEGORY = {"rollout": "generation", "update": "update", "data": "data"}
 
 
-def phase_seconds(kinds: dict[str, KindSpec], seconds: dict[str, float], wall: float
-                  ) -> dict[str, float]:
+def phase_seconds(kinds: dict[str, KindSpec], seconds: dict[str, float], wall: float,
+                  waited: float = 0.0) -> dict[str, float]:
     """`phase_s/<phase>` from each node's (and data source's) seconds in one step of
-    `wall` seconds; they add up to `wall`."""
+    `wall` seconds; they add up to `wall`. `waited`: seconds the step waited for a
+    rollout generated elsewhere (asynchronous rollouts), its generation phase."""
     out = dict.fromkeys(PHASES, 0.0)
+    out["generation"] = waited
     for name, s in seconds.items():
         kind = kinds[name]
         out["update" if kind.trains else _PHASE_OF_CATEGORY.get(kind.category, "scoring")] += s
-    out["orchestration"] = max(wall - sum(seconds.values()), 0.0)
+    out["orchestration"] = max(wall - sum(seconds.values()) - waited, 0.0)
     return {f"phase_s/{phase}": s for phase, s in out.items()}
 
 

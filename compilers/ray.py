@@ -193,6 +193,8 @@ class Group:
 class RayExecutor(LocalExecutor):
     """The single controller."""
 
+    overlap_rollouts = False  # asynchronous rollouts are produced in the driver's loop
+
     def __init__(self, plan: ExecutionPlan, options: ExecOptions) -> None:
         super().__init__(plan, options)
         self.groups: dict[str, Group] = {}
@@ -358,7 +360,8 @@ class RayExecutor(LocalExecutor):
     def save(self, step: int) -> None:
         tmp = begin_checkpoint(self.opts.run_dir, step, "tmp-ray")
         self._get([w.save.remote(str(tmp)) for g in self.groups.values() for w in g.workers])
-        publish_checkpoint(tmp, self.run_state(step), keep=self.graph.trainer.max_checkpoints)
+        publish_checkpoint(tmp, self.run_state(step), keep=self.graph.trainer.max_checkpoints,
+                           rollouts=self.buffered(step))
 
     def load_weights(self, folder: Path) -> None:
         """Every worker loads its pool's part of the checkpoint."""
@@ -385,6 +388,8 @@ class RayExecutor(LocalExecutor):
                 d.train.load_state_dict({"epoch": 0, "position": 0})
             for state in self.node_state.values():
                 state.clear()
+            if self.rollouts is not None:
+                self.rollouts.load([], None)
             return 0
         return self.restore_state(found[1])
 

@@ -4,4 +4,5 @@ import sys
 
 from flowgraph.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not in a process spawned from it (asynchronous rollouts)
+    sys.exit(main())

@@ -44,6 +44,9 @@ CODES: dict[str, str] = {
     "FG117": "evaluation asked for (`trainer.eval_every`) with no held-out data",
     "FG118": "n held-out responses a prompt asked for with greedy evaluation",
     "FG119": "LoRA adapters on a model that cannot train them",
+    "FG120": "asynchronous rollouts (trainer.max_staleness) in a graph without a rollout",
+    "FG121": "staleness that compounds: several optimizer steps per asynchronous rollout",
+    "FG122": "old log-probs taken from a rollout that reports none (trainer.old_log_prob)",
     # contracts
     "FG201": "rank mismatch along an edge",
     "FG202": "dim mismatch along an edge",

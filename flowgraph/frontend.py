@@ -46,8 +46,10 @@ from flowgraph.document import (
 )
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import (
+    ADMISSIONS,
     LOGGERS,
     NAME_RE,
+    OLD_LOG_PROBS,
     DataSpec,
     DimBinding,
     Graph,
@@ -98,7 +100,8 @@ TRAINER: dict[str, _T] = {
     "max_checkpoints": (int,),
     "eval_every": (int,), "val_before_train": (bool,), "verify_sync_every": (int,),
     "resume": (bool,), "strict": (bool,), "on_nonfinite": (str,),
-    "step_timeout_s": (float,), "metrics_port": (int, type(None)), "loggers": (list,),
+    "step_timeout_s": (float,), "max_staleness": (int,), "admission": (str,),
+    "old_log_prob": (str,), "metrics_port": (int, type(None)), "loggers": (list,),
     "mlflow_tracking_uri": (str, type(None)),
 }
 RESOURCES: dict[str, _T] = {
@@ -379,7 +382,7 @@ def _read_trainer(r: _Reader, node: YNode | None) -> TrainerSpec:
         return TrainerSpec()
     f = r.section(node, TRAINER, "trainer")
     for key in ("steps", "checkpoint_every", "max_checkpoints", "eval_every", "seed",
-                "verify_sync_every"):
+                "verify_sync_every", "max_staleness"):
         if key in f and f[key] < 0:
             r.err("FG004", f"`trainer.{key}` must be >= 0, got {f[key]}", node.pos)
             del f[key]
@@ -387,6 +390,11 @@ def _read_trainer(r: _Reader, node: YNode | None) -> TrainerSpec:
         r.err("FG004", f"`trainer.on_nonfinite` is `{f['on_nonfinite']}`", node.pos,
               hint="use `stop` (the default) or `skip`")
         del f["on_nonfinite"]
+    for key, allowed in (("admission", ADMISSIONS), ("old_log_prob", OLD_LOG_PROBS)):
+        if key in f and f[key] not in allowed:
+            r.err("FG004", f"`trainer.{key}` is `{f[key]}`", node.pos,
+                  hint=f"use one of {', '.join(allowed)}")
+            del f[key]
     if "loggers" in f:
         f["loggers"] = _read_loggers(r, f["loggers"])
     return TrainerSpec(**f, pos=node.pos)

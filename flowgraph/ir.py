@@ -228,6 +228,10 @@ class DimBinding:
 
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+ADMISSIONS = ("block", "drop")
+"""`trainer.admission` of asynchronous rollouts."""
+OLD_LOG_PROBS = ("recompute", "rollout")
+"""`trainer.old_log_prob` of asynchronous rollouts."""
 """What `trainer.loggers` may list: the per-step console line, `run_dir/metrics.jsonl`
 (always written: resume and `flowgraph.run(...).rows` read it), and the experiment
 trackers of `flowgraph.runtime.trackers`."""
@@ -260,6 +264,17 @@ class TrainerSpec:
     """After a weight sync into a rollout engine (vLLM), its log-probs of a fixed probe
     batch are compared with the trainer's, and a mismatch stops the run: at the first
     sync always, and every this many syncs (one a step) after it; 0: the first only."""
+    max_staleness: int = 0
+    """Asynchronous rollouts: the rollout of step k may come from the policy of step k-S
+    (generated while earlier steps train); 0: synchronous."""
+    admission: str = "block"
+    """With max_staleness > 0: `block` (a rollout waits for the policy S steps behind
+    its step: exact, reproducible) or `drop` (rollouts never wait; one more than S
+    updates old when its step comes is dropped)."""
+    old_log_prob: str = "recompute"
+    """With max_staleness > 0, where the update's π_old comes from: `recompute` (the
+    actor's log-probs when the rollout is consumed) or `rollout` (the rollout's own
+    `rollout_log_prob`: the policy that sampled it)."""
     metrics_port: int | None = None
     loggers: tuple[str, ...] = ("console", "jsonl", "tensorboard")
     """Where step rows go, from `LOGGERS`; `jsonl` is written whether listed or not."""
@@ -273,6 +288,12 @@ class TrainerSpec:
             raise IRError(
                 f"trainer.on_nonfinite must be `stop` or `skip`, got {self.on_nonfinite!r}"
             )
+        if self.admission not in ADMISSIONS:
+            raise IRError(f"trainer.admission must be one of {', '.join(ADMISSIONS)}, got "
+                          f"{self.admission!r}")
+        if self.old_log_prob not in OLD_LOG_PROBS:
+            raise IRError(f"trainer.old_log_prob must be one of {', '.join(OLD_LOG_PROBS)}, "
+                          f"got {self.old_log_prob!r}")
         unknown = [name for name in self.loggers if name not in LOGGERS]
         if unknown:
             raise IRError(f"trainer.loggers: {', '.join(map(repr, unknown))} is not one of "

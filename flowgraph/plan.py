@@ -35,6 +35,12 @@ the filter depends on, in stage order), the number of groups to keep and the tri
 allowed; an executor repeats exactly those, then runs the other step nodes once on
 the filter's joined, truncated outputs.
 
+**Asynchronous rollouts** (`trainer.max_staleness` S > 0) are plan data as well:
+`AsyncPlan` lists the producer (data, rollouts, and the nodes that read only them and
+run no trained model, `producer_side`), which runs up to S steps ahead of the rest of
+the step, the consumer, through a buffer of rollouts stamped with the policy version
+that generated them (`flowgraph.compilers.rollouts`).
+
 A plan read from JSON is checked by `verify` (`from_json` calls it): the format
 version, every reference, pools hosting the models their nodes run, stages that
 respect every dependency, and each edge's dispatch against the rule.
@@ -58,7 +64,7 @@ from flowgraph.ir import NAME_RE, Graph
 from flowgraph.registry import HOISTABLE_CATEGORIES, KindSpec
 from flowgraph.source import SourcePos
 
-PLAN_VERSION = 3
+PLAN_VERSION = 4
 """Format version of the JSON plan; `from_json` refuses any other."""
 TARGETS = ("local", "fsdp", "ray")
 DEVICES = ("cpu", "cuda")
@@ -326,6 +332,19 @@ class ResamplePlan:
 
 
 @dataclass(frozen=True, slots=True)
+class AsyncPlan:
+    """Asynchronous rollouts (`trainer.max_staleness` S > 0): the step nodes are cut at
+    the rollout into a producer and a consumer joined by a buffer of rollouts, each
+    stamped with the policy version (updates applied) that generated it. The producer
+    runs up to S steps ahead of the consumer; `trainer.admission` and
+    `trainer.old_log_prob` say how (they live in the graph's trainer, once)."""
+
+    producer: tuple[str, ...]
+    """Data sources and the step nodes of the producer, in the order they run
+    (`producer_side`); every other step node is the consumer's."""
+
+
+@dataclass(frozen=True, slots=True)
 class ExecutionPlan:
     """Everything an executor needs to run a graph on one target."""
 
@@ -356,6 +375,8 @@ class ExecutionPlan:
     version: int = PLAN_VERSION
     resample: ResamplePlan | None = None
     """The step's refill loop when the graph has a filter node; None: one pass."""
+    asynchronous: AsyncPlan | None = None
+    """The producer / consumer cut of asynchronous rollouts; None: synchronous."""
 
     def __post_init__(self) -> None:
         _require(_plan_problems(self), "execution plan")
@@ -409,7 +430,58 @@ def _plan_problems(plan: ExecutionPlan) -> list[str]:
     if problems:  # the checks below read the references these ones vouch for
         return problems
     return (_placement_problems(plan) + _order_problems(plan) + _edge_problems(plan)
-            + _resample_problems(plan))
+            + _resample_problems(plan) + _async_problems(plan))
+
+
+def producer_side(plan: ExecutionPlan, rollouts: set[str]) -> tuple[str, ...]:
+    """The producer of asynchronous rollouts, in the order the step runs: the data
+    sources, the `rollouts` (nodes of category rollout), and every other step node
+    that reads only the producer's outputs, trains nothing and runs no trained model
+    (a reward function, a frozen reference, GRPO's advantage); a node that reads a
+    trained model's output, or the prologue's, is the consumer's. The rule the compiler
+    and the verifier share."""
+    trained = {m.name for m in plan.graph.models if m.trainable}
+    nodes = {n.name: n for n in plan.nodes}
+    side = {d.name for d in plan.graph.data}
+    order = [n for s in plan.stages if not s.once for n in s.nodes]
+    for name in order:
+        node, record = plan.graph.node(name), nodes[name]
+        if node is None or name in side:
+            continue
+        runs_trained = record.loads_model and record.model in trained
+        if all(ref.node in side for _, ref in node.inputs) and not record.trains \
+                and (name in rollouts or not runs_trained):
+            side.add(name)
+    return tuple(n for n in order if n in side)
+
+
+def _async_problems(plan: ExecutionPlan) -> list[str]:
+    """An asynchronous plan's producer holds the data, nodes that read only the
+    producer and train nothing, and the whole resample loop; the rest of the rule
+    (which nodes are rollouts) is checked with the kinds (`verify_kinds`)."""
+    cut = plan.asynchronous
+    if cut is None:
+        return []
+    problems = []
+    if plan.graph.trainer.max_staleness < 1:
+        problems.append("the plan is asynchronous but trainer.max_staleness is "
+                        f"{plan.graph.trainer.max_staleness}")
+    nodes = {n.name: n for n in plan.nodes}
+    side = set(cut.producer)
+    for name in cut.producer:
+        node = plan.graph.node(name)
+        if name not in nodes or (node is None and plan.graph.data_source(name) is None):
+            problems.append(f"the asynchronous producer names `{name}`, not a node of the plan")
+            continue
+        if nodes[name].trains:
+            problems.append(f"the asynchronous producer runs `{name}`, an update")
+        problems += [f"the asynchronous producer runs `{name}`, which reads `{ref}` of the "
+                     "consumer" for _, ref in (node.inputs if node else ())
+                     if ref.node not in side]
+    if plan.resample is not None:
+        problems += [f"the resample loop repeats `{n}`, which the asynchronous producer does "
+                     "not run" for n in plan.resample.repeat if n not in side]
+    return problems
 
 
 def upstream_of(graph: Graph, name: str) -> set[str]:
@@ -587,6 +659,15 @@ def verify_kinds(plan: ExecutionPlan, kinds: Mapping[str, KindSpec]) -> None:
             problems.append(f"node `{n.name}` (kind `{kind.name}`) is in the prologue, but it "
                             "is not the same at every step (it samples, trains, reads a "
                             "trained model or batch statistics): move it to a step stage")
+    if plan.asynchronous is not None:
+        rollouts = {n.name for n in plan.nodes if kinds[n.name].category == "rollout"}
+        want = producer_side(plan, rollouts)
+        if plan.asynchronous.producer != want:
+            problems.append(f"the asynchronous producer is {list(plan.asynchronous.producer)}; "
+                            f"the data, rollouts and the nodes that read only them are "
+                            f"{list(want)}")
+        if not rollouts & set(want):
+            problems.append("the plan is asynchronous, but no rollout reads only the data")
     _require(problems, "execution plan")
 
 
@@ -747,6 +828,13 @@ def _summary_lines(plan: ExecutionPlan) -> list[str]:
         lines.append(f"  resample   {', '.join(loop.repeat)} again until `{loop.filter}` has "
                      f"kept {loop.groups} groups ({loop.rows} rows); at most "
                      f"{loop.max_tries} tries a step")
+    if plan.asynchronous is not None:
+        t = plan.graph.trainer
+        consumer = [n for s in plan.stages if not s.once for n in s.nodes
+                    if n not in plan.asynchronous.producer]
+        lines.append(f"  async      producer {', '.join(plan.asynchronous.producer)} runs up "
+                     f"to {t.max_staleness} step(s) ahead of consumer {', '.join(consumer)} "
+                     f"(admission {t.admission}, old log-probs: {t.old_log_prob})")
     lines += ["", "edges: " + _edge_counts(plan)]
     if plan.dropped:
         lines.append(f"dropped (dead): {', '.join(plan.dropped)}")

@@ -60,8 +60,10 @@ from flowgraph.frontend import (
     TRAINER,
 )
 from flowgraph.ir import (
+    ADMISSIONS,
     LOGGERS,
     NAME_RE,
+    OLD_LOG_PROBS,
     LoraSpec,
     ModelSpec,
     OptimizerSpec,
@@ -150,6 +152,15 @@ DOCS: dict[str, str] = {
                                  "log-probs of a probe batch with the trainer's and stop on "
                                  "a mismatch: at the first sync, and every this many after "
                                  "(0: the first only).",
+    "trainer.max_staleness": "Asynchronous rollouts: generation runs up to this many steps "
+                             "ahead of the update (the rollout of step k comes from the "
+                             "policy of step k-S); 0: synchronous.",
+    "trainer.admission": "With max_staleness > 0: `block` a rollout until the policy S steps "
+                         "behind its step is out (exact, reproducible), or `drop` a rollout "
+                         "more than S updates old when its step comes.",
+    "trainer.old_log_prob": "With max_staleness > 0, the update's pi_old: `recompute` the "
+                            "actor's log-probs when the rollout is consumed, or `rollout`: "
+                            "the rollout's own rollout_log_prob (the policy that sampled).",
     "trainer.val_before_train": "Also evaluate before the first update (the baseline); its "
                                 "val/ metrics go in the first row.",
     "trainer.resume": "Resume from the latest checkpoint in run_dir.",
@@ -209,7 +220,9 @@ def graph_schema(registry: Registry | None = None) -> Schema:
         "models": _named(_model()),
         "data": _named(_entry(data, "data")),
         "nodes": _named(_entry(nodes, "node")),
-        "trainer": _record(TRAINER, "trainer", TrainerSpec, {"on_nonfinite": ON_NONFINITE},
+        "trainer": _record(TRAINER, "trainer", TrainerSpec,
+                           {"on_nonfinite": ON_NONFINITE, "admission": ADMISSIONS,
+                            "old_log_prob": OLD_LOG_PROBS},
                            {"loggers": {"type": "array",
                                         "items": {"type": "string", "enum": list(LOGGERS)}}}),
         "resources": _resources(),

@@ -14,6 +14,7 @@ from flowgraph.check.filters import check_filters
 from flowgraph.check.functions import check_functions
 from flowgraph.check.sampling import check_temperatures, check_val_sampling
 from flowgraph.check.shapes import DimEnv, EdgeInfo, PortShape, ShapeResult, infer_shapes
+from flowgraph.check.staleness import check_staleness
 from flowgraph.check.structure import (
     Resolved,
     check_cycles,
@@ -86,5 +87,6 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     shapes = infer_shapes(graph, table, on_cycle, out)
     check_batches(table, shapes, ranks, pools, out)
     check_filters(graph, table, shapes, out)
+    check_staleness(graph, table, shapes, out)
     diags = tuple(sorted(dict.fromkeys(out), key=sort_key))
     return CheckResult(graph, diags, table, shapes, registry, dp)

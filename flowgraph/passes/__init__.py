@@ -1,7 +1,7 @@
 """Compile passes: a graph file -> an `ExecutionPlan`, through a pipeline you can inspect.
 
-    validate -> infer_dims -> on_policy -> token_budget -> dce -> hoist -> placement ->
-    schedule -> memory
+    validate -> infer_dims -> asynchronous -> on_policy -> token_budget -> dce -> hoist ->
+    placement -> schedule -> memory
 
 Each pass is a small frozen dataclass with a `name` and one `apply(program) ->
 program` (see `program.py`), one per module here, listed in the flat registry
@@ -25,6 +25,7 @@ from flowgraph.diagnostics import Diagnostic
 from flowgraph.errors import FlowgraphError, UsageError
 from flowgraph.frontend import load_graph
 from flowgraph.ir import Graph
+from flowgraph.passes.asynchronous import SplitRollouts
 from flowgraph.passes.dce import EliminateDeadNodes
 from flowgraph.passes.hoist import HoistInvariants
 from flowgraph.passes.infer_dims import InferDims
@@ -49,7 +50,7 @@ __all__ = [
 
 PASSES: dict[str, type[Pass]] = {
     p.name: p
-    for p in (Validate, InferDims, ElideOldLogProb, TokenBudget, EliminateDeadNodes,
+    for p in (Validate, InferDims, SplitRollouts, ElideOldLogProb, TokenBudget, EliminateDeadNodes,
               HoistInvariants, PlaceNodes, ScheduleStages, EstimateMemory)
 }
 """Every pass by name, in pipeline order."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from flowgraph.check.staleness import one_optimizer_step
 from flowgraph.ir import NodeSpec, PortRef
 from flowgraph.passes.program import Program
 
@@ -61,7 +62,7 @@ def _elidable(node: NodeSpec, program: Program) -> PortRef | None:
     if ref is None or source is None:
         return None
     params = kind.param_values(node.params.to_python())
-    if not _one_step(params, _batch(program, node.name)):
+    if not one_optimizer_step(params, _batch(program, node.name)):
         return None
     source_kind = program.kind(source.name)
     if source_kind.category != "model" or source_kind.head != "lm" or source.model != node.model:
@@ -71,13 +72,6 @@ def _elidable(node: NodeSpec, program: Program) -> PortRef | None:
         return None
     edges = [(n.name, p) for n in program.graph.nodes for p, r in n.inputs if r.node == ref.node]
     return ref if edges == [(node.name, kind.on_policy_input)] else None
-
-
-def _one_step(params: dict[str, object], batch: int | None) -> bool:
-    epochs, mini = params.get("ppo_epochs"), params.get("mini_batch_size")
-    if epochs != 1 or batch is None:
-        return False
-    return mini is None or (isinstance(mini, int) and mini >= batch)
 
 
 def _batch(program: Program, name: str) -> int | None:

@@ -18,6 +18,7 @@ from flowgraph.dims import resolved_text
 from flowgraph.frontend import graph_to_yaml
 from flowgraph.ir import Graph
 from flowgraph.plan import (
+    AsyncPlan,
     DimValue,
     EdgePlan,
     ExecutionPlan,
@@ -29,6 +30,7 @@ from flowgraph.plan import (
     ResamplePlan,
     StagePlan,
     gib,
+    producer_side,
     repeated,
 )
 from flowgraph.registry import KindSpec, PortSpec, plugin_folder
@@ -96,6 +98,9 @@ class Program:
     """Set by `dce`: removed nodes and data sources, in file order."""
     rewrites: tuple[str, ...] = ()
     """What the optimising passes changed in the graph, one line each (`on_policy`)."""
+    asynchronous: bool = False
+    """Set by `asynchronous`: the plan cuts the step into a producer running ahead of
+    the update and a consumer (`AsyncPlan`, built by `to_plan`)."""
     placement: Placement | None = None
     schedule: Schedule | None = None
     memory: tuple[PoolMemory, ...] | None = None
@@ -172,13 +177,17 @@ class Program:
         stage_of = {n: s.name for s in self.schedule.stages for n in s.nodes}
         labels = {p.ref: p.label for p in self.labels}
         nodes = tuple(self._node_plan(n, stage_of[n], labels) for n in self.producers())
-        return ExecutionPlan(
+        plan = ExecutionPlan(
             graph=self.graph, target=self.target, nproc=self.nproc, device=self.device,
             dims=self.dims, nodes=nodes, pools=self.placement.pools,
             stages=self.schedule.stages, edges=self.schedule.edges, memory=self.memory or (),
             dropped=self.dropped, rewrites=self.rewrites,
             plugin_paths=plugin_paths(self.graph), source=self.graph.source,
             resample=self._resample())
+        if not self.asynchronous:
+            return plan
+        rollouts = {n.name for n in self.graph.nodes if self.kind(n.name).category == "rollout"}
+        return replace(plan, asynchronous=AsyncPlan(producer_side(plan, rollouts)))
 
     def _resample(self) -> ResamplePlan | None:
         """The refill loop of the graph's filter node (the checker allows one, and only

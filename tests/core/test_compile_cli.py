@@ -47,8 +47,8 @@ def test_output_file_holds_the_plan_as_json(tmp_path: Path,
     ([str(GRAPHS)], 2, "is a directory, not a graph file"),
     # wrong calls
     ([PPO, "--disable-pass", "nope"], 2, "flowgraph: error: unknown pass `nope`; the passes are: "
-                                         "validate, infer_dims, on_policy, token_budget, dce, "
-                                         "hoist, placement, schedule, memory"),
+                                         "validate, infer_dims, asynchronous, on_policy, "
+                                         "token_budget, dce, hoist, placement, schedule, memory"),
     ([PPO, "--dump-after", "hoist", "--disable-pass", "hoist"], 2, "that pass is disabled"),
     ([], 2, "compile needs a graph FILE (or --print-passes)"),
 ])
@@ -64,10 +64,10 @@ def test_print_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compile", "--print-passes", "--disable-pass", "dce"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert [line[:15] for line in lines] == [
-        " 1. validate   ", " 2. infer_dims ", " 3. on_policy  ", " 4. token_budge",
-        " 5. dce        ", " 6. hoist      ", " 7. placement  ", " 8. schedule   ",
-        " 9. memory     "]
-    assert lines[4].endswith("[disabled]") and not lines[5].endswith("[disabled]")
+        " 1. validate   ", " 2. infer_dims ", " 3. asynchronou", " 4. on_policy  ",
+        " 5. token_budge", " 6. dce        ", " 7. hoist      ", " 8. placement  ",
+        " 9. schedule   ", "10. memory     "]
+    assert lines[5].endswith("[disabled]") and not lines[6].endswith("[disabled]")
 
 
 def test_dump_after_dce_prints_yaml(capsys: pytest.CaptureFixture[str]) -> None:

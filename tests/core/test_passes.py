@@ -612,15 +612,16 @@ def test_describe_numbers_the_passes_and_marks_disabled_ones() -> None:
     text = PassPipeline.default(disabled=("hoist",)).describe()
     lines = text.splitlines()
     assert [line.split()[:2] for line in lines] == [
-        ["1.", "validate"], ["2.", "infer_dims"], ["3.", "on_policy"], ["4.", "token_budget"],
-        ["5.", "dce"], ["6.", "hoist"], ["7.", "placement"], ["8.", "schedule"],
-        ["9.", "memory"]]
+        ["1.", "validate"], ["2.", "infer_dims"], ["3.", "asynchronous"], ["4.", "on_policy"],
+        ["5.", "token_budget"], ["6.", "dce"], ["7.", "hoist"], ["8.", "placement"],
+        ["9.", "schedule"], ["10.", "memory"]]
     assert [line.endswith("[disabled]") for line in lines] == [
-        False, False, False, False, False, True, False, False, False]
+        False, False, False, False, False, False, True, False, False, False]
 
 
 @pytest.mark.parametrize(("disabled", "message"), [
-    (("hoisting",), "unknown pass `hoisting`; the passes are: validate, infer_dims, on_policy, "
+    (("hoisting",), "unknown pass `hoisting`; the passes are: validate, infer_dims, asynchronous, "
+                    "on_policy, "
                     "token_budget, dce, hoist, placement, schedule, memory"),
     (("validate",), "pass `validate` cannot be disabled: the plan is built from its result"),
     (("schedule",), "pass `schedule` cannot be disabled: the plan is built from its result"),
@@ -676,11 +677,11 @@ class Broken:
 
 
 def test_a_failing_pass_is_named_with_the_passes_before_it() -> None:
-    passes = (*(cls() for cls in list(PASSES.values())[:5]), Broken())
+    passes = (*(cls() for cls in list(PASSES.values())[:6]), Broken())
     with pytest.raises(FlowgraphError) as exc:
         compile_graph(GRAPHS / "ppo.yaml", pipeline=PassPipeline(passes))
     assert str(exc.value) == ("pass `broken` failed: KeyError: 'boom' (passes run before it: "
-                              "validate, infer_dims, on_policy, token_budget, dce)")
+                              "validate, infer_dims, asynchronous, on_policy, token_budget, dce)")
 
 
 def test_graph_errors_stop_the_pipeline_after_validate() -> None:
@@ -693,7 +694,8 @@ def test_graph_errors_stop_the_pipeline_after_validate() -> None:
     ({"target": "slurm"}, "unknown target `slurm`; the targets are: local, fsdp, ray"),
     ({"nproc": 0}, "nproc must be >= 1, got 0"),
     ({"dump_after": ("nope",)}, "--dump-after `nope`: no such pass; the passes are: validate, "
-                                "infer_dims, on_policy, token_budget, dce, hoist, placement, "
+                                "infer_dims, asynchronous, on_policy, token_budget, dce, hoist, "
+                                "placement, "
                                 "schedule, memory"),
 ])
 def test_wrong_calls_are_usage_errors(kw: dict[str, Any], message: str) -> None:

@@ -1,0 +1,91 @@
+"""Asynchronous rollouts (`trainer.max_staleness` S > 0): what the graph must offer.
+
+With S > 0 the rollout of step k may come from the policy S updates behind the one
+that trains on it. The checker holds the graph to what that needs:
+
+- FG120 (error): S > 0 in a graph with no rollout node (nothing to run ahead);
+- FG121 (warning): an update of the rollout's model that takes more than one
+  optimizer step per rollout (ppo_epochs > 1, or mini-batches smaller than its
+  batch): every extra step moves the policy further from the one that sampled, so
+  staleness compounds (AReaL and verl's fully-async recipe take one step per rollout);
+- FG122 (error): `trainer.old_log_prob: rollout` where no update reads old log-probs,
+  or where the rollout (or filter) its responses come from has no `rollout_log_prob`.
+"""
+
+from __future__ import annotations
+
+from flowgraph.check.shapes import ShapeResult
+from flowgraph.check.structure import Resolved
+from flowgraph.diagnostics import Diagnostic, error, warning
+from flowgraph.ir import Graph, NodeSpec
+
+
+def one_optimizer_step(params: dict[str, object], batch: int | None) -> bool:
+    """An update with these params takes exactly one optimizer step on a batch of
+    `batch` rows: one epoch, and one mini-batch (null or at least the batch)."""
+    epochs, mini = params.get("ppo_epochs"), params.get("mini_batch_size")
+    if epochs != 1 or batch is None:
+        return False
+    return mini is None or (isinstance(mini, int) and mini >= batch)
+
+
+def check_staleness(graph: Graph, table: dict[str, Resolved], shapes: ShapeResult,
+                    out: list[Diagnostic]) -> None:
+    trainer = graph.trainer
+    if trainer.max_staleness < 1:
+        return
+    rollouts = {name: r for name, r in table.items()
+                if r.kind is not None and r.kind.category == "rollout"
+                and isinstance(r.spec, NodeSpec)}
+    if not rollouts:
+        out.append(error(
+            "FG120", f"trainer.max_staleness is {trainer.max_staleness}, but the graph has no "
+            "rollout node to run ahead of the update", trainer.pos,
+            hint="asynchronous rollouts overlap generation with training; an offline graph "
+                 "(DPO, SFT) has none: set trainer.max_staleness: 0"))
+        return
+    actors = {r.spec.model for r in rollouts.values() if isinstance(r.spec, NodeSpec)}
+    readers = []
+    for r in table.values():
+        if r.kind is None or not r.kind.trains or not isinstance(r.spec, NodeSpec) \
+                or r.spec.model not in actors:
+            continue
+        params = r.kind.param_values(r.spec.params.to_python())
+        if r.kind.param("ppo_epochs") is not None \
+                and not one_optimizer_step(params, shapes.batch.get(r.name)):
+            out.append(warning(
+                "FG121", f"`{r.name}` takes more than one optimizer step per rollout "
+                f"(ppo_epochs {params.get('ppo_epochs')}, mini_batch_size "
+                f"{params.get('mini_batch_size')}) under trainer.max_staleness "
+                f"{trainer.max_staleness}: each step moves the policy further from the one "
+                "that sampled, so staleness compounds", r.pos, node=r.name,
+                hint=f"take one step per rollout (nodes.{r.name}.params.ppo_epochs: 1, "
+                     "mini_batch_size: null), or weigh the rollout's tokens by their "
+                     "staleness (rollout_is: token)"))
+        if r.kind.on_policy_input is not None:
+            readers.append(r)
+    if trainer.old_log_prob == "rollout":
+        _check_rollout_log_prob(graph, table, readers, out)
+
+
+def _check_rollout_log_prob(graph: Graph, table: dict[str, Resolved], readers: list[Resolved],
+                            out: list[Diagnostic]) -> None:
+    if not readers:
+        out.append(error(
+            "FG122", "trainer.old_log_prob is `rollout`, but no update of the rollout's model "
+            "reads old log-probs", graph.trainer.pos,
+            hint="only a PPO-style update (ppo_actor_update) has an old policy to take from "
+                 "the rollout; use trainer.old_log_prob: recompute"))
+        return
+    for r in readers:
+        assert isinstance(r.spec, NodeSpec)
+        ref = r.spec.input("responses")
+        source = table.get(ref.node) if ref is not None else None
+        if source is None or source.kind is None \
+                or source.kind.output("rollout_log_prob") is None:
+            out.append(error(
+                "FG122", f"trainer.old_log_prob is `rollout`, but `{r.name}`'s responses come "
+                f"from `{ref.node if ref else '?'}`, which has no output `rollout_log_prob`",
+                r.pos, node=r.name,
+                hint="wire the update's responses from a generate node (or a filter after "
+                     "one), or use trainer.old_log_prob: recompute"))

@@ -1,0 +1,146 @@
+"""Asynchronous rollouts (`trainer.max_staleness`): the plan's cut, the checker's rules,
+and runs whose rollouts come from a producer process — the same numbers as the same
+schedule run in the loop, exact resume from a checkpoint holding the buffer, a user's
+error in the producer reported as any node's, and the drop admission."""
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from flowgraph.compilers.local import LocalExecutor
+from flowgraph.errors import FlowgraphError, PlanError
+from flowgraph.passes import PassPipeline, compile_graph
+from flowgraph.plan import ExecutionPlan
+from flowgraph.testing.targets import assert_same_numbers
+
+ROOT = Path(__file__).resolve().parents[2]
+GRPO = ROOT / "graphs" / "grpo.yaml"
+SMALL = ("dims.Bp=4", "dims.N=4", "nodes.update_actor.params.mini_batch_size=16",
+         "trainer.val_before_train=false", "trainer.eval_every=0")
+"""GRPO at 16 rows a step, one optimizer step a rollout."""
+ASYNC = (*SMALL, "trainer.max_staleness=1")
+
+
+def _plan(*overrides: str, disable: tuple[str, ...] = ()) -> ExecutionPlan:
+    result = compile_graph(GRPO, overrides=list(overrides),
+                           pipeline=PassPipeline.default(disabled=disable))
+    assert result.plan is not None, [d.one_line() for d in result.diagnostics]
+    return result.plan
+
+
+def test_the_plan_cuts_the_step_at_the_rollout() -> None:
+    plan = _plan(*ASYNC)
+    assert plan.asynchronous is not None
+    # the reference is frozen and GRPO's advantage reads only rewards: both run ahead
+    assert plan.asynchronous.producer == ("train", "gen", "ref_logprob", "reward", "adv")
+    assert ExecutionPlan.from_json(plan.to_json()) == plan
+    assert "async      producer train, gen, ref_logprob, reward, adv runs up to 1 step(s) " \
+           "ahead of consumer update_actor" in plan.summary()
+    assert _plan(*ASYNC, disable=("asynchronous",)).asynchronous is None
+    assert _plan(*SMALL).asynchronous is None
+    data = json.loads(plan.to_json())
+    data["asynchronous"]["producer"].append("update_actor")
+    with pytest.raises(PlanError, match="the asynchronous producer runs `update_actor`, an "
+                                        "update"):
+        ExecutionPlan.from_json(json.dumps(data))
+
+
+def test_old_log_probs_from_the_rollout_rewire_the_update() -> None:
+    plan = _plan(*ASYNC, "trainer.old_log_prob=rollout")
+    update = plan.graph.node("update_actor")
+    assert update is not None and str(update.input("old_log_prob")) == "gen.rollout_log_prob"
+    assert "old_logprob" in plan.dropped
+    assert any("`update_actor` takes its old log-probs from `gen.rollout_log_prob`" in r
+               for r in plan.rewrites)
+
+
+def test_the_checker_refuses_staleness_without_a_rollout_and_warns_where_it_compounds(
+        ) -> None:
+    dpo = compile_graph(ROOT / "graphs" / "dpo.yaml", overrides=["trainer.max_staleness=1"])
+    assert [d.code for d in dpo.diagnostics if d.is_error] == ["FG120"]
+    two_steps = compile_graph(GRPO, overrides=[*ASYNC, "nodes.update_actor.params."
+                                               "mini_batch_size=8"])
+    warned = [d for d in two_steps.diagnostics if d.code == "FG121"]
+    assert len(warned) == 1 and warned[0].node == "update_actor" and two_steps.plan is not None
+
+
+def _run(run_dir: Path, *overrides: str, overlap: bool = True, resume: bool = False
+         ) -> list[dict[str, Any]]:
+    import os
+
+    import flowgraph
+
+    LocalExecutor.overlap_rollouts = overlap
+    try:
+        plan = compile_graph(GRPO, overrides=[f"trainer.run_dir={run_dir}", *ASYNC,
+                                              *overrides]).plan
+        assert plan is not None
+        with open(os.devnull, "w") as out:
+            rows: list[dict[str, Any]] = flowgraph.run(plan, resume=resume, tensorboard=False,
+                                                       out=out).rows
+        return rows
+    finally:
+        LocalExecutor.overlap_rollouts = True
+
+
+def test_a_producer_process_gives_the_numbers_of_the_same_schedule_and_resumes_exactly(
+        tmp_path: Path) -> None:
+    """(a) the rollouts of a producer process are those of the same schedule run in the
+    loop (`block`: step k's batch from the policy of step k-1, whatever the timing);
+    (b) the checkpoint after step 1 holds step 2's rollout and the cursor after it, and
+    a run resumed from it repeats steps 2 and 3; (c) step 2 trains on the samples of
+    step 1's policy, so its numbers are not the synchronous run's."""
+    steps = ("trainer.steps=4", "trainer.checkpoint_every=2")
+    apart = _run(tmp_path / "process", *steps)
+    inline = _run(tmp_path / "inline", *steps, overlap=False)
+    assert_same_numbers(apart, inline)
+    assert [r["async/staleness"] for r in apart] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["phase_s/generation"] == r["perf/rollout_wait_s"] for r in apart)
+
+    folder = tmp_path / "process" / "checkpoints" / "step_1"
+    buffer = torch.load(folder / "rollouts.pt", weights_only=False)
+    assert [(b["index"], b["version"]) for b in buffer] == [(2, 1)]
+    cursors = json.loads((folder / "state.json").read_text())["cursors"]
+    assert cursors == {"train": {"epoch": 0, "position": 12}}  # 3 batches of 4 prompts drawn
+    shutil.copytree(tmp_path / "process", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "step_3")
+    resumed = _run(tmp_path / "resumed", *steps, resume=True)
+    assert_same_numbers(resumed[2:], apart[2:])
+
+    # warm-up: step 0 learns at lr 0, so step 2 is the first whose policy is stale
+    sync = _run(tmp_path / "sync", "trainer.steps=3", "trainer.max_staleness=0")
+    assert [r["actor/entropy"] for r in sync[:2]] == [r["actor/entropy"] for r in apart[:2]]
+    assert sync[2]["actor/entropy"] != apart[2]["actor/entropy"]
+
+
+def test_an_error_in_the_producer_names_node_step_and_the_users_line(tmp_path: Path) -> None:
+    graph = tmp_path / "grpo.yaml"
+    graph.write_text(GRPO.read_text().replace("fn: exact_match, format_score: 0.1",
+                                              'fn: "rewards.py:compute_score"').replace(
+        "name: grpo\n", "name: grpo\nplugins: [rewards.py]\n").replace(
+        "    kind: reward\n", "    kind: compute_score\n"))
+    (tmp_path / "rewards.py").write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': 1.0}['acc']  # the user's bug\n")
+    result = compile_graph(graph, overrides=[f"trainer.run_dir={tmp_path / 'run'}", *ASYNC,
+                                             "trainer.steps=3"])
+    plan = result.plan
+    assert plan is not None, [d.one_line() for d in result.diagnostics]
+    import flowgraph
+
+    with pytest.raises(FlowgraphError) as exc:
+        flowgraph.run(plan, tensorboard=False)
+    text = str(exc.value)
+    assert text.startswith("while executing node `reward` (kind compute_score, model actor, "), text
+    assert " at step 0: " in text and "KeyError" in text, text
+    assert f"at {tmp_path / 'rewards.py'}:2 in compute_score" in text, text
+
+
+def test_drop_admission_never_trains_on_a_rollout_staler_than_allowed(tmp_path: Path) -> None:
+    rows = _run(tmp_path / "drop", "trainer.steps=4", "trainer.admission=drop")
+    assert len(rows) == 4
+    assert all(0 <= r["async/staleness"] <= 1 and "async/dropped" in r for r in rows)
