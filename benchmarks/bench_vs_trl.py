@@ -1,7 +1,7 @@
 """Benchmark: flowgraph against TRL at equal work — GRPO steps/s, DPO pairs/s, learning curves.
 
 Run:  pip install -c constraints/cpu.txt -e '.[bench]'     (TRL: the benchmark only)
-      python benchmarks/bench_vs_trl.py                      (grpo, dpo, grpo-long; 2 rounds)
+      python benchmarks/bench_vs_trl.py         (grpo, dpo, grpo-long, grpo-async; 2 rounds)
       python benchmarks/bench_vs_trl.py --settings grpo --rounds 3 --steps 50
 
 Both run the same tiny random Llama (flowgraph's `builtin:tiny-lm`: hidden 128, 2
@@ -16,6 +16,10 @@ prompts and hyper-parameters, each run in a fresh process, the two alternating
   so a learner goes from ~0 to ~1 (TRL: a reward function of `completion_ids`;
   flowgraph: a kind declared in `benchmarks/_trl_bench_reward.py`).
 * `grpo-long`: the same with up to 256 new tokens (padding and KV-cache cost), 10 steps.
+* `grpo-async`: `grpo` three ways: flowgraph synchronous, flowgraph with asynchronous
+  rollouts (`trainer.max_staleness: 1`: a producer process on one core generates step
+  k+1 while the trainer, on the other, trains step k; its step time is the trainer's,
+  waiting for rollouts included), and TRL; prints the async / sync ratio too.
 * `dpo`: 8 pairs per step, beta 0.1, sigmoid loss, AdamW lr 1e-3 constant, 200 steps;
   TRL's defaults otherwise (it computes the reference log-probs every step, flowgraph
   once per pair: the compiler hoists them).
@@ -67,12 +71,19 @@ class Setting:
     T: int
     P: int = 16
     lr: float = 1e-3
+    max_staleness: int = 0
+    """> 0: flowgraph also runs with asynchronous rollouts (`flowgraph-async`)."""
+
+    def impls(self) -> tuple[str, ...]:
+        return ("flowgraph", "flowgraph-async", "trl") if self.max_staleness else (
+            "flowgraph", "trl")
 
 
 SETTINGS = {
     "grpo": Setting("grpo", "grpo", 100, 8, 4, 32),
     "dpo": Setting("dpo", "dpo", 200, 8, 1, 8),
     "grpo-long": Setting("grpo-long", "grpo", 10, 8, 4, 256),
+    "grpo-async": Setting("grpo-async", "grpo", 100, 8, 4, 32, max_staleness=1),
 }
 
 
@@ -106,7 +117,7 @@ def workspace(root: Path) -> dict[str, str]:
 # --------------------------------------------------------------------------- flowgraph
 
 
-def flowgraph_grpo(s: Setting, ws: dict[str, str], run_dir: Path) -> Any:
+def flowgraph_grpo(s: Setting, ws: dict[str, str], run_dir: Path, staleness: int = 0) -> Any:
     from flowgraph import GraphBuilder
 
     g = GraphBuilder("bench_grpo")
@@ -128,7 +139,8 @@ def flowgraph_grpo(s: Setting, ws: dict[str, str], run_dir: Path) -> Any:
     g.node("update_actor", "ppo_actor_update", model="actor", **seq,
            old_log_prob=old.log_prob, advantages=adv.advantages,
            params={"loss_agg_mode": "token-mean", "mini_batch_size": s.Bp * s.N})
-    g.trainer(steps=s.steps, seed=0, run_dir=str(run_dir), checkpoint_every=0)
+    g.trainer(steps=s.steps, seed=0, run_dir=str(run_dir), checkpoint_every=0,
+              max_staleness=staleness)
     return g.build()
 
 
@@ -158,13 +170,16 @@ def flowgraph_dpo(s: Setting, ws: dict[str, str], run_dir: Path) -> Any:
     return g.build()
 
 
-def run_flowgraph(s: Setting, ws: dict[str, str], out: Path) -> dict[str, Any]:
+def run_flowgraph(s: Setting, ws: dict[str, str], out: Path, staleness: int = 0
+                  ) -> dict[str, Any]:
+    """flowgraph's run; `staleness` > 0: with asynchronous rollouts (a producer process
+    on half the cores, overlapping the update)."""
     import flowgraph
 
     sys.path.insert(0, str(HERE))  # the reward kind's module, listed as a plugin
-    build = flowgraph_grpo if s.algo == "grpo" else flowgraph_dpo
     start = time.perf_counter()
-    graph = build(s, ws, out / "run")
+    graph = (flowgraph_grpo(s, ws, out / "run", staleness) if s.algo == "grpo"
+             else flowgraph_dpo(s, ws, out / "run"))
     with open(os.devnull, "w") as quiet:
         result = flowgraph.run(graph, target="local", tensorboard=False, out=quiet)
     wall = time.perf_counter() - start
@@ -283,7 +298,11 @@ def child(impl: str, setting: Setting, root: Path, result: Path) -> None:
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     ws = json.loads((root / "workspace.json").read_text())
     out = Path(tempfile.mkdtemp(prefix=f"{impl}-", dir=root))
-    data = (run_flowgraph if impl == "flowgraph" else run_trl)(setting, ws, out)
+    if impl == "trl":
+        data = run_trl(setting, ws, out)
+    else:
+        data = run_flowgraph(setting, ws, out,
+                             setting.max_staleness if impl == "flowgraph-async" else 0)
     data["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     result.write_text(json.dumps(data))
     shutil.rmtree(out, ignore_errors=True)
@@ -328,17 +347,21 @@ def report(setting: Setting, runs: dict[str, list[dict[str, Any]]]) -> None:
         for i, run in enumerate(rounds):
             s = summary(run, per_step)
             stages = "  ".join(f"{k} {v * 1e3:.1f}" for k, v in s["stages"].items() if v)
-            print(f"{impl:9s} round {i}: {s['rate']:8.2f} {unit}  step {s['step'] * 1e3:6.1f} "
+            print(f"{impl:15s} round {i}: {s['rate']:8.2f} {unit}  step {s['step'] * 1e3:6.1f} "
                   f"ms [{stages} ms]  wall {s['wall']:.1f} s  peak RSS {s['rss']:.0f} MB")
             best.setdefault(impl, 0.0)
             best[impl] = max(best[impl], s["rate"])
         curve = tenths(summary(rounds[-1], per_step)["curve"])
         label = "loss" if setting.algo == "dpo" else "reward"
-        print(f"{impl:9s} {label} by tenth of the run: {' '.join(curve)}")
-    ratios = [summary(f, per_step)["rate"] / summary(t, per_step)["rate"]
-              for f, t in zip(runs["flowgraph"], runs["trl"], strict=True)]
-    print(f"flowgraph / TRL {unit}: " + ", ".join(f"{r:.2f}x" for r in ratios)
-          + f" (per round); best vs best {best['flowgraph'] / best['trl']:.2f}x")
+        print(f"{impl:15s} {label} by tenth of the run: {' '.join(curve)}")
+    pairs = [("flowgraph", "trl")]
+    if "flowgraph-async" in runs:
+        pairs += [("flowgraph-async", "trl"), ("flowgraph-async", "flowgraph")]
+    for a, b in pairs:
+        ratios = [summary(x, per_step)["rate"] / summary(y, per_step)["rate"]
+                  for x, y in zip(runs[a], runs[b], strict=True)]
+        print(f"{a} / {b} {unit}: " + ", ".join(f"{r:.2f}x" for r in ratios)
+              + f" (per round); best vs best {best[a] / best[b]:.2f}x")
 
 
 def main() -> None:
@@ -360,9 +383,9 @@ def main() -> None:
     for name in args.settings:
         setting = SETTINGS[name] if args.steps is None else replace(SETTINGS[name],
                                                                     steps=args.steps)
-        runs: dict[str, list[dict[str, Any]]] = {"flowgraph": [], "trl": []}
+        runs: dict[str, list[dict[str, Any]]] = {impl: [] for impl in setting.impls()}
         for i in range(args.rounds):
-            order = ("flowgraph", "trl") if i % 2 == 0 else ("trl", "flowgraph")
+            order = setting.impls() if i % 2 == 0 else setting.impls()[::-1]
             for impl in order:
                 runs[impl].append(spawn(impl, setting, root))
         report(setting, runs)

@@ -42,6 +42,7 @@ rollout) and, with `drop`, `async/dropped`.
 from __future__ import annotations
 
 import io
+import itertools
 import os
 import pickle
 import time
@@ -77,6 +78,9 @@ class Rollout:
     """What the producer's nodes reported (the filter's counts, the rollout's tokens)."""
     cursors: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Each data source's cursor after this batch was drawn."""
+    node_state: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The producer nodes' state after it (an adaptive KL coefficient): checkpointed
+    with the buffer, as the cursors are."""
     error: BaseException | None = None
     """A NaN in the producer: raised at the step whose batch this is."""
 
@@ -186,7 +190,8 @@ class Rollouts:
         except NonFiniteError as exc:
             return Rollout(index, version, error=exc)
         cursors = {d: s.train.state_dict() for d, s in ex.res.data.items()}
-        return Rollout(index, version, env, {}, cursors)
+        state = {n: dict(ex.node_state[n]) for n in names if n in ex.node_state}
+        return Rollout(index, version, env, {}, cursors, state)
 
 
 class InlineRollouts(Rollouts):
@@ -256,9 +261,11 @@ class ProcessRollouts(Rollouts):
         super().start(step)
         first = step + len(self.pending)
         self.last_index = first - 1
-        cursors = self.pending[-1].cursors if self.pending else self.data_cursors()
-        self._publish(step)
         ex = self.ex
+        cursors = self.pending[-1].cursors if self.pending else self.data_cursors()
+        producer = set(ex.plan.asynchronous.producer) if ex.plan.asynchronous else set()
+        state = {n: s for n, s in ex.node_state.items() if n in producer}
+        self._publish(step)
         cores = _halves()
         if cores is not None and ex.opts.device == "cpu":
             self.own = os.sched_getaffinity(0), torch.get_num_threads()
@@ -268,7 +275,7 @@ class ProcessRollouts(Rollouts):
             target=_producer_main, name="flowgraph-rollouts", daemon=True,
             args=(ex.plan.to_json(), str(ex.opts.run_dir), ex.opts.device, ex.opts.strict,
                   self.shared, self.published, self.grabbed, self.stop, self.cond,
-                  self.queue, first, step, cursors,
+                  self.queue, first, step, cursors, state,
                   cores[1] if cores is not None and self.own else None))
         self.proc.start()
 
@@ -336,7 +343,10 @@ class ProcessRollouts(Rollouts):
             raise _unpack(payload)
         item: Rollout = _unpack(payload)
         self.last_index = item.index
-        self.cursors = item.cursors or self.cursors
+        if item.error is None:
+            self.cursors = item.cursors
+            for name, state in item.node_state.items():  # what a checkpoint saves of them
+                self.ex.node_state[name] = state
         return item
 
     def _wait(self, ready: Any, where: str) -> None:
@@ -370,7 +380,8 @@ def _halves() -> tuple[set[int], set[int]] | None:
 def _producer_main(plan_json: str, run_dir: str, device: str, strict: bool,
                    shared: dict[str, dict[str, torch.Tensor]], published: Any, grabbed: Any,
                    stop: Any, cond: Any, out: Any, first: int, origin: int,
-                   cursors: dict[str, dict[str, Any]], cores: set[int] | None) -> None:
+                   cursors: dict[str, dict[str, Any]], node_state: dict[str, dict[str, Any]],
+                   cores: set[int] | None) -> None:
     """The producer process: its own executor over the producer nodes, generating the
     rollouts of steps `first`, `first` + 1, … with the versions admission allows."""
     try:
@@ -388,10 +399,14 @@ def _producer_main(plan_json: str, run_dir: str, device: str, strict: bool,
             ex.setup()
             for d, cursor in cursors.items():
                 ex.res.data[d].train.load_state_dict(cursor)
+            for name, state in node_state.items():
+                ex.node_state[name].update(state)
             rollouts = Rollouts(ex)
             rollouts.origin = origin
             loaded = -1
-            for index in range(first, plan.graph.trainer.steps):
+            # drop: rollouts dropped are replaced, so the producer goes on until stopped
+            for index in (range(first, plan.graph.trainer.steps) if rollouts.block
+                          else itertools.count(first)):
                 with cond:
                     want = rollouts.need(index) if rollouts.block else None
                     while not stop.value and (published.value < 0 if want is None

@@ -293,3 +293,22 @@ def test_token_budgets_on_sharded_models_equal_local(tmp_path: Path, local_run: 
     graph = GRAPHS / "ppo.yaml"
     assert_same_numbers(_fsdp(graph, tmp_path / "fsdp", *overrides),
                         local_run(graph, tmp_path / "local", *overrides))
+
+
+def test_async_rollouts_equal_a_local_producer_process_and_resume_locally(
+        tmp_path: Path, local_run: Any, equal_overrides: dict[str, tuple[str, ...]]) -> None:
+    """GRPO with `trainer.max_staleness: 1`: the ranks produce each step's rollout in their
+    loop, one step ahead, and give the numbers of the local target's producer process
+    (admission `block`: step k's batch from the policy of step k-1, whatever the timing);
+    the fsdp checkpoint after step 3 (DCP shards and the buffer with step 4's rollout),
+    resumed by the local target, gives the fsdp run's step 4."""
+    graph = GRAPHS / "grpo.yaml"
+    overrides = (*equal_overrides["grpo"], "trainer.max_staleness=1")
+    fsdp = _fsdp(graph, tmp_path / "fsdp", *overrides)
+    assert [r["async/staleness"] for r in fsdp] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert_same_numbers(fsdp, local_run(graph, tmp_path / "local", *overrides))
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "fsdp", resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_4")
+    assert (resumed / "checkpoints" / "step_3" / "rollouts.pt").exists()
+    assert_same_numbers(local_run(graph, resumed, *overrides, resume=True)[4:], fsdp[4:])
