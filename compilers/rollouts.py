@@ -272,7 +272,9 @@ class ProcessRollouts(Rollouts):
             os.sched_setaffinity(0, cores[0])
             torch.set_num_threads(len(cores[0]))
         self.proc = self.mp.Process(
-            target=_producer_main, name="flowgraph-rollouts", daemon=True,
+            # not a daemon: a vLLM engine starts processes of its own; it stops when
+            # told (`close`) or when this process is gone
+            target=_producer_main, name="flowgraph-rollouts", daemon=False,
             args=(ex.plan.to_json(), str(ex.opts.run_dir), ex.opts.device, ex.opts.strict,
                   self.shared, self.published, self.grabbed, self.stop, self.cond,
                   self.queue, first, step, cursors, state,
@@ -384,6 +386,7 @@ def _producer_main(plan_json: str, run_dir: str, device: str, strict: bool,
                    cores: set[int] | None) -> None:
     """The producer process: its own executor over the producer nodes, generating the
     rollouts of steps `first`, `first` + 1, … with the versions admission allows."""
+    parent = os.getppid()
     try:
         if cores is not None:
             os.sched_setaffinity(0, cores)
@@ -409,23 +412,50 @@ def _producer_main(plan_json: str, run_dir: str, device: str, strict: bool,
                           else itertools.count(first)):
                 with cond:
                     want = rollouts.need(index) if rollouts.block else None
-                    while not stop.value and (published.value < 0 if want is None
-                                              else published.value != want):
+                    while not _stopped(stop, parent) and (
+                            published.value < 0 if want is None else published.value != want):
                         cond.wait(timeout=POLL_S)
-                    if stop.value:
+                    if _stopped(stop, parent):
                         return
-                    if published.value != loaded:
-                        for m, state in shared.items():
-                            ex.res.models[m].load_state_dict(state)
-                        loaded = published.value
+                    loaded = _take_weights(ex, shared, published.value, loaded)
                     grabbed.value = loaded
                     cond.notify_all()
                 metrics: dict[str, float] = {}
                 item = rollouts.produce(index, loaded, metrics)
                 item.metrics = metrics
-                out.put(("rollout", _pack(item)))
+                if not _send(out, ("rollout", _pack(item)), stop, parent):
+                    return
     except BaseException as exc:  # everything reaches the trainer, which reports it
-        out.put(("error", _pack(_portable(exc))))
+        _send(out, ("error", _pack(_portable(exc))), stop, parent)
+
+
+def _take_weights(ex: LocalExecutor, shared: dict[str, dict[str, torch.Tensor]],
+                  version: int, loaded: int) -> int:
+    """The published weights (`version`) into the producer's models, unless they hold
+    them already (`loaded`); the version they hold."""
+    if version != loaded:
+        for m, state in shared.items():
+            ex.res.models[m].load_state_dict(state)
+    return version
+
+
+def _stopped(stop: Any, parent: int) -> bool:
+    """The trainer said stop, or is gone (this process was handed to another parent)."""
+    return bool(stop.value) or os.getppid() != parent
+
+
+def _send(out: Any, message: tuple[str, bytes], stop: Any, parent: int) -> bool:
+    """Put `message` on the trainer's queue, waiting while it is full (`drop`'s bound)
+    unless the trainer stops; whether it was sent."""
+    import queue
+
+    while not _stopped(stop, parent):
+        try:
+            out.put(message, timeout=POLL_S)
+            return True
+        except queue.Full:
+            continue
+    return False
 
 
 def save_buffer(folder: Path, items: list[Rollout]) -> None:

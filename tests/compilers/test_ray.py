@@ -135,6 +135,21 @@ def test_a_local_checkpoint_of_a_tied_model_resumes_on_ray(
     assert (run_dir / "checkpoints" / "step_4" / "dcp").is_dir(), "written by ray"
 
 
+def test_async_rollouts_on_ray_equal_a_local_producer_process(
+        cluster: Any, tmp_path: Path, devnull: Any, local_run: Any,
+        equal_overrides: dict[str, tuple[str, ...]], tied_models: Any) -> None:
+    """GRPO on the tied built-in with `trainer.max_staleness: 1`: the driver produces each
+    step's rollout one step ahead in its loop; the local target in a producer process,
+    the tied weights reaching it through shared memory: the same numbers."""
+    from flowgraph.compilers.ray import run_ray
+
+    overrides = (*equal_overrides["grpo"], *tied_models("grpo"), "trainer.max_staleness=1")
+    run_ray(_plan("grpo", tmp_path / "ray", overrides), RunOptions(out=devnull, shutdown=False))
+    rows = read_metrics(tmp_path / "ray")
+    assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert_same_numbers(rows, local_run(GRAPHS / "grpo.yaml", tmp_path / "local", *overrides))
+
+
 def test_a_node_error_in_a_worker_names_the_node_and_step(
         cluster: Any, tmp_path: Path, devnull: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from flowgraph.compilers.ray import run_ray
