@@ -441,16 +441,21 @@ def producer_side(plan: ExecutionPlan, rollouts: set[str]) -> tuple[str, ...]:
     trained model's output, or the prologue's, is the consumer's. The rule the compiler
     and the verifier share."""
     trained = {m.name for m in plan.graph.models if m.trainable}
-    nodes = {n.name: n for n in plan.nodes}
-    side = {d.name for d in plan.graph.data}
-    order = [n for s in plan.stages if not s.once for n in s.nodes]
+    held = {n.name for n in plan.nodes if n.trains or (
+        n.loads_model and n.model in trained and n.name not in rollouts)}
+    return producer_of(plan.graph, plan.stages, held)
+
+
+def producer_of(graph: Graph, stages: tuple[StagePlan, ...], held: set[str]
+                ) -> tuple[str, ...]:
+    """`producer_side` from the nodes it never takes (`held`: updates, and the nodes
+    other than rollouts that run a trained model), for a caller without a plan yet."""
+    side = {d.name for d in graph.data}
+    order = [n for s in stages if not s.once for n in s.nodes]
     for name in order:
-        node, record = plan.graph.node(name), nodes[name]
-        if node is None or name in side:
-            continue
-        runs_trained = record.loads_model and record.model in trained
-        if all(ref.node in side for _, ref in node.inputs) and not record.trains \
-                and (name in rollouts or not runs_trained):
+        node = graph.node(name)
+        if node is not None and name not in held and name not in side \
+                and all(ref.node in side for _, ref in node.inputs):
             side.add(name)
     return tuple(n for n in order if n in side)
 

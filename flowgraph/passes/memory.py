@@ -27,6 +27,11 @@ size, L layers, a attention heads, V vocabulary, m the micro-batch on one worker
                  `gpu_memory_utilization` set and `resources.memory_gib` declared,
                  that share of the device
 
+An asynchronous plan on the local target adds its producer process, resident beside
+the trainer: a copy of each model its nodes run (twice for a trained one: the
+process's own and the shared-memory copy the trainer publishes into) and its largest
+node's working memory.
+
 `shards` is the pool's size for FSDP-sharded models, 1 otherwise; `head`, the V x h LM
 head (tied or not) or the h scalar head, stays replicated on every worker as
 compilers/_dist.py keeps it (`replicated_parameters`). Weights, grads and
@@ -53,7 +58,15 @@ from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.frontend import with_params
 from flowgraph.ir import Graph, LoraSpec, ModelSpec, NodeSpec, OptimizerSpec
 from flowgraph.passes.program import Placement, Program
-from flowgraph.plan import GIB, MemoryItem, ModelPlacement, PoolMemory, PoolPlan, gib
+from flowgraph.plan import (
+    GIB,
+    MemoryItem,
+    ModelPlacement,
+    PoolMemory,
+    PoolPlan,
+    gib,
+    producer_of,
+)
 from flowgraph.registry import KindSpec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -240,6 +253,9 @@ class _Inputs:
     lm_head: dict[str, bool]
     seq: tuple[int, int] | None
     """(P, T), when both are bound."""
+    producer: tuple[str, ...] = ()
+    """The nodes of an asynchronous plan's producer process (target local), which run
+    beside the trainer with models of their own; empty otherwise."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,7 +299,14 @@ def _inputs(program: Program, placement: Placement, check: CheckResult,
     rows = {n.name: r for n in graph.nodes if (r := _rows(check, n.name)) is not None}
     seq = (dims["P"], dims["T"]) if "P" in dims and "T" in dims else None
     kinds = {n.name: program.kind(n.name) for n in graph.nodes}
-    return _Inputs(graph, placement, kinds, rows, configs, lm_head, seq)
+    producer: tuple[str, ...] = ()
+    if program.asynchronous and program.target == "local" and program.schedule is not None:
+        trained = {m.name for m in graph.models if m.trainable}
+        held = {n.name for n in graph.nodes if kinds[n.name].trains or (
+            n.model in trained and kinds[n.name].category != "rollout"
+            and kinds[n.name].model != "none" and kinds[n.name].head != "tokenizer")}
+        producer = producer_of(graph, program.schedule.stages, held)
+    return _Inputs(graph, placement, kinds, rows, configs, lm_head, seq, producer)
 
 
 def _rows(check: CheckResult, name: str) -> int | None:
@@ -311,7 +334,29 @@ def _estimate_pool(inp: _Inputs, pool: PoolPlan) -> PoolMemory:
             missing.append(node.name)
         else:
             items += node_items
-    return PoolMemory.of(pool.name, items, tuple(missing))
+    return PoolMemory.of(pool.name, items + _producer_items(inp, pool, items),
+                         tuple(missing))
+
+
+def _producer_items(inp: _Inputs, pool: PoolPlan, items: list[MemoryItem]
+                    ) -> list[MemoryItem]:
+    """An asynchronous plan's producer process, resident beside the trainer: its own
+    copy of every model its nodes run (and of a trained one, the shared-memory copy the
+    trainer publishes into), and its largest node's working memory, as it runs while
+    the trainer's nodes do."""
+    nodes = [n for n in inp.graph.nodes if n.name in inp.producer and _runs_in(inp, n, pool)]
+    out: list[MemoryItem] = []
+    for name in sorted({n.model for n in nodes if n.model in inp.configs}):
+        weights = sum(i.bytes for i in items if i.what == "weights" and i.owner == name)
+        model = inp.graph.model(name)
+        copies = 2 if model is not None and model.trainable else 1
+        out += [MemoryItem("weights", f"{name} (rollout process)", copies * weights, False)]
+    working = {n.name: sum(i.bytes for i in items if i.transient and i.owner == n.name)
+               for n in nodes}
+    if working and max(working.values()) > 0:
+        node = max(working, key=lambda n: working[n])
+        out.append(MemoryItem("activations", f"{node} (rollout process)", working[node], False))
+    return out
 
 
 def _runs_in(inp: _Inputs, node: NodeSpec, pool: PoolPlan) -> bool:

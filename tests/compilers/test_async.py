@@ -40,6 +40,15 @@ def test_the_plan_cuts_the_step_at_the_rollout() -> None:
     assert ExecutionPlan.from_json(plan.to_json()) == plan
     assert "async      producer train, gen, ref_logprob, reward, adv runs up to 1 step(s) " \
            "ahead of consumer update_actor" in plan.summary()
+    # the producer process holds its own actor and reference, the actor's shared copy,
+    # and its largest node's working memory, beside the trainer
+    (main,) = plan.memory
+    weights = {i.owner: i.bytes for i in main.items if i.what == "weights"}
+    assert weights["actor (rollout process)"] == 2 * weights["actor"]
+    assert weights["ref (rollout process)"] == weights["ref"]
+    assert any(i.owner.endswith("(rollout process)") and not i.transient
+               and i.what == "activations" for i in main.items)
+    assert main.total_bytes > _plan(*SMALL).memory[0].total_bytes
     assert _plan(*ASYNC, disable=("asynchronous",)).asynchronous is None
     assert _plan(*SMALL).asynchronous is None
     data = json.loads(plan.to_json())
