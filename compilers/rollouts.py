@@ -246,6 +246,10 @@ class ProcessRollouts(Rollouts):
         self.shared = {m: {k: v.detach().to("cpu", copy=True).share_memory_()
                            for k, v in model.state_dict().items()}
                        for m, model in self.models.items()}
+        self.trained = {m: {k for k, p in model.named_parameters(remove_duplicate=False)
+                            if p.requires_grad} for m, model in self.models.items()}
+        """The entries an update changes (a LoRA model's adapters; both names of a tied
+        embedding): what is published after the first time."""
         self.published = self.mp.Value("q", -1, lock=False)
         self.grabbed = self.mp.Value("q", -1, lock=False)
         self.stop = self.mp.Value("b", 0, lock=False)
@@ -323,11 +327,15 @@ class ProcessRollouts(Rollouts):
     # -- the channel ---------------------------------------------------------------------
 
     def _publish(self, version: int) -> None:
+        """The trained models' weights into shared memory as `version`: all of them the
+        first time, then what updates change."""
+        first = self.published.value < 0
         with self.cond:
             for m, model in self.models.items():
                 with torch.no_grad():
                     for k, v in model.state_dict().items():
-                        self.shared[m][k].copy_(v)
+                        if first or k in self.trained[m]:
+                            self.shared[m][k].copy_(v)
             self.published.value = version
             self.cond.notify_all()
 

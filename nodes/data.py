@@ -288,13 +288,14 @@ def _pad(
     """(ids, mask), each (len(seqs), L) int64; L = `length` or the longest sequence,
     which none is longer than (they were truncated or checked)."""
     L = length or max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.int64)
-    mask = torch.zeros((len(seqs), L), dtype=torch.int64)
-    for i, s in enumerate(seqs):
-        cols = slice(L - len(s), L) if left else slice(0, len(s))
-        ids[i, cols] = torch.tensor(s, dtype=torch.int64)
-        mask[i, cols] = 1
-    return ids, mask
+    ids, mask = [], []
+    for s in seqs:  # plain lists, one tensor each at the end: no per-row tensors
+        fill = L - len(s)
+        ids.append([pad_id] * fill + list(s) if left else list(s) + [pad_id] * fill)
+        mask.append([0] * fill + [1] * len(s) if left else [1] * len(s) + [0] * fill)
+    shape = (len(seqs), L)
+    return (torch.tensor(ids, dtype=torch.int64).reshape(shape),
+            torch.tensor(mask, dtype=torch.int64).reshape(shape))
 
 
 def _pad_id(tokenizer: Any) -> int:

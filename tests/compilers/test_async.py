@@ -153,3 +153,30 @@ def test_drop_admission_never_trains_on_a_rollout_staler_than_allowed(tmp_path: 
     rows = _run(tmp_path / "drop", "trainer.steps=4", "trainer.admission=drop")
     assert len(rows) == 4
     assert all(0 <= r["async/staleness"] <= 1 and "async/dropped" in r for r in rows)
+
+
+def test_a_lora_actor_publishes_its_adapters_to_the_producer(tmp_path: Path) -> None:
+    """After the first publication only what updates change goes to the producer: a LoRA
+    actor's adapters (its reference is the base: adapters off in the producer's copy).
+    The producer process's numbers are the in-loop schedule's, step after step."""
+    import os
+
+    import flowgraph
+
+    def run(name: str, overlap: bool) -> list[dict[str, Any]]:
+        LocalExecutor.overlap_rollouts = overlap
+        try:
+            plan = compile_graph(ROOT / "graphs" / "grpo_lora.yaml", overrides=[
+                f"trainer.run_dir={tmp_path / name}", "trainer.steps=4", "trainer.eval_every=0",
+                "trainer.val_before_train=false", "trainer.max_staleness=1"]).plan
+            assert plan is not None and plan.asynchronous is not None
+            with open(os.devnull, "w") as out:
+                rows: list[dict[str, Any]] = flowgraph.run(plan, tensorboard=False,
+                                                           out=out).rows
+            return rows
+        finally:
+            LocalExecutor.overlap_rollouts = True
+
+    apart = run("process", True)
+    assert_same_numbers(apart, run("inline", False))
+    # warm-up: step 0 learns at lr 0, so step 3 is the first to sample with new adapters
