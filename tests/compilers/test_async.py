@@ -177,6 +177,6 @@ def test_a_lora_actor_publishes_its_adapters_to_the_producer(tmp_path: Path) -> 
         finally:
             LocalExecutor.overlap_rollouts = True
 
+    # warm-up: step 0 learns at lr 0, so step 3 is the first to sample with new adapters
     apart = run("process", True)
     assert_same_numbers(apart, run("inline", False))
-    # warm-up: step 0 learns at lr 0, so step 3 is the first to sample with new adapters
