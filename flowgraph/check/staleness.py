@@ -62,7 +62,7 @@ def check_staleness(graph: Graph, table: dict[str, Resolved], shapes: ShapeResul
                 hint=f"take one step per rollout (nodes.{r.name}.params.ppo_epochs: 1, "
                      "mini_batch_size: null), or weigh the rollout's tokens by their "
                      "staleness (rollout_is: token)"))
-        if r.kind.on_policy_input is not None:
+        if r.kind.on_policy_input:
             readers.append(r)
     if trainer.old_log_prob == "rollout":
         _check_rollout_log_prob(graph, table, readers, out)

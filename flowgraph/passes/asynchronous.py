@@ -66,7 +66,7 @@ def _rollout_log_prob(node: NodeSpec, program: Program) -> PortRef | None:
     graph to having one); None for a node that reads no old log-probs."""
     kind = program.kind(node.name)
     responses = node.input("responses")
-    if kind.on_policy_input is None or responses is None:
+    if not kind.on_policy_input or responses is None:
         return None
     if program.kind(responses.node).output("rollout_log_prob") is None:
         return None

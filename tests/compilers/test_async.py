@@ -63,6 +63,7 @@ def test_old_log_probs_from_the_rollout_rewire_the_update() -> None:
     update = plan.graph.node("update_actor")
     assert update is not None and str(update.input("old_log_prob")) == "gen.rollout_log_prob"
     assert "old_logprob" in plan.dropped
+    assert ExecutionPlan.from_json(plan.to_json()) == plan  # no other node rewired
     assert any("`update_actor` takes its old log-probs from `gen.rollout_log_prob`" in r
                for r in plan.rewrites)
 
@@ -153,6 +154,17 @@ def test_drop_admission_never_trains_on_a_rollout_staler_than_allowed(tmp_path: 
     rows = _run(tmp_path / "drop", "trainer.steps=4", "trainer.admission=drop")
     assert len(rows) == 4
     assert all(0 <= r["async/staleness"] <= 1 and "async/dropped" in r for r in rows)
+
+
+def test_old_log_probs_from_the_rollout_measure_the_policy_that_sampled(tmp_path: Path
+                                                                        ) -> None:
+    """`old_log_prob: recompute` with one optimizer step: π_old is the policy the update
+    starts from, the ratio is 1 and ppo_kl 0 at every step; `rollout`: π_old is the
+    one that sampled, one update behind from step 2 on (step 0 learns at lr 0)."""
+    recompute = _run(tmp_path / "recompute", "trainer.steps=3")
+    rollout = _run(tmp_path / "rollout", "trainer.steps=3", "trainer.old_log_prob=rollout")
+    assert all(r["actor/ppo_kl"] == 0.0 for r in recompute)
+    assert abs(rollout[0]["actor/ppo_kl"]) < 1e-6 and abs(rollout[2]["actor/ppo_kl"]) > 1e-6
 
 
 def test_a_lora_actor_publishes_its_adapters_to_the_producer(tmp_path: Path) -> None:
