@@ -76,6 +76,8 @@ def test_the_checker_refuses_staleness_without_a_rollout_and_warns_where_it_comp
                                                "mini_batch_size=8"])
     warned = [d for d in two_steps.diagnostics if d.code == "FG121"]
     assert len(warned) == 1 and warned[0].node == "update_actor" and two_steps.plan is not None
+    typo = compile_graph(GRPO, overrides=["trainer.admission=later"])
+    assert [(d.code, d.hint) for d in typo.diagnostics] == [("FG004", "use one of block, drop")]
 
 
 def _run(run_dir: Path, *overrides: str, overlap: bool = True, resume: bool = False
