@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from flowgraph.compilers.rollouts import Rollout, save_buffer
 from flowgraph.errors import FlowgraphError
 
 _STEP = re.compile(r"^step_(\d+)$")
@@ -87,7 +88,7 @@ class TrainedPart:
 
 
 def save_checkpoint(run_dir: Path, step: int, *, modules: dict[str, Any],
-                    state: dict[str, Any], keep: int = 2, rollouts: list[Any] | None = None
+                    state: dict[str, Any], keep: int = 2, rollouts: list[Rollout] | None = None
                     ) -> Path:
     """Write `step_<step>` atomically; keep the newest `keep` checkpoints.
 
@@ -112,12 +113,10 @@ def begin_checkpoint(run_dir: Path, step: int, suffix: str) -> Path:
 
 
 def publish_checkpoint(tmp: Path, state: dict[str, Any], keep: int = 2,
-                       rollouts: list[Any] | None = None) -> Path:
+                       rollouts: list[Rollout] | None = None) -> Path:
     """Write the rollout buffer of an asynchronous run (`rollouts`, when not None) and
     `state.json` last, then rename `tmp` into place and prune old ones."""
     if rollouts is not None:
-        from flowgraph.compilers.rollouts import save_buffer
-
         save_buffer(tmp, rollouts)
     root, final = tmp.parent, tmp.parent / tmp.name.split(".")[0]
     (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))

@@ -170,7 +170,9 @@ class LocalExecutor:
         """The processes this one's models are sharded over (fsdp: the world; a Ray
         worker: its pool's size), and this one's rank among them."""
         cut = plan.asynchronous
-        self.consumer = [n for n in self.order if cut is None or n not in cut.producer]
+        self.producer = [n for n in self.order if cut is not None and n in cut.producer]
+        """An asynchronous plan's producer nodes, in the order they run (none: synchronous)."""
+        self.consumer = [n for n in self.order if n not in self.producer]
         """The step nodes run on the batch a rollout brings (all of them: synchronous)."""
         self.rollouts: Rollouts | None = None
         """The buffer of an asynchronous plan, from `run()` on."""
@@ -850,8 +852,7 @@ class ProducerExecutor(LocalExecutor):
 
     def __init__(self, plan: ExecutionPlan, options: ExecOptions) -> None:
         super().__init__(plan, options)
-        assert plan.asynchronous is not None
-        self.order = [n for n in plan.asynchronous.producer if n in self.nodes]
+        self.order = self.producer
         self.prologue = []
 
     def hosted_models(self) -> tuple[ModelPlacement, ...]:

@@ -126,15 +126,14 @@ class Rollouts:
 
     def take(self, step: int, metrics: dict[str, float]) -> dict[tuple[str, str], Any]:
         """The producer's outputs for `step`: the rollout, its staleness in `metrics`."""
-        t0 = time.perf_counter()
-        dropped = 0
+        dropped, waited = 0, 0.0
         while True:
-            item = self.next_rollout(step, metrics)
+            item, seconds = self.next_rollout(step, metrics)
+            waited += seconds
             if self.block or step - item.version <= self.S:
                 break
             dropped += 1
-        produced = metrics.pop("async/produce_s", 0.0)  # inline: generated, not waited for
-        metrics["perf/rollout_wait_s"] = time.perf_counter() - t0 - produced
+        metrics["perf/rollout_wait_s"] = waited
         if item.error is not None:
             raise item.error
         metrics.update(item.metrics)
@@ -170,7 +169,8 @@ class Rollouts:
 
     # -- per producer ------------------------------------------------------------------
 
-    def next_rollout(self, step: int, metrics: dict[str, float]) -> Rollout:
+    def next_rollout(self, step: int, metrics: dict[str, float]) -> tuple[Rollout, float]:
+        """The next rollout in the buffer, and the seconds this process waited for it."""
         raise NotImplementedError
 
     def need(self, index: int) -> int:
@@ -180,10 +180,8 @@ class Rollouts:
     def produce(self, index: int, version: int, metrics: dict[str, float]) -> Rollout:
         """Run the producer nodes of the executor for the batch of step `index`; a NaN
         is kept in the rollout, to be raised at its step."""
-        ex = self.ex
+        ex, names = self.ex, self.ex.producer
         env: dict[tuple[str, str], Any] = {}
-        assert ex.plan.asynchronous is not None
-        names = [n for n in ex.plan.asynchronous.producer if n in ex.nodes]
         strict = ex.graph.trainer.strict or ex.opts.strict or index == self.origin
         try:
             ex.produce(env, index, strict, metrics, names)
@@ -206,8 +204,7 @@ class InlineRollouts(Rollouts):
         super().load(items, cursors)
         self.cursors = None  # the datasets themselves are the producer's: restored as they are
 
-    def next_rollout(self, step: int, metrics: dict[str, float]) -> Rollout:
-        t0 = time.perf_counter()
+    def next_rollout(self, step: int, metrics: dict[str, float]) -> tuple[Rollout, float]:
         while self.next <= min(step + self.S, self.steps - 1):
             produced: dict[str, float] = {}
             item = self.produce(self.next, step, produced)
@@ -219,12 +216,11 @@ class InlineRollouts(Rollouts):
                     item.metrics[k] = v
             self.pending.append(item)
             self.next += 1
-        metrics["async/produce_s"] = time.perf_counter() - t0
         item = self.pending.popleft()
         if item.index != step:
             raise FlowgraphError(f"internal: the rollout buffer holds step {item.index}'s "
                                  f"batch where step {step}'s was due")
-        return item
+        return item, 0.0  # generated in this loop, never waited for
 
 
 class ProcessRollouts(Rollouts):
@@ -235,11 +231,9 @@ class ProcessRollouts(Rollouts):
         super().__init__(ex)
         import torch.multiprocessing as mp
 
-        assert ex.plan.asynchronous is not None
         self.mp = mp.get_context("spawn")
-        producer = set(ex.plan.asynchronous.producer)
         self.models = {m: ex.res.models[m] for m in sorted(
-            {n.model for n in ex.plan.nodes if n.name in producer and n.loads_model
+            {n.model for n in ex.plan.nodes if n.name in ex.producer and n.loads_model
              and n.model is not None})
             if m in ex.res.optimizers}
         """The trained models the producer runs (the rollout's): published every step."""
@@ -267,8 +261,7 @@ class ProcessRollouts(Rollouts):
         self.last_index = first - 1
         ex = self.ex
         cursors = self.pending[-1].cursors if self.pending else self.data_cursors()
-        producer = set(ex.plan.asynchronous.producer) if ex.plan.asynchronous else set()
-        state = {n: s for n, s in ex.node_state.items() if n in producer}
+        state = {n: s for n, s in ex.node_state.items() if n in ex.producer}
         self._publish(step)
         cores = _halves()
         if cores is not None and ex.opts.device == "cpu":
@@ -285,12 +278,14 @@ class ProcessRollouts(Rollouts):
                   cores[1] if cores is not None and self.own else None))
         self.proc.start()
 
-    def next_rollout(self, step: int, metrics: dict[str, float]) -> Rollout:
+    def next_rollout(self, step: int, metrics: dict[str, float]) -> tuple[Rollout, float]:
+        t0 = time.perf_counter()
         item = self.pending.popleft() if self.pending else self._receive(step)
+        waited = time.perf_counter() - t0
         if self.block and item.index != step:
             raise FlowgraphError(f"internal: the rollout producer sent step {item.index}'s "
                                  f"batch where step {step}'s was due")
-        return item
+        return item, waited
 
     def advance(self, step: int) -> None:
         """Publish version step + 1; under `block`, first let the producer take version

@@ -60,7 +60,7 @@ from typing import Any, Union, get_args, get_origin, get_type_hints
 from flowgraph.document import YMap, YNode, YScalar, YSeq
 from flowgraph.errors import PlanError
 from flowgraph.frontend import graph_from_document, graph_to_document
-from flowgraph.ir import NAME_RE, Graph
+from flowgraph.ir import NAME_RE, Graph, NodeSpec
 from flowgraph.registry import HOISTABLE_CATEGORIES, KindSpec
 from flowgraph.source import SourcePos
 
@@ -433,28 +433,27 @@ def _plan_problems(plan: ExecutionPlan) -> list[str]:
             + _resample_problems(plan) + _async_problems(plan))
 
 
-def producer_side(plan: ExecutionPlan, rollouts: set[str]) -> tuple[str, ...]:
+def producer_side(graph: Graph, stages: tuple[StagePlan, ...],
+                  kinds: Mapping[str, KindSpec]) -> tuple[str, ...]:
     """The producer of asynchronous rollouts, in the order the step runs: the data
-    sources, the `rollouts` (nodes of category rollout), and every other step node
-    that reads only the producer's outputs, trains nothing and runs no trained model
-    (a reward function, a frozen reference, GRPO's advantage); a node that reads a
-    trained model's output, or the prologue's, is the consumer's. The rule the compiler
-    and the verifier share."""
-    trained = {m.name for m in plan.graph.models if m.trainable}
-    held = {n.name for n in plan.nodes if n.trains or (
-        n.loads_model and n.model in trained and n.name not in rollouts)}
-    return producer_of(plan.graph, plan.stages, held)
+    sources, the rollouts (kind category `rollout`), and every other step node that
+    reads only the producer's outputs, trains nothing and runs no trained model's
+    weights (a reward function, a frozen reference, GRPO's advantage); a node that
+    reads a trained model's output, or the prologue's, is the consumer's. The rule the
+    compiler, the memory estimate and the verifier share."""
+    trained = {m.name for m in graph.models if m.trainable}
 
+    def held(node: NodeSpec) -> bool:
+        kind = kinds[node.name]
+        runs_trained = (node.model in trained and kind.model != "none"
+                        and kind.head != "tokenizer")
+        return kind.trains or (runs_trained and kind.category != "rollout")
 
-def producer_of(graph: Graph, stages: tuple[StagePlan, ...], held: set[str]
-                ) -> tuple[str, ...]:
-    """`producer_side` from the nodes it never takes (`held`: updates, and the nodes
-    other than rollouts that run a trained model), for a caller without a plan yet."""
     side = {d.name for d in graph.data}
     order = [n for s in stages if not s.once for n in s.nodes]
     for name in order:
         node = graph.node(name)
-        if node is not None and name not in held and name not in side \
+        if node is not None and name not in side and not held(node) \
                 and all(ref.node in side for _, ref in node.inputs):
             side.add(name)
     return tuple(n for n in order if n in side)
@@ -666,7 +665,7 @@ def verify_kinds(plan: ExecutionPlan, kinds: Mapping[str, KindSpec]) -> None:
                             "trained model or batch statistics): move it to a step stage")
     if plan.asynchronous is not None:
         rollouts = {n.name for n in plan.nodes if kinds[n.name].category == "rollout"}
-        want = producer_side(plan, rollouts)
+        want = producer_side(plan.graph, plan.stages, kinds)
         if plan.asynchronous.producer != want:
             problems.append(f"the asynchronous producer is {list(plan.asynchronous.producer)}; "
                             f"the data, rollouts and the nodes that read only them are "

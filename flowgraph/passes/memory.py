@@ -65,7 +65,7 @@ from flowgraph.plan import (
     PoolMemory,
     PoolPlan,
     gib,
-    producer_of,
+    producer_side,
 )
 from flowgraph.registry import KindSpec
 
@@ -301,11 +301,7 @@ def _inputs(program: Program, placement: Placement, check: CheckResult,
     kinds = {n.name: program.kind(n.name) for n in graph.nodes}
     producer: tuple[str, ...] = ()
     if program.asynchronous and program.target == "local" and program.schedule is not None:
-        trained = {m.name for m in graph.models if m.trainable}
-        held = {n.name for n in graph.nodes if kinds[n.name].trains or (
-            n.model in trained and kinds[n.name].category != "rollout"
-            and kinds[n.name].model != "none" and kinds[n.name].head != "tokenizer")}
-        producer = producer_of(graph, program.schedule.stages, held)
+        producer = producer_side(graph, program.schedule.stages, kinds)
     return _Inputs(graph, placement, kinds, rows, configs, lm_head, seq, producer)
 
 

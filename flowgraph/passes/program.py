@@ -186,8 +186,9 @@ class Program:
             resample=self._resample())
         if not self.asynchronous:
             return plan
-        rollouts = {n.name for n in self.graph.nodes if self.kind(n.name).category == "rollout"}
-        return replace(plan, asynchronous=AsyncPlan(producer_side(plan, rollouts)))
+        kinds = {n.name: self.kind(n.name) for n in self.graph.nodes}
+        return replace(plan, asynchronous=AsyncPlan(producer_side(self.graph, plan.stages,
+                                                                  kinds)))
 
     def _resample(self) -> ResamplePlan | None:
         """The refill loop of the graph's filter node (the checker allows one, and only
