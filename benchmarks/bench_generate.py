@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 import flowgraph.nodes.generate as generate_module
+from flowgraph.compilers.build import rollout_engine
 from flowgraph.nodes.data import prompt_source
 from flowgraph.nodes.generate import SamplingSpec, decode, generate, sample_seed
 from flowgraph.nodes.models import load_model, load_tokenizer
@@ -86,7 +87,7 @@ def _setup(args: argparse.Namespace) -> dict[str, Any]:
     batch = prompt_source("builtin:arith", tokenizer=tokenizer, max_prompt_length=16,
                           shuffle=False).train.next_batch(args.prompts)
     ctx = NodeContext("gen", "generate", step=0, seed=0,
-                      dims={"N": args.n, "T": args.length})
+                      dims={"N": args.n, "T": args.length}, engines=rollout_engine)
     spec = SamplingSpec(args.length, 1.0, 1.0, 0, False, (tokenizer.eos_token_id,),
                         tokenizer.pad_token_id)
     seeds = [sample_seed(0, 0, i, j) for i in range(args.prompts) for j in range(args.n)]

@@ -7,16 +7,17 @@ tokens, as `logprob` counts them), then one token at a time with the KV cache. T
 engine, one request per (prompt, sample), in `flowgraph.compilers.vllm_engine`).
 
 Every sample draws its randomness from its own seed, a hash of (run seed, step, the
-prompt's row in the global batch, sample j); the hf backend picks tokens by Gumbel-max,
+prompt's row in the global batch, sample j); the hf backend picks each token by
+inverse CDF,
 
-    y_t = argmax_v (z̃_v + g_v),   g_v = −log(−log u_v),  u_v = U(seed, t, v),
+    y_t = min{v : Σ_{w ≤ v} softmax(z̃)_w > u},   u = U(seed, t),
 
 with counter-based noise: u is splitmix64 (Steele et al. 2014) of the sample's seed and
-the counter (t, v), so the whole batch's noise is one vectorised computation and each
-sample's numbers are still its own. z̃ are the logits divided by τ and filtered by
-top-k then top-p (Hugging Face's `TopKLogitsWarper`, `TopPLogitsWarper`), so a sample's
-tokens do not depend on the batch it is generated in nor on how the batch is split
-across data-parallel ranks.
+the position t, so the whole batch's draw is one vectorised computation (one number per
+row and token) and each sample's numbers are still its own. z̃ are the logits divided
+by τ and filtered by top-k then top-p (Hugging Face's `TopKLogitsWarper`,
+`TopPLogitsWarper`), so a sample's tokens do not depend on the batch it is generated in
+nor on how the batch is split across data-parallel ranks.
 Greedy decoding (`do_sample` false or τ = 0) takes argmax_v z_v.
 
 `rollout_log_prob` is log π(y_t) under the distribution that drew y_t: log_softmax(z̃),
@@ -39,7 +40,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
+from transformers.cache_utils import DynamicLayer
 
+from flowgraph.nodes.logprob import first_prompt_column
 from flowgraph.runtime.context import NodeContext
 
 if TYPE_CHECKING:
@@ -114,18 +117,18 @@ def _shift(x: Tensor, k: int) -> Tensor:
     return (x >> k) & ((1 << (64 - k)) - 1)
 
 
-def counter_uniform(seeds: Tensor, t: int, V: int) -> Tensor:
-    """(r, V) float32 in (0, 1): u[i, v] a function of (seeds[i], t, v) alone.
+def counter_uniform(seeds: Tensor, t: int) -> Tensor:
+    """(r,) float64 in (0, 1): u[i] a function of (seeds[i], t) alone.
 
-    splitmix64's output function applied to seed + γ·(t·V + v + 1), γ the golden ratio
-    constant (Steele, Lea & Flood 2014); the top 24 bits give (k + ½)/2**24.
+    splitmix64's output function applied to seed + γ·(t + 1), γ the golden ratio
+    constant (Steele, Lea & Flood 2014); the top 52 bits give (k + ½)/2**52.
     """
-    counter = torch.arange(V, dtype=torch.int64, device=seeds.device) + (t * V + 1)
-    x = seeds[:, None] + counter[None, :] * _GOLDEN
+    step = (t + 1) * _GOLDEN % (1 << 64)  # γ·(t + 1) mod 2**64, as an int64
+    x = seeds + (step - (1 << 64) if step >= 1 << 63 else step)
     x = (x ^ _shift(x, 30)) * _MIX1
     x = (x ^ _shift(x, 27)) * _MIX2
     x = x ^ _shift(x, 31)
-    return (_shift(x, 40).to(torch.float32) + 0.5) * 2.0**-24
+    return (_shift(x, 12).to(torch.float64) + 0.5) * 2.0**-52
 
 
 def _pick(logits: Tensor, seeds: Tensor, t: int, spec: SamplingSpec) -> tuple[Tensor, Tensor]:
@@ -134,10 +137,16 @@ def _pick(logits: Tensor, seeds: Tensor, t: int, spec: SamplingSpec) -> tuple[Te
     if spec.greedy:
         token = logits.argmax(-1)
         return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
-    scores = filter_logits(logits / spec.temperature, spec.top_k, spec.top_p)
-    gumbel = -torch.log(-torch.log(counter_uniform(seeds, t, logits.size(-1))))
-    token = (scores + gumbel).argmax(-1)
-    return token, scores.log_softmax(-1).gather(-1, token[:, None])[:, 0]
+    log_p = filter_logits(logits / spec.temperature, spec.top_k, spec.top_p).log_softmax(-1)
+    # Inverse CDF: the first token whose cumulative probability exceeds u·(total mass).
+    # A filtered token has no width, so it is never the first; the bound below keeps a
+    # product rounded up to the total on the last token that has some.
+    cdf = log_p.exp().double().cumsum(-1)
+    total = cdf[:, -1:]
+    x = torch.minimum(counter_uniform(seeds, t)[:, None] * total,
+                      torch.nextafter(total, torch.zeros_like(total)))
+    token = torch.searchsorted(cdf, x, right=True)[:, 0]
+    return token, log_p.gather(-1, token[:, None])[:, 0]
 
 
 def _forward(model: nn.Module, ids: Tensor, attention: Tensor, positions: Tensor,
@@ -158,7 +167,6 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
         model.train(training)
 
 
-@torch.no_grad()
 def decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequence[int],
            spec: SamplingSpec, everywhere: Callable[[bool], bool] = bool
            ) -> dict[str, Tensor]:
@@ -169,9 +177,27 @@ def decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequen
     `everywhere(flag)` says whether a flag holds on every worker (`ctx.workers.all`):
     decoding stops when every row on every worker has, since a sharded (FSDP) model
     runs collectives in each forward and all workers must take as many steps.
+
+    Two things make it lean without changing a sample: the prompt columns that are
+    padding in every row are dropped (a row's positions are counted over its tokens and
+    its attention skips padding, so its states are the same), and it runs in
+    `torch.inference_mode` (no view or version tracking; not for a sharded model, whose
+    FSDP hooks need both), returning ordinary tensors.
     """
+    sharded = any(hasattr(p, "to_local") for p in model.parameters())  # DTensors: FSDP
+    with torch.no_grad() if sharded else torch.inference_mode():
+        out = _decode(model, prompts, prompt_mask, seeds, spec, everywhere)
+    return {name: value.clone() if value.is_inference() else value
+            for name, value in out.items()}
+
+
+def _decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequence[int],
+            spec: SamplingSpec, everywhere: Callable[[bool], bool]) -> dict[str, Tensor]:
     device = next(model.parameters()).device
     r, T = len(prompts), spec.max_new_tokens
+    lo = first_prompt_column(prompt_mask)
+    prompts, prompt_mask = prompts[:, lo:], prompt_mask[:, lo:]
+    P = prompts.shape[1]
     row_seeds = torch.tensor(list(seeds), dtype=torch.int64, device=device)
     # Only the last position's logits are needed; most HF models can skip the rest.
     takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
@@ -179,11 +205,13 @@ def decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequen
     responses = torch.full((r, T), spec.pad_id, dtype=torch.int64, device=device)
     mask = torch.zeros((r, T), dtype=torch.int64, device=device)
     log_prob = torch.zeros((r, T), dtype=torch.float32, device=device)
-    attention = prompt_mask.to(device=device, dtype=torch.int64)
-    positions = (attention.cumsum(-1) - 1).clamp_min(0)
+    attention = torch.ones((r, P + T), dtype=torch.int64, device=device)
+    attention[:, :P] = prompt_mask
+    positions = (attention[:, :P].cumsum(-1) - 1).clamp_min(0)
     done = torch.zeros(r, dtype=torch.bool, device=device)
     stop = torch.tensor(spec.stop_ids, device=device)
-    logits, cache = _forward(model, prompts.to(device), attention, positions, None, keep)
+    logits, cache = _forward(model, prompts.to(device), attention[:, :P], positions, None, keep)
+    _reserve(cache, P + T)
     for t in range(T):
         token, token_log_prob = _pick(logits, row_seeds, t, spec)
         responses[:, t] = token.masked_fill(done, spec.pad_id)
@@ -192,11 +220,46 @@ def decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequen
         done |= torch.isin(token, stop)
         if t == T - 1 or everywhere(bool(done.all())):
             break
-        attention = torch.cat([attention, attention.new_ones(r, 1)], dim=1)
         positions = positions[:, -1:] + 1
         step_ids = responses[:, t : t + 1]
-        logits, cache = _forward(model, step_ids, attention, positions, cache, keep)
+        logits, cache = _forward(model, step_ids, attention[:, : P + t + 1], positions, cache,
+                                 keep)
     return {"responses": responses, "response_mask": mask, "rollout_log_prob": log_prob}
+
+
+class _ReservedLayer(DynamicLayer):
+    """Hugging Face's `DynamicLayer` with its keys and values in buffers reserved for
+    the whole decode: a step writes its token's states in place and attends to a view
+    of the filled part, where `DynamicLayer` copies the whole cache to add a token
+    (quadratic in T). Same keys, same values, same attention: the same numbers."""
+
+    def __init__(self, keys: Tensor, values: Tensor, capacity: int) -> None:
+        super().__init__()
+        self.length = keys.shape[-2]
+        self.reserved = [x.new_empty((*x.shape[:-2], capacity, x.shape[-1])) for x in (keys, values)]
+        for buffer, x in zip(self.reserved, (keys, values), strict=True):
+            buffer[..., : self.length, :] = x
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self.keys, self.values = (x[..., : self.length, :] for x in self.reserved)
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[Tensor, Tensor]:
+        start, self.length = self.length, self.length + key_states.shape[-2]
+        for buffer, x in zip(self.reserved, (key_states, value_states), strict=True):
+            buffer[..., start : self.length, :] = x
+        self.keys, self.values = (x[..., : self.length, :] for x in self.reserved)
+        return self.keys, self.values
+
+
+def _reserve(cache: Any, capacity: int) -> None:
+    """Turn the prefilled cache's plain dynamic layers into `_ReservedLayer`s of
+    `capacity` tokens; other layers (sliding-window, a model's own cache) stay."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        return
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer and layer.is_initialized:
+            layers[i] = _ReservedLayer(layer.keys, layer.values, capacity)
 
 
 def _stop_ids(model: nn.Module, tokenizer: Any) -> tuple[int, ...]:

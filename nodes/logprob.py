@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from flowgraph.runtime.context import Workers
 
 __all__ = [
+    "first_prompt_column",
     "forward_hidden",
     "head_logprob",
     "logprob",
@@ -105,15 +106,20 @@ def forward_hidden(
     return hidden if t == T else torch.nn.functional.pad(hidden, (0, 0, 0, T - t))
 
 
+def first_prompt_column(prompt_mask: Tensor) -> int:
+    """The first column of left-padded prompts (b, P) that holds a token in some row
+    (at most P − 1): the columns before it are padding in every row."""
+    P = prompt_mask.shape[1]
+    valid = prompt_mask.bool().any(0).nonzero()
+    return min(int(valid[0]), P - 1) if len(valid) else P - 1
+
+
 def _trimmed(prompt_mask: Tensor, response_mask: Tensor) -> tuple[int, int]:
     """(lo, t): the batch's prompt columns from `lo` and response columns up to `t` hold
     every valid token; at least the last prompt column and one response column stay."""
-    P = prompt_mask.shape[1]
-    valid_p = prompt_mask.bool().any(0).nonzero()
     valid_r = response_mask.bool().any(0).nonzero()
-    lo = min(int(valid_p[0]), P - 1) if len(valid_p) else P - 1
     t = int(valid_r[-1]) + 1 if len(valid_r) else 1
-    return lo, t
+    return first_prompt_column(prompt_mask), t
 
 
 class _TokenStats(torch.autograd.Function):

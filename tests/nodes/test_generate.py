@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
+import flowgraph.nodes.generate as generate_module
 from flowgraph.compilers.build import rollout_engine
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.data import prompt_source
@@ -132,7 +133,7 @@ def test_filter_logits_equals_hf_warpers(top_k: int, top_p: float, ties: bool) -
 
 
 @pytest.mark.parametrize(("top_k", "top_p"), [(0, 1.0), (2, 1.0), (0, 0.7)])
-def test_gumbel_max_draws_from_the_filtered_softmax(top_k: int, top_p: float) -> None:
+def test_inverse_cdf_draws_from_the_filtered_softmax(top_k: int, top_p: float) -> None:
     # log-probs of 5 tokens: 0.4, 0.3, 0.15, 0.1, 0.05. top-k 2 keeps {0, 1} -> 4/7, 3/7;
     # top-p 0.7 drops the tail of mass <= 0.3 (tokens 2, 3, 4) -> the same two tokens.
     probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
@@ -143,6 +144,20 @@ def test_gumbel_max_draws_from_the_filtered_softmax(top_k: int, top_p: float) ->
     freq = torch.bincount(tokens, minlength=5) / len(tokens)
     torch.testing.assert_close(freq, kept, atol=0.012, rtol=0)  # ~3.5 standard errors
     torch.testing.assert_close(log_p, kept[tokens].log())
+
+
+@pytest.mark.parametrize("u", [0.0, 1.0 - 2.0**-53, 1.0])
+def test_inverse_cdf_never_picks_a_filtered_token_at_the_ends(
+        u: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Filtered tokens at both ends (top-k 2 keeps tokens 1 and 2 of 4); a draw at, or
+    # rounded to, either end of (0, 1) still lands on a kept token.
+    monkeypatch.setattr(generate_module, "counter_uniform",
+                        lambda seeds, t: torch.full(seeds.shape, u, dtype=torch.float64))
+    logits = torch.tensor([[-5.0, 1.0, 1.5, -4.0]]).expand(3, 4)
+    tokens, log_p = _pick(logits, torch.arange(3), 0, SamplingSpec(1, 1.0, 1.0, 2, False,
+                                                                   (EOS,), PAD))
+    assert tokens.tolist() == [1 if u == 0.0 else 2] * 3
+    assert torch.isfinite(log_p).all()
 
 
 def _splitmix64(seed: int, counter: int) -> int:
@@ -156,21 +171,22 @@ def _splitmix64(seed: int, counter: int) -> int:
 
 def test_counter_noise_is_splitmix64_of_seed_and_position() -> None:
     seeds = [0, 1, 12345, (1 << 63) - 1]
-    u = counter_uniform(torch.tensor(seeds), t=5, V=7)
-    expected = [[((_splitmix64(s, 5 * 7 + v + 1) >> 40) + 0.5) / 2**24 for v in range(7)]
-                for s in seeds]
-    assert u.dtype == torch.float32
-    torch.testing.assert_close(u, torch.tensor(expected, dtype=torch.float32), rtol=0, atol=0)
+    u = counter_uniform(torch.tensor(seeds), t=5)
+    expected = [((_splitmix64(s, 5 + 1) >> 12) + 0.5) / 2**52 for s in seeds]
+    assert u.dtype == torch.float64
+    torch.testing.assert_close(u, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=0)
     # A row's numbers are its own: the same seed in another batch draws the same noise.
-    assert torch.equal(counter_uniform(torch.tensor(seeds[2:3]), 5, 7), u[2:3])
+    assert torch.equal(counter_uniform(torch.tensor(seeds[2:3]), 5), u[2:3])
 
 
 def test_counter_noise_is_uniform() -> None:
-    u = counter_uniform(torch.arange(64) * 1_000_003, t=0, V=4096).flatten()
+    seeds = torch.arange(1024) * 1_000_003
+    u = torch.cat([counter_uniform(seeds, t) for t in range(256)])
     assert u.min() > 0 and u.max() < 1
     # 10 equal bins of 262,144 draws: each holds 10% within ~4 standard errors (0.06%).
     share = torch.histc(u, bins=10, min=0, max=1) / len(u)
-    torch.testing.assert_close(share, torch.full((10,), 0.1), atol=0.0025, rtol=0)
+    torch.testing.assert_close(share, torch.full((10,), 0.1, dtype=u.dtype), atol=0.0025,
+                               rtol=0)
 
 
 @pytest.mark.parametrize(
