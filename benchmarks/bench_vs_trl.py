@@ -1,7 +1,7 @@
 """Benchmark: flowgraph against TRL at equal work — GRPO steps/s, DPO pairs/s, learning curves.
 
 Run:  pip install -c constraints/cpu.txt -e '.[bench]'     (TRL: the benchmark only)
-      python benchmarks/bench_vs_trl.py         (grpo, dpo, grpo-long, grpo-async; 2 rounds)
+      python benchmarks/bench_vs_trl.py         (grpo, dpo, grpo-long, grpo-async; 3 rounds)
       python benchmarks/bench_vs_trl.py --settings grpo --rounds 3 --steps 50
 
 Both run the same tiny random Llama (flowgraph's `builtin:tiny-lm`: hidden 128, 2
@@ -28,12 +28,14 @@ Printed per setting: per-step time by phase (median over the steps after the fir
 two), steps/s (GRPO) or pairs/s (DPO) from the summed step times of those steps, the
 ratio flowgraph / TRL (> 1: flowgraph faster), the wall time of each whole run (start-up
 included), peak RSS of each process, and both learning curves (mean reward or loss per
-tenth of the run). TRL's step is timed from `on_step_begin` to `on_step_end`
-(generation, scoring, the update; not its logging), split into the phases flowgraph
-reports: generation (`_generate_single_turn`), scoring (the rest of
-`_generate_and_score_completions`: decoding, rewards, log-probs, advantages) and update
-(the rest of the step); flowgraph's from `metrics.jsonl` (`phase_s/<phase>`,
-`timing_s/step`).
+tenth of the run). Round i runs seed i on both sides, so the rounds' curves show the
+run-to-run noise; the last lines compare the two sides' mean curves against it (at
+every tenth, the gap between the means at most the larger spread over seeds). TRL's
+step is timed from `on_step_begin` to `on_step_end` (generation, scoring, the update;
+not its logging), split into the phases flowgraph reports: generation
+(`_generate_single_turn`), scoring (the rest of `_generate_and_score_completions`:
+decoding, rewards, log-probs, advantages) and update (the rest of the step);
+flowgraph's from `metrics.jsonl` (`phase_s/<phase>`, `timing_s/step`).
 
 Notation: Bp prompts per step, N samples per prompt, P prompt length, T response length.
 """
@@ -73,6 +75,9 @@ class Setting:
     lr: float = 1e-3
     max_staleness: int = 0
     """> 0: flowgraph also runs with asynchronous rollouts (`flowgraph-async`)."""
+    seed: int = 0
+    """Round i runs seed i on every side: the curves' spread over rounds is the
+    run-to-run noise the two sides' difference is judged against."""
 
     def impls(self) -> tuple[str, ...]:
         return ("flowgraph", "flowgraph-async", "trl") if self.max_staleness else (
@@ -139,7 +144,7 @@ def flowgraph_grpo(s: Setting, ws: dict[str, str], run_dir: Path, staleness: int
     g.node("update_actor", "ppo_actor_update", model="actor", **seq,
            old_log_prob=old.log_prob, advantages=adv.advantages,
            params={"loss_agg_mode": "token-mean", "mini_batch_size": s.Bp * s.N})
-    g.trainer(steps=s.steps, seed=0, run_dir=str(run_dir), checkpoint_every=0,
+    g.trainer(steps=s.steps, seed=s.seed, run_dir=str(run_dir), checkpoint_every=0,
               max_staleness=staleness)
     return g.build()
 
@@ -166,7 +171,7 @@ def flowgraph_dpo(s: Setting, ws: dict[str, str], run_dir: Path) -> Any:
            ref_chosen_logps=refs["chosen"].log_prob,
            ref_rejected_logps=refs["rejected"].log_prob,
            params={"beta": 0.1, "loss_type": "sigmoid", "mini_batch_size": s.Bp})
-    g.trainer(steps=s.steps, seed=0, run_dir=str(run_dir), checkpoint_every=0)
+    g.trainer(steps=s.steps, seed=s.seed, run_dir=str(run_dir), checkpoint_every=0)
     return g.build()
 
 
@@ -215,14 +220,14 @@ def run_trl(s: Setting, ws: dict[str, str], out: Path) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
     start = time.perf_counter()
-    torch.manual_seed(0)
+    torch.manual_seed(s.seed)
     tok = AutoTokenizer.from_pretrained(ws["model"])
     tok.pad_token = tok.pad_token or tok.eos_token
     model = AutoModelForCausalLM.from_pretrained(ws["model"], dtype=torch.float32)
     common = dict(output_dir=str(out / "trl"), max_steps=s.steps, learning_rate=s.lr,
                   lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0,
                   gradient_accumulation_steps=1, logging_steps=1, save_strategy="no",
-                  report_to=[], use_cpu=True, seed=0, bf16=False, disable_dropout=True,
+                  report_to=[], use_cpu=True, seed=s.seed, bf16=False, disable_dropout=True,
                   dataloader_num_workers=0)
     stages: dict[str, float] = {}
     steps: list[dict[str, Any]] = []
@@ -329,20 +334,26 @@ def summary(run: dict[str, Any], per_step: int) -> dict[str, Any]:
         "rss": run["peak_rss_mb"], "curve": [st["curve"] for st in run["steps"]]}
 
 
-def tenths(curve: list[float | None]) -> list[str]:
+def tenths(curve: list[float | None]) -> list[float]:
     values = [c for c in curve if c is not None]
     if not values:
         return []
     k = max(len(values) // 10, 1)
-    return [f"{statistics.fmean(values[i:i + k]):.3f}" for i in range(0, len(values), k)]
+    return [statistics.fmean(values[i:i + k]) for i in range(0, len(values), k)]
+
+
+def _line(values: list[float]) -> str:
+    return " ".join(f"{v:.3f}" for v in values)
 
 
 def report(setting: Setting, runs: dict[str, list[dict[str, Any]]]) -> None:
     unit = "pairs/s" if setting.algo == "dpo" else "steps/s"
     per_step = setting.Bp if setting.algo == "dpo" else 1
+    label = "loss" if setting.algo == "dpo" else "reward"
     print(f"\n== {setting.name}: Bp={setting.Bp} N={setting.N} T<={setting.T} "
           f"steps={setting.steps} ==")
     best: dict[str, float] = {}
+    curves: dict[str, list[list[float]]] = {}
     for impl, rounds in runs.items():
         for i, run in enumerate(rounds):
             s = summary(run, per_step)
@@ -351,9 +362,9 @@ def report(setting: Setting, runs: dict[str, list[dict[str, Any]]]) -> None:
                   f"ms [{stages} ms]  wall {s['wall']:.1f} s  peak RSS {s['rss']:.0f} MB")
             best.setdefault(impl, 0.0)
             best[impl] = max(best[impl], s["rate"])
-        curve = tenths(summary(rounds[-1], per_step)["curve"])
-        label = "loss" if setting.algo == "dpo" else "reward"
-        print(f"{impl:15s} {label} by tenth of the run: {' '.join(curve)}")
+        curves[impl] = [tenths(summary(run, per_step)["curve"]) for run in rounds]
+        for i, curve in enumerate(curves[impl]):
+            print(f"{impl:15s} {label} by tenth of the run, seed {i}: {_line(curve)}")
     pairs = [("flowgraph", "trl")]
     if "flowgraph-async" in runs:
         pairs += [("flowgraph-async", "trl"), ("flowgraph-async", "flowgraph")]
@@ -362,12 +373,40 @@ def report(setting: Setting, runs: dict[str, list[dict[str, Any]]]) -> None:
                   for x, y in zip(runs[a], runs[b], strict=True)]
         print(f"{a} / {b} {unit}: " + ", ".join(f"{r:.2f}x" for r in ratios)
               + f" (per round); best vs best {best[a] / best[b]:.2f}x")
+    for a, b in pairs[:2]:
+        print(tracking(a, b, curves, label))
+
+
+def tracking(a: str, b: str, curves: dict[str, list[list[float]]], label: str) -> str:
+    """Whether `a`'s mean curve over seeds stays within run-to-run noise of `b`'s: at
+    every tenth, the gap between the two means is at most the larger of the two sides'
+    spreads over seeds (largest minus smallest), floored at 0.01."""
+    means, spreads = {}, {}
+    for impl in (a, b):
+        by_tenth = list(zip(*curves[impl], strict=False))
+        means[impl] = [statistics.fmean(v) for v in by_tenth]
+        spreads[impl] = [max(v) - min(v) for v in by_tenth]
+    worst = ""
+    ok = True
+    for k, (ma, mb) in enumerate(zip(means[a], means[b], strict=False)):
+        noise = max(spreads[a][k], spreads[b][k], 0.01)
+        if abs(ma - mb) > noise:
+            ok = False
+            worst = worst or f" (first outside: tenth {k}, gap {abs(ma - mb):.3f} > {noise:.3f})"
+    rounds = min(len(curves[a]), len(curves[b]))
+    head = f"{label} by tenth, mean over {rounds} seed(s): {a} {_line(means[a])} | {b} " \
+           f"{_line(means[b])}"
+    if rounds < 2:
+        return head + "\n  tracking: needs --rounds >= 2 (run-to-run noise is the seeds' spread)"
+    verdict = "within" if ok else "outside"
+    return head + f"\n  {a} vs {b}: {verdict} run-to-run noise{worst}"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    ap.add_argument("--rounds", type=int, default=2, help="A B pairs per setting")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="A B pairs per setting; round i runs seed i")
     ap.add_argument("--steps", type=int, default=None, help="override every setting's steps")
     ap.add_argument("--root", type=Path, default=None, help="workspace (default: a temp dir)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -387,7 +426,7 @@ def main() -> None:
         for i in range(args.rounds):
             order = setting.impls() if i % 2 == 0 else setting.impls()[::-1]
             for impl in order:
-                runs[impl].append(spawn(impl, setting, root))
+                runs[impl].append(spawn(impl, replace(setting, seed=i), root))
         report(setting, runs)
 
 

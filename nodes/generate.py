@@ -210,7 +210,14 @@ def _decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Seque
     positions = (attention[:, :P].cumsum(-1) - 1).clamp_min(0)
     done = torch.zeros(r, dtype=torch.bool, device=device)
     stop = torch.tensor(spec.stop_ids, device=device)
-    logits, cache = _forward(model, prompts.to(device), attention[:, :P], positions, None, keep)
+    if _takes_boolean_masks(model):  # prepared here, not rebuilt by the model every token
+        attention = attention.bool()[:, None, None, :]
+        causal = torch.ones((P, P), dtype=torch.bool, device=device).tril()
+        logits, cache = _forward(model, prompts.to(device), attention[..., :P] & causal,
+                                 positions, None, keep)
+    else:
+        logits, cache = _forward(model, prompts.to(device), attention[:, :P], positions,
+                                 None, keep)
     _reserve(cache, P + T)
     for t in range(T):
         token, token_log_prob = _pick(logits, row_seeds, t, spec)
@@ -222,9 +229,23 @@ def _decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Seque
             break
         positions = positions[:, -1:] + 1
         step_ids = responses[:, t : t + 1]
-        logits, cache = _forward(model, step_ids, attention[:, : P + t + 1], positions, cache,
-                                 keep)
+        logits, cache = _forward(model, step_ids, attention[..., : P + t + 1], positions,
+                                 cache, keep)
     return {"responses": responses, "response_mask": mask, "rollout_log_prob": log_prob}
+
+
+def _takes_boolean_masks(model: Any) -> bool:
+    """Whether the decode may give the model its attention as a prepared (r, 1, q, k)
+    boolean mask: Hugging Face's mask builders return a 4-D mask as it is, and SDPA reads
+    True as "attend". Only for SDPA attention with every layer attending to all earlier
+    tokens (a sliding-window layer needs a mask of its own)."""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return all(kind == "full_attention" for kind in layer_types)
+    return getattr(config, "sliding_window", None) is None
 
 
 class _ReservedLayer(DynamicLayer):
@@ -236,7 +257,8 @@ class _ReservedLayer(DynamicLayer):
     def __init__(self, keys: Tensor, values: Tensor, capacity: int) -> None:
         super().__init__()
         self.length = keys.shape[-2]
-        self.reserved = [x.new_empty((*x.shape[:-2], capacity, x.shape[-1])) for x in (keys, values)]
+        self.reserved = [x.new_empty((*x.shape[:-2], capacity, x.shape[-1]))
+                         for x in (keys, values)]
         for buffer, x in zip(self.reserved, (keys, values), strict=True):
             buffer[..., : self.length, :] = x
         self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True

@@ -11,6 +11,7 @@ early, sometimes run to T.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -26,6 +27,7 @@ from flowgraph.nodes.generate import (
     SamplingSpec,
     _pick,
     counter_uniform,
+    decode,
     filter_logits,
     generate,
 )
@@ -284,6 +286,40 @@ def test_hf_samples_do_not_depend_on_batch_or_split(model: nn.Module, tokenizer:
     for other in (_ctx(2, step=1), _ctx(2, seed=1)):
         assert not torch.equal(_call(other, model, tokenizer, batch, **params)["responses"],
                                whole["responses"])
+
+
+@pytest.mark.parametrize("name", [MODEL, "builtin:tiny-tied"])
+def test_hf_lean_decoding_changes_no_sample(name: str, tokenizer: Any, batch: dict[str, Any],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    # The decode's shortcuts (padding columns dropped, a prepared boolean mask, a KV cache
+    # in reserved buffers, inference mode) against the plain loop without any of them.
+    lean_model = load_model(name).eval()
+    prompts = batch["input_ids"].repeat_interleave(2, 0)
+    mask = batch["attention_mask"].repeat_interleave(2, 0)
+    seeds = list(range(len(prompts)))
+    spec = SamplingSpec(12, 1.0, 0.9, 40, False, (EOS,), PAD)
+    lean = decode(lean_model, prompts, mask, seeds, spec)
+    assert not any(v.is_inference() for v in lean.values()), "usable by autograd"
+    monkeypatch.setattr(generate_module, "first_prompt_column", lambda m: 0)
+    monkeypatch.setattr(generate_module, "_takes_boolean_masks", lambda m: False)
+    monkeypatch.setattr(generate_module, "_reserve", lambda cache, capacity: None)
+    with torch.no_grad():
+        plain = generate_module._decode(lean_model, prompts, mask, seeds, spec, bool)
+    assert torch.equal(lean["responses"], plain["responses"])
+    assert torch.equal(lean["response_mask"], plain["response_mask"])
+    torch.testing.assert_close(lean["rollout_log_prob"], plain["rollout_log_prob"],
+                               atol=1e-5, rtol=0)
+
+
+def test_boolean_masks_only_for_sdpa_with_full_attention_layers(model: nn.Module) -> None:
+    assert model.config._attn_implementation == "sdpa"
+    assert generate_module._takes_boolean_masks(model)
+    full = {"_attn_implementation": "sdpa", "sliding_window": None, "layer_types": None}
+    assert generate_module._takes_boolean_masks(SimpleNamespace(config=SimpleNamespace(**full)))
+    for change in ({"_attn_implementation": "eager"}, {"sliding_window": 16},
+                   {"layer_types": ["full_attention", "sliding_attention"]}):
+        config = SimpleNamespace(**{**full, **change})
+        assert not generate_module._takes_boolean_masks(SimpleNamespace(config=config)), change
 
 
 def test_hf_params_override_dims_and_keep_the_model_mode(model: nn.Module, tokenizer: Any,
