@@ -36,6 +36,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -93,6 +94,9 @@ class DataParallel(Workers):
         t = torch.tensor([value], dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
+
+    def inference(self, model: Any) -> AbstractContextManager[Any]:
+        return torch.no_grad() if is_sharded(model) else torch.inference_mode()
 
     def clip_grad_norm(self, model: Any, max_norm: float) -> float:
         """The sharded parameters (DTensors) hold a slice of the summed gradient on

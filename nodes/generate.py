@@ -43,7 +43,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import DynamicLayer
 
 from flowgraph.nodes.logprob import first_prompt_column
-from flowgraph.runtime.context import NodeContext
+from flowgraph.runtime.context import NodeContext, Workers
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -168,25 +168,25 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 def decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequence[int],
-           spec: SamplingSpec, everywhere: Callable[[bool], bool] = bool
-           ) -> dict[str, Tensor]:
+           spec: SamplingSpec, workers: Workers | None = None) -> dict[str, Tensor]:
     """The hf backend: prompts (r, P) left-padded, one seed per row -> responses,
     response_mask (r, T) int64 and rollout_log_prob (r, T) float32, on the model's device.
 
     Runs the model as it is; `generate` puts it in eval mode (no dropout) first.
-    `everywhere(flag)` says whether a flag holds on every worker (`ctx.workers.all`):
-    decoding stops when every row on every worker has, since a sharded (FSDP) model
-    runs collectives in each forward and all workers must take as many steps.
+    `workers` (`ctx.workers`; one process when None) say whether a flag holds on every
+    worker: decoding stops when every row on every worker has, since a sharded (FSDP)
+    model runs collectives in each forward and all workers must take as many steps.
 
-    Two things make it lean without changing a sample: the prompt columns that are
-    padding in every row are dropped (a row's positions are counted over its tokens and
-    its attention skips padding, so its states are the same), and it runs in
-    `torch.inference_mode` (no view or version tracking; not for a sharded model, whose
-    FSDP hooks need both), returning ordinary tensors.
+    What makes it lean changes no sample: the prompt columns that are padding in every
+    row are dropped (a row's positions are counted over its tokens and its attention
+    skips padding, so its states are the same); the KV cache grows in buffers reserved
+    for the whole decode; an SDPA model gets its attention mask prepared once; it runs
+    in the workers' inference mode (`torch.inference_mode` unless the model is
+    sharded), returning ordinary tensors.
     """
-    sharded = any(hasattr(p, "to_local") for p in model.parameters())  # DTensors: FSDP
-    with torch.no_grad() if sharded else torch.inference_mode():
-        out = _decode(model, prompts, prompt_mask, seeds, spec, everywhere)
+    workers = workers or Workers()
+    with workers.inference(model):
+        out = _decode(model, prompts, prompt_mask, seeds, spec, workers.all)
     return {name: value.clone() if value.is_inference() else value
             for name, value in out.items()}
 
@@ -255,7 +255,7 @@ class _ReservedLayer(DynamicLayer):
     (quadratic in T). Same keys, same values, same attention: the same numbers."""
 
     def __init__(self, keys: Tensor, values: Tensor, capacity: int) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.length = keys.shape[-2]
         self.reserved = [x.new_empty((*x.shape[:-2], capacity, x.shape[-1]))
                          for x in (keys, values)]
@@ -280,7 +280,7 @@ def _reserve(cache: Any, capacity: int) -> None:
     if not isinstance(layers, list):
         return
     for i, layer in enumerate(layers):
-        if type(layer) is DynamicLayer and layer.is_initialized:
+        if type(layer) is DynamicLayer and layer.keys is not None and layer.values is not None:
             layers[i] = _ReservedLayer(layer.keys, layer.values, capacity)
 
 
@@ -337,7 +337,7 @@ def generate(
                                                  spec, gpu_memory_utilization)
     elif backend == "hf":
         with _eval_mode(model):
-            out = decode(model, prompts, prompt_mask, seeds, spec, ctx.workers.all)
+            out = decode(model, prompts, prompt_mask, seeds, spec, ctx.workers)
     else:
         raise ValueError(f"generate: backend must be `hf` or `vllm`, got `{backend}`")
     outputs: dict[str, Tensor | list[Any]] = {

@@ -32,6 +32,7 @@ import importlib
 import inspect
 import math
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -125,6 +126,14 @@ class Workers:
         """The largest `value` of the workers (the micro-batch count every worker of a
         sharded model must run, as each forward is a collective)."""
         return value
+
+    def inference(self, model: Any) -> AbstractContextManager[Any]:
+        """The mode to run `model` in when nothing needs its gradients:
+        `torch.inference_mode` (no view or version tracking). A distributed executor
+        gives `torch.no_grad` for a sharded model, whose FSDP hooks need both."""
+        import torch
+
+        return torch.inference_mode()
 
     def clip_grad_norm(self, model: Any, max_norm: float) -> float:
         """The L2 norm of `model`'s gradients, summed over the workers; scaled down to
