@@ -21,6 +21,8 @@ prompts and hyper-parameters, each run in a fresh process, the two alternating
   k+1 while the trainer, on the other, trains step k; its step time is the trainer's,
   waiting for rollouts included), and TRL; prints the async / sync ratio too.
 * `dpo`: 8 pairs per step, beta 0.1, sigmoid loss, AdamW lr 1e-3 constant, 200 steps;
+  the pairs prefer the sum `a+b=` → `12` to the same with a trailing zero (`120`), a
+  preference the tiny model can learn (loss ~0.4 → ~0.01) without learning to add;
   TRL's defaults otherwise (it computes the reference log-probs every step, flowgraph
   once per pair: the compiler hoists them).
 
@@ -114,7 +116,7 @@ def workspace(root: Path) -> dict[str, str]:
         for a in range(40):
             for b in range(40):
                 f.write(json.dumps({"prompt": f"{a}+{b}=", "chosen": str(a + b),
-                                    "rejected": str(a + b + 1)}) + "\n")
+                                    "rejected": f"{a + b}0"}) + "\n")
     return {"model": str(model_dir), "prompts": str(root / "prompts.jsonl"),
             "pairs": str(root / "pairs.jsonl"), "target": str(target[0])}
 
