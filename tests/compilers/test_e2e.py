@@ -141,10 +141,10 @@ def test_the_main_job_raises_held_out_accuracy_by_30_points(
         tmp_path: Path, graph: str, extra: tuple[str, ...]) -> None:
     """The README's claim: from builtin:tiny-lm-sft, greedy exact match on the 100
     held-out strings of builtin:reverse, before training and every 50 steps (measured:
-    PPO 0.13 -> 0.49, GRPO 0.13 -> 0.64, ~1 min each on 2 cores; GRPO with LoRA
-    adapters 0.13 -> 0.79, 31 s; GRPO with rollouts one step ahead 0.13 -> 0.49: on
+    PPO 0.13 -> 0.53, GRPO 0.13 -> 0.56, ~26 s each on 2 cores; GRPO with LoRA
+    adapters 0.13 -> 0.63, 30 s; GRPO with rollouts one step ahead 0.13 -> 0.53: on
     these short responses the update dominates the step, so the overlap saves little and
-    the stale policy costs)."""
+    the stale policy costs a little)."""
     rows = _run(graph, tmp_path / "run", *extra)
     val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
     assert len(val) == 5 and val[-1] >= val[0] + 0.30, val
