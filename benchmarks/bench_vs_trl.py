@@ -388,19 +388,17 @@ def tracking(a: str, b: str, curves: dict[str, list[list[float]]], label: str) -
         by_tenth = list(zip(*curves[impl], strict=False))
         means[impl] = [statistics.fmean(v) for v in by_tenth]
         spreads[impl] = [max(v) - min(v) for v in by_tenth]
-    worst = ""
-    ok = True
+    worst = ""  # the first tenth outside the noise, if any
     for k, (ma, mb) in enumerate(zip(means[a], means[b], strict=False)):
         noise = max(spreads[a][k], spreads[b][k], 0.01)
-        if abs(ma - mb) > noise:
-            ok = False
-            worst = worst or f" (first outside: tenth {k}, gap {abs(ma - mb):.3f} > {noise:.3f})"
+        if abs(ma - mb) > noise and not worst:
+            worst = f" (first outside: tenth {k}, gap {abs(ma - mb):.3f} > {noise:.3f})"
     rounds = min(len(curves[a]), len(curves[b]))
     head = f"{label} by tenth, mean over {rounds} seed(s): {a} {_line(means[a])} | {b} " \
            f"{_line(means[b])}"
     if rounds < 2:
         return head + "\n  tracking: needs --rounds >= 2 (run-to-run noise is the seeds' spread)"
-    verdict = "within" if ok else "outside"
+    verdict = "outside" if worst else "within"
     return head + f"\n  {a} vs {b}: {verdict} run-to-run noise{worst}"
 
 

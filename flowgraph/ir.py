@@ -228,13 +228,13 @@ class DimBinding:
 
 
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
+"""What `trainer.loggers` may list: the per-step console line, `run_dir/metrics.jsonl`
+(always written: resume and `flowgraph.run(...).rows` read it), and the experiment
+trackers of `flowgraph.runtime.trackers`."""
 ADMISSIONS = ("block", "drop")
 """`trainer.admission` of asynchronous rollouts."""
 OLD_LOG_PROBS = ("recompute", "rollout")
 """`trainer.old_log_prob` of asynchronous rollouts."""
-"""What `trainer.loggers` may list: the per-step console line, `run_dir/metrics.jsonl`
-(always written: resume and `flowgraph.run(...).rows` read it), and the experiment
-trackers of `flowgraph.runtime.trackers`."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,7 +50,7 @@ class SplitRollouts:
                     nodes.append(node)
                     continue
                 port = program.kind(node.name).on_policy_input
-                assert port is not None
+                assert port  # `_rollout_log_prob` answers only for a node that has one
                 inputs = (*((p, r) for p, r in node.inputs if p != port), (port, ref))
                 nodes.append(replace(node, inputs=inputs))
                 rewrites.append(f"asynchronous: `{node.name}` takes its old log-probs from "
