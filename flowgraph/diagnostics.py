@@ -60,6 +60,7 @@ CODES: dict[str, str] = {
     "FG303": "mini-batch not divisible by micro-batch",
     "FG304": "a filter node where it cannot work (no group index, too many groups, a node "
              "after it reading one try's tensor)",
+    "FG305": "sequences packed for an attention that is not varlen (an N x N mask)",
     # compilation
     "FG401": "the plan does not fit the declared device memory",
     "FG402": "memory cannot be estimated for a model",

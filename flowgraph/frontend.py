@@ -113,6 +113,9 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 SCHEDULES = ("constant", "linear", "cosine")
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
+VARLEN_ATTENTION = ("flash_attention_2",)
+"""Attention that runs packed sequences as sequences (varlen kernels, cu_seqlens from the
+position ids) instead of one N x N masked block: pass `packing` turns packing on there."""
 
 
 class _Reader:

@@ -65,13 +65,20 @@ MAX_TOKEN_LEN = _i(
     "max_token_len", None, "token budget per forward/backward on one rank instead of "
     "micro_batch_size: consecutive rows while rows x longest (prompt + response) fits "
     "(verl's use_dynamic_bsz, ppo_max_token_len_per_gpu); at least P + T")
+PACKING = _b(
+    "packing", False, "run each forward as one row of the valid tokens, position ids "
+    "restarting per sequence (verl's use_remove_padding): no pad token is computed; a "
+    "budget then counts valid tokens. Pass `packing` sets it where the model's attention "
+    "is varlen (flash_attention_2); elsewhere it builds an N x N mask")
+BATCHING = (MAX_TOKEN_LEN, PACKING)
+"""How a model node cuts its forwards: a token budget, and packing without padding."""
 MINI_BATCH = (
     _i("ppo_epochs", 1, "passes over the batch per step"),
     _i("mini_batch_size", None, "sequences per optimizer step, over all data-parallel "
        "ranks (verl's ppo_mini_batch_size); null: the whole batch"),
     _i("micro_batch_size", None, "sequences per forward/backward on one rank (gradient "
        "accumulation); null: the rank's share of the mini-batch"),
-    MAX_TOKEN_LEN,
+    *BATCHING,
     _s("loss_agg_mode", "token-mean", LOSS_AGG),
 )
 DATA_PARAMS = (
@@ -214,7 +221,7 @@ _KINDS = (
             _i("chunk_size", 1024, "tokens per chunk of the vocabulary projection"),
             _f("temperature", 1.0, minimum=0.0),
             _i("micro_batch_size", None),
-            MAX_TOKEN_LEN,
+            *BATCHING,
         ),
         model="required",
         impl="flowgraph.nodes.logprob:logprob",
@@ -223,7 +230,7 @@ _KINDS = (
         "sequence_logprob", "model", "Summed response log-prob per sequence (DPO).",
         inputs=SEQUENCE_INPUTS,
         outputs=(_p("log_prob", "b", "float", "nonpositive", "finite"),),
-        params=(_i("chunk_size", 1024), _i("micro_batch_size", None), MAX_TOKEN_LEN),
+        params=(_i("chunk_size", 1024), _i("micro_batch_size", None), *BATCHING),
         model="required",
         impl="flowgraph.nodes.logprob:sequence_logprob",
     ),
@@ -231,7 +238,7 @@ _KINDS = (
         "values", "model", "Critic: causal-LM backbone + scalar value head, one value per token.",
         inputs=SEQUENCE_INPUTS,
         outputs=(_p("values", "b T", "float", "finite"),),
-        params=(_i("micro_batch_size", None), MAX_TOKEN_LEN),
+        params=(_i("micro_batch_size", None), *BATCHING),
         model="required",
         head="scalar",
         impl="flowgraph.nodes.values:values",
@@ -286,7 +293,7 @@ _KINDS = (
         "reward_model", "reward", "Sequence classifier scored at the last valid token.",
         inputs=SEQUENCE_INPUTS,
         outputs=(SCORES,),
-        params=(_i("micro_batch_size", None), MAX_TOKEN_LEN),
+        params=(_i("micro_batch_size", None), *BATCHING),
         model="required",
         head="scalar",
         impl="flowgraph.nodes.reward:reward_model",

@@ -15,6 +15,12 @@ head is called as a module, so a tied head (or one with its own FSDP hooks) work
 unchanged. This is the fused "linear + cross-entropy" of Liger-Kernel and Apple's
 Cut-Cross-Entropy (Wijmans et al. 2024), in plain torch.
 
+With `packing` the backbone runs on one row holding only the valid tokens, each
+sequence's position ids restarting at 0 and no attention mask: transformers reads the
+sequence boundaries off the position ids (flash-attention's varlen kernel on a GPU, a
+block-diagonal mask for SDPA / eager), so no pad token is computed. The states are
+those of the padded run (`tests/nodes/test_logprob.py`).
+
 Notation: B sequences, P prompt length, T response length, H hidden size, V vocab,
 n valid response tokens in the batch (n ≤ B·T), τ temperature.
 """
@@ -76,14 +82,20 @@ def forward_hidden(
     response_mask: Tensor,
     *,
     on_tokens: bool = False,
+    packing: bool = False,
 ) -> Tensor:
     """Last hidden states (B, T, H) of the positions that predict the response tokens.
 
     `model` is a Hugging Face model (its `base_model` runs) or a bare backbone. With
     `on_tokens` the states sit on the response tokens instead (positions P .. P+T-1),
-    which is where a sequence classifier reads its score.
+    which is where a sequence classifier reads its score. With `packing` the sequences
+    run as one row without padding (`_packed_hidden`); masked positions come back as
+    zeros then, where the padded forward has the states of its pad tokens (which no
+    caller reads).
     """
     _check_sequences(prompts, prompt_mask, responses, response_mask)
+    if packing:
+        return _packed_hidden(model, prompts, prompt_mask, responses, response_mask, on_tokens)
     P, T = prompts.shape[1], responses.shape[1]
     # Padding trimmed: the leading prompt columns and trailing response columns that
     # are padding in every row change no valid position's state (positions are counted
@@ -104,6 +116,46 @@ def forward_hidden(
     start = P - lo if on_tokens else P - lo - 1
     hidden: Tensor = out.last_hidden_state[:, start : start + t]
     return hidden if t == T else torch.nn.functional.pad(hidden, (0, 0, 0, T - t))
+
+
+def _packed_hidden(
+    model: nn.Module, prompts: Tensor, prompt_mask: Tensor, responses: Tensor,
+    response_mask: Tensor, on_tokens: bool,
+) -> Tensor:
+    """`forward_hidden` on one row (1, N) of the N valid tokens, row after row, with
+    position ids 0 .. n_i − 1 for row i's n_i = p_i + r_i tokens and no attention mask
+    (the padded forward's positions, counted over the mask; transformers reads the
+    boundaries off the restarts). Prompts must be left-padded and responses
+    right-padded, and a row with a response token must have a prompt token: the
+    padded forward predicts a response token from the column before it, which is
+    then a valid token, and that is the state this row holds."""
+    pm, rm = prompt_mask.bool(), response_mask.bool()
+    (B, P), T = pm.shape, rm.shape[1]
+    p, r = pm.sum(-1), rm.sum(-1)
+    prompt_ok = pm == (torch.arange(P, device=pm.device) >= (P - p).unsqueeze(-1))
+    response_ok = rm == (torch.arange(T, device=rm.device) < r.unsqueeze(-1))
+    bad = (~prompt_ok.all(-1)) | (~response_ok.all(-1)) | ((p == 0) & (r > 0))
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        raise ValueError(
+            f"packing needs left-padded prompts and right-padded responses, each response "
+            f"after at least one prompt token; row {row} has prompt_mask "
+            f"{pm[row].int().tolist()} and response_mask {rm[row].int().tolist()}: set "
+            f"`packing: false` on this node (padding gives these rows their usual states)")
+    n = p + r
+    starts = n.cumsum(0) - n  # (B,): where each row's tokens begin in the packed row
+    ids = torch.cat([prompts, responses], dim=1)[torch.cat([pm, rm], dim=1)]  # (N,)
+    N = len(ids)
+    position_ids = torch.arange(N, device=ids.device) - starts.repeat_interleave(n)
+    backbone = getattr(model, "base_model", model)
+    out = backbone(input_ids=ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+                   attention_mask=None, use_cache=False)
+    flat: Tensor = out.last_hidden_state[0]  # (N, H)
+    # response token t of row i sits at starts_i + p_i + t; its predictor one before
+    first = starts + p - (0 if on_tokens else 1)
+    index = first.unsqueeze(-1) + torch.arange(T, device=ids.device)  # (B, T)
+    hidden = flat.new_zeros(B, T, flat.shape[-1])
+    return hidden.masked_scatter(rm.unsqueeze(-1), flat[index[rm]])
 
 
 def first_prompt_column(prompt_mask: Tensor) -> int:
@@ -225,12 +277,13 @@ def head_logprob(
 
 def micro_batches(
     lengths: Tensor, micro_batch_size: int | None = None, max_token_len: int | None = None,
-    per_row: int = 1, workers: Workers | None = None,
+    per_row: int = 1, workers: Workers | None = None, packing: bool = False,
 ) -> list[Tensor]:
     """The row indices of each micro-batch, in order: `micro_batch_size` rows each (null:
     one), or with `max_token_len` (verl's dynamic batch size) consecutive rows as long as
     per_row × rows × (the longest prompt + the longest response among them) — the padded
-    tokens `forward_hidden` runs after trimming — stays within the budget. `lengths`
+    tokens `forward_hidden` runs after trimming — stays within the budget; with
+    `packing`, as long as per_row × Σ (prompt + response) does (no padding). `lengths`
     (B, 2): each row's valid prompt and response tokens (`sequence_lengths`); `per_row`:
     sequences a row puts in the forward (a DPO pair: 2). With `workers`, a budget's cut
     is split further until every worker runs as many micro-batches as the one with the
@@ -239,18 +292,19 @@ def micro_batches(
     if max_token_len is None:
         return list(torch.arange(B).split(micro_batch_size or max(B, 1)))
     out: list[list[int]] = [[]]
-    prompt = response = 0
+    prompt = response = tokens = 0  # the open micro-batch's longest prompt and response; tokens
     for row, (p, r) in enumerate(lengths.tolist()):
         if per_row * (p + r) > max_token_len:
             raise ValueError(f"max_token_len={max_token_len} is less than row {row}'s "
                              f"{per_row * (p + r)} tokens (prompt + response); use at least "
                              f"{per_row} x (P + T)")
-        width = max(prompt, p) + max(response, r)
-        if out[-1] and per_row * (len(out[-1]) + 1) * width > max_token_len:
+        grown = tokens + p + r if packing else \
+            (len(out[-1]) + 1) * (max(prompt, p) + max(response, r))
+        if out[-1] and per_row * grown > max_token_len:
             out.append([])
-            prompt = response = 0
+            prompt = response = tokens = 0
         out[-1].append(row)
-        prompt, response = max(prompt, p), max(response, r)
+        prompt, response, tokens = max(prompt, p), max(response, r), tokens + p + r
     out = [rows for rows in out if rows]
     need = workers.max(len(out)) if workers is not None else len(out)
     while len(out) < need:
@@ -280,16 +334,17 @@ def logprob(
     micro_batch_size: int | None = None,
     with_entropy: bool = False,
     max_token_len: int | None = None,
+    packing: bool = False,
     ctx: NodeContext | None = None,
 ) -> dict[str, Tensor]:
     """log_prob (B, T) of each response token (0 where masked); entropy (B, T) if asked."""
     parts = []
     lengths = sequence_lengths(prompt_mask, response_mask)
     workers = ctx.workers if ctx is not None else None
-    for rows in micro_batches(lengths, micro_batch_size, max_token_len, workers=workers):
-        hidden = forward_hidden(
-            model, prompts[rows], prompt_mask[rows], responses[rows], response_mask[rows]
-        )
+    for rows in micro_batches(lengths, micro_batch_size, max_token_len, workers=workers,
+                              packing=packing):
+        hidden = forward_hidden(model, prompts[rows], prompt_mask[rows], responses[rows],
+                                response_mask[rows], packing=packing)
         parts.append(
             head_logprob(
                 model.get_output_embeddings(),
@@ -313,6 +368,7 @@ def sequence_logprob(
     chunk_size: int = 1024,
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
+    packing: bool = False,
     ctx: NodeContext | None = None,
 ) -> dict[str, Tensor]:
     """Σ_t log π(y_t | ·) over the valid response tokens: log_prob (B,) (DPO's log π(y|x))."""
@@ -325,6 +381,7 @@ def sequence_logprob(
         chunk_size=chunk_size,
         micro_batch_size=micro_batch_size,
         max_token_len=max_token_len,
+        packing=packing,
         ctx=ctx,
     )
     return {"log_prob": tokens["log_prob"].sum(-1)}

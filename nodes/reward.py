@@ -204,6 +204,7 @@ def reward_model(
     response_mask: Tensor,
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
+    packing: bool = False,
     ctx: NodeContext | None = None,
 ) -> dict[str, Tensor]:
     """scores (B,) float32: r(x, y) read at the last valid response token (0 if none)."""
@@ -211,15 +212,10 @@ def reward_model(
     parts = []
     lengths = sequence_lengths(prompt_mask, response_mask)
     workers = ctx.workers if ctx is not None else None
-    for rows in micro_batches(lengths, micro_batch_size, max_token_len, workers=workers):
-        hidden = forward_hidden(
-            backbone,
-            prompts[rows],
-            prompt_mask[rows],
-            responses[rows],
-            response_mask[rows],
-            on_tokens=True,
-        )
+    for rows in micro_batches(lengths, micro_batch_size, max_token_len, workers=workers,
+                              packing=packing):
+        hidden = forward_hidden(backbone, prompts[rows], prompt_mask[rows], responses[rows],
+                                response_mask[rows], on_tokens=True, packing=packing)
         r = head(hidden)  # (b, T, 1)
         if r.shape[-1] != 1:
             raise ValueError(

@@ -187,6 +187,7 @@ def _train(
     mini_batch_size: int | None,
     micro_batch_size: int | None,
     max_token_len: int | None = None,
+    packing: bool = False,
     responses: tuple[str, ...] = ("response_mask",),
 ) -> None:
     """Epochs × shuffled mini-batches × micro-batches; metric means into `ctx.metrics`.
@@ -195,7 +196,8 @@ def _train(
     same permutation; each takes its contiguous 1/dp_size of every mini-batch. The
     mini-batches are those of a one-worker run, so the numbers are too. Micro-batches
     are `micro_batch_size` rows, or cut by the token budget `max_token_len` over the
-    prompt and the `responses` masks of a row (all of them in one forward: DPO's pair).
+    prompt and the `responses` masks of a row (all of them in one forward: DPO's pair),
+    counting only valid tokens with `packing` (the loss then runs its forwards packed).
     """
     if ctx.model is None or ctx.optimizer is None:
         raise ValueError(
@@ -210,7 +212,7 @@ def _train(
     def split(mine: Batch) -> list[Tensor]:
         lengths = sequence_lengths(mine["prompt_mask"], *(mine[r] for r in responses))
         return micro_batches(lengths, m, max_token_len, per_row=len(responses),
-                             workers=ctx.workers)
+                             workers=ctx.workers, packing=packing)
 
     plan = (
         mini
@@ -283,10 +285,11 @@ def _actor_loss(
     mode: str,
     scale: float | None = None,
     temperature: float = 1.0,
+    packing: bool = False,
 ) -> tuple[Tensor, dict[str, float]]:
     """L = L_pg − c_H·H + c_KL·KL(π ‖ π_ref), each aggregated by `mode` (verl's actor)."""
     mask, responses, head = mb["response_mask"], mb["responses"], model.get_output_embeddings()
-    hidden = forward_hidden(model, *(mb[k] for k in SEQUENCES))
+    hidden = forward_hidden(model, *(mb[k] for k in SEQUENCES), packing=packing)
     # one pass over the head for both; the entropy is in the backward only when in the loss
     out = head_logprob(head, hidden, responses, mask, temperature=temperature,
                        with_entropy=True, entropy_grad=entropy_coeff != 0)
@@ -332,6 +335,7 @@ def ppo_actor_update(
     mini_batch_size: int | None = None,
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
+    packing: bool = False,
     loss_agg_mode: str = "token-mean",
 ) -> dict[str, Tensor]:
     """Dual-clip PPO on the actor `ctx.model` (a causal LM); all tensors (B, P) or (B, T).
@@ -382,6 +386,7 @@ def ppo_actor_update(
         kl_loss_type=kl_loss_type,
         temperature=temperature,
         mode=loss_agg_mode,
+        packing=packing,
     )
     _train(
         ctx,
@@ -393,6 +398,7 @@ def ppo_actor_update(
         mini_batch_size=mini_batch_size,
         micro_batch_size=micro_batch_size,
         max_token_len=max_token_len,
+        packing=packing,
     )
     return {}
 
@@ -406,6 +412,7 @@ def ppo_actor_update_eval(
     response_mask: Tensor,
     ref_log_prob: Tensor | None = None,
     temperature: float = 1.0,
+    packing: bool = False,
     **_: object,
 ) -> dict[str, Tensor]:
     """`ppo_actor_update`'s metric on held-out responses, without a step (the executor's
@@ -416,7 +423,7 @@ def ppo_actor_update_eval(
         return {}
     with torch.no_grad():
         log_prob = logprob(ctx.model, prompts, prompt_mask, responses, response_mask,
-                           temperature=temperature)["log_prob"]
+                           temperature=temperature, packing=packing)["log_prob"]
     ctx.metrics["log_ratio_to_ref"] = masked_mean(log_prob - ref_log_prob, response_mask).item()
     return {}
 
@@ -425,12 +432,12 @@ def ppo_actor_update_eval(
 
 
 def _critic_loss(
-    critic: ValueModel, mb: Batch, *, cliprange_value: float, mode: str
+    critic: ValueModel, mb: Batch, *, cliprange_value: float, mode: str, packing: bool = False
 ) -> tuple[Tensor, dict[str, float]]:
     """½·agg(max((v̂ − R)², (clip(v̂, V ± c) − R)²)) with v̂ recomputed with grad."""
     mask = mb["response_mask"]
     vpreds = predict_values(critic, mb["prompts"], mb["prompt_mask"], mb["responses"],
-                            mb["response_mask"])["values"]
+                            mb["response_mask"], packing=packing)["values"]
     loss, clipfrac = value_loss(vpreds, mb["values"], mb["returns"], mask, cliprange_value, mode)
     return loss, {
         "critic/vf_loss": loss.item(),
@@ -453,6 +460,7 @@ def ppo_critic_update(
     mini_batch_size: int | None = None,
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
+    packing: bool = False,
     loss_agg_mode: str = "token-mean",
 ) -> dict[str, Tensor]:
     """Clipped value regression of the critic `ctx.model` (a `ValueModel`) onto `returns`.
@@ -468,7 +476,8 @@ def ppo_critic_update(
         "values": values,
         "returns": returns,
     }
-    loss_fn = partial(_critic_loss, ctx.model, cliprange_value=cliprange_value, mode=loss_agg_mode)
+    loss_fn = partial(_critic_loss, ctx.model, cliprange_value=cliprange_value, mode=loss_agg_mode,
+                      packing=packing)
     _train(
         ctx,
         batch,
@@ -479,6 +488,7 @@ def ppo_critic_update(
         mini_batch_size=mini_batch_size,
         micro_batch_size=micro_batch_size,
         max_token_len=max_token_len,
+        packing=packing,
     )
     return {}
 
@@ -487,7 +497,8 @@ def ppo_critic_update(
 
 
 def _dpo_loss(
-    model: PreTrainedModel, mb: Batch, *, beta: float, loss_type: str, label_smoothing: float
+    model: PreTrainedModel, mb: Batch, *, beta: float, loss_type: str, label_smoothing: float,
+    packing: bool = False,
 ) -> tuple[Tensor, dict[str, float]]:
     """Mean DPO loss over the pairs; chosen and rejected share one forward pass (TRL)."""
     n = len(mb["prompts"])
@@ -497,6 +508,7 @@ def _dpo_loss(
         mb["prompt_mask"].repeat(2, 1),
         torch.cat([mb["chosen"], mb["rejected"]]),
         torch.cat([mb["chosen_mask"], mb["rejected_mask"]]),
+        packing=packing,
     )["log_prob"]
     losses, chosen, rejected = dpo_loss(
         logps[:n],
@@ -535,6 +547,7 @@ def dpo_update(
     mini_batch_size: int | None = None,
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
+    packing: bool = False,
     loss_agg_mode: str = "token-mean",
 ) -> dict[str, Tensor]:
     """DPO on the policy `ctx.model`: prompts (B, P), chosen/rejected (B, T), ref logps (B,).
@@ -556,7 +569,8 @@ def dpo_update(
         "ref_rejected_logps": ref_rejected_logps,
     }
     loss_fn = partial(
-        _dpo_loss, ctx.model, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing
+        _dpo_loss, ctx.model, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing,
+        packing=packing,
     )
     _train(
         ctx,
@@ -568,6 +582,7 @@ def dpo_update(
         mini_batch_size=mini_batch_size,
         micro_batch_size=micro_batch_size,
         max_token_len=max_token_len,
+        packing=packing,
         responses=("chosen_mask", "rejected_mask"),
     )
     return {}
@@ -592,6 +607,7 @@ def dpo_update_eval(
     beta: float = 0.1,
     loss_type: str = "sigmoid",
     label_smoothing: float = 0.0,
+    packing: bool = False,
     **inputs: Tensor,
 ) -> dict[str, Tensor]:
     """`dpo_update`'s metrics on held-out pairs, without a step (the executor's eval hook).
@@ -600,9 +616,8 @@ def dpo_update_eval(
     """
     batch = {name: inputs[name] for name in DPO_INPUTS}
     with torch.no_grad():
-        _, metrics = _dpo_loss(
-            ctx.model, batch, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing
-        )
+        _, metrics = _dpo_loss(ctx.model, batch, beta=beta, loss_type=loss_type,
+                               label_smoothing=label_smoothing, packing=packing)
     ctx.metrics.update(metrics)
     return {}
 
@@ -610,11 +625,12 @@ def dpo_update_eval(
 # --------------------------------------------------------------------------- SFT
 
 
-def _sft_loss(model: PreTrainedModel, mb: Batch, *, mode: str) -> tuple[Tensor, dict[str, float]]:
+def _sft_loss(model: PreTrainedModel, mb: Batch, *, mode: str, packing: bool = False
+              ) -> tuple[Tensor, dict[str, float]]:
     """−log π(y_t | x, y_<t) over the trained response tokens (`loss_mask`: a
     conversation's assistant turns), aggregated by `mode`."""
     log_prob = logprob(model, mb["prompts"], mb["prompt_mask"], mb["responses"],
-                       mb["response_mask"])["log_prob"]
+                       mb["response_mask"], packing=packing)["log_prob"]
     loss = agg_loss(-log_prob, mb["loss_mask"], mode)
     return loss, {"sft/loss": loss.item()}
 
@@ -640,6 +656,7 @@ def sft_update(
     mini_batch_size: int | None = None,
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
+    packing: bool = False,
     loss_agg_mode: str = "token-mean",
 ) -> dict[str, Tensor]:
     """Supervised fine-tuning of `ctx.model`: the cross-entropy of each trained response
@@ -651,13 +668,14 @@ def sft_update(
     _train(
         ctx,
         batch,
-        partial(_sft_loss, ctx.model, mode=loss_agg_mode),
+        partial(_sft_loss, ctx.model, mode=loss_agg_mode, packing=packing),
         partial(_agg_size, loss_agg_mode, mask_key="loss_mask"),
         "actor",
         ppo_epochs=ppo_epochs,
         mini_batch_size=mini_batch_size,
         micro_batch_size=micro_batch_size,
         max_token_len=max_token_len,
+        packing=packing,
     )
     return {}
 
@@ -671,6 +689,7 @@ def sft_update_eval(
     response_mask: Tensor,
     loss_mask: Tensor | None = None,
     loss_agg_mode: str = "token-mean",
+    packing: bool = False,
     **mini_batch: object,
 ) -> dict[str, Tensor]:
     """`sft_update`'s loss on held-out rows, without a step (the executor's eval hook);
@@ -678,6 +697,6 @@ def sft_update_eval(
     del mini_batch
     batch = _sft_batch(prompts, prompt_mask, responses, response_mask, loss_mask)
     with torch.no_grad():
-        _, metrics = _sft_loss(ctx.model, batch, mode=loss_agg_mode)
+        _, metrics = _sft_loss(ctx.model, batch, mode=loss_agg_mode, packing=packing)
     ctx.metrics.update(metrics)
     return {}

@@ -61,11 +61,12 @@ class ValueModel(nn.Module):
         response_mask: Tensor,
         *,
         on_tokens: bool = False,
+        packing: bool = False,
     ) -> Tensor:
-        """Raw head output (B, T, out_features) at the positions predicting the responses."""
-        hidden = forward_hidden(
-            self.backbone, prompts, prompt_mask, responses, response_mask, on_tokens=on_tokens
-        )
+        """Raw head output (B, T, out_features) at the positions predicting the responses
+        (`forward_hidden`; with `packing`, 0 at masked positions)."""
+        hidden = forward_hidden(self.backbone, prompts, prompt_mask, responses, response_mask,
+                                on_tokens=on_tokens, packing=packing)
         v: Tensor = self.value_head(hidden)
         return v
 
@@ -78,14 +79,17 @@ def values(
     response_mask: Tensor,
     micro_batch_size: int | None = None,
     max_token_len: int | None = None,
+    packing: bool = False,
     ctx: NodeContext | None = None,
 ) -> dict[str, Tensor]:
     """values (B, T) float32: V_t for each response token, 0 where masked."""
     parts = []
     lengths = sequence_lengths(prompt_mask, response_mask)
     workers = ctx.workers if ctx is not None else None
-    for rows in micro_batches(lengths, micro_batch_size, max_token_len, workers=workers):
-        v = critic(prompts[rows], prompt_mask[rows], responses[rows], response_mask[rows])
+    for rows in micro_batches(lengths, micro_batch_size, max_token_len, workers=workers,
+                              packing=packing):
+        v = critic(prompts[rows], prompt_mask[rows], responses[rows], response_mask[rows],
+                   packing=packing)
         if v.shape[-1] != 1:
             raise ValueError(
                 f"the value head returned shape {tuple(v.shape)}; a critic needs one value per "

@@ -85,7 +85,7 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     on_cycle = check_cycles(graph, out)
     check_unused(graph, table, out)
     shapes = infer_shapes(graph, table, on_cycle, out)
-    check_batches(table, shapes, ranks, pools, out)
+    check_batches(graph, table, shapes, ranks, pools, out)
     check_filters(graph, table, shapes, out)
     check_staleness(graph, table, shapes, out)
     diags = tuple(sorted(dict.fromkeys(out), key=sort_key))

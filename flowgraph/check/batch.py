@@ -10,6 +10,10 @@ GRPO/RLOO groups (N samples of one prompt) must not be split across ranks.
 
 An update runs on the workers that host its model: under target ray with declared
 `resources.pools`, those of its pool (`size`), else the `dp` ranks.
+
+`packing: true` on a model whose attention is not varlen is allowed (the numbers are
+the padded run's) but warned about: SDPA / eager see one N × N mask over all the
+micro-batch's tokens, more work and memory than the padding it saves.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from typing import NamedTuple
 
 from flowgraph.check.shapes import DimEnv, ShapeResult, group_size
 from flowgraph.check.structure import Resolved, param_value
-from flowgraph.diagnostics import Diagnostic, error
+from flowgraph.diagnostics import Diagnostic, error, warning
+from flowgraph.frontend import VARLEN_ATTENTION
 from flowgraph.ir import Graph, NodeSpec
 
 
@@ -49,11 +54,12 @@ def ranks_of(graph: Graph, dp: int, pools: bool) -> tuple[Ranks, dict[str, Ranks
     return Ranks(dp, f"{dp} data-parallel ranks", "a data-parallel size"), by_model
 
 
-def check_batches(table: dict[str, Resolved], shapes: ShapeResult, dp: Ranks,
+def check_batches(graph: Graph, table: dict[str, Resolved], shapes: ShapeResult, dp: Ranks,
                   pools: dict[str, Ranks], out: list[Diagnostic]) -> None:
     for r in table.values():
         if not isinstance(r.spec, NodeSpec) or r.kind is None:
             continue
+        _check_packing(graph, r, out)
         batch = shapes.batch.get(r.name)
         if batch is None:
             continue
@@ -141,6 +147,22 @@ def _check_token_budget(r: Resolved, env: DimEnv, out: list[Diagnostic]) -> None
                          expected=f"max_token_len >= {need}", actual=str(budget),
                          hint=f"use at least {need}; a micro-batch takes as many rows as "
                               "fit, each padded to the longest prompt and response in it"))
+
+
+def _check_packing(graph: Graph, r: Resolved, out: list[Diagnostic]) -> None:
+    assert isinstance(r.spec, NodeSpec)
+    model = graph.model(r.spec.model) if r.spec.model else None
+    if param_value(r, "packing") is not True or model is None \
+            or model.attn_implementation in VARLEN_ATTENTION:
+        return
+    q = r.spec.params.find("packing")
+    out.append(warning("FG305", f"`{r.name}` packs its sequences, but model `{model.name}` "
+                       f"runs {model.attn_implementation} attention: one N x N mask over "
+                       f"every token of a micro-batch, more work than the padding it saves",
+                       q.pos if q else r.pos, node=r.name,
+                       hint=f"packing pays with varlen attention: set models.{model.name}."
+                            f"attn_implementation: flash_attention_2 (a GPU), or packing: "
+                            f"false (the same numbers)"))
 
 
 def _check_groups(r: Resolved, batch: int, dp: int, table: dict[str, Resolved], env: DimEnv,

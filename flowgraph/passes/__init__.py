@@ -1,7 +1,7 @@
 """Compile passes: a graph file -> an `ExecutionPlan`, through a pipeline you can inspect.
 
-    validate -> infer_dims -> asynchronous -> on_policy -> token_budget -> dce -> hoist ->
-    placement -> schedule -> memory
+    validate -> infer_dims -> asynchronous -> on_policy -> token_budget -> packing -> dce ->
+    hoist -> placement -> schedule -> memory
 
 Each pass is a small frozen dataclass with a `name` and one `apply(program) ->
 program` (see `program.py`), one per module here, listed in the flat registry
@@ -31,6 +31,7 @@ from flowgraph.passes.hoist import HoistInvariants
 from flowgraph.passes.infer_dims import InferDims
 from flowgraph.passes.memory import EstimateMemory
 from flowgraph.passes.on_policy import ElideOldLogProb
+from flowgraph.passes.packing import PackSequences
 from flowgraph.passes.placement import PlaceNodes
 from flowgraph.passes.program import Pass, Program
 from flowgraph.passes.schedule import ScheduleStages
@@ -50,8 +51,8 @@ __all__ = [
 
 PASSES: dict[str, type[Pass]] = {
     p.name: p
-    for p in (Validate, InferDims, SplitRollouts, ElideOldLogProb, TokenBudget, EliminateDeadNodes,
-              HoistInvariants, PlaceNodes, ScheduleStages, EstimateMemory)
+    for p in (Validate, InferDims, SplitRollouts, ElideOldLogProb, TokenBudget, PackSequences,
+              EliminateDeadNodes, HoistInvariants, PlaceNodes, ScheduleStages, EstimateMemory)
 }
 """Every pass by name, in pipeline order."""
 

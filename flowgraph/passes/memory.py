@@ -17,7 +17,8 @@ size, L layers, a attention heads, V vocabulary, m the micro-batch on one worker
                  (`layer_activation_bytes`: Korthikanti et al. 2022, eq. 1, counted for
                  a llama layer as it runs); with gradient checkpointing each layer's
                  input, s*m*h*d, plus one layer's activations (sec. 4.1); inference:
-                 one layer's activations
+                 one layer's activations. A packed node (`packing: true`) runs one row of
+                 m*s tokens: the same per-token terms, and eager's scores over all m*s
     logits       the fp32 logits of the tokens projected at once: 2 x min(1024, m x T)
                  x V x 4 in an update (a chunk and its gradient), min(chunk_size,
                  m x T) x V x 4 in a logprob node
@@ -432,7 +433,8 @@ def _training_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
     assert model is not None
     p, t = inp.seq
     m = micro * kind.sequences_per_row  # DPO: chosen and rejected in one forward
-    act = training_activation_bytes(cfg, m, p + t, DTYPE_BYTES[model.dtype],
+    rows, seq = _forward_shape(node, kind, m, p + t)
+    act = training_activation_bytes(cfg, rows, seq, DTYPE_BYTES[model.dtype],
                                     model.gradient_checkpointing, model.attn_implementation)
     items = [MemoryItem("activations", node.name, act, True)]
     if inp.lm_head.get(node.model, True):
@@ -449,14 +451,21 @@ def _forward_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
     model, cfg = inp.graph.model(node.model), inp.configs[node.model]
     assert model is not None
     p, t = inp.seq
-    act = layer_activation_bytes(cfg, micro, p + t, DTYPE_BYTES[model.dtype],
-                                 model.attn_implementation)
+    act = layer_activation_bytes(cfg, *_forward_shape(node, kind, micro, p + t),
+                                 DTYPE_BYTES[model.dtype], model.attn_implementation)
     items = [MemoryItem("activations", node.name, act, True)]
     if inp.lm_head.get(node.model, True):
         tokens = micro * t
         chunk = min(_int_param(node, kind, "chunk_size") or tokens, tokens)
         items.append(MemoryItem("logits", node.name, chunk * cfg.vocab_size * 4, True))
     return items
+
+
+def _forward_shape(node: NodeSpec, kind: KindSpec, rows: int, seq: int) -> tuple[int, int]:
+    """(rows, tokens a row) of a forward of `rows` sequences of `seq` tokens at most: one
+    row of them all when the node packs its sequences."""
+    packed = param_value(Resolved(node, kind), "packing") is True
+    return (1, rows * seq) if packed else (rows, seq)
 
 
 def _rollout_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, per_worker: int

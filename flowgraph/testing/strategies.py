@@ -69,7 +69,9 @@ ALGORITHMS = ("ppo", "grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "r
 """Pipeline skeletons `graphs()` draws from."""
 GROUPED = frozenset({"grpo", "rloo", "reinforce_pp_baseline"})
 """Skeletons whose advantage needs whole groups of N samples (N >= 2)."""
-_BATCH_PARAMS = frozenset({"mini_batch_size", "micro_batch_size", "max_token_len"})
+_BATCH_PARAMS = frozenset({"mini_batch_size", "micro_batch_size", "max_token_len", "packing"})
+"""Not drawn: the batch sizes follow the pipeline's arithmetic; packing on the random
+graphs' SDPA models is warned about (FG305)."""
 _PATH = "builtin:tiny-lm"
 _TEXT = string.ascii_letters + string.digits + "_-./:+ "
 """Characters of random string params: enough to spell paths and numbers."""

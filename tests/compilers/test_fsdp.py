@@ -283,15 +283,20 @@ def test_grpo_vllm_rollouts_from_a_sharded_actor_equal_local(
     assert_same_numbers(_fsdp(graph, tmp_path / "fsdp", *overrides), local)
 
 
-def test_token_budgets_on_sharded_models_equal_local(tmp_path: Path, local_run: Any) -> None:
+@pytest.mark.parametrize("packing", [False, True])
+def test_token_budgets_on_sharded_models_equal_local(tmp_path: Path, local_run: Any,
+                                                     packing: bool) -> None:
     """PPO with max_token_len on every forward and update: the two ranks cut their rows
     by the budget, run as many micro-batches as the busier one (each forward of a sharded
-    model is a collective), and give the local run's numbers."""
+    model is a collective), and give the local run's numbers — also with every forward
+    packed on the ranks (one row of valid tokens; the budget counts those) against the
+    padded local run."""
     nodes = ("old_logprob", "ref_logprob", "values", "update_actor", "update_critic")
     overrides = ("trainer.steps=3", "trainer.eval_every=0", "trainer.checkpoint_every=0",
                  *(f"nodes.{n}.params.max_token_len=48" for n in nodes))
+    packed = tuple(f"nodes.{n}.params.packing=true" for n in nodes if packing)
     graph = GRAPHS / "ppo.yaml"
-    assert_same_numbers(_fsdp(graph, tmp_path / "fsdp", *overrides),
+    assert_same_numbers(_fsdp(graph, tmp_path / "fsdp", *overrides, *packed),
                         local_run(graph, tmp_path / "local", *overrides))
 
 

@@ -101,20 +101,22 @@ def test_token_budgets_keep_the_numbers_of_the_padded_run(tmp_path: Path) -> Non
     """PPO with micro_batch_size 2 on every forward and update: pass `token_budget`
     turns each into max_token_len 48 (two full-length rows, more of shorter ones, each
     micro-batch trimmed to its longest prompt and response). Its numbers are those of
-    the row-count micro-batches (the pass disabled) and of one whole padded batch."""
+    the row-count micro-batches (the pass disabled), of one whole padded batch, and of
+    the budgets with every forward packed (`packing: true`: no pad token computed)."""
     from flowgraph.passes import PassPipeline
 
     nodes = ("old_logprob", "ref_logprob", "values", "update_actor", "update_critic")
     runs = {}
     for name, micro, disabled in (("budget", 2, ()), ("rows", 2, ("token_budget",)),
-                                  ("whole", "null", ())):
+                                  ("whole", "null", ()), ("packed", 2, ())):
+        packing = [f"nodes.{n}.params.packing=true" for n in nodes if name == "packed"]
         result = compile_graph(ROOT / "graphs" / "ppo.yaml", pipeline=PassPipeline.default(
             disabled=disabled), overrides=[
                 f"trainer.run_dir={tmp_path / name}", "trainer.steps=3", "trainer.eval_every=3",
-                *(f"nodes.{n}.params.micro_batch_size={micro}" for n in nodes)])
+                *(f"nodes.{n}.params.micro_batch_size={micro}" for n in nodes), *packing])
         assert result.plan is not None
         rewritten = [r for r in result.plan.rewrites if r.startswith("token_budget")]
-        assert len(rewritten) == (5 if name == "budget" else 0), result.plan.rewrites
+        assert len(rewritten) == (0 if name in ("rows", "whole") else 5), result.plan.rewrites
         if name == "budget":
             assert "`update_actor` micro_batch_size 2 -> max_token_len 48 " in rewritten[3]
         with open(os.devnull, "w") as out:
@@ -122,6 +124,22 @@ def test_token_budgets_keep_the_numbers_of_the_padded_run(tmp_path: Path) -> Non
     assert min(r["response_length/mean"] for r in runs["budget"]) < 8  # rows of several lengths
     assert_same_numbers(runs["budget"], runs["rows"])
     assert_same_numbers(runs["budget"], runs["whole"])
+    # one row of valid tokens per forward, the budget counting valid tokens only
+    assert_same_numbers(runs["packed"], runs["whole"])
+
+
+@pytest.mark.parametrize(("graph", "nodes"), [
+    ("dpo.yaml", ("ref_chosen", "ref_rejected", "update")), ("sft.yaml", ("update",))])
+def test_packed_forwards_keep_the_numbers_of_the_padded_run(tmp_path: Path, graph: str,
+                                                            nodes: tuple[str, ...]) -> None:
+    """DPO (the frozen reference's forwards, the update's chosen + rejected in one) and
+    SFT (a loss mask inside the responses) with `packing: true`: every forward one row of
+    valid tokens, the padded run's numbers, held-out metrics included."""
+    runs = [_run(ROOT / "graphs" / graph, tmp_path / packing, "trainer.steps=3",
+                 "trainer.eval_every=3", *(f"nodes.{n}.params.packing={packing}" for n in nodes))
+            for packing in ("false", "true")]
+    assert any(k.startswith("val/") for k in runs[1][-1])
+    assert_same_numbers(runs[1], runs[0])
 
 
 def test_resumed_run_reproduces_the_uninterrupted_one(tmp_path: Path) -> None:

@@ -211,6 +211,21 @@ def test_a_log_prob_scored_at_another_temperature_is_a_warning() -> None:
     assert not [d for d in greedy if d.code == "FG116"]
 
 
+def test_packing_without_varlen_attention_is_a_warning() -> None:
+    """SDPA would see one N x N mask: allowed (same numbers), warned; flash_attention_2
+    packs by varlen and is not warned about."""
+    diags = _check(GRPO, ("nodes.old_logprob.params.packing=true",))
+    hits = [d for d in diags if d.code == "FG305"]
+    assert [(d.node, d.is_error) for d in hits] == [("old_logprob", False)]
+    assert hits[0].message == ("`old_logprob` packs its sequences, but model `actor` runs sdpa "
+                               "attention: one N x N mask over every token of a micro-batch, "
+                               "more work than the padding it saves")
+    assert hits[0].hint and "attn_implementation: flash_attention_2" in hits[0].hint
+    varlen = _check(GRPO, ("nodes.old_logprob.params.packing=true",
+                           "models.actor.attn_implementation=flash_attention_2"))
+    assert not [d for d in varlen if d.code == "FG305"]
+
+
 POOLS = GRPO + """resources:
   pools:
     actor_rollout_ref: {size: 3, models: [actor, ref]}

@@ -494,6 +494,45 @@ def test_a_token_budget_is_estimated_as_the_full_length_rows_it_holds() -> None:
     assert memory("max_token_len", 48)[0] < plan_of("ppo.yaml").memory[0].total_bytes
 
 
+@pytest.mark.parametrize(("overrides", "disabled", "packed"), [
+    # the actor's attention is varlen: its log-prob and update forwards are packed
+    (("models.actor.attn_implementation=flash_attention_2",), (), {"old_logprob", "update_actor"}),
+    # a node that sets packing keeps its choice
+    (("models.actor.attn_implementation=flash_attention_2",
+      "nodes.update_actor.params.packing=false"), (), {"old_logprob"}),
+    (("models.actor.attn_implementation=flash_attention_2",), ("packing",), set()),
+    ((), (), set()),  # SDPA: one N x N mask would cost more than the padding
+])
+def test_packing_is_set_where_the_attention_is_varlen(
+        overrides: tuple[str, ...], disabled: tuple[str, ...], packed: set[str]) -> None:
+    result = compile_graph(GRAPHS / "ppo.yaml", overrides=overrides,
+                           pipeline=PassPipeline.default(disabled=disabled))
+    assert result.plan is not None and result.program is not None
+    got = {n.name for n in result.program.graph.nodes if n.params.get("packing") is True}
+    assert got == packed
+    rewritten = [r for r in result.plan.rewrites if r.startswith("packing")]
+    assert [r.split("`")[1] for r in rewritten] == sorted(packed, key=["old_logprob",
+                                                                       "update_actor"].index)
+    if packed:
+        assert rewritten[0] == ("packing: `old_logprob` runs its forwards as one row of valid "
+                                "tokens (flash_attention_2 on `actor` attends within each "
+                                "sequence)")
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_packed_node_is_estimated_as_one_row_of_its_tokens(attention: str) -> None:
+    """The per-token terms do not change; eager's scores span the whole packed row
+    (m*s)^2 instead of m x s^2, so only there does the estimate grow."""
+    def memory(*overrides: str) -> int:
+        (mem,) = plan_of("ppo.yaml", target="local", overrides=[
+            f"models.actor.attn_implementation={attention}", *overrides]).memory
+        return next(i.bytes for i in mem.items if i.what == "activations"
+                    and i.owner == "update_actor")
+
+    padded, packed = memory(), memory("nodes.update_actor.params.packing=true")
+    assert (packed > padded) if attention == "eager" else (packed == padded)
+
+
 def test_memory_shards_state_over_the_pool() -> None:
     plan = plan_of("ppo.yaml", target="ray", nproc=2)
     weights = {(m.pool, i.owner): i.bytes for m in plan.memory for i in m.items
@@ -613,16 +652,16 @@ def test_describe_numbers_the_passes_and_marks_disabled_ones() -> None:
     lines = text.splitlines()
     assert [line.split()[:2] for line in lines] == [
         ["1.", "validate"], ["2.", "infer_dims"], ["3.", "asynchronous"], ["4.", "on_policy"],
-        ["5.", "token_budget"], ["6.", "dce"], ["7.", "hoist"], ["8.", "placement"],
-        ["9.", "schedule"], ["10.", "memory"]]
+        ["5.", "token_budget"], ["6.", "packing"], ["7.", "dce"], ["8.", "hoist"],
+        ["9.", "placement"], ["10.", "schedule"], ["11.", "memory"]]
     assert [line.endswith("[disabled]") for line in lines] == [
-        False, False, False, False, False, False, True, False, False, False]
+        False, False, False, False, False, False, False, True, False, False, False]
 
 
 @pytest.mark.parametrize(("disabled", "message"), [
     (("hoisting",), "unknown pass `hoisting`; the passes are: validate, infer_dims, asynchronous, "
                     "on_policy, "
-                    "token_budget, dce, hoist, placement, schedule, memory"),
+                    "token_budget, packing, dce, hoist, placement, schedule, memory"),
     (("validate",), "pass `validate` cannot be disabled: the plan is built from its result"),
     (("schedule",), "pass `schedule` cannot be disabled: the plan is built from its result"),
     (("infer_dims",), "pass `infer_dims` cannot be disabled while `memory` runs: `memory` reads "
@@ -677,11 +716,12 @@ class Broken:
 
 
 def test_a_failing_pass_is_named_with_the_passes_before_it() -> None:
-    passes = (*(cls() for cls in list(PASSES.values())[:6]), Broken())
+    passes = (*(cls() for cls in list(PASSES.values())[:7]), Broken())
     with pytest.raises(FlowgraphError) as exc:
         compile_graph(GRAPHS / "ppo.yaml", pipeline=PassPipeline(passes))
     assert str(exc.value) == ("pass `broken` failed: KeyError: 'boom' (passes run before it: "
-                              "validate, infer_dims, asynchronous, on_policy, token_budget, dce)")
+                              "validate, infer_dims, asynchronous, on_policy, token_budget, "
+                              "packing, dce)")
 
 
 def test_graph_errors_stop_the_pipeline_after_validate() -> None:
@@ -694,7 +734,8 @@ def test_graph_errors_stop_the_pipeline_after_validate() -> None:
     ({"target": "slurm"}, "unknown target `slurm`; the targets are: local, fsdp, ray"),
     ({"nproc": 0}, "nproc must be >= 1, got 0"),
     ({"dump_after": ("nope",)}, "--dump-after `nope`: no such pass; the passes are: validate, "
-                                "infer_dims, asynchronous, on_policy, token_budget, dce, hoist, "
+                                "infer_dims, asynchronous, on_policy, token_budget, packing, "
+                                "dce, hoist, "
                                 "placement, "
                                 "schedule, memory"),
 ])

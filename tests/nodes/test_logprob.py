@@ -237,3 +237,69 @@ def test_padding_every_row_shares_is_trimmed_and_changes_nothing(model: LlamaFor
         assert not wide_out[name][:, T:].any()
     torch.testing.assert_close(on[:, :T], on_narrow, atol=0, rtol=0)
     assert not on[:, T:].any()
+
+
+def _packable(seed: int = 1, rows: int = 5) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Left-padded prompts and right-padded responses of mixed lengths: one full row, one
+    with an empty response, one with a single prompt token (what `packing` takes)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(3, V, (rows, P), generator=g)
+    responses = torch.randint(3, V, (rows, T), generator=g)
+    p = torch.tensor([P, 3, 1, 4, 2])[:rows]
+    r = torch.tensor([T, 0, 5, 2, 6])[:rows]
+    prompt_mask = (torch.arange(P) >= P - p.unsqueeze(-1)).long()
+    response_mask = (torch.arange(T) < r.unsqueeze(-1)).long()
+    return prompts, prompt_mask, responses, response_mask
+
+
+@pytest.mark.parametrize("name", ["tiny-lm", "tiny-tied"])
+def test_packing_gives_the_padded_numbers(name: str) -> None:
+    """One row of the 35 valid tokens, positions restarting per sequence and no mask:
+    the padded run's log-probs, entropies, states (either side of the tokens) and
+    gradients, on a model with its own LM head and on a tied one."""
+    config = {k: v for k, v in BUILTIN_MODELS[name].items() if k != "model_type"}
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**config, "vocab_size": V})).eval()
+    assert model.config.tie_word_embeddings == (name == "tiny-tied")
+    batch = _packable()
+    shapes: list[tuple[int, ...]] = []
+    hook = model.model.register_forward_pre_hook(
+        lambda _m, _a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+    grads = []
+    try:
+        outs = []
+        for packing in (False, True):
+            model.zero_grad()
+            out = logprob(model, *batch, chunk_size=4, with_entropy=True, packing=packing)
+            (out["log_prob"].sum() + out["entropy"].sum()).backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            with torch.no_grad():
+                out |= {f"hidden_{on}": forward_hidden(model, *batch, on_tokens=on,
+                                                       packing=packing) for on in (False, True)}
+            outs.append(out)
+    finally:
+        hook.remove()
+    assert shapes == [(5, P + T)] * 3 + [(1, 35)] * 3  # packed: no pad token at all
+    padded, packed = outs
+    mask = batch[3].bool()
+    for key in padded:
+        got, want = packed[key], padded[key]
+        if key.startswith("hidden"):  # the padded run's pad positions hold states too
+            got, want = got[mask], want[mask]
+            assert not packed[key][~mask].any()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=key)
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_packing_refuses_rows_it_cannot_pack(model: LlamaForCausalLM) -> None:
+    """A masked token inside a response (its state is the padded run's and is not a
+    packed row's), or a response after an empty prompt: a message naming the row."""
+    prompts, prompt_mask, responses, mask = _batch()  # row 1 has a masked middle token
+    with pytest.raises(ValueError, match=r"packing needs .* row 1 has .* response_mask "
+                                         r"\[1, 1, 0, 1, 1, 0, 0\].*packing: false"):
+        forward_hidden(model, prompts, prompt_mask, responses, mask, packing=True)
+    prompts, prompt_mask, responses, mask = _packable()
+    prompt_mask[2] = 0
+    with pytest.raises(ValueError, match=r"row 2 has prompt_mask \[0, 0, 0, 0, 0\]"):
+        forward_hidden(model, prompts, prompt_mask, responses, mask, packing=True)

@@ -117,12 +117,15 @@ def _sequences() -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return prompts, torch.ones_like(prompts), responses * response_mask, response_mask
 
 
-def test_reward_model_matches_hf_sequence_classifier() -> None:
+@pytest.mark.parametrize("packing", [False, True])
+def test_reward_model_matches_hf_sequence_classifier(packing: bool) -> None:
+    """Padded or packed into one row of valid tokens: HF's score."""
     torch.manual_seed(0)
     clf = LlamaForSequenceClassification(LlamaConfig(**CONFIG, num_labels=1, pad_token_id=0)).eval()
     prompts, prompt_mask, responses, mask = _sequences()
     with torch.no_grad():
-        scores = reward_model(clf, prompts, prompt_mask, responses, mask)["scores"]
+        scores = reward_model(clf, prompts, prompt_mask, responses, mask,
+                              packing=packing)["scores"]
         # HF pools at the last non-pad token; rows 0 and 1 have no left padding.
         want = clf(input_ids=torch.cat([prompts, responses], 1)).logits.squeeze(-1)
     assert scores.shape == (3,)

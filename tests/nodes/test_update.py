@@ -203,14 +203,22 @@ def test_micro_batches_cut_by_a_token_budget() -> None:
     assert [r.tolist() for r in micro_batches(lengths[[3, 2]], max_token_len=12)] == [[0], [1]]
     with pytest.raises(ValueError, match=r"max_token_len=7 is less than row 0's 8 tokens"):
         micro_batches(lengths, max_token_len=7)
+    # packed, a micro-batch holds valid tokens only: 8 + 4 | 5 + 3 (padded: 8 | 4 + 5 | 3)
+    assert [r.tolist() for r in micro_batches(lengths, max_token_len=12, packing=True)] == \
+        [[0, 1], [2, 3]]
+    assert [r.tolist() for r in micro_batches(lengths, max_token_len=16, per_row=2,
+                                              packing=True)] == [[0], [1], [2, 3]]
 
 
+@pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize(("kind", "mode"), [*((k, m) for k in ("actor", "critic")
                                                for m in LOSS_AGG), ("dpo", "token-mean")])
-def test_a_token_budget_accumulates_to_the_one_shot_gradient(kind: str, mode: str) -> None:
+def test_a_token_budget_accumulates_to_the_one_shot_gradient(kind: str, mode: str,
+                                                             packing: bool) -> None:
     """max_token_len cuts the 3+5, 2+2, 1+4, 3+0-token rows into micro-batches of different sizes
     (at most 12 padded tokens each; 16 for two sequences a pair), trimmed to their
-    longest prompt and response: the step equals the one-shot step."""
+    longest prompt and response — or packed, one row of at most 12 (16) valid tokens:
+    the step equals the (padded) one-shot step."""
     if kind == "dpo":  # a mean over pairs: no loss_agg_mode
         model = _actor()
         update, kwargs, budget = dpo_update, {**_pairs(model), "beta": 0.1}, 16
@@ -224,9 +232,11 @@ def test_a_token_budget_accumulates_to_the_one_shot_gradient(kind: str, mode: st
         lambda _m, _a, kw: forwards.append(kw["input_ids"].numel()), with_kwargs=True)
     one_shot, budgeted = _ctx(model), _ctx(twin)
     update(one_shot, **kwargs, mini_batch_size=4)
-    update(budgeted, **kwargs, mini_batch_size=4, max_token_len=budget)
+    update(budgeted, **kwargs, mini_batch_size=4, max_token_len=budget, packing=packing)
     hook.remove()
     assert len(forwards) > 1 and max(forwards) <= budget, forwards
+    # packed: 8 + 4 | 5 + 3; a pair's two sequences already fill 16 tokens, packed or not
+    assert len(forwards) == {"dpo": (4, 4)}.get(kind, (3, 2))[packing], forwards
     assert (_params(model) - _params(twin)).abs().max() < 1e-6
     assert budgeted.metrics.keys() == one_shot.metrics.keys()
     # the loss and the gradient; token-level ratios (clipfrac, ppo_kl) are per-micro-batch

@@ -31,10 +31,12 @@ def _batch() -> tuple[Tensor, Tensor, Tensor, Tensor]:
     return prompts, prompt_mask, responses, response_mask
 
 
-def test_values_shape_mask_and_position(critic: ValueModel) -> None:
+@pytest.mark.parametrize("packing", [False, True])
+def test_values_shape_mask_and_position(critic: ValueModel, packing: bool) -> None:
+    """Padded or packed into one row of valid tokens: V_t of the padded forward."""
     prompts, prompt_mask, responses, mask = _batch()
     with torch.no_grad():
-        v = values(critic, prompts, prompt_mask, responses, mask)["values"]
+        v = values(critic, prompts, prompt_mask, responses, mask, packing=packing)["values"]
         # Reference: the head on the full hidden states; V_t sits at position P-1+t.
         attention = torch.cat([prompt_mask, mask], 1)
         hidden = critic.backbone(
