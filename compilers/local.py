@@ -35,6 +35,7 @@ constructor), the step metrics and evaluation (`metrics.py`).
 from __future__ import annotations
 
 import importlib
+import itertools
 import json
 import os
 import sysconfig
@@ -153,6 +154,8 @@ class LocalExecutor:
         """Nodes run at every step, stage by stage."""
         self.edges = {(e.src, e.dst): e for e in plan.edges}
         self.consumed = {(ref.node, ref.port) for ref, _, _ in self.graph.edges()}
+        self.fused_into = {f: n.name for n in plan.nodes for f in n.fused}
+        """A node fused into another's forward (pass `fusion`) -> that node, which runs it."""
         self.contracts = RuntimeContracts.of(plan)
         self.impls: dict[str, Impl] = {}
         self.res = Resources()
@@ -347,22 +350,49 @@ class LocalExecutor:
                  strict: bool, metrics: dict[str, float], split: str = "train") -> float:
         """Run one node on `env` and store its outputs there; seconds spent in it. A
         prologue node's outputs for the batch's rows are read from what the prologue
-        kept (no time)."""
+        kept (no time). A node with others fused into its forward (`NodePlan.fused`)
+        runs over the rows of all of them stacked and stores each one's rows; those
+        nodes then do nothing (their outputs are stored already)."""
         if name in self.kept and step != PROLOGUE:
             self._store(name, self.kinds[name], self._kept_rows(name, env, split), env, step,
                         strict)
             return 0.0
-        node, kind = self.nodes[name], self.kinds[name]
+        if name in self.fused_into:
+            return 0.0
+        group, kind = (name, *self.plan.node(name).fused), self.kinds[name]
         if strict:
-            for port, ref in node.inputs:
-                spec = kind.input(port)
-                assert spec is not None
-                self.contracts.check_edge(ref, name, port, spec.spec, env[(ref.node, ref.port)],
-                                          step)
+            for member in group:
+                for port, ref in self.nodes[member].inputs:
+                    spec = kind.input(port)
+                    assert spec is not None
+                    self.contracts.check_edge(ref, member, port, spec.spec,
+                                              env[(ref.node, ref.port)], step)
         params = self.params_of(name, evaluation=split != "train")
-        outputs, seconds = self.call(name, env, step, params, metrics)
-        self._store(name, kind, outputs, env, step, strict)
+        if len(group) == 1:
+            outputs, seconds = self.call(name, env, step, params, metrics)
+            self._store(name, kind, outputs, env, step, strict)
+            return seconds
+        stacked, rows, source = self._stacked(group, env)
+        outputs, seconds = self.call(name, stacked, step, params, metrics)
+        parts = [{port: value[i] for port, value in _unstack(outputs, rows).items()}
+                 for i in range(len(rows))]
+        for member, i in zip(group, source, strict=True):
+            self._store(member, kind, parts[i], env, step, strict)
         return seconds
+
+    def _stacked(self, group: tuple[str, ...], env: dict[tuple[str, str], Any]
+                 ) -> tuple[dict[tuple[str, str], Any], list[int], list[int]]:
+        """`env` with the first node's inputs holding the rows of the whole group, in
+        order; the rows of each distinct input set, and which one each node reads (a
+        node with the same inputs as an earlier one shares its rows)."""
+        inputs = [tuple(self.nodes[m].inputs) for m in group]
+        distinct = list(dict.fromkeys(inputs))
+        rows = [len(env[(refs[0][1].node, refs[0][1].port)]) for refs in distinct]
+        stacked = dict(env)
+        for k, (_, ref) in enumerate(inputs[0]):
+            stacked[(ref.node, ref.port)] = _join(
+                [env[(refs[k][1].node, refs[k][1].port)] for refs in distinct])
+        return stacked, rows, [distinct.index(refs) for refs in inputs]
 
     def _store(self, name: str, kind: KindSpec, outputs: dict[str, Any],
                env: dict[tuple[str, str], Any], step: int, strict: bool) -> None:
@@ -867,6 +897,13 @@ def _join(values: list[Any]) -> Any:
     if isinstance(values[0], torch.Tensor):
         return torch.cat(values)
     return [row for value in values for row in value]
+
+
+def _unstack(outputs: dict[str, Any], rows: list[int]) -> dict[str, list[Any]]:
+    """Each output's rows cut back into parts of `rows` rows (`_join`'s inverse)."""
+    bounds = list(itertools.accumulate(rows, initial=0))
+    return {port: [value[a:b] for a, b in itertools.pairwise(bounds)]
+            for port, value in outputs.items()}
 
 
 # --- entry point ---------------------------------------------------------------------------

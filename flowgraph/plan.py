@@ -64,7 +64,7 @@ from flowgraph.ir import NAME_RE, Graph, NodeSpec
 from flowgraph.registry import HOISTABLE_CATEGORIES, KindSpec
 from flowgraph.source import SourcePos
 
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 """Format version of the JSON plan; `from_json` refuses any other."""
 TARGETS = ("local", "fsdp", "ray")
 DEVICES = ("cpu", "cuda")
@@ -143,6 +143,9 @@ class NodePlan:
     trains: bool = False
     """An update: each worker gets the whole batch and takes its share of every
     mini-batch (`broadcast` inputs)."""
+    fused: tuple[str, ...] = ()
+    """Nodes of this one's kind and model, later in its stage, that run in this node's
+    forward over their rows stacked under its own (pass `fusion`); they do not run."""
 
     def __post_init__(self) -> None:
         _require(["name is not an identifier"] if _bad_name(self.name) else [],
@@ -430,7 +433,7 @@ def _plan_problems(plan: ExecutionPlan) -> list[str]:
     if problems:  # the checks below read the references these ones vouch for
         return problems
     return (_placement_problems(plan) + _order_problems(plan) + _edge_problems(plan)
-            + _resample_problems(plan) + _async_problems(plan))
+            + _resample_problems(plan) + _async_problems(plan) + _fusion_problems(plan))
 
 
 def producer_side(graph: Graph, stages: tuple[StagePlan, ...],
@@ -604,6 +607,34 @@ def _order_problems(plan: ExecutionPlan) -> list[str]:
                 problems.append(f"node `{node.name}` (stage `{plan.node(node.name).stage}`) "
                                 f"reads `{ref}`, which stage `{plan.node(src).stage}` only "
                                 "computes at the same time or later")
+    return problems
+
+
+def _fusion_problems(plan: ExecutionPlan) -> list[str]:
+    """A fused node runs later in its leader's stage, on its model, with its kind and
+    params, each input from the producer the leader's comes from; in one group only."""
+    problems, seen = [], set()
+    for lead in plan.nodes:
+        if not lead.fused:
+            continue
+        stage = next(s.nodes for s in plan.stages if s.name == lead.stage)
+        spec = plan.graph.node(lead.name)
+        assert spec is not None
+        for name in lead.fused:
+            node, other = plan.node(name), plan.graph.node(name)
+            if node is None or other is None:
+                problems.append(f"node `{lead.name}` fuses `{name}`, which is not in the plan")
+                continue
+            if name in seen or node.fused or name == lead.name:
+                problems.append(f"node `{name}` is fused twice, or fuses nodes itself")
+            seen.add(name)
+            producers = {p: r.node for p, r in spec.inputs}
+            if ((node.kind, node.model, node.stage) != (lead.kind, lead.model, lead.stage)
+                    or other.params.to_python() != spec.params.to_python()
+                    or {p: r.node for p, r in other.inputs} != producers
+                    or stage.index(name) < stage.index(lead.name)):
+                problems.append(f"node `{lead.name}` fuses `{name}`, which is not a later node "
+                                f"of its stage with its kind, model, params and producers")
     return problems
 
 
@@ -827,6 +858,8 @@ def _summary_lines(plan: ExecutionPlan) -> list[str]:
     once = "  (once per row, before the loop)"
     lines += [f"  {s.name:<10} {', '.join(s.nodes)}{once if s.once else ''}"
               for s in plan.stages]
+    lines += [f"  fused      {' + '.join((n.name, *n.fused))}: one forward, rows stacked"
+              for n in plan.nodes if n.fused]
     if plan.resample is not None:
         loop = plan.resample
         lines.append(f"  resample   {', '.join(loop.repeat)} again until `{loop.filter}` has "

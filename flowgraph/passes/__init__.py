@@ -1,7 +1,7 @@
 """Compile passes: a graph file -> an `ExecutionPlan`, through a pipeline you can inspect.
 
     validate -> infer_dims -> asynchronous -> on_policy -> token_budget -> packing -> dce ->
-    hoist -> placement -> schedule -> memory
+    hoist -> fusion -> placement -> schedule -> memory
 
 Each pass is a small frozen dataclass with a `name` and one `apply(program) ->
 program` (see `program.py`), one per module here, listed in the flat registry
@@ -27,6 +27,7 @@ from flowgraph.frontend import load_graph
 from flowgraph.ir import Graph
 from flowgraph.passes.asynchronous import SplitRollouts
 from flowgraph.passes.dce import EliminateDeadNodes
+from flowgraph.passes.fusion import FuseForwards
 from flowgraph.passes.hoist import HoistInvariants
 from flowgraph.passes.infer_dims import InferDims
 from flowgraph.passes.memory import EstimateMemory
@@ -52,7 +53,8 @@ __all__ = [
 PASSES: dict[str, type[Pass]] = {
     p.name: p
     for p in (Validate, InferDims, SplitRollouts, ElideOldLogProb, TokenBudget, PackSequences,
-              EliminateDeadNodes, HoistInvariants, PlaceNodes, ScheduleStages, EstimateMemory)
+              EliminateDeadNodes, HoistInvariants, FuseForwards, PlaceNodes, ScheduleStages,
+              EstimateMemory)
 }
 """Every pass by name, in pipeline order."""
 

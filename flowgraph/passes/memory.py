@@ -18,7 +18,8 @@ size, L layers, a attention heads, V vocabulary, m the micro-batch on one worker
                  a llama layer as it runs); with gradient checkpointing each layer's
                  input, s*m*h*d, plus one layer's activations (sec. 4.1); inference:
                  one layer's activations. A packed node (`packing: true`) runs one row of
-                 m*s tokens: the same per-token terms, and eager's scores over all m*s
+                 m*s tokens: the same per-token terms, and eager's scores over all m*s.
+                 Nodes fused into one forward (pass `fusion`) count their rows together
     logits       the fp32 logits of the tokens projected at once: 2 x min(1024, m x T)
                  x V x 4 in an update (a chunk and its gradient), min(chunk_size,
                  m x T) x V x 4 in a logprob node
@@ -298,6 +299,9 @@ def _inputs(program: Program, placement: Placement, check: CheckResult,
             heads.setdefault(n.model, set()).add(program.kind(n.name).head)
     lm_head = {m: h != {"scalar"} for m, h in heads.items()}
     rows = {n.name: r for n in graph.nodes if (r := _rows(check, n.name)) is not None}
+    for group in program.fused:  # one forward over the rows of the whole group
+        total = sum(rows.get(n, 0) for n in group)
+        rows |= {n: total for n in group if n in rows}
     seq = (dims["P"], dims["T"]) if "P" in dims and "T" in dims else None
     kinds = {n.name: program.kind(n.name) for n in graph.nodes}
     producer: tuple[str, ...] = ()

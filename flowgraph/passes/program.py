@@ -98,6 +98,8 @@ class Program:
     """Set by `dce`: removed nodes and data sources, in file order."""
     rewrites: tuple[str, ...] = ()
     """What the optimising passes changed in the graph, one line each (`on_policy`)."""
+    fused: tuple[tuple[str, ...], ...] = ()
+    """Set by `fusion`: groups of nodes that run as one forward over their rows stacked."""
     asynchronous: bool = False
     """Set by `asynchronous`: the plan cuts the step into a producer running ahead of
     the update and a consumer (`AsyncPlan`, built by `to_plan`)."""
@@ -177,6 +179,12 @@ class Program:
         stage_of = {n: s.name for s in self.schedule.stages for n in s.nodes}
         labels = {p.ref: p.label for p in self.labels}
         nodes = tuple(self._node_plan(n, stage_of[n], labels) for n in self.producers())
+        order = [n for s in self.schedule.stages for n in s.nodes]
+        leads = {}  # the first of each group in the schedule runs the others' rows too
+        for group in self.fused:
+            first, *rest = sorted(group, key=order.index)
+            leads[first] = tuple(rest)
+        nodes = tuple(replace(n, fused=leads.get(n.name, ())) for n in nodes)
         plan = ExecutionPlan(
             graph=self.graph, target=self.target, nproc=self.nproc, device=self.device,
             dims=self.dims, nodes=nodes, pools=self.placement.pools,
@@ -192,7 +200,7 @@ class Program:
 
     def _resample(self) -> ResamplePlan | None:
         """The refill loop of the graph's filter node (the checker allows one, and only
-        with bound dims: FG305), None without one."""
+        with bound dims: FG304), None without one."""
         name = next((n.name for n in self.graph.nodes if self.kind(n.name).category == "filter"),
                     None)
         if name is None or self.check is None or self.schedule is None:

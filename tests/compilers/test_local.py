@@ -1,5 +1,7 @@
 """The local executor: runs, resume, checkpoints, strict mode, faults, export."""
 
+import functools
+import inspect
 import json
 import os
 import signal
@@ -7,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -139,7 +142,55 @@ def test_packed_forwards_keep_the_numbers_of_the_padded_run(tmp_path: Path, grap
                  "trainer.eval_every=3", *(f"nodes.{n}.params.packing={packing}" for n in nodes))
             for packing in ("false", "true")]
     assert any(k.startswith("val/") for k in runs[1][-1])
+    for rows in runs:  # step 0: policy = reference, whether chosen > rejected is rounding
+        rows[0].pop("rewards/accuracies", None)
     assert_same_numbers(runs[1], runs[0])
+
+
+@pytest.mark.parametrize("same", [False, True])
+def test_fused_forwards_keep_the_numbers_of_separate_ones(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, same: bool) -> None:
+    """DPO's reference scores of the chosen and the rejected responses: pass `fusion`
+    runs them as one forward over the 2 x Bp rows (one call a batch instead of two),
+    with the numbers of the two forwards. With `same`, both nodes score the chosen
+    responses: one forward over the Bp rows, both nodes get its outputs."""
+    import flowgraph.nodes.logprob as logprob_module
+    from flowgraph.passes import PassPipeline
+
+    calls: list[tuple[str, int]] = []  # (node, rows) of each call the executor makes
+    real = logprob_module.sequence_logprob
+
+    @functools.wraps(real)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        given = inspect.signature(real).bind(*args, **kwargs).arguments
+        if given.get("ctx") is not None:  # the executor's, not the update's own
+            calls.append((given["ctx"].node, len(given["prompts"])))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(logprob_module, "sequence_logprob", counted)
+    rewire = ("nodes.ref_rejected.inputs.responses=pairs.chosen",
+              "nodes.ref_rejected.inputs.response_mask=pairs.chosen_mask") if same else ()
+    runs, counts = [], []
+    for disabled in ((), ("fusion",)):
+        calls.clear()
+        result = compile_graph(ROOT / "graphs" / "dpo.yaml", pipeline=PassPipeline.default(
+            disabled=disabled), overrides=[f"trainer.run_dir={tmp_path / str(len(disabled))}",
+                                           "trainer.steps=3", "trainer.eval_every=3", *rewire])
+        assert result.plan is not None
+        assert result.plan.node("ref_chosen").fused == (() if disabled else ("ref_rejected",))
+        with open(os.devnull, "w") as out:
+            runs.append(run(result.plan, RunOptions(tensorboard=False, out=out)).rows)
+        counts.append(list(calls))
+    fused, apart = counts  # the prologue's batches of Bp = 8 rows, train and held-out
+    assert {node for node, _ in apart} == {"ref_chosen", "ref_rejected"}
+    assert [rows for node, rows in apart if node == "ref_chosen"] == \
+        [rows for node, rows in apart if node == "ref_rejected"]
+    assert [node for node, _ in fused] == ["ref_chosen"] * (len(apart) // 2)
+    assert [rows for _, rows in fused] == [rows * (1 if same else 2) for node, rows in apart
+                                            if node == "ref_chosen"]
+    for rows in runs:  # step 0: policy = reference, whether chosen > rejected is rounding
+        rows[0].pop("rewards/accuracies", None)
+    assert_same_numbers(runs[0], runs[1])
 
 
 def test_resumed_run_reproduces_the_uninterrupted_one(tmp_path: Path) -> None:

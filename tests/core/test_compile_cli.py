@@ -48,8 +48,8 @@ def test_output_file_holds_the_plan_as_json(tmp_path: Path,
     # wrong calls
     ([PPO, "--disable-pass", "nope"], 2, "flowgraph: error: unknown pass `nope`; the passes are: "
                                          "validate, infer_dims, asynchronous, on_policy, "
-                                         "token_budget, packing, dce, hoist, placement, "
-                                         "schedule, memory"),
+                                         "token_budget, packing, dce, hoist, fusion, "
+                                         "placement, schedule, memory"),
     ([PPO, "--dump-after", "hoist", "--disable-pass", "hoist"], 2, "that pass is disabled"),
     ([], 2, "compile needs a graph FILE (or --print-passes)"),
 ])
@@ -67,7 +67,7 @@ def test_print_passes(capsys: pytest.CaptureFixture[str]) -> None:
     assert [line[:15] for line in lines] == [
         " 1. validate   ", " 2. infer_dims ", " 3. asynchronou", " 4. on_policy  ",
         " 5. token_budge", " 6. packing    ", " 7. dce        ", " 8. hoist      ",
-        " 9. placement  ", "10. schedule   ", "11. memory     "]
+        " 9. fusion     ", "10. placement  ", "11. schedule   ", "12. memory     "]
     assert lines[6].endswith("[disabled]") and not lines[7].endswith("[disabled]")
 
 

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 import pytest
 import yaml
 
-from flowgraph.errors import FlowgraphError, UsageError
+from flowgraph.errors import FlowgraphError, PlanError, UsageError
 from flowgraph.frontend import graph_from_yaml
 from flowgraph.ir import Graph
 from flowgraph.passes import PASSES, CompileResult, PassPipeline, Program, compile_graph
@@ -533,6 +533,44 @@ def test_a_packed_node_is_estimated_as_one_row_of_its_tokens(attention: str) -> 
     assert (packed > padded) if attention == "eager" else (packed == padded)
 
 
+@pytest.mark.parametrize(("overrides", "disabled", "fused"), [
+    ((), (), ("ref_rejected",)),
+    ((), ("fusion",), ()),
+    (("nodes.ref_rejected.params.chunk_size=512",), (), ()),  # other params: apart
+    # two nodes of one kind on one model, but one reads the chosen side's prompts from
+    # another producer: they would not run at the same point of the plan
+])
+def test_fusion_groups_forwards_of_one_model_over_one_batch(
+        overrides: tuple[str, ...], disabled: tuple[str, ...], fused: tuple[str, ...]) -> None:
+    result = compile_graph(GRAPHS / "dpo.yaml", overrides=overrides,
+                           pipeline=PassPipeline.default(disabled=disabled))
+    assert result.plan is not None
+    assert result.plan.node("ref_chosen").fused == fused
+    assert result.plan.node("ref_rejected").fused == ()
+    rewritten = [r for r in result.plan.rewrites if r.startswith("fusion")]
+    assert rewritten == ([] if not fused else [
+        "fusion: `ref_chosen`, `ref_rejected` run as one forward of model `ref` (kind "
+        "sequence_logprob), their rows stacked"])
+    summary = result.plan.summary()
+    assert ("fused      ref_chosen + ref_rejected: one forward" in summary) == bool(fused)
+    # the estimate counts the fused forward's 2 x Bp rows
+    ref = next(i.bytes for m in result.plan.memory for i in m.items
+               if i.what == "activations" and i.owner == "ref_chosen")
+    apart = plan_of("dpo.yaml", pipeline=PassPipeline.default(disabled=("fusion",)))
+    assert ref == (2 if fused else 1) * next(
+        i.bytes for m in apart.memory for i in m.items
+        if i.what == "activations" and i.owner == "ref_chosen")
+
+
+def test_a_fused_node_of_another_kind_is_refused_in_a_plan() -> None:
+    plan = plan_of("ppo.yaml")
+    nodes = tuple(replace(n, fused=("values",)) if n.name == "ref_logprob" else n
+                  for n in plan.nodes)
+    with pytest.raises(PlanError, match=r"node `ref_logprob` fuses `values`, which is not a "
+                                         r"later node of its stage with its kind, model"):
+        replace(plan, nodes=nodes)
+
+
 def test_memory_shards_state_over_the_pool() -> None:
     plan = plan_of("ppo.yaml", target="ray", nproc=2)
     weights = {(m.pool, i.owner): i.bytes for m in plan.memory for i in m.items
@@ -653,15 +691,15 @@ def test_describe_numbers_the_passes_and_marks_disabled_ones() -> None:
     assert [line.split()[:2] for line in lines] == [
         ["1.", "validate"], ["2.", "infer_dims"], ["3.", "asynchronous"], ["4.", "on_policy"],
         ["5.", "token_budget"], ["6.", "packing"], ["7.", "dce"], ["8.", "hoist"],
-        ["9.", "placement"], ["10.", "schedule"], ["11.", "memory"]]
+        ["9.", "fusion"], ["10.", "placement"], ["11.", "schedule"], ["12.", "memory"]]
     assert [line.endswith("[disabled]") for line in lines] == [
-        False, False, False, False, False, False, False, True, False, False, False]
+        False, False, False, False, False, False, False, True, False, False, False, False]
 
 
 @pytest.mark.parametrize(("disabled", "message"), [
     (("hoisting",), "unknown pass `hoisting`; the passes are: validate, infer_dims, asynchronous, "
                     "on_policy, "
-                    "token_budget, packing, dce, hoist, placement, schedule, memory"),
+                    "token_budget, packing, dce, hoist, fusion, placement, schedule, memory"),
     (("validate",), "pass `validate` cannot be disabled: the plan is built from its result"),
     (("schedule",), "pass `schedule` cannot be disabled: the plan is built from its result"),
     (("infer_dims",), "pass `infer_dims` cannot be disabled while `memory` runs: `memory` reads "
@@ -735,7 +773,7 @@ def test_graph_errors_stop_the_pipeline_after_validate() -> None:
     ({"nproc": 0}, "nproc must be >= 1, got 0"),
     ({"dump_after": ("nope",)}, "--dump-after `nope`: no such pass; the passes are: validate, "
                                 "infer_dims, asynchronous, on_policy, token_budget, packing, "
-                                "dce, hoist, "
+                                "dce, hoist, fusion, "
                                 "placement, "
                                 "schedule, memory"),
 ])

@@ -215,8 +215,11 @@ stages:
   prologue   ref_chosen, ref_rejected  (once per row, before the loop)
   step.0     pairs
   step.1     update
+  fused      ref_chosen + ref_rejected: one forward, rows stacked
 
 edges: 16 local
+rewritten: fusion: `ref_chosen`, `ref_rejected` run as one forward of model `ref` (kind \
+sequence_logprob), their rows stacked
 
 memory per device (estimate):
   main: 0.016 GiB, peak in node update
