@@ -385,14 +385,17 @@ class LocalExecutor:
         """`env` with the first node's inputs holding the rows of the whole group, in
         order; the rows of each distinct input set, and which one each node reads (a
         node with the same inputs as an earlier one shares its rows)."""
-        inputs = [tuple(self.nodes[m].inputs) for m in group]
-        distinct = list(dict.fromkeys(inputs))
-        rows = [len(env[(refs[0][1].node, refs[0][1].port)]) for refs in distinct]
+        wired = [dict(self.nodes[m].inputs) for m in group]  # port -> ref, in any order
+        keys = [tuple(sorted((port, str(ref)) for port, ref in w.items())) for w in wired]
+        distinct = list(dict.fromkeys(keys))
+        sources = [wired[keys.index(k)] for k in distinct]
+        port = self.nodes[group[0]].inputs[0][0]
+        rows = [len(env[(w[port].node, w[port].port)]) for w in sources]
         stacked = dict(env)
-        for k, (_, ref) in enumerate(inputs[0]):
+        for port, ref in self.nodes[group[0]].inputs:
             stacked[(ref.node, ref.port)] = _join(
-                [env[(refs[k][1].node, refs[k][1].port)] for refs in distinct])
-        return stacked, rows, [distinct.index(refs) for refs in inputs]
+                [env[(w[port].node, w[port].port)] for w in sources])
+        return stacked, rows, [distinct.index(k) for k in keys]
 
     def _store(self, name: str, kind: KindSpec, outputs: dict[str, Any],
                env: dict[tuple[str, str], Any], step: int, strict: bool) -> None:

@@ -20,6 +20,7 @@ size, L layers, a attention heads, V vocabulary, m the micro-batch on one worker
                  one layer's activations. A packed node (`packing: true`) runs one row of
                  m*s tokens: the same per-token terms, and eager's scores over all m*s.
                  Nodes fused into one forward (pass `fusion`) count their rows together
+                 (an upper bound where two of them read the same rows).
     logits       the fp32 logits of the tokens projected at once: 2 x min(1024, m x T)
                  x V x 4 in an update (a chunk and its gradient), min(chunk_size,
                  m x T) x V x 4 in a logprob node

@@ -152,8 +152,9 @@ def test_fused_forwards_keep_the_numbers_of_separate_ones(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, same: bool) -> None:
     """DPO's reference scores of the chosen and the rejected responses: pass `fusion`
     runs them as one forward over the 2 x Bp rows (one call a batch instead of two),
-    with the numbers of the two forwards. With `same`, both nodes score the chosen
-    responses: one forward over the Bp rows, both nodes get its outputs."""
+    with the numbers of the two forwards (`ref_rejected` lists its inputs in another
+    order than `ref_chosen`). With `same`, both nodes score the chosen responses: one
+    forward over the Bp rows, both nodes get its outputs."""
     import flowgraph.nodes.logprob as logprob_module
     from flowgraph.passes import PassPipeline
 
@@ -170,10 +171,16 @@ def test_fused_forwards_keep_the_numbers_of_separate_ones(
     monkeypatch.setattr(logprob_module, "sequence_logprob", counted)
     rewire = ("nodes.ref_rejected.inputs.responses=pairs.chosen",
               "nodes.ref_rejected.inputs.response_mask=pairs.chosen_mask") if same else ()
+    text = (ROOT / "graphs" / "dpo.yaml").read_text()
+    ports = ("      prompts: pairs.prompts\n      prompt_mask: pairs.prompt_mask\n"
+             "      responses: pairs.rejected\n      response_mask: pairs.rejected_mask\n")
+    assert ports in text
+    graph = tmp_path / "dpo.yaml"
+    graph.write_text(text.replace(ports, "".join(reversed(ports.splitlines(True)))))
     runs, counts = [], []
     for disabled in ((), ("fusion",)):
         calls.clear()
-        result = compile_graph(ROOT / "graphs" / "dpo.yaml", pipeline=PassPipeline.default(
+        result = compile_graph(graph, pipeline=PassPipeline.default(
             disabled=disabled), overrides=[f"trainer.run_dir={tmp_path / str(len(disabled))}",
                                            "trainer.steps=3", "trainer.eval_every=3", *rewire])
         assert result.plan is not None
