@@ -20,10 +20,10 @@ Nodes fuse when all of this holds, each read from the graph and the kinds:
 The plan lists a group on the node that runs it, the first of the group in the
 schedule (`NodePlan.fused`, and `rewritten: fusion: …`); the executor runs that node
 over the stacked rows and stores each node's rows as its outputs, and the others do
-not run (their timing is the first one's). A token budget or `micro_batch_size` cuts
-the stacked rows like any batch; the numbers are those of the nodes run apart
-(`tests/compilers/test_local.py`). `flowgraph compile --disable-pass fusion` runs them
-apart.
+not run (their time counts in the first one's `timing_s`). A token budget or
+`micro_batch_size` cuts the stacked rows like any batch; the numbers are those of the
+nodes run apart (`tests/compilers/test_local.py`). `flowgraph compile --disable-pass
+fusion` runs them apart.
 """
 
 from __future__ import annotations
