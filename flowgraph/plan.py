@@ -620,6 +620,7 @@ def _fusion_problems(plan: ExecutionPlan) -> list[str]:
         stage = next(s.nodes for s in plan.stages if s.name == lead.stage)
         spec = plan.graph.node(lead.name)
         assert spec is not None
+        producers = {p: r.node for p, r in spec.inputs}
         for name in lead.fused:
             node, other = plan.node(name), plan.graph.node(name)
             if node is None or other is None:
@@ -628,7 +629,6 @@ def _fusion_problems(plan: ExecutionPlan) -> list[str]:
             if name in seen or node.fused or name == lead.name:
                 problems.append(f"node `{name}` is fused twice, or fuses nodes itself")
             seen.add(name)
-            producers = {p: r.node for p, r in spec.inputs}
             if ((node.kind, node.model, node.stage) != (lead.kind, lead.model, lead.stage)
                     or other.params.to_python() != spec.params.to_python()
                     or {p: r.node for p, r in other.inputs} != producers
@@ -689,6 +689,10 @@ def verify_kinds(plan: ExecutionPlan, kinds: Mapping[str, KindSpec]) -> None:
                             f"`{kind.category}`) and the plan's resample loop "
                             f"({plan.resample.filter if plan.resample else 'none'}) disagree: "
                             "a filter node, and only one, drives the loop")
+        if n.fused and not kind.row_wise_forward:
+            problems.append(f"node `{n.name}` (kind `{kind.name}`) fuses "
+                            f"{', '.join(f'`{f}`' for f in n.fused)}, but its kind does not run "
+                            "its model row by row: its rows cannot be stacked with theirs")
         if n.hoisted and (kind.category not in HOISTABLE_CATEGORIES or kind.trains
                           or (spec is not None and spec.trainable)):
             problems.append(f"node `{n.name}` (kind `{kind.name}`) is in the prologue, but it "

@@ -142,6 +142,14 @@ class KindSpec:
     def sink(self) -> bool:
         return self.trains
 
+    @property
+    def row_wise_forward(self) -> bool:
+        """It runs its model's weights (head `lm` or `scalar`) row by row, each output row
+        a function of its own input rows (a category in `HOISTABLE_CATEGORIES`, not an
+        update): nodes of it may run as one forward over their rows stacked (`fusion`)."""
+        return (self.category in HOISTABLE_CATEGORIES and not self.trains
+                and self.head in ("lm", "scalar"))
+
     def input(self, name: str) -> PortSpec | None:
         declared = next((p for p in self.inputs if p.name == name), None)
         if declared is None and self.terms is not None:

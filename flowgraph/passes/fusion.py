@@ -10,8 +10,8 @@ rejected for the same reason (`concatenated_forward`); the update does it inside
 inputs and params) become one forward over the rows once.
 
 Nodes fuse when all of this holds, each read from the graph and the kinds:
-- the kind runs its model's weights row by row (a category in `HOISTABLE_CATEGORIES`,
-  head `lm` or `scalar`, not an update): a row's outputs depend on its own inputs only;
+- the kind runs its model's weights row by row (`KindSpec.row_wise_forward`): a row's
+  outputs depend on its own inputs only;
 - one kind, one model, the same params (defaults filled in), the same `hoisted` mark;
 - each input port is read from the same producer node, and the producers' ports have
   the same dims past the batch axis (so the rows stack);
@@ -33,7 +33,6 @@ from typing import ClassVar
 
 from flowgraph.ir import NodeSpec
 from flowgraph.passes.program import Program
-from flowgraph.registry import HOISTABLE_CATEGORIES
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +64,7 @@ class FuseForwards:
 def _key(node: NodeSpec, program: Program) -> tuple[object, ...] | None:
     """What two nodes must share to fuse; None for a node that cannot."""
     kind = program.kind(node.name)
-    if (kind.category not in HOISTABLE_CATEGORIES or kind.trains or node.model is None
-            or kind.head not in ("lm", "scalar")):
+    if not kind.row_wise_forward or node.model is None:
         return None
     assert program.check is not None
     shapes = program.check.shapes.outputs

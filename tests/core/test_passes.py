@@ -15,6 +15,7 @@ import yaml
 from flowgraph.errors import FlowgraphError, PlanError, UsageError
 from flowgraph.frontend import graph_from_yaml
 from flowgraph.ir import Graph
+from flowgraph.kinds import BUILTIN_KINDS
 from flowgraph.passes import PASSES, CompileResult, PassPipeline, Program, compile_graph
 from flowgraph.passes.memory import (
     ModelConfig,
@@ -24,7 +25,7 @@ from flowgraph.passes.memory import (
     training_activation_bytes,
 )
 from flowgraph.passes.placement import PlaceNodes
-from flowgraph.plan import GIB, Bundle, ExecutionPlan
+from flowgraph.plan import GIB, Bundle, ExecutionPlan, verify_kinds
 from flowgraph.registry import _DECLARED
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
@@ -569,6 +570,18 @@ def test_a_fused_node_of_another_kind_is_refused_in_a_plan() -> None:
     with pytest.raises(PlanError, match=r"node `ref_logprob` fuses `values`, which is not a "
                                          r"later node of its stage with its kind, model"):
         replace(plan, nodes=nodes)
+
+
+def test_a_fused_node_whose_kind_is_not_row_wise_is_refused_with_the_kinds() -> None:
+    """The executor resolves the kinds: a group on a kind whose rows cannot be stacked
+    (here `sequence_logprob` redeclared as a `custom` kind) is refused before it runs."""
+    plan = plan_of("dpo.yaml")
+    kinds = {n.name: BUILTIN_KINDS[n.kind] for n in plan.nodes}
+    kinds["ref_chosen"] = replace(kinds["ref_chosen"], category="custom")
+    with pytest.raises(PlanError, match=r"node `ref_chosen` \(kind `sequence_logprob`\) fuses "
+                                        r"`ref_rejected`, but its kind does not run its model "
+                                        r"row by row"):
+        verify_kinds(plan, kinds)
 
 
 def test_memory_shards_state_over_the_pool() -> None:
