@@ -117,34 +117,38 @@ def _shift(x: Tensor, k: int) -> Tensor:
     return (x >> k) & ((1 << (64 - k)) - 1)
 
 
-def counter_uniform(seeds: Tensor, t: int) -> Tensor:
-    """(r,) float64 in (0, 1): u[i] a function of (seeds[i], t) alone.
+def counter_uniform(seeds: Tensor, t: int | Sequence[int]) -> Tensor:
+    """float64 in (0, 1): (r,) for one position t, (r, n) for n positions; u[i] (u[i, j])
+    a function of (seeds[i], t) (of (seeds[i], t[j])) alone.
 
     splitmix64's output function applied to seed + γ·(t + 1), γ the golden ratio
     constant (Steele, Lea & Flood 2014); the top 52 bits give (k + ½)/2**52.
     """
-    step = (t + 1) * _GOLDEN % (1 << 64)  # γ·(t + 1) mod 2**64, as an int64
-    x = seeds + (step - (1 << 64) if step >= 1 << 63 else step)
+    ts = [t] if isinstance(t, int) else list(t)
+    steps = [(i + 1) * _GOLDEN % (1 << 64) for i in ts]  # γ·(t + 1) mod 2**64
+    x = seeds[:, None] + torch.tensor([s - (1 << 64) if s >= 1 << 63 else s for s in steps],
+                                      dtype=torch.int64, device=seeds.device)  # as int64
     x = (x ^ _shift(x, 30)) * _MIX1
     x = (x ^ _shift(x, 27)) * _MIX2
     x = x ^ _shift(x, 31)
-    return (_shift(x, 12).to(torch.float64) + 0.5) * 2.0**-52
+    u = (_shift(x, 12).to(torch.float64) + 0.5) * 2.0**-52
+    return u[:, 0] if isinstance(t, int) else u
 
 
-def _pick(logits: Tensor, seeds: Tensor, t: int, spec: SamplingSpec) -> tuple[Tensor, Tensor]:
-    """Next tokens (r,) and their log-probs (r,) from last-position logits (r, V); `seeds`
-    (r,) int64 are the rows' sample seeds, t the position."""
+def _pick(logits: Tensor, u: Tensor, spec: SamplingSpec) -> tuple[Tensor, Tensor]:
+    """Next tokens (r,) and their log-probs (r,) from last-position logits (r, V); `u`
+    (r,) float64 are the rows' uniforms for this position (`counter_uniform`)."""
     if spec.greedy:
         token = logits.argmax(-1)
         return token, logits.log_softmax(-1).gather(-1, token[:, None])[:, 0]
-    log_p = filter_logits(logits / spec.temperature, spec.top_k, spec.top_p).log_softmax(-1)
+    scores = logits if spec.temperature == 1.0 else logits / spec.temperature
+    log_p = filter_logits(scores, spec.top_k, spec.top_p).log_softmax(-1)
     # Inverse CDF: the first token whose cumulative probability exceeds u·(total mass).
     # A filtered token has no width, so it is never the first; the bound below keeps a
     # product rounded up to the total on the last token that has some.
-    cdf = log_p.exp().double().cumsum(-1)
+    cdf = log_p.exp().cumsum(-1, dtype=torch.float64)
     total = cdf[:, -1:]
-    x = torch.minimum(counter_uniform(seeds, t)[:, None] * total,
-                      torch.nextafter(total, torch.zeros_like(total)))
+    x = torch.minimum(u[:, None] * total, torch.nextafter(total, total.new_zeros(())))
     token = torch.searchsorted(cdf, x, right=True)[:, 0]
     return token, log_p.gather(-1, token[:, None])[:, 0]
 
@@ -198,7 +202,9 @@ def _decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Seque
     lo = first_prompt_column(prompt_mask)
     prompts, prompt_mask = prompts[:, lo:], prompt_mask[:, lo:]
     P = prompts.shape[1]
-    row_seeds = torch.tensor(list(seeds), dtype=torch.int64, device=device)
+    # every row's uniform for every position, in one go: a row's draws are its own
+    noise = counter_uniform(torch.tensor(list(seeds), dtype=torch.int64, device=device),
+                            range(T))
     # Only the last position's logits are needed; most HF models can skip the rest.
     takes_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
     keep = {"logits_to_keep": 1} if takes_keep else {}
@@ -220,7 +226,7 @@ def _decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Seque
                                  None, keep)
     _reserve(cache, P + T)
     for t in range(T):
-        token, token_log_prob = _pick(logits, row_seeds, t, spec)
+        token, token_log_prob = _pick(logits, noise[:, t], spec)
         responses[:, t] = token.masked_fill(done, spec.pad_id)
         mask[:, t] = (~done).long()
         log_prob[:, t] = token_log_prob.masked_fill(done, 0.0)

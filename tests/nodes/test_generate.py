@@ -141,7 +141,7 @@ def test_inverse_cdf_draws_from_the_filtered_softmax(top_k: int, top_p: float) -
     probs = torch.tensor([0.4, 0.3, 0.15, 0.1, 0.05])
     logits = probs.log().expand(20000, 5)
     spec = SamplingSpec(1, 1.0, top_p, top_k, False, (EOS,), PAD)
-    tokens, log_p = _pick(logits, torch.arange(len(logits)) * 7919, 3, spec)
+    tokens, log_p = _pick(logits, counter_uniform(torch.arange(len(logits)) * 7919, 3), spec)
     kept = probs if (top_k, top_p) == (0, 1.0) else torch.tensor([4 / 7, 3 / 7, 0, 0, 0])
     freq = torch.bincount(tokens, minlength=5) / len(tokens)
     torch.testing.assert_close(freq, kept, atol=0.012, rtol=0)  # ~3.5 standard errors
@@ -149,15 +149,12 @@ def test_inverse_cdf_draws_from_the_filtered_softmax(top_k: int, top_p: float) -
 
 
 @pytest.mark.parametrize("u", [0.0, 1.0 - 2.0**-53, 1.0])
-def test_inverse_cdf_never_picks_a_filtered_token_at_the_ends(
-        u: float, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_inverse_cdf_never_picks_a_filtered_token_at_the_ends(u: float) -> None:
     # Filtered tokens at both ends (top-k 2 keeps tokens 1 and 2 of 4); a draw at, or
     # rounded to, either end of (0, 1) still lands on a kept token.
-    monkeypatch.setattr(generate_module, "counter_uniform",
-                        lambda seeds, t: torch.full(seeds.shape, u, dtype=torch.float64))
     logits = torch.tensor([[-5.0, 1.0, 1.5, -4.0]]).expand(3, 4)
-    tokens, log_p = _pick(logits, torch.arange(3), 0, SamplingSpec(1, 1.0, 1.0, 2, False,
-                                                                   (EOS,), PAD))
+    tokens, log_p = _pick(logits, torch.full((3,), u, dtype=torch.float64),
+                          SamplingSpec(1, 1.0, 1.0, 2, False, (EOS,), PAD))
     assert tokens.tolist() == [1 if u == 0.0 else 2] * 3
     assert torch.isfinite(log_p).all()
 
@@ -179,6 +176,12 @@ def test_counter_noise_is_splitmix64_of_seed_and_position() -> None:
     torch.testing.assert_close(u, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=0)
     # A row's numbers are its own: the same seed in another batch draws the same noise.
     assert torch.equal(counter_uniform(torch.tensor(seeds[2:3]), 5), u[2:3])
+    # Many positions in one call (the decode draws a row's whole noise at once): the same
+    # numbers, column by column.
+    table = counter_uniform(torch.tensor(seeds), range(8))
+    assert table.shape == (4, 8) and torch.equal(table[:, 5], u)
+    for t in range(8):
+        assert torch.equal(table[:, t], counter_uniform(torch.tensor(seeds), t))
 
 
 def test_counter_noise_is_uniform() -> None:
