@@ -147,8 +147,24 @@ def make_optimizer(spec: ModelSpec, model: torch.nn.Module, total_steps: int
         opt = torch.optim.SGD(params, lr=opt_spec.lr, weight_decay=opt_spec.weight_decay)
     else:
         cls = torch.optim.AdamW if opt_spec.name == "adamw" else torch.optim.Adam
+        # One kernel per parameter instead of ~10 passes over all of them (TRL's default,
+        # `adamw_torch_fused`): where every parameter is a plain float tensor on a CPU or
+        # CUDA device. Not for FSDP's sharded parameters (DTensors): torch's fused kernel
+        # refuses them next to its plain step counters; the two kernels differ by rounding.
+        fused = ({p.device.type for p in params} <= {"cpu", "cuda"}
+                 and all(p.is_floating_point() and not hasattr(p, "full_tensor")
+                         for p in params))
         opt = cls(params, lr=opt_spec.lr, betas=opt_spec.betas, eps=opt_spec.eps,
-                  weight_decay=opt_spec.weight_decay)
+                  weight_decay=opt_spec.weight_decay, fused=fused or None)
+        # A checkpoint carries its writer's kernel in its param groups; a run resumed on
+        # another target (local <-> fsdp) keeps the one chosen here.
+        kernel = {key: opt.param_groups[0][key] for key in ("fused", "foreach")}
+
+        def keep_kernel(loaded: torch.optim.Optimizer) -> None:
+            for group in loaded.param_groups:
+                group.update(kernel)
+
+        opt.register_load_state_dict_post_hook(keep_kernel)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lr_lambda(opt_spec.warmup_steps, total_steps, opt_spec.schedule))
     return opt, sched

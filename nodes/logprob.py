@@ -8,8 +8,9 @@ the LM head, `chunk_size` tokens at a time:
     log π(y_t | ·) = z_{y_t}/τ − logsumexp(z/τ),    H_t = logsumexp(z/τ) − Σ_v p_v z_v/τ
 
 so the extra peak memory is O(chunk_size·V) instead of O(B·T·V). With gradients each
-chunk is wrapped in `torch.utils.checkpoint`, so backward also materialises one
-chunk of logits at a time (it recomputes that chunk's matmul), and the softmax part
+chunk but the last is wrapped in `torch.utils.checkpoint`, so backward also materialises
+one chunk of logits at a time (it recomputes that chunk's matmul; the last chunk's
+logits are kept, as the backward pass starts with them), and the softmax part
 has a hand-written backward (`_TokenStats`) that needs one (chunk, V) buffer. The LM
 head is called as a module, so a tied head (or one with its own FSDP hooks) works
 unchanged. This is the fused "linear + cross-entropy" of Liger-Kernel and Apple's
@@ -259,11 +260,15 @@ def head_logprob(
         h.requires_grad or any(p.requires_grad for p in lm_head.parameters())
     )
     parts = []
-    for i in range(0, len(y), chunk_size):
+    starts = range(0, len(y), chunk_size)
+    for i in starts:
         args = (lm_head, h[i : i + chunk_size], y[i : i + chunk_size], inv_tau, with_entropy,
                 entropy_grad)
+        # The backward pass starts with the last chunk: its logits, kept, are freed where
+        # a recomputation would have made them again, so the peak is the same.
+        keep = not grad or i == starts[-1]
         parts.append(
-            checkpoint(_chunk_stats, *args, use_reentrant=False) if grad else _chunk_stats(*args)
+            _chunk_stats(*args) if keep else checkpoint(_chunk_stats, *args, use_reentrant=False)
         )
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)
     names = ("log_prob", "entropy")[: 1 + with_entropy]

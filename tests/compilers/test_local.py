@@ -397,3 +397,22 @@ def test_an_error_in_a_plugin_names_node_step_and_the_users_line(
     saved = (tmp_path / "run" / "traceback.txt").read_text()
     assert saved.startswith("Traceback (most recent call last)") and str(plugin) in saved
     assert ("Traceback (most recent call last)" in str(exc.value)) == debug
+
+
+def test_adam_runs_fused_and_a_resumed_state_keeps_this_targets_kernel() -> None:
+    """TRL's default (`adamw_torch_fused`) on plain parameters; a state saved by the
+    other kernel (an fsdp run's DTensors take the per-op one) loads without switching."""
+    from flowgraph.compilers.build import make_optimizer
+    from flowgraph.ir import ModelSpec, OptimizerSpec
+
+    spec = ModelSpec(name="actor", path="builtin:tiny-lm", optimizer=OptimizerSpec(lr=1e-3))
+    model = torch.nn.Linear(4, 3)
+    opt, _ = make_optimizer(spec, model, total_steps=2)
+    assert opt.param_groups[0]["fused"] is True
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    saved = opt.state_dict()
+    saved["param_groups"][0].update(fused=None, foreach=True)  # as the other kernel saves it
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["fused"] is True and opt.param_groups[0]["foreach"] is None
+    opt.step()  # the fused kernel on the loaded state
