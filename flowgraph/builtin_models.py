@@ -88,6 +88,11 @@ TRAINED_BUILTINS: dict[str, tuple[str, str]] = {"tiny-lm-sft": ("tiny-lm", SFT_R
 """Name -> (the built-in it starts from, the recipe graph that trains it; its model
 `policy` is the result)."""
 
+TRAINING_REVISION = 2
+"""Hashed with a recipe into its cache folder's name: raised when flowgraph trains the
+same recipe to other weights (2: Adam's fused kernel), so a model cached by an earlier
+version is not taken for this version's."""
+
 BUILTIN_PREFIX = "builtin:"
 
 
@@ -101,10 +106,12 @@ def builtin_config(path: str) -> dict[str, int | str | float] | None:
 
 
 def recipe_hash(name: str) -> str:
-    """Eight hex digits of a trained built-in's recipe: part of its cache folder's name."""
+    """Eight hex digits of a trained built-in's recipe and `TRAINING_REVISION`: part of
+    its cache folder's name."""
     import hashlib
 
-    return hashlib.sha256(TRAINED_BUILTINS[name][1].encode()).hexdigest()[:8]
+    keyed = f"{TRAINING_REVISION}\n{TRAINED_BUILTINS[name][1]}"
+    return hashlib.sha256(keyed.encode()).hexdigest()[:8]
 
 
 def held_out_path(path: str, eval_path: str | None) -> str | None:
