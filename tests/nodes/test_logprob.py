@@ -138,6 +138,29 @@ def test_autograd_keeps_no_full_logits() -> None:
     assert max(shape.numel() for shape in saved) >= n * V  # the plain path does keep them
 
 
+def test_the_backward_pass_starts_with_the_kept_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Why keeping the last chunk's logits costs no peak memory: its backward runs first,
+    before any recomputed chunk is made (the chunks' backward in reverse order)."""
+    import flowgraph.nodes.logprob as logprob_module
+
+    lm_head, hidden = _head()
+    _, _, responses, mask = _batch()
+    n, chunk = int(mask.sum()), 4
+    order: list[int] = []
+    real = logprob_module._TokenStats.backward
+
+    def backward(ctx: object, g_log_p: Tensor, *rest: Tensor) -> object:
+        order.append(len(g_log_p))
+        return real(ctx, g_log_p, *rest)
+
+    monkeypatch.setattr(logprob_module._TokenStats, "backward", staticmethod(backward))
+    out = head_logprob(lm_head, hidden.requires_grad_(True), responses, mask, chunk,
+                       with_entropy=True)
+    (out["log_prob"].sum() + out["entropy"].sum()).backward()
+    sizes = [min(chunk, n - i) for i in range(0, n, chunk)]
+    assert order == sizes[::-1] and order[0] == n % chunk
+
+
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
     config = {k: v for k, v in BUILTIN_MODELS["tiny-lm"].items() if k != "model_type"}
