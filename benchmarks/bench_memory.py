@@ -20,11 +20,13 @@ seen; the data loader's are counted at setup.
 Cases: every graphs/*.yaml as shipped (eval and checkpoints off), and
 dpo-long, dpo.yaml on a larger tiny Llama saved to a temporary folder (hidden 256, 4
 layers, MLP 1024, vocabulary 512, 1024 positions, the builtin:tiny-lm tokenizer) with
-P = 64, T = 512, so 16 sequences of 576 tokens make the activations dominate; and
-dpo-long again with eager attention, in bfloat16, and with gradient checkpointing
-(eager, bf16, ckpt). Prints the
-estimate, the measured peak, their ratio (goal 0.80 to 1.25) and the node running at
-the measured peak beside the plan's peak node.
+P = 64, T = 512 and pairs of exactly that many tokens, so 16 sequences of 576 tokens
+make the activations dominate; and dpo-long again with eager attention, in bfloat16,
+and with gradient checkpointing (eager, bf16, ckpt). Prints the estimate, the measured
+peak, their ratio and the node running at the measured peak beside the plan's peak
+node. The estimate is the plan's worst case, every row P + T tokens long: goal 0.80 to
+1.25 on the full-length cases; on the shipped graphs, whose responses stop early (each
+forward trimmed to its longest row), it is an upper bound (goal: not under 0.80).
 """
 
 from __future__ import annotations
@@ -145,10 +147,30 @@ def _long_model(folder: Path) -> Path:
     return folder
 
 
+FULL_LENGTH = ("dpo-long", "eager", "bf16", "ckpt")
+"""The cases whose rows fill the dims: the estimate counts every row at P + T tokens
+(the plan's worst case); the shipped graphs' responses stop early and their forwards run
+trimmed to the longest row, so there it is an upper bound."""
+
+
+def _long_pairs(path: Path, rows: int = 64) -> Path:
+    """Pairs of exactly P = 64 prompt and T = 512 response tokens (a digit is a token of
+    the tiny-lm tokenizer; the data node appends EOS): every forward runs full length,
+    where the shipped pairs, a few tokens long, would be trimmed to a fraction of it."""
+    with open(path, "w") as f:
+        for i in range(rows):
+            digit = str(i % 10)
+            f.write(json.dumps({"prompt": digit * 64, "chosen": "7" * 511,
+                                "rejected": "3" * 511}) + "\n")
+    return path
+
+
 def cases(tmp: Path) -> dict[str, tuple[Path, tuple[str, ...]]]:
     long = str(_long_model(tmp / "long-model"))
+    pairs = _long_pairs(tmp / "long-pairs.jsonl")
     size = (f"models.policy.path={long}", f"models.ref.path={long}", "dims.P=64",
-            "dims.T=512", "dims.Bp=8")
+            "dims.T=512", "dims.Bp=8", f"data.pairs.path={pairs}",
+            "data.pairs.apply_chat_template=false")
     both = ("models.policy.{}", "models.ref.{}")
     dpo = ROOT / "graphs" / "dpo.yaml"
     shipped = {g.stem: (g, ()) for g in sorted((ROOT / "graphs").glob("*.yaml"))}
@@ -185,13 +207,16 @@ def main() -> int:
                  json.dumps(list(overrides))], capture_output=True, text=True, check=True)
             r = json.loads(out.stdout.strip().splitlines()[-1])
             ratio = r["estimate"] / r["measured"]
-            ok &= 0.8 <= ratio <= 1.25
+            full = name in FULL_LENGTH
+            ok &= ratio >= 0.8 and (ratio <= 1.25 or not full)
             print(f"{name:12s} {r['estimate'] / 2**20:12.2f} {r['measured'] / 2**20:12.2f} "
-                  f"{ratio:6.2f}  {r['peak_node']} / {r['measured_node']}")
+                  f"{ratio:6.2f}  {r['peak_node']} / {r['measured_node']}"
+                  + ("" if full else "  (rows shorter than the dims: an upper bound)"))
             if args.items:
                 print(f"          setup {r['setup'] / 2**20:.2f} MiB;", ", ".join(
                     f"{k} {v / 2**20:.2f}" for k, v in r["items"].items()))
-    print("goal (every ratio within 0.80-1.25):", "met" if ok else "NOT met")
+    print("goal (full-length cases within 0.80-1.25, none under 0.80):",
+          "met" if ok else "NOT met")
     return 0 if ok else 1
 
 
