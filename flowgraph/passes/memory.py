@@ -444,7 +444,8 @@ def _training_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
     items = [MemoryItem("activations", node.name, act, True)]
     if inp.lm_head.get(node.model, True):
         # The update projects its tokens HEAD_CHUNK at a time (`head_logprob`), each chunk
-        # recomputed in the backward pass: one chunk's fp32 logits and their gradient.
+        # but the last (kept) recomputed in the backward pass: one chunk's fp32 logits and
+        # their gradient live at once.
         chunk = min(HEAD_CHUNK, m * t)
         items.append(MemoryItem("logits", node.name, 2 * chunk * cfg.vocab_size * 4, True))
     return items
