@@ -5,7 +5,7 @@
 
 Each case runs in a fresh process: the plan is compiled (`ExecutionPlan.memory`, one
 pool on the local target: resident weights, grads and optimizer state plus the largest
-node's transient items) and run for `--steps` steps by a `LocalExecutor` on the CPU.
+node's transient items) and run for `--steps` steps by the local target on the CPU.
 
 How it measures: after `setup()` every tensor the garbage collector can reach (the
 weights, buffers, the loaded data) is counted once by storage; `run()` then runs under
@@ -112,7 +112,10 @@ def traced(run_node: Callable[..., Any], mode: LiveBytes) -> Callable[..., Any]:
 
 def measure(graph: Path, overrides: list[str], steps: int) -> dict[str, Any]:
     """In this process: the estimate and the measured peak of live CPU tensor bytes."""
-    from flowgraph.compilers.local import ExecOptions, LocalExecutor
+    from flowgraph.compilers.build import plan_kinds
+    from flowgraph.compilers.local import LocalTarget
+    from flowgraph.compilers.loop import TrainingLoop
+    from flowgraph.compilers.worker import ExecOptions
     from flowgraph.passes import compile_graph
 
     run_dir = Path(tempfile.mkdtemp(prefix="bench-memory-"))
@@ -122,14 +125,16 @@ def measure(graph: Path, overrides: list[str], steps: int) -> dict[str, Any]:
         raise SystemExit("\n".join(d.one_line() for d in result.diagnostics))
     (mem,) = result.plan.memory
     with open(os.devnull, "w") as out:
-        executor = LocalExecutor(result.plan, ExecOptions(run_dir, "cpu", out=out,
-                                                          tensorboard=False))
-        executor.setup()
+        options = ExecOptions(run_dir, "cpu", out=out, tensorboard=False)
+        kinds = plan_kinds(result.plan)
+        loop = TrainingLoop(result.plan, kinds, LocalTarget(result.plan, kinds, options), options)
+        loop.setup()
         known = reachable_storages()
         mode = LiveBytes(set(known))
-        executor.run_node = traced(executor.run_node, mode)  # type: ignore[method-assign]
+        ip = loop.interpreter
+        ip.run_node = traced(ip.run_node, mode)  # type: ignore[method-assign]
         with mode:
-            executor.run()
+            loop.run()
     items = {f"{i.what}:{i.owner}": i.bytes for i in mem.items}
     return {"estimate": mem.total_bytes, "measured": sum(known.values()) + mode.peak,
             "setup": sum(known.values()), "peak_node": mem.peak_node or "",

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import re
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -46,13 +45,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flowgraph.compilers.checkpoint import TrainedPart, frozen_names
+from flowgraph.compilers.checkpoint import is_sharded
 from flowgraph.errors import FlowgraphError
+from flowgraph.plan import ExecutionPlan
 from flowgraph.runtime.context import Workers
-
-DCP_DIR = "dcp"
-"""Sub-folder of a checkpoint that holds the DCP shards of models and optimizers."""
-
 
 # --- process groups ---------------------------------------------------------------------
 
@@ -174,10 +170,6 @@ def shared_params(model: nn.Module, units: Sequence[nn.Module]) -> set[nn.Parame
     return {p for p in model.parameters() if len(parts[id(p)]) > 1}
 
 
-def is_sharded(model: nn.Module) -> bool:
-    return any(hasattr(p, "to_local") for p in model.parameters())
-
-
 # --- slicing ----------------------------------------------------------------------------
 
 
@@ -207,29 +199,45 @@ class Slices:
         return hi - lo
 
 
+def cut(plan: ExecutionPlan, name: str, inputs: dict[str, Any], world: int
+        ) -> tuple[Slices, Callable[[int], dict[str, Any]]] | None:
+    """A data-parallel node's inputs cut for `world` workers as the plan dispatches
+    them: the slices, and worker w's slice of each input on an edge dispatched `split`
+    or `reshard` (whole groups of N rows where an edge is group-aligned; padded so every
+    worker runs as many rows); the other inputs go whole. None when the plan cuts no
+    input of the node."""
+    ports, aligned = [], False
+    node = plan.node(name)
+    for wired in node.inputs:
+        edge = plan.edge(wired.src, f"{name}.{wired.port}")
+        if edge.dispatch in ("split", "reshard"):
+            ports.append(wired.port)
+            aligned |= edge.group_aligned
+    if not ports:
+        return None
+    n = next((d.value for d in plan.dims if d.name == "N"), 1)
+    slices = Slices.of(len(inputs[ports[0]]), world, n if aligned else 1)
+    return slices, lambda w: {p: take(inputs[p], slices.index(w)) for p in ports}
+
+
 def take(value: Any, rows: torch.Tensor) -> Any:
     if isinstance(value, torch.Tensor):
         return value[rows.to(value.device)]
     return [value[int(i)] for i in rows]
 
 
-def _batched(value: Any, rows: int) -> bool:
-    """An output with a batch axis: k rows per input row (a 0-d tensor or a scalar has none)."""
-    if isinstance(value, torch.Tensor):
-        return value.dim() > 0 and len(value) > 0 and len(value) % rows == 0
-    return isinstance(value, list) and len(value) > 0 and len(value) % rows == 0
-
-
-def join_outputs(first: dict[str, Any], slices: Slices,
+def join_outputs(plan: ExecutionPlan, name: str, first: dict[str, Any], slices: Slices,
                  parts: Callable[[str, Any], Sequence[Any]]) -> dict[str, Any]:
-    """The whole-batch outputs of a node run on slices. `first` holds one worker's outputs;
-    `parts(port, value)` every worker's value of a batched output (an all-gather, or the
-    Ray results), concatenated here without each worker's padding: an output with k
-    rows per input row (a rollout's n samples) keeps k rows per real row. Anything
-    without a batch axis is the same on every worker and is taken as it is."""
+    """The whole-batch outputs of node `name` run on slices. `first` holds one worker's
+    outputs; `parts(port, value)` every worker's value of an output the plan says is
+    batched (`OutputPlan.batched`: an all-gather, or the Ray results), concatenated
+    here without each worker's padding: an output with k rows per input row (a
+    rollout's n samples) keeps k rows per real row. An output without a batch axis is
+    the same on every worker and is taken as it is."""
+    batched = {o.port for o in plan.node(name).outputs if o.batched}
     whole = {}
     for port, value in first.items():
-        if not _batched(value, slices.rows):
+        if port not in batched or not _rows(value):
             whole[port] = value
             continue
         kept = []
@@ -238,6 +246,13 @@ def join_outputs(first: dict[str, Any], slices: Slices,
         whole[port] = (torch.cat(kept) if isinstance(value, torch.Tensor)
                        else [x for part in kept for x in part])
     return whole
+
+
+def _rows(value: Any) -> bool:
+    """A value with rows to concatenate (a 0-d tensor or a scalar has none)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() > 0
+    return isinstance(value, list)
 
 
 def all_gather(value: Any, world: int) -> list[Any]:
@@ -249,106 +264,6 @@ def all_gather(value: Any, world: int) -> list[Any]:
     objs: list[Any] = [None] * world
     dist.all_gather_object(objs, value)
     return objs
-
-
-# --- checkpoints ------------------------------------------------------------------------
-
-
-def _options(model: nn.Module, *, full_state_dict: bool = False) -> Any:
-    """State-dict options: a model's frozen parameters (a LoRA model's base) are left
-    out of its checkpoint, as `checkpoint.TrainedPart` leaves them."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    partial = bool(frozen_names(model))
-    return StateDictOptions(full_state_dict=full_state_dict, ignore_frozen_params=partial,
-                            strict=not partial)
-
-
-def _model_state(model: nn.Module, opt: Any) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    msd, osd = get_state_dict(model, [opt] if opt is not None else [],
-                              options=_options(model))
-    return {"model": msd, "optim": osd} if opt is not None else {"model": msd}
-
-
-def dcp_save(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, Any],
-             group: Any = None) -> None:
-    """Each model (and its optimizer) into `folder/dcp/<model>`, by every worker holding
-    it (`group`: those workers; None: the default group, or this process alone)."""
-    import torch.distributed.checkpoint as dcp
-
-    for name, model in models.items():
-        with warnings.catch_warnings():  # a worker of a one-worker pool: on purpose
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.save(_model_state(model, optimizers.get(name)),
-                     checkpoint_id=str(folder / DCP_DIR / name), process_group=group,
-                     no_dist=not dist.is_initialized())
-
-
-def dcp_load(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, Any],
-             group: Any = None) -> None:
-    """The inverse of `dcp_save`, into models sharded over any number of workers."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    for name, model in models.items():
-        where = folder / DCP_DIR / name
-        if not (where / ".metadata").exists():
-            raise FlowgraphError(f"checkpoint `{folder}` holds no weights for `{name}`")
-        opt = optimizers.get(name)
-        state = _model_state(model, opt)
-        with warnings.catch_warnings():  # one process (the local target): on purpose
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(where), process_group=group,
-                     no_dist=not dist.is_initialized())
-        set_state_dict(model, [opt] if opt is not None else [],
-                       model_state_dict=state["model"],
-                       optim_state_dict=state.get("optim", {}), options=_options(model))
-
-
-def dcp_full_model(folder: Path, name: str, model: nn.Module) -> None:
-    """Load model `name` of a DCP checkpoint whole into a plain model, in one process."""
-    import torch.distributed.checkpoint as dcp
-
-    part = TrainedPart(model)
-    state = {"model": part.state_dict()}
-    with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(folder / DCP_DIR / name), no_dist=True)
-    part.load_state_dict(state["model"])
-
-
-def has_dcp(folder: Path) -> bool:
-    return (folder / DCP_DIR).is_dir()
-
-
-def load_whole(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, Any]
-               ) -> None:
-    """A checkpoint of the local target (`model.<name>.pt`, `optim.<name>.pt`: whole
-    tensors) into models sharded over any number of workers: each keeps its shards."""
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    for name, model in models.items():
-        weights = torch.load(folder / f"model.{name}.pt", map_location="cpu")
-        opt = optimizers.get(name)
-        optim = ({} if opt is None else _named_optim_state(
-            model, opt, torch.load(folder / f"optim.{name}.pt", map_location="cpu")))
-        set_state_dict(model, [opt] if opt is not None else [], model_state_dict=weights,
-                       optim_state_dict=optim, options=_options(model, full_state_dict=True))
-
-
-def _named_optim_state(model: nn.Module, opt: Any, saved: dict[str, Any]) -> dict[str, Any]:
-    """`Optimizer.state_dict()` (parameters numbered in `opt`'s order) keyed by parameter
-    name instead, as `set_state_dict` takes it (a shared parameter by its first name)."""
-    fqn = {id(p): name for name, p in model.named_parameters()}
-    names: dict[int, str] = {}
-    groups: list[dict[str, Any]] = []
-    for group, kept in zip(opt.param_groups, saved["param_groups"], strict=True):
-        ours = [fqn[id(p)] for p in group["params"]]
-        names.update(zip(kept["params"], ours, strict=True))
-        groups.append({**kept, "params": ours})
-    return {"state": {names[i]: v for i, v in saved["state"].items()}, "param_groups": groups}
 
 
 def status_file(run_dir: Path, rank: int) -> Path:

@@ -16,15 +16,22 @@ import os
 import random
 import re
 import shutil
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
-from flowgraph.compilers.rollouts import Rollout, save_buffer
 from flowgraph.errors import FlowgraphError
 
 _STEP = re.compile(r"^step_(\d+)$")
+DCP_DIR = "dcp"
+"""Sub-folder of a checkpoint that holds the DCP shards of models and optimizers."""
+BUFFER = "rollouts.pt"
+"""The rollout buffer of an asynchronous run in a checkpoint folder."""
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -151,3 +158,183 @@ def _prune(root: Path, keep: int) -> None:
     steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)))
     for _, p in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(p, ignore_errors=True)
+
+
+# --- a process's trained models, optimizers and schedulers ------------------------------
+
+
+def trained_modules(models: dict[str, nn.Module], optimizers: dict[str, Any],
+                    schedulers: dict[str, Any]) -> dict[str, Any]:
+    """File stem -> what a whole checkpoint saves: each trained model (`TrainedPart`), its
+    optimizer and LR schedule."""
+    mods: dict[str, Any] = {f"model.{name}": TrainedPart(m) for name, m in models.items()}
+    for name, opt in optimizers.items():
+        mods[f"optim.{name}"] = opt
+        mods[f"sched.{name}"] = schedulers[name]
+    return mods
+
+
+def save_shards(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, Any],
+                schedulers: dict[str, Any], rank: int) -> None:
+    """One worker's part of a distributed checkpoint in `folder`: its DCP shards of the
+    trained models and optimizers; the schedulers (the same on every worker) from
+    worker 0."""
+    dcp_save(folder, models, optimizers)
+    if rank == 0:
+        for name, sched in schedulers.items():
+            torch.save(sched.state_dict(), folder / f"sched.{name}.pt")
+
+
+def load_weights(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, Any],
+                 schedulers: dict[str, Any]) -> None:
+    """Models, optimizers and schedulers from the checkpoint in `folder`, whichever
+    target wrote it: whole files (local target; RNG states too) or DCP shards (fsdp,
+    ray), into whole models or sharded ones (fsdp, ray)."""
+    dcp = has_dcp(folder)
+    if not dcp and not any(map(is_sharded, models.values())):
+        load_checkpoint(folder, modules=trained_modules(models, optimizers, schedulers))
+        return
+    (dcp_load if dcp else load_whole)(folder, models, optimizers)
+    for name, sched in schedulers.items():
+        sched.load_state_dict(torch.load(folder / f"sched.{name}.pt", weights_only=False))
+
+
+# --- sharded checkpoints: DCP ------------------------------------------------------------
+
+
+def _options(model: nn.Module, *, full_state_dict: bool = False) -> Any:
+    """State-dict options: a model's frozen parameters (a LoRA model's base) are left
+    out of its checkpoint, as `checkpoint.TrainedPart` leaves them."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    partial = bool(frozen_names(model))
+    return StateDictOptions(full_state_dict=full_state_dict, ignore_frozen_params=partial,
+                            strict=not partial)
+
+
+def _model_state(model: nn.Module, opt: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, [opt] if opt is not None else [],
+                              options=_options(model))
+    return {"model": msd, "optim": osd} if opt is not None else {"model": msd}
+
+
+def dcp_save(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, Any],
+             group: Any = None) -> None:
+    """Each model (and its optimizer) into `folder/dcp/<model>`, by every worker holding
+    it (`group`: those workers; None: the default group, or this process alone)."""
+    import torch.distributed.checkpoint as dcp
+
+    for name, model in models.items():
+        with warnings.catch_warnings():  # a worker of a one-worker pool: on purpose
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.save(_model_state(model, optimizers.get(name)),
+                     checkpoint_id=str(folder / DCP_DIR / name), process_group=group,
+                     no_dist=not dist.is_initialized())
+
+
+def dcp_load(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, Any],
+             group: Any = None) -> None:
+    """The inverse of `dcp_save`, into models sharded over any number of workers."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    for name, model in models.items():
+        where = folder / DCP_DIR / name
+        if not (where / ".metadata").exists():
+            raise FlowgraphError(f"checkpoint `{folder}` holds no weights for `{name}`")
+        opt = optimizers.get(name)
+        state = _model_state(model, opt)
+        with warnings.catch_warnings():  # one process (the local target): on purpose
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(where), process_group=group,
+                     no_dist=not dist.is_initialized())
+        set_state_dict(model, [opt] if opt is not None else [],
+                       model_state_dict=state["model"],
+                       optim_state_dict=state.get("optim", {}), options=_options(model))
+
+
+def dcp_full_model(folder: Path, name: str, model: nn.Module) -> None:
+    """Load model `name` of a DCP checkpoint whole into a plain model, in one process."""
+    import torch.distributed.checkpoint as dcp
+
+    part = TrainedPart(model)
+    state = {"model": part.state_dict()}
+    with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(folder / DCP_DIR / name), no_dist=True)
+    part.load_state_dict(state["model"])
+
+
+def has_dcp(folder: Path) -> bool:
+    return (folder / DCP_DIR).is_dir()
+
+
+def load_whole(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, Any]
+               ) -> None:
+    """A checkpoint of the local target (`model.<name>.pt`, `optim.<name>.pt`: whole
+    tensors) into models sharded over any number of workers: each keeps its shards."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    for name, model in models.items():
+        weights = torch.load(folder / f"model.{name}.pt", map_location="cpu")
+        opt = optimizers.get(name)
+        optim = ({} if opt is None else _named_optim_state(
+            model, opt, torch.load(folder / f"optim.{name}.pt", map_location="cpu")))
+        set_state_dict(model, [opt] if opt is not None else [], model_state_dict=weights,
+                       optim_state_dict=optim, options=_options(model, full_state_dict=True))
+
+
+def _named_optim_state(model: nn.Module, opt: Any, saved: dict[str, Any]) -> dict[str, Any]:
+    """`Optimizer.state_dict()` (parameters numbered in `opt`'s order) keyed by parameter
+    name instead, as `set_state_dict` takes it (a shared parameter by its first name)."""
+    fqn = {id(p): name for name, p in model.named_parameters()}
+    names: dict[int, str] = {}
+    groups: list[dict[str, Any]] = []
+    for group, kept in zip(opt.param_groups, saved["param_groups"], strict=True):
+        ours = [fqn[id(p)] for p in group["params"]]
+        names.update(zip(kept["params"], ours, strict=True))
+        groups.append({**kept, "params": ours})
+    return {"state": {names[i]: v for i, v in saved["state"].items()}, "param_groups": groups}
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return any(hasattr(p, "to_local") for p in model.parameters())
+
+
+# --- the rollout buffer of an asynchronous run ---------------------------------------
+
+
+@dataclass
+class Rollout:
+    """The producer's outputs for the batch of one step, and where they came from."""
+
+    index: int
+    """The step whose batch this is (block); the production count (drop)."""
+    version: int
+    """Updates applied to the weights that generated it: the policy version."""
+    env: dict[tuple[str, str], Any] = field(default_factory=dict)
+    """Every producer output, `(node, port)` -> tensor or list."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """What the producer's nodes reported (the filter's counts, the rollout's tokens)."""
+    cursors: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Each data source's cursor after this batch was drawn."""
+    node_state: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The producer nodes' state after it (an adaptive KL coefficient): checkpointed
+    with the buffer, as the cursors are."""
+    error: BaseException | None = None
+    """A NaN in the producer: raised at the step whose batch this is."""
+
+
+def save_buffer(folder: Path, items: list[Rollout]) -> None:
+    """The buffer of a checkpoint, written into its folder."""
+    torch.save([vars(item) for item in items], folder / BUFFER)
+
+
+def load_buffer(folder: Path) -> list[Rollout] | None:
+    """A checkpoint's buffer; None when it holds none (a synchronous run wrote it)."""
+    path = folder / BUFFER
+    if not path.exists():
+        return None
+    return [Rollout(**item) for item in torch.load(path, weights_only=False)]

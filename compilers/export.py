@@ -17,9 +17,15 @@ from pathlib import Path
 
 import torch
 
-from flowgraph.compilers import _dist
 from flowgraph.compilers.build import lora_config
-from flowgraph.compilers.checkpoint import TrainedPart, checkpoint_root, latest_checkpoint
+from flowgraph.compilers.checkpoint import (
+    DCP_DIR,
+    TrainedPart,
+    checkpoint_root,
+    dcp_full_model,
+    has_dcp,
+    latest_checkpoint,
+)
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan
@@ -37,8 +43,8 @@ def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = Non
         raise FlowgraphError(f"`{out}` is not empty; export into a new folder, or pass "
                              "--force to write over its files")
     folder = _checkpoint(run_dir, step)
-    sharded = _dist.has_dcp(folder)  # written by the fsdp or ray target
-    weights = (folder / _dist.DCP_DIR / model / ".metadata" if sharded
+    sharded = has_dcp(folder)  # written by the fsdp or ray target
+    weights = (folder / DCP_DIR / model / ".metadata" if sharded
                else folder / f"model.{model}.pt")
     if not weights.exists():
         raise FlowgraphError(f"checkpoint `{folder}` holds no weights for `{model}`")
@@ -50,7 +56,7 @@ def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = Non
         peft_model = get_peft_model(lm, lora_config(spec.lora))
         lm = peft_model.base_model.model
     if sharded:
-        _dist.dcp_full_model(folder, model, lm)
+        dcp_full_model(folder, model, lm)
     else:
         TrainedPart(lm).load_state_dict(torch.load(weights, weights_only=False))
     out.mkdir(parents=True, exist_ok=True)

@@ -3,8 +3,8 @@
 `flowgraph run FILE --target fsdp --nproc N` starts N processes through torch's
 elastic launcher (what `torchrun` runs; `--nnodes/--node-rank/--rdzv-endpoint` for
 several machines), or, started by `torchrun` itself (`WORLD_SIZE` set), runs as one of
-its ranks. Every rank runs this executor, which is the local one with placement and
-dispatch overridden:
+its ranks. Every rank runs the training loop (`flowgraph.compilers.loop`) with an
+`FsdpTarget`:
 
 * placement: models the plan marks `full_shard` are wrapped with FSDP2 per block
   (`_dist.shard_model`; heads and tied embeddings replicated), gloo on CPU, nccl on
@@ -35,7 +35,7 @@ import socket
 import sys
 import traceback
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TextIO
@@ -44,97 +44,111 @@ import torch
 import torch.distributed as dist
 
 from flowgraph.compilers import RunOptions, _dist
+from flowgraph.compilers.build import plan_kinds
 from flowgraph.compilers.checkpoint import (
+    Rollout,
     begin_checkpoint,
     checkpoint_root,
     latest_checkpoint,
+    load_weights,
     publish_checkpoint,
     rng_state,
+    save_shards,
     set_rng_state,
 )
-from flowgraph.compilers.local import ExecOptions, LocalExecutor, prepare_run
-from flowgraph.errors import FlowgraphError, RankFailed
-from flowgraph.plan import ExecutionPlan
-from flowgraph.runtime.metrics import MetricsLog, serving
+from flowgraph.compilers.local import prepare_run
+from flowgraph.compilers.loop import TrainingLoop
+from flowgraph.compilers.target import Report
+from flowgraph.compilers.worker import ExecOptions, Worker
+from flowgraph.errors import FlowgraphError, RankFailed, WorkerLost
+from flowgraph.plan import ExecutionPlan, ModelPlacement
+from flowgraph.registry import KindSpec
+from flowgraph.runtime.metrics import serving
 
 
-class FsdpExecutor(LocalExecutor):
+class FsdpTarget:
     """One rank of an fsdp run."""
 
-    overlap_rollouts = False  # every rank produces its asynchronous rollouts in its loop
+    label = "rank0"
 
-    def __init__(self, plan: ExecutionPlan, options: ExecOptions, rank: int, world: int,
-                 *, exporting: bool = False) -> None:
-        super().__init__(plan, options)
-        self.rank, self.world = rank, world
-        self.workers = world
+    def __init__(self, plan: ExecutionPlan, kinds: dict[str, KindSpec], opts: ExecOptions,
+                 rank: int, world: int, *, exporting: bool = False) -> None:
+        self.plan, self.opts, self.rank, self.world = plan, opts, rank, world
+        self.writes = rank == 0
         self.exporting = exporting
         """Prometheus is on (rank 0 serves it): every rank reports to rank 0 each step."""
         self.group = _dist.DataParallel()
+        self.worker = Worker(plan, kinds, opts, tuple(m for p in plan.pools for m in p.models),
+                             place=self._place)
+
+    def _place(self, placed: ModelPlacement, model: torch.nn.Module) -> torch.nn.Module:
+        """FSDP2 over the ranks where the plan says `full_shard` (heads and tied
+        embeddings replicated), else whole on every rank."""
+        if self.world > 1 and placed.sharding == "full_shard":
+            return _dist.shard_model(model, self.opts.device)
+        return model
+
+    def start(self) -> None:
+        self.worker.load_models()
 
     # -- dispatch -------------------------------------------------------------------------
 
-    def call(self, name: str, env: dict[tuple[str, str], Any], step: int,
-             params: dict[str, Any], metrics: dict[str, float], **dp: Any
-             ) -> tuple[dict[str, Any], float]:
+    def dispatch(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
+                 metrics: dict[str, float], *, evaluation: bool = False
+                 ) -> tuple[dict[str, Any], float]:
         """A data-parallel node on this rank's slice, its outputs all-gathered; an update
         on the whole batch (it takes its share of each mini-batch); the rest whole."""
-        _dist.write_status(self.opts.run_dir, self.rank, step, name)
         node = self.plan.node(name)
-        if self.world == 1 or not node.data_parallel:
-            return super().call(name, env, step, params, metrics)
+        if evaluation or self.world == 1 or not node.data_parallel:
+            if not evaluation:
+                _dist.write_status(self.opts.run_dir, self.rank, step, name)
+            return self.worker.dispatch(name, inputs, step, params, metrics,
+                                        evaluation=evaluation)
+        _dist.write_status(self.opts.run_dir, self.rank, step, name)
         dp = {"dp_rank": self.rank, "dp_size": self.world, "workers": self.group}
         if node.trains:
-            return super().call(name, env, step, params, metrics, **dp)
-        inputs = {(ref.node, ref.port): port for port, ref in self.nodes[name].inputs}
-        cut = self.cut(name, {port: env[key] for key, port in inputs.items()}, self.world)
+            return self.worker.call(name, inputs, step, params, metrics, **dp)
+        cut = _dist.cut(self.plan, name, inputs, self.world)
         if cut is None:  # nothing to cut: every rank runs the whole batch
-            return super().call(name, env, step, params, metrics)
+            return self.worker.call(name, inputs, step, params, metrics)
         slices, part = cut
-        mine = part(self.rank)
-        env = {**env, **{key: mine[port] for key, port in inputs.items() if port in mine}}
-        outputs, seconds = super().call(name, env, step, params, metrics,
-                                        row_offset=slices.bounds[self.rank][0], **dp)
-        return _dist.join_outputs(outputs, slices,
+        outputs, seconds = self.worker.call(name, {**inputs, **part(self.rank)}, step, params,
+                                            metrics, row_offset=slices.bounds[self.rank][0],
+                                            **dp)
+        return _dist.join_outputs(self.plan, name, outputs, slices,
                                   lambda _, value: _dist.all_gather(value, self.world)), seconds
 
     # -- checkpoints ----------------------------------------------------------------------
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, state: dict[str, Any], rollouts: list[Rollout] | None
+             ) -> None:
         run_dir = self.opts.run_dir
         tmp = checkpoint_root(run_dir) / f"step_{step}.tmp-fsdp"
         if self.rank == 0:
             begin_checkpoint(run_dir, step, "tmp-fsdp")
         dist.barrier()
-        self.save_shards(tmp)
+        w = self.worker
+        save_shards(tmp, w.saved_models(), w.optimizers, w.schedulers, self.rank)
         torch.save(rng_state(), tmp / f"rng.rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
-            publish_checkpoint(tmp, self.run_state(step),
-                               keep=self.graph.trainer.max_checkpoints,
-                               rollouts=self.buffered(step))
+            publish_checkpoint(tmp, state, keep=self.plan.graph.trainer.max_checkpoints,
+                               rollouts=rollouts)
         dist.barrier()
 
-    def load_weights(self, folder: Path) -> None:
-        super().load_weights(folder)
+    def load(self, folder: Path) -> None:
+        w = self.worker
+        load_weights(folder, w.saved_models(), w.optimizers, w.schedulers)
         rng = folder / f"rng.rank{self.rank}.pt"
         if rng.exists():  # absent: more ranks than wrote it, or another target wrote it
             set_rng_state(torch.load(rng, weights_only=False))
 
-    # -- run artefacts: rank 0 writes -------------------------------------------------------
+    # -- the run ----------------------------------------------------------------------------
 
-    def prepare_run_dir(self) -> None:
-        if self.rank == 0:
-            super().prepare_run_dir()
+    def barrier(self) -> None:
         dist.barrier()
 
-    def open_log(self, worker: str = "rank0") -> MetricsLog:
-        if self.rank == 0:
-            return super().open_log(worker)
-        return _Silent(self.opts.run_dir)
-
-    def worker_reports(self, step: int, metrics: dict[str, float]
-                       ) -> list[tuple[str, dict[str, float], list[tuple[str, int]]]]:
+    def report(self, step: int, metrics: dict[str, float]) -> list[Report]:
         """Every rank's node seconds and memory, gathered on rank 0 for its endpoint (a
         `worker="rank<R>"` label each; rank 0's own row goes through its MetricsLog)."""
         if not self.exporting or self.world == 1:
@@ -150,20 +164,10 @@ class FsdpExecutor(LocalExecutor):
         return [(f"rank{rank}", timings if rank else {}, memory)
                 for rank, (timings, memory) in enumerate(every)]
 
+    def recover(self, exc: WorkerLost, step: int) -> Path | None:
+        raise exc  # a lost rank ends the job; the launcher says how to resume
 
-class _Silent(MetricsLog):
-    """The log of ranks > 0: rank 0 writes the run's one metrics.jsonl."""
-
-    def __init__(self, run_dir: Path) -> None:
-        super().__init__(run_dir, out=sys.stdout)
-
-    def truncate_after(self, step: int) -> None:
-        pass
-
-    def write(self, step: int, metrics: dict[str, float]) -> None:
-        pass
-
-    def table(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+    def completed(self, saved: bool) -> None:
         pass
 
 
@@ -199,11 +203,13 @@ def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | No
             # the hang ends the job like a death (and names the ranks' positions).
             _dist.init_group(rank, world, device,
                              timeout_s=plan.graph.trainer.step_timeout_s or 1800.0)
-            executor = FsdpExecutor(plan, ExecOptions(run_dir, device, strict, resume,
-                                                      out=sys.stdout, exporter=exporter),
-                                    rank, world, exporting=exporting)
-            executor.setup()
-            executor.run()
+            options = ExecOptions(run_dir, device, strict, resume, out=sys.stdout,
+                                  exporter=exporter)
+            kinds = plan_kinds(plan)
+            target = FsdpTarget(plan, kinds, options, rank, world, exporting=exporting)
+            loop = TrainingLoop(plan, kinds, target, options)
+            loop.setup()
+            loop.run()
     except BaseException as exc:
         where = _dist.read_status(run_dir, rank)
         text = f"{type(exc).__name__}: {exc}" if not isinstance(exc, FlowgraphError) else str(exc)

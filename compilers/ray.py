@@ -3,8 +3,8 @@
 `flowgraph run FILE --target ray [--address ADDR]` runs this driver in the launching
 process. With no address it starts an embedded Ray cluster on this machine (as many
 logical CPUs as the plan's bundles need, at least the machine's cores); with one, it
-joins that cluster. The driver is the local executor with placement and dispatch
-overridden:
+joins that cluster. The driver runs the training loop (`flowgraph.compilers.loop`)
+with a `RayTarget`:
 
 * placement: each pool of the plan (e.g. `actor_rollout_ref`: actor, rollout and
   reference colocated; `critic`) becomes a placement group with one bundle per worker
@@ -40,24 +40,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from flowgraph.compilers import RunOptions, _dist
+from flowgraph.compilers.build import plan_kinds
 from flowgraph.compilers.checkpoint import (
+    Rollout,
     begin_checkpoint,
     latest_checkpoint,
     publish_checkpoint,
 )
-from flowgraph.compilers.local import (
-    ExecOptions,
-    LocalExecutor,
-    pick_device,
-    prepare_run,
-)
+from flowgraph.compilers.local import prepare_run
+from flowgraph.compilers.loop import TrainingLoop
+from flowgraph.compilers.ray_worker import RayWorker
+from flowgraph.compilers.target import Report
+from flowgraph.compilers.worker import ExecOptions, Worker
 from flowgraph.errors import DEBUG_ENV, FlowgraphError, NodeError, WorkerLost
-from flowgraph.plan import DRIVER, ExecutionPlan, ModelPlacement, PoolPlan
-from flowgraph.registry import plugin_source
-from flowgraph.runtime.metrics import MetricsLog, serving
+from flowgraph.plan import DRIVER, ExecutionPlan, PoolPlan
+from flowgraph.registry import KindSpec, plugin_source
+from flowgraph.runtime.metrics import serving
 
 MAX_RESTARTS = 3
 """Worker-group restarts allowed without a new checkpoint in between."""
@@ -75,109 +74,6 @@ def _where(where: tuple[str, int] | None) -> str:
     return f" in node `{where[0]}` at step {where[1]}" if where else ""
 
 
-# --- the worker ------------------------------------------------------------------------------
-
-
-class PoolExecutor(LocalExecutor):
-    """A worker's executor: its pool's models only, nodes called one at a time."""
-
-    def __init__(self, plan: ExecutionPlan, options: ExecOptions, pool: PoolPlan,
-                 rank: int) -> None:
-        super().__init__(plan, options)
-        self.pool, self.rank, self.workers = pool, rank, pool.size
-        self.group = _dist.DataParallel() if pool.size > 1 else None
-
-    def load_data(self) -> None:
-        pass  # the driver draws the batches
-
-    def hosted_models(self) -> tuple[ModelPlacement, ...]:
-        return self.pool.models
-
-
-class RayWorker:
-    """One worker of a pool (a Ray actor; `ray.remote` wraps it when the group starts)."""
-
-    def __init__(self, plan_json: str, pool: str, rank: int, cwd: str, path: list[str]
-                 ) -> None:
-        from flowgraph.compilers.local import _quiet_hf
-
-        _quiet_hf()
-        os.chdir(cwd)  # model and data paths are relative to where the run started
-        sys.path[:0] = [p for p in path if p not in sys.path]
-        self.plan = ExecutionPlan.from_json(plan_json)
-        self.pool = self.plan.pool(pool)
-        self.rank = rank
-        self.executor: PoolExecutor | None = None
-
-    def endpoint(self) -> tuple[str, int]:
-        """(address, free port) for the pool's process group; asked of worker 0."""
-        import socket
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = int(s.getsockname()[1])
-        return ray.util.get_node_ip_address(), port
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def memory(self) -> list[tuple[str, int]]:
-        from flowgraph.runtime.prometheus import process_memory
-
-        return process_memory()
-
-    def setup(self, addr: str, port: int, run_dir: str, checkpoint: str | None) -> None:
-        device = pick_device(self.pool.device.split(":")[0])
-        cpus = self.pool.bundles[self.rank].cpu if self.pool.bundles else 1
-        torch.set_num_threads(max(cpus, 1))
-        if self.pool.size > 1:
-            _dist.init_group(self.rank, self.pool.size, device, addr=addr, port=port)
-        self.executor = PoolExecutor(self.plan, ExecOptions(Path(run_dir), device),
-                                     self.pool, self.rank)
-        self.executor.setup()
-        if checkpoint is not None:
-            self.load(checkpoint)
-
-    def load(self, checkpoint: str) -> None:
-        """Weights, optimizer and scheduler states of this pool from a checkpoint."""
-        self._ready().load_weights(Path(checkpoint))
-
-    def call(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
-             dp: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str, float]]:
-        """Run node `name` on `inputs` (port -> value, or the object-store reference of a
-        value every worker shares); (outputs, seconds, metrics)."""
-        ex = self._ready()
-        env = self._env(ex, name, inputs)
-        if ex.group is not None and "dp_size" in dp:
-            dp = {**dp, "workers": ex.group}
-        metrics: dict[str, float] = {}
-        outputs, seconds = ex.call(name, env, step, params, metrics, **dp)
-        return outputs, seconds, metrics
-
-    def update_eval(self, name: str, inputs: dict[str, Any], step: int) -> dict[str, float]:
-        ex = self._ready()
-        env = self._env(ex, name, inputs)
-        metrics: dict[str, float] = {}
-        with torch.no_grad():
-            ex._update_eval(name, env, step, metrics)
-        return metrics
-
-    def save(self, folder: str) -> None:
-        self._ready().save_shards(Path(folder))
-
-    @staticmethod
-    def _env(ex: PoolExecutor, name: str, inputs: dict[str, Any]) -> dict[tuple[str, str], Any]:
-        refs = [v for v in inputs.values() if isinstance(v, ray.ObjectRef)]
-        got = dict(zip(map(id, refs), ray.get(refs), strict=True)) if refs else {}
-        return {(ref.node, ref.port): got.get(id(inputs[port]), inputs[port])
-                for port, ref in ex.nodes[name].inputs}
-
-    def _ready(self) -> PoolExecutor:
-        if self.executor is None:
-            raise FlowgraphError("worker used before setup")
-        return self.executor
-
-
 # --- the driver ------------------------------------------------------------------------------
 
 
@@ -190,13 +86,18 @@ class Group:
     pg: Any
 
 
-class RayExecutor(LocalExecutor):
-    """The single controller."""
+class RayTarget:
+    """The single controller: it hosts no model, runs the model-free nodes itself and
+    sends the others to their pool's workers."""
 
-    overlap_rollouts = False  # asynchronous rollouts are produced in the driver's loop
+    label = "driver"
+    writes = True
 
-    def __init__(self, plan: ExecutionPlan, options: ExecOptions) -> None:
-        super().__init__(plan, options)
+    def __init__(self, plan: ExecutionPlan, kinds: dict[str, KindSpec], opts: ExecOptions
+                 ) -> None:
+        self.plan, self.opts = plan, opts
+        self.worker = Worker(plan, kinds, opts, ())
+        """The driver's own: model-free nodes, their state, the tokenizers."""
         self.groups: dict[str, Group] = {}
         self.restarts: list[float] = []
         """Seconds from each noticed fault to the next completed step."""
@@ -209,11 +110,9 @@ class RayExecutor(LocalExecutor):
 
     # -- worker groups --------------------------------------------------------------------
 
-    def load_models(self) -> None:
-        """The driver hosts no model: it starts a worker group per pool instead."""
-        self.start_groups(None)
-
-    def start_groups(self, checkpoint: Path | None) -> None:
+    def start(self, checkpoint: Path | None = None) -> None:
+        """A placement group and a group of `RayWorker`s per pool, set up (their models
+        loaded, from `checkpoint` when given)."""
         plan_json = self.plan.to_json()
         cwd, path = os.getcwd(), [p for p in sys.path if p]
         for pool in self.plan.pools:
@@ -246,7 +145,7 @@ class RayExecutor(LocalExecutor):
         (self.opts.run_dir / ".ranks" / "workers.json").write_text(
             json.dumps(self.worker_pids(), indent=2))
 
-    def stop_groups(self) -> None:
+    def stop(self) -> None:
         for group in self.groups.values():
             for w in group.workers:
                 ray.kill(w, no_restart=True)
@@ -262,7 +161,7 @@ class RayExecutor(LocalExecutor):
         """ray.get with the step timeout (`timed`); a dead or silent worker raises
         WorkerLost, a node's own error comes back as it was raised in the worker.
         `where`: the node and step waited for."""
-        timeout = (self.graph.trainer.step_timeout_s or None) if timed else None
+        timeout = (self.plan.graph.trainer.step_timeout_s or None) if timed else None
         try:
             return ray.get(refs, timeout=timeout)
         except RayTaskError as exc:
@@ -279,100 +178,85 @@ class RayExecutor(LocalExecutor):
 
     # -- dispatch ---------------------------------------------------------------------------
 
-    def call(self, name: str, env: dict[tuple[str, str], Any], step: int,
-             params: dict[str, Any], metrics: dict[str, float], **dp: Any
-             ) -> tuple[dict[str, Any], float]:
-        pool = self.plan.node(name).pool
-        if pool not in self.groups:
-            return super().call(name, env, step, params, metrics)
-        group, node = self.groups[pool], self.nodes[name]
-        inputs = {port: env[(ref.node, ref.port)] for port, ref in node.inputs}
-        world = len(group.workers)
+    def dispatch(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
+                 metrics: dict[str, float], *, evaluation: bool = False
+                 ) -> tuple[dict[str, Any], float]:
+        """A node of a pool on its workers: sliced where the plan splits its inputs (the
+        slices come back and are concatenated), else the whole batch to every worker (an
+        update takes its share of each mini-batch); a model-free node here."""
         placed = self.plan.node(name)
-        cut = None if world == 1 or placed.trains or not placed.data_parallel \
-            else self.cut(name, inputs, world)
+        if placed.pool not in self.groups:
+            return self.worker.dispatch(name, inputs, step, params, metrics,
+                                        evaluation=evaluation)
+        group = self.groups[placed.pool]
+        world = len(group.workers)
+        cut = None if world == 1 or placed.trains or not placed.data_parallel or evaluation \
+            else _dist.cut(self.plan, name, inputs, world)
         if cut is None:  # the whole batch to every worker (an update takes its share)
             shared = {port: ray.put(v) for port, v in inputs.items()}
             extra = [{"dp_rank": w, "dp_size": world} if world > 1 else {}
                      for w in range(world)]
-            results = self._get([wk.call.remote(name, shared, step, params, extra[w])
+            results = self._get([wk.call.remote(name, shared, step, params, extra[w],
+                                                evaluation)
                                  for w, wk in enumerate(group.workers)], (name, step))
-            self._timed(pool, name, [r[1] for r in results])
-            outputs, _, worker_metrics = results[0]
-            metrics.update(worker_metrics)
-            return outputs, max(r[1] for r in results)
-        slices, part = cut
-        parts = [part(w) for w in range(world)]
-        shared = {p: ray.put(v) for p, v in inputs.items() if p not in parts[0]}  # once
-        calls = [wk.call.remote(name, {**shared, **parts[w]}, step, params,
-                                {"dp_rank": w, "dp_size": world,
-                                 "row_offset": slices.bounds[w][0]})
-                 for w, wk in enumerate(group.workers)]
-        results = self._get(calls, (name, step))
-        self._timed(pool, name, [r[1] for r in results])
-        outputs = _dist.join_outputs(results[0][0], slices,
-                                     lambda port, _: [r[0][port] for r in results])
+        else:
+            slices, part = cut
+            parts = [part(w) for w in range(world)]
+            shared = {p: ray.put(v) for p, v in inputs.items() if p not in parts[0]}  # once
+            results = self._get([wk.call.remote(name, {**shared, **parts[w]}, step, params,
+                                                {"dp_rank": w, "dp_size": world,
+                                                 "row_offset": slices.bounds[w][0]})
+                                 for w, wk in enumerate(group.workers)], (name, step))
+        if not evaluation:
+            for w, r in enumerate(results):
+                self.worker_times.setdefault(f"{placed.pool}/{w}", {})[f"timing_s/{name}"] = r[1]
+        outputs = results[0][0] if cut is None else _dist.join_outputs(
+            self.plan, name, results[0][0], cut[0],
+            lambda port, _: [r[0][port] for r in results])
         metrics.update(results[0][2])
         return outputs, max(r[1] for r in results)
 
-    def _timed(self, pool: str, name: str, seconds: list[float]) -> None:
-        for w, s in enumerate(seconds):
-            self.worker_times.setdefault(f"{pool}/{w}", {})[f"timing_s/{name}"] = s
-
-    def run_step(self, step: int, *, strict: bool) -> dict[str, float]:
-        """The step; the first one completed after a restart says how long recovering
-        took (`perf/recovery_s`)."""
-        self.worker_times = {}
-        metrics = super().run_step(step, strict=strict)
+    def report(self, step: int, metrics: dict[str, float]) -> list[Report]:
+        """The first step completed after a restart says how long recovering took
+        (`perf/recovery_s`); with Prometheus on, every pool worker's node seconds and
+        memory (one endpoint on the driver, a `worker="<pool>/<rank>"` label each)."""
         if self.failed_at is not None:
             metrics["perf/recovery_s"] = time.perf_counter() - self.failed_at
             self.restarts.append(metrics["perf/recovery_s"])
             self.failed_at = None
-        return metrics
-
-    def worker_reports(self, step: int, metrics: dict[str, float]
-                       ) -> list[tuple[str, dict[str, float], list[tuple[str, int]]]]:
-        """With Prometheus on, every pool worker's node seconds and memory (one endpoint
-        on the driver, a `worker="<pool>/<rank>"` label each)."""
+        times, self.worker_times = self.worker_times, {}
         if self.opts.exporter is None:
             return []
         out = []
         for name, group in self.groups.items():
             usage = self._get([w.memory.remote() for w in group.workers])
-            out += [(f"{name}/{rank}", self.worker_times.get(f"{name}/{rank}", {}), memory)
+            out += [(f"{name}/{rank}", times.get(f"{name}/{rank}", {}), memory)
                     for rank, memory in enumerate(usage)]
         return out
 
-    def open_log(self, worker: str = "driver") -> MetricsLog:
-        return super().open_log(worker)
-
-    def _update_eval(self, name: str, env: dict[tuple[str, str], Any], step: int,
-                     metrics: dict[str, float]) -> None:
-        group = self.groups[self.plan.node(name).pool]
-        node = self.nodes[name]
-        inputs = {port: ray.put(env[(ref.node, ref.port)]) for port, ref in node.inputs}
-        results = self._get([w.update_eval.remote(name, inputs, step) for w in group.workers],
-                            (name, step))
-        metrics.update(results[0])
+    def barrier(self) -> None:
+        pass
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, state: dict[str, Any], rollouts: list[Rollout] | None
+             ) -> None:
         tmp = begin_checkpoint(self.opts.run_dir, step, "tmp-ray")
         self._get([w.save.remote(str(tmp)) for g in self.groups.values() for w in g.workers])
-        publish_checkpoint(tmp, self.run_state(step), keep=self.graph.trainer.max_checkpoints,
-                           rollouts=self.buffered(step))
+        publish_checkpoint(tmp, state, keep=self.plan.graph.trainer.max_checkpoints,
+                           rollouts=rollouts)
 
-    def load_weights(self, folder: Path) -> None:
+    def load(self, folder: Path) -> None:
         """Every worker loads its pool's part of the checkpoint."""
         self._get([w.load.remote(str(folder)) for g in self.groups.values()
                    for w in g.workers], timed=False)
 
     # -- restarts ---------------------------------------------------------------------------
 
-    def recover(self, exc: WorkerLost, step: int) -> int:
-        """Fresh worker groups holding the last checkpoint; the step to run next. After
-        `MAX_RESTARTS` restarts without a new checkpoint in between, the run stops."""
+    def recover(self, exc: WorkerLost, step: int) -> Path | None:
+        """Fresh worker groups holding the last checkpoint, which the loop then goes on
+        from (None: none yet, start over). After `MAX_RESTARTS` restarts without a new
+        checkpoint in between, the run stops."""
         self.tries += 1
         if self.tries > MAX_RESTARTS:
             raise WorkerLost(f"{exc}; gave up after {MAX_RESTARTS} restarts without a new "
@@ -380,18 +264,10 @@ class RayExecutor(LocalExecutor):
         self.failed_at = self.failed_at or time.perf_counter()
         print(f"step {step}: {exc}; restarting the worker groups from the last checkpoint",
               file=self.opts.out or sys.stdout, flush=True)
-        self.stop_groups()
+        self.stop()
         found = latest_checkpoint(self.opts.run_dir)
-        self.start_groups(found[1] if found else None)
-        if found is None:  # nothing saved yet: start over with fresh models and data
-            for d in self.res.data.values():
-                d.train.load_state_dict({"epoch": 0, "position": 0})
-            for state in self.node_state.values():
-                state.clear()
-            if self.rollouts is not None:
-                self.rollouts.load([], None)
-            return 0
-        return self.restore_state(found[1])
+        self.start(found[1] if found else None)
+        return found[1] if found else None
 
     def completed(self, saved: bool) -> None:
         self.tries = 0 if saved else self.tries
@@ -455,15 +331,18 @@ def run_ray(plan: ExecutionPlan, opts: RunOptions) -> None:
     run_dir = prepare_run(plan, resume=opts.resume).resolve()
     with serving(plan.graph, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
                  target="ray", out=opts.out) as exporter:
-        executor = None
+        target = None
         try:
             start_ray(plan, opts.address)
-            executor = RayExecutor(plan, ExecOptions(run_dir, "cpu", opts.strict, opts.resume,
-                                                     opts.out, opts.tensorboard, exporter))
-            executor.setup()
-            executor.run()
+            options = ExecOptions(run_dir, "cpu", opts.strict, opts.resume, opts.out,
+                                  opts.tensorboard, exporter)
+            kinds = plan_kinds(plan)
+            target = RayTarget(plan, kinds, options)
+            loop = TrainingLoop(plan, kinds, target, options)
+            loop.setup()
+            loop.run()
         finally:  # workers first: the endpoint is held after this block
-            if executor is not None:
-                executor.stop_groups()
+            if target is not None:
+                target.stop()
             if opts.shutdown and not opts.address and ray.is_initialized():
                 ray.shutdown()

@@ -20,13 +20,10 @@ Admission (`trainer.admission`):
 
 Where the producer runs:
 
-* `ProcessRollouts` (target local): in a process of its own with its own copy of the
-  models its nodes run, pinned to its half of the CPU cores (on CPU), so generating
-  step k+1 overlaps training step k. Trained weights reach it through shared memory
-  after every update. Rollouts come back serialised (`torch.save`), errors too: a
-  node's error in the producer stops the run with its message, a NaN is raised at the
-  step whose batch it is (`trainer.on_nonfinite: skip` skips that step).
-* `InlineRollouts` (fsdp, ray): in the executor's own loop, before the consumer of each
+* `ProcessRollouts` (`AsyncPlan.own_process`: target local; `flowgraph.compilers.producer`):
+  in a process of its own with its own copy of the models its nodes run, so generating
+  step k+1 overlaps training step k.
+* `InlineRollouts` (fsdp, ray): in the training loop, before the consumer of each
   step, the same schedule without the overlap: at step k the rollouts up to k + S are
   generated with the weights of step k. `block` gives the numbers `ProcessRollouts`
   gives.
@@ -41,76 +38,32 @@ rollout) and, with `drop`, `async/dropped`.
 
 from __future__ import annotations
 
-import io
-import itertools
-import os
-import pickle
-import time
 from collections import deque
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch
-
+from flowgraph.compilers.batches import Batches
+from flowgraph.compilers.checkpoint import Rollout
+from flowgraph.compilers.interpreter import Env
+from flowgraph.compilers.worker import ExecOptions, Worker
 from flowgraph.errors import FlowgraphError, NonFiniteError
-
-if TYPE_CHECKING:
-    from flowgraph.compilers.local import LocalExecutor
-
-FILE = "rollouts.pt"
-"""The buffer in a checkpoint folder."""
-POLL_S = 1.0
-"""How often a wait checks that the producer process is still alive."""
-
-
-@dataclass
-class Rollout:
-    """The producer's outputs for the batch of one step, and where they came from."""
-
-    index: int
-    """The step whose batch this is (block); the production count (drop)."""
-    version: int
-    """Updates applied to the weights that generated it: the policy version."""
-    env: dict[tuple[str, str], Any] = field(default_factory=dict)
-    """Every producer output, `(node, port)` -> tensor or list."""
-    metrics: dict[str, float] = field(default_factory=dict)
-    """What the producer's nodes reported (the filter's counts, the rollout's tokens)."""
-    cursors: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Each data source's cursor after this batch was drawn."""
-    node_state: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """The producer nodes' state after it (an adaptive KL coefficient): checkpointed
-    with the buffer, as the cursors are."""
-    error: BaseException | None = None
-    """A NaN in the producer: raised at the step whose batch this is."""
-
-
-def _pack(value: Any) -> bytes:
-    buf = io.BytesIO()
-    torch.save(value, buf)
-    return buf.getvalue()
-
-
-def _unpack(data: bytes) -> Any:
-    return torch.load(io.BytesIO(data), weights_only=False)
-
-
-def _portable(exc: BaseException) -> BaseException:
-    """`exc` if it survives pickling (a process boundary), else its message."""
-    try:
-        back = pickle.loads(pickle.dumps(exc))
-        return back if isinstance(back, BaseException) else FlowgraphError(str(exc))
-    except Exception:
-        return FlowgraphError(f"{type(exc).__name__}: {exc}")
+from flowgraph.plan import ExecutionPlan
 
 
 class Rollouts:
     """The buffer between producer and consumer; what every kind of producer shares."""
 
-    def __init__(self, ex: LocalExecutor) -> None:
-        trainer = ex.graph.trainer
-        assert ex.plan.asynchronous is not None
-        self.ex, self.S, self.steps = ex, trainer.max_staleness, trainer.steps
+    overlaps = False
+    """Generation overlaps the consumer's step (a producer process): the step's cost of
+    it is the time it waited for a rollout."""
+
+    def __init__(self, plan: ExecutionPlan, batches: Batches, worker: Worker,
+                 names: list[str], opts: ExecOptions) -> None:
+        trainer = plan.graph.trainer
+        assert plan.asynchronous is not None
+        self.plan, self.batches, self.worker, self.names, self.opts = \
+            plan, batches, worker, names, opts
+        """The producer's nodes run on `batches` by `worker`'s interpreter, in this order."""
+        self.S, self.steps = trainer.max_staleness, trainer.steps
         self.block = trainer.admission == "block"
         self.pending: deque[Rollout] = deque()
         self.cursors: dict[str, dict[str, Any]] | None = None
@@ -157,7 +110,7 @@ class Rollouts:
             self.buffered(step)
         if self.cursors is not None:
             return self.cursors
-        return {d: s.train.state_dict() for d, s in self.ex.res.data.items()}
+        return self.batches.cursors()
 
     def load(self, items: list[Rollout], cursors: dict[str, dict[str, Any]] | None) -> None:
         """A checkpoint's buffer and data cursors (empty, None: start over)."""
@@ -178,23 +131,28 @@ class Rollouts:
         return max(index - self.S, self.origin)
 
     def produce(self, index: int, version: int, metrics: dict[str, float]) -> Rollout:
-        """Run the producer nodes of the executor for the batch of step `index`; a NaN
-        is kept in the rollout, to be raised at its step."""
-        ex, names = self.ex, self.ex.producer
-        env: dict[tuple[str, str], Any] = {}
-        strict = ex.graph.trainer.strict or ex.opts.strict or index == self.origin
+        """Run the producer's nodes for the batch of step `index`; a NaN is kept in the
+        rollout, to be raised at its step."""
+        env: Env = {}
+        strict = self.plan.graph.trainer.strict or self.opts.strict or index == self.origin
         try:
-            ex.produce(env, index, strict, metrics, names)
+            self.batches.produce(env, index, strict, metrics, self.names)
         except NonFiniteError as exc:
             return Rollout(index, version, error=exc)
-        cursors = {d: s.train.state_dict() for d, s in ex.res.data.items()}
-        state = {n: dict(ex.node_state[n]) for n in names if n in ex.node_state}
-        return Rollout(index, version, env, {}, cursors, state)
+        state = {n: dict(self.worker.node_state[n]) for n in self.names
+                 if n in self.worker.node_state}
+        return Rollout(index, version, env, {}, self.batches.cursors(), state)
 
 
 class InlineRollouts(Rollouts):
     """The producer runs in the executor's loop (fsdp, ray): at step k, the rollouts of
     steps up to k + S that are missing, with the weights of step k."""
+
+    def __init__(self, plan: ExecutionPlan, batches: Batches, worker: Worker,
+                 names: list[str], opts: ExecOptions) -> None:
+        super().__init__(plan, batches, worker, names, opts)
+        self.next = 0
+        """The step whose rollout is produced next."""
 
     def start(self, step: int) -> None:
         super().start(step)
@@ -221,254 +179,3 @@ class InlineRollouts(Rollouts):
             raise FlowgraphError(f"internal: the rollout buffer holds step {item.index}'s "
                                  f"batch where step {step}'s was due")
         return item, 0.0  # generated in this loop, never waited for
-
-
-class ProcessRollouts(Rollouts):
-    """The producer runs in a process of its own (target local), overlapping the
-    consumer; weights go to it through shared memory after every update."""
-
-    def __init__(self, ex: LocalExecutor) -> None:
-        super().__init__(ex)
-        import torch.multiprocessing as mp
-
-        self.mp = mp.get_context("spawn")
-        self.models = {m: ex.res.models[m] for m in sorted(
-            {n.model for n in ex.plan.nodes if n.name in ex.producer and n.loads_model
-             and n.model is not None})
-            if m in ex.res.optimizers}
-        """The trained models the producer runs (the rollout's): published every step."""
-        self.shared = {m: {k: v.detach().to("cpu", copy=True).share_memory_()
-                           for k, v in model.state_dict().items()}
-                       for m, model in self.models.items()}
-        self.trained = {m: {k for k, p in model.named_parameters(remove_duplicate=False)
-                            if p.requires_grad} for m, model in self.models.items()}
-        """The entries an update changes (a LoRA model's adapters; both names of a tied
-        embedding): what is published after the first time."""
-        self.published = self.mp.Value("q", -1, lock=False)
-        self.grabbed = self.mp.Value("q", -1, lock=False)
-        self.stop = self.mp.Value("b", 0, lock=False)
-        self.cond = self.mp.Condition()
-        self.queue = self.mp.Queue(maxsize=0 if self.block else self.S + 1)
-        self.proc: Any = None
-        self.last_index = -1
-        self.own: tuple[set[int], int] | None = None
-        """This process's cores and threads before the producer took half: restored at
-        the end of the run."""
-
-    def start(self, step: int) -> None:
-        super().start(step)
-        first = step + len(self.pending)
-        self.last_index = first - 1
-        ex = self.ex
-        cursors = self.pending[-1].cursors if self.pending else self.data_cursors()
-        state = {n: s for n, s in ex.node_state.items() if n in ex.producer}
-        self._publish(step)
-        cores = _halves()
-        if cores is not None and ex.opts.device == "cpu":
-            self.own = os.sched_getaffinity(0), torch.get_num_threads()
-            os.sched_setaffinity(0, cores[0])
-            torch.set_num_threads(len(cores[0]))
-        self.proc = self.mp.Process(
-            # not a daemon: a vLLM engine starts processes of its own; it stops when
-            # told (`close`) or when this process is gone
-            target=_producer_main, name="flowgraph-rollouts", daemon=False,
-            args=(ex.plan.to_json(), str(ex.opts.run_dir), ex.opts.device, ex.opts.strict,
-                  self.shared, self.published, self.grabbed, self.stop, self.cond,
-                  self.queue, first, step, cursors, state,
-                  cores[1] if cores is not None and self.own else None))
-        self.proc.start()
-
-    def next_rollout(self, step: int, metrics: dict[str, float]) -> tuple[Rollout, float]:
-        t0 = time.perf_counter()
-        item = self.pending.popleft() if self.pending else self._receive(step)
-        waited = time.perf_counter() - t0
-        if self.block and item.index != step:
-            raise FlowgraphError(f"internal: the rollout producer sent step {item.index}'s "
-                                 f"batch where step {step}'s was due")
-        return item, waited
-
-    def advance(self, step: int) -> None:
-        """Publish version step + 1; under `block`, first let the producer take version
-        `step` when a rollout still to come is generated by it."""
-        version = step + 1
-        later = step + self.S
-        if self.block and self.last_index < later < self.steps and self.need(later) == step:
-            self._wait(lambda: self.grabbed.value >= step, f"step {step}")
-        if version < self.steps:
-            self._publish(version)
-
-    def buffered(self, step: int) -> list[Rollout]:
-        if self.block:
-            while self.last_index < min(step + self.S, self.steps - 1):
-                self.pending.append(self._receive(step))
-        return list(self.pending)
-
-    def close(self) -> None:
-        if self.own is not None:
-            os.sched_setaffinity(0, self.own[0])
-            torch.set_num_threads(self.own[1])
-            self.own = None
-        if self.proc is None:
-            return
-        with self.cond:
-            self.stop.value = 1
-            self.cond.notify_all()
-        self.proc.join(timeout=10)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout=5)
-        self.proc = None
-
-    # -- the channel ---------------------------------------------------------------------
-
-    def _publish(self, version: int) -> None:
-        """The trained models' weights into shared memory as `version`: all of them the
-        first time, then what updates change."""
-        first = self.published.value < 0
-        with self.cond:
-            for m, model in self.models.items():
-                with torch.no_grad():
-                    for k, v in model.state_dict().items():
-                        if first or k in self.trained[m]:
-                            self.shared[m][k].copy_(v)
-            self.published.value = version
-            self.cond.notify_all()
-
-    def _receive(self, step: int) -> Rollout:
-        """The producer's next message: a rollout, or the error that stopped it."""
-        import queue
-
-        while True:
-            try:
-                kind, payload = self.queue.get(timeout=POLL_S)
-                break
-            except queue.Empty:
-                self._alive(f"step {step}")
-        if kind == "error":
-            raise _unpack(payload)
-        item: Rollout = _unpack(payload)
-        self.last_index = item.index
-        if item.error is None:
-            self.cursors = item.cursors
-            for name, state in item.node_state.items():  # what a checkpoint saves of them
-                self.ex.node_state[name] = state
-        return item
-
-    def _wait(self, ready: Any, where: str) -> None:
-        with self.cond:
-            while not ready():
-                self.cond.wait(timeout=POLL_S)
-                if not ready():
-                    self._alive(where)
-
-    def _alive(self, where: str) -> None:
-        if self.proc is not None and not self.proc.is_alive():
-            code = self.proc.exitcode
-            self.proc = None
-            raise FlowgraphError(
-                f"the rollout producer process exited (code {code}) while the trainer waited "
-                f"for it at {where}, without saying why (killed, or out of memory?)")
-
-
-def _halves() -> tuple[set[int], set[int]] | None:
-    """The CPU cores this process may use, cut in two (trainer, producer); None with
-    fewer than two or where affinity cannot be set."""
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < 2:
-        return None
-    half = len(cores) // 2
-    return set(cores[:half]), set(cores[half:])
-
-
-def _producer_main(plan_json: str, run_dir: str, device: str, strict: bool,
-                   shared: dict[str, dict[str, torch.Tensor]], published: Any, grabbed: Any,
-                   stop: Any, cond: Any, out: Any, first: int, origin: int,
-                   cursors: dict[str, dict[str, Any]], node_state: dict[str, dict[str, Any]],
-                   cores: set[int] | None) -> None:
-    """The producer process: its own executor over the producer nodes, generating the
-    rollouts of steps `first`, `first` + 1, … with the versions admission allows."""
-    parent = os.getppid()
-    try:
-        if cores is not None:
-            os.sched_setaffinity(0, cores)
-            torch.set_num_threads(len(cores))
-        from flowgraph.compilers.local import ExecOptions, ProducerExecutor, _quiet_hf
-        from flowgraph.plan import ExecutionPlan
-
-        _quiet_hf()
-        plan = ExecutionPlan.from_json(plan_json)
-        with open(os.devnull, "w") as devnull:
-            ex = ProducerExecutor(plan, ExecOptions(Path(run_dir), device, strict, out=devnull,
-                                                    tensorboard=False))
-            ex.setup()
-            for d, cursor in cursors.items():
-                ex.res.data[d].train.load_state_dict(cursor)
-            for name, state in node_state.items():
-                ex.node_state[name].update(state)
-            rollouts = Rollouts(ex)
-            rollouts.origin = origin
-            loaded = -1
-            # drop: rollouts dropped are replaced, so the producer goes on until stopped
-            for index in (range(first, plan.graph.trainer.steps) if rollouts.block
-                          else itertools.count(first)):
-                with cond:
-                    want = rollouts.need(index) if rollouts.block else None
-                    while not _stopped(stop, parent) and (
-                            published.value < 0 if want is None else published.value != want):
-                        cond.wait(timeout=POLL_S)
-                    if _stopped(stop, parent):
-                        return
-                    loaded = _take_weights(ex, shared, published.value, loaded)
-                    grabbed.value = loaded
-                    cond.notify_all()
-                metrics: dict[str, float] = {}
-                item = rollouts.produce(index, loaded, metrics)
-                item.metrics = metrics
-                if not _send(out, ("rollout", _pack(item)), stop, parent):
-                    return
-    except BaseException as exc:  # everything reaches the trainer, which reports it
-        _send(out, ("error", _pack(_portable(exc))), stop, parent)
-
-
-def _take_weights(ex: LocalExecutor, shared: dict[str, dict[str, torch.Tensor]],
-                  version: int, loaded: int) -> int:
-    """The published weights (`version`) into the producer's models, unless they hold
-    them already (`loaded`); the version they hold."""
-    if version != loaded:
-        for m, state in shared.items():
-            ex.res.models[m].load_state_dict(state)
-    return version
-
-
-def _stopped(stop: Any, parent: int) -> bool:
-    """The trainer said stop, or is gone (this process was handed to another parent)."""
-    return bool(stop.value) or os.getppid() != parent
-
-
-def _send(out: Any, message: tuple[str, bytes], stop: Any, parent: int) -> bool:
-    """Put `message` on the trainer's queue, waiting while it is full (`drop`'s bound)
-    unless the trainer stops; whether it was sent."""
-    import queue
-
-    while not _stopped(stop, parent):
-        try:
-            out.put(message, timeout=POLL_S)
-            return True
-        except queue.Full:
-            continue
-    return False
-
-
-def save_buffer(folder: Path, items: list[Rollout]) -> None:
-    """The buffer of a checkpoint, written into its folder."""
-    torch.save([vars(item) for item in items], folder / FILE)
-
-
-def load_buffer(folder: Path) -> list[Rollout] | None:
-    """A checkpoint's buffer; None when it holds none (a synchronous run wrote it)."""
-    path = folder / FILE
-    if not path.exists():
-        return None
-    return [Rollout(**item) for item in torch.load(path, weights_only=False)]

@@ -118,6 +118,9 @@ class OutputPlan:
 
     port: str
     dims: str | None = None
+    batched: bool = True
+    """It has a batch axis: the outputs of a node run on slices are concatenated along
+    it (`EdgePlan.batched` of every edge it feeds); False: the same on every worker."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -345,6 +348,16 @@ class AsyncPlan:
     producer: tuple[str, ...]
     """Data sources and the step nodes of the producer, in the order they run
     (`producer_side`); every other step node is the consumer's."""
+    own_process: bool = False
+    """The producer runs in a process of its own, overlapping the consumer's update
+    (`producer_process`: target local); False: in the loop, before the consumer."""
+
+
+def producer_process(target: str) -> bool:
+    """Whether an asynchronous plan's producer gets a process of its own on `target`:
+    on `local`, where it overlaps the update; the fsdp ranks and the Ray driver produce
+    in their loop (same numbers, no overlap)."""
+    return target == "local"
 
 
 @dataclass(frozen=True, slots=True)

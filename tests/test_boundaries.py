@@ -186,3 +186,75 @@ def test_registry_strings_are_data_not_imports() -> None:
 )
 def test_layers(module: str, expected: str | None) -> None:
     assert layer(module) == expected
+
+
+# --- cycles and private names ---------------------------------------------------------
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the flowgraph modules it imports (every form of import, as above)."""
+    graph: dict[str, set[str]] = {}
+    for module, file in MODULES.items():
+        seen = {_resolve(name)
+                for _, name in imports(file.read_text(), module, file.name == "__init__.py")}
+        graph[module] = {m for m in seen if m in MODULES and m != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (its modules in import order) per strongly connected group of modules."""
+    import networkx as nx
+
+    g = nx.DiGraph([(a, b) for a, targets in graph.items() for b in targets])
+    found = []
+    for group in nx.strongly_connected_components(g):
+        if len(group) > 1:
+            cycle = nx.find_cycle(g.subgraph(group))
+            found.append([a for a, _ in cycle] + [cycle[0][0]])
+    return sorted(found)
+
+
+def test_no_import_cycles() -> None:
+    """No module imports, directly or not, a module that imports it (an import inside a
+    function or under TYPE_CHECKING counts: it is a dependency all the same)."""
+    bad = [" -> ".join(c) for c in cycles(import_graph())]
+    assert not bad, "import cycles:\n" + "\n".join(bad)
+
+
+def test_cycles_are_found() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+TARGETS = frozenset({"flowgraph.compilers.fsdp", "flowgraph.compilers.ray",
+                     "flowgraph.compilers.ray_worker"})
+"""The distributed targets: the only modules that may import the process-group layer
+(`flowgraph.compilers._dist`)."""
+
+
+def private_imports() -> list[str]:
+    """A private name (`_x`) imported from another module; a private module (`_dist`,
+    `_agg`) may be imported by its own package's modules only, and `_dist` by the
+    distributed targets only."""
+    found = []
+    for module, file in sorted(MODULES.items()):
+        package = module.rpartition(".")[0]
+        for line, name in imports(file.read_text(), module, file.name == "__init__.py"):
+            owner = _resolve(name)
+            if owner not in MODULES or owner == module:
+                continue
+            leaf = name.rpartition(".")[2]
+            private_name = name != owner and leaf.startswith("_") and not leaf.startswith("__")
+            private_module = owner.rpartition(".")[2].startswith("_") and \
+                not owner.endswith("__init__")
+            bad = private_name or (private_module and (
+                owner.rpartition(".")[0] != package
+                or (owner == "flowgraph.compilers._dist" and module not in TARGETS)))
+            if bad:
+                found.append(f"{file.relative_to(ROOT)}:{line}: {module} imports {name}")
+    return found
+
+
+def test_no_private_name_crosses_a_module() -> None:
+    bad = private_imports()
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)

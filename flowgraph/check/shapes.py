@@ -293,6 +293,19 @@ def _unify_inputs(node: NodeSpec, r: Resolved, env: DimEnv, res: ShapeResult,
     return known
 
 
+def has_batch_axis(shapes: ShapeResult, ref: PortRef) -> bool:
+    """Every batch axis derives from a data source's Bp (B is Bp*N); an axis still bound
+    to a node-local name, or `_`, is taken for a batch axis to be safe: a batch
+    broadcast instead of split would silently repeat rows."""
+    shape = shapes.outputs.get((ref.node, ref.port))
+    if shape is None or shape.variadic:
+        return True
+    if not shape.dims:
+        return False
+    first = shape.dims[0]
+    return first is None or any(s == "Bp" or "." in s for s in first.symbols())
+
+
 @dataclass(frozen=True, slots=True)
 class _Edge:
     ref: PortRef

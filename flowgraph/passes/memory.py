@@ -68,6 +68,7 @@ from flowgraph.plan import (
     PoolMemory,
     PoolPlan,
     gib,
+    producer_process,
     producer_side,
 )
 from flowgraph.registry import KindSpec
@@ -306,7 +307,8 @@ def _inputs(program: Program, placement: Placement, check: CheckResult,
     seq = (dims["P"], dims["T"]) if "P" in dims and "T" in dims else None
     kinds = {n.name: program.kind(n.name) for n in graph.nodes}
     producer: tuple[str, ...] = ()
-    if program.asynchronous and program.target == "local" and program.schedule is not None:
+    if program.asynchronous and producer_process(program.target) \
+            and program.schedule is not None:
         producer = producer_side(graph, program.schedule.stages, kinds)
     return _Inputs(graph, placement, kinds, rows, configs, lm_head, seq, producer)
 

@@ -13,10 +13,11 @@ from dataclasses import dataclass, replace
 from typing import ClassVar, Protocol
 
 from flowgraph.check import CheckResult
+from flowgraph.check.shapes import has_batch_axis
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.dims import resolved_text
 from flowgraph.frontend import graph_to_yaml
-from flowgraph.ir import Graph
+from flowgraph.ir import Graph, PortRef
 from flowgraph.plan import (
     AsyncPlan,
     DimValue,
@@ -30,6 +31,7 @@ from flowgraph.plan import (
     ResamplePlan,
     StagePlan,
     gib,
+    producer_process,
     producer_side,
     repeated,
 )
@@ -195,8 +197,8 @@ class Program:
         if not self.asynchronous:
             return plan
         kinds = {n.name: self.kind(n.name) for n in self.graph.nodes}
-        return replace(plan, asynchronous=AsyncPlan(producer_side(self.graph, plan.stages,
-                                                                  kinds)))
+        return replace(plan, asynchronous=AsyncPlan(
+            producer_side(self.graph, plan.stages, kinds), producer_process(self.target)))
 
     def _resample(self) -> ResamplePlan | None:
         """The refill loop of the graph's filter node (the checker allows one, and only
@@ -224,13 +226,20 @@ class Program:
         inputs = tuple(InputPlan(port, str(ref), labels.get(str(ref), ""),
                                  self._contract(name, kind.input(port)))
                        for port, ref in (node.inputs if node else ()))
-        outputs = tuple(OutputPlan(p.name, self._contract(name, p)) for p in kind.outputs)
+        outputs = tuple(OutputPlan(p.name, self._contract(name, p), self._batched(name, p.name))
+                        for p in kind.outputs)
         model = self.model_of(name)
         hosted = {m.name for p in self.placement.pools for m in p.models}
         loads = model in hosted and kind.model != "none" and kind.head != "tokenizer"
         return NodePlan(name, kind.name, kind.impl, model, place.pool, place.data_parallel,
                         stage, bool(node and node.hoisted), inputs, outputs, loads,
                         kind.trains)
+
+    def _batched(self, name: str, port: str) -> bool:
+        """The output has a batch axis (see `has_batch_axis`); unchecked: taken for one."""
+        if self.check is None:
+            return True
+        return has_batch_axis(self.check.shapes, PortRef(name, port))
 
     def _contract(self, node: str, port: PortSpec | None) -> str | None:
         """A port's contract in global terms (`Bp*N T`); None without inferred shapes."""

@@ -24,8 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from flowgraph.check import CheckResult
-from flowgraph.check.shapes import topo_order
+from flowgraph.check.shapes import has_batch_axis, topo_order
 from flowgraph.dims import Poly
 from flowgraph.ir import Graph, NodeSpec, PortRef
 from flowgraph.passes.program import Placement, Program, Schedule
@@ -82,20 +81,7 @@ def _batch_axis(program: Program, ref: PortRef) -> Poly | None:
 
 def _has_batch_axis(program: Program, ref: PortRef) -> bool:
     assert program.check is not None
-    return has_batch_axis(program.check, ref)
-
-
-def has_batch_axis(check: CheckResult, ref: PortRef) -> bool:
-    """Every batch axis derives from a data source's Bp (B is Bp*N); an axis still bound
-    to a node-local name, or `_`, is taken for a batch axis to be safe: a batch
-    broadcast instead of split would silently repeat rows."""
-    shape = check.shapes.outputs.get((ref.node, ref.port))
-    if shape is None or shape.variadic:
-        return True
-    if not shape.dims:
-        return False
-    first = shape.dims[0]
-    return first is None or any(s == "Bp" or "." in s for s in first.symbols())
+    return has_batch_axis(program.check.shapes, ref)
 
 
 def _group_batches(program: Program) -> set[Poly]:

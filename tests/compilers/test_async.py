@@ -5,13 +5,13 @@ error in the producer reported as any node's, and the drop admission."""
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from flowgraph.compilers.local import LocalExecutor
 from flowgraph.errors import FlowgraphError, PlanError
 from flowgraph.passes import PassPipeline, compile_graph
 from flowgraph.plan import ExecutionPlan
@@ -86,17 +86,22 @@ def _run(run_dir: Path, *overrides: str, overlap: bool = True, resume: bool = Fa
 
     import flowgraph
 
-    LocalExecutor.overlap_rollouts = overlap
-    try:
-        plan = compile_graph(GRPO, overrides=[f"trainer.run_dir={run_dir}", *ASYNC,
-                                              *overrides]).plan
-        assert plan is not None
-        with open(os.devnull, "w") as out:
-            rows: list[dict[str, Any]] = flowgraph.run(plan, resume=resume, tensorboard=False,
-                                                       out=out).rows
-        return rows
-    finally:
-        LocalExecutor.overlap_rollouts = True
+    plan = compile_graph(GRPO, overrides=[f"trainer.run_dir={run_dir}", *ASYNC,
+                                          *overrides]).plan
+    assert plan is not None
+    with open(os.devnull, "w") as out:
+        rows: list[dict[str, Any]] = flowgraph.run(_in_loop(plan, not overlap), resume=resume,
+                                                   tensorboard=False, out=out).rows
+    return rows
+
+
+def _in_loop(plan: ExecutionPlan, in_loop: bool) -> ExecutionPlan:
+    """`plan` with its producer run in the training loop (`in_loop`), as fsdp and ray
+    run it, instead of a process of its own (a synchronous plan as it is)."""
+    cut = plan.asynchronous
+    if cut is None:
+        return plan
+    return replace(plan, asynchronous=replace(cut, own_process=not in_loop))
 
 
 def test_a_producer_process_gives_the_numbers_of_the_same_schedule_and_resumes_exactly(
@@ -178,18 +183,14 @@ def test_a_lora_actor_publishes_its_adapters_to_the_producer(tmp_path: Path) -> 
     import flowgraph
 
     def run(name: str, overlap: bool) -> list[dict[str, Any]]:
-        LocalExecutor.overlap_rollouts = overlap
-        try:
-            plan = compile_graph(ROOT / "graphs" / "grpo_lora.yaml", overrides=[
-                f"trainer.run_dir={tmp_path / name}", "trainer.steps=4", "trainer.eval_every=0",
-                "trainer.val_before_train=false", "trainer.max_staleness=1"]).plan
-            assert plan is not None and plan.asynchronous is not None
-            with open(os.devnull, "w") as out:
-                rows: list[dict[str, Any]] = flowgraph.run(plan, tensorboard=False,
-                                                           out=out).rows
-            return rows
-        finally:
-            LocalExecutor.overlap_rollouts = True
+        plan = compile_graph(ROOT / "graphs" / "grpo_lora.yaml", overrides=[
+            f"trainer.run_dir={tmp_path / name}", "trainer.steps=4", "trainer.eval_every=0",
+            "trainer.val_before_train=false", "trainer.max_staleness=1"]).plan
+        assert plan is not None and plan.asynchronous is not None
+        with open(os.devnull, "w") as out:
+            rows: list[dict[str, Any]] = flowgraph.run(_in_loop(plan, not overlap),
+                                                       tensorboard=False, out=out).rows
+        return rows
 
     # warm-up: step 0 learns at lr 0, so step 3 is the first to sample with new adapters
     apart = run("process", True)

@@ -23,7 +23,7 @@ from torch import nn
 
 from flowgraph.api import load_plan
 from flowgraph.compilers import RunOptions, _dist, read_metrics, run
-from flowgraph.compilers.checkpoint import latest_checkpoint
+from flowgraph.compilers.checkpoint import has_dcp, latest_checkpoint
 from flowgraph.compilers.export import export_model
 from flowgraph.errors import RankFailed
 from flowgraph.nodes.models import load_model
@@ -83,7 +83,7 @@ def test_ppo_equals_local_resumes_locally_and_exports(
     shutil.copytree(tmp_path / "fsdp", resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_4")
     found = latest_checkpoint(resumed)
-    assert found is not None and found[0] == 3 and _dist.has_dcp(found[1])
+    assert found is not None and found[0] == 3 and has_dcp(found[1])
     assert_same_numbers(local_run(graph, resumed, *overrides, resume=True), fsdp)
 
     # (d) the actor's DCP shards, read back by torch's own converter, are what was exported
@@ -140,7 +140,7 @@ def test_a_tied_model_equals_local_resumes_both_ways_and_exports(
     resumed = _resumed_from(tmp_path / "fsdp", tmp_path / "to-local", 3)
     assert_same_numbers(local_run(path, resumed, *overrides, resume=True), local)
     resumed = _resumed_from(local_reference.run_dir(graph, tied=True), tmp_path / "to-fsdp", 3)
-    assert not _dist.has_dcp(resumed / "checkpoints" / "step_3")
+    assert not has_dcp(resumed / "checkpoints" / "step_3")
     assert_same_numbers(_fsdp(path, resumed, *overrides, resume=True), local)
 
     from safetensors import safe_open

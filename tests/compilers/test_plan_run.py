@@ -15,7 +15,7 @@ import flowgraph
 from flowgraph import GraphBuilder
 from flowgraph.cli import main
 from flowgraph.compilers import read_metrics
-from flowgraph.compilers.local import LocalExecutor
+from flowgraph.compilers.interpreter import Interpreter
 from flowgraph.testing.targets import assert_same_numbers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,13 +40,13 @@ def test_a_hand_edited_stage_takes_effect(tmp_path: Path,
     """PPO's critic forward moved from step.2 to step.4 (after the KL penalty, still
     before the advantage that reads it): it runs there, and the numbers do not move."""
     ran: list[str] = []  # the nodes of the first step, in the order the executor ran them
-    run_node = LocalExecutor.run_node
+    run_node = Interpreter.run_node
 
-    def recording(self: LocalExecutor, name: str, *args: Any, **kwargs: Any) -> float:
+    def recording(self: Interpreter, name: str, *args: Any, **kwargs: Any) -> float:
         ran.append(name)
         return run_node(self, name, *args, **kwargs)
 
-    monkeypatch.setattr(LocalExecutor, "run_node", recording)
+    monkeypatch.setattr(Interpreter, "run_node", recording)
     run = ("trainer.steps=2", "trainer.eval_every=0", "trainer.checkpoint_every=0")
     plan = tmp_path / "plan.json"
     data = _compile_to(plan, "ppo.yaml", *run, f"trainer.run_dir={tmp_path / 'edited'}")
@@ -156,18 +156,18 @@ def test_the_prologue_runs_once_per_row_before_the_loop(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """DPO's reference log-probs (the plan's prologue): every training row once, in
     batches of Bp before step 0, then read by uid at every step; never at a step."""
-    from flowgraph.compilers.local import LocalExecutor
+    from flowgraph.compilers.worker import Worker
 
     calls: list[tuple[str, int, int]] = []  # (node, step, rows)
-    real = LocalExecutor.call
+    real = Worker.call
 
-    def spy(self: LocalExecutor, name: str, env: Any, step: int, *args: Any,
+    def spy(self: Worker, name: str, inputs: Any, step: int, *args: Any,
             **kwargs: Any) -> Any:
-        out = real(self, name, env, step, *args, **kwargs)
+        out = real(self, name, inputs, step, *args, **kwargs)
         calls.append((name, step, len(out[0]["log_prob"]) if "log_prob" in out[0] else 0))
         return out
 
-    monkeypatch.setattr(LocalExecutor, "call", spy)
+    monkeypatch.setattr(Worker, "call", spy)
     plan = flowgraph.compile(GRAPHS / "dpo.yaml", overrides=(
         "trainer.steps=3", "trainer.eval_every=0", "trainer.checkpoint_every=0",
         f"trainer.run_dir={tmp_path / 'run'}"))

@@ -1,0 +1,76 @@
+"""Evaluation on held-out data: every node but the updates on the held-out rows, the
+updates' own held-out metrics (no step), the step metrics and the responses' text
+metrics, as `val/...` (`flowgraph.runtime.evaluation`, `HeldOut`).
+
+Every held-out row counts once: batches of Bp in file order, the last one the last Bp
+rows, of which only the rows not seen yet count (its step metrics weigh by them).
+Each prompt is answered once, greedily, unless the rollout asks for `val_n` samples
+at `val_temperature`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flowgraph.compilers.batches import Batches
+from flowgraph.compilers.interpreter import Interpreter
+from flowgraph.compilers.metrics import HeldOut, log_ratio_to_reference, step_metrics
+
+
+def evaluate(batches: Batches, names: list[str], step: int, tokenizers: dict[str, Any]
+             ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """The `val/...` metrics of the model after `step` (none without held-out data), by
+    `names` (the prologue's and the step's nodes) on every held-out batch; and the
+    responses, for the `validation` table."""
+    out: dict[str, float] = {}
+    graph, ip = batches.graph, batches.interpreter
+    if not all(batches.data[d.name].eval is not None for d in graph.data):
+        return out, []
+    evals = [batches.data[d.name].eval for d in graph.data]
+    for ev in evals:
+        ev.load_state_dict({"epoch": 0, "position": 0})
+    rows, size = min(len(ev) for ev in evals), batches.rows
+    batches.run_prologue("eval", False)
+    sums: dict[str, float] = {}
+    held_out = HeldOut()
+    with torch.no_grad():
+        for fresh in new_rows_per_batch(rows, size):
+            if fresh < size:  # the last batch: the last Bp rows
+                for ev in evals:
+                    ev.load_state_dict({"epoch": 0, "position": rows - size})
+            env: dict[tuple[str, str], Any] = {}
+            batches.draw(env, {}, split="eval")
+            scratch = _eval_nodes(ip, names, env, step)
+            scratch.update(step_metrics(graph, ip.kinds, env))
+            scratch.update(log_ratio_to_reference(graph, env))
+            held_out.add(graph, ip.kinds, env, tokenizers, skip=size - fresh)
+            for k, v in scratch.items():
+                sums[k] = sums.get(k, 0.0) + v * fresh / max(rows, size)
+    for k, v in sums.items():
+        if not k.startswith("perf/"):
+            out["val/" + k.removeprefix("critic/")] = v
+    out.update({f"val/{k}": v for k, v in held_out.metrics().items()})
+    return out, held_out.table
+
+
+def _eval_nodes(ip: Interpreter, names: list[str], env: dict[tuple[str, str], Any],
+                step: int) -> dict[str, float]:
+    """Every node on one held-out batch, the updates' evaluation taking their place."""
+    scratch: dict[str, float] = {}
+    for name in names:
+        if not ip.kinds[name].trains:
+            ip.run_node(name, env, step, strict=False, metrics=scratch, split="eval")
+        else:
+            ip.call_node(name, env, step, ip.params(name), scratch, evaluation=True)
+    return scratch
+
+
+def new_rows_per_batch(rows: int, size: int) -> list[int]:
+    """Rows not seen before in each held-out batch of `size`: ⌈rows/size⌉ batches, the
+    last one overlapping the one before (one batch when rows < size: it cannot be
+    drawn, and the dataset says so)."""
+    if rows <= size:
+        return [size]
+    return [min(size, rows - start) for start in range(0, rows, size)]

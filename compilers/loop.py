@@ -1,0 +1,307 @@
+"""The training loop: steps, the resample loop, the async buffer, evaluation,
+checkpoint cadence, logging and recovery — the same on every target.
+
+    loop = TrainingLoop(plan, kinds, target, opts)
+    loop.setup()        the worker's implementations and tokenizers, the datasets, then
+                        the target places the models (cheap and likely failures first)
+    loop.run()          the prologue, then per step `train_step`: the batch drawn and
+                        the step's nodes run by the interpreter (`run_step`), the
+                        evaluation when due, the metrics row, a checkpoint when due
+
+The loop holds no model and calls no node itself: the interpreter runs nodes, and the
+target (`flowgraph.compilers.target.Target`: local, fsdp, ray) dispatches each one,
+writes and reads checkpoints and recovers from a lost worker. The batches and the
+resample loop: `flowgraph.compilers.batches`; metrics of a step:
+`flowgraph.compilers.metrics`; evaluation: `flowgraph.compilers.evaluation`; the buffer
+of asynchronous rollouts: `flowgraph.compilers.rollouts` (in the loop) and
+`flowgraph.compilers.producer` (a process of its own).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from flowgraph.compilers.batches import Batches
+from flowgraph.compilers.build import load_data
+from flowgraph.compilers.checkpoint import latest_checkpoint, load_buffer, remove_partial
+from flowgraph.compilers.evaluation import evaluate
+from flowgraph.compilers.interpreter import Env, Interpreter
+from flowgraph.compilers.metrics import phase_seconds, step_metrics
+from flowgraph.compilers.producer import ProcessRollouts
+from flowgraph.compilers.rollouts import InlineRollouts, Rollouts
+from flowgraph.compilers.target import Target
+from flowgraph.compilers.worker import ExecOptions
+from flowgraph.errors import NonFiniteError, WorkerLost
+from flowgraph.plan import ExecutionPlan
+from flowgraph.registry import KindSpec
+from flowgraph.runtime.metrics import MetricsLog
+from flowgraph.runtime.trackers import open_trackers
+
+
+class TrainingLoop:
+    """Runs `plan` for `trainer.steps` steps through `target`."""
+
+    def __init__(self, plan: ExecutionPlan, kinds: dict[str, KindSpec], target: Target,
+                 opts: ExecOptions) -> None:
+        self.plan, self.graph, self.kinds, self.target, self.opts = \
+            plan, plan.graph, kinds, target, opts
+        self.interpreter = Interpreter(plan, kinds, target.dispatch)
+        self.dims = {d.name: d.value for d in plan.dims}
+        steps = [n for s in plan.stages if not s.once for n in s.nodes
+                 if n in self.interpreter.nodes]
+        cut = plan.asynchronous
+        self.producer = [n for n in steps if cut is not None and n in cut.producer]
+        """An asynchronous plan's producer nodes, in the order they run (none: synchronous)."""
+        self.consumer = [n for n in steps if n not in self.producer]
+        """The step nodes run on the batch a rollout brings (all of them: synchronous)."""
+        self.order = steps
+        """Nodes run at every step, stage by stage."""
+        self.prologue = self.interpreter.prologue.names
+        self.batches = Batches(self.interpreter, {}, self.prologue)
+        self.rollouts: Rollouts | None = None
+        """The buffer of an asynchronous plan, from `run()` on."""
+        self.start_step = 0
+        self.prologue_seconds = 0.0
+        self.generations: list[dict[str, Any]] = []
+        """The last evaluation's responses (`HeldOut.table`), logged as `validation`."""
+
+    @property
+    def node_state(self) -> dict[str, dict[str, Any]]:
+        """State nodes keep across steps (a KL controller's), checkpointed."""
+        return self.target.worker.node_state
+
+    def setup(self) -> None:
+        """Cheap and likely failures first: model paths, implementations, tokenizers and
+        datasets (a missing column) — then the model weights and optimizers."""
+        self.target.worker.prepare()
+        self.batches.data.update(load_data(self.plan, self.kinds,
+                                           self.target.worker.tokenizers))
+        self.target.start()
+
+    # -- the loop -----------------------------------------------------------------------
+
+    def run(self) -> list[dict[str, float]]:
+        """The training loop; returns the metric rows this process produced. A fault a
+        target can recover from (`WorkerLost`: a Ray worker died or hung) goes to the
+        target's `recover`, which says the checkpoint to go on from."""
+        trainer = self.graph.trainer
+        self.prepare_run_dir()
+        cut = self.plan.asynchronous
+        if cut is not None:
+            kind = ProcessRollouts if cut.own_process else InlineRollouts
+            self.rollouts = kind(self.plan, self.batches, self.target.worker, self.producer,
+                                 self.opts)
+        step = self.start_step = self.restore() if self.opts.resume else 0
+        log = self.open_log()
+        log.truncate_after(step - 1)
+        rows: list[dict[str, float]] = []
+        try:
+            self.before_loop()
+            if self.rollouts is not None:
+                self.rollouts.start(step)
+            while step < trainer.steps:
+                try:
+                    metrics, saved = self.train_step(step, log)
+                except WorkerLost as exc:
+                    step = self.start_step = self.recover(exc, step)
+                    log.truncate_after(step - 1)
+                    continue
+                rows.append(metrics)
+                self.target.completed(saved)
+                step += 1
+        finally:
+            if self.rollouts is not None:
+                self.rollouts.close()
+            log.close()
+        return rows
+
+    def before_loop(self) -> None:
+        """The prologue over the training rows, and the held-out rows when the run
+        evaluates; its time goes in the first row (`timing_s/prologue`)."""
+        self.prologue_seconds = self.run_prologue("train")
+        if self.graph.trainer.eval_every or self.graph.trainer.val_before_train:
+            self.prologue_seconds += self.run_prologue("eval")
+
+    def run_prologue(self, split: str) -> float:
+        return self.batches.run_prologue(split, self.graph.trainer.strict or self.opts.strict)
+
+    def train_step(self, step: int, log: MetricsLog) -> tuple[dict[str, float], bool]:
+        """One turn of the loop: the step, the evaluation when due, the row logged, a
+        checkpoint when due; (the row, whether a checkpoint was written)."""
+        trainer = self.graph.trainer
+        before: dict[str, float] = {}
+        self.generations = []
+        if trainer.val_before_train and step == 0 and trainer.eval_every != 1:
+            before = self.evaluate(step)  # the model before any update: the baseline
+        metrics = self._guarded_step(step)
+        if self.rollouts is not None:  # the update is done: its weights go to the producer
+            self.rollouts.advance(step)
+        metrics.update(before)
+        if trainer.eval_every and (step + 1) % trainer.eval_every == 0:
+            metrics.update(self.evaluate(step))
+        if step == self.start_step:  # the prologue, what the data load dropped: first row
+            if self.prologue:
+                metrics["timing_s/prologue"] = self.prologue_seconds
+            metrics.update({f"data/{name}/filtered_overlong": float(s.train.filtered_overlong)
+                            for name, s in self.batches.data.items()
+                            if getattr(s.train, "filtered_overlong", 0)})
+        log.write(step, metrics)
+        if self.generations:
+            log.table(step, "validation", self.generations)
+        every = trainer.checkpoint_every
+        due = bool(every and (step + 1) % every == 0) or step == trainer.steps - 1
+        if due:
+            self.save(step)
+        return metrics, due
+
+    def _guarded_step(self, step: int) -> dict[str, float]:
+        strict = self.graph.trainer.strict or self.opts.strict or step == self.start_step
+        try:
+            return self.run_step(step, strict=strict)
+        except NonFiniteError as exc:
+            if self.graph.trainer.on_nonfinite != "skip":
+                raise
+            print(f"step {step}: skipped the batch: {exc}", file=self.opts.out)
+            return {"skipped": 1.0}
+
+    # -- one step -----------------------------------------------------------------------
+
+    def run_step(self, step: int, *, strict: bool) -> dict[str, float]:
+        """Draw the batch and run the step's nodes (`produce`); with asynchronous
+        rollouts, take the producer's outputs for the step from the buffer and run the
+        consumer's nodes. The step's metrics: the nodes', verl's batch metrics, where
+        the time went."""
+        t0 = time.perf_counter()
+        env: Env = {}
+        metrics: dict[str, float] = {}
+        if self.rollouts is None:
+            self.batches.produce(env, step, strict, metrics, self.order)
+        else:  # the producer's outputs from the buffer, then the consumer's nodes
+            env = self.rollouts.take(step, metrics)
+            self.batches.look_up(env, step, strict)
+            self.interpreter.run(self.consumer, env, step, strict=strict, metrics=metrics)
+        seconds = {k.removeprefix("timing_s/"): v for k, v in metrics.items()
+                   if k.startswith("timing_s/")}
+        waited = 0.0
+        if self.rollouts is not None and self.rollouts.overlaps:
+            # generation overlapped the step: what the step waited for it is its cost
+            seconds = {n: s for n, s in seconds.items() if n in self.consumer}
+            waited = metrics["perf/rollout_wait_s"]
+        metrics.update(step_metrics(self.graph, self.kinds, env))
+        wall = time.perf_counter() - t0
+        metrics["timing_s/step"] = wall
+        metrics.update(phase_seconds(self.kinds, seconds, wall, waited))
+        metrics["perf/orchestration_frac"] = (metrics["phase_s/orchestration"] / wall
+                                              if wall else 0.0)
+        tokens = metrics.get("perf/tokens", 0.0)
+        if tokens:
+            metrics["perf/throughput"] = tokens / wall
+        exporter = self.opts.exporter
+        for worker, timings, memory in self.target.report(step, metrics):
+            if exporter is not None:
+                if timings:
+                    exporter.observe_step(step, timings, worker=worker)
+                for device, used in memory:
+                    exporter.set_memory(worker, device, used)
+        return metrics
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """`val/...` metrics on the held-out data (`flowgraph.compilers.evaluation`)."""
+        metrics, self.generations = evaluate(self.batches, self.prologue + self.order, step,
+                                             self.target.worker.tokenizers)
+        return metrics
+
+    # -- checkpoints --------------------------------------------------------------------
+
+    def run_state(self, step: int) -> dict[str, Any]:
+        """What a checkpoint holds besides weights and optimizers (JSON-able)."""
+        cursors = (self.rollouts.data_cursors(step) if self.rollouts is not None
+                   else self.batches.cursors())
+        return {"step": step, "cursors": cursors, "node_state": self.node_state,
+                "plan": self.graph.name}
+
+    def save(self, step: int) -> None:
+        buffered = self.rollouts.buffered(step) if self.rollouts is not None else None
+        self.target.save(step, self.run_state(step), buffered)
+
+    def restore(self) -> int:
+        """Load the latest checkpoint; return the next step to run (0 when none).
+        A checkpoint of any target loads on any other."""
+        found = latest_checkpoint(self.opts.run_dir)
+        if found is None:
+            return 0
+        self.target.load(found[1])
+        return self.restore_state(found[1])
+
+    def restore_state(self, folder: Path) -> int:
+        """Cursors and node state of the checkpoint in `folder`; the next step."""
+        state = json.loads((folder / "state.json").read_text())
+        for d, cursor in state["cursors"].items():
+            self.batches.data[d].train.load_state_dict(cursor)
+        if self.rollouts is not None:  # a synchronous run's checkpoint holds no buffer
+            self.rollouts.load(load_buffer(folder) or [], state["cursors"])
+        for name, node_state in state["node_state"].items():
+            self.node_state.setdefault(name, {}).update(node_state)
+        return int(state["step"]) + 1
+
+    def recover(self, exc: WorkerLost, step: int) -> int:
+        """After `exc` at `step`, the target recovers (or re-raises): the step to run
+        next, from the checkpoint it reloaded, or 0 with fresh data and node state."""
+        folder = self.target.recover(exc, step)
+        if folder is not None:
+            next_step = self.restore_state(folder)
+        else:  # nothing saved yet: start over with fresh models and data
+            for d in self.batches.data.values():
+                d.train.load_state_dict({"epoch": 0, "position": 0})
+            for state in self.node_state.values():
+                state.clear()
+            if self.rollouts is not None:
+                self.rollouts.load([], None)
+            next_step = 0
+        if self.rollouts is not None:
+            self.rollouts.start(next_step)
+        return next_step
+
+    # -- run artefacts ------------------------------------------------------------------
+
+    def prepare_run_dir(self) -> None:
+        """The run dir with its plan, what a killed writer left removed (the process
+        that writes the run's artefacts does it; the others wait for it)."""
+        if self.target.writes:
+            run_dir = self.opts.run_dir
+            run_dir.mkdir(parents=True, exist_ok=True)
+            remove_partial(run_dir)
+            (run_dir / "plan.json").write_text(self.plan.to_json())
+        self.target.barrier()
+
+    def open_log(self) -> MetricsLog:
+        if not self.target.writes:
+            return _Silent(self.opts.run_dir)
+        trackers = open_trackers(self.graph, self.opts.run_dir, resume=self.opts.resume,
+                                 tensorboard=self.opts.tensorboard)
+        return MetricsLog(self.opts.run_dir, trackers=trackers,
+                          console="console" in self.graph.trainer.loggers,
+                          out=self.opts.out, total_steps=self.graph.trainer.steps,
+                          exporter=self.opts.exporter, worker=self.target.label)
+
+
+class _Silent(MetricsLog):
+    """The log of a process that does not write the run's artefacts (fsdp ranks > 0):
+    rank 0 writes the run's one metrics.jsonl."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__(run_dir, out=sys.stdout)
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        pass
+
+    def table(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        pass

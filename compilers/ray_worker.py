@@ -1,0 +1,120 @@
+"""A worker of a Ray pool: a Ray actor holding one `Worker` (its pool's models), which
+the driver (`flowgraph.compilers.ray.RayTarget`) calls one node at a time.
+
+In a pool of size > 1 the workers form a torch process group (gloo on CPU, nccl on
+GPU) and shard their models with FSDP2 where the plan says `full_shard`, as the fsdp
+target does; a data-parallel call carries this worker's rank, the pool's size and the
+row its slice starts at. Tensors arrive by value or as object-store references.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowgraph.compilers import _dist
+from flowgraph.compilers.build import plan_kinds
+from flowgraph.compilers.checkpoint import load_weights, save_shards
+from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
+from flowgraph.errors import FlowgraphError
+from flowgraph.plan import ExecutionPlan, ModelPlacement
+
+try:
+    import ray
+except ImportError as exc:  # pragma: no cover - depends on the machine
+    raise FlowgraphError(f"--target ray needs Ray: pip install 'ray>=2.40' ({exc})") from exc
+
+
+class RayWorker:
+    """One worker of a pool (a Ray actor; `ray.remote` wraps it when the group starts)."""
+
+    def __init__(self, plan_json: str, pool: str, rank: int, cwd: str, path: list[str]
+                 ) -> None:
+        quiet_hf()
+        os.chdir(cwd)  # model and data paths are relative to where the run started
+        sys.path[:0] = [p for p in path if p not in sys.path]
+        self.plan = ExecutionPlan.from_json(plan_json)
+        self.pool = self.plan.pool(pool)
+        self.rank = rank
+        self.group = _dist.DataParallel() if self.pool.size > 1 else None
+        self.worker: Worker | None = None
+
+    def endpoint(self) -> tuple[str, int]:
+        """(address, free port) for the pool's process group; asked of worker 0."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = int(s.getsockname()[1])
+        return ray.util.get_node_ip_address(), port
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def memory(self) -> list[tuple[str, int]]:
+        from flowgraph.runtime.prometheus import process_memory
+
+        return process_memory()
+
+    def setup(self, addr: str, port: int, run_dir: str, checkpoint: str | None) -> None:
+        device = pick_device(self.pool.device.split(":")[0])
+        cpus = self.pool.bundles[self.rank].cpu if self.pool.bundles else 1
+        torch.set_num_threads(max(cpus, 1))
+        if self.pool.size > 1:
+            _dist.init_group(self.rank, self.pool.size, device, addr=addr, port=port)
+        self.worker = Worker(self.plan, plan_kinds(self.plan),
+                             ExecOptions(Path(run_dir), device), self.pool.models,
+                             place=self._place)
+        self.worker.prepare()
+        self.worker.load_models()
+        if checkpoint is not None:
+            self.load(checkpoint)
+
+    def _place(self, placed: ModelPlacement, model: torch.nn.Module) -> torch.nn.Module:
+        if self.pool.size > 1 and placed.sharding == "full_shard":
+            return _dist.shard_model(model, self._ready().opts.device)
+        return model
+
+    def load(self, checkpoint: str) -> None:
+        """Weights, optimizer and scheduler states of this pool from a checkpoint."""
+        w = self._ready()
+        load_weights(Path(checkpoint), w.saved_models(), w.optimizers, w.schedulers)
+
+    def save(self, folder: str) -> None:
+        w = self._ready()
+        save_shards(Path(folder), w.saved_models(), w.optimizers, w.schedulers, self.rank)
+
+    def call(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
+             dp: dict[str, Any], evaluation: bool = False
+             ) -> tuple[dict[str, Any], float, dict[str, float]]:
+        """Run node `name` on `inputs` (port -> value, or the object-store reference of a
+        value every worker shares), or at evaluation an update's held-out metrics;
+        (outputs, seconds, metrics)."""
+        w = self._ready()
+        inputs = _values(inputs)
+        metrics: dict[str, float] = {}
+        if evaluation:
+            with torch.no_grad():
+                outputs, seconds = w.dispatch(name, inputs, step, params, metrics,
+                                              evaluation=True)
+            return outputs, seconds, metrics
+        if self.group is not None and "dp_size" in dp:
+            dp = {**dp, "workers": self.group}
+        outputs, seconds = w.call(name, inputs, step, params, metrics, **dp)
+        return outputs, seconds, metrics
+
+    def _ready(self) -> Worker:
+        if self.worker is None:
+            raise FlowgraphError("worker used before setup")
+        return self.worker
+
+
+def _values(inputs: dict[str, Any]) -> dict[str, Any]:
+    """`inputs` with every object-store reference fetched (all at once)."""
+    refs = [v for v in inputs.values() if isinstance(v, ray.ObjectRef)]
+    got = dict(zip(map(id, refs), ray.get(refs), strict=True)) if refs else {}
+    return {port: got.get(id(value), value) for port, value in inputs.items()}
