@@ -67,6 +67,7 @@ from flowgraph.ir import (
     TrainerSpec,
     from_python,
 )
+from flowgraph.paths import folder_of, resolve_path
 from flowgraph.source import SourcePos
 
 MAX_FILE_BYTES = 16 * 1024 * 1024
@@ -252,9 +253,11 @@ def _read_models(r: _Reader, node: YNode | None) -> tuple[ModelSpec, ...]:
                   f"{', '.join(ATTN_IMPLEMENTATIONS)}", value.pos,
                   hint=did_you_mean(attn, ATTN_IMPLEMENTATIONS))
             attn = "sdpa"
+        tokenizer = f.get("tokenizer")
         out.append(ModelSpec(
-            name=str(key.value), path=f["path"], trainable=f.get("trainable", False),
-            dtype=dtype, optimizer=opt, tokenizer=f.get("tokenizer"),
+            name=str(key.value), path=_resolved(value, "path", f["path"], hub=True),
+            trainable=f.get("trainable", False), dtype=dtype, optimizer=opt,
+            tokenizer=tokenizer and _resolved(value, "tokenizer", tokenizer, hub=True),
             gradient_checkpointing=f.get("gradient_checkpointing", False),
             attn_implementation=attn, config=config,
             lora=_read_lora(r, f.get("lora"), f"models.{key.value}.lora"),
@@ -325,9 +328,25 @@ def _read_data(r: _Reader, node: YNode | None) -> tuple[DataSpec, ...]:
             continue
         rest = YMap(tuple((k, v) for k, v in value.items if k.value not in ("kind", "path")),
                     value.pos)
-        out.append(DataSpec(str(key.value), kind_v, path_v,
-                            r.params(rest, f"data.{key.value}"), key.pos))
+        params = _held_out_resolved(r.params(rest, f"data.{key.value}"))
+        out.append(DataSpec(str(key.value), kind_v, resolve_path(path_v, folder_of(path.pos)),
+                            params, key.pos))
     return tuple(out)
+
+
+def _held_out_resolved(params: Params) -> Params:
+    """A data source's params with its held-out file, `eval_path`, resolved as its `path`."""
+    given = params.find("eval_path")
+    if given is None or not isinstance(given.value, str):
+        return params
+    held_out = replace(given, value=resolve_path(given.value, folder_of(given.pos)))
+    return Params(tuple(held_out if p is given else p for p in params.items))
+
+
+def _resolved(entry: YNode, key: str, path: str, hub: bool) -> str:
+    """`path`, written as `key` of `entry`, resolved by `flowgraph.paths`' rule."""
+    written = entry.get(key) if isinstance(entry, YMap) else None
+    return resolve_path(path, folder_of((written or entry).pos), hub=hub)
 
 
 def _read_nodes(r: _Reader, node: YNode | None) -> tuple[NodeSpec, ...]:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TypeAlias, Union
 
 from flowgraph.errors import IRError
+from flowgraph.paths import folder_of
 from flowgraph.source import UNKNOWN_POS, SourcePos
 
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -328,16 +328,16 @@ class ResourceSpec:
 @dataclass(frozen=True, slots=True)
 class Plugin:
     """A module the graph may import to register custom kinds: a module name, or a `.py`
-    file relative to the folder of the file that lists it."""
+    file relative to the folder of the file that lists it (`flowgraph.paths`)."""
 
     module: str
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
 
-    def folder(self) -> str | None:
-        """The folder of the file that lists the plugin (a graph file, or the Python file
-        that called `GraphBuilder.plugin`), where it is looked for first."""
-        listed_in = Path(self.pos.file)
-        return str(listed_in.parent) if listed_in.is_file() else None
+    def folder(self) -> str:
+        """Where the plugin is looked for first: the folder of the file that lists it (a
+        graph file, or the Python file that called `GraphBuilder.plugin`), or the working
+        directory for one given on the command line."""
+        return str(folder_of(self.pos))
 
 
 @dataclass(frozen=True, slots=True)
