@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from flowgraph.choices import TARGETS
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import to_python
@@ -370,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("compile", help="run the pass pipeline and write an execution plan")
     k.add_argument("file", nargs="?", metavar="FILE")
     k.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    k.add_argument("--target", choices=("local", "fsdp", "ray"), default="local")
+    k.add_argument("--target", choices=TARGETS, default="local")
     k.add_argument("--nproc", type=int, default=None)
     k.add_argument("-o", "--output", metavar="PLAN.json")
     k.add_argument("--print-passes", action="store_true", help="list the passes and exit")
@@ -383,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("file", metavar="FILE", help="a graph file, or a plan (PLAN.json) that "
                    "`flowgraph compile -o` wrote: its target, pools and stages as they are")
     r.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    r.add_argument("--target", choices=("local", "fsdp", "ray"), default=None,
+    r.add_argument("--target", choices=TARGETS, default=None,
                    help="default: local (a plan: its own)")
     r.add_argument("--nproc", type=int, default=None,
                    help="fsdp: processes in all (split over --nnodes); ray: workers per "
@@ -441,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plot)
 
     en = sub.add_parser("env", help="check the installed packages for a target")
-    en.add_argument("--target", choices=("local", "fsdp", "ray"), default="local")
+    en.add_argument("--target", choices=TARGETS, default="local")
     en.add_argument("--gpu", action="store_true",
                     help="require a CUDA device (and give GPU install commands)")
     en.set_defaults(func=cmd_env)

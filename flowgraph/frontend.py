@@ -31,6 +31,17 @@ from typing import Any
 
 import yaml
 
+from flowgraph.choices import (
+    ADMISSIONS,
+    ATTN_IMPLEMENTATIONS,
+    LOGGERS,
+    MODEL_DTYPES,
+    OLD_LOG_PROBS,
+    ON_NONFINITE,
+    OPTIMIZERS,
+    RESOURCE_DEVICES,
+    SCHEDULES,
+)
 from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.document import (
     _EXP_FLOAT,
@@ -46,10 +57,7 @@ from flowgraph.document import (
 )
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import (
-    ADMISSIONS,
-    LOGGERS,
     NAME_RE,
-    OLD_LOG_PROBS,
     DataSpec,
     DimBinding,
     Graph,
@@ -109,14 +117,6 @@ RESOURCES: dict[str, _T] = {
     "device": (str,), "nproc": (int,), "memory_gib": (float, type(None)), "pools": (dict,),
 }
 POOL: dict[str, _T] = {"size": (int,), "models": (list,)}
-DEVICES = ("auto", "cpu", "cuda")
-OPTIMIZERS = ("adamw", "adam", "sgd")
-SCHEDULES = ("constant", "linear", "cosine")
-MODEL_DTYPES = ("float32", "bfloat16", "float16")
-ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
-VARLEN_ATTENTION = ("flash_attention_2",)
-"""Attention that runs packed sequences as sequences (varlen kernels, cu_seqlens from the
-position ids) instead of one N x N masked block: pass `packing` turns packing on there."""
 
 
 class _Reader:
@@ -245,7 +245,7 @@ def _read_models(r: _Reader, node: YNode | None) -> tuple[ModelSpec, ...]:
         dtype = f.get("dtype", "float32")
         if dtype not in MODEL_DTYPES:
             r.err("FG004", f"model dtype `{dtype}` is not supported", value.pos,
-                  hint=did_you_mean(dtype, MODEL_DTYPES))
+                  hint=did_you_mean(dtype, tuple(MODEL_DTYPES)))
             dtype = "float32"
         attn = f.get("attn_implementation", "sdpa")
         if attn not in ATTN_IMPLEMENTATIONS:
@@ -408,7 +408,7 @@ def _read_trainer(r: _Reader, node: YNode | None) -> TrainerSpec:
         if key in f and f[key] < 0:
             r.err("FG004", f"`trainer.{key}` must be >= 0, got {f[key]}", node.pos)
             del f[key]
-    if f.get("on_nonfinite", "stop") not in ("stop", "skip"):
+    if f.get("on_nonfinite", "stop") not in ON_NONFINITE:
         r.err("FG004", f"`trainer.on_nonfinite` is `{f['on_nonfinite']}`", node.pos,
               hint="use `stop` (the default) or `skip`")
         del f["on_nonfinite"]
@@ -441,9 +441,9 @@ def _read_resources(r: _Reader, node: YNode | None) -> ResourceSpec:
     if node is None:
         return ResourceSpec()
     f = r.section(node, RESOURCES, "resources")
-    if f.get("device", "auto") not in DEVICES:
+    if f.get("device", "auto") not in RESOURCE_DEVICES:
         r.err("FG004", f"`resources.device` is `{f['device']}`", node.pos,
-              hint=did_you_mean(f["device"], DEVICES))
+              hint=did_you_mean(f["device"], RESOURCE_DEVICES))
         del f["device"]
     if f.get("nproc", 1) < 1:
         r.err("FG004", "`resources.nproc` must be >= 1", node.pos)

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TypeAlias, Union
 
+from flowgraph.choices import ADMISSIONS, LOGGERS, OLD_LOG_PROBS, ON_NONFINITE
 from flowgraph.errors import IRError
 from flowgraph.paths import folder_of
 from flowgraph.source import UNKNOWN_POS, SourcePos
@@ -227,14 +228,6 @@ class DimBinding:
             )
 
 
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
-"""What `trainer.loggers` may list: the per-step console line, `run_dir/metrics.jsonl`
-(always written: resume and `flowgraph.run(...).rows` read it), and the experiment
-trackers of `flowgraph.runtime.trackers`."""
-ADMISSIONS = ("block", "drop")
-"""`trainer.admission` of asynchronous rollouts."""
-OLD_LOG_PROBS = ("recompute", "rollout")
-"""`trainer.old_log_prob` of asynchronous rollouts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,7 +277,7 @@ class TrainerSpec:
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
 
     def __post_init__(self) -> None:
-        if self.on_nonfinite not in ("stop", "skip"):
+        if self.on_nonfinite not in ON_NONFINITE:
             raise IRError(
                 f"trainer.on_nonfinite must be `stop` or `skip`, got {self.on_nonfinite!r}"
             )

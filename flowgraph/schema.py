@@ -42,28 +42,31 @@ from dataclasses import MISSING, fields
 from importlib.metadata import entry_points
 from typing import Any
 
+from flowgraph.choices import (
+    ADMISSIONS,
+    ATTN_IMPLEMENTATIONS,
+    LOGGERS,
+    MODEL_DTYPES,
+    OLD_LOG_PROBS,
+    ON_NONFINITE,
+    OPTIMIZERS,
+    RESOURCE_DEVICES,
+    SCHEDULES,
+)
 from flowgraph.dims import CANONICAL_DIMS
 from flowgraph.frontend import (
-    ATTN_IMPLEMENTATIONS,
-    DEVICES,
     LORA,
     MODEL,
-    MODEL_DTYPES,
     NODE,
     OPTIMIZER,
-    OPTIMIZERS,
     POOL,
     REF_RE,
     RESOURCES,
-    SCHEDULES,
     TOP,
     TRAINER,
 )
 from flowgraph.ir import (
-    ADMISSIONS,
-    LOGGERS,
     NAME_RE,
-    OLD_LOG_PROBS,
     LoraSpec,
     ModelSpec,
     OptimizerSpec,
@@ -80,8 +83,6 @@ Schema = dict[str, Any]
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
 NAME = NAME_RE.pattern
 MODULE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
-ON_NONFINITE = ("stop", "skip")
-"""The values `trainer.on_nonfinite` takes (checked in `TrainerSpec`)."""
 
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean",
                dict: "object", list: "array", type(None): "null"}
@@ -323,7 +324,7 @@ def _model() -> Schema:
                    {"target_modules": {"oneOf": [
                        {"type": "string"}, {"type": "array", "items": {"type": "string"}}]}})
     model = _record(MODEL, "models", ModelSpec,
-                    {"dtype": MODEL_DTYPES, "attn_implementation": ATTN_IMPLEMENTATIONS},
+                    {"dtype": tuple(MODEL_DTYPES), "attn_implementation": ATTN_IMPLEMENTATIONS},
                     {"optimizer": optimizer, "config": config, "lora": lora})
     return {**model, "required": ["path"]}
 
@@ -331,7 +332,7 @@ def _model() -> Schema:
 def _resources() -> Schema:
     pool = _record(POOL, "pools", None, {},
                    {"models": {"type": "array", "items": {"type": "string", "pattern": NAME}}})
-    return _record(RESOURCES, "resources", ResourceSpec, {"device": DEVICES},
+    return _record(RESOURCES, "resources", ResourceSpec, {"device": RESOURCE_DEVICES},
                    {"pools": _named({**pool, "required": ["size", "models"]})})
 
 
