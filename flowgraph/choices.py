@@ -21,7 +21,9 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
 VARLEN_ATTENTION = ("flash_attention_2",)
 """Attention that runs packed sequences as sequences (varlen kernels, cu_seqlens from the
 position ids) instead of one N x N masked block: pass `packing` turns packing on there."""
-OPTIMIZERS = ("adamw", "adam", "sgd")
+OPTIMIZERS = {"adamw": 8, "adam": 8, "sgd": 0}
+"""Optimizers a trainable model may use, each with its bytes of state per parameter (the
+memory estimate): Adam keeps two fp32 moments, plain SGD none."""
 SCHEDULES = ("constant", "linear", "cosine")
 """Learning-rate decay after warm-up."""
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")

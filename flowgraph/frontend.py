@@ -66,31 +66,57 @@ from flowgraph.ir import (
     from_python,
 )
 from flowgraph.paths import folder_of, resolve_path
-from flowgraph.settings import declared, written_types
+from flowgraph.settings import Setting, declared, written_types
 from flowgraph.source import SourcePos
 
 MAX_FILE_BYTES = 16 * 1024 * 1024
 REF_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)$")
 
 # Expected value types per key: a tuple of Python types (int is not a float here;
-# `_typed` widens int to float where float is expected).
+# `_typed` widens int to float where float is expected). The top level's and a node's
+# keys are the document's own structure, declared here with their docs (the JSON
+# Schema's); the sections' come from their records' declarations (`flowgraph.settings`).
 _T = tuple[type, ...]
-TOP: dict[str, _T] = {
-    "version": (int,), "name": (str,), "description": (str,), "dims": (dict,),
-    "models": (dict,), "data": (dict,), "nodes": (dict,), "trainer": (dict,),
-    "resources": (dict,), "plugins": (list,),
+TOP_KEYS = {
+    "version": Setting("Graph file format version; 1 is the only one.", written=(int,)),
+    "name": Setting("Name of the graph; default: the file name without its extension.",
+                    written=(str,)),
+    "description": Setting("Free text about the graph.", written=(str,)),
+    "dims": Setting("Global dims: a positive integer binds one, null declares it symbolic. "
+                    "B = Bp*N sequences, Bp prompts, N samples per prompt, P prompt length, "
+                    "T response length, V vocabulary.", written=(dict,)),
+    "models": Setting("Models by name: where the weights come from, whether they are "
+                      "trained, and their optimizer.", written=(dict,)),
+    "data": Setting("Data sources by name: `{kind, path, <params of the kind>}`. A data "
+                    "source acts as a node with no inputs and the outputs of its kind.",
+                    written=(dict,)),
+    "nodes": Setting("The computations by name: `{kind, model, inputs: {port: node.port}, "
+                     "params}`. The graph is one training step; it must be acyclic.",
+                     written=(dict,)),
+    "trainer": Setting("The training loop around the graph.", written=(dict,)),
+    "resources": Setting("Where the graph runs; the command line's --nproc overrides nproc.",
+                         written=(dict,)),
+    "plugins": Setting("Python modules to import before checking; they register custom "
+                       "kinds.", written=(list,)),
 }
-# The sections' keys and value types come from their records' declarations
-# (`flowgraph.settings`); the top level and nodes are the document's own structure.
+NODE_KEYS = {
+    "kind": Setting("Registry name of the node's kind (`flowgraph schema` lists them).",
+                    written=(str,)),
+    "model": Setting("The model this node runs: a key of `models`.", written=(str,)),
+    "inputs": Setting("Input port -> `node.port`: the upstream node or data source and its "
+                      "output.", written=(dict,)),
+    "params": Setting("Parameters of the kind.", written=(dict,)),
+    "hoisted": Setting("Compute once before the training loop (set by loop-invariant "
+                       "hoisting; rarely written by hand).", written=(bool,)),
+}
+TOP = {key: s.written for key, s in TOP_KEYS.items()}
+NODE = {key: s.written for key, s in NODE_KEYS.items()}
 MODEL = written_types(ModelSpec)
 LORA = written_types(LoraSpec)
 OPTIMIZER = written_types(OptimizerSpec)
 TRAINER = written_types(TrainerSpec)
 RESOURCES = written_types(ResourceSpec)
 POOL = written_types(PoolSpec)
-NODE: dict[str, _T] = {
-    "kind": (str,), "model": (str,), "inputs": (dict,), "params": (dict,), "hoisted": (bool,),
-}
 
 
 class _Reader:

@@ -154,7 +154,7 @@ class NodeSpec:
 class OptimizerSpec:
     """Optimizer and learning-rate schedule of a trainable model."""
 
-    name: str = setting("adamw", "Optimizer.", choices=OPTIMIZERS)
+    name: str = setting("adamw", "Optimizer.", choices=tuple(OPTIMIZERS))
     lr: float = setting(1e-6, "Peak learning rate.")
     weight_decay: float = setting(0.0, "Decoupled weight decay.")
     betas: tuple[float, float] = setting((0.9, 0.999), "Adam betas (beta1, beta2).")

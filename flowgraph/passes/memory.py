@@ -57,7 +57,7 @@ from typing import ClassVar
 from flowgraph.builtin_models import builtin_config
 from flowgraph.check import CheckResult
 from flowgraph.check.structure import Resolved, param_value
-from flowgraph.choices import MODEL_DTYPES
+from flowgraph.choices import MODEL_DTYPES, OPTIMIZERS
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.frontend import with_params
 from flowgraph.ir import Graph, LoraSpec, ModelSpec, NodeSpec, OptimizerSpec
@@ -75,8 +75,6 @@ from flowgraph.registry import KindSpec
 
 HEAD_CHUNK = 1024
 """Tokens an update projects onto the vocabulary at once (`head_logprob`'s chunk_size)."""
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0}
-"""Bytes of optimizer state per parameter: Adam keeps two fp32 moments; plain SGD none."""
 CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "vocab_size")
 CONFIG_MAX_BYTES = 1 << 20
@@ -382,7 +380,7 @@ def _state_items(inp: _Inputs, pool: PoolPlan, placed: ModelPlacement) -> list[M
     items = [MemoryItem("weights", name, weights, False)]
     if model.trainable:
         trained = adapters if model.lora else per_worker
-        state = OPTIMIZER_STATE_BYTES[(model.optimizer or OptimizerSpec()).name]
+        state = OPTIMIZERS[(model.optimizer or OptimizerSpec()).name]
         items += [MemoryItem("grads", name, math.ceil(trained * MODEL_DTYPES[model.dtype]),
                              False),
                   MemoryItem("optimizer", name, math.ceil(trained * state), False)]
