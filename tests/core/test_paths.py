@@ -128,3 +128,17 @@ def test_text_and_python_graphs_resolve_from_the_working_directory(elsewhere: Pa
                                                                  "Qwen/Qwen2.5-0.5B")
     assert built.data[0].path == str(elsewhere / "d" / "train.jsonl")
     assert built.data[0].params.get("eval_path") == str(elsewhere / "d" / "test.jsonl")
+
+
+def test_a_plugin_on_the_command_line_is_found_in_the_working_directory(
+        elsewhere: Path) -> None:
+    (elsewhere / "fg_noop_plugin.py").write_text('"""A plugin that registers nothing."""\n')
+    graph, _ = load_graph(GRAPHS / "grpo.yaml", ["plugins=[fg_noop_plugin.py]"])
+    assert graph is not None
+    assert [d for d in check_graph(graph).diagnostics if d.code == "FG113"] == []
+
+    (elsewhere / "other").mkdir()
+    graph, _ = load_graph(GRAPHS / "grpo.yaml", ["plugins=[other/missing.py]"])
+    assert graph is not None
+    [missing] = [d for d in check_graph(graph).diagnostics if d.code == "FG113"]
+    assert f"looked in {elsewhere}" in missing.message
