@@ -109,6 +109,12 @@ NODE_KEYS = {
     "hoisted": Setting("Compute once before the training loop (set by loop-invariant "
                        "hoisting; rarely written by hand).", written=(bool,)),
 }
+SECTIONS: dict[str, type] = {
+    "models": ModelSpec, "optimizer": OptimizerSpec, "lora": LoraSpec, "trainer": TrainerSpec,
+    "resources": ResourceSpec, "pools": PoolSpec}
+"""The graph file's sections (and the mappings in them: `models.<m>.optimizer`,
+`models.<m>.lora`, `resources.pools.<p>`) with the records that declare their settings
+(`flowgraph kinds trainer` describes one)."""
 TOP = {key: s.written for key, s in TOP_KEYS.items()}
 NODE = {key: s.written for key, s in NODE_KEYS.items()}
 MODEL = written_types(ModelSpec)
