@@ -4,7 +4,8 @@ The IR records of the graph file's sections (`ModelSpec`, `OptimizerSpec`, `Lora
 `TrainerSpec`, `ResourceSpec`, `PoolSpec`) declare each field once, with its type,
 default, doc, choices and bounds:
 
-    lr: float = setting(1e-6, "Peak learning rate.", minimum=0)
+    grad_clip: float = setting(1.0, "Max global gradient norm; 0 disables clipping.",
+                               minimum=0)
 
 From that declaration come the YAML reader's key table and value checks
 (`flowgraph.frontend`), the records' own invariants (`check_settings`, for records built
