@@ -10,13 +10,17 @@
     graph = g.build()
 
 Each element records the Python file and line that created it, so diagnostics point
-at the user's code just as they point at a YAML line.
+at the user's code just as they point at a YAML line. A graph built here has no file:
+its relative data, model and tokenizer paths are relative to the working directory when
+`model` or `data` is called, and are stored absolute (`flowgraph.paths`); plugins are
+looked for next to the Python file that lists them.
 """
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from flowgraph.errors import IRError
@@ -34,6 +38,7 @@ from flowgraph.ir import (
     ResourceSpec,
     TrainerSpec,
 )
+from flowgraph.paths import resolve_path
 from flowgraph.source import SourcePos
 
 
@@ -93,14 +98,20 @@ class GraphBuilder:
             fixed = {**optimizer, **({"betas": tuple(betas)} if betas is not None else {})}
             opt = OptimizerSpec(**fixed, pos=pos)
         assert opt is None or isinstance(opt, OptimizerSpec)
-        self._models.append(ModelSpec(name, path, trainable=trainable, optimizer=opt,
+        if isinstance(kw.get("tokenizer"), str):
+            kw["tokenizer"] = resolve_path(kw["tokenizer"], Path.cwd(), hub=True)
+        self._models.append(ModelSpec(name, resolve_path(path, Path.cwd(), hub=True),
+                                      trainable=trainable, optimizer=opt,
                                       config=Params.of(config or {}, pos), lora=lora, pos=pos,
                                       **kw))
         return name
 
     def data(self, name: str, kind: str, path: str, **params: Any) -> Handle:
         pos = _caller()
-        self._data.append(DataSpec(name, kind, path, Params.of(params, pos), pos))
+        if isinstance(params.get("eval_path"), str):
+            params["eval_path"] = resolve_path(params["eval_path"], Path.cwd())
+        self._data.append(DataSpec(name, kind, resolve_path(path, Path.cwd()),
+                                   Params.of(params, pos), pos))
         return Handle(name)
 
     def node(self, name: str, kind: str, *, model: str | None = None,

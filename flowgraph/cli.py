@@ -18,6 +18,7 @@ torch for graphs made of built-in kinds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import json
 import os
@@ -26,6 +27,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+from flowgraph.choices import TARGETS
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import to_python
@@ -289,6 +291,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_kinds(args: argparse.Namespace) -> int:
+    from flowgraph.frontend import SECTIONS
     from flowgraph.registry import Registry
 
     registry = Registry.default()
@@ -297,8 +300,11 @@ def cmd_kinds(args: argparse.Namespace) -> int:
         sys.stdout.write(_kinds_table(registry))
         return EXIT_OK
     kind = registry.get(args.name)
+    if kind is None and args.name in SECTIONS:
+        sys.stdout.write(_describe_section(args.name, SECTIONS[args.name]))
+        return EXIT_OK
     if kind is None:
-        close = difflib.get_close_matches(args.name, registry.names(), n=3)
+        close = difflib.get_close_matches(args.name, [*registry.names(), *SECTIONS], n=3)
         hint = f"; did you mean {', '.join(f'`{c}`' for c in close)}?" if close else ""
         raise FlowgraphError(f"no kind `{args.name}`{hint} (`flowgraph kinds` lists them; "
                              "--plugin MODULE for a plugin's)")
@@ -308,13 +314,16 @@ def cmd_kinds(args: argparse.Namespace) -> int:
 
 def _kinds_table(registry: Registry) -> str:
     """Every kind the registry knows, by category, with its one-line doc."""
+    from flowgraph.frontend import SECTIONS
+
     kinds = [k for k in (registry.get(n) for n in registry.names()) if k is not None]
     width = max(len(k.name) for k in kinds)
     lines = []
     for category in sorted({k.category for k in kinds}):
         lines.append(f"{category}:")
         lines += [f"  {k.name:<{width}}  {k.doc}" for k in kinds if k.category == category]
-    lines.append("`flowgraph kinds KIND`: its ports and params.")
+    lines.append("`flowgraph kinds KIND`: its ports and params; `flowgraph kinds SECTION` ("
+                 f"{', '.join(SECTIONS)}): a graph-file section's settings.")
     return "\n".join(lines) + "\n"
 
 
@@ -350,6 +359,30 @@ def _describe_kind(kind: KindSpec) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _describe_section(name: str, record: type) -> str:
+    """A graph-file section's settings, each with its type, default, choices, bounds and
+    meaning: their declarations (`flowgraph.settings`), as the schema has them."""
+    from flowgraph.settings import declared, written_types
+
+    doc = (record.__doc__ or "").split("\n\n")[0].replace("\n    ", " ").strip()
+    lines = [f"{name}: {doc}"]
+    written = written_types(record)
+    for f, s in declared(record):
+        types = "|".join(_WORDS[t] for t in written[f.name])
+        value = ("required" if f.default is dataclasses.MISSING
+                 else f"default {json.dumps(to_python(f.default))}")
+        facts = [f" one of {', '.join(s.choices)};"] if s.choices else []
+        facts += [f" {op} {bound};" for op, bound in
+                  ((">=", s.minimum), (">", s.above), ("<", s.below)) if bound is not None]
+        lines.append(f"  {f.name:<22} {types}, {value};{''.join(facts)} {s.doc}")
+    return "\n".join(lines) + "\n"
+
+
+_WORDS = {int: "int", float: "float", str: "str", bool: "bool", dict: "mapping", list: "list",
+          type(None): "null"}
+"""A setting's value types in the words `flowgraph kinds` uses for params."""
+
+
 # --- parser --------------------------------------------------------------------------
 
 
@@ -370,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     k = sub.add_parser("compile", help="run the pass pipeline and write an execution plan")
     k.add_argument("file", nargs="?", metavar="FILE")
     k.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    k.add_argument("--target", choices=("local", "fsdp", "ray"), default="local")
+    k.add_argument("--target", choices=TARGETS, default="local")
     k.add_argument("--nproc", type=int, default=None)
     k.add_argument("-o", "--output", metavar="PLAN.json")
     k.add_argument("--print-passes", action="store_true", help="list the passes and exit")
@@ -383,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("file", metavar="FILE", help="a graph file, or a plan (PLAN.json) that "
                    "`flowgraph compile -o` wrote: its target, pools and stages as they are")
     r.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    r.add_argument("--target", choices=("local", "fsdp", "ray"), default=None,
+    r.add_argument("--target", choices=TARGETS, default=None,
                    help="default: local (a plan: its own)")
     r.add_argument("--nproc", type=int, default=None,
                    help="fsdp: processes in all (split over --nnodes); ray: workers per "
@@ -441,7 +474,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=cmd_plot)
 
     en = sub.add_parser("env", help="check the installed packages for a target")
-    en.add_argument("--target", choices=("local", "fsdp", "ray"), default="local")
+    en.add_argument("--target", choices=TARGETS, default="local")
     en.add_argument("--gpu", action="store_true",
                     help="require a CUDA device (and give GPU install commands)")
     en.set_defaults(func=cmd_env)
@@ -452,7 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also describe the kinds this module declares (repeatable)")
     s.set_defaults(func=cmd_schema)
 
-    kd = sub.add_parser("kinds", help="list the node kinds, or print one's ports and params")
+    kd = sub.add_parser("kinds", help="list the node kinds, or print one's ports and params "
+                                             "(or a graph-file section's settings)")
     kd.add_argument("name", nargs="?", metavar="KIND", help="the kind to describe")
     kd.add_argument("--plugin", action="append", default=[], metavar="MODULE",
                     help="also the kinds this module or .py file declares (repeatable)")

@@ -19,6 +19,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from flowgraph.choices import TARGETS
+
 __all__ = ["REQUIREMENTS", "Check", "Requirement", "check_environment", "satisfies"]
 
 SYMBOLS = {"ok": "✓", "missing": "✗", "optional": "!"}
@@ -47,16 +49,15 @@ class Requirement:
         return f"pip install '{self.install or self.dist + self.spec}'"
 
 
-_RUN = ("local", "fsdp", "ray")
 REQUIREMENTS = (
-    Requirement("transformers", ">=4.51", _RUN),
-    Requirement("tokenizers", ">=0.21", _RUN),
-    Requirement("safetensors", ">=0.4", _RUN),
-    Requirement("pyarrow", ">=15", _RUN),
-    Requirement("jaxtyping", ">=0.2.36", _RUN),
-    Requirement("networkx", ">=3.2", _RUN),
-    Requirement("rich", ">=13", _RUN),
-    Requirement("tensorboard", ">=2.15", _RUN),
+    Requirement("transformers", ">=4.51", TARGETS),
+    Requirement("tokenizers", ">=0.21", TARGETS),
+    Requirement("safetensors", ">=0.4", TARGETS),
+    Requirement("pyarrow", ">=15", TARGETS),
+    Requirement("jaxtyping", ">=0.2.36", TARGETS),
+    Requirement("networkx", ">=3.2", TARGETS),
+    Requirement("rich", ">=13", TARGETS),
+    Requirement("tensorboard", ">=2.15", TARGETS),
     Requirement("ray", ">=2.40", ("ray",), install="ray[default]>=2.40"),
     Requirement("prometheus_client", ">=0.20", (), use="flowgraph run --metrics-port"),
     Requirement("matplotlib", ">=3.8", (), use="flowgraph plot"),

@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from flowgraph.choices import LOGGERS
 from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.document import (
     _EXP_FLOAT,
@@ -46,10 +47,7 @@ from flowgraph.document import (
 )
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import (
-    ADMISSIONS,
-    LOGGERS,
     NAME_RE,
-    OLD_LOG_PROBS,
     DataSpec,
     DimBinding,
     Graph,
@@ -67,55 +65,64 @@ from flowgraph.ir import (
     TrainerSpec,
     from_python,
 )
+from flowgraph.paths import folder_of, resolve_path
+from flowgraph.settings import Setting, declared, written_types
 from flowgraph.source import SourcePos
 
 MAX_FILE_BYTES = 16 * 1024 * 1024
 REF_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)$")
 
 # Expected value types per key: a tuple of Python types (int is not a float here;
-# `_typed` widens int to float where float is expected).
+# `_typed` widens int to float where float is expected). The top level's and a node's
+# keys are the document's own structure, declared here with their docs (the JSON
+# Schema's); the sections' come from their records' declarations (`flowgraph.settings`).
 _T = tuple[type, ...]
-TOP: dict[str, _T] = {
-    "version": (int,), "name": (str,), "description": (str,), "dims": (dict,),
-    "models": (dict,), "data": (dict,), "nodes": (dict,), "trainer": (dict,),
-    "resources": (dict,), "plugins": (list,),
+TOP_KEYS = {
+    "version": Setting("Graph file format version; 1 is the only one.", written=(int,)),
+    "name": Setting("Name of the graph; default: the file name without its extension.",
+                    written=(str,)),
+    "description": Setting("Free text about the graph.", written=(str,)),
+    "dims": Setting("Global dims: a positive integer binds one, null declares it symbolic. "
+                    "B = Bp*N sequences, Bp prompts, N samples per prompt, P prompt length, "
+                    "T response length, V vocabulary.", written=(dict,)),
+    "models": Setting("Models by name: where the weights come from, whether they are "
+                      "trained, and their optimizer.", written=(dict,)),
+    "data": Setting("Data sources by name: `{kind, path, <params of the kind>}`. A data "
+                    "source acts as a node with no inputs and the outputs of its kind.",
+                    written=(dict,)),
+    "nodes": Setting("The computations by name: `{kind, model, inputs: {port: node.port}, "
+                     "params}`. The graph is one training step; it must be acyclic.",
+                     written=(dict,)),
+    "trainer": Setting("The training loop around the graph.", written=(dict,)),
+    "resources": Setting("Where the graph runs; the command line's --nproc overrides nproc.",
+                         written=(dict,)),
+    "plugins": Setting("Python modules to import before checking; they register custom "
+                       "kinds.", written=(list,)),
 }
-MODEL: dict[str, _T] = {
-    "path": (str,), "trainable": (bool,), "dtype": (str,), "optimizer": (dict,),
-    "tokenizer": (str,), "gradient_checkpointing": (bool,), "config": (dict,),
-    "attn_implementation": (str,), "lora": (dict,),
+NODE_KEYS = {
+    "kind": Setting("Registry name of the node's kind (`flowgraph schema` lists them).",
+                    written=(str,)),
+    "model": Setting("The model this node runs: a key of `models`.", written=(str,)),
+    "inputs": Setting("Input port -> `node.port`: the upstream node or data source and its "
+                      "output.", written=(dict,)),
+    "params": Setting("Parameters of the kind.", written=(dict,)),
+    "hoisted": Setting("Compute once before the training loop (set by loop-invariant "
+                       "hoisting; rarely written by hand).", written=(bool,)),
 }
-LORA: dict[str, _T] = {
-    "r": (int,), "alpha": (float,), "dropout": (float,), "target_modules": (list, str),
-}
-OPTIMIZER: dict[str, _T] = {
-    "name": (str,), "lr": (float,), "weight_decay": (float,), "betas": (list,),
-    "eps": (float,), "warmup_steps": (int,), "schedule": (str,), "grad_clip": (float,),
-}
-NODE: dict[str, _T] = {
-    "kind": (str,), "model": (str,), "inputs": (dict,), "params": (dict,), "hoisted": (bool,),
-}
-TRAINER: dict[str, _T] = {
-    "steps": (int,), "seed": (int,), "run_dir": (str,), "checkpoint_every": (int,),
-    "max_checkpoints": (int,),
-    "eval_every": (int,), "val_before_train": (bool,), "verify_sync_every": (int,),
-    "resume": (bool,), "strict": (bool,), "on_nonfinite": (str,),
-    "step_timeout_s": (float,), "max_staleness": (int,), "admission": (str,),
-    "old_log_prob": (str,), "metrics_port": (int, type(None)), "loggers": (list,),
-    "mlflow_tracking_uri": (str, type(None)),
-}
-RESOURCES: dict[str, _T] = {
-    "device": (str,), "nproc": (int,), "memory_gib": (float, type(None)), "pools": (dict,),
-}
-POOL: dict[str, _T] = {"size": (int,), "models": (list,)}
-DEVICES = ("auto", "cpu", "cuda")
-OPTIMIZERS = ("adamw", "adam", "sgd")
-SCHEDULES = ("constant", "linear", "cosine")
-MODEL_DTYPES = ("float32", "bfloat16", "float16")
-ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
-VARLEN_ATTENTION = ("flash_attention_2",)
-"""Attention that runs packed sequences as sequences (varlen kernels, cu_seqlens from the
-position ids) instead of one N x N masked block: pass `packing` turns packing on there."""
+SECTIONS: dict[str, type] = {
+    "models": ModelSpec, "optimizer": OptimizerSpec, "lora": LoraSpec, "trainer": TrainerSpec,
+    "resources": ResourceSpec, "pools": PoolSpec}
+"""The graph file's sections (and the mappings in them: `models.<m>.optimizer`,
+`models.<m>.lora`, `resources.pools.<p>`) with the records that declare their settings
+(`flowgraph kinds trainer` describes one)."""
+TOP = {key: s.written for key, s in TOP_KEYS.items()}
+NODE = {key: s.written for key, s in NODE_KEYS.items()}
+MODEL = written_types(ModelSpec)
+LORA = written_types(LoraSpec)
+OPTIMIZER = written_types(OptimizerSpec)
+TRAINER = written_types(TrainerSpec)
+RESOURCES = written_types(ResourceSpec)
+POOL = written_types(PoolSpec)
 
 
 class _Reader:
@@ -171,6 +178,23 @@ class _Reader:
                     out[name] = typed
         return out
 
+    def checked(self, node: YNode, record: type, where: str) -> dict[str, Any]:
+        """`section` against the settings `record` declares, each value checked against
+        their choices and bounds: one that fails is reported at its line and left out (the
+        record's default stands in)."""
+        values = self.section(node, written_types(record), where)
+        for f, s in declared(record):
+            value = values.get(f.name)
+            given = f.name in values and not isinstance(value, (YMap, YSeq))
+            problem = s.problem(value) if given else None
+            if problem is None or not isinstance(node, YMap):
+                continue
+            written = node.get(f.name)
+            self.err("FG004", f"`{where}.{f.name}` {problem}", (written or node).pos,
+                     hint=s.hint or _choice_hint(str(value), s.choices))
+            del values[f.name]
+        return values
+
     def named_entries(self, node: YNode | None, where: str) -> list[tuple[YScalar, YNode]]:
         if node is None:
             return []
@@ -208,6 +232,13 @@ def _is_a(value: object, types: _T) -> bool:
     return isinstance(value, types)
 
 
+def _choice_hint(value: str, choices: tuple[str, ...]) -> str | None:
+    if not choices:
+        return None
+    close = difflib.get_close_matches(value, choices, n=1)
+    return f"did you mean `{close[0]}`?" if close else f"use one of {', '.join(choices)}"
+
+
 def _describe(value: object) -> str:
     if isinstance(value, dict):
         return "a mapping"
@@ -233,67 +264,40 @@ def _freeze(node: YNode) -> ParamValue:
 def _read_models(r: _Reader, node: YNode | None) -> tuple[ModelSpec, ...]:
     out = []
     for key, value in r.named_entries(node, "models"):
-        f = r.section(value, MODEL, f"models.{key.value}")
+        where = f"models.{key.value}"
+        f = r.checked(value, ModelSpec, where)
         if "path" not in f:
             if isinstance(value, YMap) and value.get("path") is None:
                 r.err("FG007", f"model `{key.value}` has no `path`", key.pos,
                       hint="a local directory, a hub id, or builtin:tiny-lm")
             continue
-        opt = _read_optimizer(r, f.get("optimizer"), f"models.{key.value}.optimizer")
-        config = r.params(f.get("config"), f"models.{key.value}.config")
-        dtype = f.get("dtype", "float32")
-        if dtype not in MODEL_DTYPES:
-            r.err("FG004", f"model dtype `{dtype}` is not supported", value.pos,
-                  hint=did_you_mean(dtype, MODEL_DTYPES))
-            dtype = "float32"
-        attn = f.get("attn_implementation", "sdpa")
-        if attn not in ATTN_IMPLEMENTATIONS:
-            r.err("FG004", f"attn_implementation `{attn}` is not one of "
-                  f"{', '.join(ATTN_IMPLEMENTATIONS)}", value.pos,
-                  hint=did_you_mean(attn, ATTN_IMPLEMENTATIONS))
-            attn = "sdpa"
-        out.append(ModelSpec(
-            name=str(key.value), path=f["path"], trainable=f.get("trainable", False),
-            dtype=dtype, optimizer=opt, tokenizer=f.get("tokenizer"),
-            gradient_checkpointing=f.get("gradient_checkpointing", False),
-            attn_implementation=attn, config=config,
-            lora=_read_lora(r, f.get("lora"), f"models.{key.value}.lora"),
-            pos=key.pos))
+        f["path"] = _resolved(value, "path", f["path"], hub=True)
+        if f.get("tokenizer") is not None:
+            f["tokenizer"] = _resolved(value, "tokenizer", f["tokenizer"], hub=True)
+        f["optimizer"] = _read_optimizer(r, f.get("optimizer"), f"{where}.optimizer")
+        f["config"] = r.params(f.get("config"), f"{where}.config")
+        f["lora"] = _read_lora(r, f.get("lora"), f"{where}.lora")
+        out.append(ModelSpec(name=str(key.value), **f, pos=key.pos))
     return tuple(out)
 
 
 def _read_lora(r: _Reader, node: YNode | None, where: str) -> LoraSpec | None:
     if node is None:
         return None
-    f = r.section(node, LORA, where)
+    f = r.checked(node, LoraSpec, where)
     targets = f.pop("target_modules", ["all-linear"])
     targets = [targets] if isinstance(targets, str) else targets
     if not targets or not all(isinstance(t, str) and t for t in targets):
         r.err("FG004", f"{where}.target_modules must name modules (a list of names, or "
               "`all-linear`)", node.pos, hint="e.g. target_modules: [q_proj, v_proj]")
         targets = ["all-linear"]
-    spec = LoraSpec(**f, target_modules=tuple(targets), pos=node.pos)
-    if spec.r < 1:
-        r.err("FG004", f"{where}.r is {spec.r}; the adapters' rank must be >= 1", node.pos,
-              hint="r: 8 (verl's lora_rank) is a common start")
-    if not 0 <= spec.dropout < 1:
-        r.err("FG004", f"{where}.dropout is {spec.dropout}; it must be in [0, 1)", node.pos)
-    if spec.alpha <= 0:
-        r.err("FG004", f"{where}.alpha is {spec.alpha}; it must be > 0", node.pos,
-              hint="alpha: 2·r is common (the update is scaled by alpha / r)")
-    return spec
+    return LoraSpec(**f, target_modules=tuple(targets), pos=node.pos)
 
 
 def _read_optimizer(r: _Reader, node: YNode | None, where: str) -> OptimizerSpec | None:
     if node is None:
         return None
-    f = r.section(node, OPTIMIZER, where)
-    checks = (("name", OPTIMIZERS), ("schedule", SCHEDULES))
-    for key, allowed in checks:
-        if key in f and f[key] not in allowed:
-            r.err("FG004", f"`{where}.{key}` is `{f[key]}`", node.pos,
-                  hint=did_you_mean(f[key], allowed))
-            del f[key]
+    f = r.checked(node, OptimizerSpec, where)
     if "betas" in f:
         betas = plain(f["betas"])
         ok = isinstance(betas, list) and len(betas) == 2 and all(
@@ -325,9 +329,25 @@ def _read_data(r: _Reader, node: YNode | None) -> tuple[DataSpec, ...]:
             continue
         rest = YMap(tuple((k, v) for k, v in value.items if k.value not in ("kind", "path")),
                     value.pos)
-        out.append(DataSpec(str(key.value), kind_v, path_v,
-                            r.params(rest, f"data.{key.value}"), key.pos))
+        params = _held_out_resolved(r.params(rest, f"data.{key.value}"))
+        out.append(DataSpec(str(key.value), kind_v, resolve_path(path_v, folder_of(path.pos)),
+                            params, key.pos))
     return tuple(out)
+
+
+def _held_out_resolved(params: Params) -> Params:
+    """A data source's params with its held-out file, `eval_path`, resolved as its `path`."""
+    given = params.find("eval_path")
+    if given is None or not isinstance(given.value, str):
+        return params
+    held_out = replace(given, value=resolve_path(given.value, folder_of(given.pos)))
+    return Params(tuple(held_out if p is given else p for p in params.items))
+
+
+def _resolved(entry: YNode, key: str, path: str, hub: bool) -> str:
+    """`path`, written as `key` of `entry`, resolved by `flowgraph.paths`' rule."""
+    written = entry.get(key) if isinstance(entry, YMap) else None
+    return resolve_path(path, folder_of((written or entry).pos), hub=hub)
 
 
 def _read_nodes(r: _Reader, node: YNode | None) -> tuple[NodeSpec, ...]:
@@ -383,21 +403,7 @@ def _read_dims(r: _Reader, node: YNode | None) -> tuple[DimBinding, ...]:
 def _read_trainer(r: _Reader, node: YNode | None) -> TrainerSpec:
     if node is None:
         return TrainerSpec()
-    f = r.section(node, TRAINER, "trainer")
-    for key in ("steps", "checkpoint_every", "max_checkpoints", "eval_every", "seed",
-                "verify_sync_every", "max_staleness"):
-        if key in f and f[key] < 0:
-            r.err("FG004", f"`trainer.{key}` must be >= 0, got {f[key]}", node.pos)
-            del f[key]
-    if f.get("on_nonfinite", "stop") not in ("stop", "skip"):
-        r.err("FG004", f"`trainer.on_nonfinite` is `{f['on_nonfinite']}`", node.pos,
-              hint="use `stop` (the default) or `skip`")
-        del f["on_nonfinite"]
-    for key, allowed in (("admission", ADMISSIONS), ("old_log_prob", OLD_LOG_PROBS)):
-        if key in f and f[key] not in allowed:
-            r.err("FG004", f"`trainer.{key}` is `{f[key]}`", node.pos,
-                  hint=f"use one of {', '.join(allowed)}")
-            del f[key]
+    f = r.checked(node, TrainerSpec, "trainer")
     if "loggers" in f:
         f["loggers"] = _read_loggers(r, f["loggers"])
     return TrainerSpec(**f, pos=node.pos)
@@ -421,14 +427,7 @@ def _read_loggers(r: _Reader, node: YSeq) -> tuple[str, ...]:
 def _read_resources(r: _Reader, node: YNode | None) -> ResourceSpec:
     if node is None:
         return ResourceSpec()
-    f = r.section(node, RESOURCES, "resources")
-    if f.get("device", "auto") not in DEVICES:
-        r.err("FG004", f"`resources.device` is `{f['device']}`", node.pos,
-              hint=did_you_mean(f["device"], DEVICES))
-        del f["device"]
-    if f.get("nproc", 1) < 1:
-        r.err("FG004", "`resources.nproc` must be >= 1", node.pos)
-        del f["nproc"]
+    f = r.checked(node, ResourceSpec, "resources")
     pools = []
     for key, value in r.named_entries(f.pop("pools", None), "resources.pools"):
         p = r.section(value, POOL, f"resources.pools.{key.value}")

@@ -5,6 +5,11 @@ and resource settings, and the plugin modules it may import. Every element keeps
 `SourcePos`; positions never take part in equality, so a graph written to YAML and
 read back is equal to the original. Passes build new graphs (`dataclasses.replace`)
 instead of mutating.
+
+The records of the graph file's sections (models, optimizer, lora, trainer, resources,
+pools) declare each setting once with `setting(default, doc, choices=, minimum=, ...)`:
+the YAML reader's checks, the JSON Schema and its docs are derived from those
+declarations (`flowgraph.settings`), and each record checks its own values with them.
 """
 
 from __future__ import annotations
@@ -12,10 +17,22 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TypeAlias, Union
 
+from flowgraph.choices import (
+    ADMISSIONS,
+    ATTN_IMPLEMENTATIONS,
+    LOGGERS,
+    MODEL_DTYPES,
+    OLD_LOG_PROBS,
+    ON_NONFINITE,
+    OPTIMIZERS,
+    RESOURCE_DEVICES,
+    SCHEDULES,
+)
 from flowgraph.errors import IRError
+from flowgraph.paths import folder_of
+from flowgraph.settings import check_settings, setting
 from flowgraph.source import UNKNOWN_POS, SourcePos
 
 NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -137,19 +154,22 @@ class NodeSpec:
 class OptimizerSpec:
     """Optimizer and learning-rate schedule of a trainable model."""
 
-    name: str = "adamw"
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    """Training steps (as verl's `lr_warmup_steps`, not optimizer steps) of linear warm-up
-    from 0: the LR of step s < w is lr·s/w."""
-    schedule: str = "constant"
-    """`constant`, `linear` or `cosine` decay after warm-up, over `trainer.steps`."""
-    grad_clip: float = 1.0
-    """Max global grad norm; 0 disables clipping."""
+    name: str = setting("adamw", "Optimizer.", choices=tuple(OPTIMIZERS))
+    lr: float = setting(1e-6, "Peak learning rate.")
+    weight_decay: float = setting(0.0, "Decoupled weight decay.")
+    betas: tuple[float, float] = setting((0.9, 0.999), "Adam betas (beta1, beta2).")
+    eps: float = setting(1e-8, "Adam epsilon.")
+    warmup_steps: int = setting(
+        0, "Training steps (not optimizer steps, as verl's lr_warmup_steps) of linear "
+        "warm-up from 0: the LR of step s < w is lr*s/w.", minimum=0)
+    schedule: str = setting("constant", "Decay after warm-up over trainer.steps: constant, "
+                            "linear or cosine.", choices=SCHEDULES)
+    grad_clip: float = setting(1.0, "Max global gradient norm; 0 disables clipping.",
+                               minimum=0)
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+    def __post_init__(self) -> None:
+        check_settings(self, "optimizer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,15 +177,20 @@ class LoraSpec:
     """Low-rank adapters (LoRA, through `peft`) on a trainable model: only they train and
     are checkpointed; the base weights load once from `path` and stay frozen."""
 
-    r: int = 8
-    """The adapters' rank."""
-    alpha: float = 16.0
-    """Scale: the update is (alpha / r)·B·A."""
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("all-linear",)
-    """Module names (suffixes) that get adapters; `all-linear`: every linear layer but
-    the output head (peft's and verl's default)."""
+    r: int = setting(8, "The adapters' rank (verl's lora_rank).", minimum=1,
+                     hint="r: 8 (verl's lora_rank) is a common start")
+    alpha: float = setting(16.0, "Scale of the update, (alpha / r)*B*A (verl's lora_alpha).",
+                           above=0, hint="alpha: 2*r is common (the update is scaled by "
+                                         "alpha / r)")
+    dropout: float = setting(0.0, "Dropout on the adapters' input.", minimum=0, below=1)
+    target_modules: tuple[str, ...] = setting(
+        ("all-linear",), "Names of the modules that get adapters (q_proj, v_proj, ...), or "
+        "all-linear: every linear layer but the output head (peft's and verl's default).",
+        written=(list, str))
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+    def __post_init__(self) -> None:
+        check_settings(self, "lora")
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,26 +198,34 @@ class ModelSpec:
     """A model: where its weights come from and whether it is trained."""
 
     name: str
-    path: str
-    """Local directory, hub id, or `builtin:<name>` for the embedded tiny models."""
-    trainable: bool = False
-    dtype: str = "float32"
-    optimizer: OptimizerSpec | None = None
-    tokenizer: str | None = None
-    """Defaults to `path`."""
-    gradient_checkpointing: bool = False
-    attn_implementation: str = "sdpa"
-    """transformers' attention: `sdpa` (its default), `flash_attention_2` or `eager`;
-    only `eager` materialises the (T × T) attention scores (the memory estimate)."""
-    config: Params = Params()
-    """Architecture fields (hidden_size, num_hidden_layers, …) for the memory estimate
-    when `path` has no readable config.json."""
-    lora: LoraSpec | None = None
-    """Train low-rank adapters instead of the weights (`models.<m>.lora`)."""
+    path: str = setting(doc="Local directory, hub id, or `builtin:<name>` for the embedded "
+                            "tiny models (builtin:tiny-lm); a relative path is relative to "
+                            "the graph file's folder.")
+    trainable: bool = setting(False, "An update node trains this model; it then needs an "
+                                     "optimizer.")
+    dtype: str = setting("float32", "Parameter dtype.", choices=tuple(MODEL_DTYPES))
+    optimizer: OptimizerSpec | None = setting(None, "Optimizer and learning-rate schedule "
+                                                    "of a trainable model.")
+    tokenizer: str | None = setting(None, "Tokenizer directory or hub id; default: the "
+                                          "model's path.", written=(str,))
+    gradient_checkpointing: bool = setting(False, "Recompute activations in the backward "
+                                                  "pass to save memory.")
+    attn_implementation: str = setting(
+        "sdpa", "transformers' attention: sdpa (its default), flash_attention_2 or eager; "
+        "only eager materialises the T x T scores (the memory estimate).",
+        choices=ATTN_IMPLEMENTATIONS)
+    config: Params = setting(Params(), "Architecture fields (hidden_size, "
+                                       "num_hidden_layers, ...) for the memory estimate when "
+                                       "`path` has no readable config.json.")
+    lora: LoraSpec | None = setting(None, "Train low-rank adapters (peft LoRA) instead of the "
+                                          "weights: only they train and are checkpointed; a "
+                                          "frozen model with the same path (the reference) "
+                                          "is the base with the adapters off, no second copy.")
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
 
     def __post_init__(self) -> None:
         _check_name("model", self.name)
+        check_settings(self, f"models.{self.name}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,77 +260,64 @@ class DimBinding:
             )
 
 
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
-"""What `trainer.loggers` may list: the per-step console line, `run_dir/metrics.jsonl`
-(always written: resume and `flowgraph.run(...).rows` read it), and the experiment
-trackers of `flowgraph.runtime.trackers`."""
-ADMISSIONS = ("block", "drop")
-"""`trainer.admission` of asynchronous rollouts."""
-OLD_LOG_PROBS = ("recompute", "rollout")
-"""`trainer.old_log_prob` of asynchronous rollouts."""
 
 
 @dataclass(frozen=True, slots=True)
 class TrainerSpec:
     """The training loop around the graph."""
 
-    steps: int = 10
-    seed: int = 0
-    run_dir: str = "runs/flowgraph"
-    checkpoint_every: int = 0
-    """0: only at the end."""
-    max_checkpoints: int = 2
-    """The newest this many checkpoints are kept; 0 keeps all."""
-    eval_every: int = 0
-    """0: never."""
-    val_before_train: bool = False
-    """Evaluate the model before its first update too (verl's `val_before_train`): the
-    first row's `val/` metrics are that baseline (unless eval_every is 1)."""
-    resume: bool = False
-    strict: bool = False
-    """Check every tensor on every edge at every step (the first step always is)."""
-    on_nonfinite: str = "stop"
-    """`stop` or `skip` a batch with NaN/inf in rewards, advantages, losses or grads."""
-    step_timeout_s: float = 0.0
-    """A worker with no progress for this long is treated as dead; 0 disables."""
-    verify_sync_every: int = 0
-    """After a weight sync into a rollout engine (vLLM), its log-probs of a fixed probe
-    batch are compared with the trainer's, and a mismatch stops the run: at the first
-    sync always, and every this many syncs (one a step) after it; 0: the first only."""
-    max_staleness: int = 0
-    """Asynchronous rollouts: the rollout of step k may come from the policy of step k-S
-    (generated while earlier steps train); 0: synchronous."""
-    admission: str = "block"
-    """With max_staleness > 0: `block` (a rollout waits for the policy S steps behind
-    its step: exact, reproducible) or `drop` (rollouts never wait; one more than S
-    updates old when its step comes is dropped)."""
-    old_log_prob: str = "recompute"
-    """With max_staleness > 0, where the update's π_old comes from: `recompute` (the
-    actor's log-probs when the rollout is consumed) or `rollout` (the rollout's own
-    `rollout_log_prob`: the policy that sampled it)."""
-    metrics_port: int | None = None
-    loggers: tuple[str, ...] = ("console", "jsonl", "tensorboard")
-    """Where step rows go, from `LOGGERS`; `jsonl` is written whether listed or not."""
-    mlflow_tracking_uri: str | None = None
-    """The MLflow store of the `mlflow` logger; None: `MLFLOW_TRACKING_URI`, else
-    `sqlite:///<run_dir>/mlflow/mlflow.db`."""
+    steps: int = setting(10, "Training steps.", minimum=0)
+    seed: int = setting(0, "Random seed of data order, sampling and initialisation.",
+                        minimum=0)
+    run_dir: str = setting("runs/flowgraph", "Where metrics, TensorBoard events and "
+                                             "checkpoints go (relative to the working "
+                                             "directory of the run).")
+    checkpoint_every: int = setting(0, "Checkpoint every this many steps; 0: only at the "
+                                       "end.", minimum=0)
+    max_checkpoints: int = setting(2, "Keep the newest this many checkpoints; 0: keep all.",
+                                   minimum=0)
+    eval_every: int = setting(0, "Evaluate every this many steps; 0: never.", minimum=0)
+    val_before_train: bool = setting(
+        False, "Also evaluate before the first update (verl's val_before_train): the first "
+        "row's val/ metrics are that baseline (unless eval_every is 1).")
+    resume: bool = setting(False, "Resume from the latest checkpoint in run_dir.")
+    strict: bool = setting(False, "Check every tensor on every edge at every step (the "
+                                  "first step always is).")
+    on_nonfinite: str = setting("stop", "`stop`, or `skip` a batch with NaN/inf in rewards, "
+                                        "advantages, losses or gradients.",
+                                choices=ON_NONFINITE)
+    step_timeout_s: float = setting(0.0, "A worker with no progress for this long is treated "
+                                         "as dead; 0 disables.", minimum=0)
+    verify_sync_every: int = setting(
+        0, "After a weight sync into the vLLM engine, compare its log-probs of a probe batch "
+        "with the trainer's and stop on a mismatch: at the first sync, and every this many "
+        "syncs (one a step) after it (0: the first only).", minimum=0)
+    max_staleness: int = setting(
+        0, "Asynchronous rollouts: generation runs up to this many steps ahead of the update "
+        "(the rollout of step k comes from the policy of step k-S, generated while earlier "
+        "steps train); 0: synchronous.", minimum=0)
+    admission: str = setting(
+        "block", "With max_staleness > 0: `block` a rollout until the policy S steps behind "
+        "its step is out (exact, reproducible), or `drop` (rollouts never wait; one more "
+        "than S updates old when its step comes is dropped).", choices=ADMISSIONS)
+    old_log_prob: str = setting(
+        "recompute", "With max_staleness > 0, where the update's pi_old comes from: "
+        "`recompute` (the actor's log-probs when the rollout is consumed) or `rollout` (the "
+        "rollout's own rollout_log_prob: the policy that sampled it).", choices=OLD_LOG_PROBS)
+    metrics_port: int | None = setting(None, "Serve Prometheus metrics on this port; null: "
+                                             "off.")
+    loggers: tuple[str, ...] = setting(
+        ("console", "jsonl", "tensorboard"), "Where step rows go: console (the line per "
+        "step), jsonl (run_dir/metrics.jsonl, always written), tensorboard, wandb (offline "
+        "unless WANDB_MODE says otherwise), mlflow. wandb and mlflow need pip install "
+        "'flowgraph[trackers]'.", choices=LOGGERS)
+    mlflow_tracking_uri: str | None = setting(
+        None, "The MLflow store of the mlflow logger; null: MLFLOW_TRACKING_URI, else "
+        "sqlite:///<run_dir>/mlflow/mlflow.db.")
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
 
     def __post_init__(self) -> None:
-        if self.on_nonfinite not in ("stop", "skip"):
-            raise IRError(
-                f"trainer.on_nonfinite must be `stop` or `skip`, got {self.on_nonfinite!r}"
-            )
-        if self.admission not in ADMISSIONS:
-            raise IRError(f"trainer.admission must be one of {', '.join(ADMISSIONS)}, got "
-                          f"{self.admission!r}")
-        if self.old_log_prob not in OLD_LOG_PROBS:
-            raise IRError(f"trainer.old_log_prob must be one of {', '.join(OLD_LOG_PROBS)}, "
-                          f"got {self.old_log_prob!r}")
-        unknown = [name for name in self.loggers if name not in LOGGERS]
-        if unknown:
-            raise IRError(f"trainer.loggers: {', '.join(map(repr, unknown))} is not one of "
-                          f"{', '.join(LOGGERS)}")
+        check_settings(self, "trainer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,8 +325,8 @@ class PoolSpec:
     """A resource pool: `size` workers that host the listed models together."""
 
     name: str
-    size: int
-    models: tuple[str, ...]
+    size: int = setting(doc="Workers in the pool.")
+    models: tuple[str, ...] = setting(doc="Models hosted together in the pool.")
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
 
 
@@ -314,30 +334,33 @@ class PoolSpec:
 class ResourceSpec:
     """Where the graph runs; the CLI's `--nproc` overrides `nproc`."""
 
-    device: str = "auto"
-    """`cpu`, `cuda` or `auto`."""
-    nproc: int = 1
-    """Data-parallel size: ranks (fsdp) or workers per pool (ray)."""
-    memory_gib: float | None = None
-    """Memory of one device; the compiler's estimate must fit."""
-    pools: tuple[PoolSpec, ...] = ()
-    """Declared resource pools; empty lets the compiler infer them."""
+    device: str = setting("auto", "cpu, cuda, or auto (cuda when available).",
+                          choices=RESOURCE_DEVICES)
+    nproc: int = setting(1, "Data-parallel size: ranks (fsdp) or workers per pool (ray).",
+                         minimum=1)
+    memory_gib: float | None = setting(None, "Memory of one device in GiB; the compiler's "
+                                             "estimate must fit. null: not checked.")
+    pools: tuple[PoolSpec, ...] = setting((), "Resource pools by name; empty lets the "
+                                              "compiler infer them.", written=(dict,))
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+    def __post_init__(self) -> None:
+        check_settings(self, "resources")
 
 
 @dataclass(frozen=True, slots=True)
 class Plugin:
     """A module the graph may import to register custom kinds: a module name, or a `.py`
-    file relative to the folder of the file that lists it."""
+    file relative to the folder of the file that lists it (`flowgraph.paths`)."""
 
     module: str
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
 
-    def folder(self) -> str | None:
-        """The folder of the file that lists the plugin (a graph file, or the Python file
-        that called `GraphBuilder.plugin`), where it is looked for first."""
-        listed_in = Path(self.pos.file)
-        return str(listed_in.parent) if listed_in.is_file() else None
+    def folder(self) -> str:
+        """Where the plugin is looked for first: the folder of the file that lists it (a
+        graph file, or the Python file that called `GraphBuilder.plugin`), or the working
+        directory for one given on the command line."""
+        return str(folder_of(self.pos))
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from flowgraph.choices import DPO_LOSS_TYPES, KL_ESTIMATORS, LOSS_AGG_MODES
 from flowgraph.contracts import TensorSpec
 from flowgraph.registry import KindSpec, LossSpec, ParamSpec, PortSpec
 
@@ -50,7 +51,6 @@ SEQUENCE_INPUTS = (
     _p("responses", "b T", "int"),
     _p("response_mask", "b T", "mask", "binary"),
 )
-LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 ADV_OUTPUTS = (
     _p("advantages", "b T", "float", "finite"),
     _p("returns", "b T", "float", "finite"),
@@ -79,7 +79,7 @@ MINI_BATCH = (
     _i("micro_batch_size", None, "sequences per forward/backward on one rank (gradient "
        "accumulation); null: the rank's share of the mini-batch"),
     *BATCHING,
-    _s("loss_agg_mode", "token-mean", LOSS_AGG),
+    _s("loss_agg_mode", "token-mean", LOSS_AGG_MODES),
 )
 DATA_PARAMS = (
     _b("apply_chat_template", True, "false: string prompts are raw text (a base model)"),
@@ -316,7 +316,7 @@ _KINDS = (
         outputs=(TOKEN_REWARDS, _p("kl", "b T", "float", "finite", optional=True)),
         params=(
             _f("kl_coef", 0.001, minimum=0.0),
-            _s("penalty", "kl", ("kl", "abs", "mse", "low_var_kl")),
+            _s("penalty", "kl", KL_ESTIMATORS),
             _f("target_kl", None, "adaptive controller target (Ziegler et al. 2019)"),
             _i("horizon", 10000),
         ),
@@ -427,7 +427,7 @@ _KINDS = (
         ),
         params=(
             _f("beta", 0.1, minimum=0.0),
-            _s("loss_type", "sigmoid", ("sigmoid", "ipo", "hinge")),
+            _s("loss_type", "sigmoid", DPO_LOSS_TYPES),
             _f("label_smoothing", 0.0, minimum=0.0),
         ),
         impl="flowgraph.nodes.losses:dpo_loss",
@@ -465,7 +465,7 @@ _KINDS = (
             _f("loss_scale_factor", None, "seq-mean-token-sum-norm divides by it; null: T"),
             _f("entropy_coeff", 0.0),
             _f("kl_loss_coef", 0.001, minimum=0.0),
-            _s("kl_loss_type", "low_var_kl", ("kl", "abs", "mse", "low_var_kl")),
+            _s("kl_loss_type", "low_var_kl", KL_ESTIMATORS),
             _f("temperature", 1.0, "the rollout's sampling temperature: log-probs are "
                "recomputed at it, as old_logprob computes them", minimum=0.0),
             *MINI_BATCH,
@@ -517,7 +517,7 @@ _KINDS = (
         ),
         params=(
             _f("beta", 0.1, minimum=0.0),
-            _s("loss_type", "sigmoid", ("sigmoid", "ipo", "hinge")),
+            _s("loss_type", "sigmoid", DPO_LOSS_TYPES),
             _f("label_smoothing", 0.0, minimum=0.0),
             *MINI_BATCH,
         ),

@@ -57,6 +57,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
+from flowgraph.choices import DEVICES, TARGETS
 from flowgraph.document import YMap, YNode, YScalar, YSeq
 from flowgraph.errors import PlanError
 from flowgraph.frontend import graph_from_document, graph_to_document
@@ -66,8 +67,6 @@ from flowgraph.source import SourcePos
 
 PLAN_VERSION = 5
 """Format version of the JSON plan; `from_json` refuses any other."""
-TARGETS = ("local", "fsdp", "ray")
-DEVICES = ("cpu", "cuda")
 DISPATCHES = ("local", "split", "gather", "broadcast", "reshard")
 SHARDINGS = ("none", "full_shard")
 LOADED_HEADS = ("lm", "scalar")

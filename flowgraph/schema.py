@@ -1,9 +1,11 @@
 """`flowgraph schema`: a JSON Schema for graph files, generated from the registry.
 
-`graph_schema()` builds it from what the front end and the checker use — the key
-tables of `flowgraph.frontend` (top level, models, optimizer, nodes, trainer,
-resources, pools) and every kind in the registry (ports, params with their types,
-choices, minimums, defaults and docs) — so it cannot drift from them. It follows
+`graph_schema()` builds it from what the front end and the checker use — the
+declarations of the graph file's settings (each section's record in `flowgraph.ir`,
+with types, choices, bounds, defaults and docs, through `flowgraph.settings`; the top
+level's and a node's keys in `flowgraph.frontend`) and every kind in the registry
+(ports, params with their types, choices, minimums, defaults and docs) — so it cannot
+drift from them. It follows
 draft 2020-12 but uses only keywords that mean the same in draft-07 (no siblings
 next to `$ref`, no `prefixItems`), because editors such as VS Code's YAML extension
 validate with draft-07 rules.
@@ -38,40 +40,24 @@ when the file lists `plugins:`; without it, an unknown kind is an error.
 from __future__ import annotations
 
 import json
-from dataclasses import MISSING, fields
+from dataclasses import MISSING
 from importlib.metadata import entry_points
 from typing import Any
 
 from flowgraph.dims import CANONICAL_DIMS
-from flowgraph.frontend import (
-    ATTN_IMPLEMENTATIONS,
-    DEVICES,
-    LORA,
-    MODEL,
-    MODEL_DTYPES,
-    NODE,
-    OPTIMIZER,
-    OPTIMIZERS,
-    POOL,
-    REF_RE,
-    RESOURCES,
-    SCHEDULES,
-    TOP,
-    TRAINER,
-)
+from flowgraph.frontend import NODE_KEYS, REF_RE, TOP_KEYS
 from flowgraph.ir import (
-    ADMISSIONS,
-    LOGGERS,
     NAME_RE,
-    OLD_LOG_PROBS,
     LoraSpec,
     ModelSpec,
     OptimizerSpec,
+    PoolSpec,
     ResourceSpec,
     TrainerSpec,
     to_python,
 )
 from flowgraph.registry import ENTRY_POINT_GROUP, KindSpec, ParamSpec, PortSpec, Registry
+from flowgraph.settings import Setting, declared, written_types
 
 __all__ = ["graph_schema", "schema_json"]
 
@@ -80,112 +66,12 @@ Schema = dict[str, Any]
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
 NAME = NAME_RE.pattern
 MODULE = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
-ON_NONFINITE = ("stop", "skip")
-"""The values `trainer.on_nonfinite` takes (checked in `TrainerSpec`)."""
 
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean",
                dict: "object", list: "array", type(None): "null"}
 _PARAM_TYPES = {"float": "number", "int": "integer", "bool": "boolean", "str": "string",
                 "list": "array", "mapping": "object", "null": "null"}
 
-# Help text per key of the front end's tables, shown by editors on hover; a test
-# checks that every key of every table has one.
-DOCS: dict[str, str] = {
-    "top.version": "Graph file format version; 1 is the only one.",
-    "top.name": "Name of the graph; default: the file name without its extension.",
-    "top.description": "Free text about the graph.",
-    "top.dims": "Global dims: a positive integer binds one, null declares it symbolic. "
-                "B = Bp*N sequences, Bp prompts, N samples per prompt, P prompt length, "
-                "T response length, V vocabulary.",
-    "top.models": "Models by name: where the weights come from, whether they are trained, "
-                  "and their optimizer.",
-    "top.data": "Data sources by name: `{kind, path, <params of the kind>}`. A data source "
-                "acts as a node with no inputs and the outputs of its kind.",
-    "top.nodes": "The computations by name: `{kind, model, inputs: {port: node.port}, "
-                 "params}`. The graph is one training step; it must be acyclic.",
-    "top.trainer": "The training loop around the graph.",
-    "top.resources": "Where the graph runs; the command line's --nproc overrides nproc.",
-    "top.plugins": "Python modules to import before checking; they register custom kinds.",
-    "models.path": "Local directory, hub id, or `builtin:<name>` for the embedded tiny "
-                   "models (builtin:tiny-lm).",
-    "models.trainable": "An update node trains this model; it then needs an optimizer.",
-    "models.dtype": "Parameter dtype.",
-    "models.attn_implementation": "transformers' attention: sdpa (default), "
-    "flash_attention_2 or eager (materialises the T x T scores).",
-    "models.optimizer": "Optimizer and learning-rate schedule of a trainable model.",
-    "models.tokenizer": "Tokenizer directory or hub id; default: the model's path.",
-    "models.gradient_checkpointing": "Recompute activations in the backward pass to save "
-                                     "memory.",
-    "models.config": "Architecture fields (hidden_size, num_hidden_layers, ...) for the "
-                     "memory estimate when `path` has no readable config.json.",
-    "models.lora": "Train low-rank adapters (peft LoRA) instead of the weights: only they "
-                   "train and are checkpointed; a frozen model with the same path (the "
-                   "reference) is the base with the adapters off, no second copy.",
-    "lora.r": "The adapters' rank (verl's lora_rank).",
-    "lora.alpha": "Scale of the update, (alpha / r)*B*A (verl's lora_alpha).",
-    "lora.dropout": "Dropout on the adapters' input.",
-    "lora.target_modules": "Names of the modules that get adapters (q_proj, v_proj, ...), "
-                           "or all-linear: every linear layer but the output head.",
-    "optimizer.name": "Optimizer.",
-    "optimizer.lr": "Peak learning rate.",
-    "optimizer.weight_decay": "Decoupled weight decay.",
-    "optimizer.betas": "Adam betas (beta1, beta2).",
-    "optimizer.eps": "Adam epsilon.",
-    "optimizer.warmup_steps": "Training steps (not optimizer steps, as verl's lr_warmup_steps) "
-    "of linear warm-up from 0: the LR of step s < w is lr*s/w.",
-    "optimizer.schedule": "Decay after warm-up over trainer.steps: constant, linear or cosine.",
-    "optimizer.grad_clip": "Max global gradient norm; 0 disables clipping.",
-    "nodes.kind": "Registry name of the node's kind (`flowgraph schema` lists them).",
-    "nodes.model": "The model this node runs: a key of `models`.",
-    "nodes.inputs": "Input port -> `node.port`: the upstream node or data source and its "
-                    "output.",
-    "nodes.params": "Parameters of the kind.",
-    "nodes.hoisted": "Compute once before the training loop (set by loop-invariant "
-                     "hoisting; rarely written by hand).",
-    "trainer.steps": "Training steps.",
-    "trainer.seed": "Random seed of data order, sampling and initialisation.",
-    "trainer.run_dir": "Where metrics, TensorBoard events and checkpoints go.",
-    "trainer.checkpoint_every": "Checkpoint every this many steps; 0: only at the end.",
-    "trainer.max_checkpoints": "Keep the newest this many checkpoints; 0: keep all.",
-    "trainer.eval_every": "Evaluate every this many steps; 0: never.",
-    "trainer.verify_sync_every": "After a weight sync into the vLLM engine, compare its "
-                                 "log-probs of a probe batch with the trainer's and stop on "
-                                 "a mismatch: at the first sync, and every this many after "
-                                 "(0: the first only).",
-    "trainer.max_staleness": "Asynchronous rollouts: generation runs up to this many steps "
-                             "ahead of the update (the rollout of step k comes from the "
-                             "policy of step k-S); 0: synchronous.",
-    "trainer.admission": "With max_staleness > 0: `block` a rollout until the policy S steps "
-                         "behind its step is out (exact, reproducible), or `drop` a rollout "
-                         "more than S updates old when its step comes.",
-    "trainer.old_log_prob": "With max_staleness > 0, the update's pi_old: `recompute` the "
-                            "actor's log-probs when the rollout is consumed, or `rollout`: "
-                            "the rollout's own rollout_log_prob (the policy that sampled).",
-    "trainer.val_before_train": "Also evaluate before the first update (the baseline); its "
-                                "val/ metrics go in the first row.",
-    "trainer.resume": "Resume from the latest checkpoint in run_dir.",
-    "trainer.strict": "Check every tensor on every edge at every step (the first step "
-                      "always is).",
-    "trainer.on_nonfinite": "`stop`, or `skip` a batch with NaN/inf in rewards, "
-                            "advantages, losses or gradients.",
-    "trainer.step_timeout_s": "A worker with no progress for this long is treated as "
-                              "dead; 0 disables.",
-    "trainer.metrics_port": "Serve Prometheus metrics on this port; null: off.",
-    "trainer.loggers": "Where step rows go: console (the line per step), jsonl "
-                       "(run_dir/metrics.jsonl, always written), tensorboard, wandb (offline "
-                       "unless WANDB_MODE says otherwise), mlflow. wandb and mlflow need "
-                       "pip install 'flowgraph[trackers]'.",
-    "trainer.mlflow_tracking_uri": "The MLflow store of the mlflow logger; null: "
-                                   "MLFLOW_TRACKING_URI, else "
-                                   "sqlite:///<run_dir>/mlflow/mlflow.db.",
-    "resources.device": "cpu, cuda, or auto (cuda when available).",
-    "resources.nproc": "Data-parallel size: ranks (fsdp) or workers per pool (ray).",
-    "resources.memory_gib": "Memory of one device in GiB; the compiler's estimate must "
-                            "fit. null: not checked.",
-    "resources.pools": "Resource pools by name; empty lets the compiler infer them.",
-    "pools.size": "Workers in the pool.",
-    "pools.models": "Models hosted together in the pool.",
-}
 DIM_DOCS = {
     "B": "Sequences per step; always Bp*N (give B alone to mean N = 1).",
     "Bp": "Prompts per step.",
@@ -194,11 +80,6 @@ DIM_DOCS = {
     "T": "Response length in tokens.",
     "V": "Vocabulary size.",
 }
-_MINIMUMS = {"trainer.steps": 0, "trainer.seed": 0, "trainer.checkpoint_every": 0,
-             "trainer.max_checkpoints": 0,
-             "trainer.eval_every": 0, "resources.nproc": 1}
-"""Bounds the front end enforces."""
-
 
 def graph_schema(registry: Registry | None = None) -> Schema:
     """The JSON Schema (draft 2020-12) of a graph file.
@@ -220,11 +101,7 @@ def graph_schema(registry: Registry | None = None) -> Schema:
         "models": _named(_model()),
         "data": _named(_entry(data, "data")),
         "nodes": _named(_entry(nodes, "node")),
-        "trainer": _record(TRAINER, "trainer", TrainerSpec,
-                           {"on_nonfinite": ON_NONFINITE, "admission": ADMISSIONS,
-                            "old_log_prob": OLD_LOG_PROBS},
-                           {"loggers": {"type": "array",
-                                        "items": {"type": "string", "enum": list(LOGGERS)}}}),
+        "trainer": _record(TrainerSpec),
         "resources": _resources(),
         "plugins": {"type": "array", "items": {"type": "string", "pattern": MODULE}},
     }
@@ -235,7 +112,7 @@ def graph_schema(registry: Registry | None = None) -> Schema:
                        "`port: node.port`, dims, trainer and resources. Generated by "
                        "`flowgraph schema`; `flowgraph check` checks what a schema cannot.",
         "type": "object",
-        "properties": _properties(TOP, "top", None, special),
+        "properties": _properties(TOP_KEYS, special),
         "required": ["nodes"],
         "additionalProperties": False,
         # Without `plugins:`, every kind must be one this registry (or an installed
@@ -262,49 +139,46 @@ def _typed(types: tuple[type, ...]) -> Schema:
     return {"type": names[0] if len(names) == 1 else names}
 
 
-def _defaults(record: type | None) -> dict[str, object]:
-    """A record's JSON-able field defaults (tuples as lists)."""
-    if record is None:
-        return {}
-    out: dict[str, object] = {}
-    for f in fields(record):
-        value = f.default
-        if value is MISSING or f.name == "pos":
-            continue
-        if isinstance(value, tuple):
-            if not value:  # an empty record tuple (pools), not a list default
-                continue
-            value = list(value)
-        if value is None or isinstance(value, (str, int, float, bool, list)):
-            out[f.name] = value
-    return out
+def _properties(keys: dict[str, Setting], special: dict[str, Schema]) -> Schema:
+    """One schema per key of the top level or a node, with its doc."""
+    return {key: {**(special.get(key) or _typed(s.written)), "description": s.doc}
+            for key, s in keys.items()}
 
 
-def _properties(table: dict[str, tuple[type, ...]], where: str, record: type | None,
-                special: dict[str, Schema]) -> Schema:
-    """One schema per key of a front-end table, with its doc, default and bounds."""
-    defaults = _defaults(record)
+def _record(record: type, special: dict[str, Schema] | None = None) -> Schema:
+    """A closed mapping of the settings `record` declares: each one's type, choices,
+    bounds, default and doc (`flowgraph.settings`); `special` gives the shape of values
+    that are not scalars."""
+    written = written_types(record)
     props: Schema = {}
-    for key, types in table.items():
-        schema = dict(special.get(key) or _typed(types))
-        schema["description"] = DOCS[f"{where}.{key}"]
-        default = defaults.get(key, MISSING)
-        if default is not MISSING and (default is not None or type(None) in types):
+    for f, s in declared(record):
+        schema = dict((special or {}).get(f.name) or _setting_type(written[f.name], s))
+        schema["description"] = s.doc
+        default = _default(f.default)
+        if default is not MISSING and (default is not None or type(None) in written[f.name]):
             schema["default"] = default
-        if f"{where}.{key}" in _MINIMUMS:
-            schema["minimum"] = _MINIMUMS[f"{where}.{key}"]
-        props[key] = schema
-    return props
+        bounds = (("minimum", s.minimum), ("exclusiveMinimum", s.above),
+                  ("exclusiveMaximum", s.below))
+        schema |= {key: bound for key, bound in bounds if bound is not None}
+        props[f.name] = schema
+    return {"type": "object", "properties": props, "additionalProperties": False}
 
 
-def _record(table: dict[str, tuple[type, ...]], where: str, record: type | None,
-            enums: dict[str, tuple[str, ...]], special: dict[str, Schema] | None = None
-            ) -> Schema:
-    """A closed mapping whose keys are a front-end table's."""
-    special = {**{k: {"type": "string", "enum": list(v)} for k, v in enums.items()},
-               **(special or {})}
-    return {"type": "object", "properties": _properties(table, where, record, special),
-            "additionalProperties": False}
+def _setting_type(types: tuple[type, ...], s: Setting) -> Schema:
+    if not s.choices:
+        return _typed(types)
+    enum = {"type": "string", "enum": list(s.choices)}
+    return {"type": "array", "items": enum} if types == (list,) else enum
+
+
+def _default(value: object) -> object:
+    """A field's default as JSON (tuples as lists); MISSING where it has none to show (a
+    required setting, an empty record tuple, a record)."""
+    if isinstance(value, tuple):
+        return list(value) if value else MISSING
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return MISSING
 
 
 def _named(entry: Schema) -> Schema:
@@ -314,25 +188,19 @@ def _named(entry: Schema) -> Schema:
 
 
 def _model() -> Schema:
-    optimizer = _record(OPTIMIZER, "optimizer", OptimizerSpec,
-                        {"name": OPTIMIZERS, "schedule": SCHEDULES},
-                        {"betas": {"type": "array", "items": {"type": "number"},
-                                   "minItems": 2, "maxItems": 2}})
+    optimizer = _record(OptimizerSpec, {"betas": {"type": "array", "items": {"type": "number"},
+                                                  "minItems": 2, "maxItems": 2}})
     config = {"type": "object", "additionalProperties": True}
-    lora = _record(LORA, "lora", LoraSpec, {},
-                   {"target_modules": {"oneOf": [
-                       {"type": "string"}, {"type": "array", "items": {"type": "string"}}]}})
-    model = _record(MODEL, "models", ModelSpec,
-                    {"dtype": MODEL_DTYPES, "attn_implementation": ATTN_IMPLEMENTATIONS},
-                    {"optimizer": optimizer, "config": config, "lora": lora})
+    lora = _record(LoraSpec, {"target_modules": {"oneOf": [
+        {"type": "string"}, {"type": "array", "items": {"type": "string"}}]}})
+    model = _record(ModelSpec, {"optimizer": optimizer, "config": config, "lora": lora})
     return {**model, "required": ["path"]}
 
 
 def _resources() -> Schema:
-    pool = _record(POOL, "pools", None, {},
-                   {"models": {"type": "array", "items": {"type": "string", "pattern": NAME}}})
-    return _record(RESOURCES, "resources", ResourceSpec, {"device": DEVICES},
-                   {"pools": _named({**pool, "required": ["size", "models"]})})
+    pool = _record(PoolSpec, {"models": {"type": "array",
+                                         "items": {"type": "string", "pattern": NAME}}})
+    return _record(ResourceSpec, {"pools": _named({**pool, "required": ["size", "models"]})})
 
 
 def _dims() -> Schema:
@@ -425,7 +293,7 @@ def _node_kind(k: KindSpec) -> Schema:
     wired = [p.name for p in k.inputs if not p.optional]
     if wired:
         special["inputs"]["required"] = wired
-    props = _properties(NODE, "nodes", None, special)
+    props = _properties(NODE_KEYS, special)
     if k.model == "none":
         del props["model"]
     required = ["kind", *(["model"] if k.model == "required" else []),
@@ -457,7 +325,7 @@ def _plugin_node() -> Schema:
         "params": {"type": "object"},
     }
     return {"type": "object", "title": "a node of a custom kind",
-            "properties": _properties(NODE, "nodes", None, special),
+            "properties": _properties(NODE_KEYS, special),
             "required": ["kind"], "additionalProperties": False}
 
 

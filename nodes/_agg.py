@@ -21,8 +21,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from flowgraph.choices import LOSS_AGG_MODES
+
 __all__ = [
-    "LOSS_AGG_MODES",
     "agg_loss",
     "masked_mean",
     "masked_sum",
@@ -30,8 +31,6 @@ __all__ = [
     "masked_whiten",
 ]
 
-LOSS_AGG_MODES: tuple[str, ...] = (
-    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 def _check_mask_shape(fn: str, values: Tensor, mask: Tensor) -> None:

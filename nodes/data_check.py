@@ -5,7 +5,8 @@ reads; every prompt (and preference response) tokenized and measured against P a
 under the data node's `truncation` / `filter_overlong_prompts`; a chat template where
 one is applied; enough rows for one batch. Model folders: a readable config, a
 tokenizer whose vocabulary fits the model's, tied or untied embeddings (a note).
-Hub ids and paths that are not here are skipped with a note. Diagnostics sit on the
+A missing local file or folder is an error naming the path it resolved to
+(`flowgraph.paths`); hub ids are skipped with a note. Diagnostics sit on the
 data source's (or model's) `path` line.
 
 The datasets are read by the data sources' own readers (`flowgraph.nodes.data`), so
@@ -25,6 +26,7 @@ from flowgraph.errors import FlowgraphError
 from flowgraph.ir import DataSpec, Graph, ModelSpec
 from flowgraph.nodes import data as nd
 from flowgraph.nodes.models import load_tokenizer
+from flowgraph.paths import RULE
 from flowgraph.registry import KindSpec, Registry
 from flowgraph.source import SourcePos
 
@@ -53,6 +55,12 @@ def _local(path: str) -> bool:
     return path.startswith(BUILTIN_PREFIX) or Path(path).expanduser().exists()
 
 
+def _missing(what: str, path: str, pos: SourcePos, code: str, node: str) -> Diagnostic:
+    """A local file or folder that is not there, by its resolved path (`flowgraph.paths`)."""
+    return Diagnostic(code, "error", f"{what} `{path}` does not exist", pos, node=node,
+                      hint=RULE)
+
+
 def _skipped(what: str, path: str, pos: SourcePos) -> Diagnostic:
     return Diagnostic("FG509", "note", f"{what} `{path}` is not a local path (a hub id, or "
                       f"not on this machine): not checked", pos)
@@ -72,6 +80,10 @@ def check_data(graph: Graph) -> list[Diagnostic]:
 def _check_model(m: ModelSpec, tokenizers: dict[str, Any]) -> list[Diagnostic]:
     pos = _path_pos(m.pos)
     tok_path = m.tokenizer or m.path
+    missing = next((p for p in (m.path, tok_path) if Path(p).is_absolute() and not _local(p)),
+                   None)
+    if missing is not None:  # resolved to a local path, not kept as a hub id
+        return [_missing(f"model `{m.name}`: folder", missing, pos, "FG506", m.name)]
     if not _local(m.path) or not _local(tok_path):
         return [_skipped(f"model `{m.name}`:", m.path if not _local(m.path) else tok_path, pos)]
     builtin = builtin_config(m.path)
@@ -121,22 +133,19 @@ def _data_model(graph: Graph, d: DataSpec) -> str | None:
 
 def _check_source(graph: Graph, d: DataSpec, tokenizers: dict[str, Any]) -> list[Diagnostic]:
     pos = _path_pos(d.pos)
+    params = d.params.to_python()
+    paths = [d.path] + ([str(params["eval_path"])] if params.get("eval_path") else [])
+    missing = [_missing(f"data source `{d.name}`: dataset file", path, pos, "FG501", d.name)
+               for path in paths if not _local(path)]  # a dataset is never a hub id
+    if missing:
+        return missing
     model = _data_model(graph, d)
     if model is None or model not in tokenizers:
         return [Diagnostic("FG509", "note", f"data source `{d.name}`: no local tokenizer to "
                            f"measure it with: not checked", pos, node=d.name)]
-    params = d.params.to_python()
-    paths = [d.path] + ([str(params["eval_path"])] if params.get("eval_path") else [])
-    diags: list[Diagnostic] = []
-    for path in paths:
-        if not _local(path):
-            diags.append(_skipped(f"data source `{d.name}`: dataset", path, pos))
-            continue
-        diags += [Diagnostic(code, sev, f"data source `{d.name}`: {msg}", pos, node=d.name,
-                             hint=hint)
-                  for code, sev, msg, hint in _dataset_problems(graph, d, path,
-                                                                tokenizers[model])]
-    return diags
+    return [Diagnostic(code, sev, f"data source `{d.name}`: {msg}", pos, node=d.name, hint=hint)
+            for path in paths
+            for code, sev, msg, hint in _dataset_problems(graph, d, path, tokenizers[model])]
 
 
 Problem = tuple[str, str, str, str | None]

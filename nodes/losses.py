@@ -21,12 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flowgraph.nodes._agg import LOSS_AGG_MODES, agg_loss, masked_mean
+from flowgraph.choices import DPO_LOSS_TYPES, KL_ALIASES, KL_ESTIMATORS, LOSS_AGG_MODES
+from flowgraph.nodes._agg import agg_loss, masked_mean
 from flowgraph.nodes.policy_losses import vanilla
 
 __all__ = [
-    "DPO_LOSS_TYPES",
-    "KL_PENALTY_KINDS",
     "AdaptiveKLController",
     "FixedKLController",
     "dpo_loss",
@@ -36,9 +35,6 @@ __all__ = [
     "value_loss",
 ]
 
-KL_PENALTY_KINDS: tuple[str, ...] = ("kl", "abs", "mse", "low_var_kl")
-_KL_ALIASES: dict[str, str] = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
-DPO_LOSS_TYPES: tuple[str, ...] = ("sigmoid", "ipo", "hinge")
 
 
 def _check_same_shapes(fn: str, **tensors: Tensor) -> None:
@@ -163,11 +159,11 @@ def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
     """
     # Schulman 2020 "Approximating KL divergence" (k1/k2/k3); verl core_algos.kl_penalty
     fn = "kl_penalty"
-    name = _KL_ALIASES.get(kind, kind)
-    if name not in KL_PENALTY_KINDS:
+    name = KL_ALIASES.get(kind, kind)
+    if name not in KL_ESTIMATORS:
         raise ValueError(
-            f"{fn}: unknown kind {kind!r}; valid kinds are {', '.join(KL_PENALTY_KINDS)} "
-            f"(aliases {', '.join(_KL_ALIASES)})."
+            f"{fn}: unknown kind {kind!r}; valid kinds are {', '.join(KL_ESTIMATORS)} "
+            f"(aliases {', '.join(KL_ALIASES)})."
         )
     _check_same_shapes(fn, log_prob=log_prob, ref_log_prob=ref_log_prob)
     if name == "kl":

@@ -17,7 +17,6 @@ Notation: V vocabulary size (`vocab_size` of the config).
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -42,6 +41,7 @@ from flowgraph.builtin_models import (
     recipe_hash,
 )
 from flowgraph.errors import FlowgraphError
+from flowgraph.paths import HUB_ID
 
 __all__ = [
     "CACHE_ENV",
@@ -195,8 +195,6 @@ def _ensure_builtin(name: str, cache_dir: str | Path | None, build: bool = True)
     return final
 
 
-# A hub id is `name` or `org/name`; anything else (./x, /x, a/b/c, ~/x) is a local path.
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 
 
 def _resolve(path: str, cache_dir: str | Path | None, build: bool = True) -> str:
@@ -205,7 +203,7 @@ def _resolve(path: str, cache_dir: str | Path | None, build: bool = True) -> str
         return str(_ensure_builtin(path[len(BUILTIN_PREFIX) :], cache_dir, build))
     if Path(path).expanduser().exists():
         return str(Path(path).expanduser())
-    if not _HUB_ID.match(path):
+    if not HUB_ID.match(path):
         builtins = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)
         raise FlowgraphError(
             f"model path `{path}` does not exist; give an existing local folder, a hub id "

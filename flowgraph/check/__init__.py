@@ -18,6 +18,7 @@ from flowgraph.check.staleness import check_staleness
 from flowgraph.check.structure import (
     Resolved,
     check_cycles,
+    check_data_files,
     check_held_out,
     check_models,
     check_params,
@@ -55,9 +56,8 @@ class CheckResult:
 
 def _load_plugins(graph: Graph, registry: Registry, out: list[Diagnostic]) -> None:
     for plugin in graph.plugins:
-        folder = plugin.folder()
         try:
-            registry.load_plugins([plugin.module], [folder] if folder else [])
+            registry.load_plugins([plugin.module], [plugin.folder()])
         except PluginError as exc:
             out.append(error("FG113", str(exc), plugin.pos,
                              hint="a file or module next to the graph file, or an installed "
@@ -82,6 +82,7 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     check_temperatures(table, out)
     check_val_sampling(table, out)
     check_held_out(graph, out)
+    check_data_files(graph, out)
     on_cycle = check_cycles(graph, out)
     check_unused(graph, table, out)
     shapes = infer_shapes(graph, table, on_cycle, out)

@@ -22,8 +22,8 @@ from typing import NamedTuple
 
 from flowgraph.check.shapes import DimEnv, ShapeResult, group_size
 from flowgraph.check.structure import Resolved, param_value
+from flowgraph.choices import VARLEN_ATTENTION
 from flowgraph.diagnostics import Diagnostic, error, warning
-from flowgraph.frontend import VARLEN_ATTENTION
 from flowgraph.ir import Graph, NodeSpec
 
 

@@ -8,11 +8,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
-from flowgraph.builtin_models import held_out_path
+from flowgraph.builtin_models import BUILTIN_PREFIX, held_out_path
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.document import did_you_mean
 from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec, Params, ParamValue, PortRef
+from flowgraph.paths import RULE
 from flowgraph.registry import KindSpec, ParamSpec, PortSpec, Registry
 from flowgraph.source import SourcePos
 
@@ -355,3 +357,15 @@ def check_held_out(graph: Graph, out: list[Diagnostic]) -> None:
             f"`{d.name}` has no held-out rows: no evaluation will run", graph.trainer.pos,
             node=d.name, hint=f"set data.{d.name}.eval_path to a held-out file, or "
             "trainer.eval_every: 0"))
+
+
+def check_data_files(graph: Graph, out: list[Diagnostic]) -> None:
+    """A dataset file that is not on this machine, by the path it resolved to: a warning,
+    since a plan may be compiled here for a machine that has it; the run fails on it."""
+    for d in graph.data:
+        eval_path = d.params.get("eval_path")
+        for path in (d.path, eval_path):
+            if not isinstance(path, str) or path.startswith(BUILTIN_PREFIX) or Path(path).exists():
+                continue
+            out.append(warning("FG123", f"data source `{d.name}`: dataset file `{path}` does not "
+                               "exist", d.pos, node=d.name, hint=RULE))

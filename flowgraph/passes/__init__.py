@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from flowgraph.choices import DEVICES, TARGETS
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.errors import FlowgraphError, UsageError
 from flowgraph.frontend import load_graph
@@ -38,7 +39,7 @@ from flowgraph.passes.program import Pass, Program
 from flowgraph.passes.schedule import ScheduleStages
 from flowgraph.passes.token_budget import TokenBudget
 from flowgraph.passes.validate import Validate
-from flowgraph.plan import DEVICES, TARGETS, ExecutionPlan
+from flowgraph.plan import ExecutionPlan
 
 __all__ = [
     "PASSES",

@@ -57,6 +57,7 @@ from typing import ClassVar
 from flowgraph.builtin_models import builtin_config
 from flowgraph.check import CheckResult
 from flowgraph.check.structure import Resolved, param_value
+from flowgraph.choices import MODEL_DTYPES, OPTIMIZERS
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.frontend import with_params
 from flowgraph.ir import Graph, LoraSpec, ModelSpec, NodeSpec, OptimizerSpec
@@ -73,11 +74,8 @@ from flowgraph.plan import (
 )
 from flowgraph.registry import KindSpec
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 HEAD_CHUNK = 1024
 """Tokens an update projects onto the vocabulary at once (`head_logprob`'s chunk_size)."""
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 0}
-"""Bytes of optimizer state per parameter: Adam keeps two fp32 moments; plain SGD none."""
 CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers",
                  "num_attention_heads", "vocab_size")
 CONFIG_MAX_BYTES = 1 << 20
@@ -380,12 +378,12 @@ def _state_items(inp: _Inputs, pool: PoolPlan, placed: ModelPlacement) -> list[M
     head = replicated_parameters(cfg, lm_head)
     adapters = lora_parameters(cfg, model.lora) / pool.shards(name) if model.lora else 0
     per_worker = (count_parameters(cfg, lm_head) - head) / pool.shards(name) + head + adapters
-    weights = math.ceil(per_worker * DTYPE_BYTES[model.dtype])
+    weights = math.ceil(per_worker * MODEL_DTYPES[model.dtype])
     items = [MemoryItem("weights", name, weights, False)]
     if model.trainable:
         trained = adapters if model.lora else per_worker
-        state = OPTIMIZER_STATE_BYTES[(model.optimizer or OptimizerSpec()).name]
-        items += [MemoryItem("grads", name, math.ceil(trained * DTYPE_BYTES[model.dtype]),
+        state = OPTIMIZERS[(model.optimizer or OptimizerSpec()).name]
+        items += [MemoryItem("grads", name, math.ceil(trained * MODEL_DTYPES[model.dtype]),
                              False),
                   MemoryItem("optimizer", name, math.ceil(trained * state), False)]
     return items
@@ -441,7 +439,7 @@ def _training_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
     p, t = inp.seq
     m = micro * kind.sequences_per_row  # DPO: chosen and rejected in one forward
     rows, seq = _forward_shape(node, kind, m, p + t)
-    act = training_activation_bytes(cfg, rows, seq, DTYPE_BYTES[model.dtype],
+    act = training_activation_bytes(cfg, rows, seq, MODEL_DTYPES[model.dtype],
                                     model.gradient_checkpointing, model.attn_implementation)
     items = [MemoryItem("activations", node.name, act, True)]
     if inp.lm_head.get(node.model, True):
@@ -460,7 +458,7 @@ def _forward_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
     assert model is not None
     p, t = inp.seq
     act = layer_activation_bytes(cfg, *_forward_shape(node, kind, micro, p + t),
-                                 DTYPE_BYTES[model.dtype], model.attn_implementation)
+                                 MODEL_DTYPES[model.dtype], model.attn_implementation)
     items = [MemoryItem("activations", node.name, act, True)]
     if inp.lm_head.get(node.model, True):
         tokens = micro * t
@@ -481,7 +479,7 @@ def _rollout_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, per_worker: int
     assert inp.seq is not None and node.model is not None
     model, cfg = inp.graph.model(node.model), inp.configs[node.model]
     assert model is not None
-    dtype = DTYPE_BYTES[model.dtype]
+    dtype = MODEL_DTYPES[model.dtype]
     if param_value(Resolved(node, kind), "backend") != "vllm":
         return [MemoryItem("kv_cache", node.name, kv_cache_bytes(cfg, per_worker, sum(inp.seq),
                                                                  dtype), True)]

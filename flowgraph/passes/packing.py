@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from flowgraph.frontend import VARLEN_ATTENTION, with_params
+from flowgraph.choices import VARLEN_ATTENTION
+from flowgraph.frontend import with_params
 from flowgraph.passes.program import Program
 
 

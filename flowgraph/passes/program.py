@@ -262,6 +262,5 @@ class Pass(Protocol):
 
 def plugin_paths(graph: Graph) -> tuple[str, ...]:
     """The absolute folders of the graph's plugins that lie next to the file listing them."""
-    found = [plugin_folder(p.module, folder) for p in graph.plugins
-             if (folder := p.folder()) is not None]
+    found = [plugin_folder(p.module, p.folder()) for p in graph.plugins]
     return tuple(dict.fromkeys(f for f in found if f is not None))

@@ -404,7 +404,9 @@ def graphs(draw: st.DrawFn, algorithms: tuple[str, ...] = ALGORITHMS) -> Graph:
     data_kind = "preferences" if algo == "dpo" else "prompts"
     train = next(fresh)
     path = "builtin:arith-pairs" if algo == "dpo" else "builtin:arith"
-    data = DataSpec(train, data_kind, path, draw(_params(BUILTIN_KINDS[data_kind], sizes)))
+    no_file: dict[str, ParamValue] = {"eval_path": None}  # a held-out file must exist (FG123)
+    data = DataSpec(train, data_kind, path,
+                    draw(_params(BUILTIN_KINDS[data_kind], sizes, no_file)))
     _BUILD[algo](d, train)
     return Graph(
         name=draw(yaml_strings()),

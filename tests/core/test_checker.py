@@ -420,8 +420,8 @@ def test_lora_goes_on_a_trained_causal_lm(overrides: tuple[str, ...], words: str
 
 
 @pytest.mark.parametrize(("lora", "words"), [
-    ("{r: 0}", "rank must be >= 1"), ("{dropout: 1.0}", "dropout is 1.0"),
-    ("{alpha: 0}", "alpha is 0.0"), ("{target_modules: []}", "must name modules"),
+    ("{r: 0}", "lora.r` is 0; it must be >= 1"), ("{dropout: 1.0}", "dropout` is 1.0"),
+    ("{alpha: 0}", "alpha` is 0.0"), ("{target_modules: []}", "must name modules"),
     ("{rank: 8}", "unknown key `rank`"),
 ])
 def test_a_malformed_lora_is_an_error_at_its_line(lora: str, words: str) -> None:

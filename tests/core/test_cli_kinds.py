@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 from flowgraph.cli import main
+from flowgraph.frontend import SECTIONS
 from flowgraph.kinds import BUILTIN_KINDS
+from flowgraph.settings import declared
 
 
 def test_the_list_names_every_builtin_kind_by_category(capsys: pytest.CaptureFixture[str]
@@ -56,3 +58,22 @@ def test_a_plugin_s_kinds_are_listed_and_described(
     assert main(["kinds", "--plugin", "shorter.py", "shorter_is_better"]) == 0
     out = capsys.readouterr().out
     assert "  ground_truth           str[b]" in out and "  scale                  float" in out
+
+
+@pytest.mark.parametrize("section", list(SECTIONS))
+def test_a_section_prints_its_declared_settings(section: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """The same declarations as the reader's checks and the schema (`flowgraph.settings`)."""
+    assert main(["kinds", section]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{section}: ")
+    for f, s in declared(SECTIONS[section]):
+        line = next(line for line in out.splitlines() if line.startswith(f"  {f.name} "))
+        assert line.endswith(s.doc) and all(c in line for c in s.choices), line
+
+
+def test_the_trainer_s_bounds_and_choices(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["kinds", "trainer"]) == 0
+    out = capsys.readouterr().out
+    assert "  max_staleness          int, default 0; >= 0; Asynchronous rollouts: " in out
+    assert '  admission              str, default "block"; one of block, drop; With ' in out

@@ -17,8 +17,9 @@ import torch
 from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
+from flowgraph.choices import LOSS_AGG_MODES
 from flowgraph.errors import NonFiniteError
-from flowgraph.kinds import BUILTIN_KINDS, LOSS_AGG
+from flowgraph.kinds import BUILTIN_KINDS
 from flowgraph.nodes.logprob import logprob, micro_batches, sequence_logprob
 from flowgraph.nodes.update import dpo_update, ppo_actor_update, ppo_critic_update, sft_update
 from flowgraph.nodes.values import ValueModel
@@ -172,7 +173,7 @@ def _accumulation_case(kind: str, mode: str) -> tuple[nn.Module, Callable[..., o
     )
 
 
-@pytest.mark.parametrize("mode", LOSS_AGG)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("kind", ["actor", "critic"])
 def test_micro_batches_accumulate_to_the_one_shot_mini_batch_gradient(kind: str, mode: str) -> None:
     # w_k = n_k / Σ n_j makes Σ w_k L_k the mini-batch loss: one SGD step with m = M/2
@@ -212,7 +213,7 @@ def test_micro_batches_cut_by_a_token_budget() -> None:
 
 @pytest.mark.parametrize("packing", [False, True])
 @pytest.mark.parametrize(("kind", "mode"), [*((k, m) for k in ("actor", "critic")
-                                               for m in LOSS_AGG), ("dpo", "token-mean")])
+                                               for m in LOSS_AGG_MODES), ("dpo", "token-mean")])
 def test_a_token_budget_accumulates_to_the_one_shot_gradient(kind: str, mode: str,
                                                              packing: bool) -> None:
     """max_token_len cuts the 3+5, 2+2, 1+4, 3+0-token rows into micro-batches of different sizes

@@ -1,0 +1,46 @@
+"""Where a path written in a graph points: one rule for every front end.
+
+A relative data, model or tokenizer path written in a graph file is relative to that
+file's folder, so a graph runs from any working directory; one given on the command line
+(`data.train.path=x.parquet`), or in a graph built in Python (which has no file), is
+relative to the working directory, as a shell user expects. The front ends store the
+result as an absolute path, so the IR, and a plan compiled from it, mean the same file
+wherever they are read. `builtin:` names and hub ids (`Qwen/Qwen2.5-0.5B`, `gpt2`: no
+local folder of that name) are kept as written. Plugins follow the same rule
+(`Plugin.folder`).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from flowgraph.builtin_models import BUILTIN_PREFIX
+from flowgraph.source import SourcePos
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+"""A hub id is `name` or `org/name`; anything else (./x, /x, a/b/c, ~/x) is a local path."""
+RULE = ("a relative path in a graph file is relative to that file's folder; on the command "
+        "line or in a graph built in Python, to the working directory")
+"""The rule, as a hint under an error about a missing file."""
+
+
+def folder_of(pos: SourcePos) -> Path:
+    """The folder a path written at `pos` is relative to: that of the file it is written
+    in, or the working directory where there is none (the command line, YAML text)."""
+    written_in = Path(pos.file)  # `<command line>`, `<string>`, `<python>`: no file
+    if written_in.is_file():
+        return written_in.parent.absolute()
+    return Path.cwd()
+
+
+def resolve_path(path: str, folder: Path, *, hub: bool = False) -> str:
+    """`path` made absolute against `folder`; a `builtin:` name is kept, and so is a hub
+    id when `hub` (models and tokenizers) and `folder` has no such folder."""
+    if not path or path.startswith(BUILTIN_PREFIX):
+        return path
+    local = folder / Path(path).expanduser()  # an absolute path stays itself
+    if hub and HUB_ID.match(path) and not local.is_dir():
+        return path
+    return os.path.normpath(local)
