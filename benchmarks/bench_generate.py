@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 import flowgraph.nodes.generate as generate_module
-from flowgraph.compilers.build import rollout_engine
+from flowgraph.compilers.worker import rollout_engine
 from flowgraph.nodes.data import prompt_source
 from flowgraph.nodes.generate import SamplingSpec, decode, generate, sample_seed
 from flowgraph.nodes.models import load_model, load_tokenizer

@@ -112,7 +112,6 @@ def traced(run_node: Callable[..., Any], mode: LiveBytes) -> Callable[..., Any]:
 
 def measure(graph: Path, overrides: list[str], steps: int) -> dict[str, Any]:
     """In this process: the estimate and the measured peak of live CPU tensor bytes."""
-    from flowgraph.compilers.build import plan_kinds
     from flowgraph.compilers.local import LocalTarget
     from flowgraph.compilers.loop import TrainingLoop
     from flowgraph.compilers.worker import ExecOptions
@@ -126,8 +125,7 @@ def measure(graph: Path, overrides: list[str], steps: int) -> dict[str, Any]:
     (mem,) = result.plan.memory
     with open(os.devnull, "w") as out:
         options = ExecOptions(run_dir, "cpu", out=out, tensorboard=False)
-        kinds = plan_kinds(result.plan)
-        loop = TrainingLoop(result.plan, kinds, LocalTarget(result.plan, kinds, options), options)
+        loop = TrainingLoop(result.plan, LocalTarget(result.plan, options), options)
         loop.setup()
         known = reachable_storages()
         mode = LiveBytes(set(known))

@@ -1,9 +1,10 @@
-"""What an executor builds before the first step, from the plan: each node's kind and
-implementation, the models its process hosts (loaded with the head the plan says),
+"""What an executor builds before the first step, from the plan: the graph's plugins
+imported, the models its process hosts (loaded with the head the plan says),
 their optimizers and LR schedules, tokenizers, and the data sources' datasets."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import zlib
 from collections.abc import Callable, Iterator
@@ -13,27 +14,24 @@ from typing import Any
 
 import torch
 
-from flowgraph.errors import FlowgraphError
+from flowgraph.errors import FlowgraphError, PluginError
 from flowgraph.ir import DataSpec, Graph, LoraSpec, ModelSpec, OptimizerSpec
-from flowgraph.plan import ExecutionPlan, ModelPlacement, verify_kinds
-from flowgraph.registry import KindSpec, Registry
+from flowgraph.plan import ExecutionPlan, ModelPlacement
+from flowgraph.registry import plugin_module
 from flowgraph.runtime.context import Impl
 
 
-def plan_kinds(plan: ExecutionPlan) -> dict[str, KindSpec]:
-    """Each node's and data source's kind, from the registry after the graph's plugins
-    are imported; the plan is held to them (`verify_kinds`)."""
-    registry = Registry.default()
-    registry.load_plugins([p.module for p in plan.graph.plugins], plan.plugin_paths)
-    kinds = {}
-    for n in plan.nodes:
-        kind = registry.get(n.kind)
-        if kind is None:
-            raise FlowgraphError(f"node `{n.name}`: kind `{n.kind}` is not registered (a "
-                                 "plugin the graph lists under `plugins:` declares it?)")
-        kinds[n.name] = kind
-    verify_kinds(plan, kinds)
-    return kinds
+def import_plugins(plan: ExecutionPlan) -> None:
+    """The graph's plugin modules imported, each one's folder first on `sys.path` (what
+    they register — a reward function, a policy loss — and the implementations the plan
+    names are then found, in this process and in every worker)."""
+    for plugin in plan.graph.plugins:
+        module = plugin_module(plugin.module, plan.plugin_paths)
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            raise PluginError(f"plugin module `{module}` ({plugin.pos}) could not be "
+                              f"imported: {type(exc).__name__}: {exc}") from exc
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -207,14 +205,13 @@ def _data_tokenizer(graph: Graph, d: DataSpec, tokenizers: dict[str, Any]) -> An
     return tokenizers[graph.models[0].name]
 
 
-def load_data(plan: ExecutionPlan, kinds: dict[str, KindSpec], tokenizers: dict[str, Any]
-              ) -> dict[str, Any]:
+def load_data(plan: ExecutionPlan, tokenizers: dict[str, Any]) -> dict[str, Any]:
     """Data source -> its `flowgraph.nodes.data.Splits`, tokenized and checked (lengths
     against P and T, the ground truth the graph's readers need) when it loads."""
     graph, dims = plan.graph, {d.name: d.value for d in plan.dims}
     out = {}
     for d in graph.data:
-        impl = Impl.load(kinds[d.name])
+        impl = Impl.at(plan.node(d.name).impl, f"data source `{d.name}`")
         params = {k: v for k, v in d.params.to_python().items() if k in impl.accepts}
         if "max_prompt_length" in impl.accepts:
             params.setdefault("max_prompt_length", dims.get("P"))
@@ -239,13 +236,3 @@ class Resources:
     schedulers: dict[str, Any] = field(default_factory=dict)
     data: dict[str, Any] = field(default_factory=dict)
     """Data source -> flowgraph.nodes.data.Splits."""
-
-
-def rollout_engine(backend: str, verify_every: int = 0) -> Any:
-    """`NodeContext.engines`: the worker layer's rollout engine of a backend
-    (`verify_every`: `trainer.verify_sync_every`)."""
-    if backend != "vllm":
-        raise FlowgraphError(f"no rollout engine for backend `{backend}` (there is `vllm`)")
-    from flowgraph.compilers import vllm_engine  # vLLM is optional and slow to import
-
-    return vllm_engine.VllmRollout(verify_every)

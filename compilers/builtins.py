@@ -39,8 +39,9 @@ def ensure_builtins(graph: Graph, out: TextIO | None = None) -> None:
 
 def ensure_builtin(name: str, out: TextIO | None = None) -> Path:
     """The cached folder of trained built-in `name`, trained by its recipe if absent."""
-    from flowgraph.compilers import RunOptions, run
     from flowgraph.compilers.export import export_model
+    from flowgraph.compilers.local import run_plan
+    from flowgraph.compilers.options import RunOptions
     from flowgraph.errors import CompileError
     from flowgraph.nodes.models import builtin_dir
     from flowgraph.passes import compile_graph
@@ -64,7 +65,7 @@ def ensure_builtin(name: str, out: TextIO | None = None) -> Path:
         if plan is None:  # the recipe is tested to compile; a broken one must not pass
             raise CompileError(compile_graph(graph).diagnostics)
         with open(os.devnull, "w") as quiet:
-            run(plan, RunOptions(out=quiet, tensorboard=False))
+            run_plan(plan, RunOptions(out=quiet, tensorboard=False))
         model = export_model(run_dir, "policy", tmp / "model")
         shutil.copy(run_dir / "metrics.jsonl", model / "sft_metrics.jsonl")
         try:

@@ -43,9 +43,9 @@ def evaluate(batches: Batches, names: list[str], step: int, tokenizers: dict[str
             env: dict[tuple[str, str], Any] = {}
             batches.draw(env, {}, split="eval")
             scratch = _eval_nodes(ip, names, env, step)
-            scratch.update(step_metrics(graph, ip.kinds, env))
+            scratch.update(step_metrics(ip.plan, env))
             scratch.update(log_ratio_to_reference(graph, env))
-            held_out.add(graph, ip.kinds, env, tokenizers, skip=size - fresh)
+            held_out.add(ip.plan, env, tokenizers, skip=size - fresh)
             for k, v in scratch.items():
                 sums[k] = sums.get(k, 0.0) + v * fresh / max(rows, size)
     for k, v in sums.items():
@@ -60,7 +60,7 @@ def _eval_nodes(ip: Interpreter, names: list[str], env: dict[tuple[str, str], An
     """Every node on one held-out batch, the updates' evaluation taking their place."""
     scratch: dict[str, float] = {}
     for name in names:
-        if not ip.kinds[name].trains:
+        if not ip.placed[name].trains:
             ip.run_node(name, env, step, strict=False, metrics=scratch, split="eval")
         else:
             ip.call_node(name, env, step, ip.params(name), scratch, evaluation=True)

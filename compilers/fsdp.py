@@ -43,8 +43,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from flowgraph.compilers import RunOptions, _dist
-from flowgraph.compilers.build import plan_kinds
+from flowgraph.compilers import _dist
 from flowgraph.compilers.checkpoint import (
     Rollout,
     begin_checkpoint,
@@ -58,11 +57,11 @@ from flowgraph.compilers.checkpoint import (
 )
 from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
+from flowgraph.compilers.options import RunOptions
 from flowgraph.compilers.target import Report
 from flowgraph.compilers.worker import ExecOptions, Worker
 from flowgraph.errors import FlowgraphError, RankFailed, WorkerLost
 from flowgraph.plan import ExecutionPlan, ModelPlacement
-from flowgraph.registry import KindSpec
 from flowgraph.runtime.metrics import serving
 
 
@@ -71,14 +70,14 @@ class FsdpTarget:
 
     label = "rank0"
 
-    def __init__(self, plan: ExecutionPlan, kinds: dict[str, KindSpec], opts: ExecOptions,
-                 rank: int, world: int, *, exporting: bool = False) -> None:
+    def __init__(self, plan: ExecutionPlan, opts: ExecOptions, rank: int, world: int, *,
+                 exporting: bool = False) -> None:
         self.plan, self.opts, self.rank, self.world = plan, opts, rank, world
         self.writes = rank == 0
         self.exporting = exporting
         """Prometheus is on (rank 0 serves it): every rank reports to rank 0 each step."""
         self.group = _dist.DataParallel()
-        self.worker = Worker(plan, kinds, opts, tuple(m for p in plan.pools for m in p.models),
+        self.worker = Worker(plan, opts, tuple(m for p in plan.pools for m in p.models),
                              place=self._place)
 
     def _place(self, placed: ModelPlacement, model: torch.nn.Module) -> torch.nn.Module:
@@ -205,9 +204,8 @@ def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | No
                              timeout_s=plan.graph.trainer.step_timeout_s or 1800.0)
             options = ExecOptions(run_dir, device, strict, resume, out=sys.stdout,
                                   exporter=exporter)
-            kinds = plan_kinds(plan)
-            target = FsdpTarget(plan, kinds, options, rank, world, exporting=exporting)
-            loop = TrainingLoop(plan, kinds, target, options)
+            target = FsdpTarget(plan, options, rank, world, exporting=exporting)
+            loop = TrainingLoop(plan, target, options)
             loop.setup()
             loop.run()
     except BaseException as exc:

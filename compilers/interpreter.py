@@ -28,7 +28,6 @@ import torch
 
 from flowgraph.errors import FlowgraphError, NodeError, NonFiniteError, at_step
 from flowgraph.plan import ExecutionPlan
-from flowgraph.registry import KindSpec
 from flowgraph.runtime.strict import RuntimeContracts
 
 Env = dict[tuple[str, str], Any]
@@ -47,10 +46,11 @@ class Dispatch(Protocol):
 class Interpreter:
     """Runs nodes of `plan`; `dispatch` (the target's) calls each one."""
 
-    def __init__(self, plan: ExecutionPlan, kinds: dict[str, KindSpec], dispatch: Dispatch
-                 ) -> None:
-        self.plan, self.graph, self.kinds, self.dispatch = plan, plan.graph, kinds, dispatch
+    def __init__(self, plan: ExecutionPlan, dispatch: Dispatch) -> None:
+        self.plan, self.graph, self.dispatch = plan, plan.graph, dispatch
         self.nodes = {n.name: n for n in self.graph.nodes}
+        self.placed = {n.name: n for n in plan.nodes}
+        """Each node's (and data source's) plan: params, kind facts, port contracts."""
         self.consumed = {(ref.node, ref.port) for ref, _, _ in self.graph.edges()}
         self.fused_into = {f: n.name for n in plan.nodes for f in n.fused}
         """A node fused into another's forward (pass `fusion`) -> that node, which runs it."""
@@ -102,48 +102,39 @@ class Interpreter:
 
     def check_inputs(self, name: str, env: Env, step: int) -> None:
         """Every input of `name` against its port's contract (strict mode)."""
-        kind = self.kinds[name]
-        for port, ref in self.nodes[name].inputs:
-            spec = kind.input(port)
-            assert spec is not None  # the checker held every wired port to the kind
-            self.contracts.check_edge(ref, name, port, spec.spec,
+        refs = dict(self.nodes[name].inputs)
+        for wired in self.placed[name].inputs:
+            if wired.spec is None:
+                continue
+            ref = refs[wired.port]
+            self.contracts.check_edge(ref, name, wired.port, wired.spec.tensor_spec(),
                                       env[(ref.node, ref.port)], step)
 
     def params(self, name: str, *, evaluation: bool = False) -> dict[str, Any]:
-        """The node's params; a rollout's `val_n` / `val_temperature` are the executor's:
-        at evaluation they replace n and the sampling (0: greedy, one response)."""
-        node, kind = self.nodes[name], self.kinds[name]
-        values = kind.param_values(node.params.to_python())
-        n, temperature = values.pop("val_n", 1), values.pop("val_temperature", 0.0)
-        val_n = n if isinstance(n, int) else 1
-        val_temperature = float(temperature) if isinstance(temperature, (int, float)) else 0.0
-        if evaluation and kind.category == "rollout":
-            sampled = {"do_sample": True, "n": val_n, "temperature": val_temperature}
-            greedy = {"do_sample": False, "n": 1}  # n greedy answers would be n copies
-            values.update({k: v for k, v in (sampled if val_temperature > 0 else greedy).items()
-                           if kind.param(k) is not None})
-        return values
+        """The node's params as the plan resolved them (at evaluation: a rollout's held-out
+        sampling, `NodePlan.eval_params`)."""
+        return self.placed[name].param_values(evaluation=evaluation)
 
     def store(self, name: str, outputs: dict[str, Any], env: Env, step: int,
               strict: bool) -> None:
         """`outputs` into `env`: each held to its contract (strict), none non-finite."""
-        kind = self.kinds[name]
-        for p in kind.outputs:
-            if p.name not in outputs:
-                if p.optional or (name, p.name) not in self.consumed:
+        placed = self.placed[name]
+        for p in placed.outputs:
+            if p.port not in outputs:
+                if p.optional or (name, p.port) not in self.consumed:
                     continue
-                raise NodeError(f"while executing node `{name}` (kind {kind.name}) "
-                                f"{at_step(step)}: it returned no output `{p.name}`")
-            value = outputs[p.name]
-            if strict:
-                self.contracts.check_output(name, p.name, p.spec, value, step,
+                raise NodeError(f"while executing node `{name}` (kind {placed.kind}) "
+                                f"{at_step(step)}: it returned no output `{p.port}`")
+            value = outputs[p.port]
+            if strict and p.spec is not None:
+                self.contracts.check_output(name, p.port, p.spec.tensor_spec(), value, step,
                                             self.nodes[name].pos)
             # Every float output, declared `finite` or not: a NaN reward from a user's
             # plugin must stop the run as surely as one from a built-in node.
             if isinstance(value, torch.Tensor) and value.is_floating_point() \
                     and not bool(torch.isfinite(value).all()):
-                raise NonFiniteError(name, step, f"output `{p.name}`")
-            env[(name, p.name)] = value
+                raise NonFiniteError(name, step, f"output `{p.port}`")
+            env[(name, p.port)] = value
 
     def _stacked(self, group: tuple[str, ...], env: Env
                  ) -> tuple[dict[str, Any], list[int], list[int]]:
@@ -197,9 +188,9 @@ class Prologue:
                                     metrics={}, split=split)
                     kept = self.kept[name]
                     for j, uid in enumerate(uids):
-                        kept[(split, uid)] = {p.name: env[(name, p.name)][j]
-                                              for p in ip.kinds[name].outputs
-                                              if (name, p.name) in env}
+                        kept[(split, uid)] = {p.port: env[(name, p.port)][j]
+                                              for p in ip.placed[name].outputs
+                                              if (name, p.port) in env}
         self.done.add(split)
         return time.perf_counter() - t0
 

@@ -1,7 +1,7 @@
 """The local target: one process, CPU or one GPU, every model whole.
 
     run_plan(plan, opts)      the run dir checked, Prometheus served, then
-      TrainingLoop(plan, kinds, LocalTarget(...), options).setup() / .run()
+      TrainingLoop(plan, LocalTarget(plan, options), options).setup() / .run()
 
 `LocalTarget` is the simplest strategy of `flowgraph.compilers.target`: its worker
 hosts every pool's models, `dispatch` calls a node in this process on the whole
@@ -17,8 +17,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-from flowgraph.compilers import RunOptions
-from flowgraph.compilers.build import plan_kinds
 from flowgraph.compilers.checkpoint import (
     Rollout,
     latest_checkpoint,
@@ -27,11 +25,11 @@ from flowgraph.compilers.checkpoint import (
     trained_modules,
 )
 from flowgraph.compilers.loop import TrainingLoop
+from flowgraph.compilers.options import RunOptions
 from flowgraph.compilers.target import Report
 from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
 from flowgraph.errors import FlowgraphError, WorkerLost
 from flowgraph.plan import ExecutionPlan
-from flowgraph.registry import KindSpec
 from flowgraph.runtime.metrics import serving
 from flowgraph.runtime.trackers import check_trackers
 
@@ -42,10 +40,9 @@ class LocalTarget:
     writes = True
     label = "local"
 
-    def __init__(self, plan: ExecutionPlan, kinds: dict[str, KindSpec], opts: ExecOptions
-                 ) -> None:
+    def __init__(self, plan: ExecutionPlan, opts: ExecOptions) -> None:
         self.opts, self.keep = opts, plan.graph.trainer.max_checkpoints
-        self.worker = Worker(plan, kinds, opts, tuple(m for p in plan.pools for m in p.models))
+        self.worker = Worker(plan, opts, tuple(m for p in plan.pools for m in p.models))
         self.dispatch = self.worker.dispatch
 
     def start(self) -> None:
@@ -116,7 +113,6 @@ def run_plan(plan: ExecutionPlan, opts: RunOptions) -> None:
                  out=opts.out) as exporter:
         options = ExecOptions(run_dir, device, opts.strict, opts.resume, opts.out,
                               opts.tensorboard, exporter)
-        kinds = plan_kinds(plan)
-        loop = TrainingLoop(plan, kinds, LocalTarget(plan, kinds, options), options)
+        loop = TrainingLoop(plan, LocalTarget(plan, options), options)
         loop.setup()
         loop.run()

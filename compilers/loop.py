@@ -1,7 +1,7 @@
 """The training loop: steps, the resample loop, the async buffer, evaluation,
 checkpoint cadence, logging and recovery — the same on every target.
 
-    loop = TrainingLoop(plan, kinds, target, opts)
+    loop = TrainingLoop(plan, target, opts)
     loop.setup()        the worker's implementations and tokenizers, the datasets, then
                         the target places the models (cheap and likely failures first)
     loop.run()          the prologue, then per step `train_step`: the batch drawn and
@@ -38,7 +38,6 @@ from flowgraph.compilers.target import Target
 from flowgraph.compilers.worker import ExecOptions
 from flowgraph.errors import NonFiniteError, WorkerLost
 from flowgraph.plan import ExecutionPlan
-from flowgraph.registry import KindSpec
 from flowgraph.runtime.metrics import MetricsLog
 from flowgraph.runtime.trackers import open_trackers
 
@@ -46,11 +45,9 @@ from flowgraph.runtime.trackers import open_trackers
 class TrainingLoop:
     """Runs `plan` for `trainer.steps` steps through `target`."""
 
-    def __init__(self, plan: ExecutionPlan, kinds: dict[str, KindSpec], target: Target,
-                 opts: ExecOptions) -> None:
-        self.plan, self.graph, self.kinds, self.target, self.opts = \
-            plan, plan.graph, kinds, target, opts
-        self.interpreter = Interpreter(plan, kinds, target.dispatch)
+    def __init__(self, plan: ExecutionPlan, target: Target, opts: ExecOptions) -> None:
+        self.plan, self.graph, self.target, self.opts = plan, plan.graph, target, opts
+        self.interpreter = Interpreter(plan, target.dispatch)
         self.dims = {d.name: d.value for d in plan.dims}
         steps = [n for s in plan.stages if not s.once for n in s.nodes
                  if n in self.interpreter.nodes]
@@ -79,8 +76,7 @@ class TrainingLoop:
         """Cheap and likely failures first: model paths, implementations, tokenizers and
         datasets (a missing column) — then the model weights and optimizers."""
         self.target.worker.prepare()
-        self.batches.data.update(load_data(self.plan, self.kinds,
-                                           self.target.worker.tokenizers))
+        self.batches.data.update(load_data(self.plan, self.target.worker.tokenizers))
         self.target.start()
 
     # -- the loop -----------------------------------------------------------------------
@@ -192,10 +188,10 @@ class TrainingLoop:
             # generation overlapped the step: what the step waited for it is its cost
             seconds = {n: s for n, s in seconds.items() if n in self.consumer}
             waited = metrics["perf/rollout_wait_s"]
-        metrics.update(step_metrics(self.graph, self.kinds, env))
+        metrics.update(step_metrics(self.plan, env))
         wall = time.perf_counter() - t0
         metrics["timing_s/step"] = wall
-        metrics.update(phase_seconds(self.kinds, seconds, wall, waited))
+        metrics.update(phase_seconds(self.plan, seconds, wall, waited))
         metrics["perf/orchestration_frac"] = (metrics["phase_s/orchestration"] / wall
                                               if wall else 0.0)
         tokens = metrics.get("perf/tokens", 0.0)

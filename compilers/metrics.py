@@ -1,7 +1,7 @@
 """Metrics an executor computes from a step's values: verl's batch metrics
 (`step_metrics`) and, on held-out data, the log-ratio to the reference and the text
-metrics of the responses (`HeldOut`). Which node is which is read from its kind
-(`KindSpec.category`, `head`), never from its name."""
+metrics of the responses (`HeldOut`). Which node is which is read from the kind facts
+its plan carries (`NodePlan.category`, `head`), never from its name."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from flowgraph.ir import Graph
-from flowgraph.registry import KindSpec
+from flowgraph.plan import ExecutionPlan
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -19,12 +19,11 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float((x.float() * m).sum() / m.sum().clamp_min(1.0))
 
 
-def step_metrics(graph: Graph, kinds: dict[str, KindSpec],
-                 env: dict[tuple[str, str], Any]) -> dict[str, float]:
+def step_metrics(plan: ExecutionPlan, env: dict[tuple[str, str], Any]) -> dict[str, float]:
     """verl's batch metrics: score, rewards, advantages, returns, values, lengths, tokens."""
     out: dict[str, float] = {}
-    for node in graph.nodes:
-        kind = kinds[node.name]
+    for node in plan.graph.nodes:
+        kind = plan.node(node.name)
         mask_ref = node.input("response_mask")
         mask = env.get((mask_ref.node, mask_ref.port)) if mask_ref else None
         if kind.category == "rollout" and (node.name, "response_mask") in env:
@@ -60,7 +59,7 @@ batch; and the rest of the step, outside any node (the executor's own work)."""
 _PHASE_OF_CATEGORY = {"rollout": "generation", "update": "update", "data": "data"}
 
 
-def phase_seconds(kinds: dict[str, KindSpec], seconds: dict[str, float], wall: float,
+def phase_seconds(plan: ExecutionPlan, seconds: dict[str, float], wall: float,
                   waited: float = 0.0) -> dict[str, float]:
     """`phase_s/<phase>` from each node's (and data source's) seconds in one step of
     `wall` seconds; they add up to `wall`. `waited`: seconds the step waited for a
@@ -68,7 +67,7 @@ def phase_seconds(kinds: dict[str, KindSpec], seconds: dict[str, float], wall: f
     out = dict.fromkeys(PHASES, 0.0)
     out["generation"] = waited
     for name, s in seconds.items():
-        kind = kinds[name]
+        kind = plan.node(name)
         out["update" if kind.trains else _PHASE_OF_CATEGORY.get(kind.category, "scoring")] += s
     out["orchestration"] = max(wall - sum(seconds.values()) - waited, 0.0)
     return {f"phase_s/{phase}": s for phase, s in out.items()}
@@ -106,12 +105,13 @@ class HeldOut:
     prompts: int = 0
     """Held-out prompts counted so far."""
 
-    def add(self, graph: Graph, kinds: dict[str, KindSpec], env: dict[tuple[str, str], Any],
+    def add(self, plan: ExecutionPlan, env: dict[tuple[str, str], Any],
             tokenizers: dict[str, Any], skip: int = 0) -> None:
         """The batch's responses, but those of its first `skip` prompts (counted already)."""
         from flowgraph.runtime.evaluation import exact_match
 
-        gen = next((n for n in graph.nodes if kinds[n.name].category == "rollout"), None)
+        graph = plan.graph
+        gen = next((n for n in graph.nodes if plan.node(n.name).category == "rollout"), None)
         if gen is None:
             return
         index = [int(i) for i in env[(gen.name, "index")]]
@@ -121,12 +121,12 @@ class HeldOut:
         self.tokens += [[t for t in rows[r] if t not in special] for r in keep]
         first, self.prompts = self.prompts, self.prompts + max(index, default=-1) + 1 - skip
         for node in graph.nodes:
-            kind, truth = kinds[node.name], node.input("ground_truth")
+            kind, truth = plan.node(node.name), node.input("ground_truth")
             ids, mask = node.input("responses"), node.input("response_mask")
             if kind.category != "reward" or truth is None or ids is None or mask is None \
                     or node.model is None:
                 continue
-            if kind.param_values(node.params.to_python()).get("fn") != "exact_match":
+            if kind.param_values().get("fn") != "exact_match":
                 continue
             tok = tokenizers[node.model]
             texts = [tok.decode(row, skip_special_tokens=True) for row in

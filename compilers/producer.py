@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from flowgraph.compilers.batches import Batches
-from flowgraph.compilers.build import load_data, plan_kinds
+from flowgraph.compilers.build import load_data
 from flowgraph.compilers.checkpoint import Rollout
 from flowgraph.compilers.interpreter import Interpreter
 from flowgraph.compilers.rollouts import Rollouts
@@ -244,14 +244,12 @@ def _producer(plan: ExecutionPlan, opts: ExecOptions, cursors: dict[str, dict[st
     assert plan.asynchronous is not None
     nodes, cut = {m.name for m in plan.graph.nodes}, plan.asynchronous.producer
     names = [n for s in plan.stages if not s.once for n in s.nodes if n in nodes and n in cut]
-    kinds = plan_kinds(plan)
     run = _producer_models(plan, names)
     bases = {m.base_of for p in plan.pools for m in p.models if m.name in run}
     hosted = tuple(m for p in plan.pools for m in p.models if m.name in run or m.name in bases)
-    worker = Worker(plan, kinds, opts, hosted, trained=frozenset())
+    worker = Worker(plan, opts, hosted, trained=frozenset())
     worker.prepare()
-    batches = Batches(Interpreter(plan, kinds, worker.dispatch),
-                      load_data(plan, kinds, worker.tokenizers), [])
+    batches = Batches(Interpreter(plan, worker.dispatch), load_data(plan, worker.tokenizers), [])
     worker.load_models()
     for d, cursor in cursors.items():
         batches.data[d].train.load_state_dict(cursor)

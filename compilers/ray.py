@@ -40,8 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flowgraph.compilers import RunOptions, _dist
-from flowgraph.compilers.build import plan_kinds
+from flowgraph.compilers import _dist
 from flowgraph.compilers.checkpoint import (
     Rollout,
     begin_checkpoint,
@@ -50,12 +49,13 @@ from flowgraph.compilers.checkpoint import (
 )
 from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
+from flowgraph.compilers.options import RunOptions
 from flowgraph.compilers.ray_worker import RayWorker
 from flowgraph.compilers.target import Report
 from flowgraph.compilers.worker import ExecOptions, Worker
 from flowgraph.errors import DEBUG_ENV, FlowgraphError, NodeError, WorkerLost
 from flowgraph.plan import DRIVER, ExecutionPlan, PoolPlan
-from flowgraph.registry import KindSpec, plugin_source
+from flowgraph.registry import plugin_source
 from flowgraph.runtime.metrics import serving
 
 MAX_RESTARTS = 3
@@ -93,10 +93,9 @@ class RayTarget:
     label = "driver"
     writes = True
 
-    def __init__(self, plan: ExecutionPlan, kinds: dict[str, KindSpec], opts: ExecOptions
-                 ) -> None:
+    def __init__(self, plan: ExecutionPlan, opts: ExecOptions) -> None:
         self.plan, self.opts = plan, opts
-        self.worker = Worker(plan, kinds, opts, ())
+        self.worker = Worker(plan, opts, ())
         """The driver's own: model-free nodes, their state, the tokenizers."""
         self.groups: dict[str, Group] = {}
         self.restarts: list[float] = []
@@ -336,9 +335,8 @@ def run_ray(plan: ExecutionPlan, opts: RunOptions) -> None:
             start_ray(plan, opts.address)
             options = ExecOptions(run_dir, "cpu", opts.strict, opts.resume, opts.out,
                                   opts.tensorboard, exporter)
-            kinds = plan_kinds(plan)
-            target = RayTarget(plan, kinds, options)
-            loop = TrainingLoop(plan, kinds, target, options)
+            target = RayTarget(plan, options)
+            loop = TrainingLoop(plan, target, options)
             loop.setup()
             loop.run()
         finally:  # workers first: the endpoint is held after this block

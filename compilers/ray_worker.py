@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from flowgraph.compilers import _dist
-from flowgraph.compilers.build import plan_kinds
 from flowgraph.compilers.checkpoint import load_weights, save_shards
 from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
 from flowgraph.errors import FlowgraphError
@@ -66,8 +65,7 @@ class RayWorker:
         torch.set_num_threads(max(cpus, 1))
         if self.pool.size > 1:
             _dist.init_group(self.rank, self.pool.size, device, addr=addr, port=port)
-        self.worker = Worker(self.plan, plan_kinds(self.plan),
-                             ExecOptions(Path(run_dir), device), self.pool.models,
+        self.worker = Worker(self.plan, ExecOptions(Path(run_dir), device), self.pool.models,
                              place=self._place)
         self.worker.prepare()
         self.worker.load_models()

@@ -58,13 +58,13 @@ class Rollouts:
 
     def __init__(self, plan: ExecutionPlan, batches: Batches, worker: Worker,
                  names: list[str], opts: ExecOptions) -> None:
-        trainer = plan.graph.trainer
-        assert plan.asynchronous is not None
+        cut = plan.asynchronous
+        assert cut is not None
         self.plan, self.batches, self.worker, self.names, self.opts = \
             plan, batches, worker, names, opts
         """The producer's nodes run on `batches` by `worker`'s interpreter, in this order."""
-        self.S, self.steps = trainer.max_staleness, trainer.steps
-        self.block = trainer.admission == "block"
+        self.S, self.steps = cut.staleness, plan.graph.trainer.steps
+        self.block = cut.admission == "block"
         self.pending: deque[Rollout] = deque()
         self.cursors: dict[str, dict[str, Any]] | None = None
         """The data cursors after the last rollout received (None: the datasets')."""

@@ -1,7 +1,7 @@
 """The vLLM backend of `generate`: one offline engine per model, rollouts, weight sync.
 
 The worker layer owns it: a `generate` node asks `ctx.rollout_engine("vllm")` and gets
-a `VllmRollout` (through `flowgraph.compilers.build.rollout_engine`), whose `rollout`
+a `VllmRollout` (through `flowgraph.compilers.worker.rollout_engine`), whose `rollout`
 sizes the KV cache, starts or reuses the engine, syncs the weights and samples. Imported
 only when a graph asks for `backend: vllm` (importing vLLM takes seconds).
 `engine` builds vLLM's offline `LLM` once per model folder and caches it: the Hugging

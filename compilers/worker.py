@@ -21,7 +21,7 @@ import sysconfig
 import time
 import traceback
 from collections.abc import Callable
-from contextlib import nullcontext, suppress
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -31,14 +31,13 @@ import torch
 
 from flowgraph.compilers.build import (
     adapters_off,
+    import_plugins,
     load_model,
     load_tokenizers,
     make_optimizer,
-    rollout_engine,
 )
 from flowgraph.errors import DEBUG_ENV, FlowgraphError, NodeError, NonFiniteError, at_step
 from flowgraph.plan import ExecutionPlan, ModelPlacement
-from flowgraph.registry import KindSpec
 from flowgraph.runtime.context import RESOURCE_ARGS, Impl, NodeContext, named_outputs
 
 if TYPE_CHECKING:
@@ -69,15 +68,17 @@ def _whole(placed: ModelPlacement, model: torch.nn.Module) -> torch.nn.Module:
 class Worker:
     """The models of `hosted` and every node's implementation, in this process."""
 
-    def __init__(self, plan: ExecutionPlan, kinds: dict[str, KindSpec], opts: ExecOptions,
+    def __init__(self, plan: ExecutionPlan, opts: ExecOptions,
                  hosted: tuple[ModelPlacement, ...], *, place: Place = _whole,
                  trained: frozenset[str] | None = None) -> None:
-        self.plan, self.graph, self.kinds, self.opts = plan, plan.graph, kinds, opts
+        self.plan, self.graph, self.opts = plan, plan.graph, opts
         self.hosted, self.place = hosted, place
         self.trained = (trained if trained is not None else frozenset(
             n.model for n in plan.nodes if n.trains and n.model is not None))
         """The models this worker makes optimizers for (the updates' models)."""
         self.nodes = {n.name: n for n in plan.graph.nodes}
+        self.placed = {n.name: n for n in plan.nodes}
+        """Each node's plan: its implementation, params and kind facts."""
         self.consumed = {(ref.node, ref.port) for ref, _, _ in plan.graph.edges()}
         self.impls: dict[str, Impl] = {}
         self.eval_impls: dict[str, Impl] = {}
@@ -92,20 +93,19 @@ class Worker:
 
     def prepare(self) -> None:
         """What fails cheaply, before any model loads: model paths, implementations
-        (each accepting what its kind declares), tokenizers."""
+        (each accepting what the plan calls it with), tokenizers."""
         from flowgraph.nodes.models import check_model_path
 
         for m in self.graph.models:
             check_model_path(m.path)
-        for name, node in self.nodes.items():
-            kind = self.kinds[name]
-            self.impls[name] = Impl.load(kind)
-            self.impls[name].verify(node, kind)
-            if kind.trains:  # an update's metrics on held-out data, where it has them
-                module, _, attr = kind.impl.partition(":")
-                with suppress(FlowgraphError):
-                    self.eval_impls[name] = Impl(fn := Impl.load_function(
-                        f"{module}:{attr}_eval"), frozenset(_accepts(fn)))
+        import_plugins(self.plan)
+        for name in self.nodes:
+            n = self.placed[name]
+            self.impls[name] = Impl.at(n.impl, f"node `{name}`")
+            self.impls[name].verify_names(name, n.kind, n.impl, [
+                *(i.port for i in n.inputs), *(p.name for p in n.params)])
+            if n.eval_impl is not None:
+                self.eval_impls[name] = Impl.at(n.eval_impl, f"node `{name}`")
         self.tokenizers = load_tokenizers(self.graph)
 
     def load_models(self) -> None:
@@ -134,7 +134,7 @@ class Worker:
     def context(self, name: str, step: int, **dp: Any) -> NodeContext:
         """The node's context; `dp` sets the data-parallel fields (dp_rank, dp_size,
         row_offset, workers) where a target splits the batch."""
-        node, trains = self.nodes[name], self.kinds[name].trains
+        node, trains = self.nodes[name], self.placed[name].trains
         model = node.model or ""
         spec = self.graph.model(model) if node.model else None
         return NodeContext(
@@ -162,12 +162,12 @@ class Worker:
              metrics: dict[str, float], **dp: Any) -> tuple[dict[str, Any], float]:
         """Call one node's implementation on `inputs` (port -> value); (outputs, seconds
         spent inside it). `dp`: see `context`."""
-        kind, impl = self.kinds[name], self.impls[name]
+        placed, impl = self.placed[name], self.impls[name]
         kw: dict[str, Any] = dict(inputs)
         kw.update({k: v for k, v in params.items() if k in impl.accepts})
-        for p in kind.outputs:
-            if p.optional and (name, p.name) in self.consumed and f"with_{p.name}" in impl.accepts:
-                kw[f"with_{p.name}"] = True
+        for o in placed.outputs:
+            if o.optional and (name, o.port) in self.consumed and f"with_{o.port}" in impl.accepts:
+                kw[f"with_{o.port}"] = True
         ctx = self.context(name, step, **dp)
         for arg in RESOURCE_ARGS:
             if arg in impl.accepts:
@@ -177,10 +177,10 @@ class Worker:
         # Only updates build autograd graphs; everything else is inference, and a
         # log-prob carrying the actor's graph into the update would be backpropagated
         # through twice.
-        with torch.set_grad_enabled(kind.trains), self._base(name, ctx):
+        with torch.set_grad_enabled(placed.trains), self._base(name, ctx):
             result = self._guarded(name, step, partial(impl.fn, **kw))
         metrics.update(ctx.metrics)
-        return named_outputs(kind, result), time.perf_counter() - t0
+        return named_outputs([o.port for o in placed.outputs], result), time.perf_counter() - t0
 
     def evaluate_update(self, name: str, inputs: dict[str, Any], step: int,
                         params: dict[str, Any], metrics: dict[str, float]) -> None:
@@ -208,10 +208,14 @@ class Worker:
             raise node_error(self, name, step, exc) from exc
 
 
-def _accepts(fn: Callable[..., Any]) -> list[str]:
-    import inspect
+def rollout_engine(backend: str, verify_every: int = 0) -> Any:
+    """`NodeContext.engines`: the worker layer's rollout engine of a backend
+    (`verify_every`: `trainer.verify_sync_every`)."""
+    if backend != "vllm":
+        raise FlowgraphError(f"no rollout engine for backend `{backend}` (there is `vllm`)")
+    from flowgraph.compilers import vllm_engine  # vLLM is optional and slow to import
 
-    return list(inspect.signature(fn).parameters)
+    return vllm_engine.VllmRollout(verify_every)
 
 
 # --- errors ----------------------------------------------------------------------------
@@ -237,7 +241,7 @@ def node_error(worker: Worker, name: str, step: int, exc: Exception) -> NodeErro
     the error, and the line of the node's own code that raised it (a plugin's file,
     not flowgraph's or torch's). The full traceback goes to `run_dir/traceback.txt`,
     and into the message under `flowgraph run --debug`."""
-    node, kind = worker.nodes[name], worker.kinds[name]
+    node = worker.nodes[name]
     full = "".join(traceback.format_exception(exc))
     where = worker.opts.run_dir / "traceback.txt"
     try:
@@ -247,7 +251,7 @@ def node_error(worker: Worker, name: str, step: int, exc: Exception) -> NodeErro
         saved = ""
     frame = user_frame(exc)
     model = f"model {node.model}, " if node.model else ""
-    text = (f"while executing node `{name}` (kind {kind.name}, {model}{node.pos}) "
+    text = (f"while executing node `{name}` (kind {node.kind}, {model}{node.pos}) "
             f"{at_step(step)}: "
             f"{type(exc).__name__}: {exc}\n  at {frame.filename}:{frame.lineno} in "
             f"{frame.name}: {(frame.line or '').strip()}")

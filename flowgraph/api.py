@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from flowgraph.errors import CompileError, FlowgraphError
 from flowgraph.ir import Graph
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import ExecutionPlan, verify_kinds
+from flowgraph.registry import KindSpec, Registry
 
 if TYPE_CHECKING:
     from flowgraph.compilers import Run
@@ -47,7 +48,24 @@ def load_plan(path: str | Path) -> ExecutionPlan:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise FlowgraphError(f"cannot read the plan `{path}`: {exc.strerror or exc}") from exc
-    return ExecutionPlan.from_json(text)
+    plan = ExecutionPlan.from_json(text)
+    verify_kinds(plan, _kinds(plan))
+    return plan
+
+
+def _kinds(plan: ExecutionPlan) -> dict[str, KindSpec]:
+    """Each node's and data source's kind, from the registry after the graph's plugins
+    are imported."""
+    registry = Registry.default()
+    registry.load_plugins([p.module for p in plan.graph.plugins], plan.plugin_paths)
+    kinds = {}
+    for n in plan.nodes:
+        kind = registry.get(n.kind)
+        if kind is None:
+            raise FlowgraphError(f"node `{n.name}`: kind `{n.kind}` is not registered (a "
+                                 "plugin the graph lists under `plugins:` declares it?)")
+        kinds[n.name] = kind
+    return kinds
 
 
 def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,

@@ -29,7 +29,7 @@ _Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 _STD = "tag:yaml.org,2002:"
 _SCALAR_TAGS = {f"{_STD}{t}" for t in ("str", "int", "float", "bool", "null", "timestamp")}
 _STR_TAG, _MAP_TAG, _SEQ_TAG, _MERGE_TAG = (f"{_STD}{t}" for t in ("str", "map", "seq", "merge"))
-_EXP_FLOAT = re.compile(r"^[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+$")
+EXP_FLOAT = re.compile(r"^[-+]?[0-9]+(\.[0-9]*)?[eE][-+]?[0-9]+$")
 MAX_NODES = 200_000
 """Nodes one document may expand to (aliases counted at every use)."""
 MAX_DEPTH = 64
@@ -336,7 +336,7 @@ def _construct(tag: str, event: yaml.ScalarEvent) -> Scalar:
     `_UNREADABLE` when it cannot be read."""
     text = event.value
     if tag == _STR_TAG:
-        if not event.style and _EXP_FLOAT.match(text):
+        if not event.style and EXP_FLOAT.match(text):
             # YAML 1.1 reads `1e-5` as a string; everyone means a number. A plain
             # scalar's style is None from PyYAML's parser but '' from libyaml's.
             return float(text)

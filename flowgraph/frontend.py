@@ -34,7 +34,7 @@ import yaml
 from flowgraph.choices import LOGGERS
 from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.document import (
-    _EXP_FLOAT,
+    EXP_FLOAT,
     YMap,
     YNode,
     YScalar,
@@ -614,7 +614,7 @@ class _Dumper(yaml.SafeDumper):
 
 
 def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
-    style = "'" if _EXP_FLOAT.match(value) else None
+    style = "'" if EXP_FLOAT.match(value) else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 
 

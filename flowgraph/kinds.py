@@ -197,11 +197,12 @@ _KINDS = (
             _i("top_k", 0, "0: off", minimum=0),
             _i("max_new_tokens", None, "response length; binds T", dim="T"),
             _b("do_sample", True),
-            _i("val_n", 1, "held-out responses per prompt at evaluation (val/accuracy is "
-               "their mean, mean@n; val/pass@n: a prompt with any right); > 1 needs "
-               "val_temperature > 0"),
-            _f("val_temperature", 0.0, "sampling temperature at evaluation (verl's "
-               "val_kwargs); 0: greedy, one response per prompt", minimum=0.0),
+            replace(_i("val_n", 1, "held-out responses per prompt at evaluation (val/accuracy "
+                       "is their mean, mean@n; val/pass@n: a prompt with any right); > 1 "
+                       "needs val_temperature > 0"), evaluation=True),
+            replace(_f("val_temperature", 0.0, "sampling temperature at evaluation (verl's "
+                       "val_kwargs); 0: greedy, one response per prompt", minimum=0.0),
+                    evaluation=True),
             _f("gpu_memory_utilization", None, "vLLM only: the share of accelerator memory "
                "(on CPU: of NUMA node 0's RAM) the engine takes; null: a KV cache sized for "
                "the node's sequences of P+T tokens", minimum=0.0),
@@ -473,6 +474,7 @@ _KINDS = (
         model="required",
         trains=True,
         impl="flowgraph.nodes.update:ppo_actor_update",
+        eval_impl="flowgraph.nodes.update:ppo_actor_update_eval",
         on_policy_input="old_log_prob",
         required_when=(("rollout_log_prob", "rollout_is", "token"),
                        ("rollout_log_prob", "rollout_is", "sequence")),
@@ -502,6 +504,7 @@ _KINDS = (
         model="required",
         trains=True,
         impl="flowgraph.nodes.update:sft_update",
+        eval_impl="flowgraph.nodes.update:sft_update_eval",
     ),
     KindSpec(
         "dpo_update", "update", "DPO update of the policy on preference pairs.",
@@ -525,6 +528,7 @@ _KINDS = (
         sequences_per_row=2,
         trains=True,
         impl="flowgraph.nodes.update:dpo_update",
+        eval_impl="flowgraph.nodes.update:dpo_update_eval",
     ),
 )
 

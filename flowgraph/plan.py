@@ -57,7 +57,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from flowgraph.choices import DEVICES, TARGETS
+from flowgraph.choices import ADMISSIONS, DEVICES, TARGETS
+from flowgraph.contracts import TensorSpec
 from flowgraph.document import YMap, YNode, YScalar, YSeq
 from flowgraph.errors import PlanError
 from flowgraph.frontend import graph_from_document, graph_to_document
@@ -65,7 +66,7 @@ from flowgraph.ir import NAME_RE, Graph, NodeSpec
 from flowgraph.registry import HOISTABLE_CATEGORIES, KindSpec
 from flowgraph.source import SourcePos
 
-PLAN_VERSION = 5
+PLAN_VERSION = 6
 """Format version of the JSON plan; `from_json` refuses any other."""
 DISPATCHES = ("local", "split", "gather", "broadcast", "reshard")
 SHARDINGS = ("none", "full_shard")
@@ -97,6 +98,37 @@ class DimValue:
 
 
 @dataclass(frozen=True, slots=True)
+class SpecPlan:
+    """A port's contract as its kind declares it (`flowgraph.contracts.TensorSpec`):
+    what strict mode holds a tensor to, beside its dims in global terms."""
+
+    dims: str
+    """The kind's own dims, jaxtyping grammar (`b T`)."""
+    dtype: str = "float"
+    constraints: tuple[str, ...] = ()
+
+    def tensor_spec(self) -> TensorSpec:
+        return TensorSpec(self.dims, self.dtype, self.constraints)
+
+    @staticmethod
+    def of(spec: TensorSpec) -> SpecPlan:
+        return SpecPlan(spec.dims, spec.dtype, spec.constraints)
+
+
+@dataclass(frozen=True, slots=True)
+class ParamPlan:
+    """One param of a node, resolved: the graph's value, else the kind's default."""
+
+    name: str
+    value: str
+    """The value as JSON text (a param value is plain data: a scalar, list or mapping)."""
+
+    @staticmethod
+    def of(params: Mapping[str, object]) -> tuple[ParamPlan, ...]:
+        return tuple(ParamPlan(k, json.dumps(v, sort_keys=True)) for k, v in params.items())
+
+
+@dataclass(frozen=True, slots=True)
 class InputPlan:
     """One wired input of a node."""
 
@@ -109,6 +141,8 @@ class InputPlan:
     dims: str | None = None
     """The port's contract in global terms, one word an axis (`Bp*N T`, `_`: any size),
     what strict mode holds the tensor to; None when the checker could not resolve it."""
+    spec: SpecPlan | None = None
+    """The port's contract (dtype, constraints); None for a data source's ports."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +154,9 @@ class OutputPlan:
     batched: bool = True
     """It has a batch axis: the outputs of a node run on slices are concatenated along
     it (`EdgePlan.batched` of every edge it feeds); False: the same on every worker."""
+    spec: SpecPlan | None = None
+    optional: bool = False
+    """Computed only when consumed (its implementation is asked `with_<port>=True`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,10 +185,28 @@ class NodePlan:
     fused: tuple[str, ...] = ()
     """Nodes of this one's kind and model, later in its stage, that run in this node's
     forward over their rows stacked under its own (pass `fusion`); they do not run."""
+    category: str = ""
+    """The kind's category (`rollout`, `reward`, `advantage`, `update`, `filter`, `data`…):
+    where its time goes, which step metrics it gives."""
+    head: str = "lm"
+    """What the node uses its model as (`KindSpec.head`): `lm`, `scalar`, `tokenizer`."""
+    params: tuple[ParamPlan, ...] = ()
+    """Every param of the kind, resolved; what the implementation is called with."""
+    eval_params: tuple[ParamPlan, ...] = ()
+    """The params at evaluation on held-out data (a rollout: `val_n` responses, greedy
+    unless `val_temperature` > 0); the kind's evaluation-only params are in neither."""
+    eval_impl: str | None = None
+    """`module:function` giving an update's metrics on held-out data without a step;
+    None: the node has none."""
 
     def __post_init__(self) -> None:
         _require(["name is not an identifier"] if _bad_name(self.name) else [],
                  f"node `{self.name}`")
+
+    def param_values(self, *, evaluation: bool = False) -> dict[str, Any]:
+        """The params as Python values (at evaluation: `eval_params`)."""
+        return {p.name: json.loads(p.value)
+                for p in (self.eval_params if evaluation else self.params)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,12 +396,20 @@ class AsyncPlan:
     """Asynchronous rollouts (`trainer.max_staleness` S > 0): the step nodes are cut at
     the rollout into a producer and a consumer joined by a buffer of rollouts, each
     stamped with the policy version (updates applied) that generated it. The producer
-    runs up to S steps ahead of the consumer; `trainer.admission` and
-    `trainer.old_log_prob` say how (they live in the graph's trainer, once)."""
+    runs up to S steps ahead of the consumer; the compiler decides how, once, from
+    `trainer.max_staleness`, `trainer.admission` and `trainer.old_log_prob`."""
 
     producer: tuple[str, ...]
     """Data sources and the step nodes of the producer, in the order they run
     (`producer_side`); every other step node is the consumer's."""
+    staleness: int = 1
+    """S: how many steps ahead of the consumer the producer may run (>= 1)."""
+    admission: str = "block"
+    """`block`: the rollout of step j comes from version max(j − S, v0) exactly; `drop`:
+    the newest weights, a rollout more than S versions old is dropped."""
+    old_log_prob: str = "recompute"
+    """Where the update's old log-probs come from: `recompute` (the trained model's
+    forward) or `rollout` (the sampling policy's own, rewired by the compiler)."""
     own_process: bool = False
     """The producer runs in a process of its own, overlapping the consumer's update
     (`producer_process`: target local); False: in the loop, before the consumer."""
@@ -445,7 +508,8 @@ def _plan_problems(plan: ExecutionPlan) -> list[str]:
     if problems:  # the checks below read the references these ones vouch for
         return problems
     return (_placement_problems(plan) + _order_problems(plan) + _edge_problems(plan)
-            + _resample_problems(plan) + _async_problems(plan) + _fusion_problems(plan))
+            + _resample_problems(plan) + _async_problems(plan) + _fusion_problems(plan)
+            + _category_problems(plan))
 
 
 def producer_side(graph: Graph, stages: tuple[StagePlan, ...],
@@ -482,9 +546,10 @@ def _async_problems(plan: ExecutionPlan) -> list[str]:
     if cut is None:
         return []
     problems = []
-    if plan.graph.trainer.max_staleness < 1:
-        problems.append("the plan is asynchronous but trainer.max_staleness is "
-                        f"{plan.graph.trainer.max_staleness}")
+    if cut.staleness < 1:
+        problems.append(f"the asynchronous plan's staleness is {cut.staleness}, not >= 1")
+    if cut.admission not in ADMISSIONS:
+        problems.append(f"admission `{cut.admission}` is not one of {ADMISSIONS}")
     nodes = {n.name: n for n in plan.nodes}
     side = set(cut.producer)
     for name in cut.producer:
@@ -681,45 +746,54 @@ def _runs(n: NodePlan) -> str:
 
 
 def verify_kinds(plan: ExecutionPlan, kinds: Mapping[str, KindSpec]) -> None:
-    """What the plan says of each node against its kind, once the executor has resolved
-    the kinds (plugins imported): the implementation, whether it trains or runs its
-    model, and that prologue nodes may be computed once per row. Raises `PlanError`."""
+    """A plan read from a file against the registry's kinds (plugins imported): each node's
+    implementation and kind facts are its kind's, its fusion is of a kind whose rows can
+    be stacked, and the asynchronous producer is the rule's. Raises `PlanError`. The
+    executors never call it: they run the plan as it is (`flowgraph.api.load_plan` does)."""
     problems = []
     for n in plan.nodes:
         kind = kinds[n.name]
         spec = plan.graph.model(n.model) if n.model else None
         loads = kind.model != "none" and kind.head != "tokenizer" and spec is not None
-        if n.impl != kind.impl:
-            problems.append(f"node `{n.name}`: impl `{n.impl}`, but kind `{kind.name}` is "
-                            f"implemented by `{kind.impl}`")
-        if (n.trains, n.loads_model) != (kind.trains, loads):
-            problems.append(f"node `{n.name}`: trains {n.trains}, loads_model "
-                            f"{n.loads_model}; kind `{kind.name}` says {kind.trains}, {loads}")
-        if (kind.category == "filter") != (plan.resample is not None
-                                            and plan.resample.filter == n.name):
-            problems.append(f"node `{n.name}` (kind `{kind.name}`, category "
-                            f"`{kind.category}`) and the plan's resample loop "
-                            f"({plan.resample.filter if plan.resample else 'none'}) disagree: "
-                            "a filter node, and only one, drives the loop")
+        said = (n.impl, n.eval_impl, n.trains, n.loads_model, n.category, n.head)
+        want = (kind.impl, kind.eval_impl, kind.trains, loads, kind.category, kind.head)
+        if said != want:
+            problems.append(f"node `{n.name}`: (impl, eval_impl, trains, loads_model, category, "
+                            f"head) {said}, but kind `{kind.name}` says {want}")
         if n.fused and not kind.row_wise_forward:
             problems.append(f"node `{n.name}` (kind `{kind.name}`) fuses "
                             f"{', '.join(f'`{f}`' for f in n.fused)}, but its kind does not run "
                             "its model row by row: its rows cannot be stacked with theirs")
-        if n.hoisted and (kind.category not in HOISTABLE_CATEGORIES or kind.trains
-                          or (spec is not None and spec.trainable)):
-            problems.append(f"node `{n.name}` (kind `{kind.name}`) is in the prologue, but it "
-                            "is not the same at every step (it samples, trains, reads a "
-                            "trained model or batch statistics): move it to a step stage")
     if plan.asynchronous is not None:
         rollouts = {n.name for n in plan.nodes if kinds[n.name].category == "rollout"}
-        want = producer_side(plan.graph, plan.stages, kinds)
-        if plan.asynchronous.producer != want:
+        want_side = producer_side(plan.graph, plan.stages, kinds)
+        if plan.asynchronous.producer != want_side:
             problems.append(f"the asynchronous producer is {list(plan.asynchronous.producer)}; "
                             f"the data, rollouts and the nodes that read only them are "
-                            f"{list(want)}")
-        if not rollouts & set(want):
+                            f"{list(want_side)}")
+        if not rollouts & set(want_side):
             problems.append("the plan is asynchronous, but no rollout reads only the data")
     _require(problems, "execution plan")
+
+
+def _category_problems(plan: ExecutionPlan) -> list[str]:
+    """What a node's category allows: a filter node, and only one, drives the resample
+    loop; a prologue node is the same at every step."""
+    problems = []
+    for n in plan.nodes:
+        spec = plan.graph.model(n.model) if n.model else None
+        if (n.category == "filter") != (plan.resample is not None
+                                         and plan.resample.filter == n.name):
+            problems.append(f"node `{n.name}` (kind `{n.kind}`, category `{n.category}`) and "
+                            f"the plan's resample loop "
+                            f"({plan.resample.filter if plan.resample else 'none'}) disagree: "
+                            "a filter node, and only one, drives the loop")
+        if n.hoisted and (n.category not in HOISTABLE_CATEGORIES or n.trains
+                          or (spec is not None and spec.trainable)):
+            problems.append(f"node `{n.name}` (kind `{n.kind}`) is in the prologue, but it "
+                            "is not the same at every step (it samples, trains, reads a "
+                            "trained model or batch statistics): move it to a step stage")
+    return problems
 
 
 def _graph_problems(plan: ExecutionPlan) -> list[str]:
@@ -882,12 +956,12 @@ def _summary_lines(plan: ExecutionPlan) -> list[str]:
                      f"kept {loop.groups} groups ({loop.rows} rows); at most "
                      f"{loop.max_tries} tries a step")
     if plan.asynchronous is not None:
-        t = plan.graph.trainer
+        cut = plan.asynchronous
         consumer = [n for s in plan.stages if not s.once for n in s.nodes
-                    if n not in plan.asynchronous.producer]
-        lines.append(f"  async      producer {', '.join(plan.asynchronous.producer)} runs up "
-                     f"to {t.max_staleness} step(s) ahead of consumer {', '.join(consumer)} "
-                     f"(admission {t.admission}, old log-probs: {t.old_log_prob})")
+                    if n not in cut.producer]
+        lines.append(f"  async      producer {', '.join(cut.producer)} runs up "
+                     f"to {cut.staleness} step(s) ahead of consumer {', '.join(consumer)} "
+                     f"(admission {cut.admission}, old log-probs: {cut.old_log_prob})")
     lines += ["", "edges: " + _edge_counts(plan)]
     if plan.dropped:
         lines.append(f"dropped (dead): {', '.join(plan.dropped)}")

@@ -73,6 +73,9 @@ class ParamSpec:
     """Set when the value names a function (a mapping param: each of its values does):
     one of these built-in names, or `file.py:function` / `module:function` of a plugin
     the graph lists. A kind with such params needs one of them set."""
+    evaluation: bool = False
+    """Read by the compiler to make the node's params at evaluation (`NodePlan.eval_params`:
+    a rollout's `val_n`, `val_temperature`); never passed to the implementation."""
 
     def __post_init__(self) -> None:
         bad = [t for t in self.types if t not in PARAM_TYPES]
@@ -104,6 +107,9 @@ class KindSpec:
     """Needs whole sample groups (GRPO, RLOO): its batch is split only group-aligned."""
     impl: str = ""
     """`module:function`, imported lazily by executors only."""
+    eval_impl: str | None = None
+    """`module:function` giving an update's metrics on held-out data without a step
+    (`ppo_actor_update`: its log-ratio to the reference); None: it has none."""
     required_when: tuple[tuple[str, str, str], ...] = ()
     """(optional input, param, value): the input is required when the param has the value
     (`reward` needs `ground_truth` when `fn` is `exact_match`)."""
@@ -171,6 +177,28 @@ class KindSpec:
     def param_values(self, given: Mapping[str, object]) -> dict[str, object]:
         """Every param's value: `given` where set, else the kind's default."""
         return {**{p.name: p.default for p in self.params}, **given}
+
+    def call_values(self, given: Mapping[str, object]) -> dict[str, object]:
+        """The params the implementation is called with: every param's value but the
+        evaluation-only ones (`ParamSpec.evaluation`)."""
+        skip = {p.name for p in self.params if p.evaluation}
+        return {k: v for k, v in self.param_values(given).items() if k not in skip}
+
+    def eval_values(self, given: Mapping[str, object]) -> dict[str, object]:
+        """The params at evaluation on held-out data: a rollout answers each prompt once,
+        greedily, or `val_n` times at `val_temperature` > 0 (verl's val_kwargs)."""
+        values = self.call_values(given)
+        every = self.param_values(given)
+        n, temperature = every.get("val_n", 1), every.get("val_temperature", 0.0)
+        if self.category != "rollout":
+            return values
+        val_n = n if isinstance(n, int) else 1
+        t = float(temperature) if isinstance(temperature, (int, float)) else 0.0
+        sampled = {"do_sample": True, "n": val_n, "temperature": t}
+        greedy = {"do_sample": False, "n": 1}  # n greedy answers would be n copies
+        values.update({k: v for k, v in (sampled if t > 0 else greedy).items()
+                       if self.param(k) is not None})
+        return values
 
     def needs(self, port: PortSpec, params: Mapping[str, object]) -> str | None:
         """Why `port` must be wired with these params (defaults filled in), or None."""

@@ -314,8 +314,6 @@ def generate(
     top_k: int = 0,
     max_new_tokens: int | None = None,
     do_sample: bool = True,
-    val_n: int = 1,
-    val_temperature: float = 0.0,
     gpu_memory_utilization: float | None = None,
 ) -> dict[str, Tensor | list[Any]]:
     """The `generate` kind: n responses per prompt; samples of a prompt are consecutive.
@@ -325,9 +323,9 @@ def generate(
     rank's rows start at `ctx.row_offset`: an executor splits a batch into contiguous
     parts); ground_truth, data_source, extra_info (r,) lists when given. vLLM reserves a
     KV cache for the r sequences of P+T tokens, or, with `gpu_memory_utilization`, that
-    share of the accelerator's memory (on CPU: of NUMA node 0's RAM). `val_n` and
-    `val_temperature` are the executor's: at evaluation it calls with n and the sampling
-    they set, so they are not read here.
+    share of the accelerator's memory (on CPU: of NUMA node 0's RAM). The kind's `val_n`
+    and `val_temperature` are the compiler's: at evaluation the node is called with the
+    n and sampling they set (`NodePlan.eval_params`).
     """
     n = n or ctx.dims.get("N")
     T = max_new_tokens or ctx.dims.get("T")

@@ -26,9 +26,11 @@ from flowgraph.plan import (
     InputPlan,
     NodePlan,
     OutputPlan,
+    ParamPlan,
     PoolMemory,
     PoolPlan,
     ResamplePlan,
+    SpecPlan,
     StagePlan,
     gib,
     producer_process,
@@ -197,8 +199,10 @@ class Program:
         if not self.asynchronous:
             return plan
         kinds = {n.name: self.kind(n.name) for n in self.graph.nodes}
+        t = self.graph.trainer
         return replace(plan, asynchronous=AsyncPlan(
-            producer_side(self.graph, plan.stages, kinds), producer_process(self.target)))
+            producer_side(self.graph, plan.stages, kinds), t.max_staleness, t.admission,
+            t.old_log_prob, producer_process(self.target)))
 
     def _resample(self) -> ResamplePlan | None:
         """The refill loop of the graph's filter node (the checker allows one, and only
@@ -219,21 +223,29 @@ class Program:
         return ResamplePlan(name, repeat, groups, size, tries)
 
     def _node_plan(self, name: str, stage: str, labels: dict[str, str]) -> NodePlan:
+        """What the executors need of node `name`: its placement and every fact of its
+        kind they act on (they never read the registry)."""
         assert self.placement is not None
         kind = self.kind(name)
         place = self.placement.of(name)
         node = self.graph.node(name)
         inputs = tuple(InputPlan(port, str(ref), labels.get(str(ref), ""),
-                                 self._contract(name, kind.input(port)))
+                                 self._contract(name, spec := kind.input(port)),
+                                 SpecPlan.of(spec.spec) if spec is not None else None)
                        for port, ref in (node.inputs if node else ()))
-        outputs = tuple(OutputPlan(p.name, self._contract(name, p), self._batched(name, p.name))
+        outputs = tuple(OutputPlan(p.name, self._contract(name, p), self._batched(name, p.name),
+                                   SpecPlan.of(p.spec), p.optional)
                         for p in kind.outputs)
         model = self.model_of(name)
         hosted = {m.name for p in self.placement.pools for m in p.models}
         loads = model in hosted and kind.model != "none" and kind.head != "tokenizer"
+        given = node.params.to_python() if node is not None else {}
         return NodePlan(name, kind.name, kind.impl, model, place.pool, place.data_parallel,
                         stage, bool(node and node.hoisted), inputs, outputs, loads,
-                        kind.trains)
+                        kind.trains, category=kind.category, head=kind.head,
+                        params=ParamPlan.of(kind.call_values(given)) if node else (),
+                        eval_params=ParamPlan.of(kind.eval_values(given)) if node else (),
+                        eval_impl=kind.eval_impl)
 
     def _batched(self, name: str, port: str) -> bool:
         """The output has a batch axis (see `has_batch_axis`); unchecked: taken for one."""

@@ -20,7 +20,7 @@ flag true on every data-parallel worker, a sum of metrics over them),
 `ctx.optimizer_step()` (gradients summed over the workers, their global norm, clipping,
 the step) and `ctx.rollout_engine(backend)` (the vLLM engine). The executors' worker
 layer implements them (`flowgraph.compilers._dist.DataParallel`,
-`flowgraph.compilers.build.rollout_engine`); `Workers` below is the one-process case.
+`flowgraph.compilers.worker.rollout_engine`); `Workers` below is the one-process case.
 
 `Impl` loads an implementation from its registry path and `named_outputs` reads what it
 returned; the executors and `flowgraph.testing.assert_honours_contract` call both.
@@ -31,7 +31,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -103,7 +103,7 @@ class NodeContext:
             raise FlowgraphError(
                 f"node `{self.node}`: backend `{backend}` needs a rollout engine, which the "
                 "executor provides (calling the node yourself: pass NodeContext(engines="
-                "flowgraph.compilers.build.rollout_engine))")
+                "flowgraph.compilers.worker.rollout_engine))")
         return self.engines(backend)
 
 
@@ -157,12 +157,17 @@ class Impl:
 
     @staticmethod
     def load(kind: KindSpec) -> Impl:
+        return Impl.at(kind.impl, f"kind `{kind.name}`")
+
+    @staticmethod
+    def at(path: str, owner: str) -> Impl:
+        """The implementation at registry path `path` (`module:function`); `owner` names
+        whose it is in the error ("kind `gae`", "node `adv`")."""
         try:
-            fn = Impl.load_function(kind.impl)
+            fn = Impl.load_function(path)
         except FlowgraphError as exc:
-            raise FlowgraphError(f"kind `{kind.name}`: {exc}") from exc
-        params = inspect.signature(fn).parameters
-        return Impl(fn, frozenset(params))
+            raise FlowgraphError(f"{owner}: {exc}") from exc
+        return Impl(fn, frozenset(inspect.signature(fn).parameters))
 
     @staticmethod
     def load_function(path: str) -> Callable[..., Any]:
@@ -178,20 +183,26 @@ class Impl:
 
     def verify(self, node: NodeSpec, kind: KindSpec) -> None:
         """Every declared input and param must be accepted, before any step runs."""
-        names = [p.name for p in kind.inputs] + [p.name for p in kind.params]
+        self.verify_names(node.name, kind.name, kind.impl,
+                          [p.name for p in kind.inputs]
+                          + [p.name for p in kind.params if not p.evaluation])
+
+    def verify_names(self, node: str, kind: str, path: str, names: Iterable[str]) -> None:
+        """Every name the node is called with must be accepted, before any step runs."""
         missing = [n for n in names if n not in self.accepts]
         if missing:
             raise FlowgraphError(
-                f"node `{node.name}` (kind {kind.name}): implementation `{kind.impl}` does not "
+                f"node `{node}` (kind {kind}): implementation `{path}` does not "
                 f"accept {', '.join(f'`{m}`' for m in missing)} that the kind declares")
 
 
-def named_outputs(kind: KindSpec, result: Any) -> dict[str, Any]:
-    """An implementation's return value as output-port name -> value."""
+def named_outputs(outputs: Sequence[str], result: Any) -> dict[str, Any]:
+    """An implementation's return value as output-port name -> value; `outputs`: the
+    kind's output names, in order."""
     if isinstance(result, dict):
         return result
     if isinstance(result, tuple):
-        return dict(zip([p.name for p in kind.outputs], result, strict=False))
-    if len(kind.outputs) == 1:
-        return {kind.outputs[0].name: result}
+        return dict(zip(outputs, result, strict=False))
+    if len(outputs) == 1:
+        return {outputs[0]: result}
     raise TypeError(f"returned {type(result).__name__}; expected a dict of outputs or a tuple")

@@ -80,7 +80,7 @@ class RuntimeContracts:
         if dtype not in spec.dtypes:
             return f"dtype is {dtype}, expected {spec.dtype}"
         problem = self._shape_problem(want, spec, tuple(int(s) for s in shape))
-        return problem or _constraint_problem(spec.constraints, value)
+        return problem or constraint_problem(spec.constraints, value)
 
     def _list_problem(self, want: Dims, spec: TensorSpec, value: Any) -> str | None:
         what = "strings" if spec.dtype == "str" else "values, one per row"
@@ -128,7 +128,7 @@ class RuntimeContracts:
         return text
 
 
-def _constraint_problem(constraints: tuple[str, ...], value: Any) -> str | None:
+def constraint_problem(constraints: tuple[str, ...], value: Any) -> str | None:
     if not constraints or value.numel() == 0:
         return None
     import torch

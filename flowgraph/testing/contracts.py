@@ -183,7 +183,7 @@ def _actual_shape(spec: TensorSpec, value: Any) -> tuple[int, ...] | str:
 def _output_problem(spec: TensorSpec, value: Any, want: tuple[int, ...]) -> str | None:
     import torch
 
-    from flowgraph.runtime.strict import _constraint_problem
+    from flowgraph.runtime.strict import constraint_problem
 
     actual = _actual_shape(spec, value)
     if isinstance(actual, str):
@@ -196,7 +196,7 @@ def _output_problem(spec: TensorSpec, value: Any, want: tuple[int, ...]) -> str 
         return f"shape is {actual}, expected {want}"
     if isinstance(value, list):  # per-row values (`str`, `object`): no value constraints
         return None
-    problem = _constraint_problem(spec.constraints, value)
+    problem = constraint_problem(spec.constraints, value)
     if problem is None and value.is_floating_point() and value.numel() \
             and not bool(torch.isfinite(value).all()):
         problem = "values are not finite (the executor stops a run on a NaN/inf float output)"
@@ -262,7 +262,7 @@ def assert_honours_contract(
     unknown = set(params or {}) - {p.name for p in spec.params}
     if unknown:
         raise ValueError(f"kind `{spec.name}` has no param(s) {sorted(unknown)}")
-    call_params = spec.param_values(params or {})
+    call_params = spec.call_values(params or {})
     vocab = _vocab(model)
     grouped = spec.input("index") is not None
     given_ctx = ctx
@@ -314,7 +314,7 @@ def assert_honours_contract(
                  f"sizes {out_sizes}, inputs {sorted(inputs)}")
         try:
             result = impl.fn(**kwargs)
-            outputs = named_outputs(spec, result)
+            outputs = named_outputs([p.name for p in spec.outputs], result)
         except Exception as exc:  # a crash on well-formed inputs breaks the contract too
             raise AssertionError(f"{where}: raised {type(exc).__name__}: {exc}") from exc
         _check_outputs(spec, outputs, node_ctx, out_sizes, where)

@@ -142,16 +142,14 @@ def test_the_default_dapo_run_learns(tmp_path: Path) -> None:
     assert last > first + 0.1, (first, last)
 
 
-def test_a_plan_without_its_loop_is_refused_when_the_kinds_load(tmp_path: Path) -> None:
-    from flowgraph.compilers.build import plan_kinds
+def test_a_plan_without_its_loop_is_refused(tmp_path: Path) -> None:
     from flowgraph.errors import PlanError
 
     data = json.loads(_plan(tmp_path / "p").to_json())
     data["resample"] = None
-    plan = ExecutionPlan.from_json(json.dumps(data))
     with pytest.raises(PlanError, match="node `keep` \\(kind `filter`, category `filter`\\) "
                                         "and the plan's resample loop \\(none\\) disagree"):
-        plan_kinds(plan)
+        ExecutionPlan.from_json(json.dumps(data))
 
 
 def test_held_out_evaluation_runs_through_the_filter(tmp_path: Path) -> None:

@@ -77,10 +77,20 @@ def test_json_layout() -> None:
                    {"name": "ref", "trainable": False, "sharding": "none", "head": "lm",
                     "base_of": None}],
         "bundles": [{"cpu": 1, "gpu": 0}]}]
-    assert data["nodes"][1]["inputs"][2] == {"port": "responses", "src": "pairs.chosen",
-                                             "shape": "(Bp, T) = (8, 8)", "dims": "Bp T"}
-    assert data["nodes"][1]["outputs"] == [{"port": "log_prob", "dims": "Bp"}]
-    assert (data["nodes"][1]["loads_model"], data["nodes"][1]["trains"]) == (True, False)
+    assert data["nodes"][1]["inputs"][2] == {
+        "port": "responses", "src": "pairs.chosen", "shape": "(Bp, T) = (8, 8)", "dims": "Bp T",
+        "spec": {"dims": "b T", "dtype": "int", "constraints": []}}
+    assert data["nodes"][1]["outputs"] == [{
+        "port": "log_prob", "dims": "Bp", "batched": True, "optional": False,
+        "spec": {"dims": "b", "dtype": "float", "constraints": ["nonpositive", "finite"]}}]
+    node = data["nodes"][1]  # the kind's facts and its params, resolved: what runs
+    assert (node["loads_model"], node["trains"], node["category"], node["head"]) == (
+        True, False, "model", "lm")
+    assert {p["name"]: json.loads(p["value"]) for p in node["params"]} == {
+        "chunk_size": 1024, "max_token_len": None, "packing": False, "temperature": 1.0}
+    assert node["eval_params"] == node["params"] and node["eval_impl"] is None
+    update = next(n for n in data["nodes"] if n["name"] == "update")
+    assert update["eval_impl"] == "flowgraph.nodes.update:dpo_update_eval"
     assert data["dims"] == [{"name": "Bp", "value": 8}, {"name": "P", "value": 16},
                             {"name": "T", "value": 8}]
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 import flowgraph.nodes.generate as generate_module
-from flowgraph.compilers.build import rollout_engine
+from flowgraph.compilers.worker import rollout_engine
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.data import prompt_source
 from flowgraph.nodes.generate import (

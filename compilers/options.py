@@ -1,0 +1,54 @@
+"""How a plan is run (`RunOptions`), and what a finished run gives back (`Run`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """How to run a plan; what the plan itself fixes (target, pools, run dir) is not here."""
+
+    strict: bool = False
+    """Check every tensor on every edge at every step (else the first step only)."""
+    resume: bool = False
+    """Continue the run in the plan's `trainer.run_dir` from its last checkpoint."""
+    out: TextIO | None = None
+    """Where the per-step lines go (stdout when None)."""
+    tensorboard: bool = True
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on this port (0: a free one; None: `trainer.metrics_port`)."""
+    metrics_host: str = "127.0.0.1"
+    metrics_hold: float = 0.0
+    """Seconds to keep serving after the run, for a last scrape."""
+    address: str | None = None
+    """ray: the cluster to join; None starts one on this machine."""
+    shutdown: bool = True
+    """ray: stop the cluster this run started when it ends."""
+    nnodes: int = 1
+    """fsdp: machines; the plan's processes are split evenly over them."""
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    overrides: tuple[str, ...] = field(default=())
+    """The command line's overrides, repeated in the resume command an fsdp failure prints."""
+    plan_file: Path | None = None
+    """The plan file the run was started from (`flowgraph run plan.json`): the resume
+    command names it instead of the graph and its overrides."""
+
+
+@dataclass(frozen=True)
+class Run:
+    """A finished run: its folder and every row of its `metrics.jsonl`."""
+
+    run_dir: Path
+    rows: list[dict[str, Any]]
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
