@@ -34,7 +34,6 @@ constructor), the step metrics and evaluation (`metrics.py`).
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import json
 import os
@@ -50,7 +49,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
-from flowgraph.compilers import RunOptions
+from flowgraph.compilers import RunOptions, update_loop
 from flowgraph.compilers.build import (
     Resources,
     adapters_off,
@@ -239,8 +238,8 @@ class LocalExecutor:
     # -- running ------------------------------------------------------------------------
 
     def ctx(self, name: str, step: int, **dp: Any) -> NodeContext:
-        """The node's context; `dp` sets the data-parallel fields (dp_rank, dp_size,
-        row_offset, workers) where a distributed executor splits the batch."""
+        """The node's context; `dp` sets the data-parallel fields (row_offset, workers)
+        where a distributed executor splits the batch."""
         node = self.nodes[name]
         spec = self.graph.model(node.model) if node.model else None
         optimizer = self.res.optimizers.get(node.model or "")
@@ -260,13 +259,15 @@ class LocalExecutor:
              params: dict[str, Any], metrics: dict[str, float], **dp: Any
              ) -> tuple[dict[str, Any], float]:
         """Call one node's implementation; (outputs, seconds spent inside it). This is
-        the dispatch point distributed executors override (see `ctx` for `dp`)."""
+        the dispatch point distributed executors override (see `ctx` for `dp`; an update's
+        dp_rank / dp_size are its share in the update loop)."""
         node, kind, impl = self.nodes[name], self.kinds[name], self.impls[name]
         kw: dict[str, Any] = {port: env[(ref.node, ref.port)] for port, ref in node.inputs}
         kw.update({k: v for k, v in params.items() if k in impl.accepts})
         for p in kind.outputs:
             if p.optional and (name, p.name) in self.consumed and f"with_{p.name}" in impl.accepts:
                 kw[f"with_{p.name}"] = True
+        rank, size = dp.pop("dp_rank", 0), dp.pop("dp_size", 1)
         ctx = self.ctx(name, step, **dp)
         for arg in RESOURCE_ARGS:
             if arg in impl.accepts:
@@ -281,6 +282,9 @@ class LocalExecutor:
                     and ctx.model is not None else nullcontext())
             with torch.set_grad_enabled(kind.trains), base:
                 result = impl.fn(**kw)
+                if kind.trains:  # an Update: the update loop trains on it
+                    update_loop.train(ctx, result, params, rank=rank, size=size)
+                    result = {}
         except (NonFiniteError, NodeError):
             raise
         except Exception as exc:
@@ -671,7 +675,8 @@ class LocalExecutor:
         return out
 
     def _eval_nodes(self, env: dict[tuple[str, str], Any], step: int) -> dict[str, float]:
-        """Every node on one held-out batch, the updates' `_eval` taking their place."""
+        """Every node on one held-out batch, the updates in the update loop's evaluation
+        mode."""
         scratch: dict[str, float] = {}
         for name in self.prologue + self.order:
             if not self.kinds[name].trains:
@@ -682,16 +687,12 @@ class LocalExecutor:
 
     def _update_eval(self, name: str, env: dict[tuple[str, str], Any], step: int,
                      metrics: dict[str, float]) -> None:
-        """An update kind may offer `<impl>_eval`: its metrics on held-out data, no step."""
-        kind = self.kinds[name]
-        module, _, attr = kind.impl.partition(":")
-        fn = getattr(importlib.import_module(module), f"{attr}_eval", None)
-        if fn is None:
-            return
-        node = self.nodes[name]
-        kw = {port: env[(ref.node, ref.port)] for port, ref in node.inputs}
+        """An update's held-out metrics (its loss's `held_out`), no step."""
+        impl = self.impls[name]
+        kw = {port: env[(ref.node, ref.port)] for port, ref in self.nodes[name].inputs}
+        kw.update({k: v for k, v in self.params_of(name).items() if k in impl.accepts})
         ctx = self.ctx(name, step)
-        fn(ctx, **kw, **self.params_of(name))
+        update_loop.evaluate(ctx, impl.fn(**kw))
         metrics.update(ctx.metrics)
 
     # -- the loop -------------------------------------------------------------------------
