@@ -55,6 +55,7 @@ from flowgraph.runtime.update import Batch, MiniBatching, Update
 
 __all__ = ["evaluate", "train"]
 
+
 def train(ctx: NodeContext, update: Update, params: Mapping[str, Any], *, rank: int = 0,
           size: int = 1) -> None:
     """Train `ctx.model` on `update` as the node's mini-batch `params` say, this worker
