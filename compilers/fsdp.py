@@ -13,9 +13,10 @@ its ranks. Every rank runs the training loop (`flowgraph.compilers.loop`) with a
   same batch everywhere; model-free nodes — rewards, advantages — run on the whole
   batch on every rank, as the plan's pool says). A data-parallel node takes its slice
   (`_dist.Slices`, group-aligned where the plan says so), runs, and its outputs are
-  all-gathered back to the whole batch. Update nodes get the whole batch and take
-  their share of each mini-batch themselves (`flowgraph.nodes.update`), so each
-  optimizer step sees the mini-batch a one-process run sees.
+  all-gathered back to the whole batch. Update nodes get the whole batch and the
+  update loop takes this rank's share of each mini-batch
+  (`flowgraph.compilers.update_loop`), so each optimizer step sees the mini-batch a
+  one-process run sees.
 * checkpoints: `torch.distributed.checkpoint` (a different N can resume them; so can
   the local target, whose own checkpoints resume here too), rank 0 publishes the
   folder atomically.

@@ -16,8 +16,8 @@ with a `RayTarget`:
   data-parallel nodes get one slice per worker (`_dist.Slices`, group-aligned where
   the plan says), broadcast inputs go once into the object store, and the slices
   come back and are concatenated; update nodes get the whole batch on every worker and
-  take their share of each mini-batch (`flowgraph.nodes.update`). Tensors move through
-  Ray's object store.
+  the update loop takes the worker's share of each mini-batch
+  (`flowgraph.compilers.update_loop`). Tensors move through Ray's object store.
 * checkpoints: every worker writes its shards with DCP into the same folder as the
   fsdp target (`step_N/dcp/<model>`); the driver publishes it atomically, with the
   data cursors and node state. A checkpoint of the local target resumes here too.

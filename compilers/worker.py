@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 
+from flowgraph.compilers import update_loop
 from flowgraph.compilers.build import (
     adapters_off,
     import_plugins,
@@ -39,6 +40,7 @@ from flowgraph.compilers.build import (
 from flowgraph.errors import DEBUG_ENV, FlowgraphError, NodeError, NonFiniteError, at_step
 from flowgraph.plan import ExecutionPlan, ModelPlacement
 from flowgraph.runtime.context import RESOURCE_ARGS, Impl, NodeContext, named_outputs
+from flowgraph.runtime.update import LOOP_PARAMS
 
 if TYPE_CHECKING:
     from flowgraph.runtime.prometheus import Exporter
@@ -81,8 +83,6 @@ class Worker:
         """Each node's plan: its implementation, params and kind facts."""
         self.consumed = {(ref.node, ref.port) for ref, _, _ in plan.graph.edges()}
         self.impls: dict[str, Impl] = {}
-        self.eval_impls: dict[str, Impl] = {}
-        """An update's metrics on held-out data, no step (`<impl>_eval`), where it has one."""
         self.models: dict[str, Any] = {}
         self.tokenizers: dict[str, Any] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
@@ -103,9 +103,8 @@ class Worker:
             n = self.placed[name]
             self.impls[name] = Impl.at(n.impl, f"node `{name}`")
             self.impls[name].verify_names(name, n.kind, n.impl, [
-                *(i.port for i in n.inputs), *(p.name for p in n.params)])
-            if n.eval_impl is not None:
-                self.eval_impls[name] = Impl.at(n.eval_impl, f"node `{name}`")
+                *(i.port for i in n.inputs),
+                *(p.name for p in n.params if not (n.trains and p.name in LOOP_PARAMS))])
         self.tokenizers = load_tokenizers(self.graph)
 
     def load_models(self) -> None:
@@ -132,8 +131,8 @@ class Worker:
         return {n: m for n, m in self.models.items() if n in self.optimizers}
 
     def context(self, name: str, step: int, **dp: Any) -> NodeContext:
-        """The node's context; `dp` sets the data-parallel fields (dp_rank, dp_size,
-        row_offset, workers) where a target splits the batch."""
+        """The node's context; `dp` sets the data-parallel fields (row_offset, workers)
+        where a target splits the batch."""
         node, trains = self.nodes[name], self.placed[name].trains
         model = node.model or ""
         spec = self.graph.model(model) if node.model else None
@@ -161,13 +160,16 @@ class Worker:
     def call(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
              metrics: dict[str, float], **dp: Any) -> tuple[dict[str, Any], float]:
         """Call one node's implementation on `inputs` (port -> value); (outputs, seconds
-        spent inside it). `dp`: see `context`."""
+        spent inside it). `dp`: see `context`; an update's `dp_rank` / `dp_size` are this
+        worker's share of every mini-batch in the update loop, which trains the
+        `Update` the implementation returns."""
         placed, impl = self.placed[name], self.impls[name]
         kw: dict[str, Any] = dict(inputs)
         kw.update({k: v for k, v in params.items() if k in impl.accepts})
         for o in placed.outputs:
             if o.optional and (name, o.port) in self.consumed and f"with_{o.port}" in impl.accepts:
                 kw[f"with_{o.port}"] = True
+        rank, size = dp.pop("dp_rank", 0), dp.pop("dp_size", 1)
         ctx = self.context(name, step, **dp)
         for arg in RESOURCE_ARGS:
             if arg in impl.accepts:
@@ -179,19 +181,22 @@ class Worker:
         # through twice.
         with torch.set_grad_enabled(placed.trains), self._base(name, ctx):
             result = self._guarded(name, step, partial(impl.fn, **kw))
+            if placed.trains:
+                self._guarded(name, step, partial(update_loop.train, ctx, result, params,
+                                                  rank=rank, size=size))
+                result = {}
         metrics.update(ctx.metrics)
         return named_outputs([o.port for o in placed.outputs], result), time.perf_counter() - t0
 
     def evaluate_update(self, name: str, inputs: dict[str, Any], step: int,
                         params: dict[str, Any], metrics: dict[str, float]) -> None:
-        """An update's metrics on held-out `inputs`, without a step (none when its kind
-        offers no evaluation)."""
-        impl = self.eval_impls.get(name)
-        if impl is None:
-            return
+        """An update's metrics on held-out `inputs` (its loss's `held_out`), no step."""
+        impl = self.impls[name]
         ctx = self.context(name, step)
+        kw = {**inputs, **{k: v for k, v in params.items() if k in impl.accepts}}
         with torch.no_grad(), self._base(name, ctx):
-            self._guarded(name, step, partial(impl.fn, ctx, **inputs, **params))
+            update = self._guarded(name, step, partial(impl.fn, **kw))
+            self._guarded(name, step, partial(update_loop.evaluate, ctx, update))
         metrics.update(ctx.metrics)
 
     def _base(self, name: str, ctx: NodeContext) -> Any:

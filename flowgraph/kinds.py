@@ -79,8 +79,10 @@ MINI_BATCH = (
     _i("micro_batch_size", None, "sequences per forward/backward on one rank (gradient "
        "accumulation); null: the rank's share of the mini-batch"),
     *BATCHING,
-    _s("loss_agg_mode", "token-mean", LOSS_AGG_MODES),
 )
+"""The update loop's params, which every update kind declares (`flowgraph.runtime.update.
+MiniBatching`; the loop reads them, the kind's implementation only `packing`)."""
+LOSS_AGG_MODE = _s("loss_agg_mode", "token-mean", LOSS_AGG_MODES)
 DATA_PARAMS = (
     _b("apply_chat_template", True, "false: string prompts are raw text (a base model)"),
     _s("truncation", "error", ("error", "left", "right"),
@@ -470,11 +472,11 @@ _KINDS = (
             _f("temperature", 1.0, "the rollout's sampling temperature: log-probs are "
                "recomputed at it, as old_logprob computes them", minimum=0.0),
             *MINI_BATCH,
+            LOSS_AGG_MODE,
         ),
         model="required",
         trains=True,
         impl="flowgraph.nodes.update:ppo_actor_update",
-        eval_impl="flowgraph.nodes.update:ppo_actor_update_eval",
         on_policy_input="old_log_prob",
         required_when=(("rollout_log_prob", "rollout_is", "token"),
                        ("rollout_log_prob", "rollout_is", "sequence")),
@@ -486,7 +488,7 @@ _KINDS = (
             _p("values", "b T", "float", "finite"),
             _p("returns", "b T", "float", "finite"),
         ),
-        params=(_f("cliprange_value", 0.5, minimum=0.0), *MINI_BATCH),
+        params=(_f("cliprange_value", 0.5, minimum=0.0), *MINI_BATCH, LOSS_AGG_MODE),
         model="required",
         head="scalar",
         trains=True,
@@ -500,11 +502,10 @@ _KINDS = (
                 _p("loss_mask", "b T", "mask", "binary", optional=True,
                    doc="the response tokens trained on, among response_mask's (default: "
                        "all of them)")),
-        params=MINI_BATCH,
+        params=(*MINI_BATCH, LOSS_AGG_MODE),
         model="required",
         trains=True,
         impl="flowgraph.nodes.update:sft_update",
-        eval_impl="flowgraph.nodes.update:sft_update_eval",
     ),
     KindSpec(
         "dpo_update", "update", "DPO update of the policy on preference pairs.",
@@ -528,7 +529,6 @@ _KINDS = (
         sequences_per_row=2,
         trains=True,
         impl="flowgraph.nodes.update:dpo_update",
-        eval_impl="flowgraph.nodes.update:dpo_update_eval",
     ),
 )
 

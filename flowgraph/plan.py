@@ -194,10 +194,9 @@ class NodePlan:
     """Every param of the kind, resolved; what the implementation is called with."""
     eval_params: tuple[ParamPlan, ...] = ()
     """The params at evaluation on held-out data (a rollout: `val_n` responses, greedy
-    unless `val_temperature` > 0); the kind's evaluation-only params are in neither."""
-    eval_impl: str | None = None
-    """`module:function` giving an update's metrics on held-out data without a step;
-    None: the node has none."""
+    unless `val_temperature` > 0; an update: the same implementation, whose `Update` the
+    update loop evaluates without a step); the kind's evaluation-only params are in
+    neither."""
 
     def __post_init__(self) -> None:
         _require(["name is not an identifier"] if _bad_name(self.name) else [],
@@ -755,10 +754,10 @@ def verify_kinds(plan: ExecutionPlan, kinds: Mapping[str, KindSpec]) -> None:
         kind = kinds[n.name]
         spec = plan.graph.model(n.model) if n.model else None
         loads = kind.model != "none" and kind.head != "tokenizer" and spec is not None
-        said = (n.impl, n.eval_impl, n.trains, n.loads_model, n.category, n.head)
-        want = (kind.impl, kind.eval_impl, kind.trains, loads, kind.category, kind.head)
+        said = (n.impl, n.trains, n.loads_model, n.category, n.head)
+        want = (kind.impl, kind.trains, loads, kind.category, kind.head)
         if said != want:
-            problems.append(f"node `{n.name}`: (impl, eval_impl, trains, loads_model, category, "
+            problems.append(f"node `{n.name}`: (impl, trains, loads_model, category, "
                             f"head) {said}, but kind `{kind.name}` says {want}")
         if n.fused and not kind.row_wise_forward:
             problems.append(f"node `{n.name}` (kind `{kind.name}`) fuses "

@@ -24,6 +24,7 @@ from flowgraph.contracts import TensorSpec, spec_from_annotation
 from flowgraph.errors import PluginError, RegistryError
 from flowgraph.ir import NAME_RE, ParamValue
 from flowgraph.runtime.context import RESOURCE_ARGS
+from flowgraph.runtime.update import LOOP_PARAMS
 
 PARAM_TYPES = ("float", "int", "bool", "str", "list", "mapping", "any", "null")
 HOISTABLE_CATEGORIES = ("model", "reward", "transform")
@@ -102,14 +103,12 @@ class KindSpec:
     sequences_per_row: int = 1
     """Sequences the model runs per batch row (DPO: the chosen and the rejected one)."""
     trains: bool = False
-    """An update node: its model must be trainable, and it is a sink."""
+    """An update node: its model must be trainable, and it is a sink; its implementation
+    returns a `flowgraph.runtime.update.Update` that the executor's update loop trains on."""
     grouped: bool = False
     """Needs whole sample groups (GRPO, RLOO): its batch is split only group-aligned."""
     impl: str = ""
     """`module:function`, imported lazily by executors only."""
-    eval_impl: str | None = None
-    """`module:function` giving an update's metrics on held-out data without a step
-    (`ppo_actor_update`: its log-ratio to the reference); None: it has none."""
     required_when: tuple[tuple[str, str, str], ...] = ()
     """(optional input, param, value): the input is required when the param has the value
     (`reward` needs `ground_truth` when `fn` is `exact_match`)."""
@@ -143,6 +142,11 @@ class KindSpec:
             names = [p.name for p in group]
             if len(names) != len(set(names)):
                 raise RegistryError(f"kind `{self.name}` declares a name twice: {names}")
+        missing = [n for n in LOOP_PARAMS if self.trains and self.param(n) is None]
+        if missing:
+            raise RegistryError(f"kind `{self.name}` trains but does not declare the update "
+                                f"loop's params {missing}: add flowgraph.kinds.MINI_BATCH to "
+                                "its params")
 
     @property
     def sink(self) -> bool:

@@ -111,9 +111,12 @@ def violations() -> list[str]:
 
 
 DISTRIBUTED = ("torch.distributed", "DTensor", "full_tensor", "to_local", "all_reduce",
-               "all_gather", "reduce_scatter", "broadcast_object", "barrier", "vllm")
+               "all_gather", "reduce_scatter", "broadcast_object", "barrier", "vllm",
+               "dp_rank", "dp_size")
 """What only the worker layer (`compilers/`) may touch: nodes ask `NodeContext` for
-the services instead (`ctx.workers`, `ctx.optimizer_step`, `ctx.rollout_engine`)."""
+the services instead (`ctx.workers`, `ctx.optimizer_step`, `ctx.rollout_engine`), and
+an update kind's share of a data-parallel batch is the update loop's
+(`flowgraph.compilers.update_loop`)."""
 
 
 def node_collectives() -> list[str]:
@@ -128,6 +131,7 @@ def node_collectives() -> list[str]:
                      if isinstance(node, ast.ImportFrom)
                      else [node.attr] if isinstance(node, ast.Attribute)
                      else [node.id] if isinstance(node, ast.Name)
+                     else [node.arg] if isinstance(node, ast.arg | ast.keyword) and node.arg
                      else [node.value] if isinstance(node, ast.Constant)  # getattr(x, "...")
                      and isinstance(node.value, str) and node.value != "vllm" else [])
             for name in names:
@@ -139,8 +143,8 @@ def node_collectives() -> list[str]:
 
 
 def test_nodes_are_pure() -> None:
-    """No collective, sharded tensor or rollout engine in `nodes/` (the string "vllm"
-    names a backend the node asks `ctx.rollout_engine` for)."""
+    """No collective, sharded tensor, rollout engine or data-parallel rank in `nodes/`
+    (the string "vllm" names a backend the node asks `ctx.rollout_engine` for)."""
     bad = node_collectives()
     assert not bad, "distributed code in nodes/ (give it to the worker layer):\n" + "\n".join(bad)
 

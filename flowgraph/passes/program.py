@@ -244,8 +244,7 @@ class Program:
                         stage, bool(node and node.hoisted), inputs, outputs, loads,
                         kind.trains, category=kind.category, head=kind.head,
                         params=ParamPlan.of(kind.call_values(given)) if node else (),
-                        eval_params=ParamPlan.of(kind.eval_values(given)) if node else (),
-                        eval_impl=kind.eval_impl)
+                        eval_params=ParamPlan.of(kind.eval_values(given)) if node else ())
 
     def _batched(self, name: str, port: str) -> bool:
         """The output has a batch axis (see `has_batch_axis`); unchecked: taken for one."""

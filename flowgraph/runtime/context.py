@@ -11,8 +11,10 @@ resources by name:
     tokenizer  the bound model's tokenizer
 
 It returns either a mapping from output-port name to value, or a tuple in the order
-of the kind's outputs (so pure functions such as `gae` are used as they are). A sink
-(update node) returns an empty mapping and reports through `ctx.metrics`.
+of the kind's outputs (so pure functions such as `gae` are used as they are). An
+update kind (a sink) returns an `Update`, its batch and its loss, which the executor's
+update loop trains on (`flowgraph.runtime.update`); the loop reports through
+`ctx.metrics`.
 
 Nodes are pure: no collective, no sharded tensor, no engine of their own. What they
 need of the processes that run them they ask `NodeContext` for: `ctx.workers` (is a
@@ -37,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from flowgraph.errors import FlowgraphError, NonFiniteError
+from flowgraph.runtime.update import LOOP_PARAMS
 
 if TYPE_CHECKING:
     from flowgraph.ir import NodeSpec
@@ -61,9 +64,9 @@ class NodeContext:
     model: Any = None
     tokenizer: Any = None
     optimizer: Any = None
-    """For update nodes: the torch optimizer of the bound model."""
+    """For update nodes: the torch optimizer of the bound model (the update loop's)."""
     scheduler: Any = None
-    """For update nodes: the LR scheduler, stepped once per optimizer step."""
+    """For update nodes: the LR scheduler, which the update loop steps once per call."""
     grad_clip: float = 0.0
     """Max global grad norm from the model's optimizer settings; 0 disables clipping."""
     metrics: dict[str, float] = field(default_factory=dict)
@@ -72,9 +75,6 @@ class NodeContext:
     """State that lives across steps (a KL controller's coefficient); checkpointed."""
     dims: dict[str, int] = field(default_factory=dict)
     """The graph's bound global dims (Bp, N, P, T, …), for params that default to them."""
-    dp_rank: int = 0
-    """This process's rank among the `dp_size` data-parallel workers running the node."""
-    dp_size: int = 1
     row_offset: int = 0
     """Row of the global batch where this worker's slice starts (per-sample seeds)."""
     workers: Workers = field(default_factory=lambda: Workers())
@@ -182,10 +182,12 @@ class Impl:
         return fn  # type: ignore[return-value]
 
     def verify(self, node: NodeSpec, kind: KindSpec) -> None:
-        """Every declared input and param must be accepted, before any step runs."""
-        self.verify_names(node.name, kind.name, kind.impl,
-                          [p.name for p in kind.inputs]
-                          + [p.name for p in kind.params if not p.evaluation])
+        """Every declared input and param must be accepted, before any step runs; the
+        compiler's evaluation-only params and an update kind's mini-batch params (the
+        update loop's, `runtime.update`) excepted."""
+        self.verify_names(node.name, kind.name, kind.impl, [p.name for p in kind.inputs] + [
+            p.name for p in kind.params
+            if not p.evaluation and not (kind.trains and p.name in LOOP_PARAMS)])
 
     def verify_names(self, node: str, kind: str, path: str, names: Iterable[str]) -> None:
         """Every name the node is called with must be accepted, before any step runs."""

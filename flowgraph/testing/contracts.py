@@ -17,9 +17,11 @@ strings for `str` ports — and calls the implementation through the calling con
 of `flowgraph.runtime.context` with the kind's default params (and `params`
 overrides). Every returned output must then honour its declared dims (resolved with
 the drawn sizes), dtype family and constraints, and float outputs must be finite (the
-executor stops a run on a NaN); a sink (update kind) must return no outputs and
-report finite `ctx.metrics`. A failure raises `AssertionError` naming the kind, the
-port, expected vs actual and the drawn sizes.
+executor stops a run on a NaN); an update kind (a sink) must return an `Update` whose
+loss on its whole batch is a finite scalar with finite metrics, held out too (they go
+into `ctx.metrics`; the update loop's own params are not passed to it). A failure
+raises `AssertionError` naming the kind, the port, expected vs actual and the drawn
+sizes.
 
 hypothesis (and torch) are imported when the check runs, not on import.
 
@@ -44,6 +46,7 @@ from flowgraph.registry import (
     declared_kind,
 )
 from flowgraph.runtime.context import Impl, NodeContext, named_outputs
+from flowgraph.runtime.update import LOOP_PARAMS, Update
 
 __all__ = ["assert_honours_contract", "default_context", "output_problem"]
 
@@ -203,6 +206,22 @@ def _output_problem(spec: TensorSpec, value: Any, want: tuple[int, ...]) -> str 
     return problem
 
 
+def _update_metrics(result: object, model: Any, ctx: Any) -> dict[str, Any]:
+    """An update kind's `Update`: its loss on the whole batch (no step), whose metrics
+    and held-out metrics go into `ctx.metrics`; no outputs."""
+    import torch
+
+    if not isinstance(result, Update):
+        raise TypeError(f"returned {type(result).__name__}; an update kind returns "
+                        "flowgraph.runtime.update.Update(batch=..., loss=...)")
+    loss, metrics = result.loss(model, result.batch)
+    if loss.dim() != 0 or not bool(torch.isfinite(loss)):
+        raise ValueError(f"its loss on the whole batch is {loss}, not a finite scalar")
+    with torch.no_grad():
+        ctx.metrics.update(metrics | result.loss.held_out(model, result.batch))
+    return {}
+
+
 def _check_outputs(spec: KindSpec, outputs: dict[str, Any], ctx: Any,
                    sizes: Mapping[str, int], where: str) -> None:
     if spec.sink:
@@ -309,12 +328,14 @@ def assert_honours_contract(
             node_ctx.metrics.clear()
         resources = {"ctx": node_ctx, "model": model, "critic": model, "tokenizer": tokenizer}
         kwargs = {k: v for k, v in resources.items() if k in impl.accepts}
-        kwargs |= inputs | call_params
+        kwargs |= inputs | {k: v for k, v in call_params.items()
+                            if not (spec.trains and k in LOOP_PARAMS and k not in impl.accepts)}
         where = (f"kind `{spec.name}` (impl {getattr(impl.fn, '__qualname__', impl.fn)}), "
                  f"sizes {out_sizes}, inputs {sorted(inputs)}")
         try:
             result = impl.fn(**kwargs)
-            outputs = named_outputs([p.name for p in spec.outputs], result)
+            outputs = (_update_metrics(result, model, node_ctx) if spec.trains
+                       else named_outputs([p.name for p in spec.outputs], result))
         except Exception as exc:  # a crash on well-formed inputs breaks the contract too
             raise AssertionError(f"{where}: raised {type(exc).__name__}: {exc}") from exc
         _check_outputs(spec, outputs, node_ctx, out_sizes, where)

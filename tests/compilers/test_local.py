@@ -96,7 +96,7 @@ def test_on_policy_elision_keeps_the_numbers(tmp_path: Path) -> None:
     elided, full = runs
     assert "timing_s/old_logprob" in full[0] and "timing_s/old_logprob" not in elided[0]
     assert _numbers(elided) == _numbers(full)
-    # Held out, the update scores the actor itself (`ppo_actor_update_eval`).
+    # Held out, the update scores the actor itself (`ActorLoss.held_out`).
     assert "val/log_ratio_to_ref" in elided[-1]
 
 

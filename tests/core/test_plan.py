@@ -88,9 +88,7 @@ def test_json_layout() -> None:
         True, False, "model", "lm")
     assert {p["name"]: json.loads(p["value"]) for p in node["params"]} == {
         "chunk_size": 1024, "max_token_len": None, "packing": False, "temperature": 1.0}
-    assert node["eval_params"] == node["params"] and node["eval_impl"] is None
-    update = next(n for n in data["nodes"] if n["name"] == "update")
-    assert update["eval_impl"] == "flowgraph.nodes.update:dpo_update_eval"
+    assert node["eval_params"] == node["params"]
     assert data["dims"] == [{"name": "Bp", "value": 8}, {"name": "P", "value": 16},
                             {"name": "T", "value": 8}]
 

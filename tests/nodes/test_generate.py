@@ -40,11 +40,10 @@ EOS, PAD = 2, 0
 BP, P = 4, 12
 
 
-def _ctx(n: int = 2, T: int = 16, *, seed: int = 0, step: int = 0, dp_rank: int = 0,
-         dp_size: int = 1) -> NodeContext:
+def _ctx(n: int = 2, T: int = 16, *, seed: int = 0, step: int = 0, row_offset: int = 0
+         ) -> NodeContext:
     return NodeContext("gen", "generate", step=step, seed=seed, dims={"N": n, "T": T},
-                       dp_rank=dp_rank, dp_size=dp_size, row_offset=dp_rank * BP // dp_size,
-                       engines=rollout_engine)
+                       row_offset=row_offset, engines=rollout_engine)
 
 
 def _eos_prone(model: nn.Module) -> nn.Module:
@@ -277,7 +276,7 @@ def test_hf_samples_do_not_depend_on_batch_or_split(model: nn.Module, tokenizer:
                                                     batch: dict[str, Any]) -> None:
     params = {"temperature": 1.0, "top_p": 0.9, "top_k": 40}
     whole = _call(_ctx(2), model, tokenizer, batch, **params)
-    halves = [_call(_ctx(2, dp_rank=k, dp_size=2), model, tokenizer, batch,
+    halves = [_call(_ctx(2, row_offset=k * BP // 2), model, tokenizer, batch,
                     slice(2 * k, 2 * k + 2), **params) for k in (0, 1)]
     for name in ("responses", "response_mask", "rollout_log_prob", "index"):
         torch.testing.assert_close(torch.cat([h[name] for h in halves]), whole[name],
@@ -377,7 +376,7 @@ def test_vllm_backend(vllm_model: nn.Module, tokenizer: Any, batch: dict[str, An
     torch.testing.assert_close(out["rollout_log_prob"], _rescore(vllm_model, out, 0.2),
                                atol=1e-3, rtol=0)
 
-    halves = [_vllm_call(_ctx(n, T, dp_rank=k, dp_size=2), vllm_model, tokenizer, batch,
+    halves = [_vllm_call(_ctx(n, T, row_offset=k * BP // 2), vllm_model, tokenizer, batch,
                          slice(2 * k, 2 * k + 2), temperature=0.2) for k in (0, 1)]
     assert torch.equal(torch.cat([h["responses"] for h in halves]), out["responses"])
 

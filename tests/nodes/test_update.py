@@ -1,4 +1,6 @@
-"""Update nodes on a 1-layer random Llama: PPO actor, PPO critic, DPO.
+"""Update kinds on a 1-layer random Llama: PPO actor, PPO critic, DPO, SFT — each kind's
+`Update` trained by the update loop (`flowgraph.compilers.update_loop`), as the
+executor does (`_train`).
 
 The batch has responses of 5, 2, 4 and 0 valid tokens, so token-mean, seq-mean-token-sum
 and seq-mean-token-mean weight micro-batches differently and the empty row exercises
@@ -18,6 +20,7 @@ from torch import Tensor, nn
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from flowgraph.choices import LOSS_AGG_MODES
+from flowgraph.compilers.update_loop import train
 from flowgraph.errors import NonFiniteError
 from flowgraph.kinds import BUILTIN_KINDS
 from flowgraph.nodes.logprob import logprob, micro_batches, sequence_logprob
@@ -27,6 +30,7 @@ from flowgraph.nodes.values import values as predict_values
 from flowgraph.registry import policy_loss
 from flowgraph.runtime import NodeContext
 from flowgraph.runtime.context import Workers
+from flowgraph.runtime.update import LOOP_PARAMS
 
 B, P, T, V, H = 4, 3, 5, 32, 32
 ACTOR_METRICS = (
@@ -111,14 +115,31 @@ def _assert_metrics(ctx: NodeContext, names: tuple[str, ...]) -> None:
     assert not bad, bad
 
 
+def _train(fn: Callable[..., object], ctx: NodeContext, **kw: object) -> None:
+    """What the executor does with an update node: call its kind with its inputs and the
+    params it takes, then train on the `Update` in the update loop with the node's
+    params (defaults filled)."""
+    kind = BUILTIN_KINDS[fn.__name__]
+    takes = inspect.signature(fn).parameters
+    update = fn(**{k: v for k, v in kw.items() if k in takes})
+    params = {k: v for k, v in kw.items() if kind.param(k) is not None}
+    train(ctx, update, kind.param_values(params))
+
+
 @pytest.mark.parametrize("fn", [ppo_actor_update, ppo_critic_update, dpo_update, sft_update])
 def test_signature_is_exactly_the_kind_contract(fn: Callable[..., object]) -> None:
+    """Its inputs and the params its loss uses: none of the loop's but `packing` (the
+    loss's forwards pack too), no `ctx`; DPO, a mean over pairs, no loss_agg_mode."""
     kind = BUILTIN_KINDS[fn.__name__]
     sig = inspect.signature(fn)
-    want = ["ctx", *(p.name for p in kind.inputs), *(p.name for p in kind.params)]
+    own = [p.name for p in kind.params if p.name not in LOOP_PARAMS]
+    want = [*(p.name for p in kind.inputs), *own, "packing"]
     assert sorted(sig.parameters) == sorted(want)
+    assert set(LOOP_PARAMS) <= {p.name for p in kind.params}
+    assert ("loss_agg_mode" in sig.parameters) == (fn is not dpo_update)
     for p in kind.params:
-        assert sig.parameters[p.name].default == p.default, p.name
+        if p.name in sig.parameters:
+            assert sig.parameters[p.name].default == p.default, p.name
     for port in kind.inputs:
         has_default = sig.parameters[port.name].default is not inspect.Parameter.empty
         assert has_default == port.optional, port.name
@@ -132,7 +153,7 @@ def test_actor_step_raises_log_probs_of_positive_advantage_tokens() -> None:
     sign = torch.tensor([1.0, -1.0, 0.0, 0.0])[:, None]
     batch = _ppo_batch(model, advantages=sign * mask)
     ctx = _ctx(model, lr=0.1)
-    ppo_actor_update(ctx, **batch)
+    _train(ppo_actor_update, ctx, **batch)
     # On-policy the ratio is 1: pg_loss = −Σ m·A / Σ m = −(5 − 2)/11; nothing is clipped.
     assert ctx.metrics["actor/pg_loss"] == pytest.approx(-3 / 11, abs=1e-6)
     assert ctx.metrics["actor/pg_clipfrac"] == 0.0
@@ -143,7 +164,7 @@ def test_actor_step_raises_log_probs_of_positive_advantage_tokens() -> None:
     assert delta[0] > 0 and delta[1] < 0
     # The same batch again: the surrogate loss (now off-policy) is lower than before.
     again = _ctx(model, lr=0.0)
-    ppo_actor_update(again, **batch)
+    _train(ppo_actor_update, again, **batch)
     assert again.metrics["actor/pg_loss"] < -3 / 11
 
 
@@ -182,8 +203,8 @@ def test_micro_batches_accumulate_to_the_one_shot_mini_batch_gradient(kind: str,
     model, update, kwargs = _accumulation_case(kind, mode)
     twin = copy.deepcopy(model)
     one_shot, split = _ctx(model), _ctx(twin)
-    update(one_shot, **kwargs, mini_batch_size=4, micro_batch_size=4)
-    update(split, **kwargs, mini_batch_size=4, micro_batch_size=2)
+    _train(update, one_shot, **kwargs, mini_batch_size=4, micro_batch_size=4)
+    _train(update, split, **kwargs, mini_batch_size=4, micro_batch_size=2)
     assert (_params(model) - _params(twin)).abs().max() < 1e-6
     assert split.metrics.keys() == one_shot.metrics.keys()
     loss = "actor/pg_loss" if kind == "actor" else "critic/vf_loss"
@@ -232,8 +253,8 @@ def test_a_token_budget_accumulates_to_the_one_shot_gradient(kind: str, mode: st
     hook = backbone.register_forward_pre_hook(
         lambda _m, _a, kw: forwards.append(kw["input_ids"].numel()), with_kwargs=True)
     one_shot, budgeted = _ctx(model), _ctx(twin)
-    update(one_shot, **kwargs, mini_batch_size=4)
-    update(budgeted, **kwargs, mini_batch_size=4, max_token_len=budget, packing=packing)
+    _train(update, one_shot, **kwargs, mini_batch_size=4)
+    _train(update, budgeted, **kwargs, mini_batch_size=4, max_token_len=budget, packing=packing)
     hook.remove()
     assert len(forwards) > 1 and max(forwards) <= budget, forwards
     # packed: 8 + 4 | 5 + 3; a pair's two sequences already fill 16 tokens, packed or not
@@ -271,16 +292,16 @@ def test_every_worker_runs_as_many_micro_batches_as_the_busiest() -> None:
     twin = copy.deepcopy(model)
     busy = _ctx(twin)
     busy.workers = _BusierWorker(4)
-    update(_ctx(model), **kwargs, mini_batch_size=4)
-    update(busy, **kwargs, mini_batch_size=4, max_token_len=12)
+    _train(update, _ctx(model), **kwargs, mini_batch_size=4)
+    _train(update, busy, **kwargs, mini_batch_size=4, max_token_len=12)
     assert (_params(model) - _params(twin)).abs().max() < 1e-6
 
 
 def test_a_token_budget_and_a_micro_batch_size_are_refused_together() -> None:
     model = _actor()
     with pytest.raises(ValueError, match=r"micro_batch_size=2 and max_token_len=10: set one"):
-        ppo_actor_update(_ctx(model), **_ppo_batch(model), micro_batch_size=2,
-                         max_token_len=10)
+        _train(ppo_actor_update, _ctx(model), **_ppo_batch(model), micro_batch_size=2,
+               max_token_len=10)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean",
@@ -293,8 +314,8 @@ def test_every_loss_of_tokens_accumulates_to_the_one_shot_gradient(
     model, update, kwargs = _accumulation_case("actor", mode)
     kwargs = {**kwargs, "policy_loss": policy_loss, "clip_ratio_low": 0.1}
     twin = copy.deepcopy(model)
-    update(_ctx(model), **kwargs, mini_batch_size=4, micro_batch_size=4)
-    update(_ctx(twin), **kwargs, mini_batch_size=4, micro_batch_size=2)
+    _train(update, _ctx(model), **kwargs, mini_batch_size=4, micro_batch_size=4)
+    _train(update, _ctx(twin), **kwargs, mini_batch_size=4, micro_batch_size=2)
     assert (_params(model) - _params(twin)).abs().max() < 1e-6
 
 
@@ -304,7 +325,7 @@ def test_every_policy_loss_steps_the_actor(policy_loss: str) -> None:
     model = _actor()
     before = _params(model)
     ctx = _ctx(model)
-    ppo_actor_update(ctx, **_ppo_batch(model), policy_loss=policy_loss)
+    _train(ppo_actor_update, ctx, **_ppo_batch(model), policy_loss=policy_loss)
     assert math.isfinite(ctx.metrics["actor/pg_loss"])
     assert not torch.equal(before, _params(model))
 
@@ -317,13 +338,13 @@ def test_rollout_correction_weighs_by_the_rollout_s_own_probabilities() -> None:
     # its truncated weight is min(e, 2) = 2, the others' 1.
     rollout = batch["old_log_prob"] - mask * torch.tensor([1.0, 0, 0, 0])[:, None]
     ctx = _ctx(model)
-    ppo_actor_update(ctx, **batch, rollout_log_prob=rollout, rollout_is="token")
+    _train(ppo_actor_update, ctx, **batch, rollout_log_prob=rollout, rollout_is="token")
     valid = float(mask.sum())
     assert ctx.metrics["actor/rollout_is/mean"] == pytest.approx(
         (2 * float(mask[0].sum()) + float(mask[1:].sum())) / valid)
     assert ctx.metrics["actor/rollout_is/cut_frac"] == pytest.approx(float(mask[0].sum()) / valid)
     with pytest.raises(ValueError, match="wire generate's rollout_log_prob"):
-        ppo_actor_update(_ctx(model), **batch, rollout_is="token")
+        _train(ppo_actor_update, _ctx(model), **batch, rollout_is="token")
 
 
 def test_a_plugin_policy_loss_is_used_by_name() -> None:
@@ -334,11 +355,11 @@ def test_a_plugin_policy_loss_is_used_by_name() -> None:
 
     model = _actor()
     ctx = _ctx(model)
-    ppo_actor_update(ctx, **_ppo_batch(model), policy_loss="test_update_plain_pg",
-                     policy_loss_params={"scale": 2.0})
+    _train(ppo_actor_update, ctx, **_ppo_batch(model), policy_loss="test_update_plain_pg",
+           policy_loss_params={"scale": 2.0})
     assert ctx.metrics["actor/scale"] == 2.0
     with pytest.raises(ValueError, match="unknown policy_loss `nope`; known: cispo"):
-        ppo_actor_update(_ctx(model), **_ppo_batch(model), policy_loss="nope")
+        _train(ppo_actor_update, _ctx(model), **_ppo_batch(model), policy_loss="nope")
 
 
 def test_shuffling_is_seeded_by_seed_step_and_epoch_only() -> None:
@@ -348,7 +369,7 @@ def test_shuffling_is_seeded_by_seed_step_and_epoch_only() -> None:
     rng = torch.get_rng_state()
     for model, step in [(first, 3), (second, 3), (other_step, 4)]:
         # Two mini-batches of 2: their order and composition change the result.
-        ppo_actor_update(_ctx(model, step=step), **batch, mini_batch_size=2, ppo_epochs=2)
+        _train(ppo_actor_update, _ctx(model, step=step), **batch, mini_batch_size=2, ppo_epochs=2)
     assert torch.equal(torch.get_rng_state(), rng)  # the global RNG is never drawn from
     assert torch.equal(_params(first), _params(second))
     assert not torch.allclose(_params(first), _params(other_step), atol=1e-5)
@@ -361,7 +382,7 @@ def test_non_finite_advantage_raises_before_the_optimizer_step() -> None:
     before = _params(model)
     ctx = _ctx(model, sgd=False)
     with pytest.raises(NonFiniteError, match=r"non-finite loss in node `update` at step 0"):
-        ppo_actor_update(ctx, **batch, micro_batch_size=2)
+        _train(ppo_actor_update, ctx, **batch, micro_batch_size=2)
     assert torch.equal(_params(model), before)
     assert all(p.grad is None for p in model.parameters())
     assert not ctx.optimizer.state  # Adam's moments were never touched either
@@ -374,7 +395,7 @@ def test_non_finite_gradient_norm_raises_before_the_optimizer_step() -> None:
     model.lm_head.weight.register_hook(lambda g: g * math.inf)
     ctx = _ctx(model, sgd=False, grad_clip=1.0)
     with pytest.raises(NonFiniteError, match="non-finite gradient norm") as info:
-        ppo_actor_update(ctx, **batch)
+        _train(ppo_actor_update, ctx, **batch)
     assert (info.value.node, info.value.step) == ("update", 0)
     assert torch.equal(_params(model), before) and not ctx.optimizer.state
 
@@ -385,11 +406,11 @@ def test_grad_clip_bounds_the_update() -> None:
     batch = _ppo_batch(free)
     before = _params(free)
     unclipped = _ctx(free, lr=1.0)
-    ppo_actor_update(unclipped, **batch)
+    _train(ppo_actor_update, unclipped, **batch)
     norm = unclipped.metrics["actor/grad_norm"]
     assert (_params(free) - before).norm().item() == pytest.approx(norm, rel=1e-4)
     ctx = _ctx(clipped, lr=1.0, grad_clip=norm / 10)
-    ppo_actor_update(ctx, **batch)
+    _train(ppo_actor_update, ctx, **batch)
     assert ctx.metrics["actor/grad_norm"] == pytest.approx(norm, rel=1e-5)
     assert (_params(clipped) - before).norm().item() == pytest.approx(norm / 10, rel=1e-4)
 
@@ -400,7 +421,7 @@ def test_every_mini_batch_steps_the_optimizer_and_the_call_steps_the_scheduler_o
     ctx = _ctx(model, lr=0.1, sgd=False)
     ctx.scheduler = torch.optim.lr_scheduler.LambdaLR(ctx.optimizer, lambda k: 0.5**k)
     with torch.no_grad():  # executors may run nodes without grad; an update still trains
-        ppo_actor_update(ctx, **batch, mini_batch_size=2, micro_batch_size=1, ppo_epochs=2)
+        _train(ppo_actor_update, ctx, **batch, mini_batch_size=2, micro_batch_size=1, ppo_epochs=2)
     # 2 epochs × 2 mini-batches = 4 optimizer steps, one training step: verl's
     # lr_warmup_steps count training steps, so the scheduler steps once per call.
     assert ctx.optimizer.state[next(model.parameters())]["step"].item() == 4
@@ -417,7 +438,7 @@ def test_entropy_is_reported_whether_or_not_it_is_in_the_loss() -> None:
     want = (entropy.sum() / batch["response_mask"].sum()).item()  # token-mean
     for coeff in (0.0, 0.1):
         ctx = _ctx(model, lr=0.0)
-        ppo_actor_update(ctx, **batch, entropy_coeff=coeff)
+        _train(ppo_actor_update, ctx, **batch, entropy_coeff=coeff)
         assert ctx.metrics["actor/entropy"] == pytest.approx(want, rel=1e-5)
 
 
@@ -425,7 +446,7 @@ def test_kl_loss_is_reported_when_ref_log_prob_is_wired() -> None:
     model = _actor()
     batch = _ppo_batch(model)
     ctx = _ctx(model, lr=0.0)
-    ppo_actor_update(ctx, **batch, ref_log_prob=batch["old_log_prob"], kl_loss_type="kl")
+    _train(ppo_actor_update, ctx, **batch, ref_log_prob=batch["old_log_prob"], kl_loss_type="kl")
     # π = π_old = π_ref before the (lr 0) step: every estimator of KL is 0.
     assert ctx.metrics["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
     _assert_metrics(ctx, (*(f"actor/{n}" for n in ACTOR_METRICS), "actor/kl_loss"))
@@ -445,9 +466,8 @@ def test_batch_sizes_that_do_not_divide_are_refused(
 ) -> None:
     model = _actor()
     with pytest.raises(ValueError, match=message):
-        ppo_actor_update(
-            _ctx(model), **_ppo_batch(model), mini_batch_size=mini, micro_batch_size=micro
-        )
+        _train(ppo_actor_update, _ctx(model), **_ppo_batch(model), mini_batch_size=mini,
+               micro_batch_size=micro)
 
 
 def test_one_step_without_old_log_prob_is_the_step_with_it() -> None:
@@ -456,8 +476,8 @@ def test_one_step_without_old_log_prob_is_the_step_with_it() -> None:
     model = _actor()
     batch = _ppo_batch(model)
     with_old, without = _ctx(model), _ctx(copy.deepcopy(model))
-    ppo_actor_update(with_old, **batch)
-    ppo_actor_update(without, **{k: v for k, v in batch.items() if k != "old_log_prob"})
+    _train(ppo_actor_update, with_old, **batch)
+    _train(ppo_actor_update, without, **{k: v for k, v in batch.items() if k != "old_log_prob"})
     assert torch.equal(_params(with_old.model), _params(without.model))
     assert with_old.metrics == pytest.approx(without.metrics, abs=1e-6)
 
@@ -467,7 +487,7 @@ def test_more_than_one_step_without_old_log_prob_is_refused(params: dict[str, in
     model = _actor()
     batch = {k: v for k, v in _ppo_batch(model).items() if k != "old_log_prob"}
     with pytest.raises(ValueError, match=r"holds for one optimizer step only.*wire old_log_prob"):
-        ppo_actor_update(_ctx(model), **batch, **params)
+        _train(ppo_actor_update, _ctx(model), **batch, **params)
 
 
 def test_critic_update_lowers_the_value_loss() -> None:
@@ -478,7 +498,7 @@ def test_critic_update_lowers_the_value_loss() -> None:
         v = predict_values(critic, **seqs)["values"]
     batch = {**seqs, "values": v, "returns": (v + 1.0) * mask}
     ctx = _ctx(critic, lr=1e-2, sgd=False)
-    ppo_critic_update(ctx, **batch, cliprange_value=10.0)
+    _train(ppo_critic_update, ctx, **batch, cliprange_value=10.0)
     # v̂ = V = R − 1 on every valid token: ½·mean(1²) = 0.5, nothing clipped.
     assert ctx.metrics["critic/vf_loss"] == pytest.approx(0.5, abs=1e-5)
     assert ctx.metrics["critic/vf_clipfrac"] == 0.0
@@ -493,7 +513,7 @@ def test_critic_update_lowers_the_value_loss() -> None:
         ctx = NodeContext(
             "update", "ppo_critic_update", step=1, seed=7, model=critic, optimizer=ctx.optimizer
         )
-        ppo_critic_update(ctx, **batch, cliprange_value=10.0)
+        _train(ppo_critic_update, ctx, **batch, cliprange_value=10.0)
     assert ctx.metrics["critic/vf_loss"] < 0.25
 
 
@@ -524,7 +544,7 @@ def test_dpo_update_widens_the_reward_margin() -> None:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for step in range(4):
         ctx = NodeContext("dpo", "dpo_update", step=step, seed=7, model=model, optimizer=optimizer)
-        dpo_update(ctx, **pairs, beta=0.1, micro_batch_size=2)
+        _train(dpo_update, ctx, **pairs, beta=0.1, micro_batch_size=2)
         margins.append(ctx.metrics["rewards/margins"])
         if step == 0:  # π = π_ref: h = 0, loss = −log σ(0) = log 2 and no margin yet
             assert ctx.metrics["actor/dpo_loss"] == pytest.approx(math.log(2), abs=1e-5)
@@ -554,10 +574,10 @@ def test_the_actor_rescores_at_the_rollout_temperature() -> None:
         old = logprob(model, **seqs, temperature=0.5)["log_prob"]
     batch = {**seqs, "old_log_prob": old, "advantages": seqs["response_mask"].float()}
     same = _ctx(model, lr=0.0)
-    ppo_actor_update(same, **batch, temperature=0.5)
+    _train(ppo_actor_update, same, **batch, temperature=0.5)
     assert same.metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
     other = _ctx(model, lr=0.0)
-    ppo_actor_update(other, **batch)
+    _train(ppo_actor_update, other, **batch)
     assert abs(other.metrics["actor/ppo_kl"]) > 1e-3
 
 
@@ -580,7 +600,7 @@ def test_sft_loss_is_hugging_face_s_cross_entropy_on_response_tokens() -> None:
         want = model(input_ids=ids, attention_mask=mask, labels=labels,
                      position_ids=(mask.cumsum(-1) - 1).clamp_min(0)).loss
     ctx = _ctx(model, lr=0.0)
-    sft_update(ctx, **batch, micro_batch_size=2)
+    _train(sft_update, ctx, **batch, micro_batch_size=2)
     assert ctx.metrics["sft/loss"] == pytest.approx(float(want), abs=1e-5)
     assert {"actor/grad_norm", "actor/lr"} <= set(ctx.metrics)
 
@@ -588,15 +608,15 @@ def test_sft_loss_is_hugging_face_s_cross_entropy_on_response_tokens() -> None:
 def test_sft_steps_lower_the_loss_and_micro_batches_give_the_one_shot_step() -> None:
     model, batch = _actor(), _sft_batch()
     twin = copy.deepcopy(model)
-    sft_update(_ctx(model, lr=0.1), **batch)
-    sft_update(_ctx(twin, lr=0.1), **batch, max_token_len=12)
+    _train(sft_update, _ctx(model, lr=0.1), **batch)
+    _train(sft_update, _ctx(twin, lr=0.1), **batch, max_token_len=12)
     assert (_params(model) - _params(twin)).abs().max() < 1e-6
     losses = []
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for step in range(5):
         ctx = NodeContext("sft", "sft_update", step=step, seed=7, model=model,
                           optimizer=optimizer)
-        sft_update(ctx, **batch)
+        _train(sft_update, ctx, **batch)
         losses.append(ctx.metrics["sft/loss"])
     assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 0.1, losses
 
@@ -625,8 +645,8 @@ def test_sft_update_trains_the_loss_mask_tokens_only() -> None:
         seen = responses.clone()
         if changed:  # after each masked-out token: the loss's tokens see other contexts
             seen[loss_mask == 0] = 7
-        sft_update(ctx, prompts=prompts, prompt_mask=ones, responses=seen,
-                   response_mask=response_mask, loss_mask=loss_mask)
+        _train(sft_update, ctx, prompts=prompts, prompt_mask=ones, responses=seen,
+               response_mask=response_mask, loss_mask=loss_mask)
         if not changed:
             assert ctx.metrics["sft/loss"] == pytest.approx(want.item(), rel=1e-5)
         results.append(ctx.metrics["sft/loss"])
@@ -636,8 +656,8 @@ def test_sft_update_trains_the_loss_mask_tokens_only() -> None:
     ctx = NodeContext("sft", "sft_update", step=0, seed=0, model=model,
                       optimizer=torch.optim.SGD(model.parameters(), lr=0.1), grad_clip=0.0)
     padded = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
-    sft_update(ctx, prompts=prompts, prompt_mask=ones, responses=responses,
-               response_mask=padded, loss_mask=response_mask)
+    _train(sft_update, ctx, prompts=prompts, prompt_mask=ones, responses=responses,
+           response_mask=padded, loss_mask=response_mask)
     want = -(logprob(load_model("builtin:tiny-lm"), prompts, ones, responses, padded)
              ["log_prob"] * padded).sum() / padded.sum()
     assert ctx.metrics["sft/loss"] == pytest.approx(want.item(), rel=1e-5)
