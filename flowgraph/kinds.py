@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from flowgraph.choices import DPO_LOSS_TYPES, KL_ESTIMATORS, LOSS_AGG_MODES
 from flowgraph.contracts import TensorSpec
-from flowgraph.registry import KindSpec, LossSpec, ParamSpec, PortSpec
+from flowgraph.kindspec import KindSpec, LossSpec, ParamSpec, PortSpec
 
 
 def _p(name: str, dims: str, dtype: str = "float", *constraints: str, optional: bool = False,

@@ -15,208 +15,25 @@ import importlib
 import inspect
 import sys
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from flowgraph.contracts import TensorSpec, spec_from_annotation
 from flowgraph.errors import PluginError, RegistryError
-from flowgraph.ir import NAME_RE, ParamValue
+from flowgraph.ir import NAME_RE
+from flowgraph.kindspec import CATEGORIES as CATEGORIES
+from flowgraph.kindspec import HEADS as HEADS
+from flowgraph.kindspec import HOISTABLE_CATEGORIES as HOISTABLE_CATEGORIES
+from flowgraph.kindspec import PARAM_TYPES as PARAM_TYPES
+from flowgraph.kindspec import KindSpec as KindSpec
+from flowgraph.kindspec import LossSpec as LossSpec
+from flowgraph.kindspec import ParamSpec as ParamSpec
+from flowgraph.kindspec import PortSpec as PortSpec
 from flowgraph.runtime.context import RESOURCE_ARGS
-from flowgraph.runtime.update import LOOP_PARAMS
 
-PARAM_TYPES = ("float", "int", "bool", "str", "list", "mapping", "any", "null")
-HOISTABLE_CATEGORIES = ("model", "reward", "transform")
-"""Deterministic, row-wise categories: a node of one whose inputs come from data and
-whose model is frozen computes the same rows at every step (pass `hoist`). Not
-`rollout` (sampling), not `update` (changes weights), not `advantage` (batch
-statistics such as whitening would change if computed over the whole dataset), not
-`custom` (nothing is known about it)."""
-HEADS = ("lm", "scalar", "tokenizer")
-"""What a kind uses its model as: `KindSpec.head`."""
-CATEGORIES = ("data", "rollout", "model", "reward", "transform", "advantage", "update", "custom",
-              "filter")
-"""`filter`: keeps some sample groups of a generation batch; the executor repeats the
-stages before it (data, generate, reward) until enough groups are kept (`ResamplePlan`)."""
 ENTRY_POINT_GROUP = "flowgraph.nodes"
-
-
-@dataclass(frozen=True, slots=True)
-class PortSpec:
-    """A named input or output and its contract."""
-
-    name: str
-    spec: TensorSpec
-    optional: bool = False
-    """Inputs: may stay unwired. Outputs: computed only when consumed."""
-    doc: str = ""
-
-
-@dataclass(frozen=True, slots=True)
-class ParamSpec:
-    """One parameter of a kind."""
-
-    name: str
-    types: tuple[str, ...]
-    """Allowed value types from `PARAM_TYPES`; an int is also a float."""
-    default: ParamValue = None
-    required: bool = False
-    choices: tuple[str, ...] = ()
-    doc: str = ""
-    dim: str | None = None
-    """A dim this param's value binds (`n` -> the node's group size, `max_new_tokens` -> T)."""
-    minimum: float | None = None
-    names: str | None = None
-    """Set (`policy_loss`) when the value names an entry of that registry; the entry's own
-    params are given in the mapping param `<this param>_params`, checked against it."""
-    functions: tuple[str, ...] | None = None
-    """Set when the value names a function (a mapping param: each of its values does):
-    one of these built-in names, or `file.py:function` / `module:function` of a plugin
-    the graph lists. A kind with such params needs one of them set."""
-    evaluation: bool = False
-    """Read by the compiler to make the node's params at evaluation (`NodePlan.eval_params`:
-    a rollout's `val_n`, `val_temperature`); never passed to the implementation."""
-
-    def __post_init__(self) -> None:
-        bad = [t for t in self.types if t not in PARAM_TYPES]
-        if bad:
-            raise RegistryError(f"param `{self.name}`: unknown type(s) {bad}; known {PARAM_TYPES}")
-
-
-@dataclass(frozen=True, slots=True)
-class KindSpec:
-    """Everything the checker and the executors need to know about a kind."""
-
-    name: str
-    category: str
-    doc: str
-    inputs: tuple[PortSpec, ...] = ()
-    outputs: tuple[PortSpec, ...] = ()
-    params: tuple[ParamSpec, ...] = ()
-    model: str = "none"
-    """`none`, `required` or `optional` model binding."""
-    head: str = "lm"
-    """What the node uses its model as, when it has one: `lm`, a causal LM (its logits
-    over the vocabulary); `scalar`, a backbone with a scalar head, one number per token
-    (a critic, a reward model); `tokenizer`, its tokenizer only (no weights load)."""
-    sequences_per_row: int = 1
-    """Sequences the model runs per batch row (DPO: the chosen and the rejected one)."""
-    trains: bool = False
-    """An update node: its model must be trainable, and it is a sink; its implementation
-    returns a `flowgraph.runtime.update.Update` that the executor's update loop trains on."""
-    grouped: bool = False
-    """Needs whole sample groups (GRPO, RLOO): its batch is split only group-aligned."""
-    impl: str = ""
-    """`module:function`, imported lazily by executors only."""
-    required_when: tuple[tuple[str, str, str], ...] = ()
-    """(optional input, param, value): the input is required when the param has the value
-    (`reward` needs `ground_truth` when `fn` is `exact_match`)."""
-    dim_defaults: tuple[tuple[str, str], ...] = ()
-    """Node-local dims and the global expression they take when no param binds them."""
-    source: str = "builtin"
-    """`builtin`, the plugin module, or the entry point that declared the kind."""
-    on_policy_input: str = ""
-    """An input holding log π_old, the log-probs of the policy that sampled the batch
-    (PPO's `old_log_prob`), which an update may replace by its own, detached, when it
-    takes one optimizer step per call (`ppo_epochs` 1, one mini-batch): pass `on_policy`
-    then unwires it, and left unwired it is required unless that holds."""
-    terms: PortSpec | None = None
-    """Inputs the graph names itself (`weighted_sum`'s reward terms): every wired input
-    the kind does not declare takes this contract, and at least one must be wired."""
-
-    def __post_init__(self) -> None:
-        if not NAME_RE.match(self.name):
-            raise RegistryError(f"kind name {self.name!r} is not an identifier")
-        if self.category not in CATEGORIES:
-            raise RegistryError(
-                f"kind `{self.name}`: category {self.category!r} not in {CATEGORIES}"
-            )
-        if self.model not in ("none", "required", "optional"):
-            raise RegistryError(f"kind `{self.name}`: model must be none/required/optional")
-        if self.head not in HEADS:
-            raise RegistryError(f"kind `{self.name}`: head must be one of {HEADS}")
-        if self.sequences_per_row < 1:
-            raise RegistryError(f"kind `{self.name}`: sequences_per_row must be >= 1")
-        for group in (self.inputs, self.outputs, self.params):
-            names = [p.name for p in group]
-            if len(names) != len(set(names)):
-                raise RegistryError(f"kind `{self.name}` declares a name twice: {names}")
-        missing = [n for n in LOOP_PARAMS if self.trains and self.param(n) is None]
-        if missing:
-            raise RegistryError(f"kind `{self.name}` trains but does not declare the update "
-                                f"loop's params {missing}: add flowgraph.kinds.MINI_BATCH to "
-                                "its params")
-
-    @property
-    def sink(self) -> bool:
-        return self.trains
-
-    @property
-    def row_wise_forward(self) -> bool:
-        """It runs its model's weights (head `lm` or `scalar`) row by row, each output row
-        a function of its own input rows (a category in `HOISTABLE_CATEGORIES`, not an
-        update): nodes of it may run as one forward over their rows stacked (`fusion`)."""
-        return (self.category in HOISTABLE_CATEGORIES and not self.trains
-                and self.head in ("lm", "scalar"))
-
-    def input(self, name: str) -> PortSpec | None:
-        declared = next((p for p in self.inputs if p.name == name), None)
-        if declared is None and self.terms is not None:
-            return replace(self.terms, name=name)
-        return declared
-
-    def wired_inputs(self, wired: Iterable[str]) -> tuple[PortSpec, ...]:
-        """The declared inputs, then a term for each wired name the kind does not declare."""
-        declared = {p.name for p in self.inputs}
-        extra = [self.input(n) for n in wired if n not in declared]
-        return self.inputs + tuple(p for p in extra if p is not None)
-
-    def output(self, name: str) -> PortSpec | None:
-        return next((p for p in self.outputs if p.name == name), None)
-
-    def param(self, name: str) -> ParamSpec | None:
-        return next((p for p in self.params if p.name == name), None)
-
-    def param_values(self, given: Mapping[str, object]) -> dict[str, object]:
-        """Every param's value: `given` where set, else the kind's default."""
-        return {**{p.name: p.default for p in self.params}, **given}
-
-    def call_values(self, given: Mapping[str, object]) -> dict[str, object]:
-        """The params the implementation is called with: every param's value but the
-        evaluation-only ones (`ParamSpec.evaluation`)."""
-        skip = {p.name for p in self.params if p.evaluation}
-        return {k: v for k, v in self.param_values(given).items() if k not in skip}
-
-    def eval_values(self, given: Mapping[str, object]) -> dict[str, object]:
-        """The params at evaluation on held-out data: a rollout answers each prompt once,
-        greedily, or `val_n` times at `val_temperature` > 0 (verl's val_kwargs)."""
-        values = self.call_values(given)
-        every = self.param_values(given)
-        n, temperature = every.get("val_n", 1), every.get("val_temperature", 0.0)
-        if self.category != "rollout":
-            return values
-        val_n = n if isinstance(n, int) else 1
-        t = float(temperature) if isinstance(temperature, (int, float)) else 0.0
-        sampled = {"do_sample": True, "n": val_n, "temperature": t}
-        greedy = {"do_sample": False, "n": 1}  # n greedy answers would be n copies
-        values.update({k: v for k, v in (sampled if t > 0 else greedy).items()
-                       if self.param(k) is not None})
-        return values
-
-    def needs(self, port: PortSpec, params: Mapping[str, object]) -> str | None:
-        """Why `port` must be wired with these params (defaults filled in), or None."""
-        if not port.optional:
-            return "it is required"
-        if port.name == self.on_policy_input and (
-                params.get("ppo_epochs") != 1 or params.get("mini_batch_size") is not None):
-            return ("the update may take more than one optimizer step per call "
-                    "(`ppo_epochs` > 1 or a `mini_batch_size`); only one step can use its "
-                    "own log-probs as the old policy's")
-        for name, param, value in self.required_when:
-            if name == port.name and params.get(param) == value:
-                return f"`{param}` is `{value}`"
-        return None
 
 
 def plugin_source(entry: str, folder: str | Path) -> Path | None:
@@ -261,18 +78,6 @@ def plugin_module(entry: str, folders: Iterable[str]) -> str:
 
 _DECLARED: dict[str, KindSpec] = {}
 """Kinds declared by imported plugin modules and entry points."""
-
-
-@dataclass(frozen=True, slots=True)
-class LossSpec:
-    """A policy loss `ppo_actor_update` may use: its name, own params and implementation."""
-
-    name: str
-    params: tuple[ParamSpec, ...]
-    """Its own params (set in `policy_loss_params`); the clip ratios are the update's."""
-    impl: str
-    """`module:function`, imported by the update."""
-    doc: str = ""
 
 
 LOSS_INPUTS = ("old_log_prob", "log_prob", "advantages", "response_mask")

@@ -43,7 +43,7 @@ from flowgraph.runtime.update import LOOP_PARAMS
 
 if TYPE_CHECKING:
     from flowgraph.ir import NodeSpec
-    from flowgraph.registry import KindSpec
+    from flowgraph.kindspec import KindSpec
 
 RESOURCE_ARGS = ("ctx", "model", "critic", "tokenizer")
 """Parameter names through which an implementation receives executor resources."""
