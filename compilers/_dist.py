@@ -199,25 +199,36 @@ class Slices:
         return hi - lo
 
 
-def cut(plan: ExecutionPlan, name: str, inputs: dict[str, Any], world: int
-        ) -> tuple[Slices, Callable[[int], dict[str, Any]]] | None:
-    """A data-parallel node's inputs cut for `world` workers as the plan dispatches
-    them: the slices, and worker w's slice of each input on an edge dispatched `split`
-    or `reshard` (whole groups of N rows where an edge is group-aligned; padded so every
-    worker runs as many rows); the other inputs go whole. None when the plan cuts no
-    input of the node."""
-    ports, aligned = [], False
-    node = plan.node(name)
-    for wired in node.inputs:
+@dataclass(frozen=True)
+class Cut:
+    """A data-parallel node's inputs for `world` workers, as the plan dispatches each
+    edge: `split` / `reshard` inputs cut into slices (whole groups of N rows where an
+    edge is group-aligned; padded so every worker runs as many rows), the rest whole on
+    every worker (`local`, `gather`, `broadcast`)."""
+
+    slices: Slices | None
+    """None: the plan cuts no input; every worker gets the whole batch."""
+    shared: bool
+    """A batch goes whole to every worker by `broadcast` (an update's inputs): each
+    worker takes its share of every mini-batch (it is told its rank)."""
+    parts: Callable[[int], dict[str, Any]]
+    """Worker w's slice of each cut input."""
+
+
+def cut(plan: ExecutionPlan, name: str, inputs: dict[str, Any], world: int) -> Cut:
+    """Node `name`'s `inputs` as the plan dispatches them to `world` workers."""
+    ports, aligned, shared = [], False, False
+    for wired in plan.node(name).inputs:
         edge = plan.edge(wired.src, f"{name}.{wired.port}")
         if edge.dispatch in ("split", "reshard"):
             ports.append(wired.port)
             aligned |= edge.group_aligned
+        shared |= edge.dispatch == "broadcast" and edge.batched
     if not ports:
-        return None
+        return Cut(None, shared, lambda w: {})
     n = next((d.value for d in plan.dims if d.name == "N"), 1)
     slices = Slices.of(len(inputs[ports[0]]), world, n if aligned else 1)
-    return slices, lambda w: {p: take(inputs[p], slices.index(w)) for p in ports}
+    return Cut(slices, shared, lambda w: {p: take(inputs[p], slices.index(w)) for p in ports})
 
 
 def take(value: Any, rows: torch.Tensor) -> Any:

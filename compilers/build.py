@@ -35,8 +35,10 @@ def import_plugins(plan: ExecutionPlan) -> None:
 
 
 def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16}[name]
+    """The torch dtype of a model dtype (`flowgraph.choices.MODEL_DTYPES` names them)."""
+    dtype = getattr(torch, name)
+    assert isinstance(dtype, torch.dtype)
+    return dtype
 
 
 def load_model(spec: ModelSpec, placed: ModelPlacement, device: str, seed: int = 0

@@ -96,26 +96,24 @@ class FsdpTarget:
     def dispatch(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
                  metrics: dict[str, float], *, evaluation: bool = False
                  ) -> tuple[dict[str, Any], float]:
-        """A data-parallel node on this rank's slice, its outputs all-gathered; an update
-        on the whole batch (it takes its share of each mini-batch); the rest whole."""
+        """A data-parallel node as the plan dispatches its inputs: on this rank's slice,
+        its outputs all-gathered; on the whole batch shared out by rank (`broadcast`: an
+        update takes its share of each mini-batch); else whole. The rest whole, here."""
         node = self.plan.node(name)
+        if not evaluation:
+            _dist.write_status(self.opts.run_dir, self.rank, step, name)
         if evaluation or self.world == 1 or not node.data_parallel:
-            if not evaluation:
-                _dist.write_status(self.opts.run_dir, self.rank, step, name)
             return self.worker.dispatch(name, inputs, step, params, metrics,
                                         evaluation=evaluation)
-        _dist.write_status(self.opts.run_dir, self.rank, step, name)
-        dp = {"dp_rank": self.rank, "dp_size": self.world, "workers": self.group}
-        if node.trains:
-            return self.worker.call(name, inputs, step, params, metrics, **dp)
         cut = _dist.cut(self.plan, name, inputs, self.world)
-        if cut is None:  # nothing to cut: every rank runs the whole batch
-            return self.worker.call(name, inputs, step, params, metrics)
-        slices, part = cut
-        outputs, seconds = self.worker.call(name, {**inputs, **part(self.rank)}, step, params,
-                                            metrics, row_offset=slices.bounds[self.rank][0],
-                                            **dp)
-        return _dist.join_outputs(self.plan, name, outputs, slices,
+        dp = {"dp_rank": self.rank, "dp_size": self.world, "workers": self.group}
+        if cut.slices is None:  # every rank holds the whole batch
+            return self.worker.call(name, inputs, step, params, metrics,
+                                    **(dp if cut.shared else {}))
+        outputs, seconds = self.worker.call(
+            name, {**inputs, **cut.parts(self.rank)}, step, params, metrics,
+            row_offset=cut.slices.bounds[self.rank][0], **dp)
+        return _dist.join_outputs(self.plan, name, outputs, cut.slices,
                                   lambda _, value: _dist.all_gather(value, self.world)), seconds
 
     # -- checkpoints ----------------------------------------------------------------------

@@ -180,27 +180,28 @@ class RayTarget:
     def dispatch(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
                  metrics: dict[str, float], *, evaluation: bool = False
                  ) -> tuple[dict[str, Any], float]:
-        """A node of a pool on its workers: sliced where the plan splits its inputs (the
-        slices come back and are concatenated), else the whole batch to every worker (an
-        update takes its share of each mini-batch); a model-free node here."""
+        """A node of a pool on its workers, as the plan dispatches its inputs: sliced where
+        it splits them (the slices come back and are concatenated), else the whole batch
+        to every worker (`broadcast`: an update takes its share of each mini-batch); a
+        model-free node here."""
         placed = self.plan.node(name)
         if placed.pool not in self.groups:
             return self.worker.dispatch(name, inputs, step, params, metrics,
                                         evaluation=evaluation)
         group = self.groups[placed.pool]
         world = len(group.workers)
-        cut = None if world == 1 or placed.trains or not placed.data_parallel or evaluation \
+        cut = None if world == 1 or not placed.data_parallel or evaluation \
             else _dist.cut(self.plan, name, inputs, world)
-        if cut is None:  # the whole batch to every worker (an update takes its share)
+        slices = cut.slices if cut is not None else None
+        if slices is None:  # the whole batch to every worker
             shared = {port: ray.put(v) for port, v in inputs.items()}
-            extra = [{"dp_rank": w, "dp_size": world} if world > 1 else {}
-                     for w in range(world)]
-            results = self._get([wk.call.remote(name, shared, step, params, extra[w],
-                                                evaluation)
+            dp = [{"dp_rank": w, "dp_size": world} if cut is not None and cut.shared else {}
+                  for w in range(world)]  # broadcast: an update takes its share
+            results = self._get([wk.call.remote(name, shared, step, params, dp[w], evaluation)
                                  for w, wk in enumerate(group.workers)], (name, step))
         else:
-            slices, part = cut
-            parts = [part(w) for w in range(world)]
+            assert cut is not None
+            parts = [cut.parts(w) for w in range(world)]
             shared = {p: ray.put(v) for p, v in inputs.items() if p not in parts[0]}  # once
             results = self._get([wk.call.remote(name, {**shared, **parts[w]}, step, params,
                                                 {"dp_rank": w, "dp_size": world,
@@ -209,8 +210,8 @@ class RayTarget:
         if not evaluation:
             for w, r in enumerate(results):
                 self.worker_times.setdefault(f"{placed.pool}/{w}", {})[f"timing_s/{name}"] = r[1]
-        outputs = results[0][0] if cut is None else _dist.join_outputs(
-            self.plan, name, results[0][0], cut[0],
+        outputs = results[0][0] if slices is None else _dist.join_outputs(
+            self.plan, name, results[0][0], slices,
             lambda port, _: [r[0][port] for r in results])
         metrics.update(results[0][2])
         return outputs, max(r[1] for r in results)

@@ -49,11 +49,12 @@ import os
 import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from torch import Tensor, nn
 
+from flowgraph.choices import MODEL_DTYPES
 from flowgraph.compilers.build import merged_parameters
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.generate import SamplingSpec
@@ -214,9 +215,16 @@ def kv_cache_size(model: PreTrainedModel, sequences: int, max_model_len: int) ->
 
 
 _ENGINES: dict[str, _Engine] = {}
-_VLLM_DTYPES: dict[torch.dtype, Literal["float32", "bfloat16", "float16"]] = {
-    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-"""The dtypes a model is loaded in (`models.<m>.dtype`), as vLLM names them."""
+
+
+def _vllm_dtype(model: nn.Module) -> Any:
+    """The dtype `model` is loaded in (`models.<m>.dtype`: a name of
+    `flowgraph.choices.MODEL_DTYPES`, which vLLM's names are too)."""
+    name = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if name not in MODEL_DTYPES:
+        raise FlowgraphError(f"vLLM backend: a model in {name}; models.<m>.dtype is one of "
+                             f"{', '.join(MODEL_DTYPES)}")
+    return name
 
 
 def _whole(tensor: Tensor) -> Tensor:
@@ -366,7 +374,7 @@ def _start(key: str, model: PreTrainedModel, tokenizer: Any, memory: Memory,
     try:
         llm = LLM(
             model=folder.name,
-            dtype=_VLLM_DTYPES[next(model.parameters()).dtype],
+            dtype=_vllm_dtype(model),
             load_format="dummy",
             logprobs_mode="processed_logprobs",
             worker_extension_cls=f"{__name__}.WeightSyncExtension",
