@@ -154,6 +154,8 @@ class Impl:
     fn: Callable[..., Any]
     accepts: frozenset[str]
     """Keyword parameters the function declares."""
+    any_keyword: bool = False
+    """It takes `**kwargs` too (`weighted_sum`'s terms, one per wired input)."""
 
     @staticmethod
     def load(kind: KindSpec) -> Impl:
@@ -167,7 +169,9 @@ class Impl:
             fn = Impl.load_function(path)
         except FlowgraphError as exc:
             raise FlowgraphError(f"{owner}: {exc}") from exc
-        return Impl(fn, frozenset(inspect.signature(fn).parameters))
+        params = inspect.signature(fn).parameters
+        return Impl(fn, frozenset(params), any(
+            p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()))
 
     @staticmethod
     def load_function(path: str) -> Callable[..., Any]:
@@ -191,7 +195,7 @@ class Impl:
 
     def verify_names(self, node: str, kind: str, path: str, names: Iterable[str]) -> None:
         """Every name the node is called with must be accepted, before any step runs."""
-        missing = [n for n in names if n not in self.accepts]
+        missing = [] if self.any_keyword else [n for n in names if n not in self.accepts]
         if missing:
             raise FlowgraphError(
                 f"node `{node}` (kind {kind}): implementation `{path}` does not "
