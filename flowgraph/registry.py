@@ -61,19 +61,36 @@ def plugin_module(entry: str, folders: Iterable[str]) -> str:
     the same name, in this process and in every worker that calls it. A `.py` file
     must be in one of `folders`."""
     for folder in folders:
-        holder = plugin_folder(entry, folder)
-        if holder is None:
+        source = plugin_source(entry, folder)
+        if source is None:
             continue
+        holder = str(source.parent)
         if holder in sys.path:
             sys.path.remove(holder)
         sys.path.insert(0, holder)
-        return Path(entry).stem if entry.endswith(".py") else entry
+        module = Path(entry).stem if entry.endswith(".py") else entry
+        _forget_another(module.split(".")[0], source)
+        return module
     if entry.endswith(".py"):
         looked = ", ".join(str(Path(f).resolve()) for f in folders) or "no folder (a graph "
         raise PluginError(f"plugin file `{entry}` not found; looked in {looked}"
                           + (")" if not folders else "") + ": files are listed relative to "
                           "the graph file's folder")
     return entry
+
+
+def _forget_another(top: str, source: Path) -> None:
+    """Forget a module named like plugin `top` that this process imported from another
+    file (another graph's `rewards.py`, a notebook's earlier folder), so that importing
+    the plugin finds this graph's file instead of the first one ever imported."""
+    loaded = sys.modules.get(top)
+    where = getattr(loaded, "__file__", None)
+    mine = source / "__init__.py" if source.is_dir() else source
+    if where is None or Path(where).resolve() == mine:
+        return
+    for name in [m for m in sys.modules if m == top or m.startswith(top + ".")]:
+        del sys.modules[name]
+    importlib.invalidate_caches()
 
 
 _DECLARED: dict[str, KindSpec] = {}

@@ -31,7 +31,6 @@ Notation: B sequences, P prompt length, T response length.
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -108,10 +107,10 @@ def rule_reward(
 ScoreFn = Callable[..., Any]
 
 
-@functools.cache
 def _function(ref: str) -> ScoreFn:
     """A scoring function: a built-in name, `file.py:function` (a plugin file, imported
-    from the graph's folder by the executor) or `module:function`."""
+    from the graph's folder by the executor) or `module:function`. Looked up at every
+    call, not cached: another graph run in this process may bring its own `rewards.py`."""
     if ":" not in ref:
         if ref not in BUILTIN_SCORES:
             raise ValueError(f"compute_score: no built-in function `{ref}`; built-ins: "

@@ -7,21 +7,23 @@ from typing import Any
 import pytest
 import torch
 
-from flowgraph.check import check_graph
 from flowgraph.compilers.metrics import HeldOut, log_ratio_to_reference, step_metrics
 from flowgraph.frontend import load_graph
 from flowgraph.ir import Graph
 from flowgraph.nodes.models import load_tokenizer
-from flowgraph.registry import KindSpec
+from flowgraph.passes import compile_graph
+from flowgraph.plan import ExecutionPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _graph(name: str) -> tuple[Graph, dict[str, KindSpec]]:
+def _graph(name: str) -> tuple[Graph, ExecutionPlan]:
+    """The graph, and its plan (which says each node's kind facts)."""
     graph, diags = load_graph(str(ROOT / "graphs" / name), [])
     assert graph is not None, diags
-    table = check_graph(graph).table
-    return graph, {n: r.kind for n, r in table.items() if r.kind is not None}
+    plan = compile_graph(graph).plan
+    assert plan is not None
+    return graph, plan
 
 
 @pytest.mark.parametrize("name", ["grpo.yaml", "ppo.yaml"])
@@ -43,7 +45,7 @@ def test_no_reference_no_kl() -> None:
 
 
 def test_held_out_responses_give_diversity_and_accuracy() -> None:
-    graph, kinds = _graph("grpo.yaml")
+    _, plan = _graph("grpo.yaml")
     tok = load_tokenizer("builtin:tiny-lm")
     eos, pad = tok.eos_token_id, tok.pad_token_id
     texts = ["7", "12", "#### 7", "7"]
@@ -55,7 +57,7 @@ def test_held_out_responses_give_diversity_and_accuracy() -> None:
            ("gen", "ground_truth"): ["7", "12", "8", "3"], ("gen", "index"): torch.arange(4),
            **_prompts(tok, ["3+4=", "6+6=", "4+4=", "1+1="])}
     held_out = HeldOut()
-    held_out.add(graph, kinds, env, {"actor": tok, "ref": tok})
+    held_out.add(plan, env, {"actor": tok, "ref": tok})
     # eos is special and left out; the builtin BPE reads `#### 7` as `##` `##` `␣` `7`
     assert held_out.tokens == [r[:-1] for r in rows]
     hashes, space, seven = rows[2][:-1][1:]
@@ -88,7 +90,7 @@ def _responses(tok: Any, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
 def test_n_responses_a_prompt_give_mean_and_pass_at_n_and_a_table() -> None:
     """Two held-out batches of 2 prompts x 2 samples; the second repeats prompt `2+1=`
     (the last batch is the last Bp rows), so only its second prompt counts."""
-    graph, kinds = _graph("grpo.yaml")
+    _, plan = _graph("grpo.yaml")
     tok = load_tokenizer("builtin:tiny-lm")
     held_out = HeldOut()
     batches = [(["3+4=", "5+0="], ["7", "8", "5", "5"], ["7", "5"], 0),
@@ -100,7 +102,7 @@ def test_n_responses_a_prompt_give_mean_and_pass_at_n_and_a_table() -> None:
                ("gen", "index"): torch.tensor([0, 0, 1, 1]),
                ("reward", "scores"): torch.tensor([1.0, 0.1, 1.0, 0.0]),
                **_prompts(tok, [q for q in questions for _ in range(2)])}
-        held_out.add(graph, kinds, env, {"actor": tok, "ref": tok}, skip=skip)
+        held_out.add(plan, env, {"actor": tok, "ref": tok}, skip=skip)
     # 3+4: 7 right, 8 wrong; 5+0: 5, 5 right; 2+1: 0, 1 wrong (the repeated 5+0 skipped)
     assert [(r["prompt_id"], r["prompt"], r["response"], r["correct"])
             for r in held_out.table] == [
@@ -141,14 +143,14 @@ def test_sampled_validation_logs_a_table_and_mean_at_n(tmp_path: Path) -> None:
 
 
 def test_step_metrics_count_response_tokens() -> None:
-    graph, kinds = _graph("dpo.yaml")
-    assert "perf/response_tokens" not in step_metrics(graph, kinds, {})
-    graph, kinds = _graph("grpo.yaml")
+    _, plan = _graph("dpo.yaml")
+    assert "perf/response_tokens" not in step_metrics(plan, {})
+    _, plan = _graph("grpo.yaml")
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
     env = {("gen", "response_mask"): mask, ("gen", "prompt_mask"): torch.tensor([[0, 1], [1, 1]]),
            ("reward", "scores"): torch.zeros(2), ("adv", "advantages"): torch.zeros(2, 3),
            ("adv", "returns"): torch.zeros(2, 3)}
-    got = step_metrics(graph, kinds, env)
+    got = step_metrics(plan, env)
     # 3 response tokens; with the 3 prompt tokens, 6 tokens in all
     assert got["perf/response_tokens"] == 3.0 and got["perf/tokens"] == 6.0
 

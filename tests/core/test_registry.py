@@ -3,6 +3,7 @@
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -228,3 +229,28 @@ def test_every_builtin_param_says_what_it_means() -> None:
     undocumented += [f"policy_loss {loss.name}.{p.name}" for loss in POLICY_LOSSES.values()
                      for p in loss.params if not p.doc.strip()]
     assert not undocumented
+
+
+def test_a_plugin_file_is_this_graphs_even_after_anothers_of_its_name(tmp_path: Path) -> None:
+    """Two graphs run in one process (a notebook, a test session), each with a
+    `rewards.py` of its own: the second gets its own file, not the module the first
+    left in `sys.modules`."""
+    import importlib
+
+    from flowgraph.registry import plugin_module
+
+    def load(folder: str) -> Any:
+        return importlib.import_module(plugin_module("rewards_twice.py", [str(tmp_path / folder)]))
+
+    for name, value in (("first", 1.0), ("second", 2.0)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "rewards_twice.py").write_text(f"def score():\n    return {value}\n")
+    try:
+        first = load("first")
+        assert first.score() == 1.0
+        assert load("first") is first  # the same file: the module as it is
+        assert load("second").score() == 2.0
+    finally:
+        sys.modules.pop("rewards_twice", None)
+        sys.path[:] = [p for p in sys.path if not p.startswith(str(tmp_path))]
