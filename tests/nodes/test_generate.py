@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 import flowgraph.nodes.generate as generate_module
+from flowgraph.compilers import weight_sync
 from flowgraph.compilers.worker import rollout_engine
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.data import prompt_source
@@ -438,7 +439,7 @@ def test_vllm_takes_a_lora_model_merged_and_each_sync_is_verified(
     probe = [ids[m.bool()].tolist() for ids, m in zip(batch["input_ids"],
                                                       batch["attention_mask"], strict=True)]
     _vllm.sync_weights(llm, lora)
-    assert _vllm.verify_sync(llm, lora, probe, "actor") < 1e-3
+    assert weight_sync.verify(llm, lora, probe, "actor") < 1e-3
     out = _vllm.rollout(llm, batch["input_ids"], batch["attention_mask"], [0] * BP,
                         SamplingSpec(8, 1.0, 1.0, 0, True, (EOS,), PAD))
     torch.testing.assert_close(out["rollout_log_prob"], logprob(
@@ -446,9 +447,9 @@ def test_vllm_takes_a_lora_model_merged_and_each_sync_is_verified(
         out["response_mask"])["log_prob"], atol=1e-3, rtol=0)
 
     _vllm.sync_weights(llm, load_model(MODEL))  # the adapters never arrived
-    with pytest.raises(_vllm.WeightSyncError, match=r"model `actor`.* differ from the "
+    with pytest.raises(weight_sync.WeightSyncError, match=r"model `actor`.* differ from the "
                        r"trainer's by up to .*a LoRA adapter"):
-        _vllm.verify_sync(llm, lora, probe, "actor")
+        weight_sync.verify(llm, lora, probe, "actor")
 
     # engine() checks its first sync: a sync that drops the adapters stops the run
     def unmerged(model: nn.Module, whole: Any) -> Iterator[tuple[str, Tensor]]:
@@ -458,7 +459,7 @@ def test_vllm_takes_a_lora_model_merged_and_each_sync_is_verified(
 
     monkeypatch.setattr(_vllm, "merged_parameters", unmerged)
     monkeypatch.setattr(_vllm._ENGINES[str(vllm_model.name_or_path)], "syncs", 0)
-    with pytest.raises(_vllm.WeightSyncError):
+    with pytest.raises(weight_sync.WeightSyncError):
         _vllm.engine(lora, tokenizer, _memory(BP * 4, P + 16), probe=probe)
     monkeypatch.undo()
     _vllm.sync_weights(llm, vllm_model)  # the engine as the other tests expect it
@@ -476,11 +477,11 @@ def test_vllm_serves_a_tied_model_with_its_own_head(tokenizer: Any) -> None:
                        enforce_eager=True)
     probe = [[5, 17, 42, 99, 7, 3, 8], [11, 12, 13, 14]]
     try:
-        assert _vllm.verify_sync(llm, tied, probe, "tied") < 1e-4
+        assert weight_sync.verify(llm, tied, probe, "tied") < 1e-4
         with torch.no_grad():  # a second sync: the new embedding is the new head
             tied.get_input_embeddings().weight.mul_(1.5)
         _vllm.sync_weights(llm, tied)
-        assert _vllm.verify_sync(llm, tied, probe, "tied") < 1e-4
+        assert weight_sync.verify(llm, tied, probe, "tied") < 1e-4
     finally:
         _vllm.close_engines(str(tied.name_or_path))
 
@@ -488,13 +489,12 @@ def test_vllm_serves_a_tied_model_with_its_own_head(tokenizer: Any) -> None:
 def test_a_synced_tensor_keeps_a_resizable_storage() -> None:
     """FSDP frees an unsharded parameter by resizing its storage to 0; reading it for a
     weight sync must not pin its size (`.numpy()` on the tensor itself would)."""
-    from flowgraph.compilers import vllm_engine as _vllm
 
     tensor = torch.arange(6, dtype=torch.float32)
-    name, dtype, shape, data = _vllm._wire("w", tensor)
+    name, dtype, shape, data = weight_sync.wire("w", tensor)
     assert (name, dtype, shape) == ("w", "float32", [6]) and data == tensor.numpy().tobytes()
     tensor = torch.arange(6, dtype=torch.float32)
-    _vllm._wire("w", tensor)
+    weight_sync.wire("w", tensor)
     tensor.untyped_storage().resize_(0)
 
 
