@@ -457,7 +457,7 @@ def test_vllm_takes_a_lora_model_merged_and_each_sync_is_verified(
             if "lora_" not in name:
                 yield name.replace(".base_layer", ""), whole(p.detach())
 
-    monkeypatch.setattr(_vllm, "merged_parameters", unmerged)
+    monkeypatch.setattr(weight_sync, "merged_parameters", unmerged)
     monkeypatch.setattr(_vllm._ENGINES[str(vllm_model.name_or_path)], "syncs", 0)
     with pytest.raises(weight_sync.WeightSyncError):
         _vllm.engine(lora, tokenizer, _memory(BP * 4, P + 16), probe=probe)
