@@ -48,7 +48,6 @@ class TrainingLoop:
     def __init__(self, plan: ExecutionPlan, target: Target, opts: ExecOptions) -> None:
         self.plan, self.graph, self.target, self.opts = plan, plan.graph, target, opts
         self.interpreter = Interpreter(plan, target.dispatch)
-        self.dims = {d.name: d.value for d in plan.dims}
         steps = [n for s in plan.stages if not s.once for n in s.nodes
                  if n in self.interpreter.nodes]
         cut = plan.asynchronous

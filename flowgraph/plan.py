@@ -508,7 +508,7 @@ def _plan_problems(plan: ExecutionPlan) -> list[str]:
         return problems
     return (_placement_problems(plan) + _order_problems(plan) + _edge_problems(plan)
             + _resample_problems(plan) + _async_problems(plan) + _fusion_problems(plan)
-            + _category_problems(plan))
+            + _category_problems(plan) + _param_problems(plan))
 
 
 def producer_side(graph: Graph, stages: tuple[StagePlan, ...],
@@ -773,6 +773,22 @@ def verify_kinds(plan: ExecutionPlan, kinds: Mapping[str, KindSpec]) -> None:
         if not rollouts & set(want_side):
             problems.append("the plan is asynchronous, but no rollout reads only the data")
     _require(problems, "execution plan")
+
+
+def _param_problems(plan: ExecutionPlan) -> list[str]:
+    """A param the graph section sets has the value the node's plan runs with (a plan
+    file edited in one place and not the other would run what the reader did not see)."""
+    problems = []
+    resolved = {n.name: {p.name: json.loads(p.value) for p in n.params} for n in plan.nodes}
+    for node in plan.graph.nodes:
+        for key, value in node.params.to_python().items():
+            runs = resolved.get(node.name, {}).get(key, value)
+            if json.dumps(runs, sort_keys=True) != json.dumps(value, sort_keys=True):
+                problems.append(
+                    f"node `{node.name}`: param `{key}` is {json.dumps(value)} in the graph "
+                    f"section but {json.dumps(runs)} in the node's plan, which is what runs: "
+                    "edit both alike (or compile the graph again)")
+    return problems
 
 
 def _category_problems(plan: ExecutionPlan) -> list[str]:

@@ -149,6 +149,10 @@ def _all(*edits: Edit) -> Edit:
      "kind `dpo_update` in the plan, `dpo_updat` in its graph"),
     (_set("graph/nodes/update/inputs", 5), "`plan.graph` is not a valid graph: "),
     (_set("graph/dims/Bp", 0), "`plan.graph` is not a valid graph: "),
+    # the params run are the node's plan's; an edit of the graph section alone would not run
+    (_set("graph/nodes/update/params/beta", 0.5), "invalid execution plan: node `update`: "
+     "param `beta` is 0.5 in the graph section but 0.1 in the node's plan, which is what "
+     "runs: edit both alike (or compile the graph again)"),
 ])
 def test_from_json_rejects_a_broken_plan(edit: Edit, message: str) -> None:
     data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
