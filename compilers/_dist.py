@@ -47,7 +47,7 @@ from torch import nn
 
 from flowgraph.compilers.checkpoint import is_sharded
 from flowgraph.errors import FlowgraphError
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import ExecutionPlan, ModelPlacement
 from flowgraph.runtime.context import Workers
 
 # --- process groups ---------------------------------------------------------------------
@@ -155,6 +155,14 @@ def shard_model(model: nn.Module, device: str) -> nn.Module:
         fully_shard(unit, ignored_params=shared)
         unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # summed, see above
         unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # gloo: no PREMUL_SUM
+    return model
+
+
+def place(placed: ModelPlacement, model: nn.Module, world: int, device: str) -> nn.Module:
+    """A model as the plan places it on a group of `world` workers: FSDP2 where it says
+    `full_shard` (heads and tied embeddings replicated), else whole on every worker."""
+    if world > 1 and placed.sharding == "full_shard":
+        return shard_model(model, device)
     return model
 
 

@@ -4,7 +4,6 @@ their optimizers and LR schedules, tokenizers, and the data sources' datasets.""
 
 from __future__ import annotations
 
-import importlib
 import math
 import zlib
 from collections.abc import Callable, Iterator
@@ -14,10 +13,10 @@ from typing import Any
 
 import torch
 
-from flowgraph.errors import FlowgraphError, PluginError
+from flowgraph.errors import FlowgraphError
 from flowgraph.ir import DataSpec, Graph, LoraSpec, ModelSpec, OptimizerSpec
 from flowgraph.plan import ExecutionPlan, ModelPlacement
-from flowgraph.registry import plugin_module
+from flowgraph.registry import import_plugin
 from flowgraph.runtime.context import Impl
 
 
@@ -26,12 +25,7 @@ def import_plugins(plan: ExecutionPlan) -> None:
     they register — a reward function, a policy loss — and the implementations the plan
     names are then found, in this process and in every worker)."""
     for plugin in plan.graph.plugins:
-        module = plugin_module(plugin.module, plan.plugin_paths)
-        try:
-            importlib.import_module(module)
-        except Exception as exc:
-            raise PluginError(f"plugin module `{module}` ({plugin.pos}) could not be "
-                              f"imported: {type(exc).__name__}: {exc}") from exc
+        import_plugin(plugin.module, plan.plugin_paths)
 
 
 def _dtype(name: str) -> torch.dtype:

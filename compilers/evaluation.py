@@ -19,11 +19,12 @@ from flowgraph.compilers.interpreter import Interpreter
 from flowgraph.compilers.metrics import HeldOut, log_ratio_to_reference, step_metrics
 
 
-def evaluate(batches: Batches, names: list[str], step: int, tokenizers: dict[str, Any]
-             ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+def evaluate(batches: Batches, names: list[str], step: int, tokenizers: dict[str, Any],
+             strict: bool) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """The `val/...` metrics of the model after `step` (none without held-out data), by
     `names` (the prologue's and the step's nodes) on every held-out batch; and the
-    responses, for the `validation` table."""
+    responses, for the `validation` table. `strict`: every held-out prologue batch held
+    to its contracts (else the first)."""
     out: dict[str, float] = {}
     graph, ip = batches.graph, batches.interpreter
     if not all(batches.data[d.name].eval is not None for d in graph.data):
@@ -32,7 +33,7 @@ def evaluate(batches: Batches, names: list[str], step: int, tokenizers: dict[str
     for ev in evals:
         ev.load_state_dict({"epoch": 0, "position": 0})
     rows, size = min(len(ev) for ev in evals), batches.rows
-    batches.run_prologue("eval", False)
+    batches.run_prologue("eval", strict)  # once a run: usually done before the loop
     sums: dict[str, float] = {}
     held_out = HeldOut()
     with torch.no_grad():

@@ -62,7 +62,7 @@ from flowgraph.compilers.options import RunOptions
 from flowgraph.compilers.target import Report
 from flowgraph.compilers.worker import ExecOptions, Worker
 from flowgraph.errors import FlowgraphError, RankFailed, WorkerLost
-from flowgraph.plan import ExecutionPlan, ModelPlacement
+from flowgraph.plan import ExecutionPlan
 from flowgraph.runtime.metrics import serving
 
 
@@ -79,14 +79,8 @@ class FsdpTarget:
         """Prometheus is on (rank 0 serves it): every rank reports to rank 0 each step."""
         self.group = _dist.DataParallel()
         self.worker = Worker(plan, opts, tuple(m for p in plan.pools for m in p.models),
-                             place=self._place)
-
-    def _place(self, placed: ModelPlacement, model: torch.nn.Module) -> torch.nn.Module:
-        """FSDP2 over the ranks where the plan says `full_shard` (heads and tied
-        embeddings replicated), else whole on every rank."""
-        if self.world > 1 and placed.sharding == "full_shard":
-            return _dist.shard_model(model, self.opts.device)
-        return model
+                             place=lambda placed, model: _dist.place(placed, model, world,
+                                                                     opts.device))
 
     def start(self) -> None:
         self.worker.load_models()

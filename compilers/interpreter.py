@@ -76,7 +76,7 @@ class Interpreter:
             return 0.0
         if name in self.fused_into:
             return 0.0
-        group = (name, *self.plan.node(name).fused)
+        group = (name, *self.placed[name].fused)
         if strict:
             for member in group:
                 self.check_inputs(member, env, step)

@@ -67,6 +67,12 @@ class TrainingLoop:
         """The last evaluation's responses (`HeldOut.table`), logged as `validation`."""
 
     @property
+    def strict(self) -> bool:
+        """Every tensor on every edge checked at every step (`trainer.strict`, `--strict`);
+        else the first step's only."""
+        return self.graph.trainer.strict or self.opts.strict
+
+    @property
     def node_state(self) -> dict[str, dict[str, Any]]:
         """State nodes keep across steps (a KL controller's), checkpointed."""
         return self.target.worker.node_state
@@ -123,7 +129,7 @@ class TrainingLoop:
             self.prologue_seconds += self.run_prologue("eval")
 
     def run_prologue(self, split: str) -> float:
-        return self.batches.run_prologue(split, self.graph.trainer.strict or self.opts.strict)
+        return self.batches.run_prologue(split, self.strict)
 
     def train_step(self, step: int, log: MetricsLog) -> tuple[dict[str, float], bool]:
         """One turn of the loop: the step, the evaluation when due, the row logged, a
@@ -155,7 +161,7 @@ class TrainingLoop:
         return metrics, due
 
     def _guarded_step(self, step: int) -> dict[str, float]:
-        strict = self.graph.trainer.strict or self.opts.strict or step == self.start_step
+        strict = self.strict or step == self.start_step
         try:
             return self.run_step(step, strict=strict)
         except NonFiniteError as exc:
@@ -208,7 +214,7 @@ class TrainingLoop:
     def evaluate(self, step: int) -> dict[str, float]:
         """`val/...` metrics on the held-out data (`flowgraph.compilers.evaluation`)."""
         metrics, self.generations = evaluate(self.batches, self.prologue + self.order, step,
-                                             self.target.worker.tokenizers)
+                                             self.target.worker.tokenizers, self.strict)
         return metrics
 
     # -- checkpoints --------------------------------------------------------------------

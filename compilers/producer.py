@@ -83,9 +83,8 @@ class ProcessRollouts(Rollouts):
             # not a daemon: a vLLM engine starts processes of its own; it stops when
             # told (`close`) or when this process is gone
             target=_producer_main, name="flowgraph-rollouts", daemon=False,
-            args=(self.plan.to_json(), str(self.opts.run_dir), self.opts.device,
-                  self.opts.strict,
-                  self.shared, self.published, self.grabbed, self.stop, self.cond,
+            args=(self.plan.to_json(), self.names, str(self.opts.run_dir), self.opts.device,
+                  self.opts.strict, self.shared, self.published, self.grabbed, self.stop, self.cond,
                   self.queue, first, step, cursors, state,
                   cores[1] if cores is not None and self.own else None))
         self.proc.start()
@@ -194,7 +193,7 @@ def _halves() -> tuple[set[int], set[int]] | None:
     return set(cores[:half]), set(cores[half:])
 
 
-def _producer_main(plan_json: str, run_dir: str, device: str, strict: bool,
+def _producer_main(plan_json: str, names: list[str], run_dir: str, device: str, strict: bool,
                    shared: dict[str, dict[str, torch.Tensor]], published: Any, grabbed: Any,
                    stop: Any, cond: Any, out: Any, first: int, origin: int,
                    cursors: dict[str, dict[str, Any]], node_state: dict[str, dict[str, Any]],
@@ -211,8 +210,9 @@ def _producer_main(plan_json: str, run_dir: str, device: str, strict: bool,
         plan = ExecutionPlan.from_json(plan_json)
         assert plan.asynchronous is not None
         with open(os.devnull, "w") as devnull:
-            rollouts = _producer(plan, ExecOptions(Path(run_dir), device, strict, out=devnull,
-                                                   tensorboard=False), cursors, node_state)
+            rollouts = _producer(plan, names, ExecOptions(Path(run_dir), device, strict,
+                                                          out=devnull, tensorboard=False),
+                                 cursors, node_state)
             rollouts.origin = origin
             loaded = -1
             # drop: rollouts dropped are replaced, so the producer goes on until stopped
@@ -237,13 +237,12 @@ def _producer_main(plan_json: str, run_dir: str, device: str, strict: bool,
         _send(out, ("error", _pack(_portable(exc))), stop, parent)
 
 
-def _producer(plan: ExecutionPlan, opts: ExecOptions, cursors: dict[str, dict[str, Any]],
-              node_state: dict[str, dict[str, Any]]) -> Rollouts:
-    """The producer's side of the run in this process: its worker (the models its nodes
-    run and their LoRA bases), interpreter and batches at the trainer's cursors."""
-    assert plan.asynchronous is not None
-    nodes, cut = {m.name for m in plan.graph.nodes}, plan.asynchronous.producer
-    names = [n for s in plan.stages if not s.once for n in s.nodes if n in nodes and n in cut]
+def _producer(plan: ExecutionPlan, names: list[str], opts: ExecOptions,
+              cursors: dict[str, dict[str, Any]], node_state: dict[str, dict[str, Any]]
+              ) -> Rollouts:
+    """The producer's side of the run in this process: its worker (the models `names`,
+    the producer's nodes in the trainer's order, run and their LoRA bases), interpreter
+    and batches at the trainer's cursors."""
     run = _producer_models(plan, names)
     bases = {m.base_of for p in plan.pools for m in p.models if m.name in run}
     hosted = tuple(m for p in plan.pools for m in p.models if m.name in run or m.name in bases)

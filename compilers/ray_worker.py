@@ -20,7 +20,7 @@ from flowgraph.compilers import _dist
 from flowgraph.compilers.checkpoint import load_weights, save_shards
 from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
 from flowgraph.errors import FlowgraphError
-from flowgraph.plan import ExecutionPlan, ModelPlacement
+from flowgraph.plan import ExecutionPlan
 
 try:
     import ray
@@ -66,16 +66,12 @@ class RayWorker:
         if self.pool.size > 1:
             _dist.init_group(self.rank, self.pool.size, device, addr=addr, port=port)
         self.worker = Worker(self.plan, ExecOptions(Path(run_dir), device), self.pool.models,
-                             place=self._place)
+                             place=lambda placed, model: _dist.place(placed, model,
+                                                                     self.pool.size, device))
         self.worker.prepare()
         self.worker.load_models()
         if checkpoint is not None:
             self.load(checkpoint)
-
-    def _place(self, placed: ModelPlacement, model: torch.nn.Module) -> torch.nn.Module:
-        if self.pool.size > 1 and placed.sharding == "full_shard":
-            return _dist.shard_model(model, self._ready().opts.device)
-        return model
 
     def load(self, checkpoint: str) -> None:
         """Weights, optimizer and scheduler states of this pool from a checkpoint."""

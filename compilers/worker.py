@@ -40,7 +40,6 @@ from flowgraph.compilers.build import (
 from flowgraph.errors import DEBUG_ENV, FlowgraphError, NodeError, NonFiniteError, at_step
 from flowgraph.plan import ExecutionPlan, ModelPlacement
 from flowgraph.runtime.context import RESOURCE_ARGS, Impl, NodeContext, named_outputs
-from flowgraph.runtime.update import LOOP_PARAMS
 
 if TYPE_CHECKING:
     from flowgraph.runtime.prometheus import Exporter
@@ -90,6 +89,7 @@ class Worker:
         self.adapters_off: set[str] = set()
         """Models placed as a LoRA model's base: nodes run that model, adapters off."""
         self.node_state: dict[str, dict[str, Any]] = {n: {} for n in self.nodes}
+        self.dims = {d.name: d.value for d in plan.dims}
 
     def prepare(self) -> None:
         """What fails cheaply, before any model loads: model paths, implementations
@@ -102,9 +102,8 @@ class Worker:
         for name in self.nodes:
             n = self.placed[name]
             self.impls[name] = Impl.at(n.impl, f"node `{name}`")
-            self.impls[name].verify_names(name, n.kind, n.impl, [
-                *(i.port for i in n.inputs),
-                *(p.name for p in n.params if not (n.trains and p.name in LOOP_PARAMS))])
+            self.impls[name].verify_names(name, n.kind, n.impl, [i.port for i in n.inputs],
+                                          [p.name for p in n.params], n.trains)
         self.tokenizers = load_tokenizers(self.graph)
 
     def load_models(self) -> None:
@@ -143,7 +142,7 @@ class Worker:
             optimizer=self.optimizers.get(model) if trains else None,
             scheduler=self.schedulers.get(model) if trains else None,
             grad_clip=spec.optimizer.grad_clip if spec and spec.optimizer else 0.0,
-            state=self.node_state[name], dims={d.name: d.value for d in self.plan.dims},
+            state=self.node_state[name], dims=dict(self.dims),
             engines=partial(rollout_engine, verify_every=self.graph.trainer.verify_sync_every),
             **dp)
 

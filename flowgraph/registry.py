@@ -79,6 +79,18 @@ def plugin_module(entry: str, folders: Iterable[str]) -> str:
     return entry
 
 
+def import_plugin(entry: str, folders: Iterable[str]) -> str:
+    """Import plugin `entry` as `plugin_module` finds it; its module name."""
+    module = plugin_module(entry, folders)
+    try:
+        importlib.import_module(module)
+    except Exception as exc:
+        raise PluginError(
+            f"plugin module `{module}` could not be imported: {type(exc).__name__}: {exc}"
+        ) from exc
+    return module
+
+
 def _forget_another(top: str, source: Path) -> None:
     """Forget a module named like plugin `top` that this process imported from another
     file (another graph's `rewards.py`, a notebook's earlier folder), so that importing
@@ -353,15 +365,8 @@ class Registry:
         submodules) declares join this registry."""
         folders = tuple(folders)
         for entry in modules:
-            module = plugin_module(entry, folders)
             before = set(_DECLARED)
-            try:
-                importlib.import_module(module)
-            except Exception as exc:
-                raise PluginError(
-                    f"plugin module `{module}` could not be imported: "
-                    f"{type(exc).__name__}: {exc}"
-                ) from exc
+            module = import_plugin(entry, folders)
             for name, kind in _DECLARED.items():
                 inside = kind.source == module or kind.source.startswith(module + ".")
                 if inside or name not in before:

@@ -186,15 +186,17 @@ class Impl:
         return fn  # type: ignore[return-value]
 
     def verify(self, node: NodeSpec, kind: KindSpec) -> None:
-        """Every declared input and param must be accepted, before any step runs; the
-        compiler's evaluation-only params and an update kind's mini-batch params (the
-        update loop's, `runtime.update`) excepted."""
-        self.verify_names(node.name, kind.name, kind.impl, [p.name for p in kind.inputs] + [
-            p.name for p in kind.params
-            if not p.evaluation and not (kind.trains and p.name in LOOP_PARAMS)])
+        """Every declared input and param must be accepted, before any step runs (the
+        compiler's evaluation-only params are never passed)."""
+        self.verify_names(node.name, kind.name, kind.impl, [p.name for p in kind.inputs],
+                          [p.name for p in kind.params if not p.evaluation], kind.trains)
 
-    def verify_names(self, node: str, kind: str, path: str, names: Iterable[str]) -> None:
-        """Every name the node is called with must be accepted, before any step runs."""
+    def verify_names(self, node: str, kind: str, path: str, inputs: Iterable[str],
+                     params: Iterable[str], trains: bool) -> None:
+        """Every input and param the node is called with must be accepted, before any
+        step runs; an update kind's mini-batch params are the update loop's
+        (`runtime.update.LOOP_PARAMS`), not its implementation's."""
+        names = [*inputs, *(p for p in params if not (trains and p in LOOP_PARAMS))]
         missing = [] if self.any_keyword else [n for n in names if n not in self.accepts]
         if missing:
             raise FlowgraphError(
