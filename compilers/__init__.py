@@ -25,10 +25,10 @@ def run(plan: ExecutionPlan, options: RunOptions | None = None) -> Run:
     """Run `plan` on its target; the run dir is the plan's `trainer.run_dir`."""
     opts = options or RunOptions()
     # the one place `--resume` and `trainer.resume` are merged
-    opts = replace(opts, resume=opts.resume or plan.graph.trainer.resume)
+    opts = replace(opts, resume=opts.resume or plan.trainer.resume)
     from flowgraph.compilers.builtins import ensure_builtins
 
-    ensure_builtins(plan.graph, opts.out)  # before any worker looks for them
+    ensure_builtins(plan.models, opts.out)  # before any worker looks for them
     if plan.target == "fsdp":
         from flowgraph.compilers.fsdp import run_fsdp
 
@@ -41,5 +41,5 @@ def run(plan: ExecutionPlan, options: RunOptions | None = None) -> Run:
         from flowgraph.compilers.local import run_plan
 
         run_plan(plan, opts)
-    run_dir = Path(plan.graph.trainer.run_dir)
+    run_dir = Path(plan.trainer.run_dir)
     return Run(run_dir, read_metrics(run_dir))

@@ -29,7 +29,7 @@ class Batches:
     def __init__(self, interpreter: Interpreter, data: dict[str, Any], prologue: list[str]
                  ) -> None:
         self.interpreter, self.data, self.prologue = interpreter, data, prologue
-        self.graph, self.plan = interpreter.graph, interpreter.plan
+        self.plan = interpreter.plan
         self.rows = next(d.value for d in self.plan.dims if d.name == "Bp")
         """Prompts per batch (Bp)."""
 
@@ -64,7 +64,7 @@ class Batches:
     def draw(self, env: Env, metrics: dict[str, float], split: str = "train") -> None:
         """Every data source's next batch of `split` into `env` (the data nodes' work,
         their seconds added up in `timing_s/<source>`)."""
-        for d in self.graph.data:
+        for d in self.plan.data:
             t0 = time.perf_counter()
             for port, value in self.dataset(d.name, split).next_batch(self.rows).items():
                 env[(d.name, port)] = value
@@ -112,15 +112,14 @@ class Batches:
                         "train/num_gen_batches": float(tries)})
 
     def _groups_in(self, env: Env, name: str) -> int:
-        ref = self.interpreter.nodes[name].input("index")
-        assert ref is not None  # a required port of the filter kind
-        return int(env[(ref.node, ref.port)].unique().numel())
+        ref = dict(self.plan.node(name).wiring())["index"]  # a required port of filters
+        return int(env[ref].unique().numel())
 
     def _exhausted(self, step: int, tries: int, kept: int, dropped: int) -> str:
         loop = self.plan.resample
         assert loop is not None
-        node = self.interpreter.nodes[loop.filter]
-        return (f"node `{node.name}` (kind {node.kind}, {node.pos}) {at_step(step)}: "
+        node = self.plan.node(loop.filter)
+        return (f"node `{node.name}` (kind {node.kind}, {node.where}) {at_step(step)}: "
                 f"{tries} tries (max_tries) kept {kept} of the {loop.groups} groups the "
                 f"batch needs ({dropped} dropped: {self.interpreter.params(node.name)['metric']}"
                 " refused them). The data may be too hard or too easy for the model (verl: "

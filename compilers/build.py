@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from flowgraph.errors import FlowgraphError
-from flowgraph.ir import DataSpec, Graph, LoraSpec, ModelSpec, OptimizerSpec
+from flowgraph.ir import DataSpec, LoraSpec, ModelSpec, OptimizerSpec
 from flowgraph.plan import ExecutionPlan, ModelPlacement
 from flowgraph.registry import import_plugin
 from flowgraph.runtime.context import Impl
@@ -24,7 +24,7 @@ def import_plugins(plan: ExecutionPlan) -> None:
     """The graph's plugin modules imported, each one's folder first on `sys.path` (what
     they register — a reward function, a policy loss — and the implementations the plan
     names are then found, in this process and in every worker)."""
-    for plugin in plan.graph.plugins:
+    for plugin in plan.plugins:
         import_plugin(plugin.module, plan.plugin_paths)
 
 
@@ -185,28 +185,28 @@ def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
     return factor
 
 
-def load_tokenizers(graph: Graph) -> dict[str, Any]:
+def load_tokenizers(models: tuple[ModelSpec, ...]) -> dict[str, Any]:
     """Every model's tokenizer (a model a node uses for its tokenizer only included)."""
     from flowgraph.nodes.models import load_tokenizer
 
-    return {m.name: load_tokenizer(m.tokenizer or m.path) for m in graph.models}
+    return {m.name: load_tokenizer(m.tokenizer or m.path) for m in models}
 
 
-def _data_tokenizer(graph: Graph, d: DataSpec, tokenizers: dict[str, Any]) -> Any:
-    for node in graph.nodes:
-        if node.model and any(ref.node == d.name for _, ref in node.inputs):
+def _data_tokenizer(plan: ExecutionPlan, d: DataSpec, tokenizers: dict[str, Any]) -> Any:
+    for node in plan.nodes:
+        if node.model and any(i.ref[0] == d.name for i in node.inputs):
             return tokenizers[node.model]
-    if not graph.models:
+    if not plan.models:
         raise FlowgraphError(f"data source `{d.name}` needs a tokenizer: declare a model")
-    return tokenizers[graph.models[0].name]
+    return tokenizers[plan.models[0].name]
 
 
 def load_data(plan: ExecutionPlan, tokenizers: dict[str, Any]) -> dict[str, Any]:
     """Data source -> its `flowgraph.nodes.data.Splits`, tokenized and checked (lengths
     against P and T, the ground truth the graph's readers need) when it loads."""
-    graph, dims = plan.graph, {d.name: d.value for d in plan.dims}
+    dims = {d.name: d.value for d in plan.dims}
     out = {}
-    for d in graph.data:
+    for d in plan.data:
         impl = Impl.at(plan.node(d.name).impl, f"data source `{d.name}`")
         params = {k: v for k, v in d.params.to_python().items() if k in impl.accepts}
         if "max_prompt_length" in impl.accepts:
@@ -214,11 +214,11 @@ def load_data(plan: ExecutionPlan, tokenizers: dict[str, Any]) -> dict[str, Any]
         if "max_response_length" in impl.accepts:
             params.setdefault("max_response_length", dims.get("T"))
         if "ground_truth_for" in impl.accepts:
-            params["ground_truth_for"] = graph.readers(d.name, "ground_truth")
+            params["ground_truth_for"] = plan.readers(d.name, "ground_truth")
         if "loss_mask_read" in impl.accepts:
-            params["loss_mask_read"] = bool(graph.readers(d.name, "loss_mask"))
-        out[d.name] = impl.fn(d.path, tokenizer=_data_tokenizer(graph, d, tokenizers),
-                              seed=graph.trainer.seed, **params)
+            params["loss_mask_read"] = bool(plan.readers(d.name, "loss_mask"))
+        out[d.name] = impl.fn(d.path, tokenizer=_data_tokenizer(plan, d, tokenizers),
+                              seed=plan.trainer.seed, **params)
     return out
 
 

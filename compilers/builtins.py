@@ -1,7 +1,7 @@
 """Trained built-in models: trained on first use by running their recipe graph.
 
 `builtin:tiny-lm-sft` (see `flowgraph.builtin_models.TRAINED_BUILTINS`) is `tiny-lm`
-after the project's own SFT graph. `run` calls `ensure_builtins(graph)` before any
+after the project's own SFT graph. `run` calls `ensure_builtins(plan.models)` before any
 target starts, so every process of a run finds the model in the cache. The recipe runs
 on the local target in a private temporary folder; its `policy` is exported there and
 published by an atomic rename (as `flowgraph.nodes.models` publishes the random
@@ -23,14 +23,14 @@ from typing import TextIO
 
 from flowgraph.builtin_models import BUILTIN_PREFIX, TRAINED_BUILTINS
 from flowgraph.frontend import graph_from_yaml
-from flowgraph.ir import Graph
+from flowgraph.ir import ModelSpec
 
 __all__ = ["ensure_builtin", "ensure_builtins"]
 
 
-def ensure_builtins(graph: Graph, out: TextIO | None = None) -> None:
-    """Train every trained built-in the graph's models (or tokenizers) name, once."""
-    for m in graph.models:
+def ensure_builtins(models: tuple[ModelSpec, ...], out: TextIO | None = None) -> None:
+    """Train every trained built-in `models` (or their tokenizers) name, once."""
+    for m in models:
         for path in (m.path, m.tokenizer):
             name = (path or "").removeprefix(BUILTIN_PREFIX)
             if path and path.startswith(BUILTIN_PREFIX) and name in TRAINED_BUILTINS:

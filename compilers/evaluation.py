@@ -26,10 +26,10 @@ def evaluate(batches: Batches, names: list[str], step: int, tokenizers: dict[str
     responses, for the `validation` table. `strict`: every held-out prologue batch held
     to its contracts (else the first)."""
     out: dict[str, float] = {}
-    graph, ip = batches.graph, batches.interpreter
-    if not all(batches.data[d.name].eval is not None for d in graph.data):
+    ip = batches.interpreter
+    if not all(batches.data[d.name].eval is not None for d in ip.plan.data):
         return out, []
-    evals = [batches.data[d.name].eval for d in graph.data]
+    evals = [batches.data[d.name].eval for d in ip.plan.data]
     for ev in evals:
         ev.load_state_dict({"epoch": 0, "position": 0})
     rows, size = min(len(ev) for ev in evals), batches.rows
@@ -45,7 +45,7 @@ def evaluate(batches: Batches, names: list[str], step: int, tokenizers: dict[str
             batches.draw(env, {}, split="eval")
             scratch = _eval_nodes(ip, names, env, step)
             scratch.update(step_metrics(ip.plan, env))
-            scratch.update(log_ratio_to_reference(graph, env))
+            scratch.update(log_ratio_to_reference(ip.plan, env))
             held_out.add(ip.plan, env, tokenizers, skip=size - fresh)
             for k, v in scratch.items():
                 sums[k] = sums.get(k, 0.0) + v * fresh / max(rows, size)

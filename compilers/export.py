@@ -75,9 +75,9 @@ def _trained_lm(run_dir: Path, model: str, adapter_only: bool) -> ModelSpec:
     if not plan_file.exists():
         raise FlowgraphError(f"`{run_dir}` is not a flowgraph run dir (no plan.json)")
     plan = ExecutionPlan.from_json(plan_file.read_text())
-    spec = plan.graph.model(model)
+    spec = next((m for m in plan.models if m.name == model), None)
     if spec is None:
-        names = ", ".join(m.name for m in plan.graph.models)
+        names = ", ".join(m.name for m in plan.models)
         raise FlowgraphError(f"the run has no model `{model}`; its models: {names}")
     heads = {m.name: m.head for p in plan.pools for m in p.models}
     if heads.get(model) != "lm":

@@ -124,7 +124,7 @@ class FsdpTarget:
         torch.save(rng_state(), tmp / f"rng.rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
-            publish_checkpoint(tmp, state, keep=self.plan.graph.trainer.max_checkpoints,
+            publish_checkpoint(tmp, state, keep=self.plan.trainer.max_checkpoints,
                                rollouts=rollouts)
         dist.barrier()
 
@@ -179,22 +179,22 @@ def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | No
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     plan = ExecutionPlan.from_json(Path(plan_json).read_text())
-    run_dir = Path(plan.graph.trainer.run_dir)
+    run_dir = Path(plan.trainer.run_dir)
     device = "cpu"
-    if plan.graph.resources.device != "cpu" and torch.cuda.is_available():
+    if plan.resources.device != "cpu" and torch.cuda.is_available():
         device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
         torch.cuda.set_device(device)
     else:  # share the cores: N ranks with all cores each would oversubscribe them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    exporting = (plan.graph.trainer.metrics_port if metrics_port is None
+    exporting = (plan.trainer.metrics_port if metrics_port is None
                  else metrics_port) is not None
     try:
-        with serving(plan.graph, metrics_port, metrics_host, hold=metrics_hold,
+        with serving(plan, metrics_port, metrics_host, hold=metrics_hold,
                      target="fsdp", out=sys.stdout, here=rank == 0) as exporter:
             # A rank silent for trainer.step_timeout_s fails its peers' next collective:
             # the hang ends the job like a death (and names the ranks' positions).
             _dist.init_group(rank, world, device,
-                             timeout_s=plan.graph.trainer.step_timeout_s or 1800.0)
+                             timeout_s=plan.trainer.step_timeout_s or 1800.0)
             options = ExecOptions(run_dir, device, strict, resume, out=sys.stdout,
                                   exporter=exporter)
             target = FsdpTarget(plan, options, rank, world, exporting=exporting)
@@ -245,7 +245,7 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
     config = LaunchConfig(
         min_nodes=opts.nnodes, max_nodes=opts.nnodes, nproc_per_node=world // opts.nnodes,
         run_id=f"flowgraph-{uuid.uuid4().hex[:8]}" if opts.rdzv_endpoint is None
-        else f"flowgraph-{plan.graph.name}",
+        else f"flowgraph-{plan.name}",
         rdzv_backend="c10d", rdzv_endpoint=endpoint,
         rdzv_configs={"is_host": opts.node_rank == 0} if opts.nnodes > 1 else {},
         max_restarts=0, monitor_interval=0.1, start_method="spawn")
@@ -280,7 +280,7 @@ def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan, opts: RunOpti
     # The user's overrides too: without them the resumed run would be another graph.
     again = shlex.join(
         ["flowgraph", "run", str(opts.plan_file), "--resume"] if opts.plan_file else
-        ["flowgraph", "run", plan.graph.source, "--target", "fsdp", "--nproc",
+        ["flowgraph", "run", plan.source, "--target", "fsdp", "--nproc",
          str(world_size(plan)), "--resume",
          *(o for o in opts.overrides if not o.startswith("trainer.run_dir=")),
          f"trainer.run_dir={run_dir}"])
@@ -312,7 +312,7 @@ def run_fsdp(plan: ExecutionPlan, opts: RunOptions) -> None:
     """`flowgraph run --target fsdp`: as a rank when torchrun started us, else launch."""
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         prepare_run(plan, resume=opts.resume, check_only=int(os.environ["RANK"]) != 0)
-        plan_json = Path(plan.graph.trainer.run_dir) / ".ranks" / f"plan.{os.environ['RANK']}.json"
+        plan_json = Path(plan.trainer.run_dir) / ".ranks" / f"plan.{os.environ['RANK']}.json"
         plan_json.parent.mkdir(parents=True, exist_ok=True)
         plan_json.write_text(plan.to_json())
         rank_main(str(plan_json), opts.strict, opts.resume,

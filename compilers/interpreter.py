@@ -47,11 +47,10 @@ class Interpreter:
     """Runs nodes of `plan`; `dispatch` (the target's) calls each one."""
 
     def __init__(self, plan: ExecutionPlan, dispatch: Dispatch) -> None:
-        self.plan, self.graph, self.dispatch = plan, plan.graph, dispatch
-        self.nodes = {n.name: n for n in self.graph.nodes}
+        self.plan, self.dispatch = plan, dispatch
         self.placed = {n.name: n for n in plan.nodes}
-        """Each node's (and data source's) plan: params, kind facts, port contracts."""
-        self.consumed = {(ref.node, ref.port) for ref, _, _ in self.graph.edges()}
+        """Each node's (and data source's) plan: wiring, params, kind facts, contracts."""
+        self.consumed = {i.ref for n in plan.nodes for i in n.inputs}
         self.fused_into = {f: n.name for n in plan.nodes for f in n.fused}
         """A node fused into another's forward (pass `fusion`) -> that node, which runs it."""
         self.contracts = RuntimeContracts.of(plan)
@@ -97,18 +96,15 @@ class Interpreter:
                   metrics: dict[str, float], *, evaluation: bool = False
                   ) -> tuple[dict[str, Any], float]:
         """The target runs node `name` on its inputs in `env`; nothing is stored."""
-        inputs = {port: env[(ref.node, ref.port)] for port, ref in self.nodes[name].inputs}
+        inputs = {i.port: env[i.ref] for i in self.placed[name].inputs}
         return self.dispatch(name, inputs, step, params, metrics, evaluation=evaluation)
 
     def check_inputs(self, name: str, env: Env, step: int) -> None:
         """Every input of `name` against its port's contract (strict mode)."""
-        refs = dict(self.nodes[name].inputs)
         for wired in self.placed[name].inputs:
-            if wired.spec is None:
-                continue
-            ref = refs[wired.port]
-            self.contracts.check_edge(ref, name, wired.port, wired.spec.tensor_spec(),
-                                      env[(ref.node, ref.port)], step)
+            if wired.spec is not None:
+                self.contracts.check_edge(wired, name, wired.spec.tensor_spec(),
+                                          env[wired.ref], step)
 
     def params(self, name: str, *, evaluation: bool = False) -> dict[str, Any]:
         """The node's params as the plan resolved them (at evaluation: a rollout's held-out
@@ -128,7 +124,7 @@ class Interpreter:
             value = outputs[p.port]
             if strict and p.spec is not None:
                 self.contracts.check_output(name, p.port, p.spec.tensor_spec(), value, step,
-                                            self.nodes[name].pos)
+                                            placed.where)
             # Every float output, declared `finite` or not: a NaN reward from a user's
             # plugin must stop the run as surely as one from a built-in node.
             if isinstance(value, torch.Tensor) and value.is_floating_point() \
@@ -141,14 +137,13 @@ class Interpreter:
         """The first node's inputs holding the rows of the whole group, in order; the
         rows of each distinct input set, and which one each node reads (a node with
         the same inputs as an earlier one shares its rows)."""
-        wired = [dict(self.nodes[m].inputs) for m in group]  # port -> ref, in any order
-        keys = [tuple(sorted((port, str(ref)) for port, ref in w.items())) for w in wired]
+        wired = [dict(self.placed[m].wiring()) for m in group]  # port -> ref, in any order
+        keys = [tuple(sorted(w.items())) for w in wired]
         distinct = list(dict.fromkeys(keys))
         sources = [wired[keys.index(k)] for k in distinct]
-        first = self.nodes[group[0]].inputs[0][0]
-        rows = [len(env[(w[first].node, w[first].port)]) for w in sources]
-        inputs = {port: join([env[(w[port].node, w[port].port)] for w in sources])
-                  for port, _ in self.nodes[group[0]].inputs}
+        ports = [i.port for i in self.placed[group[0]].inputs]
+        rows = [len(env[w[ports[0]]]) for w in sources]
+        inputs = {port: join([env[w[port]] for w in sources]) for port in ports}
         return inputs, rows, [distinct.index(k) for k in keys]
 
 
@@ -174,7 +169,7 @@ class Prologue:
         if not self.names or split in self.done:
             return 0.0
         t0, ip = time.perf_counter(), self.interpreter
-        for d in ip.graph.data:
+        for d in ip.plan.data:
             names = [n for n in self.names if self.source(n) == d.name]
             dataset = datasets(d.name)
             if not names or dataset is None:
@@ -219,8 +214,9 @@ class Prologue:
 
     def _sources(self, name: str) -> set[str]:
         ip, out = self.interpreter, set()
-        for _, ref in ip.nodes[name].inputs:
-            out |= {ref.node} if ip.graph.data_source(ref.node) else self._sources(ref.node)
+        for wired in ip.placed[name].inputs:
+            source = wired.ref[0]
+            out |= {source} if ip.placed[source].category == "data" else self._sources(source)
         return out
 
 

@@ -41,7 +41,7 @@ class LocalTarget:
     label = "local"
 
     def __init__(self, plan: ExecutionPlan, opts: ExecOptions) -> None:
-        self.opts, self.keep = opts, plan.graph.trainer.max_checkpoints
+        self.opts, self.keep = opts, plan.trainer.max_checkpoints
         self.worker = Worker(plan, opts, tuple(m for p in plan.pools for m in p.models))
         self.dispatch = self.worker.dispatch
 
@@ -76,8 +76,8 @@ def prepare_run(plan: ExecutionPlan, *, resume: bool, check_only: bool = False) 
     """The run dir, created and known writable before any model loads; refuses one that
     holds a run unless resuming, and a tracker whose package is missing. Quiets Hugging
     Face."""
-    check_trackers(plan.graph)
-    run_dir = Path(plan.graph.trainer.run_dir)
+    check_trackers(plan.trainer)
+    run_dir = Path(plan.trainer.run_dir)
     if not check_only:
         quiet_hf()
         _writable(run_dir)
@@ -108,8 +108,8 @@ def run_plan(plan: ExecutionPlan, opts: RunOptions) -> None:
     `trainer.metrics_port`; 0 picks a free port) from before the models load until the
     run ends, and `opts.metrics_hold` seconds longer so a scraper sees the final values."""
     run_dir = prepare_run(plan, resume=opts.resume)
-    device = pick_device(plan.graph.resources.device)
-    with serving(plan.graph, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
+    device = pick_device(plan.resources.device)
+    with serving(plan, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
                  out=opts.out) as exporter:
         options = ExecOptions(run_dir, device, opts.strict, opts.resume, opts.out,
                               opts.tensorboard, exporter)

@@ -46,10 +46,10 @@ class TrainingLoop:
     """Runs `plan` for `trainer.steps` steps through `target`."""
 
     def __init__(self, plan: ExecutionPlan, target: Target, opts: ExecOptions) -> None:
-        self.plan, self.graph, self.target, self.opts = plan, plan.graph, target, opts
+        self.plan, self.target, self.opts = plan, target, opts
         self.interpreter = Interpreter(plan, target.dispatch)
         steps = [n for s in plan.stages if not s.once for n in s.nodes
-                 if n in self.interpreter.nodes]
+                 if plan.node(n).category != "data"]
         cut = plan.asynchronous
         self.producer = [n for n in steps if cut is not None and n in cut.producer]
         """An asynchronous plan's producer nodes, in the order they run (none: synchronous)."""
@@ -70,7 +70,7 @@ class TrainingLoop:
     def strict(self) -> bool:
         """Every tensor on every edge checked at every step (`trainer.strict`, `--strict`);
         else the first step's only."""
-        return self.graph.trainer.strict or self.opts.strict
+        return self.plan.trainer.strict or self.opts.strict
 
     @property
     def node_state(self) -> dict[str, dict[str, Any]]:
@@ -90,7 +90,7 @@ class TrainingLoop:
         """The training loop; returns the metric rows this process produced. A fault a
         target can recover from (`WorkerLost`: a Ray worker died or hung) goes to the
         target's `recover`, which says the checkpoint to go on from."""
-        trainer = self.graph.trainer
+        trainer = self.plan.trainer
         self.prepare_run_dir()
         cut = self.plan.asynchronous
         if cut is not None:
@@ -125,7 +125,7 @@ class TrainingLoop:
         """The prologue over the training rows, and the held-out rows when the run
         evaluates; its time goes in the first row (`timing_s/prologue`)."""
         self.prologue_seconds = self.run_prologue("train")
-        if self.graph.trainer.eval_every or self.graph.trainer.val_before_train:
+        if self.plan.trainer.eval_every or self.plan.trainer.val_before_train:
             self.prologue_seconds += self.run_prologue("eval")
 
     def run_prologue(self, split: str) -> float:
@@ -134,7 +134,7 @@ class TrainingLoop:
     def train_step(self, step: int, log: MetricsLog) -> tuple[dict[str, float], bool]:
         """One turn of the loop: the step, the evaluation when due, the row logged, a
         checkpoint when due; (the row, whether a checkpoint was written)."""
-        trainer = self.graph.trainer
+        trainer = self.plan.trainer
         before: dict[str, float] = {}
         self.generations = []
         if trainer.val_before_train and step == 0 and trainer.eval_every != 1:
@@ -165,7 +165,7 @@ class TrainingLoop:
         try:
             return self.run_step(step, strict=strict)
         except NonFiniteError as exc:
-            if self.graph.trainer.on_nonfinite != "skip":
+            if self.plan.trainer.on_nonfinite != "skip":
                 raise
             print(f"step {step}: skipped the batch: {exc}", file=self.opts.out)
             return {"skipped": 1.0}
@@ -224,7 +224,7 @@ class TrainingLoop:
         cursors = (self.rollouts.data_cursors(step) if self.rollouts is not None
                    else self.batches.cursors())
         return {"step": step, "cursors": cursors, "node_state": self.node_state,
-                "plan": self.graph.name}
+                "plan": self.plan.name}
 
     def save(self, step: int) -> None:
         buffered = self.rollouts.buffered(step) if self.rollouts is not None else None
@@ -283,11 +283,11 @@ class TrainingLoop:
     def open_log(self) -> MetricsLog:
         if not self.target.writes:
             return _Silent(self.opts.run_dir)
-        trackers = open_trackers(self.graph, self.opts.run_dir, resume=self.opts.resume,
+        trackers = open_trackers(self.plan, self.opts.run_dir, resume=self.opts.resume,
                                  tensorboard=self.opts.tensorboard)
         return MetricsLog(self.opts.run_dir, trackers=trackers,
-                          console="console" in self.graph.trainer.loggers,
-                          out=self.opts.out, total_steps=self.graph.trainer.steps,
+                          console="console" in self.plan.trainer.loggers,
+                          out=self.opts.out, total_steps=self.plan.trainer.steps,
                           exporter=self.opts.exporter, worker=self.target.label)
 
 

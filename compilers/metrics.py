@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from flowgraph.ir import Graph
 from flowgraph.plan import ExecutionPlan
 
 
@@ -22,19 +21,18 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 def step_metrics(plan: ExecutionPlan, env: dict[tuple[str, str], Any]) -> dict[str, float]:
     """verl's batch metrics: score, rewards, advantages, returns, values, lengths, tokens."""
     out: dict[str, float] = {}
-    for node in plan.graph.nodes:
-        kind = plan.node(node.name)
-        mask_ref = node.input("response_mask")
-        mask = env.get((mask_ref.node, mask_ref.port)) if mask_ref else None
-        if kind.category == "rollout" and (node.name, "response_mask") in env:
+    for node in plan.nodes:
+        mask_ref = dict(node.wiring()).get("response_mask")
+        mask = env.get(mask_ref) if mask_ref else None
+        if node.category == "rollout" and (node.name, "response_mask") in env:
             resp = env[(node.name, "response_mask")].float()
             out.setdefault("response_length/mean", float(resp.sum(-1).mean()))
             prompt = env[(node.name, "prompt_mask")].float()
             out["perf/tokens"] = out.get("perf/tokens", 0.0) + float(resp.sum() + prompt.sum())
             out["perf/response_tokens"] = out.get("perf/response_tokens", 0.0) + float(resp.sum())
-        elif kind.category == "reward" and (node.name, "scores") in env:
+        elif node.category == "reward" and (node.name, "scores") in env:
             out.setdefault("critic/score/mean", float(env[(node.name, "scores")].mean()))
-        elif kind.category == "filter" and (node.name, "scores") in env:
+        elif node.category == "filter" and (node.name, "scores") in env:
             # The batch trained on is the filter's (the last try's rollout is one part).
             out["critic/score/mean"] = float(env[(node.name, "scores")].mean())
             kept = env[(node.name, "response_mask")].float()
@@ -42,10 +40,10 @@ def step_metrics(plan: ExecutionPlan, env: dict[tuple[str, str], Any]) -> dict[s
         elif (node.name, "token_level_rewards") in env and mask is not None:  # kl_penalty
             rewards = env[(node.name, "token_level_rewards")]
             out["critic/rewards/mean"] = float((rewards * mask).sum(-1).mean())
-        elif kind.category == "advantage" and mask is not None:
+        elif node.category == "advantage" and mask is not None:
             out["critic/advantages/mean"] = _masked_mean(env[(node.name, "advantages")], mask)
             out["critic/returns/mean"] = _masked_mean(env[(node.name, "returns")], mask)
-        elif kind.head == "scalar" and (node.name, "values") in env and mask is not None:
+        elif node.head == "scalar" and (node.name, "values") in env and mask is not None:
             out["critic/values/mean"] = _masked_mean(env[(node.name, "values")], mask)
     if "critic/score/mean" in out:
         out.setdefault("critic/rewards/mean", out["critic/score/mean"])
@@ -73,21 +71,22 @@ def phase_seconds(plan: ExecutionPlan, seconds: dict[str, float], wall: float,
     return {f"phase_s/{phase}": s for phase, s in out.items()}
 
 
-def log_ratio_to_reference(graph: Graph, env: dict[tuple[str, str], Any]
+def log_ratio_to_reference(plan: ExecutionPlan, env: dict[tuple[str, str], Any]
                            ) -> dict[str, float]:
     """`log_ratio_to_ref`: the mean over valid response tokens of log π(y_t) − log π_ref(y_t).
     On responses sampled from π this is the k1 estimate of KL(π ‖ π_ref); on the greedy
     held-out responses it is not (it can be negative), hence its name. Read from the first node that
     takes both an actor log-prob (`log_prob` or `old_log_prob`) and `ref_log_prob` (PPO's
     `kl_penalty`, GRPO's actor update); nothing when the graph has no reference."""
-    for node in graph.nodes:
-        ref, mask = node.input("ref_log_prob"), node.input("response_mask")
-        actor = node.input("log_prob") or node.input("old_log_prob")
+    for node in plan.nodes:
+        wired = dict(node.wiring())
+        ref, mask = wired.get("ref_log_prob"), wired.get("response_mask")
+        actor = wired.get("log_prob") or wired.get("old_log_prob")
         if ref is None or mask is None or actor is None:
             continue
-        pi, pi_ref = env.get((actor.node, actor.port)), env.get((ref.node, ref.port))
+        pi, pi_ref = env.get(actor), env.get(ref)
         if pi is not None and pi_ref is not None:
-            return {"log_ratio_to_ref": _masked_mean(pi - pi_ref, env[(mask.node, mask.port)])}
+            return {"log_ratio_to_ref": _masked_mean(pi - pi_ref, env[mask])}
     return {}
 
 
@@ -110,8 +109,7 @@ class HeldOut:
         """The batch's responses, but those of its first `skip` prompts (counted already)."""
         from flowgraph.runtime.evaluation import exact_match
 
-        graph = plan.graph
-        gen = next((n for n in graph.nodes if plan.node(n.name).category == "rollout"), None)
+        gen = next((n for n in plan.nodes if n.category == "rollout"), None)
         if gen is None:
             return
         index = [int(i) for i in env[(gen.name, "index")]]
@@ -120,20 +118,21 @@ class HeldOut:
         rows = _valid_rows(env[(gen.name, "responses")], env[(gen.name, "response_mask")])
         self.tokens += [[t for t in rows[r] if t not in special] for r in keep]
         first, self.prompts = self.prompts, self.prompts + max(index, default=-1) + 1 - skip
-        for node in graph.nodes:
-            kind, truth = plan.node(node.name), node.input("ground_truth")
-            ids, mask = node.input("responses"), node.input("response_mask")
-            if kind.category != "reward" or truth is None or ids is None or mask is None \
+        for node in plan.nodes:
+            wired = dict(node.wiring())
+            truth, ids, mask = (wired.get(p) for p in ("ground_truth", "responses",
+                                                       "response_mask"))
+            if node.category != "reward" or truth is None or ids is None or mask is None \
                     or node.model is None:
                 continue
-            if kind.param_values().get("fn") != "exact_match":
+            if node.param_values().get("fn") != "exact_match":
                 continue
             tok = tokenizers[node.model]
             texts = [tok.decode(row, skip_special_tokens=True) for row in
-                     _valid_rows(env[(ids.node, ids.port)], env[(mask.node, mask.port)])]
+                     _valid_rows(env[ids], env[mask])]
             prompts = [tok.decode(row, skip_special_tokens=True) for row in
                        _valid_rows(env[(gen.name, "prompts")], env[(gen.name, "prompt_mask")])]
-            truths = [str(g) for g in env[(truth.node, truth.port)]]
+            truths = [str(g) for g in env[truth]]
             scores = env.get((node.name, "scores"))
             for r in keep:
                 self.table.append({

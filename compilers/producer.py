@@ -216,7 +216,7 @@ def _producer_main(plan_json: str, names: list[str], run_dir: str, device: str, 
             rollouts.origin = origin
             loaded = -1
             # drop: rollouts dropped are replaced, so the producer goes on until stopped
-            for index in (range(first, plan.graph.trainer.steps) if rollouts.block
+            for index in (range(first, plan.trainer.steps) if rollouts.block
                           else itertools.count(first)):
                 with cond:
                     want = rollouts.need(index) if rollouts.block else None

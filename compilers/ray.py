@@ -160,7 +160,7 @@ class RayTarget:
         """ray.get with the step timeout (`timed`); a dead or silent worker raises
         WorkerLost, a node's own error comes back as it was raised in the worker.
         `where`: the node and step waited for."""
-        timeout = (self.plan.graph.trainer.step_timeout_s or None) if timed else None
+        timeout = (self.plan.trainer.step_timeout_s or None) if timed else None
         try:
             return ray.get(refs, timeout=timeout)
         except RayTaskError as exc:
@@ -243,7 +243,7 @@ class RayTarget:
              ) -> None:
         tmp = begin_checkpoint(self.opts.run_dir, step, "tmp-ray")
         self._get([w.save.remote(str(tmp)) for g in self.groups.values() for w in g.workers])
-        publish_checkpoint(tmp, state, keep=self.plan.graph.trainer.max_checkpoints,
+        publish_checkpoint(tmp, state, keep=self.plan.trainer.max_checkpoints,
                            rollouts=rollouts)
 
     def load(self, folder: Path) -> None:
@@ -307,7 +307,7 @@ def _runtime_env(plan: ExecutionPlan) -> dict[str, Any] | None:
     env: dict[str, Any] = {}
     if DEBUG_ENV in os.environ:
         env["env_vars"] = {DEBUG_ENV: os.environ[DEBUG_ENV]}
-    sources = [plugin_source(p.module, folder) for p in plan.graph.plugins
+    sources = [plugin_source(p.module, folder) for p in plan.plugins
                for folder in plan.plugin_paths]
     modules = sorted({str(s) for s in sources if s is not None})
     if modules:
@@ -329,7 +329,7 @@ def run_ray(plan: ExecutionPlan, opts: RunOptions) -> None:
     """`flowgraph run --target ray`: start or join a cluster (`opts.address`) and drive
     the plan. Prometheus metrics as `run_plan` serves them, from the driver."""
     run_dir = prepare_run(plan, resume=opts.resume).resolve()
-    with serving(plan.graph, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
+    with serving(plan, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
                  target="ray", out=opts.out) as exporter:
         target = None
         try:

@@ -63,7 +63,7 @@ class Rollouts:
         self.plan, self.batches, self.worker, self.names, self.opts = \
             plan, batches, worker, names, opts
         """The producer's nodes run on `batches` by `worker`'s interpreter, in this order."""
-        self.S, self.steps = cut.staleness, plan.graph.trainer.steps
+        self.S, self.steps = cut.staleness, plan.trainer.steps
         self.block = cut.admission == "block"
         self.pending: deque[Rollout] = deque()
         self.cursors: dict[str, dict[str, Any]] | None = None
@@ -134,7 +134,7 @@ class Rollouts:
         """Run the producer's nodes for the batch of step `index`; a NaN is kept in the
         rollout, to be raised at its step."""
         env: Env = {}
-        strict = self.plan.graph.trainer.strict or self.opts.strict or index == self.origin
+        strict = self.plan.trainer.strict or self.opts.strict or index == self.origin
         try:
             self.batches.produce(env, index, strict, metrics, self.names)
         except NonFiniteError as exc:

@@ -72,15 +72,16 @@ class Worker:
     def __init__(self, plan: ExecutionPlan, opts: ExecOptions,
                  hosted: tuple[ModelPlacement, ...], *, place: Place = _whole,
                  trained: frozenset[str] | None = None) -> None:
-        self.plan, self.graph, self.opts = plan, plan.graph, opts
+        self.plan, self.opts = plan, opts
         self.hosted, self.place = hosted, place
         self.trained = (trained if trained is not None else frozenset(
             n.model for n in plan.nodes if n.trains and n.model is not None))
         """The models this worker makes optimizers for (the updates' models)."""
-        self.nodes = {n.name: n for n in plan.graph.nodes}
         self.placed = {n.name: n for n in plan.nodes}
         """Each node's plan: its implementation, params and kind facts."""
-        self.consumed = {(ref.node, ref.port) for ref, _, _ in plan.graph.edges()}
+        self.nodes = [n.name for n in plan.nodes if n.category != "data"]
+        """The nodes (not the data sources), each with an implementation to call."""
+        self.consumed = {i.ref for n in plan.nodes for i in n.inputs}
         self.impls: dict[str, Impl] = {}
         self.models: dict[str, Any] = {}
         self.tokenizers: dict[str, Any] = {}
@@ -96,7 +97,7 @@ class Worker:
         (each accepting what the plan calls it with), tokenizers."""
         from flowgraph.nodes.models import check_model_path
 
-        for m in self.graph.models:
+        for m in self.plan.models:
             check_model_path(m.path)
         import_plugins(self.plan)
         for name in self.nodes:
@@ -104,21 +105,20 @@ class Worker:
             self.impls[name] = Impl.at(n.impl, f"node `{name}`")
             self.impls[name].verify_names(name, n.kind, n.impl, [i.port for i in n.inputs],
                                           [p.name for p in n.params], n.trains)
-        self.tokenizers = load_tokenizers(self.graph)
+        self.tokenizers = load_tokenizers(self.plan.models)
 
     def load_models(self) -> None:
         """The hosted models, placed, and the optimizers of those an update trains."""
-        seed = self.graph.trainer.seed
+        seed = self.plan.trainer.seed
         for placed in self.hosted:
-            spec = self.graph.model(placed.name)
-            assert spec is not None  # the plan's verifier holds pools to the graph's models
+            spec = self.plan.model(placed.name)
             if placed.base_of is not None:
                 continue
             model = self.place(placed, load_model(spec, placed, self.opts.device, seed))
             self.models[spec.name] = model
             if spec.trainable and spec.name in self.trained:
                 self.optimizers[spec.name], self.schedulers[spec.name] = \
-                    make_optimizer(spec, model, self.graph.trainer.steps)
+                    make_optimizer(spec, model, self.plan.trainer.steps)
         for placed in self.hosted:  # a LoRA model's base: that model, its adapters off
             if placed.base_of is not None:
                 self.models[placed.name] = self.models[placed.base_of]
@@ -132,18 +132,18 @@ class Worker:
     def context(self, name: str, step: int, **dp: Any) -> NodeContext:
         """The node's context; `dp` sets the data-parallel fields (row_offset, workers)
         where a target splits the batch."""
-        node, trains = self.nodes[name], self.placed[name].trains
-        model = node.model or ""
-        spec = self.graph.model(model) if node.model else None
+        node = self.placed[name]
+        model, trains = node.model or "", node.trains
+        spec = self.plan.model(model) if node.model else None
         return NodeContext(
-            node=name, kind=node.kind, step=step, seed=self.graph.trainer.seed,
+            node=name, kind=node.kind, step=step, seed=self.plan.trainer.seed,
             device=self.opts.device, model=self.models.get(model),
             tokenizer=self.tokenizers.get(model),
             optimizer=self.optimizers.get(model) if trains else None,
             scheduler=self.schedulers.get(model) if trains else None,
             grad_clip=spec.optimizer.grad_clip if spec and spec.optimizer else 0.0,
             state=self.node_state[name], dims=dict(self.dims),
-            engines=partial(rollout_engine, verify_every=self.graph.trainer.verify_sync_every),
+            engines=partial(rollout_engine, verify_every=self.plan.trainer.verify_sync_every),
             **dp)
 
     def dispatch(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
@@ -199,7 +199,7 @@ class Worker:
         metrics.update(ctx.metrics)
 
     def _base(self, name: str, ctx: NodeContext) -> Any:
-        node = self.nodes[name]
+        node = self.placed[name]
         return (adapters_off(ctx.model) if node.model in self.adapters_off
                 and ctx.model is not None else nullcontext())
 
@@ -245,7 +245,7 @@ def node_error(worker: Worker, name: str, step: int, exc: Exception) -> NodeErro
     the error, and the line of the node's own code that raised it (a plugin's file,
     not flowgraph's or torch's). The full traceback goes to `run_dir/traceback.txt`,
     and into the message under `flowgraph run --debug`."""
-    node = worker.nodes[name]
+    node = worker.placed[name]
     full = "".join(traceback.format_exception(exc))
     where = worker.opts.run_dir / "traceback.txt"
     try:
@@ -255,7 +255,7 @@ def node_error(worker: Worker, name: str, step: int, exc: Exception) -> NodeErro
         saved = ""
     frame = user_frame(exc)
     model = f"model {node.model}, " if node.model else ""
-    text = (f"while executing node `{name}` (kind {node.kind}, {model}{node.pos}) "
+    text = (f"while executing node `{name}` (kind {node.kind}, {model}{node.where}) "
             f"{at_step(step)}: "
             f"{type(exc).__name__}: {exc}\n  at {frame.filename}:{frame.lineno} in "
             f"{frame.name}: {(frame.line or '').strip()}")

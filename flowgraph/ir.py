@@ -397,21 +397,30 @@ class Graph:
                 yield ref, n, port
 
     def readers(self, node: str, port: str) -> tuple[str, ...]:
-        """The nodes that read output `node.port`: the last consumers along the edges
-        that carry it, whatever their input is called (a plugin reward may read the
-        ground truth as `answers`); a node passes it on when its output of the input's
-        name is read (a `generate` hands `ground_truth` on to, say, the reward)."""
-        readers: list[str] = []
-        frontier, seen = [(node, port)], {(node, port)}
-        while frontier:
-            producer = frontier.pop()
-            for ref, consumer, name in self.edges():
-                if (ref.node, ref.port) != producer:
-                    continue
-                onward = (consumer.name, name)
-                if not any((r.node, r.port) == onward for r, _, _ in self.edges()):
-                    readers.append(consumer.name)
-                elif onward not in seen:
-                    seen.add(onward)
-                    frontier.append(onward)
-        return tuple(sorted(set(readers)))
+        """The nodes that read output `node.port` (`readers`)."""
+        return readers([((ref.node, ref.port), n.name, p) for ref, n, p in self.edges()],
+                       node, port)
+
+
+def readers(edges: list[tuple[tuple[str, str], str, str]], node: str, port: str
+            ) -> tuple[str, ...]:
+    """The nodes that read output `node.port`, given each edge as ((producer, output),
+    consumer, input): the last consumers along the edges that carry it, whatever their
+    input is called (a plugin reward may read the ground truth as `answers`); a node
+    passes it on when its output of the input's name is read (a `generate` hands
+    `ground_truth` on to, say, the reward)."""
+    found: list[str] = []
+    produced = {ref for ref, _, _ in edges}
+    frontier, seen = [(node, port)], {(node, port)}
+    while frontier:
+        producer = frontier.pop()
+        for ref, consumer, name in edges:
+            if ref != producer:
+                continue
+            onward = (consumer, name)
+            if onward not in produced:
+                found.append(consumer)
+            elif onward not in seen:
+                seen.add(onward)
+                frontier.append(onward)
+    return tuple(sorted(set(found)))

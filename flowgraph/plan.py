@@ -62,7 +62,17 @@ from flowgraph.contracts import TensorSpec
 from flowgraph.document import YMap, YNode, YScalar, YSeq
 from flowgraph.errors import PlanError
 from flowgraph.frontend import graph_from_document, graph_to_document
-from flowgraph.ir import NAME_RE, Graph, NodeSpec
+from flowgraph.ir import (
+    NAME_RE,
+    DataSpec,
+    Graph,
+    ModelSpec,
+    NodeSpec,
+    Plugin,
+    ResourceSpec,
+    TrainerSpec,
+    readers,
+)
 from flowgraph.registry import HOISTABLE_CATEGORIES, KindSpec
 from flowgraph.source import SourcePos
 
@@ -143,6 +153,14 @@ class InputPlan:
     what strict mode holds the tensor to; None when the checker could not resolve it."""
     spec: SpecPlan | None = None
     """The port's contract (dtype, constraints); None for a data source's ports."""
+    where: str = ""
+    """Where the graph file wires it (`graph.yaml:14:17`), for messages."""
+
+    @property
+    def ref(self) -> tuple[str, str]:
+        """The upstream output as (node, port)."""
+        node, _, port = self.src.partition(".")
+        return node, port
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,10 +215,16 @@ class NodePlan:
     unless `val_temperature` > 0; an update: the same implementation, whose `Update` the
     update loop evaluates without a step); the kind's evaluation-only params are in
     neither."""
+    where: str = ""
+    """The node's place in the graph file (`graph.yaml:12:3`), for messages."""
 
     def __post_init__(self) -> None:
         _require(["name is not an identifier"] if _bad_name(self.name) else [],
                  f"node `{self.name}`")
+
+    def wiring(self) -> tuple[tuple[str, tuple[str, str]], ...]:
+        """Each input port and the (node, port) it reads."""
+        return tuple((i.port, i.ref) for i in self.inputs)
 
     def param_values(self, *, evaluation: bool = False) -> dict[str, Any]:
         """The params as Python values (at evaluation: `eval_params`)."""
@@ -460,6 +484,49 @@ class ExecutionPlan:
 
     def node(self, name: str) -> NodePlan:
         return next(n for n in self.nodes if n.name == name)
+
+    # The run's settings: the graph file's sections, held once, in the plan's graph
+    # record. Executors read them here and the nodes' wiring and params from `nodes`;
+    # `graph` itself is the compiler's and the verifier's.
+    @property
+    def name(self) -> str:
+        return self.graph.name
+
+    @property
+    def trainer(self) -> TrainerSpec:
+        return self.graph.trainer
+
+    @property
+    def resources(self) -> ResourceSpec:
+        return self.graph.resources
+
+    @property
+    def models(self) -> tuple[ModelSpec, ...]:
+        return self.graph.models
+
+    @property
+    def data(self) -> tuple[DataSpec, ...]:
+        return self.graph.data
+
+    @property
+    def plugins(self) -> tuple[Plugin, ...]:
+        return self.graph.plugins
+
+    def document(self) -> dict[str, object]:
+        """The graph file as a document (what experiment trackers record as config)."""
+        return graph_to_document(self.graph)
+
+    def readers(self, node: str, port: str) -> tuple[str, ...]:
+        """The nodes that read output `node.port` (`flowgraph.ir.readers`)."""
+        return readers([(i.ref, n.name, i.port) for n in self.nodes for i in n.inputs],
+                       node, port)
+
+    def model(self, name: str) -> ModelSpec:
+        """The `models:` entry `name` (the verifier holds every placement to one)."""
+        spec = self.graph.model(name)
+        if spec is None:
+            raise PlanError(f"the plan has no model `{name}`")
+        return spec
 
     def pool(self, name: str) -> PoolPlan:
         return next(p for p in self.pools if p.name == name)
@@ -819,7 +886,26 @@ def _graph_problems(plan: ExecutionPlan) -> list[str]:
     planned = {n.name for n in plan.nodes}
     problems += [f"node `{n}` is not in the plan's graph" for n in planned - kinds.keys()]
     problems += [f"the graph's `{n}` has no node record" for n in kinds.keys() - planned]
+    sources = {d.name for d in plan.graph.data}
+    problems += [f"`{n.name}` is {'a' if n.name in sources else 'no'} data source of the "
+                 f"graph but its plan's category is `{n.category}`" for n in plan.nodes
+                 if n.category and (n.category == "data") != (n.name in sources)]
+    for n in plan.nodes:
+        spec = plan.graph.node(n.name)
+        if spec is None:
+            continue
+        wired = tuple((port, (ref.node, ref.port)) for port, ref in spec.inputs)
+        if n.wiring() != wired:
+            problems.append(f"node `{n.name}` reads {_wires(n.wiring())} in the plan, "
+                            f"{_wires(wired)} in its graph")
+        if n.model != spec.model and n.model is not None:
+            problems.append(f"node `{n.name}` runs model `{n.model}` in the plan, "
+                            f"`{spec.model}` in its graph")
     return problems
+
+
+def _wires(wiring: Iterable[tuple[str, tuple[str, str]]]) -> str:
+    return "{" + ", ".join(f"{port}: {node}.{out}" for port, (node, out) in wiring) + "}"
 
 
 def _twice(names: Iterable[str]) -> list[str]:

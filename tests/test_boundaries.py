@@ -262,3 +262,29 @@ def private_imports() -> list[str]:
 def test_no_private_name_crosses_a_module() -> None:
     bad = private_imports()
     assert not bad, "private names imported across modules:\n" + "\n".join(bad)
+
+
+def graph_reads(source: str) -> list[int]:
+    """Lines that read an attribute `graph` (an executor reaching into the plan's graph
+    record)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr == "graph":
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_executors_read_the_plan_not_its_graph() -> None:
+    """An executor runs what the plan holds: the nodes' wiring, params and kind facts
+    from `NodePlan`, the run's settings from `ExecutionPlan.trainer` / `models` / `data`
+    / `plugins` / `resources`; `plan.graph` is the compiler's and the verifier's. (The
+    built-ins' recipe, `compilers/builtins.py`, compiles a graph of its own.)"""
+    bad = [f"{file.relative_to(ROOT)}:{line}"
+           for module, file in sorted(MODULES.items())
+           if module.startswith("flowgraph.compilers.")
+           for line in graph_reads(file.read_text())]
+    assert not bad, "executors reading `.graph`:\n" + "\n".join(bad)
+
+
+def test_graph_reads_are_found() -> None:
+    assert graph_reads("x = plan.graph.trainer\ny = 1\nz = self.graph") == [1, 3]

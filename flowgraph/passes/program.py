@@ -231,7 +231,8 @@ class Program:
         node = self.graph.node(name)
         inputs = tuple(InputPlan(port, str(ref), labels.get(str(ref), ""),
                                  self._contract(name, spec := kind.input(port)),
-                                 SpecPlan.of(spec.spec) if spec is not None else None)
+                                 SpecPlan.of(spec.spec) if spec is not None else None,
+                                 str(ref.pos))
                        for port, ref in (node.inputs if node else ()))
         outputs = tuple(OutputPlan(p.name, self._contract(name, p), self._batched(name, p.name),
                                    SpecPlan.of(p.spec), p.optional)
@@ -244,7 +245,9 @@ class Program:
                         stage, bool(node and node.hoisted), inputs, outputs, loads,
                         kind.trains, category=kind.category, head=kind.head,
                         params=ParamPlan.of(kind.call_values(given)) if node else (),
-                        eval_params=ParamPlan.of(kind.eval_values(given)) if node else ())
+                        eval_params=ParamPlan.of(kind.eval_values(given)) if node else (),
+                        where=str(spot.pos) if (spot := node or self.graph.data_source(name))
+                        else "")
 
     def _batched(self, name: str, port: str) -> bool:
         """The output has a batch axis (see `has_batch_axis`); unchecked: taken for one."""

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 if TYPE_CHECKING:
-    from flowgraph.ir import Graph
+    from flowgraph.plan import ExecutionPlan
     from flowgraph.runtime.prometheus import Exporter
     from flowgraph.runtime.trackers import Tracker
 
@@ -140,20 +140,20 @@ def _progress_bar(out: TextIO, total: int) -> tuple[Any, Any]:
 
 
 @contextmanager
-def serving(graph: Graph, port: int | None, host: str = "127.0.0.1", *, hold: float = 0.0,
+def serving(plan: ExecutionPlan, port: int | None, host: str = "127.0.0.1", *, hold: float = 0.0,
             target: str = "local", out: TextIO | None = None, here: bool = True
             ) -> Iterator[Exporter | None]:
     """Prometheus `/metrics` for the block: on `port` (else `trainer.metrics_port`; 0 a
     free one), started first so a busy port fails before any model loads, kept `hold`
     seconds after a block that ends normally (a scraper reads the final values), closed
     always. None when no port is asked for, or not `here` (an fsdp rank other than 0)."""
-    port = graph.trainer.metrics_port if port is None else port
+    port = plan.trainer.metrics_port if port is None else port
     if port is None or not here:
         yield None
         return
     from flowgraph.runtime.prometheus import Exporter
 
-    exporter = Exporter.start(graph, port, host, target=target, out=out)
+    exporter = Exporter.start(plan, port, host, target=target, out=out)
     try:
         yield exporter
         exporter.hold(hold, out)

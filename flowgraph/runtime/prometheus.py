@@ -71,7 +71,7 @@ if TYPE_CHECKING:
     from threading import Thread
     from wsgiref.simple_server import WSGIServer
 
-    from flowgraph.ir import Graph
+    from flowgraph.plan import ExecutionPlan
 
 __all__ = ["STAGE_BUCKETS", "Exporter", "process_memory"]
 
@@ -129,15 +129,15 @@ class Exporter:
                             "CPU.", ["worker", "device"], registry=r)
 
     @classmethod
-    def for_graph(cls, graph: Graph, *, target: str = "local") -> Exporter:
-        kinds = {n.name: n.kind for n in graph.nodes} | {d.name: d.kind for d in graph.data}
-        return cls(stage_kinds=kinds, graph=graph.name, target=target)
+    def for_plan(cls, plan: ExecutionPlan, *, target: str = "local") -> Exporter:
+        kinds = {n.name: n.kind for n in plan.nodes}
+        return cls(stage_kinds=kinds, graph=plan.name, target=target)
 
     @classmethod
-    def start(cls, graph: Graph, port: int, host: str = "127.0.0.1", *,
+    def start(cls, plan: ExecutionPlan, port: int, host: str = "127.0.0.1", *,
               target: str = "local", out: TextIO | None = None) -> Exporter:
-        """An exporter for `graph`, serving at once; prints `metrics: <url>` to `out`."""
-        exporter = cls.for_graph(graph, target=target)
+        """An exporter for `plan`, serving at once; prints `metrics: <url>` to `out`."""
+        exporter = cls.for_plan(plan, target=target)
         url = exporter.serve(port, host)
         print(f"metrics: {url}", file=out or sys.stdout, flush=True)
         return exporter

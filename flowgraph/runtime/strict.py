@@ -20,9 +20,7 @@ from typing import Any
 from flowgraph.contracts import TensorSpec
 from flowgraph.dims import Poly, format_dims, parse_resolved
 from flowgraph.errors import ContractViolation, at_step
-from flowgraph.ir import PortRef
-from flowgraph.plan import ExecutionPlan
-from flowgraph.source import SourcePos
+from flowgraph.plan import ExecutionPlan, InputPlan
 
 Dims = tuple[Poly | None, ...]
 
@@ -53,16 +51,17 @@ class RuntimeContracts:
         dims = self.ports.get((node, port, output))
         return dims if dims is not None else (None,) * len(spec.shape.fixed_axes())
 
-    def check_edge(self, ref: PortRef, node: str, port: str, spec: TensorSpec, value: Any,
+    def check_edge(self, wired: InputPlan, node: str, spec: TensorSpec, value: Any,
                    step: int) -> None:
         """Raise `ContractViolation` unless `value` honours the input port's contract."""
-        where = f"edge `{ref} -> {node}.{port}` ({ref.pos}) {at_step(step)}"
+        port = wired.port
+        where = f"edge `{wired.src} -> {node}.{port}` ({wired.where}) {at_step(step)}"
         problem = self._problem(self.expected_dims(node, port, False, spec), spec, value)
         if problem is not None:
             raise ContractViolation(f"{where}: {problem}; the contract is {spec.describe()}")
 
     def check_output(self, node: str, port: str, spec: TensorSpec, value: Any, step: int,
-                     pos: SourcePos) -> None:
+                     pos: str) -> None:
         """Raise `ContractViolation` unless a node's output honours its declared contract."""
         problem = self._problem(self.expected_dims(node, port, True, spec), spec, value)
         if problem is not None:

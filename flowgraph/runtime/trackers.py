@@ -36,10 +36,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from flowgraph.errors import FlowgraphError
-from flowgraph.frontend import graph_to_document
 
 if TYPE_CHECKING:
-    from flowgraph.ir import Graph, TrainerSpec
+    from flowgraph.ir import TrainerSpec
+    from flowgraph.plan import ExecutionPlan
 
 __all__ = ["Tracker", "check_trackers", "mlflow_tracking_uri", "open_trackers"]
 
@@ -74,9 +74,8 @@ def _own_store(run_dir: Path) -> str:
     return f"sqlite:///{run_dir.resolve() / 'mlflow' / 'mlflow.db'}"
 
 
-def check_trackers(graph: Graph) -> None:
+def check_trackers(trainer: TrainerSpec) -> None:
     """Raise before any model loads when a listed tracker's package is missing."""
-    trainer = graph.trainer
     needs: dict[str, tuple[str, ...]] = {"wandb": ("wandb",), "mlflow": ("mlflow",)}
     if mlflow_tracking_uri(trainer, Path(trainer.run_dir)).startswith("sqlite:"):
         needs["mlflow"] += ("sqlalchemy", "alembic")  # MLflow's SQL store
@@ -88,18 +87,18 @@ def check_trackers(graph: Graph) -> None:
                     "installed; pip install 'flowgraph[trackers]'")
 
 
-def open_trackers(graph: Graph, run_dir: Path, *, resume: bool,
+def open_trackers(plan: ExecutionPlan, run_dir: Path, *, resume: bool,
                   tensorboard: bool = True) -> list[Tracker]:
     """The trackers `trainer.loggers` lists, started; `tensorboard=False` (the run
     option) leaves TensorBoard out even when listed."""
-    loggers = graph.trainer.loggers
+    loggers = plan.trainer.loggers
     trackers: list[Tracker] = []
     if "tensorboard" in loggers and tensorboard:
         trackers.append(TensorBoard(run_dir))
     if "wandb" in loggers:
-        trackers.append(Wandb.start(graph, run_dir, resume=resume))
+        trackers.append(Wandb.start(plan, run_dir, resume=resume))
     if "mlflow" in loggers:
-        trackers.append(Mlflow.start(graph, run_dir, resume=resume))
+        trackers.append(Mlflow.start(plan, run_dir, resume=resume))
     return trackers
 
 
@@ -149,7 +148,7 @@ class Wandb:
         self.run = run
 
     @classmethod
-    def start(cls, graph: Graph, run_dir: Path, *, resume: bool) -> Wandb:
+    def start(cls, plan: ExecutionPlan, run_dir: Path, *, resume: bool) -> Wandb:
         import wandb
 
         folder = run_dir / "wandb"
@@ -157,9 +156,9 @@ class Wandb:
         run_id = _stored_id(folder, resume)
         # None leaves a setting to wandb, which reads WANDB_MODE and WANDB_PROJECT
         run = wandb.init(
-            dir=str(run_dir), name=run_dir.resolve().name, config=graph_to_document(graph),
+            dir=str(run_dir), name=run_dir.resolve().name, config=plan.document(),
             mode=None if "WANDB_MODE" in os.environ else "offline",
-            project=None if "WANDB_PROJECT" in os.environ else graph.name,
+            project=None if "WANDB_PROJECT" in os.environ else plan.name,
             id=run_id, resume="allow" if run_id else None)
         _store_id(folder, run.id)
         return cls(run)
@@ -188,12 +187,12 @@ class Mlflow:
         self.run_id = run_id
 
     @classmethod
-    def start(cls, graph: Graph, run_dir: Path, *, resume: bool) -> Mlflow:
+    def start(cls, plan: ExecutionPlan, run_dir: Path, *, resume: bool) -> Mlflow:
         from mlflow.tracking import MlflowClient
 
         folder = run_dir / "mlflow"
         folder.mkdir(parents=True, exist_ok=True)
-        uri = mlflow_tracking_uri(graph.trainer, run_dir)
+        uri = mlflow_tracking_uri(plan.trainer, run_dir)
         client = MlflowClient(uri)
         run_id = _stored_id(folder, resume)
         if run_id is not None:
@@ -202,13 +201,13 @@ class Mlflow:
         # the run's own store keeps its artifacts beside it, not in the working directory
         artifacts = ((folder / "artifacts").resolve().as_uri() if uri == _own_store(run_dir)
                      else None)
-        found = client.get_experiment_by_name(graph.name)
+        found = client.get_experiment_by_name(plan.name)
         experiment = (found.experiment_id if found is not None
-                      else client.create_experiment(graph.name, artifact_location=artifacts))
+                      else client.create_experiment(plan.name, artifact_location=artifacts))
         run_id = client.create_run(experiment, run_name=run_dir.resolve().name).info.run_id
         _store_id(folder, run_id)
         tracker = cls(client, run_id)
-        tracker.log_params(graph_to_document(graph))
+        tracker.log_params(plan.document())
         return tracker
 
     def log_params(self, document: Mapping[str, Any]) -> None:

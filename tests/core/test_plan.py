@@ -79,7 +79,9 @@ def test_json_layout() -> None:
         "bundles": [{"cpu": 1, "gpu": 0}]}]
     assert data["nodes"][1]["inputs"][2] == {
         "port": "responses", "src": "pairs.chosen", "shape": "(Bp, T) = (8, 8)", "dims": "Bp T",
-        "spec": {"dims": "b T", "dtype": "int", "constraints": []}}
+        "spec": {"dims": "b T", "dtype": "int", "constraints": []},
+        "where": str(GRAPHS / "dpo.yaml") + ":25:18"}  # where the graph wires it
+    assert data["nodes"][1]["where"].endswith("dpo.yaml:19:3")
     assert data["nodes"][1]["outputs"] == [{
         "port": "log_prob", "dims": "Bp", "batched": True, "optional": False,
         "spec": {"dims": "b", "dtype": "float", "constraints": ["nonpositive", "finite"]}}]
