@@ -11,24 +11,24 @@ from flowgraph.compilers.metrics import HeldOut, log_ratio_to_reference, step_me
 from flowgraph.frontend import load_graph
 from flowgraph.ir import Graph
 from flowgraph.nodes.models import load_tokenizer
-from flowgraph.passes import compile_graph
+from flowgraph.passes import PassPipeline, compile_graph
 from flowgraph.plan import ExecutionPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _graph(name: str) -> tuple[Graph, ExecutionPlan]:
-    """The graph, and its plan (which says each node's kind facts)."""
+def _graph(name: str, *disabled: str) -> tuple[Graph, ExecutionPlan]:
+    """The graph, and its plan (which says each node's kind facts and wiring)."""
     graph, diags = load_graph(str(ROOT / "graphs" / name), [])
     assert graph is not None, diags
-    plan = compile_graph(graph).plan
+    plan = compile_graph(graph, pipeline=PassPipeline.default(disabled)).plan
     assert plan is not None
     return graph, plan
 
 
 @pytest.mark.parametrize("name", ["grpo.yaml", "ppo.yaml"])
 def test_log_ratio_to_reference_is_the_masked_mean_log_ratio(name: str) -> None:
-    graph, _ = _graph(name)
+    _, plan = _graph(name, "on_policy")  # GRPO: keep the old log-prob the update reads
     env = {
         ("old_logprob", "log_prob"): torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, 0.0]]),
         ("ref_logprob", "log_prob"): torch.tensor([[-1.5, -2.5, -9.0], [-1.0, -1.0, 0.0]]),
@@ -36,12 +36,12 @@ def test_log_ratio_to_reference_is_the_masked_mean_log_ratio(name: str) -> None:
     }
     # log π − log π_ref = [[.5, .5, 6], [.5, .5, 0]]; the masked-out 6 does not count:
     # (0.5 + 0.5 + 0.5 + 0.5) / 4 valid tokens
-    assert log_ratio_to_reference(graph, env) == {"log_ratio_to_ref": pytest.approx(0.5)}
+    assert log_ratio_to_reference(plan, env) == {"log_ratio_to_ref": pytest.approx(0.5)}
 
 
 def test_no_reference_no_kl() -> None:
-    graph, _ = _graph("dpo.yaml")
-    assert log_ratio_to_reference(graph, {}) == {}
+    _, plan = _graph("dpo.yaml")
+    assert log_ratio_to_reference(plan, {}) == {}
 
 
 def test_held_out_responses_give_diversity_and_accuracy() -> None:
@@ -121,7 +121,7 @@ def test_sampled_validation_logs_a_table_and_mean_at_n(tmp_path: Path) -> None:
     import json
 
     import flowgraph
-    from flowgraph.passes import compile_graph
+    from flowgraph.passes import PassPipeline, compile_graph
 
     graph = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
     result = compile_graph(graph, overrides=[
@@ -161,7 +161,7 @@ def test_every_held_out_row_counts_once_and_val_before_train_is_the_baseline(
     and only its 3 new ones count, so the accuracy is k/31; val_before_train puts the
     untrained model's evaluation in the first row."""
     import flowgraph
-    from flowgraph.passes import compile_graph
+    from flowgraph.passes import PassPipeline, compile_graph
 
     graph = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
     result = compile_graph(graph, overrides=[
