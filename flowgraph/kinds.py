@@ -98,8 +98,8 @@ _KINDS = (
         outputs=(
             _p("input_ids", "Bp P", "int"),
             _p("attention_mask", "Bp P", "int", "binary"),
-            _p("ground_truth", "Bp", "str", optional=True),
-            _p("data_source", "Bp", "str", optional=True),
+            _p("ground_truth", "Bp", "object", optional=True),
+            _p("data_source", "Bp", "object", optional=True),
             _p("extra_info", "Bp", "object", optional=True,
                doc="each row's `extra_info` dict (verl layout; {} without the column), with "
                    "the columns the param `columns` names"),
@@ -176,8 +176,8 @@ _KINDS = (
         inputs=(
             _p("prompts", "b P", "int"),
             _p("prompt_mask", "b P", "mask", "binary"),
-            _p("ground_truth", "b", "str", optional=True),
-            _p("data_source", "b", "str", optional=True),
+            _p("ground_truth", "b", "object", optional=True),
+            _p("data_source", "b", "object", optional=True),
             _p("extra_info", "b", "object", optional=True),
         ),
         outputs=(
@@ -187,8 +187,8 @@ _KINDS = (
             _p("response_mask", "b*n T", "int", "binary"),
             _p("rollout_log_prob", "b*n T", "float", "nonpositive", optional=True),
             _p("index", "b*n", "int", doc="group id: the prompt's position in the batch"),
-            _p("ground_truth", "b*n", "str", optional=True),
-            _p("data_source", "b*n", "str", optional=True),
+            _p("ground_truth", "b*n", "object", optional=True),
+            _p("data_source", "b*n", "object", optional=True),
             _p("extra_info", "b*n", "object", optional=True),
         ),
         params=(
@@ -253,7 +253,7 @@ _KINDS = (
         inputs=(
             _p("responses", "b T", "int"),
             _p("response_mask", "b T", "mask", "binary"),
-            _p("ground_truth", "b", "str", optional=True),
+            _p("ground_truth", "b", "object", optional=True),
         ),
         outputs=(SCORES,),
         params=(
@@ -275,11 +275,13 @@ _KINDS = (
         inputs=(
             _p("responses", "b T", "int"),
             _p("response_mask", "b T", "mask", "binary"),
-            _p("ground_truth", "b", "str", optional=True),
-            _p("data_source", "b", "str", optional=True),
+            _p("ground_truth", "b", "object", optional=True),
+            _p("data_source", "b", "object", optional=True),
             _p("extra_info", "b", "object", optional=True),
         ),
-        outputs=(SCORES,),
+        outputs=(SCORES, _p("reward_extra_info", "b", "object", optional=True,
+                            doc="each row's other entries of a dict result (verl's "
+                                "reward_extra_info): the validation table's columns")),
         params=(
             ParamSpec("fn", ("str", "null"), None, functions=SCORE_FUNCTIONS,
                       doc="`file.py:function` (the file listed under plugins:), "
@@ -541,7 +543,7 @@ FILTERED = (
     _p("responses", "b T", "int"),
     _p("response_mask", "b T", "mask", "binary"),
     _p("rollout_log_prob", "b T", "float", "nonpositive", optional=True),
-    _p("ground_truth", "b", "str", optional=True),
+    _p("ground_truth", "b", "object", optional=True),
 )
 _FILTER_KINDS = (
     KindSpec(

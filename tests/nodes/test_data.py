@@ -75,7 +75,7 @@ def test_string_prompts_flat_ground_truth_and_raw_text(tmp_path: Path) -> None:
     raw = PromptDataset(
         path, TOK, prompt_key="question", shuffle=False, apply_chat_template=False
     ).next_batch(2)
-    assert chat["ground_truth"] == ["1", "2"]  # JSON numbers become strings
+    assert chat["ground_truth"] == [1, 2]  # JSON numbers stay numbers, as verl passes them
     assert "data_source" not in chat
     text = TOK.decode(chat["input_ids"][0][chat["attention_mask"][0].bool()])
     assert text == "<|user|>what is 0 plus 1?<|assistant|>"
