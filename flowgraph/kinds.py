@@ -57,6 +57,8 @@ ADV_OUTPUTS = (
 )
 MASK = _p("response_mask", "b T", "mask", "binary")
 SCORE_FUNCTIONS = ("gsm8k", "math")
+SCORE_CALL = ("data_source", "solution_str", "ground_truth", "extra_info")
+"""The keywords `compute_score` calls a function with (verl's reward managers' call)."""
 """Built-in verl-style scoring functions (`flowgraph.nodes.scores`)."""
 SCORES = _p("scores", "b", "float", "finite")
 INDEX = _p("index", "b", "int", doc="group id: samples of one prompt share it")
@@ -284,9 +286,10 @@ _KINDS = (
                                 "reward_extra_info): the validation table's columns")),
         params=(
             ParamSpec("fn", ("str", "null"), None, functions=SCORE_FUNCTIONS,
-                      doc="`file.py:function` (the file listed under plugins:), "
+                      call_with=SCORE_CALL, doc="`file.py:function` (the file listed under plugins:), "
                           "`module:function` (listed too), or a built-in: gsm8k, math"),
             ParamSpec("fns", ("mapping", "null"), None, functions=SCORE_FUNCTIONS,
+                      call_with=SCORE_CALL,
                       doc="data_source -> function, as verl's default reward routes; rows "
                           "of other sources go to fn"),
         ),
