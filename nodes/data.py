@@ -421,11 +421,15 @@ def missing_ground_truth_rows(path: str, table: pa.Table, needed_by: Sequence[st
 
 
 def same_pairs(table: pa.Table, responses: Sequence[str]) -> tuple[list[int], list[int]]:
-    """(rows whose responses are all equal, rows with an empty response) of a
-    preference table: DPO learns nothing from such a pair (its loss stays log 2)."""
-    rows = table.select(list(responses)).to_pylist()
-    empty = [i for i, r in enumerate(rows) if any(v in ("", [], None) for v in r.values())]
-    same = [i for i, r in enumerate(rows) if len({repr(v) for v in r.values()}) == 1]
+    """(rows whose responses are equal, rows with an empty response) of a preference
+    table, by the text that is tokenized: DPO learns nothing from such a pair (its
+    loss stays log 2)."""
+    def text(v: Any) -> str:  # what `render_responses` tokenizes
+        return v if isinstance(v, str) else "".join(m.get("content") or "" for m in v or [])
+
+    texts = [[text(v) for v in r.values()] for r in table.select(list(responses)).to_pylist()]
+    empty = [i for i, r in enumerate(texts) if any(not t for t in r)]
+    same = [i for i, r in enumerate(texts) if len(set(r)) == 1 and r[0]]
     return same, empty
 
 
@@ -644,9 +648,24 @@ class PreferenceDataset(_TableDataset):
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
         self.keep_end = truncation != "right"
         _apply_limits(self, self._overlong(), truncation, filter_overlong_prompts)
+        self.same_pairs, self.empty_pairs = self._count_pairs()
 
     def _required(self) -> list[str]:
         return ["prompt", *self.RESPONSES]
+
+    def _count_pairs(self) -> tuple[int, int]:
+        """Pairs DPO learns nothing from (equal or empty responses), counted and said
+        once at load: `data/same_pairs`, `data/empty_pairs` in the first metrics row."""
+        if len(self.RESPONSES) < 2:
+            return 0, 0
+        same, empty = same_pairs(self.table, list(self.RESPONSES))
+        for name, rows, what in (("same_pairs", same, "identical responses"),
+                                 ("empty_pairs", empty, "an empty response")):
+            if rows:
+                print(f"data/{name}={len(rows)}: dataset `{self.path}`: {len(rows)} of "
+                      f"{len(self)} pairs have {what} (the first: row {rows[0]}); DPO learns "
+                      f"nothing from them (their loss stays log 2)")
+        return len(same), len(empty)
 
     def _overlong(self) -> list[Overlong]:
         """Prompts over P and responses over T, per column."""

@@ -448,3 +448,19 @@ def test_multi_turn_rows_are_verls(tmp_path: Path) -> None:
         response = batch["responses"][i][valid].tolist()
         assert prompt + response == row["input_ids"], i
         assert [0] * len(prompt) + batch["loss_mask"][i][valid].tolist() == row["loss_mask"], i
+
+
+@pytest.mark.faults
+def test_identical_or_empty_preference_pairs_are_counted_at_load(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = {"prompt": "2+2=", "chosen": "4", "rejected": "5"}
+    rows = [good, {**good, "rejected": "4"}, {**good, "chosen": ""}, good,
+            {"prompt": "1+1=", "chosen": "2", "rejected": "2"}]
+    path = _write(tmp_path / "pairs.jsonl", rows)
+    ds = PreferenceDataset(str(path), TOK, apply_chat_template=False)
+    assert (ds.same_pairs, ds.empty_pairs) == (2, 1)
+    out = capsys.readouterr().out
+    assert f"data/same_pairs=2: dataset `{path}`: 2 of 5 pairs have identical responses " \
+           "(the first: row 1)" in out
+    assert f"data/empty_pairs=1: dataset `{path}`: 1 of 5 pairs have an empty response " \
+           "(the first: row 2)" in out
