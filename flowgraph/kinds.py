@@ -286,7 +286,8 @@ _KINDS = (
                                 "reward_extra_info): the validation table's columns")),
         params=(
             ParamSpec("fn", ("str", "null"), None, functions=SCORE_FUNCTIONS,
-                      call_with=SCORE_CALL, doc="`file.py:function` (the file listed under plugins:), "
+                      call_with=SCORE_CALL,
+                      doc="`file.py:function` (the file listed under plugins:), "
                           "`module:function` (listed too), or a built-in: gsm8k, math"),
             ParamSpec("fns", ("mapping", "null"), None, functions=SCORE_FUNCTIONS,
                       call_with=SCORE_CALL,

@@ -173,6 +173,14 @@ def _numeric(ref: str, key: str, value: Any) -> float | None:
     return None
 
 
+def _route(fns: Mapping[Any, str], source: Any, fn: str | None) -> str | None:
+    """fns' function for a row's data_source (the value, else its text: a YAML key `7`
+    for a source 7), else fn; a source that is no key (None, a dict) goes to fn."""
+    if source is None or not isinstance(source, Hashable):
+        return fn
+    return fns.get(source, fns.get(str(source), fn))
+
+
 def compute_score(
     responses: Tensor,
     response_mask: Tensor,
@@ -196,8 +204,7 @@ def compute_score(
     for i, text in enumerate(texts):
         source = None if data_source is None else data_source[i]
         info = None if extra_info is None else extra_info[i]
-        routed = isinstance(source, Hashable) and source is not None and source in (fns or {})
-        ref = (fns or {})[source] if routed else fn
+        ref = _route(fns or {}, source, fn)
         where = _where(ctx.row_offset + i, source, info)
         if ref is None:
             raise ValueError(f"compute_score: no function for row {i} (data_source "

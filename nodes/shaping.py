@@ -24,7 +24,6 @@ Notation: b sequences of the node, T response length.
 from __future__ import annotations
 
 import copy
-
 from collections.abc import Mapping, Sequence
 from typing import Any
 

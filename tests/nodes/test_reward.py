@@ -374,3 +374,13 @@ def test_check_refuses_a_function_verl_could_not_call(
             f"{tmp_path / 'g.yaml'}:") in diags[0]["message"]
     assert "cannot be called with the keywords data_source, solution_str, ground_truth, " \
            "extra_info" in diags[0]["message"]
+
+
+def test_a_number_data_source_routes_by_its_value_or_its_text() -> None:
+    """data_source 7 reaches the function as 7; `fns: {7: …}` in YAML may be read with
+    the key `"7"`: both route it."""
+    tok, responses, mask = _encode(["#### 5", "#### 5", "#### 5"])
+    out = compute_score(responses, mask, ground_truth=["5", "5", "5"],
+                        data_source=[7, 8, {"a": 1}], ctx=_ctx(), tokenizer=tok,
+                        fn=f"{__name__}:raises_on_twelve", fns={"7": "gsm8k", 8: "gsm8k"})
+    assert out["scores"].tolist() == [1.0, 1.0, 0.5]  # gsm8k, gsm8k, fn
