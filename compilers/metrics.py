@@ -154,14 +154,15 @@ class HeldOut:
     def metrics(self) -> dict[str, float]:
         """`diversity/...`; `accuracy` (the mean over every response that reports one: with
         n > 1 responses a prompt, also `accuracy/mean@n` and `accuracy/pass@n`); and per
-        data source (when rows have one) `<source>/score/mean`, `<source>/accuracy` and
-        `<source>/<key>/mean` of each numeric entry of the reward's dict results."""
+        data source (when the rows come from several) `<source>/score/mean`,
+        `<source>/accuracy` and `<source>/<key>/mean` of each numeric entry of the
+        reward's dict results."""
         out = {}
         if self.tokens:
             out = {f"diversity/{k}": v for k, v in diversity_metrics(self.tokens).items()}
         out.update(_accuracy(self.table))
         sources = {row.get("data_source") for row in self.table} - {None}
-        for source in sorted(sources, key=str):
+        for source in sorted(sources, key=str) if len(sources) > 1 else ():  # a split
             rows = [row for row in self.table if row.get("data_source") == source]
             out.update({f"{source}/{k}": v for k, v in _means(rows).items()})
             out.update({f"{source}/{k}": v for k, v in _accuracy(rows).items()
