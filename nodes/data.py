@@ -335,17 +335,19 @@ def _cell_problem(path: str, column: str, rows: Sequence[int], n_rows: int, prob
 _TEXT = "a string or a list of chat messages ({role, content} dicts)"
 
 
-def _message_problems(column: str, values: pa.Array) -> Iterator[tuple[list[int], str]]:
-    """Rows of a chat-message list column that are null, empty, or hold a message
-    without a role or content: (rows, problem) for each kind found."""
+def _message_problems(values: pa.Array, prompt: bool) -> Iterator[tuple[list[int], str]]:
+    """Rows of a chat-message list column that are null, hold a message without content
+    or (a prompt) a role, or (a prompt) no message: (rows, problem) for each kind found.
+    An empty response is counted at load instead (`same_pairs`)."""
     yield _rows_where(pc.is_null(values)), f"null; each row needs {_TEXT}"
-    yield (_rows_where(pc.equal(pc.fill_null(pc.list_value_length(values), 1), 0)),
-           "an empty message list; a prompt needs at least one message")
+    if prompt:
+        yield (_rows_where(pc.equal(pc.fill_null(pc.list_value_length(values), 1), 0)),
+               "an empty message list; a prompt needs at least one message")
     messages, parents = pc.list_flatten(values), pc.list_parent_indices(values)
     if not pa.types.is_struct(messages.type):
         yield [0], f"holds lists of {messages.type}, not chat messages ({{role, content}} dicts)"
         return
-    for key in ("role", "content"):
+    for key in ("role", "content") if prompt else ("content",):
         if messages.type.get_field_index(key) < 0:
             yield [0] if len(messages) else [], f"its messages have no `{key}`"
             continue
@@ -354,32 +356,33 @@ def _message_problems(column: str, values: pa.Array) -> Iterator[tuple[list[int]
         yield rows, f"a message without `{key}`"
 
 
-def _column_problems(column: str, values: pa.Array) -> Iterator[tuple[list[int], str]]:
+def _column_problems(values: pa.Array, prompt: bool) -> Iterator[tuple[list[int], str]]:
     """(rows, problem) of one text column: a string or a chat-message list per row."""
     kind = values.type
     if pa.types.is_string(kind) or pa.types.is_large_string(kind):
         yield _rows_where(pc.is_null(values)), f"null; each row needs {_TEXT}"
     elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
-        yield from _message_problems(column, values)
+        yield from _message_problems(values, prompt)
     else:
         yield [0], f"holds {kind} values; each row needs {_TEXT}"
 
 
-def row_problems(path: str, table: pa.Table, columns: Sequence[str]) -> list[str]:
+def row_problems(path: str, table: pa.Table, prompt: str, responses: Sequence[str] = ()
+                 ) -> list[str]:
     """Every malformed row, one message per column and kind of problem, naming the file,
-    the first such row and the column: no rows at all; a null, empty or mistyped prompt
-    (or response) in `columns`; a message without a role or content; an `extra_info`
-    that is not a dict (struct) column. What `check --data` reports and a load refuses,
-    before a tokenizer meets the row."""
+    the first such row and the column: no rows at all; a null, empty or mistyped
+    `prompt` column cell, a null or mistyped response; a message without a role or
+    content; an `extra_info` that is not a dict (struct) column. What `check --data`
+    reports and a load refuses, before a tokenizer meets the row."""
     if table.num_rows == 0:
         return [f"dataset `{path}` has no rows"]
     out = []
-    for column in columns:
+    for column in (prompt, *responses):
         if column not in table.column_names:
             continue  # a missing column has its own message (`open_table`)
         values = table.column(column).combine_chunks()
         out += [_cell_problem(path, column, rows, table.num_rows, problem)
-                for rows, problem in _column_problems(column, values) if rows]
+                for rows, problem in _column_problems(values, column == prompt) if rows]
     if "extra_info" in table.column_names:
         kind = table.schema.field("extra_info").type
         if not (pa.types.is_struct(kind) or pa.types.is_null(kind)):
@@ -391,10 +394,11 @@ def row_problems(path: str, table: pa.Table, columns: Sequence[str]) -> list[str
     return out
 
 
-def check_rows(path: str, table: pa.Table, columns: Sequence[str]) -> None:
+def check_rows(path: str, table: pa.Table, prompt: str, responses: Sequence[str] = ()
+               ) -> None:
     """Refuse a table with a malformed row (`row_problems`): the first problem, and how
     many more `flowgraph check --data` lists."""
-    problems = row_problems(path, table, columns)
+    problems = row_problems(path, table, prompt, responses)
     if problems:
         more = (f" (and {len(problems) - 1} more problems: flowgraph check --data lists "
                 "them)" if len(problems) > 1 else "")
@@ -513,7 +517,7 @@ class PromptDataset(_TableDataset):
         columns: Sequence[str] = (),
     ) -> None:
         super().__init__(path, format, [prompt_key], shuffle, seed)
-        check_rows(path, self.table, [prompt_key])
+        check_rows(path, self.table, prompt_key)
         self.columns = tuple(columns)
         _check_columns(self.table, self.columns, path)
         self._ground_truth = _ground_truth_getter(self.table)
@@ -642,7 +646,7 @@ class PreferenceDataset(_TableDataset):
         filter_overlong_prompts: bool = False,
     ) -> None:
         super().__init__(path, format, self._required(), shuffle, seed)
-        check_rows(path, self.table, ["prompt", *self.RESPONSES])
+        check_rows(path, self.table, "prompt", list(self.RESPONSES))
         check_rendering(tokenizer, apply_chat_template, self.table, "prompt", path)
         self.tokenizer, self.chat = tokenizer, apply_chat_template
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length

@@ -187,7 +187,7 @@ def _dataset_problems(graph: Graph, d: DataSpec, path: str, tok: Any) -> Iterato
         yield "FG501", "error", str(exc), None
         return
     prompt_key = next(iter(limits))
-    malformed = nd.row_problems(path, table, [prompt_key, *responses])
+    malformed = nd.row_problems(path, table, prompt_key, responses)
     for message in malformed:
         yield "FG510", "error", message, "fix or drop the row in the file"
     if malformed:

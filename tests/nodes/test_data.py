@@ -464,3 +464,18 @@ def test_identical_or_empty_preference_pairs_are_counted_at_load(
            "(the first: row 1)" in out
     assert f"data/empty_pairs=1: dataset `{path}`: 1 of 5 pairs have an empty response " \
            "(the first: row 2)" in out
+
+
+def test_an_empty_message_list_is_an_empty_response_not_a_malformed_row(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    answer = [{"role": "assistant", "content": "4"}]
+    rows = [{"prompt": [{"role": "user", "content": "2+2="}], "chosen": answer,
+             "rejected": [{"role": "assistant", "content": "5"}]}] * 3
+    rows.append({**rows[0], "chosen": []})  # an empty response: counted, not refused
+    ds = PreferenceDataset(str(_write(tmp_path / "pairs.parquet", rows)), TOK)
+    assert (ds.same_pairs, ds.empty_pairs) == (0, 1)
+    assert "(the first: row 3)" in capsys.readouterr().out
+    rows.append({**rows[0], "prompt": []})  # an empty prompt is refused
+    with pytest.raises(FlowgraphError, match="row 4 \\(0-based\\), column `prompt`: an "
+                                             "empty message list"):
+        PreferenceDataset(str(_write(tmp_path / "pairs2.parquet", rows)), TOK)
