@@ -15,7 +15,7 @@ import torch
 
 from flowgraph.ir import Graph, NodeSpec, PortRef
 from flowgraph.plan import ExecutionPlan
-from flowgraph.runtime.evaluation import diversity_metrics, exact_match
+from flowgraph.runtime.evaluation import diversity_metrics, exact_match, pass_at_n
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -142,7 +142,7 @@ class HeldOut:
                    "score": None if scores is None else float(scores[r])}
             if exact and truths[r] is not None:
                 row["correct"] = exact_match(texts[r], str(truths[r]))
-            elif "acc" in extras[r]:  # verl's name for a reward's correctness
+            elif isinstance(extras[r].get("acc"), numbers.Real):  # verl's name for it
                 row["correct"] = extras[r]["acc"]
             self.table.append({**{k: _plain(v) for k, v in extras[r].items()}, **row})
 
@@ -161,13 +161,19 @@ class HeldOut:
         if self.tokens:
             out = {f"diversity/{k}": v for k, v in diversity_metrics(self.tokens).items()}
         out.update(_accuracy(self.table))
-        sources = {row.get("data_source") for row in self.table} - {None}
-        for source in sorted(sources, key=str) if len(sources) > 1 else ():  # a split
-            rows = [row for row in self.table if row.get("data_source") == source]
+        sources = {_source(row) for row in self.table} - {None}
+        for source in sorted(sources) if len(sources) > 1 else ():  # a split
+            rows = [row for row in self.table if _source(row) == source]
             out.update({f"{source}/{k}": v for k, v in _means(rows).items()})
             out.update({f"{source}/{k}": v for k, v in _accuracy(rows).items()
                         if k == "accuracy"})
         return out
+
+
+def _source(row: dict[str, Any]) -> str | None:
+    """A row's data source as a metric name part: a name or number, else None."""
+    value = row.get("data_source")
+    return str(value) if isinstance(value, (str, int, float)) else None
 
 
 _FIXED = ("prompt_id", "prompt", "response", "ground_truth", "data_source", "correct")
@@ -184,8 +190,6 @@ def _means(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 
 def _accuracy(rows: list[dict[str, Any]]) -> dict[str, float]:
-    from flowgraph.runtime.evaluation import pass_at_n
-
     judged = [row for row in rows if row.get("correct") is not None]
     if not judged:
         return {}
