@@ -53,7 +53,7 @@ def evaluate(batches: Batches, names: list[str], step: int, tokenizers: dict[str
         if not k.startswith("perf/"):
             out["val/" + k.removeprefix("critic/")] = v
     out.update({f"val/{k}": v for k, v in held_out.metrics().items()})
-    return out, held_out.table
+    return out, held_out.rows()
 
 
 def _eval_nodes(ip: Interpreter, names: list[str], env: dict[tuple[str, str], Any],

@@ -148,9 +148,10 @@ class TrainingLoop:
         if step == self.start_step:  # the prologue, what the data load dropped: first row
             if self.prologue:
                 metrics["timing_s/prologue"] = self.prologue_seconds
-            metrics.update({f"data/{name}/filtered_overlong": float(s.train.filtered_overlong)
+            metrics.update({f"data/{name}/{count}": float(getattr(s.train, count))
                             for name, s in self.batches.data.items()
-                            if getattr(s.train, "filtered_overlong", 0)})
+                            for count in ("filtered_overlong", "same_pairs", "empty_pairs")
+                            if getattr(s.train, count, 0)})
         log.write(step, metrics)
         if self.generations:
             log.table(step, "validation", self.generations)

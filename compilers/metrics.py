@@ -5,12 +5,16 @@ its plan carries (`NodePlan.category`, `head`), never from its name."""
 
 from __future__ import annotations
 
+import json
+import numbers
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import ExecutionPlan, NodePlan
+from flowgraph.runtime.evaluation import diversity_metrics, exact_match, pass_at_n
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -93,72 +97,141 @@ def log_ratio_to_reference(plan: ExecutionPlan, env: dict[tuple[str, str], Any]
 @dataclass
 class HeldOut:
     """Responses to the held-out prompts, gathered over the evaluation batches: n per
-    prompt (the rollout's `val_n`; one when greedy)."""
+    prompt (the rollout's `val_n`; one when greedy), judged by a reward node of any kind
+    (`judge`), as verl's validation keeps them."""
 
     tokens: list[list[int]] = field(default_factory=list)
     """Valid tokens of each response of the first `generate` node, special tokens dropped."""
     table: list[dict[str, Any]] = field(default_factory=list)
-    """One row per response judged by the first `reward` node with fn `exact_match`:
-    prompt, response, ground_truth, score, correct, and `prompt_id` (its prompt's number
-    in the held-out set)."""
+    """One row per response: prompt_id (its prompt's number in the held-out set), prompt,
+    response, ground_truth, data_source, score, correct (where the reward reports it)
+    and each entry of a `compute_score` dict result (`reward_extra_info`)."""
     prompts: int = 0
     """Held-out prompts counted so far."""
 
     def add(self, plan: ExecutionPlan, env: dict[tuple[str, str], Any],
             tokenizers: dict[str, Any], skip: int = 0) -> None:
         """The batch's responses, but those of its first `skip` prompts (counted already)."""
-        from flowgraph.runtime.evaluation import exact_match
-
         gen = next((n for n in plan.nodes if n.category == "rollout"), None)
         if gen is None:
             return
         index = [int(i) for i in env[(gen.name, "index")]]
         keep = [r for r, i in enumerate(index) if i >= skip]
-        special = set(getattr(tokenizers.get(gen.model or ""), "all_special_ids", ()) or ())
+        tok = tokenizers.get(gen.model or "")
+        special = set(getattr(tok, "all_special_ids", ()) or ())
         rows = _valid_rows(env[(gen.name, "responses")], env[(gen.name, "response_mask")])
         self.tokens += [[t for t in rows[r] if t not in special] for r in keep]
         first, self.prompts = self.prompts, self.prompts + max(index, default=-1) + 1 - skip
-        for node in plan.nodes:
-            wired = dict(node.wiring())
-            truth, ids, mask = (wired.get(p) for p in ("ground_truth", "responses",
-                                                       "response_mask"))
-            if node.category != "reward" or truth is None or ids is None or mask is None \
-                    or node.model is None:
-                continue
-            if node.param_values().get("fn") != "exact_match":
-                continue
-            tok = tokenizers[node.model]
-            texts = [tok.decode(row, skip_special_tokens=True) for row in
-                     _valid_rows(env[ids], env[mask])]
-            prompts = [tok.decode(row, skip_special_tokens=True) for row in
-                       _valid_rows(env[(gen.name, "prompts")], env[(gen.name, "prompt_mask")])]
-            truths = [str(g) for g in env[truth]]
-            scores = env.get((node.name, "scores"))
-            for r in keep:
-                self.table.append({
-                    "prompt_id": first + index[r] - skip, "prompt": prompts[r],
-                    "response": texts[r], "ground_truth": truths[r],
-                    "score": None if scores is None else float(scores[r]),
-                    "correct": exact_match(texts[r], truths[r])})
+        judge = _judge(plan, env)
+        if judge is None or tok is None:
             return
+        texts = [tok.decode(row, skip_special_tokens=True) for row in rows]
+        prompts = [tok.decode(row, skip_special_tokens=True) for row in
+                   _valid_rows(env[(gen.name, "prompts")], env[(gen.name, "prompt_mask")])]
+        column = partial(_per_sample, env, judge, gen, index)
+        truths, sources = column("ground_truth"), column("data_source")
+        extras = env.get((judge.name, "reward_extra_info")) or [{}] * len(texts)
+        scores = env.get((judge.name, "scores"))
+        exact = judge.param_values().get("fn") == "exact_match"
+        for r in keep:
+            row = {"prompt_id": first + index[r] - skip, "prompt": prompts[r],
+                   "response": texts[r], "ground_truth": _plain(truths[r]),
+                   "data_source": _plain(sources[r]),
+                   "score": None if scores is None else float(scores[r])}
+            if exact and truths[r] is not None:
+                row["correct"] = exact_match(texts[r], str(truths[r]))
+            elif isinstance(extras[r].get("acc"), numbers.Real):  # verl's name for it
+                row["correct"] = extras[r]["acc"]
+            self.table.append({**{k: _plain(v) for k, v in extras[r].items()}, **row})
+
+    def rows(self) -> list[dict[str, Any]]:
+        """The table with one set of columns (a row lacking a key has None there)."""
+        columns = list(dict.fromkeys(k for row in self.table for k in row))
+        return [{c: row.get(c) for c in columns} for row in self.table]
 
     def metrics(self) -> dict[str, float]:
-        """`diversity/...`; `accuracy` (exact match, the mean over every response: with
-        n > 1 responses a prompt, also `accuracy/mean@n` and `accuracy/pass@n`)."""
-        from flowgraph.runtime.evaluation import diversity_metrics, pass_at_n
-
+        """`diversity/...`; `accuracy` (the mean over every response that reports one: with
+        n > 1 responses a prompt, also `accuracy/mean@n` and `accuracy/pass@n`); and per
+        data source (when the rows come from several) `<source>/score/mean`,
+        `<source>/accuracy` and `<source>/<key>/mean` of each numeric entry of the
+        reward's dict results."""
         out = {}
         if self.tokens:
             out = {f"diversity/{k}": v for k, v in diversity_metrics(self.tokens).items()}
-        if self.table:
-            correct = [row["correct"] for row in self.table]
-            out["accuracy"] = sum(correct) / len(correct)
-            n = len(correct) // max(len({row["prompt_id"] for row in self.table}), 1)
-            if n > 1:
-                out[f"accuracy/mean@{n}"] = out["accuracy"]
-                out[f"accuracy/pass@{n}"] = pass_at_n(
-                    correct, [row["prompt_id"] for row in self.table])
+        out.update(_accuracy(self.table))
+        sources = {_source(row) for row in self.table} - {None}
+        for source in sorted(sources) if len(sources) > 1 else ():  # a split
+            rows = [row for row in self.table if _source(row) == source]
+            out.update({f"{source}/{k}": v for k, v in _means(rows).items()})
+            out.update({f"{source}/{k}": v for k, v in _accuracy(rows).items()
+                        if k == "accuracy"})
         return out
+
+
+def _source(row: dict[str, Any]) -> str | None:
+    """A row's data source as a metric name part: a name or number, else None."""
+    value = row.get("data_source")
+    return str(value) if isinstance(value, (str, int, float)) else None
+
+
+_FIXED = ("prompt_id", "prompt", "response", "ground_truth", "data_source", "correct")
+
+
+def _means(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """`score/mean` and `<key>/mean` of every numeric entry, over the rows that have it."""
+    values: dict[str, list[float]] = {}
+    for row in rows:
+        for key, value in row.items():
+            if key not in _FIXED and isinstance(value, numbers.Real):
+                values.setdefault(key, []).append(float(value))
+    return {f"{k}/mean": sum(v) / len(v) for k, v in values.items()}
+
+
+def _accuracy(rows: list[dict[str, Any]]) -> dict[str, float]:
+    judged = [row for row in rows if row.get("correct") is not None]
+    if not judged:
+        return {}
+    correct = [float(row["correct"]) for row in judged]
+    out = {"accuracy": sum(correct) / len(correct)}
+    ids = [row["prompt_id"] for row in judged]
+    n = len(correct) // max(len(set(ids)), 1)
+    if n > 1:
+        out[f"accuracy/mean@{n}"] = out["accuracy"]
+        out[f"accuracy/pass@{n}"] = pass_at_n([c > 0 for c in correct], ids)
+    return out
+
+
+def _judge(plan: ExecutionPlan, env: dict[tuple[str, str], Any]) -> NodePlan | None:
+    """The reward node the validation table shows: the first that reports correctness
+    (an `exact_match` rule, a dict result with `acc`), else the first reward node."""
+    rewards = [n for n in plan.nodes if n.category == "reward"]
+    for node in rewards:
+        extras = env.get((node.name, "reward_extra_info")) or [{}]
+        if node.param_values().get("fn") == "exact_match" or "acc" in extras[0]:
+            return node
+    return rewards[0] if rewards else None
+
+
+def _per_sample(env: dict[tuple[str, str], Any], judge: NodePlan, gen: NodePlan,
+                index: list[int], port: str) -> list[Any]:
+    """Each response's value of a per-row column (`ground_truth`, `data_source`): what
+    the judge reads, else the rollout's output, else its data source's row; None each
+    when there is none."""
+    for ref in (dict(judge.wiring()).get(port), (gen.name, port)):
+        if ref is not None and ref in env:
+            return list(env[ref])
+    prompts = dict(gen.wiring()).get("prompts")
+    data = env.get((prompts[0], port)) if prompts is not None else None
+    return [None] * len(index) if data is None else [data[i] for i in index]
+
+
+def _plain(value: Any) -> Any:
+    """A value as JSON keeps it (numbers, text, lists, dicts), else its repr."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+    return value
 
 
 def _valid_rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:

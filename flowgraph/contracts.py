@@ -29,6 +29,9 @@ DTYPE_FAMILIES: dict[str, frozenset[str]] = {
 `object` ports carry a Python list with one value per row (a string; any value, such as
 verl's `extra_info` dicts) instead of a tensor."""
 
+ROW_DTYPES = frozenset({"str", "object"})
+"""Dtypes of ports that carry a Python list, one value per row."""
+
 ALL_DTYPES: frozenset[str] = frozenset().union(*DTYPE_FAMILIES.values())
 
 CONSTRAINTS: dict[str, str] = {
@@ -81,7 +84,11 @@ class TensorSpec:
         return dtype_set(self.dtype)
 
     def accepts_dtype(self, produced: TensorSpec) -> bool:
-        """Every dtype the producer may give is one this port takes."""
+        """Every dtype the producer may give is one this port takes. Per-row values
+        (`str`, `object`) meet each other: what a dataset's column holds is known when
+        it is read, and strict mode checks a `str` port's every value then."""
+        if produced.dtypes | self.dtypes <= ROW_DTYPES:
+            return True
         return produced.dtypes <= self.dtypes
 
     def describe(self) -> str:

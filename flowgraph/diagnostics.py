@@ -69,7 +69,7 @@ CODES: dict[str, str] = {
     "FG404": "one model run both as a causal LM and with a scalar head",
     # data and model folders (check --data)
     "FG501": "a dataset that cannot be read or lacks a column its kind reads",
-    "FG502": "a dataset without the ground truth a node reads",
+    "FG502": "a dataset without the ground truth a node reads, or rows where it is null/NaN",
     "FG503": "rows longer than their length limit (P or T)",
     "FG504": "a chat template applied with a tokenizer that has none, or chat lists as text",
     "FG505": "fewer dataset rows than one batch",
@@ -77,6 +77,9 @@ CODES: dict[str, str] = {
     "FG507": "a tokenizer vocabulary larger than the model's",
     "FG508": "a model folder's vocabulary and embedding tying",
     "FG509": "a hub id or a path not on this machine, not checked",
+    "FG510": "a malformed dataset row: no rows, a null, empty or mistyped prompt or "
+             "message, an extra_info that is not a dict",
+    "FG511": "preference pairs with identical or empty responses (DPO learns nothing)",
 }
 """Every diagnostic code and what it means; codes are stable across releases."""
 

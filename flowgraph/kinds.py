@@ -57,6 +57,8 @@ ADV_OUTPUTS = (
 )
 MASK = _p("response_mask", "b T", "mask", "binary")
 SCORE_FUNCTIONS = ("gsm8k", "math")
+SCORE_CALL = ("data_source", "solution_str", "ground_truth", "extra_info")
+"""The keywords `compute_score` calls a function with (verl's reward managers' call)."""
 """Built-in verl-style scoring functions (`flowgraph.nodes.scores`)."""
 SCORES = _p("scores", "b", "float", "finite")
 INDEX = _p("index", "b", "int", doc="group id: samples of one prompt share it")
@@ -98,8 +100,8 @@ _KINDS = (
         outputs=(
             _p("input_ids", "Bp P", "int"),
             _p("attention_mask", "Bp P", "int", "binary"),
-            _p("ground_truth", "Bp", "str", optional=True),
-            _p("data_source", "Bp", "str", optional=True),
+            _p("ground_truth", "Bp", "object", optional=True),
+            _p("data_source", "Bp", "object", optional=True),
             _p("extra_info", "Bp", "object", optional=True,
                doc="each row's `extra_info` dict (verl layout; {} without the column), with "
                    "the columns the param `columns` names"),
@@ -176,8 +178,8 @@ _KINDS = (
         inputs=(
             _p("prompts", "b P", "int"),
             _p("prompt_mask", "b P", "mask", "binary"),
-            _p("ground_truth", "b", "str", optional=True),
-            _p("data_source", "b", "str", optional=True),
+            _p("ground_truth", "b", "object", optional=True),
+            _p("data_source", "b", "object", optional=True),
             _p("extra_info", "b", "object", optional=True),
         ),
         outputs=(
@@ -187,8 +189,8 @@ _KINDS = (
             _p("response_mask", "b*n T", "int", "binary"),
             _p("rollout_log_prob", "b*n T", "float", "nonpositive", optional=True),
             _p("index", "b*n", "int", doc="group id: the prompt's position in the batch"),
-            _p("ground_truth", "b*n", "str", optional=True),
-            _p("data_source", "b*n", "str", optional=True),
+            _p("ground_truth", "b*n", "object", optional=True),
+            _p("data_source", "b*n", "object", optional=True),
             _p("extra_info", "b*n", "object", optional=True),
         ),
         params=(
@@ -253,7 +255,7 @@ _KINDS = (
         inputs=(
             _p("responses", "b T", "int"),
             _p("response_mask", "b T", "mask", "binary"),
-            _p("ground_truth", "b", "str", optional=True),
+            _p("ground_truth", "b", "object", optional=True),
         ),
         outputs=(SCORES,),
         params=(
@@ -275,16 +277,20 @@ _KINDS = (
         inputs=(
             _p("responses", "b T", "int"),
             _p("response_mask", "b T", "mask", "binary"),
-            _p("ground_truth", "b", "str", optional=True),
-            _p("data_source", "b", "str", optional=True),
+            _p("ground_truth", "b", "object", optional=True),
+            _p("data_source", "b", "object", optional=True),
             _p("extra_info", "b", "object", optional=True),
         ),
-        outputs=(SCORES,),
+        outputs=(SCORES, _p("reward_extra_info", "b", "object", optional=True,
+                            doc="each row's other entries of a dict result (verl's "
+                                "reward_extra_info): the validation table's columns")),
         params=(
             ParamSpec("fn", ("str", "null"), None, functions=SCORE_FUNCTIONS,
+                      call_with=SCORE_CALL,
                       doc="`file.py:function` (the file listed under plugins:), "
                           "`module:function` (listed too), or a built-in: gsm8k, math"),
             ParamSpec("fns", ("mapping", "null"), None, functions=SCORE_FUNCTIONS,
+                      call_with=SCORE_CALL,
                       doc="data_source -> function, as verl's default reward routes; rows "
                           "of other sources go to fn"),
         ),
@@ -541,7 +547,7 @@ FILTERED = (
     _p("responses", "b T", "int"),
     _p("response_mask", "b T", "mask", "binary"),
     _p("rollout_log_prob", "b T", "float", "nonpositive", optional=True),
-    _p("ground_truth", "b", "str", optional=True),
+    _p("ground_truth", "b", "object", optional=True),
 )
 _FILTER_KINDS = (
     KindSpec(

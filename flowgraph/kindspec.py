@@ -60,6 +60,9 @@ class ParamSpec:
     """Set when the value names a function (a mapping param: each of its values does):
     one of these built-in names, or `file.py:function` / `module:function` of a plugin
     the graph lists. A kind with such params needs one of them set."""
+    call_with: tuple[str, ...] = ()
+    """The keywords the node calls such a function with; `flowgraph check` holds a plugin
+    file's function to them (`compute_score`: verl's four)."""
     evaluation: bool = False
     """Read by the compiler to make the node's params at evaluation (`NodePlan.eval_params`:
     a rollout's `val_n`, `val_temperature`); never passed to the implementation."""

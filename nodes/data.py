@@ -55,7 +55,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 import torch
@@ -72,8 +74,10 @@ __all__ = [
     "Splits",
     "arith_problems",
     "check_rendering",
+    "check_rows",
     "has_ground_truth",
     "missing_ground_truth",
+    "missing_ground_truth_rows",
     "open_table",
     "overlong",
     "preference_source",
@@ -81,6 +85,8 @@ __all__ = [
     "render_prompts",
     "render_responses",
     "reverse_problems",
+    "row_problems",
+    "same_pairs",
     "sft_source",
 ]
 
@@ -315,6 +321,122 @@ def open_table(path: str, fmt: str, required: Sequence[str]) -> pa.Table:
     return table
 
 
+def _rows_where(mask: pa.Array) -> list[int]:
+    return [int(i) for i in np.flatnonzero(mask.to_numpy(zero_copy_only=False))]
+
+
+def _cell_problem(path: str, column: str, rows: Sequence[int], n_rows: int, problem: str
+                  ) -> str:
+    """`dataset … row R (0-based), column C: problem (k of n rows)`."""
+    many = f" ({len(rows)} of {n_rows} rows)" if len(rows) > 1 else ""
+    return f"dataset `{path}` row {rows[0]} (0-based), column `{column}`: {problem}{many}"
+
+
+_TEXT = "a string or a list of chat messages ({role, content} dicts)"
+
+
+def _message_problems(values: pa.Array, prompt: bool) -> Iterator[tuple[list[int], str]]:
+    """Rows of a chat-message list column that are null, hold a message without content
+    or (a prompt) a role, or (a prompt) no message: (rows, problem) for each kind found.
+    An empty response is counted at load instead (`same_pairs`)."""
+    yield _rows_where(pc.is_null(values)), f"null; each row needs {_TEXT}"
+    if prompt:
+        yield (_rows_where(pc.equal(pc.fill_null(pc.list_value_length(values), 1), 0)),
+               "an empty message list; a prompt needs at least one message")
+    messages, parents = pc.list_flatten(values), pc.list_parent_indices(values)
+    if not pa.types.is_struct(messages.type):
+        yield [0], f"holds lists of {messages.type}, not chat messages ({{role, content}} dicts)"
+        return
+    for key in ("role", "content") if prompt else ("content",):
+        if messages.type.get_field_index(key) < 0:
+            yield [0] if len(messages) else [], f"its messages have no `{key}`"
+            continue
+        missing = pc.is_null(pc.struct_field(messages, key))
+        rows = sorted({int(parents[i].as_py()) for i in _rows_where(missing)})
+        yield rows, f"a message without `{key}`"
+
+
+def _column_problems(values: pa.Array, prompt: bool) -> Iterator[tuple[list[int], str]]:
+    """(rows, problem) of one text column: a string or a chat-message list per row."""
+    kind = values.type
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        yield _rows_where(pc.is_null(values)), f"null; each row needs {_TEXT}"
+    elif pa.types.is_list(kind) or pa.types.is_large_list(kind):
+        yield from _message_problems(values, prompt)
+    else:
+        yield [0], f"holds {kind} values; each row needs {_TEXT}"
+
+
+def row_problems(path: str, table: pa.Table, prompt: str, responses: Sequence[str] = ()
+                 ) -> list[str]:
+    """Every malformed row, one message per column and kind of problem, naming the file,
+    the first such row and the column: no rows at all; a null, empty or mistyped
+    `prompt` column cell, a null or mistyped response; a message without a role or
+    content; an `extra_info` that is not a dict (struct) column. What `check --data`
+    reports and a load refuses, before a tokenizer meets the row."""
+    if table.num_rows == 0:
+        return [f"dataset `{path}` has no rows"]
+    out = []
+    for column in (prompt, *responses):
+        if column not in table.column_names:
+            continue  # a missing column has its own message (`open_table`)
+        values = table.column(column).combine_chunks()
+        out += [_cell_problem(path, column, rows, table.num_rows, problem)
+                for rows, problem in _column_problems(values, column == prompt) if rows]
+    if "extra_info" in table.column_names:
+        kind = table.schema.field("extra_info").type
+        if not (pa.types.is_struct(kind) or pa.types.is_null(kind)):
+            first = table.column("extra_info")[0].as_py()
+            out.append(_cell_problem(
+                path, "extra_info", [0], 1,
+                f"holds {kind} values ({first!r}); verl's extra_info is a dict per row (a "
+                f"struct column): write the dicts themselves, not their text"))
+    return out
+
+
+def check_rows(path: str, table: pa.Table, prompt: str, responses: Sequence[str] = ()
+               ) -> None:
+    """Refuse a table with a malformed row (`row_problems`): the first problem, and how
+    many more `flowgraph check --data` lists."""
+    problems = row_problems(path, table, prompt, responses)
+    if problems:
+        more = (f" (and {len(problems) - 1} more problems: flowgraph check --data lists "
+                "them)" if len(problems) > 1 else "")
+        raise FlowgraphError(problems[0] + more)
+
+
+def missing_ground_truth_rows(path: str, table: pa.Table, needed_by: Sequence[str]
+                              ) -> str | None:
+    """The message for rows whose ground truth is null or NaN where nodes `needed_by`
+    read it; None when every row has one. verl would score such a row against None."""
+    column = _ground_truth_column(table)
+    if column is None or not needed_by:
+        return None
+    whole = table.column(column.split(".")[0]).combine_chunks()
+    values = pc.struct_field(whole, column.split(".")[1]) if "." in column else whole
+    rows = _rows_where(pc.is_null(values, nan_is_null=True))
+    if not rows:
+        return None
+    what = "null" if values[rows[0]].as_py() is None else "NaN"
+    nodes = ", ".join(f"`{n}`" for n in needed_by)
+    return _cell_problem(path, column, rows, table.num_rows,
+                         f"the ground truth is missing ({what}); node {nodes} reads it") + (
+        ". Fill it in, or drop such rows from the file")
+
+
+def same_pairs(table: pa.Table, responses: Sequence[str]) -> tuple[list[int], list[int]]:
+    """(rows whose responses are equal, rows with an empty response) of a preference
+    table, by the text that is tokenized: DPO learns nothing from such a pair (its
+    loss stays log 2)."""
+    def text(v: Any) -> str:  # what `render_responses` tokenizes
+        return v if isinstance(v, str) else "".join(m.get("content") or "" for m in v or [])
+
+    texts = [[text(v) for v in r.values()] for r in table.select(list(responses)).to_pylist()]
+    empty = [i for i, r in enumerate(texts) if any(not t for t in r)]
+    same = [i for i, r in enumerate(texts) if len(set(r)) == 1 and r[0]]
+    return same, empty
+
+
 class _TableDataset:
     """A pyarrow table read once, and the cursor over its rows."""
 
@@ -395,12 +517,16 @@ class PromptDataset(_TableDataset):
         columns: Sequence[str] = (),
     ) -> None:
         super().__init__(path, format, [prompt_key], shuffle, seed)
+        check_rows(path, self.table, prompt_key)
         self.columns = tuple(columns)
         _check_columns(self.table, self.columns, path)
         self._ground_truth = _ground_truth_getter(self.table)
         if ground_truth_for and self._ground_truth is None:
             raise FlowgraphError(missing_ground_truth(path, self.table.column_names,
                                                       ground_truth_for))
+        gap = missing_ground_truth_rows(path, self.table, ground_truth_for)
+        if gap is not None:
+            raise FlowgraphError(gap)
         check_rendering(tokenizer, apply_chat_template, self.table, prompt_key, path)
         self.tokenizer, self.prompt_key = tokenizer, prompt_key
         self.max_prompt_length, self.chat = max_prompt_length, apply_chat_template
@@ -413,7 +539,9 @@ class PromptDataset(_TableDataset):
 
     def batch(self, ids: list[int], rows: list[dict[str, Any]]) -> dict[str, Any]:
         """input_ids, attention_mask (Bp, P) int64; uid (Bp,) int64; ground_truth and
-        data_source list[str] (Bp) when the dataset has them; extra_info list[dict] (Bp)."""
+        data_source (Bp) lists when the dataset has them; extra_info list[dict] (Bp).
+        Values keep their parquet types (a string, a number, a dict, a list), as verl
+        passes them to a reward function, never their str()."""
         prompts = render_prompts(self.tokenizer, [r[self.prompt_key] for r in rows], self.chat)
         prompts = [_truncate(p, self.max_prompt_length, self.keep_end) for p in prompts]
         input_ids, attention_mask = _pad(
@@ -425,9 +553,9 @@ class PromptDataset(_TableDataset):
             "uid": torch.tensor(ids, dtype=torch.int64),
         }
         if self._ground_truth is not None:
-            batch["ground_truth"] = [str(self._ground_truth(r)) for r in rows]
+            batch["ground_truth"] = [self._ground_truth(r) for r in rows]
         if "data_source" in self.table.column_names:
-            batch["data_source"] = [str(r["data_source"]) for r in rows]
+            batch["data_source"] = [r["data_source"] for r in rows]
         batch["extra_info"] = [_extra_info(r, self.columns) for r in rows]
         return batch
 
@@ -477,16 +605,22 @@ def missing_ground_truth(path: str, columns: Sequence[str], needed_by: Sequence[
     )
 
 
-def _ground_truth_getter(table: pa.Table) -> Callable[[dict[str, Any]], Any] | None:
-    """How to read a row's ground truth: verl's nested field first, then a flat column."""
+def _ground_truth_column(table: pa.Table) -> str | None:
+    """Where rows keep their ground truth: verl's nested field first, then a flat column."""
     names = table.column_names
     if "reward_model" in names:
         kind = table.schema.field("reward_model").type
         if pa.types.is_struct(kind) and kind.get_field_index("ground_truth") >= 0:
-            return lambda row: row["reward_model"]["ground_truth"]
-    if "ground_truth" in names:
-        return lambda row: row["ground_truth"]
-    return None
+            return "reward_model.ground_truth"
+    return "ground_truth" if "ground_truth" in names else None
+
+
+def _ground_truth_getter(table: pa.Table) -> Callable[[dict[str, Any]], Any] | None:
+    """How to read a row's ground truth (`_ground_truth_column`), as it is."""
+    column = _ground_truth_column(table)
+    if column == "reward_model.ground_truth":
+        return lambda row: (row["reward_model"] or {}).get("ground_truth")
+    return None if column is None else (lambda row: row["ground_truth"])
 
 
 class PreferenceDataset(_TableDataset):
@@ -512,14 +646,30 @@ class PreferenceDataset(_TableDataset):
         filter_overlong_prompts: bool = False,
     ) -> None:
         super().__init__(path, format, self._required(), shuffle, seed)
+        check_rows(path, self.table, "prompt", list(self.RESPONSES))
         check_rendering(tokenizer, apply_chat_template, self.table, "prompt", path)
         self.tokenizer, self.chat = tokenizer, apply_chat_template
         self.max_prompt_length, self.max_response_length = max_prompt_length, max_response_length
         self.keep_end = truncation != "right"
         _apply_limits(self, self._overlong(), truncation, filter_overlong_prompts)
+        self.same_pairs, self.empty_pairs = self._count_pairs()
 
     def _required(self) -> list[str]:
         return ["prompt", *self.RESPONSES]
+
+    def _count_pairs(self) -> tuple[int, int]:
+        """Pairs DPO learns nothing from (equal or empty responses), counted and said
+        once at load: `data/same_pairs`, `data/empty_pairs` in the first metrics row."""
+        if len(self.RESPONSES) < 2:
+            return 0, 0
+        same, empty = same_pairs(self.table, list(self.RESPONSES))
+        for name, rows, what in (("same_pairs", same, "identical responses"),
+                                 ("empty_pairs", empty, "an empty response")):
+            if rows:
+                print(f"data/{name}={len(rows)}: dataset `{self.path}`: {len(rows)} of "
+                      f"{len(self)} pairs have {what} (the first: row {rows[0]}); DPO learns "
+                      f"nothing from them (their loss stays log 2)")
+        return len(same), len(empty)
 
     def _overlong(self) -> list[Overlong]:
         """Prompts over P and responses over T, per column."""

@@ -186,11 +186,20 @@ def _dataset_problems(graph: Graph, d: DataSpec, path: str, tok: Any) -> Iterato
     except FlowgraphError as exc:
         yield "FG501", "error", str(exc), None
         return
+    prompt_key = next(iter(limits))
+    malformed = nd.row_problems(path, table, prompt_key, responses)
+    for message in malformed:
+        yield "FG510", "error", message, "fix or drop the row in the file"
+    if malformed:
+        return  # rendering such a row would fail: nothing more to measure
     gives_truth = any(p.name == "ground_truth" for p in kind.outputs)
     readers = ground_truth_readers(graph, d.name) if gives_truth else ()
     if readers and not nd.has_ground_truth(table):
         yield "FG502", "error", nd.missing_ground_truth(path, table.column_names, readers), None
-    prompt_key = next(iter(limits))
+    gap = nd.missing_ground_truth_rows(path, table, readers)
+    if gap is not None:
+        yield "FG502", "error", gap, None
+    yield from _pair_problems(path, table, responses)
     try:
         nd.check_rendering(tok, chat, table, prompt_key, path)
     except FlowgraphError as exc:
@@ -204,6 +213,19 @@ def _dataset_problems(graph: Graph, d: DataSpec, path: str, tok: Any) -> Iterato
         yield ("FG505", "error", f"dataset `{path}` has {rows} rows"
                f"{f' after filtering {dropped}' if dropped else ''}, fewer than one batch "
                f"(Bp = {batch})", "add rows, or lower dims.Bp")
+
+
+def _pair_problems(path: str, table: Any, responses: list[str]) -> Iterator[Problem]:
+    """FG511 for preference pairs DPO learns nothing from: equal or empty responses."""
+    if len(responses) < 2:
+        return
+    same, empty = nd.same_pairs(table, responses)
+    for rows, what in ((same, "identical responses (chosen == rejected)"),
+                       (empty, "an empty response")):
+        if rows:
+            yield ("FG511", "warning", f"dataset `{path}`: {len(rows)} of {table.num_rows} "
+                   f"pairs have {what}, the first row {rows[0]} (0-based); DPO learns "
+                   f"nothing from them (their loss stays log 2)", "drop or fix those rows")
 
 
 def _length_problems(path: str, table: Any, limits: dict[str, tuple[str, int | None]],

@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from transformers.cache_utils import DynamicLayer
 
 from flowgraph.nodes.logprob import first_prompt_column
+from flowgraph.nodes.shaping import repeat_rows
 from flowgraph.runtime.context import NodeContext, Workers
 
 if TYPE_CHECKING:
@@ -351,7 +352,7 @@ def generate(
     for name, rows_of in (("ground_truth", ground_truth), ("data_source", data_source),
                           ("extra_info", extra_info)):
         if rows_of is not None:  # one value per prompt -> one per sample, in sample order
-            outputs[name] = [v for v in rows_of for _ in range(n)]
+            outputs[name] = repeat_rows(rows_of, n)
     return outputs
 
 

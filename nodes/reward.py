@@ -32,8 +32,11 @@ Notation: B sequences, P prompt length, T response length.
 from __future__ import annotations
 
 import importlib
+import math
+import numbers
+import warnings
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -64,7 +67,7 @@ def _texts(tokenizer: object, responses: Tensor, response_mask: Tensor, fn: str)
 def rule_reward(
     responses: Tensor,
     response_mask: Tensor,
-    ground_truth: Sequence[str] | None = None,
+    ground_truth: Sequence[Any] | None = None,
     *,
     tokenizer: object = None,
     fn: str = "exact_match",
@@ -124,10 +127,18 @@ def _function(ref: str) -> ScoreFn:
     return fn
 
 
-def _score(result: Any, ref: str, row: int, source: str | None) -> tuple[float, dict[str, Any]]:
-    """(score, extra numbers) of what a function returned: a number, or a dict whose
-    `score` is one (its other numeric entries are extra info, as verl's reward managers)."""
-    where = f"reward fn `{ref}` on row {row} (data_source `{source}`)"
+def _where(row: int, source: Any, extra_info: Any) -> str:
+    """`row i (data_source s, extra_info index k)`: the row as a user finds it again
+    (verl's datasets number their rows in `extra_info.index`)."""
+    index = extra_info.get("index") if isinstance(extra_info, dict) else None
+    at = "" if index is None else f", extra_info index {index!r}"
+    return f"row {row} (data_source `{source}`{at})"
+
+
+def _score(result: Any, where: str) -> tuple[float, dict[str, Any]]:
+    """(score, extra entries) of what a function returned: a number (a bool counts as
+    1 or 0, as verl writes it into its reward tensor), or a dict whose `score` is one
+    (its other entries are extra info, as verl's reward managers keep them)."""
     extra: dict[str, Any] = {}
     if isinstance(result, dict):
         if "score" not in result:
@@ -135,34 +146,66 @@ def _score(result: Any, ref: str, row: int, source: str | None) -> tuple[float, 
                              f"{sorted(result)}")
         extra = {k: v for k, v in result.items() if k != "score"}
         result = result["score"]
-    if isinstance(result, bool) or not isinstance(result, (int, float)):
+    if not isinstance(result, numbers.Real):
         raise ValueError(f"{where} returned {type(result).__name__} {result!r}; a score is "
                          "a number (or a dict with `score`)")
+    if not math.isfinite(result):
+        raise RewardFnError(f"{where} returned {result!r}; a score must be a finite number "
+                            "(a NaN or infinity would spread through the advantages)")
     return float(result), extra
+
+
+_WARNED: set[tuple[str, str]] = set()
+"""(function, key) pairs whose non-numeric values were reported (once a process)."""
+
+
+def _numeric(ref: str, key: str, value: Any) -> float | None:
+    """An extra entry as a number to average, or None for text and the like (said once:
+    it is kept for the validation table, not averaged)."""
+    if isinstance(value, numbers.Real):
+        return float(value)
+    if (ref, key) not in _WARNED:
+        _WARNED.add((ref, key))
+        warnings.warn(f"reward fn `{ref}` returned `{key}` = {value!r} "
+                      f"({type(value).__name__}): not a number, so it has no "
+                      f"`critic/{key}/mean`; it is kept in validation/step_<k>.jsonl",
+                      stacklevel=3)
+    return None
+
+
+def _route(fns: Mapping[Any, str], source: Any, fn: str | None) -> str | None:
+    """fns' function for a row's data_source (the value, else its text: a YAML key `7`
+    for a source 7), else fn; a source that is no key (None, a dict) goes to fn."""
+    if source is None or not isinstance(source, Hashable):
+        return fn
+    return fns.get(source, fns.get(str(source), fn))
 
 
 def compute_score(
     responses: Tensor,
     response_mask: Tensor,
-    ground_truth: Sequence[str] | None = None,
-    data_source: Sequence[str] | None = None,
+    ground_truth: Sequence[Any] | None = None,
+    data_source: Sequence[Any] | None = None,
     extra_info: Sequence[Any] | None = None,
     *,
     ctx: NodeContext,
     tokenizer: object = None,
     fn: str | None = None,
     fns: Mapping[str, str] | None = None,
-) -> dict[str, Tensor]:
+) -> dict[str, Any]:
     """scores (b,) float32: each decoded response scored by verl's signature,
     `f(data_source=, solution_str=, ground_truth=, extra_info=)`, with f = fns[data_source]
-    when the map has the row's source, else fn. Numeric extra entries of dict results are
-    reported as `critic/<key>/mean` over the rows that gave them."""
+    when the map has the row's source, else fn; reward_extra_info (b,): each row's extra
+    dict entries. Numeric extra entries are reported as `critic/<key>/mean` over the
+    rows that gave them. Values reach f as the dataset holds them (`PromptDataset`)."""
     # verl's NaiveRewardManager / default_compute_score routing, one row at a time.
     texts = _texts(tokenizer, responses, response_mask, "compute_score")
-    scores, extras = [], defaultdict(list)
+    scores, extras, rows = [], defaultdict(list), []
     for i, text in enumerate(texts):
         source = None if data_source is None else data_source[i]
-        ref = (fns or {}).get(source, fn) if source is not None else fn
+        info = None if extra_info is None else extra_info[i]
+        ref = _route(fns or {}, source, fn)
+        where = _where(ctx.row_offset + i, source, info)
         if ref is None:
             raise ValueError(f"compute_score: no function for row {i} (data_source "
                              f"`{source}`): set fn, or list the source under fns")
@@ -170,17 +213,19 @@ def compute_score(
             result = _function(ref)(
                 data_source=source, solution_str=text,
                 ground_truth=None if ground_truth is None else ground_truth[i],
-                extra_info=None if extra_info is None else extra_info[i])
+                extra_info=info)
         except Exception as exc:
-            raise RewardFnError(f"reward fn `{ref}` raised on row {i} (data_source "
-                                f"`{source}`): {type(exc).__name__}: {exc}") from exc
-        score, extra = _score(result, ref, i, source)
+            raise RewardFnError(f"reward fn `{ref}` raised on {where}: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        score, extra = _score(result, f"reward fn `{ref}` on {where}")
         scores.append(score)
+        rows.append(extra)
         for key, value in extra.items():
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                extras[key].append(float(value))
+            number = _numeric(ref, key, value)
+            if number is not None:
+                extras[key].append(number)
     ctx.metrics.update({f"critic/{k}/mean": sum(v) / len(v) for k, v in extras.items()})
-    return {"scores": torch.tensor(scores, dtype=torch.float32)}
+    return {"scores": torch.tensor(scores, dtype=torch.float32), "reward_extra_info": rows}
 
 
 def _score_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:

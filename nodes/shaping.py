@@ -23,6 +23,7 @@ Notation: b sequences of the node, T response length.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ from torch import Tensor
 
 from flowgraph.runtime import NodeContext
 
-__all__ = ["length_penalty", "overlong_penalty", "repeat", "weighted_sum"]
+__all__ = ["length_penalty", "overlong_penalty", "repeat", "repeat_rows", "weighted_sum"]
 
 
 def overlong_penalty(
@@ -103,4 +104,10 @@ def repeat(
         raise ValueError(f"repeat: n must be >= 1 (the param, else the graph's N); got {n}")
     if isinstance(x, Tensor):
         return {"x": x.repeat_interleave(n, dim=0)}
-    return {"x": [v for v in x for _ in range(n)]}
+    return {"x": repeat_rows(x, n)}
+
+
+def repeat_rows(values: Sequence[Any], n: int) -> list[Any]:
+    """Each value n times in a row, each copy its own (`copy.deepcopy`): a reward that
+    writes into one sample's `extra_info` dict must not change its siblings'."""
+    return [copy.deepcopy(v) for v in values for _ in range(n)]

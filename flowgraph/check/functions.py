@@ -6,7 +6,9 @@ param it does not take, is found before launch."""
 
 from __future__ import annotations
 
+import inspect
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from flowgraph.check.structure import Resolved, param_problem
@@ -14,6 +16,7 @@ from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.document import did_you_mean
 from flowgraph.ir import Graph, NodeSpec, Param, Params
 from flowgraph.registry import ParamSpec, loss_names, loss_spec
+from flowgraph.source import SourcePos
 
 
 def check_functions(graph: Graph, table: dict[str, Resolved], out: list[Diagnostic]) -> None:
@@ -88,9 +91,35 @@ def _check_ref(node: str, spec: ParamSpec, ref: object, where: Param, listed: se
                               "runs is listed there)"))
         return
     loaded = sys.modules.get(Path(module).stem if module.endswith(".py") else module)
-    if loaded is not None and not callable(getattr(loaded, name, None)):
+    if loaded is None:
+        return
+    fn = getattr(loaded, name, None)
+    if not callable(fn):
         out.append(error("FG112", f"parameter `{spec.name}` of `{node}`: `{module}` has no "
                          f"function `{name}`", where.pos, node=node, hint=_hint(spec)))
+        return
+    if module.endswith(".py") and spec.call_with:
+        _check_signature(node, spec, ref, fn, where, out)
+
+
+def _check_signature(node: str, spec: ParamSpec, ref: str, fn: Callable[..., object],
+                     where: Param, out: list[Diagnostic]) -> None:
+    """A plugin file's function can be called as the node calls it (`ParamSpec.call_with`:
+    verl's `data_source=, solution_str=, ground_truth=, extra_info=`); the error sits on
+    the function's own line."""
+    try:
+        inspect.signature(fn).bind(**dict.fromkeys(spec.call_with))
+    except TypeError as exc:
+        file, line = inspect.getsourcefile(fn), inspect.getsourcelines(fn)[1]
+        pos = SourcePos(file, line, 1) if file else where.pos
+        wanted = ", ".join(spec.call_with)
+        out.append(error(
+            "FG112", f"`{ref}` (parameter `{spec.name}` of `{node}`, {where.pos}) cannot be "
+            f"called with the keywords {wanted}: {exc}", pos, node=node,
+            hint=f"take them all: `def {fn.__name__}({wanted}=None)` (verl's signature; "
+                 "more keywords with defaults, or **kwargs, are fine)"))
+    except ValueError:  # no signature to read (a builtin): it is called as it is
+        return
 
 
 def _hint(spec: ParamSpec) -> str:

@@ -135,8 +135,9 @@ def test_sampled_validation_logs_a_table_and_mean_at_n(tmp_path: Path) -> None:
     table = [json.loads(line) for line in
              (tmp_path / "validation" / "step_0.jsonl").read_text().splitlines()]
     assert len(table) == 300 and len({r["prompt_id"] for r in table}) == 100
-    assert set(table[0]) == {"prompt_id", "prompt", "response", "ground_truth", "score",
-                             "correct"}
+    assert set(table[0]) == {"prompt_id", "prompt", "response", "ground_truth",
+                             "data_source", "score", "correct"}
+    assert not any(k.startswith("val/reverse/") for k in row)  # one source: no split
     assert row["val/accuracy"] == row["val/accuracy/mean@3"] == pytest.approx(
         sum(r["correct"] for r in table) / 300)
     assert row["val/accuracy/mean@3"] <= row["val/accuracy/pass@3"]
@@ -176,3 +177,56 @@ def test_every_held_out_row_counts_once_and_val_before_train_is_the_baseline(
     for row in rows:
         hits = row["val/accuracy"] * 31
         assert abs(hits - round(hits)) < 1e-9, row["val/accuracy"]
+
+
+REWARDS = '''
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    right = solution_str.strip() == str(ground_truth["answer"])
+    return {"score": 1.0 if right else 0.1, "acc": right, "pred": solution_str[:3]}
+'''
+
+
+def test_validation_for_a_compute_score_reward(tmp_path: Path) -> None:
+    """verl's validation for any reward: val/accuracy from the function's `acc`,
+    val/<key>/mean, a split per data_source, and the table with every dict entry
+    (`pred`, text, is said once and kept)."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    import flowgraph
+
+    rows = [{"prompt": [{"role": "user", "content": f"{a}{op}{b}="}],
+             "data_source": "add" if op == "+" else "sub",
+             "reward_model": {"ground_truth": {"answer": a + b if op == "+" else a - b}}}
+            for a in range(4) for b in range(3) for op in "+-"]
+    for name in ("train", "test"):
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{name}.parquet")
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    graph = (ROOT / "graphs" / "verl_format" / "grpo.yaml").read_text()
+    (tmp_path / "g.yaml").write_text(graph.replace("columns: [ability]", ""))
+    result = compile_graph(tmp_path / "g.yaml", overrides=[
+        f"trainer.run_dir={tmp_path / 'run'}", "trainer.steps=1", "trainer.eval_every=1",
+        "trainer.checkpoint_every=0", "trainer.val_before_train=false"])
+    assert result.plan is not None, result.diagnostics
+    with pytest.warns(UserWarning, match="`pred` = .* not a number") as seen, \
+            open(os.devnull, "w") as out:
+        (row,) = flowgraph.run(result.plan, tensorboard=False, out=out).rows
+    assert len([w for w in seen if "`pred`" in str(w.message)]) == 1
+    table = [json.loads(line) for line in
+             (tmp_path / "run" / "validation" / "step_0.jsonl").read_text().splitlines()]
+    assert len(table) == len(rows)  # greedy: one response a held-out prompt
+    assert set(table[0]) == {"prompt_id", "prompt", "response", "ground_truth",
+                             "data_source", "score", "correct", "acc", "pred"}
+    assert table[0]["ground_truth"] == {"answer": 0}  # as the parquet holds it
+    assert row["val/accuracy"] == pytest.approx(sum(r["acc"] for r in table) / len(table))
+    assert row["val/acc/mean"] == pytest.approx(row["val/accuracy"])
+    for source in ("add", "sub"):
+        mine = [r for r in table if r["data_source"] == source]
+        assert len(mine) == 12
+        assert row[f"val/{source}/score/mean"] == pytest.approx(
+            sum(r["score"] for r in mine) / 12)
+        assert row[f"val/{source}/accuracy"] == pytest.approx(
+            sum(r["acc"] for r in mine) / 12)
+        assert row[f"val/{source}/acc/mean"] == row[f"val/{source}/accuracy"]

@@ -237,3 +237,20 @@ def test_a_trained_builtin_is_checked_without_training_it(
     built = sorted(p.name for p in (tmp_path / "cache" / "builtin").iterdir()
                    if not p.name.startswith("."))
     assert built == ["tiny-lm"]
+
+
+def test_identical_and_empty_pairs_are_a_warning(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = {"prompt": "2+2=", "chosen": "4", "rejected": "5"}
+    data = _jsonl(tmp_path / "pairs.jsonl", [good] * 14 + [{**good, "rejected": "4"},
+                                                            {**good, "chosen": ""}])
+    text = (ROOT / "graphs" / "dpo.yaml").read_text()
+    graph = tmp_path / "dpo.yaml"
+    graph.write_text(text.replace('path: "builtin:arith-pairs"', f"path: {data}", 1))
+    status, diags = _diags(capsys, str(graph))
+    assert status == 0  # a warning: such pairs are wasted, not wrong
+    pairs = [d for d in diags if d["code"] == "FG511"]
+    assert [d["severity"] for d in pairs] == ["warning", "warning"]
+    assert "1 of 16 pairs have identical responses (chosen == rejected), the first row 14" \
+        in pairs[0]["message"]
+    assert "1 of 16 pairs have an empty response, the first row 15" in pairs[1]["message"]

@@ -75,7 +75,7 @@ def test_string_prompts_flat_ground_truth_and_raw_text(tmp_path: Path) -> None:
     raw = PromptDataset(
         path, TOK, prompt_key="question", shuffle=False, apply_chat_template=False
     ).next_batch(2)
-    assert chat["ground_truth"] == ["1", "2"]  # JSON numbers become strings
+    assert chat["ground_truth"] == [1, 2]  # JSON numbers stay numbers, as verl passes them
     assert "data_source" not in chat
     text = TOK.decode(chat["input_ids"][0][chat["attention_mask"][0].bool()])
     assert text == "<|user|>what is 0 plus 1?<|assistant|>"
@@ -448,3 +448,34 @@ def test_multi_turn_rows_are_verls(tmp_path: Path) -> None:
         response = batch["responses"][i][valid].tolist()
         assert prompt + response == row["input_ids"], i
         assert [0] * len(prompt) + batch["loss_mask"][i][valid].tolist() == row["loss_mask"], i
+
+
+@pytest.mark.faults
+def test_identical_or_empty_preference_pairs_are_counted_at_load(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = {"prompt": "2+2=", "chosen": "4", "rejected": "5"}
+    rows = [good, {**good, "rejected": "4"}, {**good, "chosen": ""}, good,
+            {"prompt": "1+1=", "chosen": "2", "rejected": "2"}]
+    path = _write(tmp_path / "pairs.jsonl", rows)
+    ds = PreferenceDataset(str(path), TOK, apply_chat_template=False)
+    assert (ds.same_pairs, ds.empty_pairs) == (2, 1)
+    out = capsys.readouterr().out
+    assert f"data/same_pairs=2: dataset `{path}`: 2 of 5 pairs have identical responses " \
+           "(the first: row 1)" in out
+    assert f"data/empty_pairs=1: dataset `{path}`: 1 of 5 pairs have an empty response " \
+           "(the first: row 2)" in out
+
+
+def test_an_empty_message_list_is_an_empty_response_not_a_malformed_row(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    answer = [{"role": "assistant", "content": "4"}]
+    rows = [{"prompt": [{"role": "user", "content": "2+2="}], "chosen": answer,
+             "rejected": [{"role": "assistant", "content": "5"}]}] * 3
+    rows.append({**rows[0], "chosen": []})  # an empty response: counted, not refused
+    ds = PreferenceDataset(str(_write(tmp_path / "pairs.parquet", rows)), TOK)
+    assert (ds.same_pairs, ds.empty_pairs) == (0, 1)
+    assert "(the first: row 3)" in capsys.readouterr().out
+    rows.append({**rows[0], "prompt": []})  # an empty prompt is refused
+    with pytest.raises(FlowgraphError, match="row 4 \\(0-based\\), column `prompt`: an "
+                                             "empty message list"):
+        PreferenceDataset(str(_write(tmp_path / "pairs2.parquet", rows)), TOK)

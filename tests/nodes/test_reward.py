@@ -288,3 +288,99 @@ def test_a_result_that_is_not_a_score_is_named(returned: object, message: str,
     with pytest.raises(ValueError, match=f"reward fn `{__name__}:{name}` on row 0 "
                                          f"\\(data_source `None`\\) {message}"):
         compute_score(responses, mask, ctx=_ctx(), tokenizer=tok, fn=f"{__name__}:{name}")
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(("returned", "shown"), [
+    (float("nan"), "nan"), (float("inf"), "inf"), ({"score": float("-inf")}, "-inf")])
+def test_a_non_finite_score_names_the_function_and_row(
+        returned: object, shown: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    tok, responses, mask = _encode(["7", "8"])
+    name = f"gives_{shown.replace('-', 'minus_')}"
+    monkeypatch.setitem(globals(), name, lambda **kw: returned if kw["solution_str"] == "8"
+                        else 0.0)
+    ctx = _ctx()
+    ctx.row_offset = 4  # this worker's rows start at 4 of the batch
+    with pytest.raises(RewardFnError) as exc:
+        compute_score(responses, mask, data_source=["a", "b"],
+                      extra_info=[{"index": 10}, {"index": 11}], ctx=ctx, tokenizer=tok,
+                      fn=f"{__name__}:{name}")
+    assert str(exc.value).startswith(
+        f"reward fn `{__name__}:{name}` on row 5 (data_source `b`, extra_info index 11) "
+        f"returned {shown}; a score must be a finite number")
+
+
+def with_text(data_source: str, solution_str: str, ground_truth: str,
+              extra_info: object = None) -> dict[str, object]:
+    return {"score": 1.0, "pred": solution_str, "acc": True}
+
+
+def test_text_entries_are_kept_per_row_and_reported_once() -> None:
+    tok, responses, mask = _encode(["7", "8"])
+    ctx = _ctx()
+    with pytest.warns(UserWarning, match="`pred` = '7' \\(str\\): not a number") as seen:
+        out = compute_score(responses, mask, ctx=ctx, tokenizer=tok,
+                            fn=f"{__name__}:with_text")
+        compute_score(responses, mask, ctx=_ctx(), tokenizer=tok, fn=f"{__name__}:with_text")
+    assert len(seen) == 1  # once, not once a row or a step
+    assert out["reward_extra_info"] == [{"pred": "7", "acc": True}, {"pred": "8", "acc": True}]
+    assert ctx.metrics == {"critic/acc/mean": 1.0}  # a bool counts as 1, as the score
+
+
+WRONG_SIGNATURES = {
+    "positional": "def compute_score(solution, truth):\n    return 0.0\n",
+    "no extra_info": ("def compute_score(data_source, solution_str, ground_truth):\n"
+                      "    return 0.0\n"),
+}
+
+
+GRAPH = """
+version: 1
+name: sig
+dims: {Bp: 2, N: 2, P: 8, T: 4}
+plugins: [rewards.py]
+models:
+  actor: {path: "builtin:tiny-lm"}
+data:
+  train: {kind: prompts, path: "builtin:arith"}
+nodes:
+  gen:
+    kind: generate
+    model: actor
+    inputs: {prompts: train.input_ids, prompt_mask: train.attention_mask,
+             ground_truth: train.ground_truth}
+  reward:
+    kind: compute_score
+    model: actor
+    inputs: {responses: gen.responses, response_mask: gen.response_mask,
+             ground_truth: gen.ground_truth}
+    params: {fn: "rewards.py:compute_score"}
+"""
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("name", list(WRONG_SIGNATURES))
+def test_check_refuses_a_function_verl_could_not_call(
+        name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from flowgraph.cli import main
+
+    (tmp_path / "rewards.py").write_text("# a user's reward\n\n" + WRONG_SIGNATURES[name])
+    (tmp_path / "g.yaml").write_text(GRAPH)
+    assert main(["check", str(tmp_path / "g.yaml"), "--format", "json"]) == 1
+    diags = [d for d in json.loads(capsys.readouterr().out) if d["code"] == "FG112"]
+    assert len(diags) == 1
+    assert (diags[0]["file"], diags[0]["line"]) == (str(tmp_path / "rewards.py"), 3)
+    assert ("`rewards.py:compute_score` (parameter `fn` of `reward`, "
+            f"{tmp_path / 'g.yaml'}:") in diags[0]["message"]
+    assert "cannot be called with the keywords data_source, solution_str, ground_truth, " \
+           "extra_info" in diags[0]["message"]
+
+
+def test_a_number_data_source_routes_by_its_value_or_its_text() -> None:
+    """data_source 7 reaches the function as 7; `fns: {7: …}` in YAML may be read with
+    the key `"7"`: both route it."""
+    tok, responses, mask = _encode(["#### 5", "#### 5", "#### 5"])
+    out = compute_score(responses, mask, ground_truth=["5", "5", "5"],
+                        data_source=[7, 8, {"a": 1}], ctx=_ctx(), tokenizer=tok,
+                        fn=f"{__name__}:raises_on_twelve", fns={"7": "gsm8k", 8: "gsm8k"})
+    assert out["scores"].tolist() == [1.0, 1.0, 0.5]  # gsm8k, gsm8k, fn
