@@ -57,7 +57,7 @@ from typing import ClassVar
 from flowgraph.builtin_models import builtin_config
 from flowgraph.check import CheckResult
 from flowgraph.check.structure import Resolved, param_value
-from flowgraph.choices import MODEL_DTYPES, OPTIMIZERS
+from flowgraph.choices import OPTIMIZERS, TENSOR_BYTES
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.frontend import with_params
 from flowgraph.ir import Graph, LoraSpec, ModelSpec, NodeSpec, OptimizerSpec
@@ -174,6 +174,22 @@ def lora_parameters(cfg: ModelConfig, lora: LoraSpec) -> int:
     per_layer = sum(lora.r * (a + b) for name, (a, b) in shapes.items()
                     if every or any(t.split(".")[-1] == name for t in lora.target_modules))
     return cfg.num_hidden_layers * per_layer
+
+
+def layer_parameters(cfg: ModelConfig) -> int:
+    """One decoder layer's parameters: attention and MLP projections, two RMSNorms."""
+    h = cfg.hidden_size
+    q_dim = cfg.num_attention_heads * cfg.head_dim
+    kv_dim = cfg.num_key_value_heads * cfg.head_dim
+    return 2 * h * q_dim + 2 * h * kv_dim + 3 * h * cfg.intermediate_size + 2 * h
+
+
+def matmul_parameters(cfg: ModelConfig, lm_head: bool = True) -> int:
+    """The weights matmuls read, which autocast casts: every layer's projections and the
+    head (a tied head reads the embedding), not the embedding lookup or the norms."""
+    norms = 2 * cfg.hidden_size
+    head = cfg.vocab_size * cfg.hidden_size if lm_head else cfg.hidden_size
+    return cfg.num_hidden_layers * (layer_parameters(cfg) - norms) + head
 
 
 def replicated_parameters(cfg: ModelConfig, lm_head: bool = True) -> int:
@@ -368,25 +384,63 @@ def _runs_in(inp: _Inputs, node: NodeSpec, pool: PoolPlan) -> bool:
 
 def _state_items(inp: _Inputs, pool: PoolPlan, placed: ModelPlacement) -> list[MemoryItem]:
     """Weights, and a trained model's gradients and optimizer state (a LoRA model's:
-    its adapters'); a LoRA model's base (`base_of`) holds nothing of its own."""
+    its adapters'); a LoRA model's base (`base_of`) holds nothing of its own.
+
+    Per `models.<m>.dtype` (`flowgraph.choices.MODEL_DTYPES`): what the optimizer trains
+    (the whole model, or a LoRA model's adapters) is held in the master dtype, with
+    gradients and each optimizer state tensor in it too; the rest (a frozen model, a LoRA
+    base) in the compute dtype. `offload.params` keeps the shards, their gradients and
+    the optimizer state in host memory: only what FSDP leaves whole (the head) stays
+    here; `offload.optimizer` alone brings the state here for the update's steps only
+    (an item of each update node that trains the model)."""
     name = placed.name
     model = inp.graph.model(name)
     assert model is not None
     if placed.base_of is not None:
         return []
-    cfg, lm_head = inp.configs[name], inp.lm_head.get(name, True)
+    cfg, lm_head, shards = inp.configs[name], inp.lm_head.get(name, True), pool.shards(name)
+    precision, offload = model.precision, model.offload
+    on_host = offload is not None and offload.params and shards > 1
     head = replicated_parameters(cfg, lm_head)
-    adapters = lora_parameters(cfg, model.lora) / pool.shards(name) if model.lora else 0
-    per_worker = (count_parameters(cfg, lm_head) - head) / pool.shards(name) + head + adapters
-    weights = math.ceil(per_worker * MODEL_DTYPES[model.dtype])
-    items = [MemoryItem("weights", name, weights, False)]
-    if model.trainable:
-        trained = adapters if model.lora else per_worker
-        state = OPTIMIZERS[(model.optimizer or OptimizerSpec()).name]
-        items += [MemoryItem("grads", name, math.ceil(trained * MODEL_DTYPES[model.dtype]),
-                             False),
-                  MemoryItem("optimizer", name, math.ceil(trained * state), False)]
-    return items
+    adapters = lora_parameters(cfg, model.lora) / shards if model.lora else 0
+    shard = (count_parameters(cfg, lm_head) - head) / shards
+    own = (0 if on_host else shard) + head  # the model's own weights on this device
+    master = TENSOR_BYTES[precision.master]
+    weights = own * TENSOR_BYTES[precision.params(model.trainable and not model.lora)]
+    items = [MemoryItem("weights", name, math.ceil(weights + (0 if on_host else adapters)
+                                                   * master), False)]
+    if not model.trainable:
+        return items
+    trained = (0 if on_host else adapters) if model.lora else own
+    state = trained * OPTIMIZERS[(model.optimizer or OptimizerSpec()).name] * master
+    items.append(MemoryItem("grads", name, math.ceil(trained * master), False))
+    if offload is None or not offload.optimizer or offload.params:
+        return [*items, MemoryItem("optimizer", name, math.ceil(state), False)]
+    return items + [MemoryItem("optimizer", n.name, math.ceil(state), True)
+                    for n in inp.graph.nodes if n.model == name and inp.kinds[n.name].trains]
+
+
+def _compute_items(inp: _Inputs, pool: PoolPlan, node: NodeSpec) -> list[MemoryItem]:
+    """The compute-dtype copies of a mixed-precision model's fp32 masters while a node runs
+    it (`dtype: bfloat16`, trained): autocast's cast of every weight a matmul reads (the
+    layers' projections and the head), kept while the node runs, on a whole model; on a
+    sharded one, FSDP2's all-gathered bf16 unit and the one prefetched beside it (two
+    layers), and the head's cast. A LoRA model casts only its fp32 adapters."""
+    assert node.model is not None
+    model, cfg = inp.graph.model(node.model), inp.configs[node.model]
+    assert model is not None
+    if not model.trainable or not model.precision.mixed:
+        return []
+    lm_head = inp.lm_head.get(node.model, True)
+    shards = pool.shards(node.model)
+    if model.lora is not None:
+        cast = lora_parameters(cfg, model.lora) / shards
+    elif shards > 1:
+        cast = 2 * layer_parameters(cfg) + replicated_parameters(cfg, lm_head)
+    else:
+        cast = matmul_parameters(cfg, lm_head)
+    return [MemoryItem("compute", node.name,
+                       math.ceil(cast * TENSOR_BYTES[model.precision.compute]), True)]
 
 
 def _node_items(inp: _Inputs, pool: PoolPlan, node: NodeSpec) -> list[MemoryItem] | None:
@@ -396,14 +450,15 @@ def _node_items(inp: _Inputs, pool: PoolPlan, node: NodeSpec) -> list[MemoryItem
         return None
     kind = inp.kinds[node.name]
     if kind.category == "rollout":
-        return _rollout_items(inp, node, kind, per_worker)
+        return _rollout_items(inp, node, kind, per_worker) + _compute_items(inp, pool, node)
     micro = _micro(node, kind, per_worker, inp.rows.get(node.name))[0]
     budget = _int_param(node, kind, "max_token_len")
     if budget is not None:  # rows x the padded length <= budget: full-length rows at most
         micro = min(micro, max(budget // (sum(inp.seq) * kind.sequences_per_row), 1))
+    compute = _compute_items(inp, pool, node)
     if kind.trains:
-        return _training_items(inp, node, kind, micro)
-    return _forward_items(inp, node, kind, micro)
+        return _training_items(inp, node, kind, micro) + compute
+    return _forward_items(inp, node, kind, micro) + compute
 
 
 def _per_worker(inp: _Inputs, pool: PoolPlan, node: NodeSpec) -> int | None:
@@ -439,7 +494,7 @@ def _training_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
     p, t = inp.seq
     m = micro * kind.sequences_per_row  # DPO: chosen and rejected in one forward
     rows, seq = _forward_shape(node, kind, m, p + t)
-    act = training_activation_bytes(cfg, rows, seq, MODEL_DTYPES[model.dtype],
+    act = training_activation_bytes(cfg, rows, seq, TENSOR_BYTES[model.precision.compute],
                                     model.gradient_checkpointing, model.attn_implementation)
     items = [MemoryItem("activations", node.name, act, True)]
     if inp.lm_head.get(node.model, True):
@@ -458,7 +513,8 @@ def _forward_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
     assert model is not None
     p, t = inp.seq
     act = layer_activation_bytes(cfg, *_forward_shape(node, kind, micro, p + t),
-                                 MODEL_DTYPES[model.dtype], model.attn_implementation)
+                                 TENSOR_BYTES[model.precision.compute],
+                                 model.attn_implementation)
     items = [MemoryItem("activations", node.name, act, True)]
     if inp.lm_head.get(node.model, True):
         tokens = micro * t
@@ -479,7 +535,7 @@ def _rollout_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, per_worker: int
     assert inp.seq is not None and node.model is not None
     model, cfg = inp.graph.model(node.model), inp.configs[node.model]
     assert model is not None
-    dtype = MODEL_DTYPES[model.dtype]
+    dtype = TENSOR_BYTES[model.precision.compute]
     if param_value(Resolved(node, kind), "backend") != "vllm":
         return [MemoryItem("kv_cache", node.name, kv_cache_bytes(cfg, per_worker, sum(inp.seq),
                                                                  dtype), True)]
