@@ -199,7 +199,7 @@ def replicated_parameters(cfg: ModelConfig, lm_head: bool = True) -> int:
 
 
 def layer_activation_bytes(cfg: ModelConfig, micro: int, seq: int, dtype_bytes: int,
-                           attention: str = "sdpa") -> int:
+                           attention: str = "sdpa", autocast: bool = False) -> int:
     """What one llama layer of transformers keeps for its backward pass, in bytes a token
     (d the dtype's bytes; measured by benchmarks/bench_memory.py):
 
@@ -214,23 +214,32 @@ def layer_activation_bytes(cfg: ModelConfig, micro: int, seq: int, dtype_bytes: 
     4h GELU MLP, dropout masks). `eager` attention also keeps the fp32 softmax of the
     scores, a*s a token, and its cast to d when d < 4: O(s²) in all; SDPA and flash
     attention recompute them in the backward pass from O(s) statistics (Dao et al.
-    2022)."""
+    2022).
+
+    Under `autocast` (a whole model in mixed precision: fp32 weights, bf16 matmuls) the
+    residual stream stays fp32: each RMSNorm keeps its fp32 input and normalised input
+    (8h), and every projection that reads a norm's output keeps its own cast of it in d
+    (q, k, v and gate, up: 5hd); the rest is as above (measured by
+    benchmarks/bench_memory.py, case bf16)."""
     h, d = cfg.hidden_size, dtype_bytes
     q, kv = (n * cfg.head_dim for n in (cfg.num_attention_heads, cfg.num_key_value_heads))
-    per_token = 2 * h * (4 + 2 * d) + (3 * q + 2 * kv + 4 * cfg.intermediate_size) * d
+    norms = 2 * h * 8 + 5 * h * d if autocast else 2 * h * (4 + 2 * d)
+    per_token = norms + (3 * q + 2 * kv + 4 * cfg.intermediate_size) * d
     if attention == "eager":
         per_token += cfg.num_attention_heads * seq * (4 + (d if d < 4 else 0))
     return seq * micro * per_token
 
 
 def training_activation_bytes(cfg: ModelConfig, micro: int, seq: int, dtype_bytes: int,
-                              checkpointing: bool, attention: str = "sdpa") -> int:
-    layer = layer_activation_bytes(cfg, micro, seq, dtype_bytes, attention)
+                              checkpointing: bool, attention: str = "sdpa",
+                              autocast: bool = False) -> int:
+    layer = layer_activation_bytes(cfg, micro, seq, dtype_bytes, attention, autocast)
     if not checkpointing:
         return cfg.num_hidden_layers * layer
-    # Full recompute keeps each layer's input (s*b*h elements) and rebuilds one layer's
-    # activations at a time during the backward pass.
-    inputs = cfg.num_hidden_layers * seq * micro * cfg.hidden_size * dtype_bytes
+    # Full recompute keeps each layer's input (s*b*h elements; the fp32 residual stream
+    # under autocast) and rebuilds one layer's activations at a time during the backward.
+    residual = 4 if autocast else dtype_bytes
+    inputs = cfg.num_hidden_layers * seq * micro * cfg.hidden_size * residual
     return inputs + layer
 
 
@@ -457,8 +466,8 @@ def _node_items(inp: _Inputs, pool: PoolPlan, node: NodeSpec) -> list[MemoryItem
         micro = min(micro, max(budget // (sum(inp.seq) * kind.sequences_per_row), 1))
     compute = _compute_items(inp, pool, node)
     if kind.trains:
-        return _training_items(inp, node, kind, micro) + compute
-    return _forward_items(inp, node, kind, micro) + compute
+        return _training_items(inp, pool, node, kind, micro) + compute
+    return _forward_items(inp, pool, node, kind, micro) + compute
 
 
 def _per_worker(inp: _Inputs, pool: PoolPlan, node: NodeSpec) -> int | None:
@@ -486,7 +495,7 @@ def _micro(node: NodeSpec, kind: KindSpec, per_worker: int, rows: int | None
     return _int_param(node, kind, "micro_batch_size") or limit, limit
 
 
-def _training_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
+def _training_items(inp: _Inputs, pool: PoolPlan, node: NodeSpec, kind: KindSpec, micro: int
                     ) -> list[MemoryItem]:
     assert inp.seq is not None and node.model is not None
     model, cfg = inp.graph.model(node.model), inp.configs[node.model]
@@ -495,7 +504,8 @@ def _training_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
     m = micro * kind.sequences_per_row  # DPO: chosen and rejected in one forward
     rows, seq = _forward_shape(node, kind, m, p + t)
     act = training_activation_bytes(cfg, rows, seq, TENSOR_BYTES[model.precision.compute],
-                                    model.gradient_checkpointing, model.attn_implementation)
+                                    model.gradient_checkpointing, model.attn_implementation,
+                                    _autocast(inp, pool, node.model))
     items = [MemoryItem("activations", node.name, act, True)]
     if inp.lm_head.get(node.model, True):
         # The update projects its tokens HEAD_CHUNK at a time (`head_logprob`), each chunk
@@ -506,7 +516,7 @@ def _training_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
     return items
 
 
-def _forward_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
+def _forward_items(inp: _Inputs, pool: PoolPlan, node: NodeSpec, kind: KindSpec, micro: int
                    ) -> list[MemoryItem]:
     assert inp.seq is not None and node.model is not None
     model, cfg = inp.graph.model(node.model), inp.configs[node.model]
@@ -514,13 +524,22 @@ def _forward_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
     p, t = inp.seq
     act = layer_activation_bytes(cfg, *_forward_shape(node, kind, micro, p + t),
                                  TENSOR_BYTES[model.precision.compute],
-                                 model.attn_implementation)
+                                 model.attn_implementation, _autocast(inp, pool, node.model))
     items = [MemoryItem("activations", node.name, act, True)]
     if inp.lm_head.get(node.model, True):
         tokens = micro * t
         chunk = min(_int_param(node, kind, "chunk_size") or tokens, tokens)
         items.append(MemoryItem("logits", node.name, chunk * cfg.vocab_size * 4, True))
     return items
+
+
+def _autocast(inp: _Inputs, pool: PoolPlan, model_name: str) -> bool:
+    """The model's nodes run under autocast over fp32 weights (a trained mixed-precision
+    model held whole; sharded, FSDP2 hands its layers bf16 weights: plain bf16)."""
+    model = inp.graph.model(model_name)
+    assert model is not None
+    return (model.trainable and model.precision.mixed and model.lora is None
+            and pool.shards(model_name) == 1)
 
 
 def _forward_shape(node: NodeSpec, kind: KindSpec, rows: int, seq: int) -> tuple[int, int]:
