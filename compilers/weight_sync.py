@@ -13,10 +13,10 @@ argument `worker_extension_cls`. The prefix cache holds keys and values computed
 old weights, so it is reset afterwards. A LoRA model's layers are merged on the way
 (W + scale·B·A); a sharded (FSDP2) parameter is made whole one at a time (a collective).
 The engine gets the weights in the model's compute dtype (bf16 cast from the fp32 masters
-of a `dtype: bfloat16` model). `fingerprint` says whether the weights changed since the last sync (all-reduced sums:
-every worker agrees). `verify` compares the engine's log-probs of a probe batch with the
-trainer's, so weights that did not arrive stop the run instead of silently sampling
-another policy.
+of a `dtype: bfloat16` model). `fingerprint` says whether the weights changed since the
+last sync (all-reduced sums: every worker agrees). `verify` compares the engine's
+log-probs of a probe batch with the trainer's, so weights that did not arrive stop the
+run instead of silently sampling another policy.
 """
 
 from __future__ import annotations

@@ -52,9 +52,9 @@ from flowgraph.ir import (
     DimBinding,
     Graph,
     LoraSpec,
-    OffloadSpec,
     ModelSpec,
     NodeSpec,
+    OffloadSpec,
     OptimizerSpec,
     Param,
     Params,
@@ -115,8 +115,8 @@ SECTIONS: dict[str, type] = {
     "offload": OffloadSpec, "trainer": TrainerSpec, "resources": ResourceSpec,
     "pools": PoolSpec}
 """The graph file's sections (and the mappings in them: `models.<m>.optimizer`,
-`models.<m>.lora`, `models.<m>.offload`, `resources.pools.<p>`) with the records that declare their settings
-(`flowgraph kinds trainer` describes one)."""
+`models.<m>.lora`, `models.<m>.offload`, `resources.pools.<p>`) with the records that
+declare their settings (`flowgraph kinds trainer` describes one)."""
 TOP = {key: s.written for key, s in TOP_KEYS.items()}
 NODE = {key: s.written for key, s in NODE_KEYS.items()}
 MODEL = written_types(ModelSpec)

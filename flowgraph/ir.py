@@ -28,8 +28,8 @@ from flowgraph.choices import (
     ON_NONFINITE,
     OPTIMIZERS,
     RESOURCE_DEVICES,
-    Precision,
     SCHEDULES,
+    Precision,
 )
 from flowgraph.errors import IRError
 from flowgraph.paths import folder_of
