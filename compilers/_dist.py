@@ -56,7 +56,11 @@ from flowgraph.runtime.context import Workers
 
 
 def backend_for(device: str) -> str:
-    return "nccl" if device.startswith("cuda") else "gloo"
+    """nccl for CUDA tensors and gloo for CPU ones on a GPU worker: the collectives on CPU
+    tensors (the workers' flags and sums, the gradient norm's squares, the shards FSDP2
+    offloads to host memory when they are made whole for a weight sync or an export) go
+    over gloo, as torchtitan does for CPU offload."""
+    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
 
 
 def init_group(rank: int, world: int, device: str, *, addr: str | None = None,

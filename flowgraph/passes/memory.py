@@ -6,17 +6,29 @@ import), else `models.<name>.config`. Parameters are counted for a llama-style d
 (`count_parameters`). Per device of a pool, with s = P+T tokens per sequence, h hidden
 size, L layers, a attention heads, V vocabulary, m the micro-batch on one worker:
 
-    weights      (params - head) x dtype bytes / shards + head x dtype bytes
-    grads        as weights                                       (trainable models)
-    optimizer    ((params - head) / shards + head) x 8: AdamW's exp_avg and exp_avg_sq
-                 in fp32
+    weights      (params - head) x bytes / shards + head x bytes, bytes those of the
+                 dtype the precision keeps them in (`flowgraph.choices.MODEL_DTYPES`):
+                 a trained model's master dtype (fp32 for `bfloat16`), a frozen one's
+                 compute dtype; a LoRA model's base in the compute dtype, its adapters
+                 in the master dtype
+    grads        as the trained weights, in the master dtype     (trainable models)
+    optimizer    the trained weights x 2 x master bytes: AdamW's exp_avg and exp_avg_sq
+                 (8 bytes a parameter in fp32, 4 in `pure_bf16`)
+    compute      a mixed-precision model's bf16 copies while a node runs it: the weights
+                 matmuls read (autocast's casts) on a whole model; FSDP2's gathered unit,
+                 the prefetched one and the head's cast on a sharded one
+    offload      `offload.params`: the shards, their grads and the optimizer state are in
+                 host memory, not counted; `offload.optimizer`: the state counts while
+                 the update runs only
     activations  training: L x s*m x (2h(4 + 2d) + (3q + 2kv + 4i) d) bytes with SDPA or
                  flash attention (transformers' default; d dtype bytes, q and kv = query
                  and KV heads x head dim, i the MLP width), plus a*s*(4 + d, or 4 in fp32) with
                  `attn_implementation: eager`, which keeps the softmaxed scores
                  (`layer_activation_bytes`: Korthikanti et al. 2022, eq. 1, counted for
-                 a llama layer as it runs); with gradient checkpointing each layer's
-                 input, s*m*h*d, plus one layer's activations (sec. 4.1); inference:
+                 a llama layer as it runs; under autocast an fp32 residual stream and a
+                 cast of each norm's output per projection); with gradient
+                 checkpointing each layer's input, s*m*h*d (d = 4 under autocast), plus
+                 one layer's activations (sec. 4.1); inference:
                  one layer's activations. A packed node (`packing: true`) runs one row of
                  m*s tokens: the same per-token terms, and eager's scores over all m*s.
                  Nodes fused into one forward (pass `fusion`) count their rows together
