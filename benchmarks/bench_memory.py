@@ -21,8 +21,11 @@ Cases: every graphs/*.yaml as shipped (eval and checkpoints off), and
 dpo-long, dpo.yaml on a larger tiny Llama saved to a temporary folder (hidden 256, 4
 layers, MLP 1024, vocabulary 512, 1024 positions, the builtin:tiny-lm tokenizer) with
 P = 64, T = 512 and pairs of exactly that many tokens, so 16 sequences of 576 tokens
-make the activations dominate; and dpo-long again with eager attention, in bfloat16,
-and with gradient checkpointing (eager, bf16, ckpt). Prints the estimate, the measured
+make the activations dominate; and dpo-long again with eager attention, with gradient
+checkpointing (eager, ckpt), and in each precision of `models.<m>.dtype` besides fp32
+(dpo-long itself): `bfloat16`, bf16 compute over fp32 masters (bf16), and `pure_bf16`
+(pure-bf16), the reference plain bf16 in both; and bf16 with gradient checkpointing
+(bf16-ckpt). Prints the estimate, the measured
 peak, their ratio and the node running at the measured peak beside the plan's peak
 node. The estimate is the plan's worst case, every row P + T tokens long: goal 0.80 to
 1.25 on the full-length cases; on the shipped graphs, whose responses stop early (each
@@ -150,7 +153,7 @@ def _long_model(folder: Path) -> Path:
     return folder
 
 
-FULL_LENGTH = ("dpo-long", "eager", "bf16", "ckpt")
+FULL_LENGTH = ("dpo-long", "eager", "bf16", "pure-bf16", "ckpt", "bf16-ckpt")
 """The cases whose rows fill the dims: the estimate counts every row at P + T tokens
 (the plan's worst case); the shipped graphs' responses stop early and their forwards run
 trimmed to the longest row, so there it is an upper bound."""
@@ -182,7 +185,10 @@ def cases(tmp: Path) -> dict[str, tuple[Path, tuple[str, ...]]]:
         "dpo-long": (dpo, size),
         "eager": (dpo, (*size, *(m.format("attn_implementation=eager") for m in both))),
         "bf16": (dpo, (*size, *(m.format("dtype=bfloat16") for m in both))),
+        "pure-bf16": (dpo, (*size, "models.policy.dtype=pure_bf16", "models.ref.dtype=bfloat16")),
         "ckpt": (dpo, (*size, "models.policy.gradient_checkpointing=true")),
+        "bf16-ckpt": (dpo, (*size, *(m.format("dtype=bfloat16") for m in both),
+                            "models.policy.gradient_checkpointing=true")),
     }
 
 
@@ -190,8 +196,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--only", default=None,
-                   help="one case: a shipped graph's name (ppo, grpo, ...), dpo-long, eager, bf16 "
-                   "or ckpt")
+                   help="one case: a shipped graph's name (ppo, grpo, ...), dpo-long, eager, bf16, "
+                   "pure-bf16, ckpt or bf16-ckpt")
     p.add_argument("--items", action="store_true", help="print the estimate's items too")
     p.add_argument("--child", nargs=2, metavar=("GRAPH", "OVERRIDES"), help=argparse.SUPPRESS)
     args = p.parse_args()

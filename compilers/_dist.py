@@ -45,8 +45,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flowgraph.compilers.build import torch_dtype
 from flowgraph.compilers.checkpoint import is_sharded
 from flowgraph.errors import FlowgraphError
+from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan, ModelPlacement
 from flowgraph.runtime.context import Workers
 
@@ -54,7 +56,11 @@ from flowgraph.runtime.context import Workers
 
 
 def backend_for(device: str) -> str:
-    return "nccl" if device.startswith("cuda") else "gloo"
+    """nccl for CUDA tensors and gloo for CPU ones on a GPU worker: the collectives on CPU
+    tensors (the workers' flags and sums, the gradient norm's squares, the shards FSDP2
+    offloads to host memory when they are made whole for a weight sync or an export) go
+    over gloo, as torchtitan does for CPU offload."""
+    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
 
 
 def init_group(rank: int, world: int, device: str, *, addr: str | None = None,
@@ -141,28 +147,40 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return list(longest)
 
 
-def shard_model(model: nn.Module, device: str) -> nn.Module:
+def shard_model(model: nn.Module, device: str, spec: ModelSpec | None = None) -> nn.Module:
     """FSDP2 over the default group: per block, then the backbone; heads, and the
-    parameters shared between any two of these parts, replicated."""
-    from torch.distributed.fsdp import fully_shard
+    parameters shared between any two of these parts, replicated. A trained model in
+    mixed precision (`dtype: bfloat16`) keeps fp32 shards, all-gathers them as bf16 and
+    reduces its gradients in fp32 (`MixedPrecisionPolicy`); `offload.params` keeps the
+    shards and their gradients in host memory (`CPUOffloadPolicy`, pinned on CUDA)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     model.to(device)
     backbone = cast(nn.Module, getattr(model, "backbone", None)
                     or getattr(model, "base_model", model))
     units = [*blocks(model), *([backbone] if backbone is not model else [])]
     shared = shared_params(model, units)
+    policies: dict[str, Any] = {}
+    if spec is not None and spec.trainable and spec.precision.mixed:
+        policies["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch_dtype(spec.precision.compute),
+            reduce_dtype=torch_dtype(spec.precision.master))
+    if spec is not None and spec.offload is not None and spec.offload.params:
+        policies["offload_policy"] = CPUOffloadPolicy(pin_memory=device.startswith("cuda"))
     for unit in units:
-        fully_shard(unit, ignored_params=shared)
+        fully_shard(unit, ignored_params=shared, **policies)
         unit.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # summed, see above
         unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]  # gloo: no PREMUL_SUM
     return model
 
 
-def place(placed: ModelPlacement, model: nn.Module, world: int, device: str) -> nn.Module:
+def place(placed: ModelPlacement, spec: ModelSpec, model: nn.Module, world: int, device: str
+          ) -> nn.Module:
     """A model as the plan places it on a group of `world` workers: FSDP2 where it says
-    `full_shard` (heads and tied embeddings replicated), else whole on every worker."""
+    `full_shard` (heads and tied embeddings replicated; `spec`'s precision and offload),
+    else whole on every worker."""
     if world > 1 and placed.sharding == "full_shard":
-        return shard_model(model, device)
+        return shard_model(model, device, spec)
     return model
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,8 +28,8 @@ def import_plugins(plan: ExecutionPlan) -> None:
         import_plugin(plugin.module, plan.plugin_paths)
 
 
-def _dtype(name: str) -> torch.dtype:
-    """The torch dtype of a model dtype (`flowgraph.choices.MODEL_DTYPES` names them)."""
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a tensor dtype name (`flowgraph.choices.TENSOR_BYTES`)."""
     dtype = getattr(torch, name)
     assert isinstance(dtype, torch.dtype)
     return dtype
@@ -39,21 +39,61 @@ def load_model(spec: ModelSpec, placed: ModelPlacement, device: str, seed: int =
                ) -> torch.nn.Module:
     """`spec`'s weights as the plan places them: a causal LM (`head: lm`) or a backbone
     with a scalar head (`scalar`: critic, reward model), on `device`; LoRA adapters
-    (`spec.lora`) injected, their init seeded by `seed`."""
+    (`spec.lora`) injected, their init seeded by `seed`.
+
+    The parameters an optimizer trains are in the dtype's master dtype, the rest in its
+    compute dtype (`flowgraph.choices.Precision`): `bfloat16` loads a trained model in
+    fp32, a frozen one (and a LoRA model's base) in bf16, the adapters in fp32. The
+    compute dtype is written into the model's config (`config.dtype`), which is what a
+    rollout engine is started in and receives the weights in (`compute_dtype`)."""
     from transformers import PreTrainedModel
 
     from flowgraph.nodes.models import load_model as load_lm
     from flowgraph.nodes.values import ValueModel
 
-    kw: dict[str, Any] = {"dtype": _dtype(spec.dtype), "trainable": spec.trainable,
-          "attn_implementation": spec.attn_implementation}
+    precision = spec.precision
+    master = torch_dtype(precision.master)
+    kw: dict[str, Any] = {
+        "dtype": torch_dtype(precision.params(spec.trainable and spec.lora is None)),
+        "trainable": spec.trainable, "attn_implementation": spec.attn_implementation}
     model: torch.nn.Module = (ValueModel.from_pretrained(spec.path, **kw)
                               if placed.head == "scalar" else load_lm(spec.path, **kw))
     if spec.lora is not None:
         model = add_adapters(model, spec.lora, seed, spec.name)
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(master)
     if spec.gradient_checkpointing and isinstance(model, PreTrainedModel):
         model.gradient_checkpointing_enable()
+    config = getattr(model, "config", None)
+    if config is not None:
+        config.dtype = torch_dtype(precision.compute)
     return model.to(device)
+
+
+def compute_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype `model` computes in, and the one a rollout engine serves it in: what
+    `load_model` wrote into its config (bf16 for `dtype: bfloat16` over fp32 masters),
+    else its parameters' dtype."""
+    dtype = getattr(getattr(model, "config", None), "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else next(model.parameters()).dtype
+
+
+def autocast(spec: ModelSpec | None, device: str) -> AbstractContextManager[Any]:
+    """Where the nodes of `spec`'s model run: in its compute dtype over fp32 masters for a
+    trained mixed-precision model (`dtype: bfloat16`), else as it is.
+
+    torch.autocast (TRL's `bf16=True`, the simplest honest way on a whole model): the
+    parameters stay fp32, so the optimizer, its state, the gradients and the checkpoint
+    are fp32 as they are; matmuls and attention run in bf16 (each weight cast once per
+    node call, kept while it runs), norms and softmax in fp32, and the gradient reaching
+    each master is fp32. A sharded model also gets FSDP2's MixedPrecisionPolicy
+    (`flowgraph.compilers._dist.shard_model`: bf16 all-gathered units, fp32 gradient
+    reduction); autocast there still covers the parts FSDP leaves whole (heads, tied
+    embeddings)."""
+    if spec is None or not spec.trainable or not spec.precision.mixed:
+        return nullcontext()
+    return torch.autocast(torch.device(device).type, dtype=torch_dtype(spec.precision.compute))
 
 
 def lora_config(lora: LoraSpec) -> Any:
@@ -159,9 +199,28 @@ def make_optimizer(spec: ModelSpec, model: torch.nn.Module, total_steps: int
                 group.update(kernel)
 
         opt.register_load_state_dict_post_hook(keep_kernel)
+    if spec.offload is not None and spec.offload.optimizer and not spec.offload.params:
+        park_state(opt)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lr_lambda(opt_spec.warmup_steps, total_steps, opt_spec.schedule))
     return opt, sched
+
+
+def park_state(opt: torch.optim.Optimizer) -> None:
+    """`offload.optimizer` (verl's optimizer_offload): the optimizer's state in host
+    memory between steps, moved to each parameter's device for the step and back after
+    it. (With `offload.params` FSDP2 steps on the CPU and the state is there anyway.)
+    The step counters stay where the optimizer keeps them."""
+    def move(where: Callable[[torch.Tensor], torch.device | str]) -> Callable[..., None]:
+        def hook(optimizer: torch.optim.Optimizer, *_: Any) -> None:
+            for p, state in optimizer.state.items():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        state[key] = value.to(where(p), non_blocking=True)
+        return hook
+
+    opt.register_step_pre_hook(move(lambda p: p.device))
+    opt.register_step_post_hook(move(lambda p: "cpu"))
 
 
 def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:

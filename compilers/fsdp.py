@@ -79,8 +79,8 @@ class FsdpTarget:
         """Prometheus is on (rank 0 serves it): every rank reports to rank 0 each step."""
         self.group = _dist.DataParallel()
         self.worker = Worker(plan, opts, tuple(m for p in plan.pools for m in p.models),
-                             place=lambda placed, model: _dist.place(placed, model, world,
-                                                                     opts.device))
+                             place=lambda placed, spec, model: _dist.place(
+                                 placed, spec, model, world, opts.device))
 
     def start(self) -> None:
         self.worker.load_models()

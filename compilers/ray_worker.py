@@ -66,8 +66,8 @@ class RayWorker:
         if self.pool.size > 1:
             _dist.init_group(self.rank, self.pool.size, device, addr=addr, port=port)
         self.worker = Worker(self.plan, ExecOptions(Path(run_dir), device), self.pool.models,
-                             place=lambda placed, model: _dist.place(placed, model,
-                                                                     self.pool.size, device))
+                             place=lambda placed, spec, model: _dist.place(
+                                 placed, spec, model, self.pool.size, device))
         self.worker.prepare()
         self.worker.load_models()
         if checkpoint is not None:

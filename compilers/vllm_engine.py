@@ -38,8 +38,9 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor, nn
 
-from flowgraph.choices import MODEL_DTYPES
+from flowgraph.choices import MODEL_DTYPES, TENSOR_BYTES
 from flowgraph.compilers import weight_sync
+from flowgraph.compilers.build import compute_dtype
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.generate import SamplingSpec
 from flowgraph.passes.memory import ModelConfig, vllm_kv_cache_bytes
@@ -132,7 +133,7 @@ def kv_cache_size(model: PreTrainedModel, sequences: int, max_model_len: int) ->
     if isinstance(cfg, str):
         raise FlowgraphError(f"vLLM backend: cannot size the KV cache of "
                              f"`{type(model).__name__}`: {cfg}; set gpu_memory_utilization")
-    dtype = next(model.parameters()).element_size()
+    dtype = compute_dtype(model).itemsize
     return vllm_kv_cache_bytes(cfg, sequences, max_model_len, dtype)
 
 
@@ -140,10 +141,11 @@ _ENGINES: dict[str, _Engine] = {}
 
 
 def _vllm_dtype(model: nn.Module) -> Any:
-    """The dtype `model` is loaded in (`models.<m>.dtype`: a name of
-    `flowgraph.choices.MODEL_DTYPES`, which vLLM's names are too)."""
-    name = str(next(model.parameters()).dtype).removeprefix("torch.")
-    if name not in MODEL_DTYPES:
+    """The dtype `model` computes in (`build.compute_dtype`: bf16 for `dtype: bfloat16`
+    over fp32 masters), by a name of `flowgraph.choices.TENSOR_BYTES`, which vLLM's
+    names are too."""
+    name = str(compute_dtype(model)).removeprefix("torch.")
+    if name not in TENSOR_BYTES:
         raise FlowgraphError(f"vLLM backend: a model in {name}; models.<m>.dtype is one of "
                              f"{', '.join(MODEL_DTYPES)}")
     return name

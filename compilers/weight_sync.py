@@ -12,10 +12,11 @@ finishes the rest. The three steps run in the engine's worker process through
 argument `worker_extension_cls`. The prefix cache holds keys and values computed with the
 old weights, so it is reset afterwards. A LoRA model's layers are merged on the way
 (W + scale·B·A); a sharded (FSDP2) parameter is made whole one at a time (a collective).
-`fingerprint` says whether the weights changed since the last sync (all-reduced sums:
-every worker agrees). `verify` compares the engine's log-probs of a probe batch with the
-trainer's, so weights that did not arrive stop the run instead of silently sampling
-another policy.
+The engine gets the weights in the model's compute dtype (bf16 cast from the fp32 masters
+of a `dtype: bfloat16` model). `fingerprint` says whether the weights changed since the
+last sync (all-reduced sums: every worker agrees). `verify` compares the engine's
+log-probs of a probe batch with the trainer's, so weights that did not arrive stop the
+run instead of silently sampling another policy.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 import torch
 from torch import Tensor, nn
 
-from flowgraph.compilers.build import merged_parameters
+from flowgraph.compilers.build import compute_dtype, merged_parameters
 from flowgraph.errors import FlowgraphError
 
 if TYPE_CHECKING:
@@ -139,10 +140,11 @@ def load(llm: LLM, model: nn.Module) -> None:
     """Load `model`'s current parameters into the running engine, one tensor at a time
     (a sharded one made whole first: a collective, see the module docstring); a LoRA
     model's layers merged (W + scale·B·A), so the engine samples the trained policy."""
+    dtype = compute_dtype(model)  # bf16 from fp32 masters under `dtype: bfloat16`
     llm.collective_rpc("flowgraph_reload_begin")
     try:
         for name, tensor in merged_parameters(model, _whole):
-            llm.collective_rpc("flowgraph_reload_tensor", args=wire(name, tensor))
+            llm.collective_rpc("flowgraph_reload_tensor", args=wire(name, tensor.to(dtype)))
     finally:
         # Also after a failure: layers that got no tensor get their old weights back.
         llm.collective_rpc("flowgraph_reload_end")
@@ -151,7 +153,7 @@ def load(llm: LLM, model: nn.Module) -> None:
 
 SYNC_TOLERANCE = {torch.float32: 1e-2, torch.bfloat16: 0.15, torch.float16: 0.1}
 """Largest |log-prob difference| between engine and trainer `verify` accepts, by
-the model's dtype: kernels differ (float32 on CPU: ~1e-4 measured), wrong weights
+the model's compute dtype: kernels differ (float32 on CPU: ~1e-4 measured), wrong weights
 differ by far more."""
 
 
@@ -189,7 +191,7 @@ def verify(llm: LLM, model: nn.Module, probe: list[list[int]], key: str) -> floa
         positions = cast("list[LogprobsOnePosition]", out.prompt_logprobs or [])[1:]
         theirs = torch.tensor([lp[t].logprob for t, lp in zip(row[1:], positions, strict=True)])
         worst = max(worst, (ours[i, : len(row) - 1].cpu() - theirs).abs().max().item())
-    dtype = next(model.parameters()).dtype
+    dtype = compute_dtype(model)
     tolerance = SYNC_TOLERANCE.get(dtype, 0.1)
     if not worst <= tolerance:
         raise WeightSyncError(

@@ -20,8 +20,8 @@ import os
 import sysconfig
 import time
 import traceback
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -32,19 +32,21 @@ import torch
 from flowgraph.compilers import update_loop
 from flowgraph.compilers.build import (
     adapters_off,
+    autocast,
     import_plugins,
     load_model,
     load_tokenizers,
     make_optimizer,
 )
 from flowgraph.errors import DEBUG_ENV, FlowgraphError, NodeError, NonFiniteError, at_step
+from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan, ModelPlacement
 from flowgraph.runtime.context import RESOURCE_ARGS, Impl, NodeContext, named_outputs
 
 if TYPE_CHECKING:
     from flowgraph.runtime.prometheus import Exporter
 
-Place = Callable[[ModelPlacement, torch.nn.Module], torch.nn.Module]
+Place = Callable[[ModelPlacement, ModelSpec, torch.nn.Module], torch.nn.Module]
 """How a target places a loaded model: as it is, or sharded over the worker's group."""
 
 
@@ -62,7 +64,8 @@ class ExecOptions:
     """Feeds the Prometheus endpoint with every step row (`--metrics-port`)."""
 
 
-def _whole(placed: ModelPlacement, model: torch.nn.Module) -> torch.nn.Module:
+def _whole(placed: ModelPlacement, spec: ModelSpec, model: torch.nn.Module
+           ) -> torch.nn.Module:
     return model
 
 
@@ -87,6 +90,8 @@ class Worker:
         self.tokenizers: dict[str, Any] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.schedulers: dict[str, Any] = {}
+        self.owners = {p.name: p.base_of or p.name for p in hosted}
+        """Hosted model -> the model whose weights it runs (a LoRA model's base: that model)."""
         self.adapters_off: set[str] = set()
         """Models placed as a LoRA model's base: nodes run that model, adapters off."""
         self.node_state: dict[str, dict[str, Any]] = {n: {} for n in self.nodes}
@@ -114,7 +119,7 @@ class Worker:
             spec = self.plan.model(placed.name)
             if placed.base_of is not None:
                 continue
-            model = self.place(placed, load_model(spec, placed, self.opts.device, seed))
+            model = self.place(placed, spec, load_model(spec, placed, self.opts.device, seed))
             self.models[spec.name] = model
             if spec.trainable and spec.name in self.trained:
                 self.optimizers[spec.name], self.schedulers[spec.name] = \
@@ -198,10 +203,16 @@ class Worker:
             self._guarded(name, step, partial(update_loop.evaluate, ctx, update))
         metrics.update(ctx.metrics)
 
-    def _base(self, name: str, ctx: NodeContext) -> Any:
+    @contextmanager
+    def _base(self, name: str, ctx: NodeContext) -> Iterator[None]:
+        """The node's model as it runs: a LoRA model's base with its adapters off, and in
+        its compute dtype (`autocast`: bf16 over fp32 masters)."""
         node = self.placed[name]
-        return (adapters_off(ctx.model) if node.model in self.adapters_off
+        base = (adapters_off(ctx.model) if node.model in self.adapters_off
                 and ctx.model is not None else nullcontext())
+        owner = self.owners.get(node.model or "")
+        with base, autocast(self.plan.model(owner) if owner else None, self.opts.device):
+            yield
 
     def _guarded(self, name: str, step: int, fn: Callable[[], Any]) -> Any:
         try:

@@ -2,10 +2,13 @@
 
 The IR's settings (`flowgraph.ir`), the built-in kinds' params, the plan verifier, the
 CLI and the nodes import them from here (a list written twice drifts). A leaf module:
-it imports nothing, so `nodes/` and `compilers/` can import it without the core.
+it imports nothing of flowgraph, so `nodes/` and `compilers/` can import it without the
+core.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 TARGETS = ("local", "fsdp", "ray")
 """Executors a graph compiles for (`--target`)."""
@@ -13,17 +16,60 @@ DEVICES = ("cpu", "cuda")
 """Devices a plan runs on."""
 RESOURCE_DEVICES = ("auto", *DEVICES)
 """A graph's `resources.device`: `auto` is cuda when available."""
-MODEL_DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
-"""A model's parameter dtypes (`models.<m>.dtype`), each with its bytes per element (the
-memory estimate)."""
+TENSOR_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of the torch dtypes a model's tensors are held in (vLLM's names too)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Precision:
+    """What a `models.<m>.dtype` means: the dtype of what the optimizer trains (its master
+    weights, their gradients and the optimizer's state) and the dtype the forward and
+    backward passes compute in, which is also the dtype of a frozen model's weights and of
+    the weights a rollout engine receives."""
+
+    master: str
+    """The trained parameters' dtype (a key of `TENSOR_BYTES`)."""
+    compute: str
+    """The compute dtype; where it differs from `master`, the executors cast on the fly
+    (`flowgraph.compilers.build` says how on each target)."""
+    doc: str
+
+    @property
+    def mixed(self) -> bool:
+        """A trained model keeps masters in one dtype and computes in another."""
+        return self.master != self.compute
+
+    def params(self, trained: bool) -> str:
+        """The dtype a model's parameters are loaded in: trained ones as masters, frozen
+        ones (a reference, a LoRA model's base) in the compute dtype."""
+        return self.master if trained else self.compute
+
+
+MODEL_DTYPES = {
+    "float32": Precision("float32", "float32", "fp32 everywhere"),
+    "bfloat16": Precision(
+        "float32", "bfloat16",
+        "bf16 compute with fp32 master weights, fp32 gradients and fp32 optimizer state "
+        "(FSDP2's MixedPrecisionPolicy on a sharded model, torch.autocast on a whole one; "
+        "verl's and TRL's bf16); a frozen model is plain bf16"),
+    "pure_bf16": Precision(
+        "bfloat16", "bfloat16",
+        "bf16 parameters, gradients and optimizer moments, no fp32 copy: half the memory of "
+        "the state, and updates smaller than bf16's resolution are lost"),
+    "float16": Precision("float16", "float16", "fp16 parameters and optimizer moments (no "
+                                               "loss scaling)"),
+}
+"""A model's dtypes (`models.<m>.dtype`): what each keeps and computes in; the memory
+estimate, the model loader, the sharding and the weight sync read them from here."""
 ATTN_IMPLEMENTATIONS = ("sdpa", "flash_attention_2", "eager")
 """transformers' attention implementations a model may use."""
 VARLEN_ATTENTION = ("flash_attention_2",)
 """Attention that runs packed sequences as sequences (varlen kernels, cu_seqlens from the
 position ids) instead of one N x N masked block: pass `packing` turns packing on there."""
-OPTIMIZERS = {"adamw": 8, "adam": 8, "sgd": 0}
-"""Optimizers a trainable model may use, each with its bytes of state per parameter (the
-memory estimate): Adam keeps two fp32 moments, plain SGD none."""
+OPTIMIZERS = {"adamw": 2, "adam": 2, "sgd": 0}
+"""Optimizers a trainable model may use, each with its state tensors per parameter, each
+in the parameter's (master) dtype (the memory estimate): Adam keeps two moments, plain
+SGD none."""
 SCHEDULES = ("constant", "linear", "cosine")
 """Learning-rate decay after warm-up."""
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")

@@ -54,6 +54,7 @@ from flowgraph.ir import (
     LoraSpec,
     ModelSpec,
     NodeSpec,
+    OffloadSpec,
     OptimizerSpec,
     Param,
     Params,
@@ -110,11 +111,12 @@ NODE_KEYS = {
                        "hoisting; rarely written by hand).", written=(bool,)),
 }
 SECTIONS: dict[str, type] = {
-    "models": ModelSpec, "optimizer": OptimizerSpec, "lora": LoraSpec, "trainer": TrainerSpec,
-    "resources": ResourceSpec, "pools": PoolSpec}
+    "models": ModelSpec, "optimizer": OptimizerSpec, "lora": LoraSpec,
+    "offload": OffloadSpec, "trainer": TrainerSpec, "resources": ResourceSpec,
+    "pools": PoolSpec}
 """The graph file's sections (and the mappings in them: `models.<m>.optimizer`,
-`models.<m>.lora`, `resources.pools.<p>`) with the records that declare their settings
-(`flowgraph kinds trainer` describes one)."""
+`models.<m>.lora`, `models.<m>.offload`, `resources.pools.<p>`) with the records that
+declare their settings (`flowgraph kinds trainer` describes one)."""
 TOP = {key: s.written for key, s in TOP_KEYS.items()}
 NODE = {key: s.written for key, s in NODE_KEYS.items()}
 MODEL = written_types(ModelSpec)
@@ -277,6 +279,9 @@ def _read_models(r: _Reader, node: YNode | None) -> tuple[ModelSpec, ...]:
         f["optimizer"] = _read_optimizer(r, f.get("optimizer"), f"{where}.optimizer")
         f["config"] = r.params(f.get("config"), f"{where}.config")
         f["lora"] = _read_lora(r, f.get("lora"), f"{where}.lora")
+        if f.get("offload") is not None:
+            f["offload"] = OffloadSpec(**r.checked(f["offload"], OffloadSpec, f"{where}.offload"),
+                                       pos=f["offload"].pos)
         out.append(ModelSpec(name=str(key.value), **f, pos=key.pos))
     return tuple(out)
 
@@ -585,12 +590,14 @@ def _put_non_default(doc: dict[str, object], key: str, obj: Any, default: Any) -
 def _model_doc(m: ModelSpec) -> dict[str, object]:
     out: dict[str, object] = {"path": m.path}
     out.update(_non_default(m, ModelSpec(m.name, m.path),
-                            skip=("name", "optimizer", "config", "lora")))
+                            skip=("name", "optimizer", "config", "lora", "offload")))
     if m.optimizer is not None:
         out["optimizer"] = _non_default(m.optimizer, OptimizerSpec())
     if m.lora is not None:
         out["lora"] = {**_non_default(m.lora, LoraSpec()),
                        "target_modules": list(m.lora.target_modules)}
+    if m.offload is not None:
+        out["offload"] = _non_default(m.offload, OffloadSpec())
     if m.config.items:
         out["config"] = m.config.to_python()
     return out

@@ -6,8 +6,8 @@ and resource settings, and the plugin modules it may import. Every element keeps
 read back is equal to the original. Passes build new graphs (`dataclasses.replace`)
 instead of mutating.
 
-The records of the graph file's sections (models, optimizer, lora, trainer, resources,
-pools) declare each setting once with `setting(default, doc, choices=, minimum=, ...)`:
+The records of the graph file's sections (models, optimizer, lora, offload, trainer,
+resources, pools) declare each setting once with `setting(default, doc, choices=, minimum=, ...)`:
 the YAML reader's checks, the JSON Schema and its docs are derived from those
 declarations (`flowgraph.settings`), and each record checks its own values with them.
 """
@@ -29,6 +29,7 @@ from flowgraph.choices import (
     OPTIMIZERS,
     RESOURCE_DEVICES,
     SCHEDULES,
+    Precision,
 )
 from flowgraph.errors import IRError
 from flowgraph.paths import folder_of
@@ -194,6 +195,34 @@ class LoraSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class OffloadSpec:
+    """Host (CPU) memory for a sharded model's state between its uses on the device
+    (targets fsdp and ray; a CPU run accepts it, with nothing to gain)."""
+
+    params: bool = setting(
+        False, "Keep the sharded parameters and gradients in host memory, each unit "
+        "copied to the device for its forward and backward (FSDP2's CPUOffloadPolicy): the "
+        "optimizer then steps there, so its state is in host memory too.")
+    optimizer: bool = setting(
+        False, "Keep the optimizer's state in host memory between optimizer steps (moved to "
+        "the device for each step, back after it; verl's optimizer_offload); implied by "
+        "params.")
+    pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+    def __post_init__(self) -> None:
+        check_settings(self, "offload")
+
+    @property
+    def any(self) -> bool:
+        return self.params or self.optimizer
+
+
+def _dtype_doc() -> str:
+    return "Parameter and compute dtype: " + "; ".join(
+        f"`{name}`: {p.doc}" for name, p in MODEL_DTYPES.items()) + "."
+
+
+@dataclass(frozen=True, slots=True)
 class ModelSpec:
     """A model: where its weights come from and whether it is trained."""
 
@@ -203,7 +232,7 @@ class ModelSpec:
                             "the graph file's folder.")
     trainable: bool = setting(False, "An update node trains this model; it then needs an "
                                      "optimizer.")
-    dtype: str = setting("float32", "Parameter dtype.", choices=tuple(MODEL_DTYPES))
+    dtype: str = setting("float32", _dtype_doc(), choices=tuple(MODEL_DTYPES))
     optimizer: OptimizerSpec | None = setting(None, "Optimizer and learning-rate schedule "
                                                     "of a trainable model.")
     tokenizer: str | None = setting(None, "Tokenizer directory or hub id; default: the "
@@ -221,11 +250,18 @@ class ModelSpec:
                                           "weights: only they train and are checkpointed; a "
                                           "frozen model with the same path (the reference) "
                                           "is the base with the adapters off, no second copy.")
+    offload: OffloadSpec | None = setting(None, "CPU offload of a sharded model's parameters "
+                                                "and optimizer state (fsdp and ray).")
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
 
     def __post_init__(self) -> None:
         _check_name("model", self.name)
         check_settings(self, f"models.{self.name}")
+
+    @property
+    def precision(self) -> Precision:
+        """What `dtype` keeps and computes in (`flowgraph.choices.MODEL_DTYPES`)."""
+        return MODEL_DTYPES[self.dtype]
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,7 +81,8 @@ PLAN_VERSION = 6
 DISPATCHES = ("local", "split", "gather", "broadcast", "reshard")
 SHARDINGS = ("none", "full_shard")
 LOADED_HEADS = ("lm", "scalar")
-MEMORY_ITEMS = ("weights", "grads", "optimizer", "activations", "logits", "kv_cache", "vllm")
+MEMORY_ITEMS = ("weights", "grads", "optimizer", "compute", "activations", "logits", "kv_cache",
+                "vllm")
 DRIVER = "driver"
 """The single controller's pool (target ray)."""
 GIB = 1 << 30

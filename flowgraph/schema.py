@@ -50,6 +50,7 @@ from flowgraph.ir import (
     NAME_RE,
     LoraSpec,
     ModelSpec,
+    OffloadSpec,
     OptimizerSpec,
     PoolSpec,
     ResourceSpec,
@@ -193,7 +194,8 @@ def _model() -> Schema:
     config = {"type": "object", "additionalProperties": True}
     lora = _record(LoraSpec, {"target_modules": {"oneOf": [
         {"type": "string"}, {"type": "array", "items": {"type": "string"}}]}})
-    model = _record(ModelSpec, {"optimizer": optimizer, "config": config, "lora": lora})
+    model = _record(ModelSpec, {"optimizer": optimizer, "config": config, "lora": lora,
+                                "offload": _record(OffloadSpec, {})})
     return {**model, "required": ["path"]}
 
 

@@ -6,17 +6,29 @@ import), else `models.<name>.config`. Parameters are counted for a llama-style d
 (`count_parameters`). Per device of a pool, with s = P+T tokens per sequence, h hidden
 size, L layers, a attention heads, V vocabulary, m the micro-batch on one worker:
 
-    weights      (params - head) x dtype bytes / shards + head x dtype bytes
-    grads        as weights                                       (trainable models)
-    optimizer    ((params - head) / shards + head) x 8: AdamW's exp_avg and exp_avg_sq
-                 in fp32
+    weights      (params - head) x bytes / shards + head x bytes, bytes those of the
+                 dtype the precision keeps them in (`flowgraph.choices.MODEL_DTYPES`):
+                 a trained model's master dtype (fp32 for `bfloat16`), a frozen one's
+                 compute dtype; a LoRA model's base in the compute dtype, its adapters
+                 in the master dtype
+    grads        as the trained weights, in the master dtype     (trainable models)
+    optimizer    the trained weights x 2 x master bytes: AdamW's exp_avg and exp_avg_sq
+                 (8 bytes a parameter in fp32, 4 in `pure_bf16`)
+    compute      a mixed-precision model's bf16 copies while a node runs it: the weights
+                 matmuls read (autocast's casts) on a whole model; FSDP2's gathered unit,
+                 the prefetched one and the head's cast on a sharded one
+    offload      `offload.params`: the shards, their grads and the optimizer state are in
+                 host memory, not counted; `offload.optimizer`: the state counts while
+                 the update runs only
     activations  training: L x s*m x (2h(4 + 2d) + (3q + 2kv + 4i) d) bytes with SDPA or
                  flash attention (transformers' default; d dtype bytes, q and kv = query
                  and KV heads x head dim, i the MLP width), plus a*s*(4 + d, or 4 in fp32) with
                  `attn_implementation: eager`, which keeps the softmaxed scores
                  (`layer_activation_bytes`: Korthikanti et al. 2022, eq. 1, counted for
-                 a llama layer as it runs); with gradient checkpointing each layer's
-                 input, s*m*h*d, plus one layer's activations (sec. 4.1); inference:
+                 a llama layer as it runs; under autocast an fp32 residual stream and a
+                 cast of each norm's output per projection); with gradient
+                 checkpointing each layer's input, s*m*h*d (d = 4 under autocast), plus
+                 one layer's activations (sec. 4.1); inference:
                  one layer's activations. A packed node (`packing: true`) runs one row of
                  m*s tokens: the same per-token terms, and eager's scores over all m*s.
                  Nodes fused into one forward (pass `fusion`) count their rows together
@@ -57,7 +69,7 @@ from typing import ClassVar
 from flowgraph.builtin_models import builtin_config
 from flowgraph.check import CheckResult
 from flowgraph.check.structure import Resolved, param_value
-from flowgraph.choices import MODEL_DTYPES, OPTIMIZERS
+from flowgraph.choices import OPTIMIZERS, TENSOR_BYTES
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.frontend import with_params
 from flowgraph.ir import Graph, LoraSpec, ModelSpec, NodeSpec, OptimizerSpec
@@ -176,6 +188,22 @@ def lora_parameters(cfg: ModelConfig, lora: LoraSpec) -> int:
     return cfg.num_hidden_layers * per_layer
 
 
+def layer_parameters(cfg: ModelConfig) -> int:
+    """One decoder layer's parameters: attention and MLP projections, two RMSNorms."""
+    h = cfg.hidden_size
+    q_dim = cfg.num_attention_heads * cfg.head_dim
+    kv_dim = cfg.num_key_value_heads * cfg.head_dim
+    return 2 * h * q_dim + 2 * h * kv_dim + 3 * h * cfg.intermediate_size + 2 * h
+
+
+def matmul_parameters(cfg: ModelConfig, lm_head: bool = True) -> int:
+    """The weights matmuls read, which autocast casts: every layer's projections and the
+    head (a tied head reads the embedding), not the embedding lookup or the norms."""
+    norms = 2 * cfg.hidden_size
+    head = cfg.vocab_size * cfg.hidden_size if lm_head else cfg.hidden_size
+    return cfg.num_hidden_layers * (layer_parameters(cfg) - norms) + head
+
+
 def replicated_parameters(cfg: ModelConfig, lm_head: bool = True) -> int:
     """Parameters FSDP leaves whole on every worker (compilers/_dist.py): the head, and
     a tied head's shared embedding, which costs the same V x h."""
@@ -183,7 +211,7 @@ def replicated_parameters(cfg: ModelConfig, lm_head: bool = True) -> int:
 
 
 def layer_activation_bytes(cfg: ModelConfig, micro: int, seq: int, dtype_bytes: int,
-                           attention: str = "sdpa") -> int:
+                           attention: str = "sdpa", autocast: bool = False) -> int:
     """What one llama layer of transformers keeps for its backward pass, in bytes a token
     (d the dtype's bytes; measured by benchmarks/bench_memory.py):
 
@@ -198,23 +226,32 @@ def layer_activation_bytes(cfg: ModelConfig, micro: int, seq: int, dtype_bytes: 
     4h GELU MLP, dropout masks). `eager` attention also keeps the fp32 softmax of the
     scores, a*s a token, and its cast to d when d < 4: O(s²) in all; SDPA and flash
     attention recompute them in the backward pass from O(s) statistics (Dao et al.
-    2022)."""
+    2022).
+
+    Under `autocast` (a whole model in mixed precision: fp32 weights, bf16 matmuls) the
+    residual stream stays fp32: each RMSNorm keeps its fp32 input and normalised input
+    (8h), and every projection that reads a norm's output keeps its own cast of it in d
+    (q, k, v and gate, up: 5hd); the rest is as above (measured by
+    benchmarks/bench_memory.py, case bf16)."""
     h, d = cfg.hidden_size, dtype_bytes
     q, kv = (n * cfg.head_dim for n in (cfg.num_attention_heads, cfg.num_key_value_heads))
-    per_token = 2 * h * (4 + 2 * d) + (3 * q + 2 * kv + 4 * cfg.intermediate_size) * d
+    norms = 2 * h * 8 + 5 * h * d if autocast else 2 * h * (4 + 2 * d)
+    per_token = norms + (3 * q + 2 * kv + 4 * cfg.intermediate_size) * d
     if attention == "eager":
         per_token += cfg.num_attention_heads * seq * (4 + (d if d < 4 else 0))
     return seq * micro * per_token
 
 
 def training_activation_bytes(cfg: ModelConfig, micro: int, seq: int, dtype_bytes: int,
-                              checkpointing: bool, attention: str = "sdpa") -> int:
-    layer = layer_activation_bytes(cfg, micro, seq, dtype_bytes, attention)
+                              checkpointing: bool, attention: str = "sdpa",
+                              autocast: bool = False) -> int:
+    layer = layer_activation_bytes(cfg, micro, seq, dtype_bytes, attention, autocast)
     if not checkpointing:
         return cfg.num_hidden_layers * layer
-    # Full recompute keeps each layer's input (s*b*h elements) and rebuilds one layer's
-    # activations at a time during the backward pass.
-    inputs = cfg.num_hidden_layers * seq * micro * cfg.hidden_size * dtype_bytes
+    # Full recompute keeps each layer's input (s*b*h elements; the fp32 residual stream
+    # under autocast) and rebuilds one layer's activations at a time during the backward.
+    residual = 4 if autocast else dtype_bytes
+    inputs = cfg.num_hidden_layers * seq * micro * cfg.hidden_size * residual
     return inputs + layer
 
 
@@ -368,25 +405,63 @@ def _runs_in(inp: _Inputs, node: NodeSpec, pool: PoolPlan) -> bool:
 
 def _state_items(inp: _Inputs, pool: PoolPlan, placed: ModelPlacement) -> list[MemoryItem]:
     """Weights, and a trained model's gradients and optimizer state (a LoRA model's:
-    its adapters'); a LoRA model's base (`base_of`) holds nothing of its own."""
+    its adapters'); a LoRA model's base (`base_of`) holds nothing of its own.
+
+    Per `models.<m>.dtype` (`flowgraph.choices.MODEL_DTYPES`): what the optimizer trains
+    (the whole model, or a LoRA model's adapters) is held in the master dtype, with
+    gradients and each optimizer state tensor in it too; the rest (a frozen model, a LoRA
+    base) in the compute dtype. `offload.params` keeps the shards, their gradients and
+    the optimizer state in host memory: only what FSDP leaves whole (the head) stays
+    here; `offload.optimizer` alone brings the state here for the update's steps only
+    (an item of each update node that trains the model)."""
     name = placed.name
     model = inp.graph.model(name)
     assert model is not None
     if placed.base_of is not None:
         return []
-    cfg, lm_head = inp.configs[name], inp.lm_head.get(name, True)
+    cfg, lm_head, shards = inp.configs[name], inp.lm_head.get(name, True), pool.shards(name)
+    precision, offload = model.precision, model.offload
+    on_host = offload is not None and offload.params and shards > 1
     head = replicated_parameters(cfg, lm_head)
-    adapters = lora_parameters(cfg, model.lora) / pool.shards(name) if model.lora else 0
-    per_worker = (count_parameters(cfg, lm_head) - head) / pool.shards(name) + head + adapters
-    weights = math.ceil(per_worker * MODEL_DTYPES[model.dtype])
-    items = [MemoryItem("weights", name, weights, False)]
-    if model.trainable:
-        trained = adapters if model.lora else per_worker
-        state = OPTIMIZERS[(model.optimizer or OptimizerSpec()).name]
-        items += [MemoryItem("grads", name, math.ceil(trained * MODEL_DTYPES[model.dtype]),
-                             False),
-                  MemoryItem("optimizer", name, math.ceil(trained * state), False)]
-    return items
+    adapters = lora_parameters(cfg, model.lora) / shards if model.lora else 0
+    shard = (count_parameters(cfg, lm_head) - head) / shards
+    own = (0 if on_host else shard) + head  # the model's own weights on this device
+    master = TENSOR_BYTES[precision.master]
+    weights = own * TENSOR_BYTES[precision.params(model.trainable and not model.lora)]
+    items = [MemoryItem("weights", name, math.ceil(weights + (0 if on_host else adapters)
+                                                   * master), False)]
+    if not model.trainable:
+        return items
+    trained = (0 if on_host else adapters) if model.lora else own
+    state = trained * OPTIMIZERS[(model.optimizer or OptimizerSpec()).name] * master
+    items.append(MemoryItem("grads", name, math.ceil(trained * master), False))
+    if offload is None or not offload.optimizer or offload.params:
+        return [*items, MemoryItem("optimizer", name, math.ceil(state), False)]
+    return items + [MemoryItem("optimizer", n.name, math.ceil(state), True)
+                    for n in inp.graph.nodes if n.model == name and inp.kinds[n.name].trains]
+
+
+def _compute_items(inp: _Inputs, pool: PoolPlan, node: NodeSpec) -> list[MemoryItem]:
+    """The compute-dtype copies of a mixed-precision model's fp32 masters while a node runs
+    it (`dtype: bfloat16`, trained): autocast's cast of every weight a matmul reads (the
+    layers' projections and the head), kept while the node runs, on a whole model; on a
+    sharded one, FSDP2's all-gathered bf16 unit and the one prefetched beside it (two
+    layers), and the head's cast. A LoRA model casts only its fp32 adapters."""
+    assert node.model is not None
+    model, cfg = inp.graph.model(node.model), inp.configs[node.model]
+    assert model is not None
+    if not model.trainable or not model.precision.mixed:
+        return []
+    lm_head = inp.lm_head.get(node.model, True)
+    shards = pool.shards(node.model)
+    if model.lora is not None:
+        cast = lora_parameters(cfg, model.lora) / shards
+    elif shards > 1:
+        cast = 2 * layer_parameters(cfg) + replicated_parameters(cfg, lm_head)
+    else:
+        cast = matmul_parameters(cfg, lm_head)
+    return [MemoryItem("compute", node.name,
+                       math.ceil(cast * TENSOR_BYTES[model.precision.compute]), True)]
 
 
 def _node_items(inp: _Inputs, pool: PoolPlan, node: NodeSpec) -> list[MemoryItem] | None:
@@ -396,14 +471,15 @@ def _node_items(inp: _Inputs, pool: PoolPlan, node: NodeSpec) -> list[MemoryItem
         return None
     kind = inp.kinds[node.name]
     if kind.category == "rollout":
-        return _rollout_items(inp, node, kind, per_worker)
+        return _rollout_items(inp, node, kind, per_worker) + _compute_items(inp, pool, node)
     micro = _micro(node, kind, per_worker, inp.rows.get(node.name))[0]
     budget = _int_param(node, kind, "max_token_len")
     if budget is not None:  # rows x the padded length <= budget: full-length rows at most
         micro = min(micro, max(budget // (sum(inp.seq) * kind.sequences_per_row), 1))
+    compute = _compute_items(inp, pool, node)
     if kind.trains:
-        return _training_items(inp, node, kind, micro)
-    return _forward_items(inp, node, kind, micro)
+        return _training_items(inp, pool, node, kind, micro) + compute
+    return _forward_items(inp, pool, node, kind, micro) + compute
 
 
 def _per_worker(inp: _Inputs, pool: PoolPlan, node: NodeSpec) -> int | None:
@@ -431,7 +507,7 @@ def _micro(node: NodeSpec, kind: KindSpec, per_worker: int, rows: int | None
     return _int_param(node, kind, "micro_batch_size") or limit, limit
 
 
-def _training_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
+def _training_items(inp: _Inputs, pool: PoolPlan, node: NodeSpec, kind: KindSpec, micro: int
                     ) -> list[MemoryItem]:
     assert inp.seq is not None and node.model is not None
     model, cfg = inp.graph.model(node.model), inp.configs[node.model]
@@ -439,8 +515,9 @@ def _training_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
     p, t = inp.seq
     m = micro * kind.sequences_per_row  # DPO: chosen and rejected in one forward
     rows, seq = _forward_shape(node, kind, m, p + t)
-    act = training_activation_bytes(cfg, rows, seq, MODEL_DTYPES[model.dtype],
-                                    model.gradient_checkpointing, model.attn_implementation)
+    act = training_activation_bytes(cfg, rows, seq, TENSOR_BYTES[model.precision.compute],
+                                    model.gradient_checkpointing, model.attn_implementation,
+                                    _autocast(inp, pool, node.model))
     items = [MemoryItem("activations", node.name, act, True)]
     if inp.lm_head.get(node.model, True):
         # The update projects its tokens HEAD_CHUNK at a time (`head_logprob`), each chunk
@@ -451,20 +528,30 @@ def _training_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
     return items
 
 
-def _forward_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, micro: int
+def _forward_items(inp: _Inputs, pool: PoolPlan, node: NodeSpec, kind: KindSpec, micro: int
                    ) -> list[MemoryItem]:
     assert inp.seq is not None and node.model is not None
     model, cfg = inp.graph.model(node.model), inp.configs[node.model]
     assert model is not None
     p, t = inp.seq
     act = layer_activation_bytes(cfg, *_forward_shape(node, kind, micro, p + t),
-                                 MODEL_DTYPES[model.dtype], model.attn_implementation)
+                                 TENSOR_BYTES[model.precision.compute],
+                                 model.attn_implementation, _autocast(inp, pool, node.model))
     items = [MemoryItem("activations", node.name, act, True)]
     if inp.lm_head.get(node.model, True):
         tokens = micro * t
         chunk = min(_int_param(node, kind, "chunk_size") or tokens, tokens)
         items.append(MemoryItem("logits", node.name, chunk * cfg.vocab_size * 4, True))
     return items
+
+
+def _autocast(inp: _Inputs, pool: PoolPlan, model_name: str) -> bool:
+    """The model's nodes run under autocast over fp32 weights (a trained mixed-precision
+    model held whole; sharded, FSDP2 hands its layers bf16 weights: plain bf16)."""
+    model = inp.graph.model(model_name)
+    assert model is not None
+    return (model.trainable and model.precision.mixed and model.lora is None
+            and pool.shards(model_name) == 1)
 
 
 def _forward_shape(node: NodeSpec, kind: KindSpec, rows: int, seq: int) -> tuple[int, int]:
@@ -479,7 +566,7 @@ def _rollout_items(inp: _Inputs, node: NodeSpec, kind: KindSpec, per_worker: int
     assert inp.seq is not None and node.model is not None
     model, cfg = inp.graph.model(node.model), inp.configs[node.model]
     assert model is not None
-    dtype = MODEL_DTYPES[model.dtype]
+    dtype = TENSOR_BYTES[model.precision.compute]
     if param_value(Resolved(node, kind), "backend") != "vllm":
         return [MemoryItem("kv_cache", node.name, kv_cache_bytes(cfg, per_worker, sum(inp.seq),
                                                                  dtype), True)]

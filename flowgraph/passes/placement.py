@@ -24,7 +24,8 @@ pool) is placed as its base (`ModelPlacement.base_of`): it loads no weights and 
 the LoRA model with its adapters off.
 
 Declared pools are checked on every target: each model a node runs is in exactly one
-pool, sizes are >= 1, model names exist (FG403).
+pool, sizes are >= 1, model names exist (FG403). A model's `offload` needs it sharded
+over two or more workers (FG405).
 """
 
 from __future__ import annotations
@@ -59,6 +60,9 @@ class PlaceNodes:
         if problems:
             return program.add(*problems)
         pools = self._pools(program, runs, _heads(program, runs))
+        offload = _offload_problems(program, pools)
+        if offload:
+            return program.add(*offload)
         home = {m.name: p.name for p in pools for m in p.models}
         default = {"local": "main", "fsdp": "spmd", "ray": DRIVER}[program.target]
         nodes = tuple(
@@ -98,6 +102,33 @@ class PlaceNodes:
 
     def _sharding(self, model: ModelSpec) -> str:
         return "full_shard" if model.trainable or self.shard_frozen else "none"
+
+
+def _offload_problems(program: Program, pools: tuple[PoolPlan, ...]) -> list[Diagnostic]:
+    """`models.<m>.offload` where it can work: on a model sharded over two or more workers
+    (FSDP2 offloads each worker's shards; a whole model in one process has none), and
+    `optimizer` on a model with an optimizer (FG405)."""
+    sharded = {m.name for p in pools if p.size > 1 for m in p.models
+               if m.sharding == "full_shard" and m.base_of is None}
+    out = []
+    for m in program.graph.models:
+        if m.offload is None or not m.offload.any:
+            continue
+        where = f"models.{m.name}.offload"
+        if m.offload.optimizer and not m.trainable:
+            out.append(error("FG405", f"{where}.optimizer: model `{m.name}` is frozen and has "
+                             "no optimizer state", m.offload.pos,
+                             hint=f"remove {where}.optimizer (params offloads a frozen "
+                                  "model's shards)"))
+        if m.name in sharded:
+            continue
+        why = ("the local target runs whole models in one process" if program.target == "local"
+               else f"model `{m.name}` is not sharded over two or more workers")
+        out.append(error("FG405", f"{where}: CPU offload moves the shards of an FSDP2-sharded "
+                         f"model to host memory, and {why}", m.offload.pos,
+                         hint=f"compile with --target fsdp --nproc 2 (or more), or remove "
+                              f"{where}"))
+    return out
 
 
 def _base_of(model: ModelSpec, pool: list[ModelSpec], heads: dict[str, str]) -> str | None:

@@ -121,7 +121,7 @@ def test_sampled_validation_logs_a_table_and_mean_at_n(tmp_path: Path) -> None:
     import json
 
     import flowgraph
-    from flowgraph.passes import PassPipeline, compile_graph
+    from flowgraph.passes import compile_graph
 
     graph = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
     result = compile_graph(graph, overrides=[
@@ -162,7 +162,7 @@ def test_every_held_out_row_counts_once_and_val_before_train_is_the_baseline(
     and only its 3 new ones count, so the accuracy is k/31; val_before_train puts the
     untrained model's evaluation in the first row."""
     import flowgraph
-    from flowgraph.passes import PassPipeline, compile_graph
+    from flowgraph.passes import compile_graph
 
     graph = Path(__file__).resolve().parents[2] / "graphs" / "grpo.yaml"
     result = compile_graph(graph, overrides=[

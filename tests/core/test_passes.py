@@ -817,9 +817,10 @@ def test_activations_of_qwen2_5_7b_follow_the_attention_implementation(attention
 
 
 def test_a_qwen2_5_7b_grpo_that_fits_is_not_refused() -> None:
-    # 8 ranks of 80 GiB: weights, grads and Adam's 8 bytes sharded 8 ways ((2+2+8) × 7.6e9
-    # / 8 ≈ 10.6 GiB) plus micro-batch 2's 37.24 GiB of activations (half the 74.48 GiB
-    # above) fit; with eager's scores (119.93 GiB) they do not.
+    # 8 ranks of 80 GiB: the actor's fp32 masters, grads and Adam's moments (`bfloat16`:
+    # bf16 compute over fp32 state) sharded 8 ways ((4+4+8) × 7.6e9 / 8 ≈ 14.2 GiB), the
+    # bf16 reference (≈ 1.8 GiB) plus micro-batch 2's 37.24 GiB of activations (half the
+    # 74.48 GiB above) fit; with eager's scores (119.93 GiB) they do not.
     doc = doc_of("grpo")
     for name in ("actor", "ref"):
         doc["models"][name] = {**doc["models"][name], "path": "org/qwen2.5-7b",

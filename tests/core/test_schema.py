@@ -220,7 +220,8 @@ def _node_name(doc: Any) -> None:
     (_model_not_taken, "nodes/kl: Additional properties are not allowed ('model' was unexpected)"),
     (_model_missing, "nodes/values: 'model' is a required property"),
     (_data_param, "data/train: Additional properties are not allowed ('shufle' was unexpected)"),
-    (_dtype, "models/actor/dtype: 'fp8' is not one of ['float32', 'bfloat16', 'float16']"),
+    (_dtype, "models/actor/dtype: 'fp8' is not one of ['float32', 'bfloat16', 'pure_bf16', "
+             "'float16']"),
     (_optimizer, "models/actor/optimizer: Additional properties are not allowed"),
     (_dim, "dims/T: 0 is less than the minimum of 1"),
     (_trainer, "trainer/on_nonfinite: 'ignore' is not one of ['stop', 'skip']"),

@@ -61,7 +61,7 @@ def test_the_reader_s_keys_are_the_record_s_settings(table: str, record: type) -
     ("resources.nproc=0", "`resources.nproc` is 0; it must be >= 1", None),
     ("resources.device=cdua", "`resources.device` is `cdua`", "did you mean `cuda`?"),
     ("models.actor.dtype=fp8", "`models.actor.dtype` is `fp8`; it must be one of float32, "
-     "bfloat16, float16", "use one of float32, bfloat16, float16"),
+     "bfloat16, pure_bf16, float16", "use one of float32, bfloat16, pure_bf16, float16"),
     ("models.actor.optimizer.schedule=cosin", "`models.actor.optimizer.schedule` is `cosin`",
      "did you mean `cosine`?"),
     ("models.actor.lora.dropout=1.0", "`models.actor.lora.dropout` is 1.0; it must be < 1",
