@@ -15,6 +15,7 @@ import io
 import itertools
 import os
 import pickle
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from flowgraph.compilers.build import load_data
 from flowgraph.compilers.checkpoint import Rollout
 from flowgraph.compilers.interpreter import Interpreter
 from flowgraph.compilers.rollouts import Rollouts
+from flowgraph.compilers.signals import STOP_SIGNALS, die_with_parent
 from flowgraph.compilers.worker import ExecOptions, Worker, quiet_hf
 from flowgraph.errors import FlowgraphError
 from flowgraph.plan import ExecutionPlan
@@ -202,6 +204,11 @@ def _producer_main(plan_json: str, names: list[str], run_dir: str, device: str, 
     optimizer, no prologue: the consumer looks its outputs up), generating the rollouts
     of steps `first`, `first` + 1, … with the versions admission allows."""
     parent = os.getppid()
+    # The trainer decides what a signal means (it stops at a step's end, `close`s this
+    # process); a killed trainer kills this one at once (the kernel's parent-death signal)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    die_with_parent(signal.SIGKILL)
     try:
         if cores is not None:
             os.sched_setaffinity(0, cores)
@@ -210,9 +217,9 @@ def _producer_main(plan_json: str, names: list[str], run_dir: str, device: str, 
         plan = ExecutionPlan.from_json(plan_json)
         assert plan.asynchronous is not None
         with open(os.devnull, "w") as devnull:
-            rollouts = _producer(plan, names, ExecOptions(Path(run_dir), device, strict,
-                                                          out=devnull, tensorboard=False),
-                                 cursors, node_state)
+            rollouts = _producer(plan, names, ExecOptions(
+                Path(run_dir), device, strict, out=devnull, tensorboard=False,
+                step_timeout_s=plan.graph.trainer.step_timeout_s), cursors, node_state)
             rollouts.origin = origin
             loaded = -1
             # drop: rollouts dropped are replaced, so the producer goes on until stopped
