@@ -199,16 +199,16 @@ def _free_port() -> int:
 
 def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | None = None,
               metrics_host: str = "127.0.0.1", metrics_hold: float = 0.0,
-              stop: Preemption | None = None) -> None:
+              launcher: int = 0, stop: Preemption | None = None) -> None:
     """The body of one rank (under torch's launcher: RANK, WORLD_SIZE, LOCAL_RANK set).
     Rank 0 serves Prometheus metrics on `metrics_port` when it is given. Started by
-    `launch` (no `stop` given), the rank ends with its launcher, handles SIGTERM and
+    `launch` (pid `launcher`; no `stop` given), the rank ends with it, handles SIGTERM and
     SIGINT itself and, stopped by one, returns after rank 0 has written
     `.ranks/stopped` (the launcher reports it); started by torchrun, `run_fsdp` handles
     them and the rank raises `Stopped`."""
     launched = stop is None
     if stop is None:
-        die_with_parent(signal.SIGTERM)  # a killed launcher: stop, saving a checkpoint
+        die_with_parent(launcher, signal.SIGTERM)  # a killed launcher: stop, saving
         stop = Preemption(0.0, open(os.devnull, "w"))  # noqa: SIM115 - the launcher says it
     with stop.installed():
         try:
@@ -309,7 +309,7 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
             with _quiet_launcher():
                 elastic_launch(config, rank_main)(str(plan_json), opts.strict, opts.resume,
                                                   opts.metrics_port, opts.metrics_host,
-                                                  opts.metrics_hold)
+                                                  opts.metrics_hold, os.getpid())
         except ChildFailedError as exc:
             if stop.signum is not None:  # a rank stopped at once (a second signal)
                 raise Interrupted(stop.signum) from None
@@ -373,7 +373,7 @@ def run_fsdp(plan: ExecutionPlan, opts: RunOptions) -> None:
             (run_dir / STOP_FILE).unlink(missing_ok=True)
         plan_json.write_text(plan.to_json())
         with run_guard(plan, opts, lock=first) as stop:
-            rank_main(str(plan_json), opts.strict, opts.resume,
-                      opts.metrics_port, opts.metrics_host, opts.metrics_hold, stop)
+            rank_main(str(plan_json), opts.strict, opts.resume, opts.metrics_port,
+                      opts.metrics_host, opts.metrics_hold, stop=stop)
         return
     launch(plan, opts)

@@ -263,15 +263,14 @@ def deadline(seconds: float, what: str) -> Iterator[None]:
 # --- child processes ------------------------------------------------------------------------
 
 
-def die_with_parent(signum: int = signal.SIGTERM) -> None:
-    """Have the kernel send `signum` to this process when its parent dies (Linux
-    `PR_SET_PDEATHSIG`): a rollout producer or fsdp rank whose trainer or launcher was
-    killed ends at once instead of running on."""
-    parent = os.getppid()
+def die_with_parent(parent: int, signum: int = signal.SIGTERM) -> None:
+    """Have the kernel send `signum` to this process when its parent (pid `parent`, as
+    the parent knew itself) dies (Linux `PR_SET_PDEATHSIG`): a rollout producer or fsdp
+    rank whose trainer or launcher was killed ends at once instead of running on."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signum, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        libc.prctl(1, int(signum), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
     except (OSError, AttributeError):  # not Linux: the parent's polling ends it
         return
-    if os.getppid() != parent:  # the parent died before the request took effect
+    if os.getppid() != parent:  # it died before this (while this process started)
         os.kill(os.getpid(), signum)

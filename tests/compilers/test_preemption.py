@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -89,8 +90,8 @@ def _cli(tmp_path: Path, *args: str, **kw: Any) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(PLUGINS), *os.environ.get("PYTHONPATH", "").split(os.pathsep)])}
     return subprocess.Popen([sys.executable, "-m", "flowgraph", "run", *args], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, **kw)
+                            env=env, text=True, **{"stdout": subprocess.PIPE,
+                                                   "stderr": subprocess.PIPE, **kw})
 
 
 @pytest.mark.parametrize(("signals", "code", "told"), [
@@ -146,3 +147,107 @@ def _faults(tmp_path: Path) -> Path:
     graph = tmp_path / "g.yaml"
     graph.write_text((PLUGINS / "faults.yaml").read_text())
     return graph
+
+
+def _signalling_dpo(tmp_path: Path, *params: str) -> Path:
+    """graphs/dpo.yaml with a plugin node that signals at step 1 (`params` its params)."""
+    text = DPO.read_text().replace("\nnodes:\n", (
+        "\nplugins: [fg_plugin_faults]\nnodes:\n  sig:\n    kind: signalling_score\n"
+        "    inputs: {input_ids: pairs.prompts}\n"
+        f"    params: {{at: 1, {', '.join(params)}}}\n"), 1)
+    graph = tmp_path / "dpo.yaml"
+    graph.write_text(text)
+    return graph
+
+
+@pytest.mark.multiprocess
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_ctrl_c_on_fsdp_saves_on_every_rank_and_resumes_to_the_local_numbers(
+        tmp_path: Path, local_reference: Any, equal_overrides: dict[str, Any]) -> None:
+    """Ctrl-C (SIGINT to the launcher and both ranks): the ranks agree on the node to stop
+    at and save together, the launcher exits 130 with the resume command and none of
+    torch-elastic's SignalException; the resumed run has the local run's numbers."""
+    marker = tmp_path / "signalled"
+    graph = _signalling_dpo(tmp_path, "signals: SIGINT", "group: true", f"marker: '{marker}'")
+    args = (*equal_overrides["dpo"], "trainer.run_dir=run")
+    proc = _cli(tmp_path, str(graph), "--target", "fsdp", "--nproc", "2", *args,
+                start_new_session=True)  # its own process group, as a terminal's job
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 130, err
+    assert marker.exists()
+    found = latest_checkpoint(tmp_path / "run")
+    assert found is not None, err
+    again = (f"flowgraph run {graph} --target fsdp --nproc 2 --resume "
+             f"{' '.join(args[:-1])} trainer.run_dir=run")
+    assert f"flowgraph: stopped by SIGINT; the last checkpoint is step {found[0]}; " \
+           f"continue with: {again}\n" in err, err
+    assert "SignalException" not in err and "Traceback" not in err, err
+    assert not (tmp_path / "run" / ".lock").exists()
+    proc = _cli(tmp_path, *again.split()[2:])
+    _, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err
+    assert_same_numbers(read_metrics(tmp_path / "run"), local_reference("dpo"))
+
+
+@pytest.mark.multiprocess
+def test_sigterm_to_the_ray_driver_saves_and_resumes_to_the_local_numbers(
+        tmp_path: Path, local_reference: Any, equal_overrides: dict[str, Any]) -> None:
+    """SIGTERM to the driver (its workers, in a process group of their own, get none):
+    the driver stops at a node boundary, the workers save, and the resumed run has the
+    local run's numbers."""
+    graph = _signalling_dpo(tmp_path, "signals: SIGTERM")
+    run_dir = tmp_path / "run"
+    overrides = [f"trainer.run_dir={run_dir}", *equal_overrides["dpo"]]
+    result = compile_graph(graph, target="ray", nproc=2, overrides=overrides)
+    assert result.plan is not None, [d.one_line() for d in result.diagnostics]
+    with open(os.devnull, "w") as out, pytest.raises(Stopped) as exc:
+        run(result.plan, RunOptions(tensorboard=False, out=out))
+    found = latest_checkpoint(run_dir)
+    assert found is not None
+    assert str(exc.value).startswith(
+        f"stopped by SIGTERM; the last checkpoint is step {found[0]}; continue with: "
+        f"flowgraph run {graph} --target ray --nproc 2 --resume")
+    resumed = compile_graph(graph, target="ray", nproc=2,
+                            overrides=[*overrides, "nodes.sig.params.at=-1"])
+    assert resumed.plan is not None
+    with open(os.devnull, "w") as out:
+        rows = run(resumed.plan, RunOptions(resume=True, tensorboard=False, out=out)).rows
+    assert_same_numbers(rows, local_reference("dpo"))
+
+
+REWARD = """
+import time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    time.sleep(0.5)  # a slow reward: the producer is busy when its trainer dies
+    return 0.0
+"""
+
+
+def test_the_rollout_producer_ends_with_its_killed_trainer(tmp_path: Path) -> None:
+    import psutil
+
+    graph = tmp_path / "grpo.yaml"
+    graph.write_text((ROOT / "graphs" / "grpo.yaml").read_text().replace(
+        "fn: exact_match, format_score: 0.1", 'fn: "rewards.py:compute_score"').replace(
+        "name: grpo\n", "name: grpo\nplugins: [rewards.py]\n").replace(
+        "    kind: reward\n", "    kind: compute_score\n"))
+    (tmp_path / "rewards.py").write_text(REWARD)
+    trainer = _cli(tmp_path, str(graph), "dims.Bp=2", "dims.N=4", "trainer.max_staleness=1",
+                   "nodes.update_actor.params.mini_batch_size=8", "trainer.eval_every=0",
+                   "trainer.val_before_train=false", "trainer.steps=50", "trainer.run_dir=run",
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 600  # until a step is done: the producer generates
+        while not read_metrics(tmp_path / "run") and time.monotonic() < deadline:
+            assert trainer.poll() is None, "the run ended"
+            time.sleep(0.5)
+        producer, = (p for p in psutil.Process(trainer.pid).children()
+                     if "resource_tracker" not in " ".join(p.cmdline()))
+    finally:
+        trainer.kill()
+        trainer.wait()
+    _, alive = psutil.wait_procs([producer], timeout=1.0)
+    for process in alive:
+        process.kill()
+    assert not alive, "the producer outlived its trainer"
