@@ -22,7 +22,7 @@ from flowgraph.compilers import RunOptions, read_metrics, run
 from flowgraph.compilers.checkpoint import latest_checkpoint
 from flowgraph.compilers.interpreter import Interpreter
 from flowgraph.errors import FlowgraphError, Stopped
-from flowgraph.passes import compile_graph
+from flowgraph.passes import PassPipeline, compile_graph
 from flowgraph.testing.targets import assert_same_numbers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -150,7 +150,8 @@ def _faults(tmp_path: Path) -> Path:
 
 
 def _signalling_dpo(tmp_path: Path, *params: str) -> Path:
-    """graphs/dpo.yaml with a plugin node that signals at step 1 (`params` its params)."""
+    """graphs/dpo.yaml with a plugin node that signals at step 1 (`params` its params);
+    nothing reads its output: compiled without pass `dce`, which would drop it."""
     text = DPO.read_text().replace("\nnodes:\n", (
         "\nplugins: [fg_plugin_faults]\nnodes:\n  sig:\n    kind: signalling_score\n"
         "    inputs: {input_ids: pairs.prompts}\n"
@@ -170,8 +171,8 @@ def test_ctrl_c_on_fsdp_saves_on_every_rank_and_resumes_to_the_local_numbers(
     marker = tmp_path / "signalled"
     graph = _signalling_dpo(tmp_path, "signals: SIGINT", "group: true", f"marker: '{marker}'")
     args = (*equal_overrides["dpo"], "trainer.run_dir=run")
-    proc = _cli(tmp_path, str(graph), "--target", "fsdp", "--nproc", "2", *args,
-                start_new_session=True)  # its own process group, as a terminal's job
+    proc = _cli(tmp_path, str(graph), "--target", "fsdp", "--nproc", "2", "--disable-pass",
+                "dce", *args, start_new_session=True)  # its own process group: a job's
     _, err = proc.communicate(timeout=900)
     assert proc.returncode == 130, err
     assert marker.exists()
@@ -198,7 +199,8 @@ def test_sigterm_to_the_ray_driver_saves_and_resumes_to_the_local_numbers(
     graph = _signalling_dpo(tmp_path, "signals: SIGTERM")
     run_dir = tmp_path / "run"
     overrides = [f"trainer.run_dir={run_dir}", *equal_overrides["dpo"]]
-    result = compile_graph(graph, target="ray", nproc=2, overrides=overrides)
+    result = compile_graph(graph, target="ray", nproc=2, overrides=overrides,
+                           pipeline=PassPipeline.default(disabled=("dce",)))
     assert result.plan is not None, [d.one_line() for d in result.diagnostics]
     with open(os.devnull, "w") as out, pytest.raises(Stopped) as exc:
         run(result.plan, RunOptions(tensorboard=False, out=out))
@@ -247,7 +249,8 @@ def test_the_rollout_producer_ends_with_its_killed_trainer(tmp_path: Path) -> No
     finally:
         trainer.kill()
         trainer.wait()
-    _, alive = psutil.wait_procs([producer], timeout=1.0)
-    for process in alive:
-        process.kill()
+    time.sleep(1.0)
+    alive = producer.is_running() and producer.status() != psutil.STATUS_ZOMBIE
+    if alive:
+        producer.kill()
     assert not alive, "the producer outlived its trainer"
