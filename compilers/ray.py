@@ -340,6 +340,7 @@ def run_ray(plan: ExecutionPlan, opts: RunOptions) -> None:
         target = None
         try:
             start_ray(plan, opts.address)
+            stop.take_signals()  # ray.init's SIGTERM handler would end the driver
             options = ExecOptions(run_dir, "cpu", opts.strict, opts.resume, opts.out,
                                   opts.tensorboard, exporter, stop=stop)
             target = RayTarget(plan, options)

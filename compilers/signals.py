@@ -87,6 +87,13 @@ class Preemption:
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.request(signum)
 
+    def take_signals(self) -> None:
+        """Handle SIGTERM and SIGINT again, after a library set its own handlers (`ray.init`
+        sets one for SIGTERM that ends the process)."""
+        if threading.current_thread() is threading.main_thread():
+            for s in STOP_SIGNALS:
+                signal.signal(s, self._handle)
+
     @contextmanager
     def installed(self) -> Iterator[Preemption]:
         """This object handles SIGTERM and SIGINT (only the main thread can)."""
