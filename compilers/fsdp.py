@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import signal
 import socket
 import sys
@@ -59,11 +58,21 @@ from flowgraph.compilers.checkpoint import (
 from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.options import RunOptions
+from flowgraph.compilers.signals import (
+    STOP_FILE,
+    Preemption,
+    die_with_parent,
+    resume_command,
+    run_guard,
+)
 from flowgraph.compilers.target import Report
 from flowgraph.compilers.worker import ExecOptions, Worker
-from flowgraph.errors import FlowgraphError, RankFailed, WorkerLost
+from flowgraph.errors import FlowgraphError, Interrupted, RankFailed, Stopped, WorkerLost
 from flowgraph.plan import ExecutionPlan
 from flowgraph.runtime.metrics import serving
+
+STOPPED = ".ranks/stopped"
+"""Written by rank 0 when the ranks stopped on a signal, their checkpoint saved."""
 
 
 class FsdpTarget:
@@ -159,6 +168,22 @@ class FsdpTarget:
     def recover(self, exc: WorkerLost, step: int) -> Path | None:
         raise exc  # a lost rank ends the job; the launcher says how to resume
 
+    def stop_requested(self) -> int | None:
+        """A stop every rank agrees on: this rank's signal, the launcher's (its stop
+        file), or another rank's (a MAX all-reduce, so all stop at the same node)."""
+        stop = self.opts.stop
+        mine = stop.signum if stop is not None and stop.signum is not None else 0
+        told = self.opts.run_dir / STOP_FILE
+        if not mine and told.exists():
+            mine = int(told.read_text().strip() or signal.SIGTERM)
+        agreed = torch.tensor([mine], device=self.opts.device)
+        if self.world > 1:
+            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        signum = int(agreed.item())
+        if signum and stop is not None and stop.signum is None:
+            stop.request(signum, note=False)  # a signal after this one stops at once
+        return signum or None
+
     def completed(self, saved: bool) -> None:
         pass
 
@@ -173,9 +198,28 @@ def _free_port() -> int:
 
 
 def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | None = None,
-              metrics_host: str = "127.0.0.1", metrics_hold: float = 0.0) -> None:
+              metrics_host: str = "127.0.0.1", metrics_hold: float = 0.0,
+              launcher: int = 0, stop: Preemption | None = None) -> None:
     """The body of one rank (under torch's launcher: RANK, WORLD_SIZE, LOCAL_RANK set).
-    Rank 0 serves Prometheus metrics on `metrics_port` when it is given."""
+    Rank 0 serves Prometheus metrics on `metrics_port` when it is given. Started by
+    `launch` (pid `launcher`; no `stop` given), the rank ends with it, handles SIGTERM and
+    SIGINT itself and, stopped by one, returns after rank 0 has written
+    `.ranks/stopped` (the launcher reports it); started by torchrun, `run_fsdp` handles
+    them and the rank raises `Stopped`."""
+    launched = stop is None
+    if stop is None:
+        die_with_parent(launcher, signal.SIGTERM)  # a killed launcher: stop, saving
+        stop = Preemption(0.0, open(os.devnull, "w"))  # noqa: SIM115 - the launcher says it
+    with stop.installed():
+        try:
+            _rank(plan_json, strict, resume, metrics_port, metrics_host, metrics_hold, stop)
+        except Stopped:
+            if not launched:
+                raise
+
+
+def _rank(plan_json: str, strict: bool, resume: bool, metrics_port: int | None,
+          metrics_host: str, metrics_hold: float, stop: Preemption) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     plan = ExecutionPlan.from_json(Path(plan_json).read_text())
@@ -188,6 +232,7 @@ def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | No
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     exporting = (plan.trainer.metrics_port if metrics_port is None
                  else metrics_port) is not None
+    stop.grace_s = plan.trainer.stop_grace_s
     try:
         with serving(plan, metrics_port, metrics_host, hold=metrics_hold,
                      target="fsdp", out=sys.stdout, here=rank == 0) as exporter:
@@ -196,11 +241,15 @@ def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | No
             _dist.init_group(rank, world, device,
                              timeout_s=plan.trainer.step_timeout_s or 1800.0)
             options = ExecOptions(run_dir, device, strict, resume, out=sys.stdout,
-                                  exporter=exporter)
+                                  exporter=exporter, stop=stop)
             target = FsdpTarget(plan, options, rank, world, exporting=exporting)
             loop = TrainingLoop(plan, target, options)
             loop.setup()
             loop.run()
+    except Stopped:
+        if rank == 0:  # every rank saved and stopped at the same node
+            (run_dir / STOPPED).write_text(str(stop.signum))
+        raise
     except BaseException as exc:
         where = _dist.read_status(run_dir, rank)
         text = f"{type(exc).__name__}: {exc}" if not isinstance(exc, FlowgraphError) else str(exc)
@@ -248,14 +297,25 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
         else f"flowgraph-{plan.name}",
         rdzv_backend="c10d", rdzv_endpoint=endpoint,
         rdzv_configs={"is_host": opts.node_rank == 0} if opts.nnodes > 1 else {},
-        max_restarts=0, monitor_interval=0.1, start_method="spawn")
-    try:
-        with _quiet_launcher():
-            elastic_launch(config, rank_main)(str(plan_json), opts.strict, opts.resume,
-                                              opts.metrics_port, opts.metrics_host,
-                                              opts.metrics_hold)
-    except ChildFailedError as exc:
-        raise RankFailed(_failure_message(exc, run_dir, plan, opts)) from None
+        max_restarts=0, monitor_interval=0.1, start_method="spawn",
+        signals_to_handle="SIGHUP,SIGQUIT")
+    def tell_ranks(signum: int) -> None:
+        (run_dir / STOP_FILE).write_text(str(signum))
+
+    # SIGTERM and SIGINT are ours (`run_guard`), not torch's launcher's, whose handler
+    # would kill the ranks before they save (and print its SignalException)
+    with run_guard(plan, opts, lock=opts.node_rank == 0, on_request=tell_ranks) as stop:
+        try:
+            with _quiet_launcher():
+                elastic_launch(config, rank_main)(str(plan_json), opts.strict, opts.resume,
+                                                  opts.metrics_port, opts.metrics_host,
+                                                  opts.metrics_hold, os.getpid())
+        except ChildFailedError as exc:
+            if stop.signum is not None:  # a rank stopped at once (a second signal)
+                raise Interrupted(stop.signum) from None
+            raise RankFailed(_failure_message(exc, run_dir, plan, opts)) from None
+        if (run_dir / STOPPED).exists():
+            raise Stopped(int((run_dir / STOPPED).read_text()), "stopped")
     return run_dir
 
 
@@ -277,13 +337,7 @@ def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan, opts: RunOpti
         lines.append(f"rank {rank} {how}{at}")
     done = latest_checkpoint(run_dir)
     # --resume also without a checkpoint: the run dir already holds metrics.jsonl rows
-    # The user's overrides too: without them the resumed run would be another graph.
-    again = shlex.join(
-        ["flowgraph", "run", str(opts.plan_file), "--resume"] if opts.plan_file else
-        ["flowgraph", "run", plan.source, "--target", "fsdp", "--nproc",
-         str(world_size(plan)), "--resume",
-         *(o for o in opts.overrides if not o.startswith("trainer.run_dir=")),
-         f"trainer.run_dir={run_dir}"])
+    again = resume_command(plan, opts)
     tail = (f"the last checkpoint is step {done[0]}; continue with: {again}" if done
             else f"no checkpoint was written; start again from step 0 with: {again}")
     if traces:
@@ -311,11 +365,15 @@ def _quiet_launcher() -> Iterator[None]:
 def run_fsdp(plan: ExecutionPlan, opts: RunOptions) -> None:
     """`flowgraph run --target fsdp`: as a rank when torchrun started us, else launch."""
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        prepare_run(plan, resume=opts.resume, check_only=int(os.environ["RANK"]) != 0)
-        plan_json = Path(plan.trainer.run_dir) / ".ranks" / f"plan.{os.environ['RANK']}.json"
+        first = int(os.environ["RANK"]) == 0
+        run_dir = prepare_run(plan, resume=opts.resume, check_only=not first)
+        plan_json = run_dir / ".ranks" / f"plan.{os.environ['RANK']}.json"
         plan_json.parent.mkdir(parents=True, exist_ok=True)
+        if first:  # a previous launcher's; the others read it after the loop's barrier
+            (run_dir / STOP_FILE).unlink(missing_ok=True)
         plan_json.write_text(plan.to_json())
-        rank_main(str(plan_json), opts.strict, opts.resume,
-                  opts.metrics_port, opts.metrics_host, opts.metrics_hold)
+        with run_guard(plan, opts, lock=first) as stop:
+            rank_main(str(plan_json), opts.strict, opts.resume, opts.metrics_port,
+                      opts.metrics_host, opts.metrics_hold, stop=stop)
         return
     launch(plan, opts)

@@ -55,10 +55,14 @@ class Interpreter:
         """A node fused into another's forward (pass `fusion`) -> that node, which runs it."""
         self.contracts = RuntimeContracts.of(plan)
         self.prologue = Prologue(self)
+        self.before_node: Callable[[str], None] | None = None
+        """Called before each node `run` runs: the training loop's stop check (SIGTERM)."""
 
     def run(self, names: list[str], env: Env, step: int, *, strict: bool,
             metrics: dict[str, float], split: str = "train") -> None:
         for name in names:
+            if self.before_node is not None:
+                self.before_node(name)
             seconds = self.run_node(name, env, step, strict=strict, metrics=metrics,
                                     split=split)
             metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + seconds

@@ -26,6 +26,7 @@ from flowgraph.compilers.checkpoint import (
 )
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.options import RunOptions
+from flowgraph.compilers.signals import run_guard
 from flowgraph.compilers.target import Report
 from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
 from flowgraph.errors import FlowgraphError, WorkerLost
@@ -71,6 +72,9 @@ class LocalTarget:
     def completed(self, saved: bool) -> None:
         pass
 
+    def stop_requested(self) -> int | None:
+        return self.opts.stop.signum if self.opts.stop is not None else None
+
 
 def prepare_run(plan: ExecutionPlan, *, resume: bool, check_only: bool = False) -> Path:
     """The run dir, created and known writable before any model loads; refuses one that
@@ -104,15 +108,19 @@ def _writable(run_dir: Path) -> None:
 
 def run_plan(plan: ExecutionPlan, opts: RunOptions) -> None:
     """Set up and run a local plan (`flowgraph.compilers.run`); refuses to overwrite an
-    existing run without `opts.resume`. Prometheus metrics on `opts.metrics_port` (else
-    `trainer.metrics_port`; 0 picks a free port) from before the models load until the
-    run ends, and `opts.metrics_hold` seconds longer so a scraper sees the final values."""
+    existing run without `opts.resume`, and a run dir another run holds (`run_guard`:
+    its lock; SIGTERM / SIGINT stop the run with a checkpoint). Prometheus metrics on
+    `opts.metrics_port` (else `trainer.metrics_port`; 0 picks a free port) from before the
+    models load until the run ends, and `opts.metrics_hold` seconds longer so a scraper
+    sees the final values."""
     run_dir = prepare_run(plan, resume=opts.resume)
     device = pick_device(plan.resources.device)
-    with serving(plan, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
-                 out=opts.out) as exporter:
+    with run_guard(plan, opts) as stop, serving(
+            plan, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
+            out=opts.out) as exporter:
         options = ExecOptions(run_dir, device, opts.strict, opts.resume, opts.out,
-                              opts.tensorboard, exporter)
+                              opts.tensorboard, exporter,
+                              step_timeout_s=plan.trainer.step_timeout_s, stop=stop)
         loop = TrainingLoop(plan, LocalTarget(plan, options), options)
         loop.setup()
         loop.run()

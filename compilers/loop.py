@@ -19,6 +19,7 @@ of asynchronous rollouts: `flowgraph.compilers.rollouts` (in the loop) and
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
@@ -28,7 +29,13 @@ from typing import Any
 
 from flowgraph.compilers.batches import Batches
 from flowgraph.compilers.build import load_data
-from flowgraph.compilers.checkpoint import latest_checkpoint, load_buffer, remove_partial
+from flowgraph.compilers.checkpoint import (
+    latest_checkpoint,
+    load_buffer,
+    remove_partial,
+    rng_state,
+    set_rng_state,
+)
 from flowgraph.compilers.evaluation import evaluate
 from flowgraph.compilers.interpreter import Env, Interpreter
 from flowgraph.compilers.metrics import phase_seconds, step_metrics
@@ -36,7 +43,7 @@ from flowgraph.compilers.producer import ProcessRollouts
 from flowgraph.compilers.rollouts import InlineRollouts, Rollouts
 from flowgraph.compilers.target import Target
 from flowgraph.compilers.worker import ExecOptions
-from flowgraph.errors import NonFiniteError, WorkerLost
+from flowgraph.errors import NonFiniteError, Stopped, WorkerLost
 from flowgraph.plan import ExecutionPlan
 from flowgraph.runtime.metrics import MetricsLog
 from flowgraph.runtime.trackers import open_trackers
@@ -65,6 +72,13 @@ class TrainingLoop:
         self.prologue_seconds = 0.0
         self.generations: list[dict[str, Any]] = []
         """The last evaluation's responses (`HeldOut.table`), logged as `validation`."""
+        self.saved_step = -1
+        """The last step a checkpoint holds (-1: none needed yet)."""
+        self.changed = False
+        """The running step's update ran: a stop waits for the step's end."""
+        self.snapshot: tuple[Any, ...] = ()
+        """What `begin_step` keeps to drop the running step."""
+        self.interpreter.before_node = self.before_node
 
     @property
     def strict(self) -> bool:
@@ -98,28 +112,82 @@ class TrainingLoop:
             self.rollouts = kind(self.plan, self.batches, self.target.worker, self.producer,
                                  self.opts)
         step = self.start_step = self.restore() if self.opts.resume else 0
+        self.saved_step = step - 1  # restored (or nothing to save before step 0)
         log = self.open_log()
         log.truncate_after(step - 1)
         rows: list[dict[str, float]] = []
         try:
+            self.stop_check()
             self.before_loop()
             if self.rollouts is not None:
                 self.rollouts.start(step)
             while step < trainer.steps:
+                self.stop_check()
                 try:
                     metrics, saved = self.train_step(step, log)
                 except WorkerLost as exc:
                     step = self.start_step = self.recover(exc, step)
                     log.truncate_after(step - 1)
                     continue
+                except _Abandoned:
+                    self.abandon(step)
+                    raise
                 rows.append(metrics)
                 self.target.completed(saved)
+                self.saved_step = step if saved else self.saved_step
                 step += 1
+                self.stop_check(save=step - 1)
         finally:
             if self.rollouts is not None:
                 self.rollouts.close()
             log.close()
         return rows
+
+    # -- preemption ---------------------------------------------------------------------
+
+    def stop_check(self, save: int | None = None) -> None:
+        """A stop the processes agree on (SIGTERM, SIGINT; `flowgraph.compilers.signals`)
+        ends the run here, after a checkpoint of step `save` when that is not saved yet."""
+        signum = self.target.stop_requested()
+        if signum is None:
+            return
+        if save is not None and save > self.saved_step:
+            self.save(save)
+            self.saved_step = save
+        raise Stopped(signum, "stopped")
+
+    def begin_step(self) -> None:
+        """What a step dropped before it changed any weights must restore to be run again
+        exactly: the RNG, the data cursors, the nodes' state. An asynchronous step is
+        never dropped (its rollout came from the buffer): it finishes."""
+        self.changed = self.rollouts is not None
+        if not self.changed:
+            self.snapshot = (rng_state(), copy.deepcopy(self.batches.cursors()),
+                             copy.deepcopy(self.node_state))
+
+    def before_node(self, name: str) -> None:
+        """Before each node of a step: an agreed stop drops the step (`abandon`) unless an
+        update started (its weights change): then the step finishes."""
+        if self.changed:
+            return
+        signum = self.target.stop_requested()
+        if signum is not None:
+            raise _Abandoned(signum, f"step dropped before node `{name}`")
+        self.changed = self.interpreter.placed[name].trains
+
+    def abandon(self, step: int) -> None:
+        """Step `step` stopped before any update: back to where it began, and the last
+        completed step checkpointed (when it is not yet)."""
+        rng, cursors, state = self.snapshot
+        set_rng_state(rng)
+        for d, cursor in cursors.items():
+            self.batches.data[d].train.load_state_dict(cursor)
+        for name, node_state in state.items():
+            self.node_state[name].clear()
+            self.node_state[name].update(node_state)
+        if step - 1 > self.saved_step:
+            self.save(step - 1)
+            self.saved_step = step - 1
 
     def before_loop(self) -> None:
         """The prologue over the training rows, and the held-out rows when the run
@@ -137,6 +205,7 @@ class TrainingLoop:
         trainer = self.plan.trainer
         before: dict[str, float] = {}
         self.generations = []
+        self.begin_step()
         if trainer.val_before_train and step == 0 and trainer.eval_every != 1:
             before = self.evaluate(step)  # the model before any update: the baseline
         metrics = self._guarded_step(step)
@@ -290,6 +359,10 @@ class TrainingLoop:
                           console="console" in self.plan.trainer.loggers,
                           out=self.opts.out, total_steps=self.plan.trainer.steps,
                           exporter=self.opts.exporter, worker=self.target.label)
+
+
+class _Abandoned(Stopped):
+    """A stop agreed on before the running step changed any weights: the step is dropped."""
 
 
 class _Silent(MetricsLog):

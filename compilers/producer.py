@@ -15,6 +15,7 @@ import io
 import itertools
 import os
 import pickle
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from flowgraph.compilers.build import load_data
 from flowgraph.compilers.checkpoint import Rollout
 from flowgraph.compilers.interpreter import Interpreter
 from flowgraph.compilers.rollouts import Rollouts
+from flowgraph.compilers.signals import STOP_SIGNALS, die_with_parent
 from flowgraph.compilers.worker import ExecOptions, Worker, quiet_hf
 from flowgraph.errors import FlowgraphError
 from flowgraph.plan import ExecutionPlan
@@ -86,7 +88,7 @@ class ProcessRollouts(Rollouts):
             args=(self.plan.to_json(), self.names, str(self.opts.run_dir), self.opts.device,
                   self.opts.strict, self.shared, self.published, self.grabbed, self.stop, self.cond,
                   self.queue, first, step, cursors, state,
-                  cores[1] if cores is not None and self.own else None))
+                  cores[1] if cores is not None and self.own else None, os.getpid()))
         self.proc.start()
 
     def next_rollout(self, step: int, metrics: dict[str, float]) -> tuple[Rollout, float]:
@@ -197,11 +199,16 @@ def _producer_main(plan_json: str, names: list[str], run_dir: str, device: str, 
                    shared: dict[str, dict[str, torch.Tensor]], published: Any, grabbed: Any,
                    stop: Any, cond: Any, out: Any, first: int, origin: int,
                    cursors: dict[str, dict[str, Any]], node_state: dict[str, dict[str, Any]],
-                   cores: set[int] | None) -> None:
+                   cores: set[int] | None, parent: int) -> None:
     """The producer process: a worker hosting the models the producer's nodes run (no
     optimizer, no prologue: the consumer looks its outputs up), generating the rollouts
-    of steps `first`, `first` + 1, … with the versions admission allows."""
-    parent = os.getppid()
+    of steps `first`, `first` + 1, … with the versions admission allows (`parent`: the
+    trainer's pid)."""
+    # The trainer decides what a signal means (it stops at a step's end, `close`s this
+    # process); a killed trainer kills this one at once (the kernel's parent-death signal)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)
+    die_with_parent(parent, signal.SIGKILL)
     try:
         if cores is not None:
             os.sched_setaffinity(0, cores)
@@ -210,9 +217,9 @@ def _producer_main(plan_json: str, names: list[str], run_dir: str, device: str, 
         plan = ExecutionPlan.from_json(plan_json)
         assert plan.asynchronous is not None
         with open(os.devnull, "w") as devnull:
-            rollouts = _producer(plan, names, ExecOptions(Path(run_dir), device, strict,
-                                                          out=devnull, tensorboard=False),
-                                 cursors, node_state)
+            rollouts = _producer(plan, names, ExecOptions(
+                Path(run_dir), device, strict, out=devnull, tensorboard=False,
+                step_timeout_s=plan.trainer.step_timeout_s), cursors, node_state)
             rollouts.origin = origin
             loaded = -1
             # drop: rollouts dropped are replaced, so the producer goes on until stopped

@@ -51,6 +51,7 @@ from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.options import RunOptions
 from flowgraph.compilers.ray_worker import RayWorker
+from flowgraph.compilers.signals import run_guard
 from flowgraph.compilers.target import Report
 from flowgraph.compilers.worker import ExecOptions, Worker
 from flowgraph.errors import DEBUG_ENV, FlowgraphError, NodeError, WorkerLost
@@ -272,6 +273,10 @@ class RayTarget:
     def completed(self, saved: bool) -> None:
         self.tries = 0 if saved else self.tries
 
+    def stop_requested(self) -> int | None:
+        """The driver's signal (the workers, in a process group of their own, get none)."""
+        return self.opts.stop.signum if self.opts.stop is not None else None
+
 
 # --- entry point ------------------------------------------------------------------------------
 
@@ -329,13 +334,15 @@ def run_ray(plan: ExecutionPlan, opts: RunOptions) -> None:
     """`flowgraph run --target ray`: start or join a cluster (`opts.address`) and drive
     the plan. Prometheus metrics as `run_plan` serves them, from the driver."""
     run_dir = prepare_run(plan, resume=opts.resume).resolve()
-    with serving(plan, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
-                 target="ray", out=opts.out) as exporter:
+    with run_guard(plan, opts) as stop, serving(
+            plan, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
+            target="ray", out=opts.out) as exporter:
         target = None
         try:
             start_ray(plan, opts.address)
+            stop.take_signals()  # ray.init's SIGTERM handler would end the driver
             options = ExecOptions(run_dir, "cpu", opts.strict, opts.resume, opts.out,
-                                  opts.tensorboard, exporter)
+                                  opts.tensorboard, exporter, stop=stop)
             target = RayTarget(plan, options)
             loop = TrainingLoop(plan, target, options)
             loop.setup()

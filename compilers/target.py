@@ -23,6 +23,8 @@ Its verbs, and nothing else:
     recover(exc, s)   after a lost worker: the checkpoint folder to go on from (None:
                       start over), or raise
     completed(saved)  a step finished (and saved a checkpoint)
+    stop_requested()  the signal of a stop every process of the run agrees on (SIGTERM,
+                      SIGINT; fsdp: any rank's, or the launcher's), else None
 """
 
 from __future__ import annotations
@@ -61,3 +63,5 @@ class Target(Protocol):
     def recover(self, exc: WorkerLost, step: int) -> Path | None: ...
 
     def completed(self, saved: bool) -> None: ...
+
+    def stop_requested(self) -> int | None: ...

@@ -38,12 +38,21 @@ from flowgraph.compilers.build import (
     load_tokenizers,
     make_optimizer,
 )
-from flowgraph.errors import DEBUG_ENV, FlowgraphError, NodeError, NonFiniteError, at_step
+from flowgraph.compilers.signals import deadline
+from flowgraph.errors import (
+    DEBUG_ENV,
+    FlowgraphError,
+    NodeError,
+    NodeTimeout,
+    NonFiniteError,
+    at_step,
+)
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan, ModelPlacement
 from flowgraph.runtime.context import RESOURCE_ARGS, Impl, NodeContext, named_outputs
 
 if TYPE_CHECKING:
+    from flowgraph.compilers.signals import Preemption
     from flowgraph.runtime.prometheus import Exporter
 
 Place = Callable[[ModelPlacement, ModelSpec, torch.nn.Module], torch.nn.Module]
@@ -62,6 +71,11 @@ class ExecOptions:
     tensorboard: bool = True
     exporter: Exporter | None = None
     """Feeds the Prometheus endpoint with every step row (`--metrics-port`)."""
+    step_timeout_s: float = 0.0
+    """A node call running this long stops the run (the local target's
+    `trainer.step_timeout_s`; the fsdp and ray targets watch their workers instead)."""
+    stop: Preemption | None = None
+    """This process's stop requests (SIGTERM, SIGINT), which the loop honours."""
 
 
 def _whole(placed: ModelPlacement, spec: ModelSpec, model: torch.nn.Module
@@ -179,16 +193,19 @@ class Worker:
             if arg in impl.accepts:
                 kw[arg] = (ctx if arg == "ctx" else ctx.tokenizer if arg == "tokenizer"
                            else ctx.model)
+        versions = _versions(inputs)
         t0 = time.perf_counter()
         # Only updates build autograd graphs; everything else is inference, and a
         # log-prob carrying the actor's graph into the update would be backpropagated
         # through twice.
-        with torch.set_grad_enabled(placed.trains), self._base(name, ctx):
+        with torch.set_grad_enabled(placed.trains), self._base(name, ctx), \
+                self._deadline(name, params):
             result = self._guarded(name, step, partial(impl.fn, **kw))
             if placed.trains:
                 self._guarded(name, step, partial(update_loop.train, ctx, result, params,
                                                   rank=rank, size=size))
                 result = {}
+        self._unwritten(name, step, inputs, versions)
         metrics.update(ctx.metrics)
         return named_outputs([o.port for o in placed.outputs], result), time.perf_counter() - t0
 
@@ -214,13 +231,45 @@ class Worker:
         with base, autocast(self.plan.model(owner) if owner else None, self.opts.device):
             yield
 
+    def _deadline(self, name: str, params: dict[str, Any]) -> Any:
+        """The node's `timeout_s`, or else this process's step timeout (the local target's
+        `trainer.step_timeout_s`), around its call."""
+        own = float(params.get("timeout_s") or 0.0)
+        limit, setting = ((own, f"nodes.{name}.params.timeout_s") if own
+                          else (self.opts.step_timeout_s, "trainer.step_timeout_s"))
+        return deadline(limit, f"the node ran past {setting} = {limit:g} s and was stopped "
+                               "here")
+
     def _guarded(self, name: str, step: int, fn: Callable[[], Any]) -> Any:
+        """`fn()`, anything it raises (an exit or an interrupt of a plugin's too) as the
+        node's error."""
         try:
             return fn()
         except (NonFiniteError, NodeError):
             raise
-        except Exception as exc:
+        except (Exception, SystemExit, KeyboardInterrupt, NodeTimeout) as exc:
             raise node_error(self, name, step, exc) from exc
+
+    def _unwritten(self, name: str, step: int, inputs: dict[str, Any],
+                   versions: dict[str, int]) -> None:
+        """A node's inputs are read-only to it: a tensor it wrote into in place (its
+        version counter moved) would be what every later node reads."""
+        written = [port for port, v in versions.items() if inputs[port]._version != v]
+        if written:
+            node = self.placed[name]
+            raise NodeError(
+                f"while executing node `{name}` (kind {node.kind}, {node.where}) "
+                f"{at_step(step)}: it wrote into its input(s) "
+                f"{', '.join(f'`{p}`' for p in written)} in place (an in-place op such as "
+                "`.zero_()`, `+=` or `x[i] = ...`); a node's inputs are read-only, as other "
+                "nodes read the same tensors: compute on a copy (`x.clone()`) or out of place")
+
+
+def _versions(inputs: dict[str, Any]) -> dict[str, int]:
+    """Each input tensor's version counter (inference tensors, which keep none, cannot
+    be written outside inference mode anyway)."""
+    return {port: v._version for port, v in inputs.items()
+            if isinstance(v, torch.Tensor) and not v.is_inference()}
 
 
 def rollout_engine(backend: str, verify_every: int = 0) -> Any:
@@ -247,11 +296,13 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary:
     while exc.__cause__ is not None:  # re-raised with context (a reward fn's row): the
         exc = exc.__cause__          # frame is the original error's
     frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0]: the executor's call
+    if isinstance(exc, NodeTimeout):  # the last: the alarm's handler, not the node's line
+        frames = frames[:-1]
     own = [f for f in frames if not f.filename.startswith(_LIBRARIES)]
     return (own or frames or traceback.extract_tb(exc.__traceback__))[-1]
 
 
-def node_error(worker: Worker, name: str, step: int, exc: Exception) -> NodeError:
+def node_error(worker: Worker, name: str, step: int, exc: BaseException) -> NodeError:
     """What a node raised, as one message: the node, its kind and graph line, the step,
     the error, and the line of the node's own code that raised it (a plugin's file,
     not flowgraph's or torch's). The full traceback goes to `run_dir/traceback.txt`,
@@ -266,9 +317,13 @@ def node_error(worker: Worker, name: str, step: int, exc: Exception) -> NodeErro
         saved = ""
     frame = user_frame(exc)
     model = f"model {node.model}, " if node.model else ""
+    what = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        what = (f"{type(exc).__name__}({exc}) raised by the node's code; a node may not end "
+                "the process (sys.exit, exit()) or stand for Ctrl-C: raise an exception")
     text = (f"while executing node `{name}` (kind {node.kind}, {model}{node.where}) "
             f"{at_step(step)}: "
-            f"{type(exc).__name__}: {exc}\n  at {frame.filename}:{frame.lineno} in "
+            f"{what}\n  at {frame.filename}:{frame.lineno} in "
             f"{frame.name}: {(frame.line or '').strip()}")
     return NodeError(text + (f"\n{full}" if os.environ.get(DEBUG_ENV) else saved))
 

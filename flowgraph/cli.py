@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from flowgraph.choices import TARGETS
 from flowgraph.diagnostics import Diagnostic
-from flowgraph.errors import FlowgraphError
+from flowgraph.errors import FlowgraphError, Stopped
 from flowgraph.ir import to_python
 
 if TYPE_CHECKING:
@@ -509,6 +509,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--nproc must be >= 1")
     try:
         return int(args.func(args))
+    except Stopped as exc:  # SIGTERM / SIGINT: the work saved, the command to go on
+        print(f"flowgraph: {exc}", file=sys.stderr)
+        return 128 + exc.signum
     except FlowgraphError as exc:
         print(f"flowgraph: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -105,3 +105,28 @@ class RankFailed(FlowgraphError):
 
 class WorkerLost(FlowgraphError):
     """A worker died or hung; the driver restarts the worker groups from a checkpoint."""
+
+
+class Stopped(FlowgraphError):
+    """A run stopped on SIGTERM or SIGINT (preemption, Ctrl-C), its work saved where it
+    could be; `flowgraph run` exits with 128 + the signal's number (143, 130)."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        self.signum = signum
+        super().__init__(message)
+
+
+class Interrupted(BaseException):
+    """A second SIGTERM/SIGINT, or the end of `trainer.stop_grace_s`: stop at once. A
+    BaseException, so that no `except Exception` in a node's code swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signum)
+
+
+class NodeTimeout(BaseException):
+    """Raised inside a node that ran past its `timeout_s` (or the local target's
+    `trainer.step_timeout_s`); the worker reports it as the node's error, with the line it
+    was stuck at. A BaseException, so that the node's own `except Exception` cannot
+    swallow it."""

@@ -323,7 +323,12 @@ class TrainerSpec:
                                         "advantages, losses or gradients.",
                                 choices=ON_NONFINITE)
     step_timeout_s: float = setting(0.0, "A worker with no progress for this long is treated "
-                                         "as dead; 0 disables.", minimum=0)
+                                         "as dead (the local target: a node that runs this "
+                                         "long stops the run); 0 disables.", minimum=0)
+    stop_grace_s: float = setting(
+        120.0, "After SIGTERM or SIGINT, the seconds the run may take to finish its node and "
+        "save a checkpoint before it stops at once (keep it below the scheduler's kill wait: "
+        "SLURM KillWait, Kubernetes terminationGracePeriodSeconds); 0: no limit.", minimum=0)
     verify_sync_every: int = setting(
         0, "After a weight sync into the vLLM engine, compare its log-probs of a probe batch "
         "with the trainer's and stop on a mismatch: at the first sync, and every this many "

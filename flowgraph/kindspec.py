@@ -66,11 +66,21 @@ class ParamSpec:
     evaluation: bool = False
     """Read by the compiler to make the node's params at evaluation (`NodePlan.eval_params`:
     a rollout's `val_n`, `val_temperature`); never passed to the implementation."""
+    executor: bool = False
+    """Read by the executor around the node's call (`timeout_s`), every kind has it
+    (`NODE_PARAMS`); passed to the implementation only where it declares it."""
 
     def __post_init__(self) -> None:
         bad = [t for t in self.types if t not in PARAM_TYPES]
         if bad:
             raise RegistryError(f"param `{self.name}`: unknown type(s) {bad}; known {PARAM_TYPES}")
+
+
+NODE_PARAMS = (ParamSpec(
+    "timeout_s", ("float",), 0.0, minimum=0, executor=True,
+    doc="stop the run when one call of this node takes longer (seconds; a reward, filter "
+        "or plugin that hangs names its node and line); 0: no limit"),)
+"""Params every kind takes, appended to its own (`KindSpec.params`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +137,9 @@ class KindSpec:
             raise RegistryError(f"kind `{self.name}`: head must be one of {HEADS}")
         if self.sequences_per_row < 1:
             raise RegistryError(f"kind `{self.name}`: sequences_per_row must be >= 1")
+        own = {p.name for p in self.params}
+        object.__setattr__(self, "params", self.params + tuple(
+            p for p in NODE_PARAMS if p.name not in own))
         for group in (self.inputs, self.outputs, self.params):
             names = [p.name for p in group]
             if len(names) != len(set(names)):

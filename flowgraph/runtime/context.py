@@ -196,7 +196,11 @@ class Impl:
         """Every input and param the node is called with must be accepted, before any
         step runs; an update kind's mini-batch params are the update loop's
         (`runtime.update.LOOP_PARAMS`), not its implementation's."""
-        names = [*inputs, *(p for p in params if not (trains and p in LOOP_PARAMS))]
+        from flowgraph.kindspec import NODE_PARAMS  # (kindspec imports this package)
+
+        executor = {p.name for p in NODE_PARAMS}  # `timeout_s`: read around the call
+        names = [*inputs, *(p for p in params if not (trains and p in LOOP_PARAMS)
+                            and p not in executor)]
         missing = [] if self.any_keyword else [n for n in names if n not in self.accepts]
         if missing:
             raise FlowgraphError(

@@ -282,6 +282,7 @@ def assert_honours_contract(
     if unknown:
         raise ValueError(f"kind `{spec.name}` has no param(s) {sorted(unknown)}")
     call_params = spec.call_values(params or {})
+    executor = {p.name for p in spec.params if p.executor}  # `timeout_s`: the executor's
     vocab = _vocab(model)
     grouped = spec.input("index") is not None
     given_ctx = ctx
@@ -329,7 +330,8 @@ def assert_honours_contract(
         resources = {"ctx": node_ctx, "model": model, "critic": model, "tokenizer": tokenizer}
         kwargs = {k: v for k, v in resources.items() if k in impl.accepts}
         kwargs |= inputs | {k: v for k, v in call_params.items()
-                            if not (spec.trains and k in LOOP_PARAMS and k not in impl.accepts)}
+                            if not (spec.trains and k in LOOP_PARAMS and k not in impl.accepts)
+                            and not (k in executor and k not in impl.accepts)}
         where = (f"kind `{spec.name}` (impl {getattr(impl.fn, '__qualname__', impl.fn)}), "
                  f"sizes {out_sizes}, inputs {sorted(inputs)}")
         try:

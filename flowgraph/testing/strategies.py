@@ -200,7 +200,8 @@ def _params(draw: st.DrawFn, kind: KindSpec, sizes: _Sizes,
             if sizes.temperature is not None:
                 out.append(Param(spec.name, sizes.temperature))
             continue
-        if spec.name in _BATCH_PARAMS or spec.dim == "n" or not draw(st.booleans()):
+        if spec.name in _BATCH_PARAMS or spec.dim == "n" or spec.executor \
+                or not draw(st.booleans()):
             continue
         if _adds_an_input(kind, spec):  # an optional input the pipeline may not wire
             continue

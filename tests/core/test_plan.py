@@ -89,7 +89,8 @@ def test_json_layout() -> None:
     assert (node["loads_model"], node["trains"], node["category"], node["head"]) == (
         True, False, "model", "lm")
     assert {p["name"]: json.loads(p["value"]) for p in node["params"]} == {
-        "chunk_size": 1024, "micro_batch_size": None, "max_token_len": None, "packing": False}
+        "chunk_size": 1024, "micro_batch_size": None, "max_token_len": None, "packing": False,
+        "timeout_s": 0.0}
     assert node["eval_params"] == node["params"]
     assert data["dims"] == [{"name": "Bp", "value": 8}, {"name": "P", "value": 16},
                             {"name": "T", "value": 8}]

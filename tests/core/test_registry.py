@@ -99,7 +99,7 @@ def test_plugin_kind_contract_comes_from_jaxtyping(tmp_path: Path,
     result = check_graph(graph)
     kind = result.registry.get("shifted_reward")
     assert kind is not None
-    assert [p.name for p in kind.params] == ["scale"]
+    assert [p.name for p in kind.params] == ["scale", "timeout_s"]  # + the one every kind takes
     assert kind.outputs[0].spec.dims == "b T-1"
     # The (b, T-1) output meets reinforce_pp's (b, T): one error on that edge, at its line.
     errors = [d for d in result.diagnostics if d.is_error]
