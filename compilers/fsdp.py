@@ -52,10 +52,11 @@ from flowgraph.compilers.checkpoint import (
     latest_checkpoint,
     load_weights,
     publish_checkpoint,
-    rng_state,
+    save_rng,
     save_shards,
     set_rng_state,
 )
+from flowgraph.compilers.integrity import load_plain
 from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.options import RunOptions
@@ -121,7 +122,7 @@ class FsdpTarget:
         dist.barrier()
         w = self.worker
         save_shards(tmp, w.saved_models(), w.optimizers, w.schedulers, self.rank)
-        torch.save(rng_state(), tmp / f"rng.rank{self.rank}.pt")
+        save_rng(tmp / f"rng.rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
             publish_checkpoint(tmp, state, keep=self.plan.graph.trainer.max_checkpoints,
@@ -133,7 +134,7 @@ class FsdpTarget:
         load_weights(folder, w.saved_models(), w.optimizers, w.schedulers)
         rng = folder / f"rng.rank{self.rank}.pt"
         if rng.exists():  # absent: more ranks than wrote it, or another target wrote it
-            set_rng_state(torch.load(rng, weights_only=False))
+            set_rng_state(load_plain(rng))
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -173,7 +174,8 @@ def _free_port() -> int:
 
 
 def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | None = None,
-              metrics_host: str = "127.0.0.1", metrics_hold: float = 0.0) -> None:
+              metrics_host: str = "127.0.0.1", metrics_hold: float = 0.0,
+              allow_changed: tuple[str, ...] = ()) -> None:
     """The body of one rank (under torch's launcher: RANK, WORLD_SIZE, LOCAL_RANK set).
     Rank 0 serves Prometheus metrics on `metrics_port` when it is given."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -196,7 +198,7 @@ def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | No
             _dist.init_group(rank, world, device,
                              timeout_s=plan.graph.trainer.step_timeout_s or 1800.0)
             options = ExecOptions(run_dir, device, strict, resume, out=sys.stdout,
-                                  exporter=exporter)
+                                  exporter=exporter, allow_changed=allow_changed)
             target = FsdpTarget(plan, options, rank, world, exporting=exporting)
             loop = TrainingLoop(plan, target, options)
             loop.setup()
@@ -253,7 +255,7 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
         with _quiet_launcher():
             elastic_launch(config, rank_main)(str(plan_json), opts.strict, opts.resume,
                                               opts.metrics_port, opts.metrics_host,
-                                              opts.metrics_hold)
+                                              opts.metrics_hold, opts.allow_changed)
     except ChildFailedError as exc:
         raise RankFailed(_failure_message(exc, run_dir, plan, opts)) from None
     return run_dir
@@ -276,12 +278,13 @@ def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan, opts: RunOpti
         at = f" at step {where[0]} in node `{where[1]}`" if where else " before its first node"
         lines.append(f"rank {rank} {how}{at}")
     done = latest_checkpoint(run_dir)
+    allowed = [arg for key in opts.allow_changed for arg in ("--allow-changed", key)]
     # --resume also without a checkpoint: the run dir already holds metrics.jsonl rows
     # The user's overrides too: without them the resumed run would be another graph.
     again = shlex.join(
-        ["flowgraph", "run", str(opts.plan_file), "--resume"] if opts.plan_file else
+        ["flowgraph", "run", str(opts.plan_file), "--resume", *allowed] if opts.plan_file else
         ["flowgraph", "run", plan.graph.source, "--target", "fsdp", "--nproc",
-         str(world_size(plan)), "--resume",
+         str(world_size(plan)), "--resume", *allowed,
          *(o for o in opts.overrides if not o.startswith("trainer.run_dir=")),
          f"trainer.run_dir={run_dir}"])
     tail = (f"the last checkpoint is step {done[0]}; continue with: {again}" if done
@@ -316,6 +319,6 @@ def run_fsdp(plan: ExecutionPlan, opts: RunOptions) -> None:
         plan_json.parent.mkdir(parents=True, exist_ok=True)
         plan_json.write_text(plan.to_json())
         rank_main(str(plan_json), opts.strict, opts.resume,
-                  opts.metrics_port, opts.metrics_host, opts.metrics_hold)
+                  opts.metrics_port, opts.metrics_host, opts.metrics_hold, opts.allow_changed)
         return
     launch(plan, opts)

@@ -112,7 +112,7 @@ def run_plan(plan: ExecutionPlan, opts: RunOptions) -> None:
     with serving(plan.graph, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
                  out=opts.out) as exporter:
         options = ExecOptions(run_dir, device, opts.strict, opts.resume, opts.out,
-                              opts.tensorboard, exporter)
+                              opts.tensorboard, exporter, opts.allow_changed)
         loop = TrainingLoop(plan, LocalTarget(plan, options), options)
         loop.setup()
         loop.run()

@@ -335,7 +335,7 @@ def run_ray(plan: ExecutionPlan, opts: RunOptions) -> None:
         try:
             start_ray(plan, opts.address)
             options = ExecOptions(run_dir, "cpu", opts.strict, opts.resume, opts.out,
-                                  opts.tensorboard, exporter)
+                                  opts.tensorboard, exporter, opts.allow_changed)
             target = RayTarget(plan, options)
             loop = TrainingLoop(plan, target, options)
             loop.setup()

@@ -60,6 +60,9 @@ class ExecOptions:
     tensorboard: bool = True
     exporter: Exporter | None = None
     """Feeds the Prometheus endpoint with every step row (`--metrics-port`)."""
+    allow_changed: tuple[str, ...] = ()
+    """Settings a resumed run may change although they shaped its checkpoint
+    (`--allow-changed KEY`; `flowgraph.compilers.resume`)."""
 
 
 def _whole(placed: ModelPlacement, model: torch.nn.Module) -> torch.nn.Module:
