@@ -39,6 +39,7 @@ from flowgraph.compilers.integrity import (
     save_tensors,
     torch_bytes,
     write_bytes,
+    write_failure,
     write_manifest,
 )
 from flowgraph.errors import FlowgraphError, NonFiniteError
@@ -299,11 +300,17 @@ def dcp_save(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, A
     import torch.distributed.checkpoint as dcp
 
     for name, model in models.items():
+        where = folder / DCP_DIR / name
         with warnings.catch_warnings():  # a worker of a one-worker pool: on purpose
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.save(_model_state(model, optimizers.get(name)),
-                     checkpoint_id=str(folder / DCP_DIR / name), process_group=group,
-                     no_dist=not dist.is_initialized())
+            try:
+                dcp.save(_model_state(model, optimizers.get(name)), checkpoint_id=str(where),
+                         process_group=group, no_dist=not dist.is_initialized())
+            except BaseException as exc:  # DCP's CheckpointException is a BaseException
+                full = write_failure(exc, where)
+                if full is None:
+                    raise
+                raise full from exc
 
 
 def dcp_load(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, Any],

@@ -11,7 +11,8 @@ last, a check of it before anything is loaded, and nothing in it run as code.
     write_manifest(folder)       `manifest.json`: size and sha256 of every file of the
                                  folder (DCP shards included), written atomically, last
     damage(folder)               what is wrong with a checkpoint (None: intact)
-    disk_full(exc, run_dir)      the one message for a full disk or a size limit
+    write_failure(exc, where)    a DCP save's failure as the `OSError` it was
+    disk_full(exc, last)         the one message for a full disk or a size limit
 
 A checkpoint folder is published (renamed into place) only after its manifest is
 written, so a folder without one was not written by this flowgraph, or was changed
@@ -26,6 +27,7 @@ import io
 import json
 import os
 import pickle
+import resource
 from pathlib import Path
 from typing import Any
 
@@ -148,6 +150,33 @@ def damage(folder: Path) -> str | None:
             return f"`{name}` has changed since it was written (its sha256 differs)"
     extra = [name for name in _files(folder) if name not in listed]
     return f"`{extra[0]}` was added after it was written" if extra else None
+
+
+_SHORT_WRITE = ("unexpected pos", "file write failed")
+"""How torch's zip writer (under DCP) reports a write that found no room: no errno."""
+
+
+def write_failure(exc: BaseException, where: Path) -> OSError | None:
+    """The full disk (or file-size limit) behind `exc`, a failed DCP save of `where`,
+    as an `OSError` naming the file (or `where`); None when it is something else."""
+    seen: list[BaseException] = []
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e in seen:
+            continue
+        seen.append(e)
+        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
+        todo += [f[0] if isinstance(f, tuple) else f
+                 for f in getattr(e, "failures", {}).values()]  # DCP: rank -> (error, trace)
+    for e in seen:
+        if isinstance(e, OSError) and e.errno in DISK_FULL:
+            return OSError(e.errno, e.strerror, e.filename or str(where))
+    if any(text in str(e) for e in seen for text in _SHORT_WRITE):
+        limited = resource.getrlimit(resource.RLIMIT_FSIZE)[0] != resource.RLIM_INFINITY
+        code = errno.EFBIG if limited else errno.ENOSPC
+        return OSError(code, os.strerror(code), str(where))
+    return None
 
 
 def disk_full(exc: OSError, last: tuple[int, Path] | None) -> FlowgraphError | None:

@@ -5,8 +5,9 @@
 
 `LocalTarget` is the simplest strategy of `flowgraph.compilers.target`: its worker
 hosts every pool's models, `dispatch` calls a node in this process on the whole
-batch, and a checkpoint is whole files (`model.<m>.pt`, `optim.<m>.pt`, `sched.<m>.pt`,
-`rng.pt`); a checkpoint of the fsdp or ray target (DCP shards) loads here too.
+batch, and a checkpoint is whole files (`model.<m>.safetensors`, `optim.<m>.pt`,
+`sched.<m>.pt`, `rng.pt`, and `manifest.json`); a checkpoint of the fsdp or ray target
+(DCP shards) loads here too.
 `prepare_run` is what every target does before any model loads: the run dir created
 and known writable, and refused when it holds a run unless resuming.
 """

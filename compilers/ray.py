@@ -44,7 +44,7 @@ from flowgraph.compilers import _dist
 from flowgraph.compilers.checkpoint import (
     Rollout,
     begin_checkpoint,
-    latest_checkpoint,
+    intact_checkpoint,
     publish_checkpoint,
 )
 from flowgraph.compilers.local import prepare_run
@@ -265,7 +265,8 @@ class RayTarget:
         print(f"step {step}: {exc}; restarting the worker groups from the last checkpoint",
               file=self.opts.out or sys.stdout, flush=True)
         self.stop()
-        found = latest_checkpoint(self.opts.run_dir)
+        found = intact_checkpoint(self.opts.run_dir, lambda line: print(
+            line, file=self.opts.out or sys.stdout, flush=True))
         self.start(found[1] if found else None)
         return found[1] if found else None
 

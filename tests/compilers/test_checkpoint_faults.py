@@ -267,3 +267,25 @@ def test_a_full_disk_writing_tensorboard_is_one_message(
     assert read_metrics(run_dir)[-1]["step"] == 2  # the row before the failed event write
     assert json.loads((run_dir / "checkpoints" / "step_1" / "state.json").read_text())[
         "step"] == 1
+
+
+DCP_SAVE = """
+import errno, resource, signal, sys, torch
+from pathlib import Path
+from flowgraph.compilers.checkpoint import dcp_save
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (4000, 4000))
+try:
+    dcp_save(Path(sys.argv[1]), {"actor": torch.nn.Linear(64, 64)}, {})
+except OSError as exc:
+    print(exc.errno == errno.EFBIG, exc.filename)
+"""
+
+
+def test_a_size_limit_in_a_sharded_checkpoint_is_an_oserror_naming_its_folder(
+        tmp_path: Path) -> None:
+    """What the fsdp and ray targets write (DCP): torch's writer says `unexpected pos`;
+    the run says a full disk, as for the local target's files."""
+    proc = subprocess.run([sys.executable, "-c", DCP_SAVE, str(tmp_path)], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.split() == ["True", str(tmp_path / "dcp" / "actor")], proc.stderr
