@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flowgraph.compilers.integrity import (
-    damage,
+    checkpoint_damage,
     load_plain,
     load_tensors,
     save_tensors,
@@ -68,20 +68,6 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     """(step, folder) of the newest published checkpoint (not verified), or None."""
     found = _published(run_dir)
     return found[0] if found else None
-
-
-def checkpoint_damage(folder: Path, step: int) -> str | None:
-    """What is wrong with checkpoint `folder` of `step`: its files against its manifest
-    (`integrity.damage`), then its `state.json` (None: intact)."""
-    problem = damage(folder)
-    if problem is not None:
-        return problem
-    try:
-        state = json.loads((folder / "state.json").read_text())
-        saved = int(state["step"])
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
-        return "`state.json` is unreadable"
-    return None if saved == step else f"`state.json` says step {saved}, the folder step {step}"
 
 
 def intact_checkpoint(run_dir: Path, say: Callable[[str], None]) -> tuple[int, Path] | None:

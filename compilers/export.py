@@ -19,13 +19,12 @@ from flowgraph.compilers.build import lora_config
 from flowgraph.compilers.checkpoint import (
     DCP_DIR,
     TrainedPart,
-    checkpoint_damage,
     checkpoint_root,
     dcp_full_model,
     has_dcp,
     latest_checkpoint,
 )
-from flowgraph.compilers.integrity import load_tensors
+from flowgraph.compilers.integrity import checkpoint_damage, load_tensors
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan

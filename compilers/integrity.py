@@ -10,7 +10,7 @@ last, a check of it before anything is loaded, and nothing in it run as code.
                                  crafted pickle is refused, never run)
     write_manifest(folder)       `manifest.json`: size and sha256 of every file of the
                                  folder (DCP shards included), written atomically, last
-    damage(folder)               what is wrong with a checkpoint (None: intact)
+    checkpoint_damage(folder, s) what is wrong with a checkpoint (None: intact)
     write_failure(exc, where)    a DCP save's failure as the `OSError` it was
     disk_full(exc, last)         the one message for a full disk or a size limit
 
@@ -127,9 +127,10 @@ def write_manifest(folder: Path) -> None:
     os.rename(tmp, folder / MANIFEST)
 
 
-def damage(folder: Path) -> str | None:
-    """What is wrong with the checkpoint in `folder`, naming the file; None when every
-    file is there with the size and sha256 its manifest records, and no other."""
+def checkpoint_damage(folder: Path, step: int) -> str | None:
+    """What is wrong with the checkpoint of `step` in `folder`, naming the file; None
+    when every file is there with the size and sha256 its manifest records, no other,
+    and its `state.json` is of `step`."""
     try:
         files = json.loads((folder / MANIFEST).read_text())["files"]
         listed = {name: (int(want["size"]), str(want["sha256"])) for name, want in files.items()}
@@ -149,7 +150,13 @@ def damage(folder: Path) -> str | None:
         if _sha256(path) != sha:
             return f"`{name}` has changed since it was written (its sha256 differs)"
     extra = [name for name in _files(folder) if name not in listed]
-    return f"`{extra[0]}` was added after it was written" if extra else None
+    if extra:
+        return f"`{extra[0]}` was added after it was written"
+    try:
+        saved = int(json.loads((folder / "state.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError):
+        return "`state.json` is unreadable"
+    return None if saved == step else f"`state.json` says step {saved}, the folder step {step}"
 
 
 _SHORT_WRITE = ("unexpected pos", "file write failed")

@@ -46,7 +46,7 @@ from flowgraph.compilers.worker import ExecOptions
 from flowgraph.errors import FlowgraphError, NonFiniteError, WorkerLost
 from flowgraph.plan import ExecutionPlan
 from flowgraph.runtime.metrics import MetricsLog
-from flowgraph.runtime.trackers import open_trackers
+from flowgraph.runtime.trackers import open_trackers, writing
 
 
 class TrainingLoop:
@@ -278,7 +278,7 @@ class TrainingLoop:
         state = json.loads((folder / "state.json").read_text())
         for d, cursor in state["cursors"].items():
             self.batches.data[d].train.load_state_dict(cursor)
-        if "buffered" in state and self.rollouts is None:
+        if state.get("buffered") and self.rollouts is None:
             raise FlowgraphError(f"checkpoint `{folder}` holds {state['buffered']} buffered "
                                  "rollout(s) of an asynchronous run; a synchronous run "
                                  "cannot train them (trainer.max_staleness)")
@@ -316,7 +316,8 @@ class TrainingLoop:
             run_dir = self.opts.run_dir
             run_dir.mkdir(parents=True, exist_ok=True)
             remove_partial(run_dir)
-            (run_dir / "plan.json").write_text(self.plan.to_json())
+            with writing(run_dir / "plan.json"):
+                (run_dir / "plan.json").write_text(self.plan.to_json())
         self.target.barrier()
 
     def open_log(self) -> MetricsLog:

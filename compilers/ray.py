@@ -47,6 +47,7 @@ from flowgraph.compilers.checkpoint import (
     intact_checkpoint,
     publish_checkpoint,
 )
+from flowgraph.compilers.integrity import DISK_FULL
 from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.options import RunOptions
@@ -165,7 +166,8 @@ class RayTarget:
             return ray.get(refs, timeout=timeout)
         except RayTaskError as exc:
             cause = exc.cause
-            if isinstance(cause, FlowgraphError):
+            if isinstance(cause, FlowgraphError) or (  # a full disk: the loop says it
+                    isinstance(cause, OSError) and cause.errno in DISK_FULL):
                 raise cause from None
             raise NodeError(f"{type(cause).__name__}: {cause}") from None
         except RayActorError as exc:

@@ -7,7 +7,8 @@ command line overrides them — `dims.Bp`, `models.actor.optimizer.lr`,
 value stops (`check_settings`) naming each key, the checkpoint's value and the new one,
 unless the key is allowed to change (`--allow-changed KEY`). What does not shape the
 state may change freely: `trainer.steps`, `run_dir`, loggers, checkpoint and
-evaluation cadence, strict mode, ports.
+evaluation cadence, strict mode, ports, and the node params that only say how a node
+computes (`micro_batch_size`, `chunk_size`, `packing`, a rollout's `backend`).
 """
 
 from __future__ import annotations
@@ -27,9 +28,13 @@ the asynchronous rollouts its buffer was generated for."""
 BUFFER_KEYS = frozenset({"trainer.max_staleness", "trainer.admission"})
 """Settings a non-empty rollout buffer was generated under: its rollouts are due at
 their own steps, so these cannot change (not even allowed) while it holds any."""
-_MODEL_SKIP = frozenset({"name", "pos", "gradient_checkpointing", "attn_implementation",
+_MODEL_SKIP = frozenset({"name", "gradient_checkpointing", "attn_implementation",
                          "config"})
 """A model's fields that change how it computes, not what its checkpoint holds."""
+_LAYOUT_PARAMS = frozenset({"micro_batch_size", "max_token_len", "packing", "chunk_size",
+                            "backend", "gpu_memory_utilization"})
+"""Node params that say how a node computes (its memory, its engine), not what: a run
+resumed with a smaller micro-batch after running out of memory trains the same way."""
 _ABSENT = "(absent)"
 
 
@@ -48,7 +53,8 @@ def recorded_settings(plan: ExecutionPlan) -> dict[str, Any]:
     for node in plan.nodes:
         if graph.data_source(node.name) is None:
             out[f"nodes.{node.name}.kind"] = node.kind
-            _flat(out, f"nodes.{node.name}.params", node.param_values())
+            _flat(out, f"nodes.{node.name}.params", {
+                k: v for k, v in node.param_values().items() if k not in _LAYOUT_PARAMS})
     result: dict[str, Any] = json.loads(json.dumps(out))  # tuples as lists, as JSON holds them
     return result
 
@@ -57,7 +63,7 @@ def _flat(out: dict[str, Any], key: str, value: Any, skip: frozenset[str] = froz
           ) -> None:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
-            if f.name not in skip:
+            if f.name not in skip and f.name != "pos":  # where it was written: no state
                 _flat(out, f"{key}.{f.name}", getattr(value, f.name))
     elif isinstance(value, Params):
         _flat(out, key, value.to_python())

@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from flowgraph.compilers import RunOptions, read_metrics, run
-from flowgraph.compilers.checkpoint import checkpoint_damage, load_buffer
-from flowgraph.compilers.integrity import write_manifest
+from flowgraph.compilers.checkpoint import load_buffer
+from flowgraph.compilers.integrity import checkpoint_damage, write_manifest
 from flowgraph.errors import FlowgraphError
 from flowgraph.passes import compile_graph
 from flowgraph.testing.targets import WALL_CLOCK
