@@ -289,3 +289,23 @@ def test_a_size_limit_in_a_sharded_checkpoint_is_an_oserror_naming_its_folder(
     proc = subprocess.run([sys.executable, "-c", DCP_SAVE, str(tmp_path)], capture_output=True,
                           text=True, timeout=120)
     assert proc.stdout.split() == ["True", str(tmp_path / "dcp" / "actor")], proc.stderr
+
+
+def test_the_manifest_covers_every_shard_of_a_sharded_checkpoint(tmp_path: Path) -> None:
+    """What the fsdp and ray targets publish: DCP shards, each in the manifest."""
+    import torch
+
+    from flowgraph.compilers.checkpoint import begin_checkpoint, dcp_save, publish_checkpoint
+
+    model = torch.nn.Linear(8, 8)
+    tmp = begin_checkpoint(tmp_path, 0, "tmp-fsdp")
+    dcp_save(tmp, {"actor": model}, {"actor": torch.optim.AdamW(model.parameters())})
+    folder = publish_checkpoint(tmp, {"step": 0})
+    listed = json.loads((folder / "manifest.json").read_text())["files"]
+    shards = sorted(str(p.relative_to(folder)) for p in (folder / "dcp").rglob("*")
+                    if p.is_file())
+    assert shards and set(shards) <= set(listed)
+    assert checkpoint_damage(folder, 0) is None
+    _flip(folder / shards[0])
+    assert checkpoint_damage(folder, 0) == (f"`{shards[0]}` has changed since it was written "
+                                            "(its sha256 differs)")
