@@ -309,3 +309,18 @@ def test_the_manifest_covers_every_shard_of_a_sharded_checkpoint(tmp_path: Path)
     _flip(folder / shards[0])
     assert checkpoint_damage(folder, 0) == (f"`{shards[0]}` has changed since it was written "
                                             "(its sha256 differs)")
+
+
+def test_the_command_line_and_python_pass_allow_changed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import flowgraph
+    import flowgraph.compilers
+    from flowgraph.cli import main
+
+    given: list[RunOptions] = []
+    monkeypatch.setattr(flowgraph.compilers, "run", lambda plan, opts: given.append(opts))
+    assert main(["run", str(DPO), "--resume", "--allow-changed", "dims.Bp", "dims.Bp=16",
+                 "--allow-changed", "trainer.seed", f"trainer.run_dir={tmp_path}"]) == 0
+    flowgraph.run(DPO, overrides=[f"trainer.run_dir={tmp_path}"], resume=True,
+                  allow_changed=["dims.Bp"])
+    assert [o.allow_changed for o in given] == [("dims.Bp", "trainer.seed"), ("dims.Bp",)]
