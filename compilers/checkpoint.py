@@ -344,7 +344,7 @@ def load_whole(folder: Path, models: dict[str, nn.Module], optimizers: dict[str,
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     for name, model in models.items():
-        weights = load_tensors(folder / f"model.{name}.safetensors")
+        weights: dict[str, Any] = load_tensors(folder / f"model.{name}.safetensors")
         opt = optimizers.get(name)
         optim = ({} if opt is None else _named_optim_state(
             model, opt, load_plain(folder / f"optim.{name}.pt", map_location="cpu")))
