@@ -7,6 +7,12 @@ optimizer and scheduler, the data cursors, per-node state (KL controllers) and t
 RNG states — everything a resumed run needs to produce the same numbers. A trained
 model's frozen parameters (a LoRA model's base) are not in it: they load from the
 model's source, and only the adapters are saved (`TrainedPart`).
+
+What a checkpoint holds is checked before it is loaded (`flowgraph.compilers.integrity`):
+weights are safetensors, the rest `torch.save` files read with `weights_only=True`
+(nothing is unpickled as code) and JSON, and `manifest.json` — size and sha256 of every
+file, DCP shards included — is written last, before the rename. `intact_checkpoint`
+names a damaged newest checkpoint and falls back to the newest intact one.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import random
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,7 +32,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flowgraph.errors import FlowgraphError
+from flowgraph.compilers.integrity import (
+    checkpoint_damage,
+    load_plain,
+    load_tensors,
+    save_tensors,
+    torch_bytes,
+    write_bytes,
+    write_failure,
+    write_manifest,
+)
+from flowgraph.errors import FlowgraphError, NonFiniteError
 
 _STEP = re.compile(r"^step_(\d+)$")
 DCP_DIR = "dcp"
@@ -38,13 +55,40 @@ def checkpoint_root(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
-    """(step, folder) of the newest complete checkpoint, or None."""
+def _published(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every published checkpoint, newest first."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
-        return None
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name))]
-    return max(found) if found else None
+        return []
+    return sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name))),
+                  reverse=True)
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+    """(step, folder) of the newest published checkpoint (not verified), or None."""
+    found = _published(run_dir)
+    return found[0] if found else None
+
+
+def intact_checkpoint(run_dir: Path, say: Callable[[str], None]) -> tuple[int, Path] | None:
+    """(step, folder) of the newest checkpoint whose files are as written; each damaged
+    newer one is named through `say`. None when the run dir holds no checkpoint; one
+    error when it holds only damaged ones."""
+    damaged: list[str] = []
+    for step, folder in _published(run_dir):
+        problem = checkpoint_damage(folder, step)
+        if problem is None:
+            if damaged:
+                say(f"falling back to the newest intact checkpoint, `{folder}` (step {step})")
+            return step, folder
+        damaged.append(f"`{folder}`: {problem}")
+        say(f"checkpoint `{folder}` is damaged: {problem}")
+    if damaged:
+        raise FlowgraphError(
+            f"no intact checkpoint in `{checkpoint_root(run_dir)}` to resume from: "
+            + "; ".join(damaged) + ". Start the run again in a new folder "
+            "(trainer.run_dir=...), or restore the files from a copy")
+    return None
 
 
 def remove_partial(run_dir: Path) -> None:
@@ -54,6 +98,10 @@ def remove_partial(run_dir: Path) -> None:
         for p in root.iterdir():
             if ".tmp-" in p.name:
                 shutil.rmtree(p, ignore_errors=True)
+
+
+def save_rng(path: Path) -> None:
+    write_bytes(path, torch_bytes(rng_state()))
 
 
 def rng_state() -> dict[str, Any]:
@@ -103,10 +151,17 @@ def save_checkpoint(run_dir: Path, step: int, *, modules: dict[str, Any],
     schedulers); `state` is JSON-able run state (step, cursors, node state).
     """
     tmp = begin_checkpoint(run_dir, step, f"tmp-{os.getpid()}")
-    for stem, obj in modules.items():
-        torch.save(obj.state_dict(), tmp / f"{stem}.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    return publish_checkpoint(tmp, state, keep, rollouts)
+    try:
+        for stem, obj in modules.items():
+            if isinstance(obj, (TrainedPart, nn.Module)):  # weights: safetensors
+                save_tensors(tmp / f"{stem}.safetensors", obj.state_dict())
+            else:
+                write_bytes(tmp / f"{stem}.pt", torch_bytes(obj.state_dict()))
+        save_rng(tmp / "rng.pt")
+        return publish_checkpoint(tmp, state, keep, rollouts)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a full disk let through: its space
+        raise
 
 
 def begin_checkpoint(run_dir: Path, step: int, suffix: str) -> Path:
@@ -121,12 +176,14 @@ def begin_checkpoint(run_dir: Path, step: int, suffix: str) -> Path:
 
 def publish_checkpoint(tmp: Path, state: dict[str, Any], keep: int = 2,
                        rollouts: list[Rollout] | None = None) -> Path:
-    """Write the rollout buffer of an asynchronous run (`rollouts`, when not None) and
-    `state.json` last, then rename `tmp` into place and prune old ones."""
+    """Write the rollout buffer of an asynchronous run (`rollouts`, when not None),
+    `state.json` and the manifest last, then rename `tmp` into place and prune old
+    ones."""
     if rollouts is not None:
         save_buffer(tmp, rollouts)
     root, final = tmp.parent, tmp.parent / tmp.name.split(".")[0]
-    (tmp / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
+    write_bytes(tmp / "state.json", json.dumps(state, indent=2, sort_keys=True).encode())
+    write_manifest(tmp)
     _fsync_dir(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -139,8 +196,10 @@ def publish_checkpoint(tmp: Path, state: dict[str, Any], keep: int = 2,
 def load_checkpoint(folder: Path, *, modules: dict[str, Any]) -> dict[str, Any]:
     """Load every module's state; restore the RNGs; return the JSON state."""
     for stem, obj in modules.items():
-        obj.load_state_dict(torch.load(folder / f"{stem}.pt", weights_only=False))
-    set_rng_state(torch.load(folder / "rng.pt", weights_only=False))
+        weights = folder / f"{stem}.safetensors"
+        obj.load_state_dict(load_tensors(weights) if weights.exists()
+                            else load_plain(folder / f"{stem}.pt"))
+    set_rng_state(load_plain(folder / "rng.pt"))
     state: dict[str, Any] = json.loads((folder / "state.json").read_text())
     return state
 
@@ -182,7 +241,7 @@ def save_shards(folder: Path, models: dict[str, nn.Module], optimizers: dict[str
     dcp_save(folder, models, optimizers)
     if rank == 0:
         for name, sched in schedulers.items():
-            torch.save(sched.state_dict(), folder / f"sched.{name}.pt")
+            write_bytes(folder / f"sched.{name}.pt", torch_bytes(sched.state_dict()))
 
 
 def load_weights(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, Any],
@@ -196,7 +255,7 @@ def load_weights(folder: Path, models: dict[str, nn.Module], optimizers: dict[st
         return
     (dcp_load if dcp else load_whole)(folder, models, optimizers)
     for name, sched in schedulers.items():
-        sched.load_state_dict(torch.load(folder / f"sched.{name}.pt", weights_only=False))
+        sched.load_state_dict(load_plain(folder / f"sched.{name}.pt"))
 
 
 # --- sharded checkpoints: DCP ------------------------------------------------------------
@@ -227,11 +286,17 @@ def dcp_save(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, A
     import torch.distributed.checkpoint as dcp
 
     for name, model in models.items():
+        where = folder / DCP_DIR / name
         with warnings.catch_warnings():  # a worker of a one-worker pool: on purpose
             warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.save(_model_state(model, optimizers.get(name)),
-                     checkpoint_id=str(folder / DCP_DIR / name), process_group=group,
-                     no_dist=not dist.is_initialized())
+            try:
+                dcp.save(_model_state(model, optimizers.get(name)), checkpoint_id=str(where),
+                         process_group=group, no_dist=not dist.is_initialized())
+            except BaseException as exc:  # DCP's CheckpointException is a BaseException
+                full = write_failure(exc, where)
+                if full is None:
+                    raise
+                raise full from exc
 
 
 def dcp_load(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, Any],
@@ -273,15 +338,16 @@ def has_dcp(folder: Path) -> bool:
 
 def load_whole(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, Any]
                ) -> None:
-    """A checkpoint of the local target (`model.<name>.pt`, `optim.<name>.pt`: whole
-    tensors) into models sharded over any number of workers: each keeps its shards."""
+    """A checkpoint of the local target (`model.<name>.safetensors`, `optim.<name>.pt`:
+    whole tensors) into models sharded over any number of workers: each keeps its
+    shards."""
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     for name, model in models.items():
-        weights = torch.load(folder / f"model.{name}.pt", map_location="cpu")
+        weights: dict[str, Any] = load_tensors(folder / f"model.{name}.safetensors")
         opt = optimizers.get(name)
         optim = ({} if opt is None else _named_optim_state(
-            model, opt, torch.load(folder / f"optim.{name}.pt", map_location="cpu")))
+            model, opt, load_plain(folder / f"optim.{name}.pt", map_location="cpu")))
         set_state_dict(model, [opt] if opt is not None else [], model_state_dict=weights,
                        optim_state_dict=optim, options=_options(model, full_state_dict=True))
 
@@ -328,13 +394,29 @@ class Rollout:
 
 
 def save_buffer(folder: Path, items: list[Rollout]) -> None:
-    """The buffer of a checkpoint, written into its folder."""
-    torch.save([vars(item) for item in items], folder / BUFFER)
+    """The buffer of a checkpoint, written into its folder: plain data only (a NaN kept
+    for its step as the `NonFiniteError`'s fields)."""
+    write_bytes(folder / BUFFER, torch_bytes([{**vars(item), "error": _error_fields(item.error)}
+                                              for item in items]))
 
 
-def load_buffer(folder: Path) -> list[Rollout] | None:
-    """A checkpoint's buffer; None when it holds none (a synchronous run wrote it)."""
+def load_buffer(folder: Path) -> list[Rollout]:
+    """The buffer of a checkpoint an asynchronous run wrote; missing or unreadable is
+    an error (an empty buffer would train later steps' batches in earlier steps)."""
     path = folder / BUFFER
     if not path.exists():
+        raise FlowgraphError(f"checkpoint `{folder}` of an asynchronous run has no rollout "
+                             f"buffer `{BUFFER}`: its buffered rollouts are lost")
+    items = []
+    for item in load_plain(path):
+        error = item.pop("error")
+        items.append(Rollout(**item, error=None if error is None else NonFiniteError(**error)))
+    return items
+
+
+def _error_fields(error: BaseException | None) -> dict[str, Any] | None:
+    if error is None:
         return None
-    return [Rollout(**item) for item in torch.load(path, weights_only=False)]
+    if not isinstance(error, NonFiniteError):  # what `Rollouts.produce` keeps
+        raise TypeError(f"a rollout keeps a NonFiniteError, not {type(error).__name__}")
+    return {"node": error.node, "step": error.step, "what": error.what}

@@ -1,7 +1,7 @@
 """`flowgraph export`: a trained model from a run's checkpoint as a Hugging Face folder.
 
 The run dir holds `plan.json` (the graph, so the model's source path and dtype are
-known) and `checkpoints/step_N/model.<name>.pt` — or, from the fsdp and ray targets,
+known) and `checkpoints/step_N/model.<name>.safetensors` — or, from the fsdp and ray targets,
 `checkpoints/step_N/dcp/<name>/`, every worker's shards, read back whole here in one
 process. The model is rebuilt from its source, the checkpoint's weights are loaded,
 and `save_pretrained` writes weights and tokenizer, loadable with
@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from flowgraph.compilers.build import lora_config
 from flowgraph.compilers.checkpoint import (
     DCP_DIR,
@@ -26,6 +24,7 @@ from flowgraph.compilers.checkpoint import (
     has_dcp,
     latest_checkpoint,
 )
+from flowgraph.compilers.integrity import checkpoint_damage, load_tensors
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan
@@ -45,7 +44,7 @@ def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = Non
     folder = _checkpoint(run_dir, step)
     sharded = has_dcp(folder)  # written by the fsdp or ray target
     weights = (folder / DCP_DIR / model / ".metadata" if sharded
-               else folder / f"model.{model}.pt")
+               else folder / f"model.{model}.safetensors")
     if not weights.exists():
         raise FlowgraphError(f"checkpoint `{folder}` holds no weights for `{model}`")
     lm = load_model(spec.path, trainable=True)  # what a checkpoint holds: the trained part
@@ -58,7 +57,7 @@ def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = Non
     if sharded:
         dcp_full_model(folder, model, lm)
     else:
-        TrainedPart(lm).load_state_dict(torch.load(weights, weights_only=False))
+        TrainedPart(lm).load_state_dict(load_tensors(weights))
     out.mkdir(parents=True, exist_ok=True)
     if peft_model is not None and adapter_only:
         peft_model.save_pretrained(out)
@@ -93,12 +92,17 @@ def _trained_lm(run_dir: Path, model: str, adapter_only: bool) -> ModelSpec:
 
 
 def _checkpoint(run_dir: Path, step: int | None) -> Path:
-    if step is not None:
-        folder = checkpoint_root(run_dir) / f"step_{step}"
-        if not folder.is_dir():
-            raise FlowgraphError(f"no checkpoint for step {step} in `{run_dir}`")
-        return folder
-    found = latest_checkpoint(run_dir)
-    if found is None:
-        raise FlowgraphError(f"`{run_dir}` holds no checkpoint yet")
-    return found[1]
+    """The checkpoint of `step` (None: the newest), its files verified."""
+    if step is None:
+        found = latest_checkpoint(run_dir)
+        if found is None:
+            raise FlowgraphError(f"`{run_dir}` holds no checkpoint yet")
+        step = found[0]
+    folder = checkpoint_root(run_dir) / f"step_{step}"
+    if not folder.is_dir():
+        raise FlowgraphError(f"no checkpoint for step {step} in `{run_dir}`")
+    problem = checkpoint_damage(folder, step)
+    if problem is not None:
+        raise FlowgraphError(f"checkpoint `{folder}` is damaged: {problem}; export another "
+                             "step (--step N)")
+    return folder

@@ -51,10 +51,11 @@ from flowgraph.compilers.checkpoint import (
     latest_checkpoint,
     load_weights,
     publish_checkpoint,
-    rng_state,
+    save_rng,
     save_shards,
     set_rng_state,
 )
+from flowgraph.compilers.integrity import load_plain
 from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.options import RunOptions
@@ -130,7 +131,7 @@ class FsdpTarget:
         dist.barrier()
         w = self.worker
         save_shards(tmp, w.saved_models(), w.optimizers, w.schedulers, self.rank)
-        torch.save(rng_state(), tmp / f"rng.rank{self.rank}.pt")
+        save_rng(tmp / f"rng.rank{self.rank}.pt")
         dist.barrier()
         if self.rank == 0:
             publish_checkpoint(tmp, state, keep=self.plan.trainer.max_checkpoints,
@@ -142,7 +143,7 @@ class FsdpTarget:
         load_weights(folder, w.saved_models(), w.optimizers, w.schedulers)
         rng = folder / f"rng.rank{self.rank}.pt"
         if rng.exists():  # absent: more ranks than wrote it, or another target wrote it
-            set_rng_state(torch.load(rng, weights_only=False))
+            set_rng_state(load_plain(rng))
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -199,7 +200,8 @@ def _free_port() -> int:
 
 def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | None = None,
               metrics_host: str = "127.0.0.1", metrics_hold: float = 0.0,
-              launcher: int = 0, stop: Preemption | None = None) -> None:
+              launcher: int = 0, stop: Preemption | None = None,
+              allow_changed: tuple[str, ...] = ()) -> None:
     """The body of one rank (under torch's launcher: RANK, WORLD_SIZE, LOCAL_RANK set).
     Rank 0 serves Prometheus metrics on `metrics_port` when it is given. Started by
     `launch` (pid `launcher`; no `stop` given), the rank ends with it, handles SIGTERM and
@@ -241,7 +243,8 @@ def _rank(plan_json: str, strict: bool, resume: bool, metrics_port: int | None,
             _dist.init_group(rank, world, device,
                              timeout_s=plan.trainer.step_timeout_s or 1800.0)
             options = ExecOptions(run_dir, device, strict, resume, out=sys.stdout,
-                                  exporter=exporter, stop=stop)
+                                  exporter=exporter, stop=stop,
+                                  allow_changed=allow_changed)
             target = FsdpTarget(plan, options, rank, world, exporting=exporting)
             loop = TrainingLoop(plan, target, options)
             loop.setup()
@@ -309,7 +312,8 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
             with _quiet_launcher():
                 elastic_launch(config, rank_main)(str(plan_json), opts.strict, opts.resume,
                                                   opts.metrics_port, opts.metrics_host,
-                                                  opts.metrics_hold, os.getpid())
+                                                  opts.metrics_hold, os.getpid(),
+                                                  opts.allow_changed)
         except ChildFailedError as exc:
             if stop.signum is not None:  # a rank stopped at once (a second signal)
                 raise Interrupted(stop.signum) from None
@@ -374,6 +378,7 @@ def run_fsdp(plan: ExecutionPlan, opts: RunOptions) -> None:
         plan_json.write_text(plan.to_json())
         with run_guard(plan, opts, lock=first) as stop:
             rank_main(str(plan_json), opts.strict, opts.resume, opts.metrics_port,
-                      opts.metrics_host, opts.metrics_hold, stop=stop)
+                      opts.metrics_host, opts.metrics_hold, stop=stop,
+                      allow_changed=opts.allow_changed)
         return
     launch(plan, opts)

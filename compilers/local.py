@@ -5,8 +5,9 @@
 
 `LocalTarget` is the simplest strategy of `flowgraph.compilers.target`: its worker
 hosts every pool's models, `dispatch` calls a node in this process on the whole
-batch, and a checkpoint is whole files (`model.<m>.pt`, `optim.<m>.pt`, `sched.<m>.pt`,
-`rng.pt`); a checkpoint of the fsdp or ray target (DCP shards) loads here too.
+batch, and a checkpoint is whole files (`model.<m>.safetensors`, `optim.<m>.pt`,
+`sched.<m>.pt`, `rng.pt`, and `manifest.json`); a checkpoint of the fsdp or ray target
+(DCP shards) loads here too.
 `prepare_run` is what every target does before any model loads: the run dir created
 and known writable, and refused when it holds a run unless resuming.
 """
@@ -120,7 +121,8 @@ def run_plan(plan: ExecutionPlan, opts: RunOptions) -> None:
             out=opts.out) as exporter:
         options = ExecOptions(run_dir, device, opts.strict, opts.resume, opts.out,
                               opts.tensorboard, exporter,
-                              step_timeout_s=plan.trainer.step_timeout_s, stop=stop)
+                              step_timeout_s=plan.trainer.step_timeout_s, stop=stop,
+                              allow_changed=opts.allow_changed)
         loop = TrainingLoop(plan, LocalTarget(plan, options), options)
         loop.setup()
         loop.run()

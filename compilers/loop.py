@@ -30,6 +30,7 @@ from typing import Any
 from flowgraph.compilers.batches import Batches
 from flowgraph.compilers.build import load_data
 from flowgraph.compilers.checkpoint import (
+    intact_checkpoint,
     latest_checkpoint,
     load_buffer,
     remove_partial,
@@ -37,16 +38,18 @@ from flowgraph.compilers.checkpoint import (
     set_rng_state,
 )
 from flowgraph.compilers.evaluation import evaluate
+from flowgraph.compilers.integrity import disk_full
 from flowgraph.compilers.interpreter import Env, Interpreter
 from flowgraph.compilers.metrics import phase_seconds, step_metrics
 from flowgraph.compilers.producer import ProcessRollouts
+from flowgraph.compilers.resume import check_settings, recorded_settings
 from flowgraph.compilers.rollouts import InlineRollouts, Rollouts
 from flowgraph.compilers.target import Target
 from flowgraph.compilers.worker import ExecOptions
-from flowgraph.errors import NonFiniteError, Stopped, WorkerLost
+from flowgraph.errors import FlowgraphError, NonFiniteError, Stopped, WorkerLost
 from flowgraph.plan import ExecutionPlan
 from flowgraph.runtime.metrics import MetricsLog
-from flowgraph.runtime.trackers import open_trackers
+from flowgraph.runtime.trackers import open_trackers, writing
 
 
 class TrainingLoop:
@@ -103,7 +106,17 @@ class TrainingLoop:
     def run(self) -> list[dict[str, float]]:
         """The training loop; returns the metric rows this process produced. A fault a
         target can recover from (`WorkerLost`: a Ray worker died or hung) goes to the
-        target's `recover`, which says the checkpoint to go on from."""
+        target's `recover`, which says the checkpoint to go on from. A full disk (or a
+        file-size limit) is one message naming the file and the last checkpoint."""
+        try:
+            return self._run()
+        except OSError as exc:
+            full = disk_full(exc, latest_checkpoint(self.opts.run_dir))
+            if full is None:
+                raise
+            raise full from None
+
+    def _run(self) -> list[dict[str, float]]:
         trainer = self.plan.trainer
         self.prepare_run_dir()
         cut = self.plan.asynchronous
@@ -294,28 +307,50 @@ class TrainingLoop:
         cursors = (self.rollouts.data_cursors(step) if self.rollouts is not None
                    else self.batches.cursors())
         return {"step": step, "cursors": cursors, "node_state": self.node_state,
-                "plan": self.plan.name}
+                "plan": self.plan.name, "settings": recorded_settings(self.plan)}
 
     def save(self, step: int) -> None:
         buffered = self.rollouts.buffered(step) if self.rollouts is not None else None
-        self.target.save(step, self.run_state(step), buffered)
+        state = self.run_state(step)
+        if buffered is not None:  # the buffer is then in the checkpoint: see restore_state
+            state["buffered"] = len(buffered)
+        self.target.save(step, state, buffered)
+
+    def say(self, text: str) -> None:
+        """A line for the user, from the process that writes the run's artefacts."""
+        if self.target.writes:
+            print(text, file=self.opts.out or sys.stdout, flush=True)
 
     def restore(self) -> int:
-        """Load the latest checkpoint; return the next step to run (0 when none).
-        A checkpoint of any target loads on any other."""
-        found = latest_checkpoint(self.opts.run_dir)
+        """Load the newest intact checkpoint, after checking that the settings that
+        shaped it are this run's (`flowgraph.compilers.resume`); return the next step
+        to run (0 when none). A checkpoint of any target loads on any other."""
+        found = intact_checkpoint(self.opts.run_dir, self.say)
         if found is None:
+            self.say(f"resuming: `{self.opts.run_dir}` holds no checkpoint yet; from step 0")
             return 0
-        self.target.load(found[1])
-        return self.restore_state(found[1])
+        step, folder = found
+        state = json.loads((folder / "state.json").read_text())
+        for line in check_settings(folder, state, recorded_settings(self.plan),
+                                   self.opts.allow_changed):
+            self.say(f"resuming with a changed setting: {line}")
+        self.say(f"resuming from checkpoint `{folder}` (after step {step}): the next step "
+                 f"is {step + 1}")
+        self.target.load(folder)
+        return self.restore_state(folder)
 
     def restore_state(self, folder: Path) -> int:
         """Cursors and node state of the checkpoint in `folder`; the next step."""
         state = json.loads((folder / "state.json").read_text())
         for d, cursor in state["cursors"].items():
             self.batches.data[d].train.load_state_dict(cursor)
+        if state.get("buffered") and self.rollouts is None:
+            raise FlowgraphError(f"checkpoint `{folder}` holds {state['buffered']} buffered "
+                                 "rollout(s) of an asynchronous run; a synchronous run "
+                                 "cannot train them (trainer.max_staleness)")
         if self.rollouts is not None:  # a synchronous run's checkpoint holds no buffer
-            self.rollouts.load(load_buffer(folder) or [], state["cursors"])
+            self.rollouts.load(load_buffer(folder) if "buffered" in state else [],
+                               state["cursors"])
         for name, node_state in state["node_state"].items():
             self.node_state.setdefault(name, {}).update(node_state)
         return int(state["step"]) + 1
@@ -347,7 +382,8 @@ class TrainingLoop:
             run_dir = self.opts.run_dir
             run_dir.mkdir(parents=True, exist_ok=True)
             remove_partial(run_dir)
-            (run_dir / "plan.json").write_text(self.plan.to_json())
+            with writing(run_dir / "plan.json"):
+                (run_dir / "plan.json").write_text(self.plan.to_json())
         self.target.barrier()
 
     def open_log(self) -> MetricsLog:

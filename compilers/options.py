@@ -16,6 +16,9 @@ class RunOptions:
     """Check every tensor on every edge at every step (else the first step only)."""
     resume: bool = False
     """Continue the run in the plan's `trainer.run_dir` from its last checkpoint."""
+    allow_changed: tuple[str, ...] = ()
+    """With `resume`: settings that may differ from those the checkpoint was written
+    with (`--allow-changed KEY`), although they shaped its state."""
     out: TextIO | None = None
     """Where the per-step lines go (stdout when None)."""
     tensorboard: bool = True

@@ -44,9 +44,10 @@ from flowgraph.compilers import _dist
 from flowgraph.compilers.checkpoint import (
     Rollout,
     begin_checkpoint,
-    latest_checkpoint,
+    intact_checkpoint,
     publish_checkpoint,
 )
+from flowgraph.compilers.integrity import DISK_FULL
 from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.options import RunOptions
@@ -166,7 +167,8 @@ class RayTarget:
             return ray.get(refs, timeout=timeout)
         except RayTaskError as exc:
             cause = exc.cause
-            if isinstance(cause, FlowgraphError):
+            if isinstance(cause, FlowgraphError) or (  # a full disk: the loop says it
+                    isinstance(cause, OSError) and cause.errno in DISK_FULL):
                 raise cause from None
             raise NodeError(f"{type(cause).__name__}: {cause}") from None
         except RayActorError as exc:
@@ -266,7 +268,8 @@ class RayTarget:
         print(f"step {step}: {exc}; restarting the worker groups from the last checkpoint",
               file=self.opts.out or sys.stdout, flush=True)
         self.stop()
-        found = latest_checkpoint(self.opts.run_dir)
+        found = intact_checkpoint(self.opts.run_dir, lambda line: print(
+            line, file=self.opts.out or sys.stdout, flush=True))
         self.start(found[1] if found else None)
         return found[1] if found else None
 
@@ -342,7 +345,8 @@ def run_ray(plan: ExecutionPlan, opts: RunOptions) -> None:
             start_ray(plan, opts.address)
             stop.take_signals()  # ray.init's SIGTERM handler would end the driver
             options = ExecOptions(run_dir, "cpu", opts.strict, opts.resume, opts.out,
-                                  opts.tensorboard, exporter, stop=stop)
+                                  opts.tensorboard, exporter, stop=stop,
+                                  allow_changed=opts.allow_changed)
             target = RayTarget(plan, options)
             loop = TrainingLoop(plan, target, options)
             loop.setup()

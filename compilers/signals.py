@@ -111,12 +111,14 @@ class Preemption:
 
 
 def resume_command(plan: ExecutionPlan, opts: RunOptions) -> str:
-    """The command that continues this run (its target, size and overrides)."""
+    """The command that continues this run (its target, size, overrides and the
+    settings it was allowed to change)."""
+    allowed = [arg for key in opts.allow_changed for arg in ("--allow-changed", key)]
     if opts.plan_file is not None:
-        return shlex.join(["flowgraph", "run", str(opts.plan_file), "--resume"])
+        return shlex.join(["flowgraph", "run", str(opts.plan_file), "--resume", *allowed])
     sized = ["--target", plan.target, "--nproc", str(plan.nproc)] if plan.target != "local" \
         else []
-    return shlex.join(["flowgraph", "run", plan.source, *sized, "--resume",
+    return shlex.join(["flowgraph", "run", plan.source, *sized, "--resume", *allowed,
                        *(o for o in opts.overrides if not o.startswith("trainer.run_dir=")),
                        f"trainer.run_dir={plan.trainer.run_dir}"])
 

@@ -76,6 +76,9 @@ class ExecOptions:
     `trainer.step_timeout_s`; the fsdp and ray targets watch their workers instead)."""
     stop: Preemption | None = None
     """This process's stop requests (SIGTERM, SIGINT), which the loop honours."""
+    allow_changed: tuple[str, ...] = ()
+    """Settings a resumed run may change although they shaped its checkpoint
+    (`--allow-changed KEY`; `flowgraph.compilers.resume`)."""
 
 
 def _whole(placed: ModelPlacement, spec: ModelSpec, model: torch.nn.Module

@@ -73,8 +73,8 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
         **options: Any) -> Run:
     """Run a plan as it is, or compile a graph (or graph file) for `target` (default
     `local`) first; a `.json` path is a plan file. `options` are the fields of
-    `flowgraph.compilers.RunOptions` (`resume`, `strict`, `out`, `tensorboard`,
-    `metrics_port`, `address`...)."""
+    `flowgraph.compilers.RunOptions` (`resume`, `allow_changed`, `strict`, `out`,
+    `tensorboard`, `metrics_port`, `address`...)."""
     from flowgraph.compilers import RunOptions
     from flowgraph.compilers import run as run_plan
 
@@ -88,4 +88,6 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
         raise FlowgraphError(
             f"a plan runs as compiled (target {plan.target}, {plan.nproc} per pool): edit the "
             "plan, or compile the graph again with other overrides, --target or --nproc")
+    if "allow_changed" in options:  # a list is welcome here; the options are frozen
+        options["allow_changed"] = tuple(options["allow_changed"])
     return run_plan(plan, RunOptions(overrides=tuple(overrides), **options))

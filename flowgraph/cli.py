@@ -2,7 +2,8 @@
 
     flowgraph check FILE... [--format text|json|github] [--nproc N] [--data]
     flowgraph compile FILE --target local|fsdp|ray [--nproc N] [-o plan.json]
-    flowgraph run FILE [KEY=VALUE...] [--resume] [--strict] [--metrics-port PORT]
+    flowgraph run FILE [KEY=VALUE...] [--resume [--allow-changed KEY]] [--strict]
+                  [--metrics-port PORT]
     flowgraph plot RUN_DIR [RUN_DIR...] [-o curves.png]
     flowgraph env [--target local|fsdp|ray] [--gpu]
     flowgraph export RUN_DIR --model NAME -o DIR [--adapter-only]
@@ -194,7 +195,8 @@ def _run(args: argparse.Namespace) -> int:
         strict=args.strict, resume=args.resume, metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, metrics_hold=args.metrics_hold, address=args.address,
         nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
-        overrides=tuple(args.overrides), plan_file=plan_file))
+        overrides=tuple(args.overrides), plan_file=plan_file,
+        allow_changed=tuple(args.allow_changed)))
     print(f"run finished: {plan.graph.trainer.run_dir}/metrics.jsonl")
     return EXIT_OK
 
@@ -431,6 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ray: join this cluster (default: start a local one)")
     r.add_argument("--resume", action="store_true",
                    help="continue from the run dir's latest checkpoint")
+    r.add_argument("--allow-changed", action="append", default=[], metavar="KEY",
+                   help="with --resume: let setting KEY (dims.Bp, "
+                        "models.actor.optimizer.lr, ...) differ from the checkpoint's; "
+                        "repeat for several")
     r.add_argument("--strict", action="store_true",
                    help="check every tensor on every edge at every step, not just the first")
     r.add_argument("--debug", action="store_true",

@@ -2,8 +2,10 @@
 
 `metrics.jsonl` holds one JSON object per step with `step` and verl-compatible names
 (`timing_s/gen`, `actor/pg_loss`, `critic/score/mean`, …). It is always written, whatever
-`trainer.loggers` lists: on resume, rows after the checkpoint are dropped first, so the
-file ends with every step exactly once, and `flowgraph.run(...).rows` reads it. The
+`trainer.loggers` lists: on resume, rows after the checkpoint are dropped first (and a
+partial last line a stopped run left, with a note), so the file ends with every step
+exactly once, and `flowgraph.run(...).rows` reads it. A write that fails (a full disk)
+raises an `OSError` naming the file. The
 console line is the `console` logger; the rows' finite numbers also go to the
 experiment trackers (TensorBoard, wandb, mlflow: `flowgraph.runtime.trackers`). Given
 an `Exporter` (`flowgraph.runtime.prometheus`), every row also feeds the Prometheus
@@ -19,6 +21,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
+
+from flowgraph.errors import FlowgraphError
+from flowgraph.runtime.trackers import writing
 
 if TYPE_CHECKING:
     from flowgraph.plan import ExecutionPlan
@@ -66,16 +71,30 @@ class MetricsLog:
             self._bar = _progress_bar(self.out, total_steps)
 
     def truncate_after(self, step: int) -> None:
-        """Drop rows of steps > `step` (they are re-run after a resume)."""
+        """Drop rows of steps > `step` (they are re-run after a resume), and a partial
+        last line (a run stopped, or a disk filled, while writing it) with a note."""
         if not self.path.exists():
             return
-        keep = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", -1) <= step]
-        self.path.write_text("".join(line + "\n" for line in keep))
+        lines = [line for line in self.path.read_text(errors="replace").splitlines()
+                 if line.strip()]
+        rows = []
+        for number, line in enumerate(lines, 1):
+            try:
+                rows.append((json.loads(line).get("step", -1), line))
+            except (ValueError, AttributeError):
+                if number < len(lines):
+                    raise FlowgraphError(
+                        f"`{self.path}` line {number} is not a JSON object; only a last "
+                        "line may be partial. Remove or mend that line") from None
+                print(f"note: dropped the partial last line of `{self.path}` (line "
+                      f"{number}, {len(line)} characters: a run stopped while writing it)",
+                      file=self.out, flush=True)
+        with writing(self.path):
+            self.path.write_text("".join(line + "\n" for s, line in rows if s <= step))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         row = {"step": step, **{k: _jsonable(float(v)) for k, v in sorted(metrics.items())}}
-        with self.path.open("a", encoding="utf-8") as f:
+        with writing(self.path), self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(row) + "\n")
         finite = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
         for tracker in self.trackers:
@@ -97,7 +116,8 @@ class MetricsLog:
         tables: the validation generations (`name` = `validation`)."""
         folder = self.path.parent / name
         folder.mkdir(exist_ok=True)
-        with (folder / f"step_{step}.jsonl").open("w", encoding="utf-8") as f:
+        path = folder / f"step_{step}.jsonl"
+        with writing(path), path.open("w", encoding="utf-8") as f:
             f.writelines(json.dumps(dict(r)) + "\n" for r in rows)
         for tracker in self.trackers:
             tracker.table(step, f"val/{name}", rows)

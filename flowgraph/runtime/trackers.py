@@ -32,6 +32,7 @@ import os
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -113,18 +114,33 @@ def _store_id(folder: Path, run_id: str) -> None:
     (folder / RUN_ID_FILE).write_text(run_id + "\n")
 
 
+@contextmanager
+def writing(path: Path) -> Iterator[None]:
+    """An `OSError` inside names `path` when it names no file (a `write` or a flush
+    that found the disk full does not), so that the run can say what it was writing."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+
+
 class TensorBoard:
     """Scalars in `run_dir/tensorboard`."""
 
     def __init__(self, run_dir: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(run_dir / "tensorboard"))
+        self.folder = run_dir / "tensorboard"
+        with writing(self.folder):
+            self.writer = SummaryWriter(str(self.folder))
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        for name, value in metrics.items():
-            self.writer.add_scalar(name, value, step)
-        self.writer.flush()
+        with writing(self.folder):
+            for name, value in metrics.items():
+                self.writer.add_scalar(name, value, step)
+            self.writer.flush()
 
     def table(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
         """A markdown table in the Text tab."""
@@ -132,11 +148,13 @@ class TensorBoard:
         lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
         lines += ["| " + " | ".join(str(r[c]).replace("|", "\\|").replace("\n", " ")
                                     for c in columns) + " |" for r in rows]
-        self.writer.add_text(name, "\n".join(lines), step)
-        self.writer.flush()
+        with writing(self.folder):
+            self.writer.add_text(name, "\n".join(lines), step)
+            self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        with writing(self.folder):
+            self.writer.close()
 
 
 class Wandb:

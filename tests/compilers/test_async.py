@@ -119,7 +119,7 @@ def test_a_producer_process_gives_the_numbers_of_the_same_schedule_and_resumes_e
     assert all(r["phase_s/generation"] == r["perf/rollout_wait_s"] for r in apart)
 
     folder = tmp_path / "process" / "checkpoints" / "step_1"
-    buffer = torch.load(folder / "rollouts.pt", weights_only=False)
+    buffer = torch.load(folder / "rollouts.pt", weights_only=True)
     assert [(b["index"], b["version"]) for b in buffer] == [(2, 1)]
     cursors = json.loads((folder / "state.json").read_text())["cursors"]
     assert cursors == {"train": {"epoch": 0, "position": 12}}  # 3 batches of 4 prompts drawn

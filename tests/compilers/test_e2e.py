@@ -37,7 +37,7 @@ def test_ppo_runs_every_node_with_strict_checks(tmp_path: Path) -> None:
     assert VERL_KEYS | {"critic/vf_loss", "critic/values/mean", "critic/advantages/mean"} <= set(
         rows[0])
     assert "val/score/mean" in rows[1]
-    assert (tmp_path / "ppo" / "checkpoints" / "step_1" / "model.critic.pt").exists()
+    assert (tmp_path / "ppo" / "checkpoints" / "step_1" / "model.critic.safetensors").exists()
 
 
 def test_grpo_runs_with_hf_rollouts(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from flowgraph.api import load_plan
@@ -100,8 +101,8 @@ def test_ppo_equals_local_resumes_locally_and_exports(
         assert torch.equal(value, saved[name]), name
     # trained (not the initial weights), and as the local run trained them
     initial = load_model("builtin:tiny-lm").state_dict()
-    weights = local_reference.run_dir("ppo") / "checkpoints" / "step_4" / "model.actor.pt"
-    trained = torch.load(weights)
+    weights = local_reference.run_dir("ppo") / "checkpoints" / "step_4" / "model.actor.safetensors"
+    trained = load_file(weights)
     for name, value in exported.items():
         # 5 Adam steps at lr 2e-3 move every weight by ~1e-2; the two runs differ by the
         # order of float32 sums only: 2e-5 at most, except a weight whose gradient is near

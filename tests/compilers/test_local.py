@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from flowgraph.compilers import RunOptions, read_metrics, run
 from flowgraph.compilers.checkpoint import latest_checkpoint, load_checkpoint, remove_partial
@@ -63,9 +64,10 @@ def test_dpo_trains_hoists_and_checkpoints(tmp_path: Path) -> None:
     # checkpoint after step 2 (every 2) and at the end (step 2): the newest is step_2
     found = latest_checkpoint(tmp_path / "run")
     assert found is not None and found[0] == 2
-    assert (found[1] / "model.policy.pt").exists() and (found[1] / "optim.policy.pt").exists()
+    assert (found[1] / "model.policy.safetensors").exists()
+    assert (found[1] / "optim.policy.pt").exists()
     # the frozen reference is rebuilt from its source on resume, never saved again
-    assert sorted(p.name for p in found[1].glob("model.*")) == ["model.policy.pt"]
+    assert sorted(p.name for p in found[1].glob("model.*")) == ["model.policy.safetensors"]
 
 
 @pytest.mark.parametrize(("keep", "kept"), [(3, [1, 2, 3]), (0, [0, 1, 2, 3])])
@@ -311,7 +313,7 @@ def test_export_gives_a_loadable_hugging_face_model(tmp_path: Path) -> None:
     _run(ROOT / "graphs" / "dpo.yaml", tmp_path, "trainer.steps=1")
     out = export_model(tmp_path / "run", "policy", tmp_path / "hf")
     loaded = AutoModelForCausalLM.from_pretrained(out)
-    saved = torch.load(tmp_path / "run" / "checkpoints" / "step_0" / "model.policy.pt")
+    saved = load_file(tmp_path / "run" / "checkpoints" / "step_0" / "model.policy.safetensors")
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, saved[name]), name
     with pytest.raises(FlowgraphError, match="no model `critic`"):

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from flowgraph.testing.targets import assert_same_numbers
 
@@ -54,7 +55,7 @@ def test_the_reference_is_the_actors_base_and_memory_counts_adapters(
 def test_only_adapters_train_and_are_checkpointed(
         local: tuple[Path, list[dict[str, Any]]]) -> None:
     run_dir, rows = local
-    weights = torch.load(run_dir / "checkpoints" / "step_4" / "model.actor.pt")
+    weights = load_file(run_dir / "checkpoints" / "step_4" / "model.actor.safetensors")
     assert weights and all(".lora_A." in k or ".lora_B." in k for k in weights), list(weights)
     assert sum(v.numel() for v in weights.values()) == 34816
     assert any(v.abs().sum() > 0 for k, v in weights.items() if ".lora_B." in k)
@@ -86,7 +87,7 @@ def test_export_merged_and_adapter_only(
     run_dir = local[0]
     trained = add_adapters(load_model("builtin:tiny-lm-sft"), LoraSpec(), 0, "actor")
     TrainedPart(trained).load_state_dict(
-        torch.load(run_dir / "checkpoints" / "step_4" / "model.actor.pt"))
+        load_file(run_dir / "checkpoints" / "step_4" / "model.actor.safetensors"))
     ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
     want = trained(input_ids=ids).logits
     merged = AutoModelForCausalLM.from_pretrained(

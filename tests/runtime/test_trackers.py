@@ -178,7 +178,8 @@ def test_a_resumed_run_continues_the_tracker_runs(tmp_path: Path) -> None:
     _grpo(run_dir, "trainer.steps=2", "trainer.checkpoint_every=1", TRACKERS)
     printed = _grpo(run_dir, "trainer.steps=4", "trainer.checkpoint_every=1",
                     "trainer.loggers=[console, wandb, mlflow]", resume=True)
-    assert [line.split()[1] for line in printed.splitlines()] == ["2/4", "3/4"]
+    assert printed.startswith(f"resuming from checkpoint `{run_dir / 'checkpoints' / 'step_1'}`")
+    assert [line.split()[1] for line in printed.splitlines()[1:]] == ["2/4", "3/4"]
     expected = _numbers(run_dir)
     assert sorted(expected) == [0, 1, 2, 3]
     names = {name for row in expected.values() for name in row}
