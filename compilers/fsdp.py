@@ -200,8 +200,8 @@ def _free_port() -> int:
 
 def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | None = None,
               metrics_host: str = "127.0.0.1", metrics_hold: float = 0.0,
-              launcher: int = 0, stop: Preemption | None = None,
-              allow_changed: tuple[str, ...] = ()) -> None:
+              launcher: int = 0, allow_changed: tuple[str, ...] = (),
+              stop: Preemption | None = None) -> None:
     """The body of one rank (under torch's launcher: RANK, WORLD_SIZE, LOCAL_RANK set).
     Rank 0 serves Prometheus metrics on `metrics_port` when it is given. Started by
     `launch` (pid `launcher`; no `stop` given), the rank ends with it, handles SIGTERM and
@@ -214,14 +214,16 @@ def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | No
         stop = Preemption(0.0, open(os.devnull, "w"))  # noqa: SIM115 - the launcher says it
     with stop.installed():
         try:
-            _rank(plan_json, strict, resume, metrics_port, metrics_host, metrics_hold, stop)
+            _rank(plan_json, strict, resume, metrics_port, metrics_host, metrics_hold, stop,
+                  allow_changed)
         except Stopped:
             if not launched:
                 raise
 
 
 def _rank(plan_json: str, strict: bool, resume: bool, metrics_port: int | None,
-          metrics_host: str, metrics_hold: float, stop: Preemption) -> None:
+          metrics_host: str, metrics_hold: float, stop: Preemption,
+          allow_changed: tuple[str, ...]) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     plan = ExecutionPlan.from_json(Path(plan_json).read_text())

@@ -32,26 +32,26 @@ _MODEL_SKIP = frozenset({"name", "gradient_checkpointing", "attn_implementation"
                          "config"})
 """A model's fields that change how it computes, not what its checkpoint holds."""
 _LAYOUT_PARAMS = frozenset({"micro_batch_size", "max_token_len", "packing", "chunk_size",
-                            "backend", "gpu_memory_utilization"})
-"""Node params that say how a node computes (its memory, its engine), not what: a run
-resumed with a smaller micro-batch after running out of memory trains the same way."""
+                            "backend", "gpu_memory_utilization", "timeout_s"})
+"""Node params that say how a node computes (its memory, its engine, its time limit), not
+what: a run resumed with a smaller micro-batch after running out of memory trains the
+same way."""
 _ABSENT = "(absent)"
 
 
 def recorded_settings(plan: ExecutionPlan) -> dict[str, Any]:
     """The settings that shape a checkpoint of `plan`, by override key (JSON values)."""
-    graph = plan.graph
-    out: dict[str, Any] = {f"dims.{d.name}": d.value for d in graph.dims}
-    for model in graph.models:
+    out: dict[str, Any] = {f"dims.{d.name}": d.value for d in plan.dims}
+    for model in plan.models:
         _flat(out, f"models.{model.name}", model, _MODEL_SKIP)
-    for data in graph.data:
+    for data in plan.data:
         out[f"data.{data.name}.kind"] = data.kind
         out[f"data.{data.name}.path"] = data.path
         _flat(out, f"data.{data.name}.params", data.params.to_python())
     for name in TRAINER:
-        out[f"trainer.{name}"] = getattr(graph.trainer, name)
+        out[f"trainer.{name}"] = getattr(plan.trainer, name)
     for node in plan.nodes:
-        if graph.data_source(node.name) is None:
+        if node.category != "data":
             out[f"nodes.{node.name}.kind"] = node.kind
             _flat(out, f"nodes.{node.name}.params", {
                 k: v for k, v in node.param_values().items() if k not in _LAYOUT_PARAMS})
