@@ -441,7 +441,8 @@ _KINDS = (
             *SEQUENCE_INPUTS,
             _p("old_log_prob", "b T", "float", "nonpositive", optional=True,
                doc="log π_old; may stay unwired when ppo_epochs is 1 and mini_batch_size "
-                   "null (one optimizer step: π_old is the policy the update starts from)"),
+                   "null or at least the batch (one optimizer step: π_old is the policy "
+                   "the update starts from)"),
             _p("advantages", "b T", "float", "finite"),
             _p("ref_log_prob", "b T", "float", "nonpositive", optional=True,
                doc="wire it for a KL loss (GRPO) instead of a KL reward penalty"),

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from flowgraph.contracts import TensorSpec
 from flowgraph.errors import RegistryError
 from flowgraph.ir import NAME_RE, ParamValue
-from flowgraph.runtime.update import LOOP_PARAMS
+from flowgraph.runtime.update import LOOP_PARAMS, one_optimizer_step
 
 PARAM_TYPES = ("float", "int", "bool", "str", "list", "mapping", "any", "null")
 HOISTABLE_CATEGORIES = ("model", "reward", "transform")
@@ -190,15 +190,18 @@ class KindSpec:
                        if self.param(k) is not None})
         return values
 
-    def needs(self, port: PortSpec, params: Mapping[str, object]) -> str | None:
-        """Why `port` must be wired with these params (defaults filled in), or None."""
+    def needs(self, port: PortSpec, params: Mapping[str, object],
+              batch: int | None = None) -> str | None:
+        """Why `port` must be wired with these params (defaults filled in) on a batch of
+        `batch` rows (None: not known), or None."""
         if not port.optional:
             return "it is required"
-        if port.name == self.on_policy_input and (
-                params.get("ppo_epochs") != 1 or params.get("mini_batch_size") is not None):
-            return ("the update may take more than one optimizer step per call "
-                    "(`ppo_epochs` > 1 or a `mini_batch_size`); only one step can use its "
-                    "own log-probs as the old policy's")
+        if port.name == self.on_policy_input and not one_optimizer_step(params, batch):
+            rows = f"of {batch} rows" if batch is not None else "of rows not known here"
+            return (f"the update takes more than one optimizer step per call (ppo_epochs "
+                    f"{params.get('ppo_epochs')}, mini_batch_size "
+                    f"{params.get('mini_batch_size')} on a batch {rows}); only one step "
+                    "can use its own log-probs as the old policy's")
         for name, param, value in self.required_when:
             if name == port.name and params.get(param) == value:
                 return f"`{param}` is `{value}`"

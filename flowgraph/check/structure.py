@@ -125,8 +125,10 @@ def _check_binding(node: NodeSpec, kind: KindSpec, declared: Mapping[str, object
                          if declared else "declare it under `models:`"))
 
 
-def check_ports(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
-    """Input ports exist and are wired; references point at real outputs."""
+def check_ports(table: dict[str, Resolved], batch: Mapping[str, int | None],
+                out: list[Diagnostic]) -> None:
+    """Input ports exist and are wired; references point at real outputs. `batch`: each
+    node's rows, as unification found them (an update's optimizer steps depend on it)."""
     for r in table.values():
         if not isinstance(r.spec, NodeSpec) or r.kind is None:
             continue
@@ -145,14 +147,14 @@ def check_ports(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
                              hint="wire a term, e.g. `inputs: {acc: reward.scores}`"))
         unwired = [p for p in kind.inputs if p.name not in wired]
         if unwired:
-            _check_unwired(node, kind, unwired, out)
+            _check_unwired(node, kind, unwired, batch.get(node.name), out)
 
 
-def _check_unwired(node: NodeSpec, kind: KindSpec, unwired: list[PortSpec],
+def _check_unwired(node: NodeSpec, kind: KindSpec, unwired: list[PortSpec], batch: int | None,
                    out: list[Diagnostic]) -> None:
     params = kind.param_values(node.params.to_python())
     for p in unwired:
-        why = kind.needs(p, params)
+        why = kind.needs(p, params, batch)
         if why is not None:
             when = f" (needed because {why})" if p.optional else ""
             out.append(error("FG104", f"node `{node.name}` (kind {kind.name}) has no "
