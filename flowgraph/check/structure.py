@@ -362,8 +362,17 @@ def check_held_out(graph: Graph, out: list[Diagnostic]) -> None:
 
 
 def check_data_files(graph: Graph, out: list[Diagnostic]) -> None:
-    """A dataset file that is not on this machine, by the path it resolved to: a warning,
-    since a plan may be compiled here for a machine that has it; the run fails on it."""
+    """A dataset file or a local model or tokenizer folder that is not on this machine, by
+    the path it resolved to: a warning, since a plan may be compiled here for a machine
+    that has it; `check --data` and the run fail on it. A model path kept as written is a
+    hub id (`flowgraph.paths`); every other one is absolute."""
+    for m in graph.models:
+        for path in dict.fromkeys((m.path, m.tokenizer)):
+            if not path or not Path(path).is_absolute() or Path(path).exists():
+                continue
+            out.append(warning("FG123", f"model `{m.name}`: folder `{path}` does not exist "
+                               "(not a hub id: an absolute path)", m.pos, node=m.name,
+                               hint=RULE))
     for d in graph.data:
         eval_path = d.params.get("eval_path")
         for path in (d.path, eval_path):
