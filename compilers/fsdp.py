@@ -279,7 +279,8 @@ def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan, opts: RunOpti
     # --resume also without a checkpoint: the run dir already holds metrics.jsonl rows
     # The user's overrides too: without them the resumed run would be another graph.
     again = shlex.join(
-        ["flowgraph", "run", str(opts.plan_file), "--resume"] if opts.plan_file else
+        ["flowgraph", "run", str(opts.plan_file), "--resume",
+         *opts.overrides] if opts.plan_file else
         ["flowgraph", "run", plan.graph.source, "--target", "fsdp", "--nproc",
          str(world_size(plan)), "--resume",
          *(o for o in opts.overrides if not o.startswith("trainer.run_dir=")),

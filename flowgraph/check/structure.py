@@ -367,10 +367,10 @@ def check_data_files(graph: Graph, out: list[Diagnostic]) -> None:
     that has it; `check --data` and the run fail on it. A model path kept as written is a
     hub id (`flowgraph.paths`); every other one is absolute."""
     for m in graph.models:
-        for path in dict.fromkeys((m.path, m.tokenizer)):
-            if not path or not Path(path).is_absolute() or Path(path).exists():
+        for folder in dict.fromkeys((m.path, m.tokenizer)):
+            if not folder or not Path(folder).is_absolute() or Path(folder).exists():
                 continue
-            out.append(warning("FG123", f"model `{m.name}`: folder `{path}` does not exist "
+            out.append(warning("FG123", f"model `{m.name}`: folder `{folder}` does not exist "
                                "(not a hub id: an absolute path)", m.pos, node=m.name,
                                hint=RULE))
     for d in graph.data:

@@ -173,7 +173,7 @@ def test_a_plugin_error_is_one_message_and_debug_shows_the_traceback(
     rc = main(["run", str(graph), f"trainer.run_dir={tmp_path / 'run'}", "trainer.steps=1",
                *(["--debug"] if debug else [])])
     err = capsys.readouterr().err
-    assert rc == 2 and "\nflowgraph: error: while executing node `score`" in err, err
+    assert rc == 1 and "\nflowgraph: error: while executing node `score`" in err, err
     assert "fg_runtime_faults.py:" in err and "in brittle_score:" in err
     assert ("Traceback (most recent call last)" in err) == debug, err
     assert f"(the full traceback: {tmp_path / 'run' / 'traceback.txt'}" in err or debug
