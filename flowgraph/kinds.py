@@ -410,7 +410,8 @@ _KINDS = (
         "a ground truth) broadcast to the prompt's n samples, as generate orders them.",
         inputs=(_p("x", "b", "any"),),
         outputs=(_p("x", "b*n", "any"),),
-        params=(_i("n", None, "copies of each row; null: the global N", dim="n"),),
+        params=(_i("n", None, "copies of each row; null: the global N (at evaluation: the "
+                   "rollouts' held-out n, once per prompt when greedy)", dim="n"),),
         impl="flowgraph.nodes.shaping:repeat",
         dim_defaults=(("n", "N"),),
     ),

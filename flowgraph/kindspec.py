@@ -174,13 +174,20 @@ class KindSpec:
         skip = {p.name for p in self.params if p.evaluation}
         return {k: v for k, v in self.param_values(given).items() if k not in skip}
 
-    def eval_values(self, given: Mapping[str, object]) -> dict[str, object]:
+    def eval_values(self, given: Mapping[str, object],
+                    eval_dims: Mapping[str, int] | None = None) -> dict[str, object]:
         """The params at evaluation on held-out data: a rollout answers each prompt once,
-        greedily, or `val_n` times at `val_temperature` > 0 (verl's val_kwargs)."""
+        greedily, or `val_n` times at `val_temperature` > 0 (verl's val_kwargs). A param
+        of another kind left to default to a global dim (`repeat`'s n -> N) takes that
+        dim's value at evaluation, `eval_dims` (N: the rollouts' held-out n)."""
         values = self.call_values(given)
         every = self.param_values(given)
         n, temperature = every.get("val_n", 1), every.get("val_temperature", 0.0)
         if self.category != "rollout":
+            defaults, at_eval = dict(self.dim_defaults), eval_dims or {}
+            values.update({p.name: at_eval[defaults[p.dim]] for p in self.params
+                           if p.dim in defaults and values.get(p.name) is None
+                           and defaults[p.dim] in at_eval})
             return values
         val_n = n if isinstance(n, int) else 1
         t = float(temperature) if isinstance(temperature, (int, float)) else 0.0
