@@ -286,7 +286,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
     from flowgraph.schema import schema_json
 
     registry = Registry.default()
-    registry.load_plugins(args.plugin, ["."])
+    _load_plugins(registry, args.plugin)
     text = schema_json(registry)
     if not args.output:
         sys.stdout.write(text)
@@ -304,7 +304,7 @@ def cmd_kinds(args: argparse.Namespace) -> int:
     from flowgraph.registry import Registry
 
     registry = Registry.default()
-    registry.load_plugins(args.plugin, ["."])
+    _load_plugins(registry, args.plugin)
     if args.name is None:
         sys.stdout.write(_kinds_table(registry))
         return EXIT_OK
@@ -319,6 +319,16 @@ def cmd_kinds(args: argparse.Namespace) -> int:
                              "--plugin MODULE for a plugin's)")
     sys.stdout.write(_describe_kind(kind))
     return EXIT_OK
+
+
+def _load_plugins(registry: Registry, modules: list[str]) -> None:
+    """The `--plugin` modules: one that cannot be imported is a wrong argument (exit 2)."""
+    from flowgraph.errors import PluginError
+
+    try:
+        registry.load_plugins(modules, ["."])
+    except PluginError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def _kinds_table(registry: Registry) -> str:
