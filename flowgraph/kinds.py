@@ -531,6 +531,9 @@ _KINDS = (
         sequences_per_row=2,
         trains=True,
         impl="flowgraph.nodes.update:dpo_update",
+        not_taken=(("loss_agg_mode", "DPO's loss is one number per pair, from each "
+                    "response's log-prob summed over its tokens (Rafailov et al. 2023), "
+                    "averaged over the pairs: there are no per-token losses to aggregate"),),
     ),
 )
 

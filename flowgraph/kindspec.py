@@ -110,6 +110,9 @@ class KindSpec:
     terms: PortSpec | None = None
     """Inputs the graph names itself (`weighted_sum`'s reward terms): every wired input
     the kind does not declare takes this contract, and at least one must be wired."""
+    not_taken: tuple[tuple[str, str], ...] = ()
+    """(param, why): params that kinds like it take and it does not, with the reason,
+    which the checker gives when a graph sets one (`dpo_update`: `loss_agg_mode`)."""
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.name):
@@ -128,6 +131,9 @@ class KindSpec:
             names = [p.name for p in group]
             if len(names) != len(set(names)):
                 raise RegistryError(f"kind `{self.name}` declares a name twice: {names}")
+        both = [n for n, _ in self.not_taken if self.param(n) is not None]
+        if both:
+            raise RegistryError(f"kind `{self.name}` declares {both} as params and as not taken")
         missing = [n for n in LOOP_PARAMS if self.trains and self.param(n) is None]
         if missing:
             raise RegistryError(f"kind `{self.name}` trains but does not declare the update "

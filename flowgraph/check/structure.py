@@ -189,6 +189,11 @@ def check_params(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
         params = r.spec.params
         for p in params.items:
             spec = r.kind.param(p.name)
+            why = dict(r.kind.not_taken).get(p.name)
+            if spec is None and why is not None:
+                out.append(error("FG112", f"kind `{r.kind.name}` has no parameter `{p.name}`: "
+                                 f"{why}", p.pos, node=r.name, hint=f"remove `{p.name}`"))
+                continue
             if spec is None:
                 out.append(error("FG112", f"kind `{r.kind.name}` has no parameter `{p.name}`",
                                  p.pos, node=r.name,

@@ -334,6 +334,19 @@ def test_old_log_prob_may_stay_unwired_only_for_one_optimizer_step() -> None:
 DAPO = (ROOT / "graphs" / "dapo.yaml").read_text()
 
 
+def test_dpo_refuses_loss_agg_mode_and_says_why() -> None:
+    # verl's loss_agg_mode aggregates per-token losses; DPO's loss is per pair (it was
+    # accepted and ignored before dpo_update took only the params its loss uses).
+    text = (ROOT / "graphs" / "dpo.yaml").read_text()
+    [error] = [d for d in _check(text, ("nodes.update.params.loss_agg_mode=token-mean",))
+               if d.is_error]
+    assert (error.code, error.node, error.hint) == ("FG112", "update", "remove `loss_agg_mode`")
+    assert error.message == (
+        "kind `dpo_update` has no parameter `loss_agg_mode`: DPO's loss is one number per "
+        "pair, from each response's log-prob summed over its tokens (Rafailov et al. 2023), "
+        "averaged over the pairs: there are no per-token losses to aggregate")
+
+
 @pytest.mark.parametrize(("text", "keep"), [(GRPO, ()), (DAPO, ()),
                                             (DAPO, ("nodes.keep.params.groups=2",))],
                          ids=["grpo", "dapo", "dapo-2-groups"])
