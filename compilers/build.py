@@ -217,8 +217,11 @@ def load_data(plan: ExecutionPlan, tokenizers: dict[str, Any]) -> dict[str, Any]
             params["ground_truth_for"] = graph.readers(d.name, "ground_truth")
         if "loss_mask_read" in impl.accepts:
             params["loss_mask_read"] = bool(graph.readers(d.name, "loss_mask"))
-        out[d.name] = impl.fn(d.path, tokenizer=_data_tokenizer(graph, d, tokenizers),
-                              seed=graph.trainer.seed, **params)
+        try:
+            out[d.name] = impl.fn(d.path, tokenizer=_data_tokenizer(graph, d, tokenizers),
+                                  seed=graph.trainer.seed, **params)
+        except FlowgraphError as exc:  # the dataset's own words, then where the graph says it
+            raise FlowgraphError(f"{exc} (data source `{d.name}` at {d.pos})") from exc
     return out
 
 
