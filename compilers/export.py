@@ -26,7 +26,7 @@ from flowgraph.compilers.checkpoint import (
     has_dcp,
     latest_checkpoint,
 )
-from flowgraph.errors import FlowgraphError
+from flowgraph.errors import FlowgraphError, UsageError
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan
 
@@ -40,7 +40,7 @@ def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = Non
 
     spec = _trained_lm(run_dir, model, adapter_only)
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise FlowgraphError(f"`{out}` is not empty; export into a new folder, or pass "
+        raise UsageError(f"`{out}` is not empty; export into a new folder, or pass "
                              "--force to write over its files")
     folder = _checkpoint(run_dir, step)
     sharded = has_dcp(folder)  # written by the fsdp or ray target
@@ -73,21 +73,21 @@ def _trained_lm(run_dir: Path, model: str, adapter_only: bool) -> ModelSpec:
     `adapter_only`)."""
     plan_file = run_dir / "plan.json"
     if not plan_file.exists():
-        raise FlowgraphError(f"`{run_dir}` is not a flowgraph run dir (no plan.json)")
+        raise UsageError(f"`{run_dir}` is not a flowgraph run dir (no plan.json)")
     plan = ExecutionPlan.from_json(plan_file.read_text())
     spec = plan.graph.model(model)
     if spec is None:
         names = ", ".join(m.name for m in plan.graph.models)
-        raise FlowgraphError(f"the run has no model `{model}`; its models: {names}")
+        raise UsageError(f"the run has no model `{model}`; its models: {names}")
     heads = {m.name: m.head for p in plan.pools for m in p.models}
     if heads.get(model) != "lm":
-        raise FlowgraphError(f"model `{model}` is not a causal LM (a critic or reward model); "
+        raise UsageError(f"model `{model}` is not a causal LM (a critic or reward model); "
                              "only causal LMs export as Hugging Face models")
     if not spec.trainable:
-        raise FlowgraphError(f"model `{model}` is frozen (not trainable): checkpoints do not "
+        raise UsageError(f"model `{model}` is frozen (not trainable): checkpoints do not "
                              f"hold it, its weights are those of `{spec.path}`")
     if adapter_only and spec.lora is None:
-        raise FlowgraphError(f"model `{model}` has no LoRA adapter (no `lora` in its "
+        raise UsageError(f"model `{model}` has no LoRA adapter (no `lora` in its "
                              "spec): export it without --adapter-only")
     return spec
 
@@ -96,7 +96,7 @@ def _checkpoint(run_dir: Path, step: int | None) -> Path:
     if step is not None:
         folder = checkpoint_root(run_dir) / f"step_{step}"
         if not folder.is_dir():
-            raise FlowgraphError(f"no checkpoint for step {step} in `{run_dir}`")
+            raise UsageError(f"no checkpoint for step {step} in `{run_dir}`")
         return folder
     found = latest_checkpoint(run_dir)
     if found is None:
