@@ -3,6 +3,7 @@
     flowgraph check FILE... [--format text|json|github] [--nproc N] [--data]
     flowgraph compile FILE --target local|fsdp|ray [--nproc N] [-o plan.json]
     flowgraph run FILE [KEY=VALUE...] [--resume] [--strict] [--metrics-port PORT]
+    flowgraph run PLAN.json [trainer.run_dir=DIR] [trainer.steps=N]
     flowgraph plot RUN_DIR [RUN_DIR...] [-o curves.png]
     flowgraph env [--target local|fsdp|ray] [--gpu]
     flowgraph export RUN_DIR --model NAME -o DIR [--adapter-only]
@@ -13,9 +14,8 @@ Exit codes: 0 success (warnings allowed); 1 failure: a graph or plan with errors
 that failed, a target or tool that is not ready; 2 usage (a wrong command line, an
 override a plan cannot take) or an input file that cannot be read (`UsageError`,
 `GraphFileError`, `PlanFileError`); 130 interrupted. No input file can make it print a
-Python traceback. Modules behind each
-subcommand are imported only when it runs, so `check` starts fast and never imports
-torch for graphs made of built-in kinds.
+Python traceback. Modules behind each subcommand are imported only when it runs, so
+`check` starts fast and never imports torch for graphs made of built-in kinds.
 """
 
 from __future__ import annotations
@@ -434,7 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="train: run a graph, or a compiled plan.json as it is")
     r.add_argument("file", metavar="FILE", help="a graph file, or a plan (PLAN.json) that "
                    "`flowgraph compile -o` wrote: its target, pools and stages as they are")
-    r.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    r.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="overrides of the graph; a plan takes trainer.run_dir and "
+                        "trainer.steps only")
     r.add_argument("--target", choices=TARGETS, default=None,
                    help="default: local (a plan: its own)")
     r.add_argument("--nproc", type=int, default=None,
