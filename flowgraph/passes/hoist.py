@@ -24,6 +24,9 @@ from flowgraph.ir import NodeSpec, PortRef
 from flowgraph.passes.program import Program
 from flowgraph.registry import HOISTABLE_CATEGORIES
 
+_BP = Poly.sym("Bp")
+"""The first axis of one row per data row (a data source's batch of prompts or pairs)."""
+
 
 @dataclass(frozen=True, slots=True)
 class HoistInvariants:
@@ -67,5 +70,3 @@ def _per_data_row(node: NodeSpec, program: Program) -> bool:
             return False
     return True
 
-
-_BP = Poly.sym("Bp")
