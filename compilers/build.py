@@ -276,8 +276,11 @@ def load_data(plan: ExecutionPlan, tokenizers: dict[str, Any]) -> dict[str, Any]
             params["ground_truth_for"] = plan.readers(d.name, "ground_truth")
         if "loss_mask_read" in impl.accepts:
             params["loss_mask_read"] = bool(plan.readers(d.name, "loss_mask"))
-        out[d.name] = impl.fn(d.path, tokenizer=_data_tokenizer(plan, d, tokenizers),
-                              seed=plan.trainer.seed, **params)
+        try:
+            out[d.name] = impl.fn(d.path, tokenizer=_data_tokenizer(plan, d, tokenizers),
+                                  seed=plan.trainer.seed, **params)
+        except FlowgraphError as exc:  # the dataset's own words, then where the graph says it
+            raise FlowgraphError(f"{exc} (data source `{d.name}` at {d.pos})") from exc
     return out
 
 

@@ -25,7 +25,7 @@ from flowgraph.compilers.checkpoint import (
     latest_checkpoint,
 )
 from flowgraph.compilers.integrity import checkpoint_damage, load_tensors
-from flowgraph.errors import FlowgraphError
+from flowgraph.errors import FlowgraphError, UsageError
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan
 
@@ -39,7 +39,7 @@ def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = Non
 
     spec = _trained_lm(run_dir, model, adapter_only)
     if out.is_dir() and any(out.iterdir()) and not force:
-        raise FlowgraphError(f"`{out}` is not empty; export into a new folder, or pass "
+        raise UsageError(f"`{out}` is not empty; export into a new folder, or pass "
                              "--force to write over its files")
     folder = _checkpoint(run_dir, step)
     sharded = has_dcp(folder)  # written by the fsdp or ray target
@@ -72,21 +72,21 @@ def _trained_lm(run_dir: Path, model: str, adapter_only: bool) -> ModelSpec:
     `adapter_only`)."""
     plan_file = run_dir / "plan.json"
     if not plan_file.exists():
-        raise FlowgraphError(f"`{run_dir}` is not a flowgraph run dir (no plan.json)")
+        raise UsageError(f"`{run_dir}` is not a flowgraph run dir (no plan.json)")
     plan = ExecutionPlan.from_json(plan_file.read_text())
     spec = next((m for m in plan.models if m.name == model), None)
     if spec is None:
         names = ", ".join(m.name for m in plan.models)
-        raise FlowgraphError(f"the run has no model `{model}`; its models: {names}")
+        raise UsageError(f"the run has no model `{model}`; its models: {names}")
     heads = {m.name: m.head for p in plan.pools for m in p.models}
     if heads.get(model) != "lm":
-        raise FlowgraphError(f"model `{model}` is not a causal LM (a critic or reward model); "
+        raise UsageError(f"model `{model}` is not a causal LM (a critic or reward model); "
                              "only causal LMs export as Hugging Face models")
     if not spec.trainable:
-        raise FlowgraphError(f"model `{model}` is frozen (not trainable): checkpoints do not "
+        raise UsageError(f"model `{model}` is frozen (not trainable): checkpoints do not "
                              f"hold it, its weights are those of `{spec.path}`")
     if adapter_only and spec.lora is None:
-        raise FlowgraphError(f"model `{model}` has no LoRA adapter (no `lora` in its "
+        raise UsageError(f"model `{model}` has no LoRA adapter (no `lora` in its "
                              "spec): export it without --adapter-only")
     return spec
 
@@ -100,7 +100,7 @@ def _checkpoint(run_dir: Path, step: int | None) -> Path:
         step = found[0]
     folder = checkpoint_root(run_dir) / f"step_{step}"
     if not folder.is_dir():
-        raise FlowgraphError(f"no checkpoint for step {step} in `{run_dir}`")
+        raise UsageError(f"no checkpoint for step {step} in `{run_dir}`")
     problem = checkpoint_damage(folder, step)
     if problem is not None:
         raise FlowgraphError(f"checkpoint `{folder}` is damaged: {problem}; export another "

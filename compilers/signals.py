@@ -115,7 +115,8 @@ def resume_command(plan: ExecutionPlan, opts: RunOptions) -> str:
     settings it was allowed to change)."""
     allowed = [arg for key in opts.allow_changed for arg in ("--allow-changed", key)]
     if opts.plan_file is not None:
-        return shlex.join(["flowgraph", "run", str(opts.plan_file), "--resume", *allowed])
+        return shlex.join(["flowgraph", "run", str(opts.plan_file), "--resume", *allowed,
+                           *opts.overrides])  # a plan's only overrides: run_dir, steps
     sized = ["--target", plan.target, "--nproc", str(plan.nproc)] if plan.target != "local" \
         else []
     return shlex.join(["flowgraph", "run", plan.source, *sized, "--resume", *allowed,

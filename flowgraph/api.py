@@ -15,12 +15,14 @@ one that starts them (`tests/test_boundaries.py`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flowgraph.errors import CompileError, FlowgraphError
+from flowgraph.document import parse_override, plain
+from flowgraph.errors import CompileError, FlowgraphError, PlanFileError, UsageError
 from flowgraph.ir import Graph
-from flowgraph.plan import ExecutionPlan, verify_kinds
+from flowgraph.plan import MAX_PLAN_BYTES, ExecutionPlan, verify_kinds
 from flowgraph.registry import KindSpec, Registry
 
 if TYPE_CHECKING:
@@ -43,14 +45,65 @@ def compile(graph: Graph | str | Path, *, target: str = "local", nproc: int | No
 
 
 def load_plan(path: str | Path) -> ExecutionPlan:
-    """A plan file (`flowgraph compile -o plan.json`), checked by the plan verifier."""
+    """A plan file (`flowgraph compile -o plan.json`), checked by the plan verifier. A file
+    that cannot be read as a plan (missing, over `MAX_PLAN_BYTES`, not UTF-8, not JSON,
+    nested too deeply, another format version) is one `PlanFileError` naming it."""
+    file = Path(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        if file.stat().st_size > MAX_PLAN_BYTES:  # before reading it all into memory
+            raise PlanFileError(f"the plan `{path}` is larger than {MAX_PLAN_BYTES >> 20} MiB")
+        text = file.read_bytes().decode("utf-8")
     except OSError as exc:
-        raise FlowgraphError(f"cannot read the plan `{path}`: {exc.strerror or exc}") from exc
-    plan = ExecutionPlan.from_json(text)
+        raise PlanFileError(f"cannot read the plan `{path}`: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise PlanFileError(f"the plan `{path}` is not UTF-8 text (byte {exc.start}: "
+                            f"{exc.object[exc.start:exc.start + 1]!r}); write it as "
+                            "`flowgraph compile -o` does") from exc
+    try:
+        plan = ExecutionPlan.from_json(text)
+    except PlanFileError as exc:
+        raise PlanFileError(f"`{path}`: {exc}") from exc
     verify_kinds(plan, _kinds(plan))
     return plan
+
+
+PLAN_RUN_SETTINGS = {"run_dir": (str, "a folder"), "steps": (int, "a whole number")}
+"""The `trainer.` settings a run of a compiled plan may override, with their type: where
+it writes and how long it trains. Nothing the plan was compiled from depends on them;
+every other setting may (dims, params, models, the loop's schedule), so the graph is
+compiled again with it."""
+
+
+def with_run_settings(plan: ExecutionPlan, overrides: Sequence[str]) -> ExecutionPlan:
+    """`plan` with the `trainer.run_dir=` and `trainer.steps=` overrides applied; any other
+    override is a `UsageError` naming it (it would change the plan)."""
+    trainer, refused = plan.graph.trainer, []
+    for i, text in enumerate(overrides):
+        parsed = parse_override(text, i)
+        if not isinstance(parsed, tuple):
+            raise UsageError(parsed.message)
+        path, node = parsed
+        name = path[1] if len(path) == 2 and path[0] == "trainer" else ""
+        if name not in PLAN_RUN_SETTINGS:
+            refused.append(text)
+            continue
+        value, (want, words) = plain(node), PLAN_RUN_SETTINGS[name]
+        if type(value) is not want:  # bool is an int: a type check, not isinstance
+            raise UsageError(f"override `{text}`: trainer.{name} takes {words}")
+        setting: dict[str, Any] = {name: value}
+        try:
+            trainer = replace(trainer, **setting)
+        except FlowgraphError as exc:  # the setting's bounds: `trainer.steps is -1; ...`
+            raise UsageError(f"override `{text}`: {exc}") from exc
+    if refused:
+        raise UsageError(
+            f"a compiled plan runs as it is: {', '.join(refused)} would change what it runs "
+            f"(it takes only {', '.join(f'trainer.{k}' for k in PLAN_RUN_SETTINGS)}); "
+            "compile the graph again with them (`flowgraph compile GRAPH KEY=VALUE -o "
+            "plan.json`), or edit the plan")
+    if trainer is plan.graph.trainer:
+        return plan
+    return replace(plan, graph=replace(plan.graph, trainer=trainer))
 
 
 def _kinds(plan: ExecutionPlan) -> dict[str, KindSpec]:
@@ -84,10 +137,12 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
     if not isinstance(plan, ExecutionPlan):
         plan = compile(plan, target=target or "local", nproc=nproc, overrides=overrides,
                        disable=disable)
-    elif overrides or disable or nproc is not None or target not in (None, plan.target):
-        raise FlowgraphError(
+    elif disable or nproc is not None or target not in (None, plan.target):
+        raise UsageError(
             f"a plan runs as compiled (target {plan.target}, {plan.nproc} per pool): edit the "
-            "plan, or compile the graph again with other overrides, --target or --nproc")
+            "plan, or compile the graph again with other --target, --nproc or passes")
+    else:
+        plan = with_run_settings(plan, overrides)
     if "allow_changed" in options:  # a list is welcome here; the options are frozen
         options["allow_changed"] = tuple(options["allow_changed"])
     return run_plan(plan, RunOptions(overrides=tuple(overrides), **options))

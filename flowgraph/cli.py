@@ -4,16 +4,19 @@
     flowgraph compile FILE --target local|fsdp|ray [--nproc N] [-o plan.json]
     flowgraph run FILE [KEY=VALUE...] [--resume [--allow-changed KEY]] [--strict]
                   [--metrics-port PORT]
+    flowgraph run PLAN.json [trainer.run_dir=DIR] [trainer.steps=N]
     flowgraph plot RUN_DIR [RUN_DIR...] [-o curves.png]
     flowgraph env [--target local|fsdp|ray] [--gpu]
     flowgraph export RUN_DIR --model NAME -o DIR [--adapter-only]
     flowgraph viz FILE -o out.mmd|out.dot|out.svg
     flowgraph schema [-o FILE] [--plugin MODULE]
 
-Exit codes: 0 clean (warnings allowed), 1 errors in a graph, 2 usage or unreadable
-input. No input file can make it print a Python traceback. Modules behind each
-subcommand are imported only when it runs, so `check` starts fast and never imports
-torch for graphs made of built-in kinds.
+Exit codes: 0 success (warnings allowed); 1 failure: a graph or plan with errors, a run
+that failed, a target or tool that is not ready; 2 usage (a wrong command line, an
+override a plan cannot take) or an input file that cannot be read (`UsageError`,
+`GraphFileError`, `PlanFileError`); 130 interrupted. No input file can make it print a
+Python traceback. Modules behind each subcommand are imported only when it runs, so
+`check` starts fast and never imports torch for graphs made of built-in kinds.
 """
 
 from __future__ import annotations
@@ -30,7 +33,13 @@ from typing import TYPE_CHECKING, TextIO
 
 from flowgraph.choices import TARGETS
 from flowgraph.diagnostics import Diagnostic
-from flowgraph.errors import FlowgraphError, Stopped
+from flowgraph.errors import (
+    FlowgraphError,
+    GraphFileError,
+    PlanFileError,
+    Stopped,
+    UsageError,
+)
 from flowgraph.ir import to_python
 
 if TYPE_CHECKING:
@@ -77,7 +86,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     files, overrides = split_overrides(args.files)
     if not files:
-        raise FlowgraphError("check needs at least one graph FILE")
+        raise UsageError("check needs at least one graph FILE")
     all_diags: list[Diagnostic] = []
     status = EXIT_OK
     for file in files:
@@ -132,7 +141,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
         print(pipeline.describe())
         return EXIT_OK
     if not args.file:
-        raise FlowgraphError("compile needs a graph FILE (or --print-passes)")
+        raise UsageError("compile needs a graph FILE (or --print-passes)")
     result = compile_graph(args.file, target=args.target, nproc=args.nproc,
                            overrides=args.overrides, pipeline=pipeline,
                            dump_after=tuple(args.dump_after), dump=sys.stderr)
@@ -150,7 +159,10 @@ def _finish_compile(result: object, args: argparse.Namespace) -> int:
     if result.plan is None:
         return EXIT_USAGE if _unreadable(result.diagnostics) else EXIT_ERRORS
     if args.output:
-        Path(args.output).write_text(result.plan.to_json(), encoding="utf-8")
+        try:
+            Path(args.output).write_text(result.plan.to_json(), encoding="utf-8")
+        except OSError as exc:
+            raise FlowgraphError(f"cannot write `{args.output}`: {exc.strerror or exc}") from exc
     print(result.plan.summary())
     if args.output:
         print(f"plan written to {args.output}")
@@ -173,18 +185,21 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flowgraph.api import load_plan
+    from flowgraph.api import load_plan, with_run_settings
     from flowgraph.compilers import RunOptions, run
 
-    if args.file.endswith(".json"):  # a plan: run as it is
+    if args.file.endswith(".json"):  # a plan: run as it is, into another run_dir or longer
         plan = load_plan(args.file)
         given = [f"--{k.replace('_', '-')}" for k in ("target", "nproc")
                  if getattr(args, k) not in (None, getattr(plan, k))]
-        if args.overrides or given:
-            raise FlowgraphError(
+        if args.disable_pass:
+            given.append("--disable-pass")
+        if given:
+            raise UsageError(
                 f"`{args.file}` is a plan compiled for target {plan.target}, nproc "
-                f"{plan.nproc}; it runs as it is: drop {', '.join(given + args.overrides)}, "
-                "or edit the plan, or run the graph")
+                f"{plan.nproc}; it runs as it is: drop {', '.join(given)}, or edit the plan, "
+                "or run the graph")
+        plan = with_run_settings(plan, args.overrides)
         plan_file: Path | None = Path(args.file)
     else:
         compiled = _compile_for_run(args)
@@ -279,7 +294,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
     from flowgraph.schema import schema_json
 
     registry = Registry.default()
-    registry.load_plugins(args.plugin, ["."])
+    _load_plugins(registry, args.plugin)
     text = schema_json(registry)
     if not args.output:
         sys.stdout.write(text)
@@ -297,7 +312,7 @@ def cmd_kinds(args: argparse.Namespace) -> int:
     from flowgraph.registry import Registry
 
     registry = Registry.default()
-    registry.load_plugins(args.plugin, ["."])
+    _load_plugins(registry, args.plugin)
     if args.name is None:
         sys.stdout.write(_kinds_table(registry))
         return EXIT_OK
@@ -308,10 +323,20 @@ def cmd_kinds(args: argparse.Namespace) -> int:
     if kind is None:
         close = difflib.get_close_matches(args.name, [*registry.names(), *SECTIONS], n=3)
         hint = f"; did you mean {', '.join(f'`{c}`' for c in close)}?" if close else ""
-        raise FlowgraphError(f"no kind `{args.name}`{hint} (`flowgraph kinds` lists them; "
+        raise UsageError(f"no kind `{args.name}`{hint} (`flowgraph kinds` lists them; "
                              "--plugin MODULE for a plugin's)")
     sys.stdout.write(_describe_kind(kind))
     return EXIT_OK
+
+
+def _load_plugins(registry: Registry, modules: list[str]) -> None:
+    """The `--plugin` modules: one that cannot be imported is a wrong argument (exit 2)."""
+    from flowgraph.errors import PluginError
+
+    try:
+        registry.load_plugins(modules, ["."])
+    except PluginError as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def _kinds_table(registry: Registry) -> str:
@@ -417,7 +442,9 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="train: run a graph, or a compiled plan.json as it is")
     r.add_argument("file", metavar="FILE", help="a graph file, or a plan (PLAN.json) that "
                    "`flowgraph compile -o` wrote: its target, pools and stages as they are")
-    r.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    r.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="overrides of the graph; a plan takes trainer.run_dir and "
+                        "trainer.steps only")
     r.add_argument("--target", choices=TARGETS, default=None,
                    help="default: local (a plan: its own)")
     r.add_argument("--nproc", type=int, default=None,
@@ -504,10 +531,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse stops taking positionals after an option; `compile FILE --target ray k=v`
-    # still means k=v is an override.
+    # and `check FILE --data k=v` still mean k=v is an override (check's files and
+    # overrides share one list, which `split_overrides` divides).
     late = [e for e in extra if "=" in e and not e.startswith("-")]
-    if late and hasattr(args, "overrides"):
-        args.overrides = [*args.overrides, *late]
+    into = next((name for name in ("overrides", "files") if hasattr(args, name)), None)
+    if late and into is not None:
+        setattr(args, into, [*getattr(args, into), *late])
         extra = [e for e in extra if e not in late]
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
@@ -518,9 +547,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Stopped as exc:  # SIGTERM / SIGINT: the work saved, the command to go on
         print(f"flowgraph: {exc}", file=sys.stderr)
         return 128 + exc.signum
-    except FlowgraphError as exc:
+    except (UsageError, GraphFileError, PlanFileError) as exc:
         print(f"flowgraph: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    except FlowgraphError as exc:  # the command ran and failed: a run, a graph, a plan
+        print(f"flowgraph: error: {exc}", file=sys.stderr)
+        return EXIT_ERRORS
     except KeyboardInterrupt:
         print("flowgraph: interrupted", file=sys.stderr)
         return 130

@@ -47,7 +47,7 @@ CODES: dict[str, str] = {
     "FG120": "asynchronous rollouts (trainer.max_staleness) in a graph without a rollout",
     "FG121": "staleness that compounds: several optimizer steps per asynchronous rollout",
     "FG122": "old log-probs taken from a rollout that reports none (trainer.old_log_prob)",
-    "FG123": "a dataset file that is not on this machine",
+    "FG123": "a dataset file or model folder that is not on this machine",
     # contracts
     "FG201": "rank mismatch along an edge",
     "FG202": "dim mismatch along an edge",

@@ -61,6 +61,11 @@ class PlanError(FlowgraphError, ValueError):
     """A plan was built, or read from JSON, with values that break its invariants."""
 
 
+class PlanFileError(PlanError):
+    """A plan file cannot be read as a plan: missing, too large, not UTF-8, not JSON,
+    nested too deeply, or written in another format version."""
+
+
 class DimError(FlowgraphError):
     """A dimension string does not parse (`"B T--1"`) or cannot be evaluated."""
 

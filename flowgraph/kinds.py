@@ -416,7 +416,8 @@ _KINDS = (
         "a ground truth) broadcast to the prompt's n samples, as generate orders them.",
         inputs=(_p("x", "b", "any"),),
         outputs=(_p("x", "b*n", "any"),),
-        params=(_i("n", None, "copies of each row; null: the global N", dim="n"),),
+        params=(_i("n", None, "copies of each row; null: the global N (at evaluation: the "
+                   "rollouts' held-out n, once per prompt when greedy)", dim="n"),),
         impl="flowgraph.nodes.shaping:repeat",
         dim_defaults=(("n", "N"),),
     ),
@@ -447,7 +448,8 @@ _KINDS = (
             *SEQUENCE_INPUTS,
             _p("old_log_prob", "b T", "float", "nonpositive", optional=True,
                doc="log π_old; may stay unwired when ppo_epochs is 1 and mini_batch_size "
-                   "null (one optimizer step: π_old is the policy the update starts from)"),
+                   "null or at least the batch (one optimizer step: π_old is the policy "
+                   "the update starts from)"),
             _p("advantages", "b T", "float", "finite"),
             _p("ref_log_prob", "b T", "float", "nonpositive", optional=True,
                doc="wire it for a KL loss (GRPO) instead of a KL reward penalty"),
@@ -535,6 +537,9 @@ _KINDS = (
         sequences_per_row=2,
         trains=True,
         impl="flowgraph.nodes.update:dpo_update",
+        not_taken=(("loss_agg_mode", "DPO's loss is one number per pair, from each "
+                    "response's log-prob summed over its tokens (Rafailov et al. 2023), "
+                    "averaged over the pairs: there are no per-token losses to aggregate"),),
     ),
 )
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from flowgraph.contracts import TensorSpec
 from flowgraph.errors import RegistryError
 from flowgraph.ir import NAME_RE, ParamValue
-from flowgraph.runtime.update import LOOP_PARAMS
+from flowgraph.runtime.update import LOOP_PARAMS, one_optimizer_step
 
 PARAM_TYPES = ("float", "int", "bool", "str", "list", "mapping", "any", "null")
 HOISTABLE_CATEGORIES = ("model", "reward", "transform")
@@ -123,6 +123,9 @@ class KindSpec:
     terms: PortSpec | None = None
     """Inputs the graph names itself (`weighted_sum`'s reward terms): every wired input
     the kind does not declare takes this contract, and at least one must be wired."""
+    not_taken: tuple[tuple[str, str], ...] = ()
+    """(param, why): params that kinds like it take and it does not, with the reason,
+    which the checker gives when a graph sets one (`dpo_update`: `loss_agg_mode`)."""
 
     def __post_init__(self) -> None:
         if not NAME_RE.match(self.name):
@@ -144,6 +147,9 @@ class KindSpec:
             names = [p.name for p in group]
             if len(names) != len(set(names)):
                 raise RegistryError(f"kind `{self.name}` declares a name twice: {names}")
+        both = [n for n, _ in self.not_taken if self.param(n) is not None]
+        if both:
+            raise RegistryError(f"kind `{self.name}` declares {both} as params and as not taken")
         missing = [n for n in LOOP_PARAMS if self.trains and self.param(n) is None]
         if missing:
             raise RegistryError(f"kind `{self.name}` trains but does not declare the update "
@@ -190,13 +196,20 @@ class KindSpec:
         skip = {p.name for p in self.params if p.evaluation}
         return {k: v for k, v in self.param_values(given).items() if k not in skip}
 
-    def eval_values(self, given: Mapping[str, object]) -> dict[str, object]:
+    def eval_values(self, given: Mapping[str, object],
+                    eval_dims: Mapping[str, int] | None = None) -> dict[str, object]:
         """The params at evaluation on held-out data: a rollout answers each prompt once,
-        greedily, or `val_n` times at `val_temperature` > 0 (verl's val_kwargs)."""
+        greedily, or `val_n` times at `val_temperature` > 0 (verl's val_kwargs). A param
+        of another kind left to default to a global dim (`repeat`'s n -> N) takes that
+        dim's value at evaluation, `eval_dims` (N: the rollouts' held-out n)."""
         values = self.call_values(given)
         every = self.param_values(given)
         n, temperature = every.get("val_n", 1), every.get("val_temperature", 0.0)
         if self.category != "rollout":
+            defaults, at_eval = dict(self.dim_defaults), eval_dims or {}
+            values.update({p.name: at_eval[defaults[p.dim]] for p in self.params
+                           if p.dim in defaults and values.get(p.name) is None
+                           and defaults[p.dim] in at_eval})
             return values
         val_n = n if isinstance(n, int) else 1
         t = float(temperature) if isinstance(temperature, (int, float)) else 0.0
@@ -206,15 +219,18 @@ class KindSpec:
                        if self.param(k) is not None})
         return values
 
-    def needs(self, port: PortSpec, params: Mapping[str, object]) -> str | None:
-        """Why `port` must be wired with these params (defaults filled in), or None."""
+    def needs(self, port: PortSpec, params: Mapping[str, object],
+              batch: int | None = None) -> str | None:
+        """Why `port` must be wired with these params (defaults filled in) on a batch of
+        `batch` rows (None: not known), or None."""
         if not port.optional:
             return "it is required"
-        if port.name == self.on_policy_input and (
-                params.get("ppo_epochs") != 1 or params.get("mini_batch_size") is not None):
-            return ("the update may take more than one optimizer step per call "
-                    "(`ppo_epochs` > 1 or a `mini_batch_size`); only one step can use its "
-                    "own log-probs as the old policy's")
+        if port.name == self.on_policy_input and not one_optimizer_step(params, batch):
+            rows = f"of {batch} rows" if batch is not None else "of rows not known here"
+            return (f"the update takes more than one optimizer step per call (ppo_epochs "
+                    f"{params.get('ppo_epochs')}, mini_batch_size "
+                    f"{params.get('mini_batch_size')} on a batch {rows}); only one step "
+                    "can use its own log-probs as the old policy's")
         for name, param, value in self.required_when:
             if name == port.name and params.get(param) == value:
                 return f"`{param}` is `{value}`"

@@ -53,14 +53,15 @@ from __future__ import annotations
 
 import json
 import types
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields, is_dataclass
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from flowgraph.choices import ADMISSIONS, DEVICES, TARGETS
 from flowgraph.contracts import TensorSpec
-from flowgraph.document import YMap, YNode, YScalar, YSeq
-from flowgraph.errors import PlanError
+from flowgraph.document import MAX_DEPTH, YMap, YNode, YScalar, YSeq
+from flowgraph.errors import PlanError, PlanFileError
 from flowgraph.frontend import graph_from_document, graph_to_document
 from flowgraph.ir import (
     NAME_RE,
@@ -77,6 +78,12 @@ from flowgraph.registry import HOISTABLE_CATEGORIES, KindSpec
 from flowgraph.source import SourcePos
 
 PLAN_VERSION = 6
+MAX_PLAN_BYTES = 64 << 20
+"""A plan file larger than this is refused before it is parsed (the plan of a 10,000-node
+graph is a few MiB)."""
+MAX_PLAN_DEPTH = MAX_DEPTH + 16
+"""Nesting a plan file may have: a graph file's (`flowgraph.document.MAX_DEPTH`) and the
+plan's own levels around it."""
 """Format version of the JSON plan; `from_json` refuses any other."""
 DISPATCHES = ("local", "split", "gather", "broadcast", "reshard")
 SHARDINGS = ("none", "full_shard")
@@ -540,16 +547,29 @@ class ExecutionPlan:
 
     @staticmethod
     def from_json(text: str) -> ExecutionPlan:
+        """The plan a file's text holds; what cannot be read as one is `PlanFileError`, and
+        a plan that breaks its invariants `PlanError`."""
+        if len(text) > MAX_PLAN_BYTES:
+            raise PlanFileError(f"the plan is larger than {MAX_PLAN_BYTES >> 20} MiB")
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise PlanError(f"the plan is not valid JSON: {exc}") from exc
+            raise PlanFileError(f"the plan is not valid JSON: {exc}") from exc
+        except RecursionError as exc:  # the parser's own recursion, long before the limit
+            raise PlanFileError(f"the plan is nested more than {MAX_PLAN_DEPTH} levels "
+                                "deep") from exc
+        if _depth(data) > MAX_PLAN_DEPTH:
+            raise PlanFileError(f"the plan is nested more than {MAX_PLAN_DEPTH} levels deep")
         source = data.get("source") if isinstance(data, dict) else None
         version = data.get("version") if isinstance(data, dict) else None
         if version != PLAN_VERSION:
-            raise PlanError(f"the plan is format version {version}; this flowgraph reads "
-                            f"version {PLAN_VERSION}: compile the graph again "
-                            "(`flowgraph compile GRAPH -o plan.json`)")
+            raise PlanFileError(f"the plan is format version {version}; this flowgraph reads "
+                                f"version {PLAN_VERSION}: compile the graph again "
+                                "(`flowgraph compile GRAPH -o plan.json`)")
+        edges = data.get("edges")
+        if isinstance(edges, list):  # before decoding them: thousands of copies decode slowly
+            _require(_repeated_edges([(e.get("src"), e.get("dst")) for e in edges
+                                      if isinstance(e, dict)]), "execution plan")
         plan = _decode(ExecutionPlan, data, "plan", source if isinstance(source, str) else "<plan>")
         assert isinstance(plan, ExecutionPlan)
         return plan
@@ -785,6 +805,9 @@ def _fusion_problems(plan: ExecutionPlan) -> list[str]:
 def _edge_problems(plan: ExecutionPlan) -> list[str]:
     wired = {(str(ref), f"{node.name}.{port}") for ref, node, port in plan.graph.edges()}
     planned = {(e.src, e.dst) for e in plan.edges}
+    repeated = _repeated_edges([(e.src, e.dst) for e in plan.edges])
+    if repeated:
+        return repeated
     problems = [f"edge `{a} -> {b}` has no dispatch in the plan"
                 for a, b in sorted(wired - planned)]
     problems += [f"edge `{a} -> {b}` is not in the plan's graph"
@@ -793,6 +816,12 @@ def _edge_problems(plan: ExecutionPlan) -> list[str]:
         if (e.src, e.dst) not in wired:
             continue
         src, dst = plan.node(e.src.split(".")[0]), plan.node(e.dst.split(".")[0])
+        out = next((o for o in src.outputs if f"{src.name}.{o.port}" == e.src), None)
+        if out is not None and out.batched != e.batched:
+            flags = json.dumps(e.batched), json.dumps(out.batched)
+            problems.append(f"edge `{e.src} -> {e.dst}` is flagged batched: {flags[0]}, but "
+                            f"output `{e.src}` is declared with batched: {flags[1]}; the two "
+                            "must agree (edit both alike)")
         want = dispatch_of(src.data_parallel, dst.data_parallel, dst.trains, e.batched)
         if e.dispatch in ("split", "reshard") and not e.batched:
             problems.append(f"edge `{e.src} -> {e.dst}` is dispatched `{e.dispatch}` but its "
@@ -804,6 +833,16 @@ def _edge_problems(plan: ExecutionPlan) -> list[str]:
         if e.group_aligned and e.dispatch not in ("split", "reshard"):
             problems.append(f"edge `{e.src} -> {e.dst}` is group-aligned but not split")
     return problems
+
+
+def _repeated_edges(pairs: list[tuple[object, object]]) -> list[str]:
+    """One message for every edge listed more than once (a file may repeat thousands)."""
+    seen = Counter(pairs)
+    twice = [f"`{a} -> {b}` ({n} times)" for (a, b), n in seen.items() if n > 1]
+    if not twice:
+        return []
+    return [f"{len(twice)} edge(s) are listed more than once, each must be listed once: "
+            f"{', '.join(twice[:3])}{', ...' if len(twice) > 3 else ''}"]
 
 
 def _runs(n: NodePlan) -> str:
@@ -955,6 +994,18 @@ def _encode(value: object) -> object:
     if isinstance(value, tuple):
         return [_encode(v) for v in value]
     return value
+
+
+def _depth(data: object) -> int:
+    """How deeply JSON data nests its lists and objects (counted without recursing)."""
+    deepest = 0
+    todo: list[tuple[Any, int]] = [(data, 1)]
+    while todo:
+        value, depth = todo.pop()
+        deepest = max(deepest, depth)
+        items = value.values() if isinstance(value, dict) else value
+        todo += [(v, depth + 1) for v in items if isinstance(v, (dict, list))]
+    return deepest if isinstance(data, (dict, list)) else 0
 
 
 def _decode(tp: Any, data: object, where: str, source: str) -> object:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from flowgraph.errors import FlowgraphError
+from flowgraph.errors import FlowgraphError, UsageError
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -71,7 +71,7 @@ def load_run(run_dir: Path, name: str | None = None) -> RunCurves:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         where = "does not exist" if not run_dir.exists() else "has no metrics.jsonl"
-        raise FlowgraphError(f"`{run_dir}` {where}: give a run dir (`trainer.run_dir` of "
+        raise UsageError(f"`{run_dir}` {where}: give a run dir (`trainer.run_dir` of "
                              "a `flowgraph run`)")
     lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     series: dict[str, tuple[list[int], list[float]]] = {}
@@ -81,14 +81,14 @@ def load_run(run_dir: Path, name: str | None = None) -> RunCurves:
         except json.JSONDecodeError as exc:
             if i == len(lines):
                 break
-            raise FlowgraphError(f"{path}:{i}: not a JSON object: {exc.msg}") from exc
+            raise UsageError(f"{path}:{i}: not a JSON object: {exc.msg}") from exc
         for key, value in row.items():
             if key != "step" and isinstance(value, (int, float, str)):
                 steps, values = series.setdefault(key, ([], []))
                 steps.append(int(row["step"]))
                 values.append(_number(value))
     if not series:
-        raise FlowgraphError(f"{path} holds no step rows yet")
+        raise UsageError(f"{path} holds no step rows yet")
     return RunCurves(name or run_dir.name, series)
 
 
@@ -104,7 +104,7 @@ def figure(run_dirs: Sequence[Path]) -> Figure:
     from matplotlib.figure import Figure
 
     if not run_dirs:
-        raise FlowgraphError("plot needs at least one RUN_DIR")
+        raise UsageError("plot needs at least one RUN_DIR")
     runs = [load_run(d, name) for d, name in zip(run_dirs, _names(run_dirs), strict=True)]
     fig = Figure(figsize=(16, 9), layout="constrained")
     axes = fig.subplots(2, 3).flatten()

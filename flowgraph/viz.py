@@ -222,7 +222,9 @@ def format_of(output: str, fmt: str | None) -> str | None:
 
 def write_viz(file: str | Path, output: str | Path, *, overrides: Sequence[str] = (),
               fmt: str | None = None) -> int:
-    """Draw `file` into `output`; the exit code: 0, 1 (drawn, with errors) or 2."""
+    """Draw `file` into `output`; the exit code: 0, 1 (drawn, with errors; or not drawn:
+    no Graphviz, or `output` cannot be written) or 2 (a wrong format, an unreadable
+    graph file)."""
     chosen = format_of(str(output), fmt)
     if chosen is None:
         why = (f"unknown format `{fmt}`" if fmt is not None
@@ -234,7 +236,7 @@ def write_viz(file: str | Path, output: str | Path, *, overrides: Sequence[str] 
     dot_exe = shutil.which("dot") if chosen == "svg" else None
     if chosen == "svg" and dot_exe is None:
         print(NO_GRAPHVIZ, file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_ERRORS
     graph, diags = load_graph(file, overrides)
     if graph is None:
         _print_errors(diags)
@@ -247,9 +249,9 @@ def write_viz(file: str | Path, output: str | Path, *, overrides: Sequence[str] 
             content = _svg(content, dot_exe)
     except _GraphvizFailed as exc:
         print(f"flowgraph: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return EXIT_ERRORS
     if not _write(output, content):
-        return EXIT_USAGE
+        return EXIT_ERRORS
     failing = sum(e.failing for e in d.edges)
     print(f"{output}: {len(d.nodes)} nodes, {len(d.edges)} edges, {failing} failing")
     errors = [x for x in (*diags, *result.diagnostics) if x.is_error]

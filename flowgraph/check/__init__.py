@@ -75,7 +75,6 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     out: list[Diagnostic] = []
     _load_plugins(graph, registry, out)
     table = resolve_kinds(graph, registry, out)
-    check_ports(table, out)
     check_params(table, out)
     check_functions(graph, table, out)
     check_models(graph, table, out)
@@ -86,6 +85,7 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     on_cycle = check_cycles(graph, out)
     check_unused(graph, table, out)
     shapes = infer_shapes(graph, table, on_cycle, out)
+    check_ports(table, shapes.batch, out)  # after unification: an update's rows count
     check_batches(graph, table, shapes, ranks, pools, out)
     check_filters(graph, table, shapes, out)
     check_staleness(graph, table, shapes, out)

@@ -18,15 +18,7 @@ from flowgraph.check.shapes import ShapeResult
 from flowgraph.check.structure import Resolved
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.ir import Graph, NodeSpec
-
-
-def one_optimizer_step(params: dict[str, object], batch: int | None) -> bool:
-    """An update with these params takes exactly one optimizer step on a batch of
-    `batch` rows: one epoch, and one mini-batch (null or at least the batch)."""
-    epochs, mini = params.get("ppo_epochs"), params.get("mini_batch_size")
-    if epochs != 1 or batch is None:
-        return False
-    return mini is None or (isinstance(mini, int) and mini >= batch)
+from flowgraph.runtime.update import one_optimizer_step
 
 
 def check_staleness(graph: Graph, table: dict[str, Resolved], shapes: ShapeResult,

@@ -125,8 +125,10 @@ def _check_binding(node: NodeSpec, kind: KindSpec, declared: Mapping[str, object
                          if declared else "declare it under `models:`"))
 
 
-def check_ports(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
-    """Input ports exist and are wired; references point at real outputs."""
+def check_ports(table: dict[str, Resolved], batch: Mapping[str, int | None],
+                out: list[Diagnostic]) -> None:
+    """Input ports exist and are wired; references point at real outputs. `batch`: each
+    node's rows, as unification found them (an update's optimizer steps depend on it)."""
     for r in table.values():
         if not isinstance(r.spec, NodeSpec) or r.kind is None:
             continue
@@ -145,14 +147,14 @@ def check_ports(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
                              hint="wire a term, e.g. `inputs: {acc: reward.scores}`"))
         unwired = [p for p in kind.inputs if p.name not in wired]
         if unwired:
-            _check_unwired(node, kind, unwired, out)
+            _check_unwired(node, kind, unwired, batch.get(node.name), out)
 
 
-def _check_unwired(node: NodeSpec, kind: KindSpec, unwired: list[PortSpec],
+def _check_unwired(node: NodeSpec, kind: KindSpec, unwired: list[PortSpec], batch: int | None,
                    out: list[Diagnostic]) -> None:
     params = kind.param_values(node.params.to_python())
     for p in unwired:
-        why = kind.needs(p, params)
+        why = kind.needs(p, params, batch)
         if why is not None:
             when = f" (needed because {why})" if p.optional else ""
             out.append(error("FG104", f"node `{node.name}` (kind {kind.name}) has no "
@@ -187,6 +189,11 @@ def check_params(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
         params = r.spec.params
         for p in params.items:
             spec = r.kind.param(p.name)
+            why = dict(r.kind.not_taken).get(p.name)
+            if spec is None and why is not None:
+                out.append(error("FG112", f"kind `{r.kind.name}` has no parameter `{p.name}`: "
+                                 f"{why}", p.pos, node=r.name, hint=f"remove `{p.name}`"))
+                continue
             if spec is None:
                 out.append(error("FG112", f"kind `{r.kind.name}` has no parameter `{p.name}`",
                                  p.pos, node=r.name,
@@ -360,8 +367,17 @@ def check_held_out(graph: Graph, out: list[Diagnostic]) -> None:
 
 
 def check_data_files(graph: Graph, out: list[Diagnostic]) -> None:
-    """A dataset file that is not on this machine, by the path it resolved to: a warning,
-    since a plan may be compiled here for a machine that has it; the run fails on it."""
+    """A dataset file or a local model or tokenizer folder that is not on this machine, by
+    the path it resolved to: a warning, since a plan may be compiled here for a machine
+    that has it; `check --data` and the run fail on it. A model path kept as written is a
+    hub id (`flowgraph.paths`); every other one is absolute."""
+    for m in graph.models:
+        for folder in dict.fromkeys((m.path, m.tokenizer)):
+            if not folder or not Path(folder).is_absolute() or Path(folder).exists():
+                continue
+            out.append(warning("FG123", f"model `{m.name}`: folder `{folder}` does not exist "
+                               "(not a hub id: an absolute path)", m.pos, node=m.name,
+                               hint=RULE))
     for d in graph.data:
         eval_path = d.params.get("eval_path")
         for path in (d.path, eval_path):

@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from flowgraph.check.staleness import one_optimizer_step
 from flowgraph.ir import NodeSpec, PortRef
 from flowgraph.passes.program import Program
+from flowgraph.runtime.update import one_optimizer_step
 
 
 @dataclass(frozen=True, slots=True)

@@ -245,9 +245,25 @@ class Program:
                         stage, bool(node and node.hoisted), inputs, outputs, loads,
                         kind.trains, category=kind.category, head=kind.head,
                         params=ParamPlan.of(kind.call_values(given)) if node else (),
-                        eval_params=ParamPlan.of(kind.eval_values(given)) if node else (),
+                        eval_params=ParamPlan.of(kind.eval_values(given, self._eval_dims()))
+                        if node else (),
                         where=str(spot.pos) if (spot := node or self.graph.data_source(name))
                         else "")
+
+    def _eval_dims(self) -> dict[str, int]:
+        """Global dims that take another value at evaluation: N, when every rollout whose
+        samples per prompt are N (`n` null or N) answers `n` times on held-out prompts
+        (greedy: once), so that a node defaulting to N (`repeat`) follows the batch."""
+        N = next((d.value for d in self.dims if d.name == "N"), None)
+        held_out: set[object] = set()
+        for node in self.graph.nodes:
+            kind = self.kind(node.name)
+            given = node.params.to_python()
+            if kind.category != "rollout" or kind.call_values(given).get("n", N) not in (None, N):
+                continue
+            held_out.add(kind.eval_values(given).get("n"))
+        n = held_out.pop() if len(held_out) == 1 else None
+        return {"N": n} if isinstance(n, int) else {}
 
     def _batched(self, name: str, port: str) -> bool:
         """The output has a batch axis (see `has_batch_axis`); unchecked: taken for one."""

@@ -104,3 +104,15 @@ class MiniBatching:
 
 LOOP_PARAMS = tuple(f.name for f in fields(MiniBatching))
 """The params the update loop reads."""
+
+
+def one_optimizer_step(params: Mapping[str, object], batch: int | None) -> bool:
+    """An update with these params takes exactly one optimizer step on a batch of `batch`
+    rows, as the loop counts them: one epoch, and one mini-batch (`mini_batch_size` null,
+    or at least the batch; with the batch unknown, only null is sure)."""
+    epochs, mini = params.get("ppo_epochs"), params.get("mini_batch_size")
+    if epochs != 1:
+        return False
+    if mini is None:
+        return True
+    return batch is not None and isinstance(mini, int) and mini >= batch

@@ -65,7 +65,9 @@ def test_a_step_splits_into_phases_by_kind(tmp_path: Path) -> None:
 
 def test_remax_with_n_samples_and_shaped_rewards_runs_strict(tmp_path: Path) -> None:
     """ReMax with N = 4 (the greedy baseline repeated per sample) and the shaping kinds
-    spliced in front of the advantage, every edge checked on real tensors."""
+    spliced in front of the advantage, every edge checked on real tensors; evaluated at
+    the last step, where each held-out prompt is answered once, so `repeat` repeats the
+    baseline once (it had repeated it N times: 16 baselines for 4 responses)."""
     text = (ROOT / "graphs" / "remax.yaml").read_text().replace(
         "token_level_scores: token_reward.token_level_scores",
         "token_level_scores: shaped_tokens.token_level_scores").replace("""  token_reward:
@@ -84,10 +86,11 @@ def test_remax_with_n_samples_and_shaped_rewards_runs_strict(tmp_path: Path) -> 
     graph = tmp_path / "remax.yaml"
     graph.write_text(text)
     rc = main(["run", str(graph), f"trainer.run_dir={tmp_path / 'run'}", "trainer.steps=2",
-               "--strict"])
+               "trainer.eval_every=2", "--strict"])
     assert rc == 0
     rows = _rows(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1]
+    assert "val/advantages/mean" not in rows[0] and "val/advantages/mean" in rows[1]
     # A buffer of all T = 8 tokens penalises a response of L tokens by -L/8, so the mean
     # penalty is -(mean length)/8 whatever the samples.
     assert rows[0]["reward/overlong/mean"] == pytest.approx(-rows[0]["response_length/mean"] / 8)
@@ -173,7 +176,7 @@ def test_a_plugin_error_is_one_message_and_debug_shows_the_traceback(
     rc = main(["run", str(graph), f"trainer.run_dir={tmp_path / 'run'}", "trainer.steps=1",
                *(["--debug"] if debug else [])])
     err = capsys.readouterr().err
-    assert rc == 2 and "\nflowgraph: error: while executing node `score`" in err, err
+    assert rc == 1 and "\nflowgraph: error: while executing node `score`" in err, err
     assert "fg_runtime_faults.py:" in err and "in brittle_score:" in err
     assert ("Traceback (most recent call last)" in err) == debug, err
     assert f"(the full traceback: {tmp_path / 'run' / 'traceback.txt'}" in err or debug

@@ -250,6 +250,18 @@ def test_missing_model_path_fails_before_anything_loads(tmp_path: Path) -> None:
         _run(tmp_path, tmp_path, "trainer.steps=1", text=text)
 
 
+@pytest.mark.faults
+def test_a_missing_dataset_file_names_the_graph_line(tmp_path: Path) -> None:
+    """Compiled where the file was, run where it is not: the run's error names the data
+    source's line in the graph file, as `check` does (FG123)."""
+    missing = tmp_path / "gone.parquet"
+    text = FAULTS.replace('"builtin:arith"', str(missing))
+    with pytest.raises(FlowgraphError) as exc:
+        _run(tmp_path, tmp_path, "trainer.steps=1", text=text)
+    assert str(exc.value) == (f"dataset file `{missing}` does not exist (data source `train` "
+                              f"at {tmp_path / 'g.yaml'}:7:3)")
+
+
 def test_missing_dataset_column_names_file_and_column(tmp_path: Path) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"question": "1+1="}) + "\n")

@@ -70,7 +70,7 @@ def test_a_plan_that_breaks_a_dependency_is_refused_before_anything_runs(
     _move(data, "values", "step.1")  # with gen, whose responses it reads
     plan.write_text(json.dumps(data))
     capsys.readouterr()
-    assert main(["run", str(plan)]) == 2
+    assert main(["run", str(plan)]) == 1  # read, and wrong: as a graph with errors
     err = capsys.readouterr().err
     assert err.startswith("flowgraph: error: invalid execution plan: node `values` (stage "
                           "`step.1`) reads `gen.prompts`, which stage `step.1` only computes "
@@ -83,16 +83,39 @@ def test_a_plan_from_another_version_or_with_overrides_is_refused(
     plan = tmp_path / "plan.json"
     data = _compile_to(plan, "grpo.yaml", "--target", "ray", "--nproc", "2")
     capsys.readouterr()
-    assert main(["run", str(plan), "trainer.steps=3"]) == 2
-    assert "is a plan compiled for target ray, nproc 2; it runs as it is: drop " \
-           "trainer.steps=3" in capsys.readouterr().err
+    assert main(["run", str(plan), "trainer.steps=3", "dims.Bp=8", "trainer.seed=1"]) == 2
+    assert ("a compiled plan runs as it is: dims.Bp=8, trainer.seed=1 would change what it "
+            "runs (it takes only trainer.run_dir, trainer.steps)") in capsys.readouterr().err
     assert main(["run", str(plan), "--target", "local"]) == 2
-    assert "drop --target" in capsys.readouterr().err
+    assert "is a plan compiled for target ray, nproc 2; it runs as it is: drop --target" \
+        in capsys.readouterr().err
     data["version"] = 1
     plan.write_text(json.dumps(data))
     assert main(["run", str(plan)]) == 2
     assert "the plan is format version 1; this flowgraph reads version" in \
         capsys.readouterr().err
+
+
+def test_a_plan_reruns_into_another_run_dir_for_other_steps(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`trainer.run_dir` and `trainer.steps` change where and how long a plan runs, not
+    what it runs: a plan run takes them, and its run dir's plan.json records them."""
+    plan = tmp_path / "plan.json"
+    _compile_to(plan, "sft.yaml", f"trainer.run_dir={tmp_path / 'compiled'}", "dims.Bp=4",
+                "nodes.update.params.mini_batch_size=4", "trainer.eval_every=0",
+                "trainer.loggers=[jsonl]")
+    again = tmp_path / "again"
+    assert main(["run", str(plan), f"trainer.run_dir={again}", "trainer.steps=2"]) == 0
+    assert [r["step"] for r in read_metrics(again)] == [0, 1]
+    assert not (tmp_path / "compiled").exists()
+    recorded = json.loads((again / "plan.json").read_text())["graph"]["trainer"]
+    assert (recorded["run_dir"], recorded["steps"]) == (str(again), 2)
+    capsys.readouterr()
+    for bad, words in (("trainer.steps=-1", "trainer.steps is -1; it must be >= 0"),
+                       ("trainer.steps=two", "trainer.steps takes a whole number"),
+                       ("trainer.run_dir=[a]", "trainer.run_dir takes a folder")):
+        assert main(["run", str(plan), bad]) == 2
+        assert f"flowgraph: error: override `{bad}`: {words}" in capsys.readouterr().err
 
 
 def _grpo_in_python(run_dir: Path) -> flowgraph.Graph:

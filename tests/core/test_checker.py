@@ -331,6 +331,42 @@ def test_old_log_prob_may_stay_unwired_only_for_one_optimizer_step() -> None:
     assert [d.code for d in _check(unwired, one_step)] == ["FG108"]  # old_logprob unread
 
 
+DAPO = (ROOT / "graphs" / "dapo.yaml").read_text()
+
+
+def test_dpo_refuses_loss_agg_mode_and_says_why() -> None:
+    # verl's loss_agg_mode aggregates per-token losses; DPO's loss is per pair (it was
+    # accepted and ignored before dpo_update took only the params its loss uses).
+    text = (ROOT / "graphs" / "dpo.yaml").read_text()
+    [error] = [d for d in _check(text, ("nodes.update.params.loss_agg_mode=token-mean",))
+               if d.is_error]
+    assert (error.code, error.node, error.hint) == ("FG112", "update", "remove `loss_agg_mode`")
+    assert error.message == (
+        "kind `dpo_update` has no parameter `loss_agg_mode`: DPO's loss is one number per "
+        "pair, from each response's log-prob summed over its tokens (Rafailov et al. 2023), "
+        "averaged over the pairs: there are no per-token losses to aggregate")
+
+
+@pytest.mark.parametrize(("text", "keep"), [(GRPO, ()), (DAPO, ()),
+                                            (DAPO, ("nodes.keep.params.groups=2",))],
+                         ids=["grpo", "dapo", "dapo-2-groups"])
+def test_fg104_counts_optimizer_steps_on_the_updates_batch(text: str,
+                                                           keep: tuple[str, ...]) -> None:
+    # Bp=4 prompts x N=4 samples: 16 rows (the filter keeping 2 groups: 8); a mini-batch
+    # of the whole batch is one optimizer step, as the update loop takes it, and needs no
+    # old_log_prob; one row fewer per mini-batch is two steps and does.
+    unwired = text.replace("      old_log_prob: old_logprob.log_prob\n", "")
+    assert unwired != text
+    rows = 8 if keep else 16
+    one_step = (*keep, f"nodes.update_actor.params.mini_batch_size={rows}")
+    assert [d.code for d in _check(unwired, one_step) if d.is_error] == []
+    two_steps = (*keep, f"nodes.update_actor.params.mini_batch_size={rows // 2}")
+    errors = [d for d in _check(unwired, two_steps) if d.is_error]
+    assert [(d.code, d.node) for d in errors] == [("FG104", "update_actor")]
+    assert (f"ppo_epochs 1, mini_batch_size {rows // 2} on a batch of {rows} rows"
+            in errors[0].message)
+
+
 VERL_FORMAT = (ROOT / "graphs" / "verl_format" / "grpo.yaml").read_text()
 
 

@@ -81,6 +81,23 @@ def test_several_files_and_overrides(broken: str, capsys: pytest.CaptureFixture[
     assert "FG301" in capsys.readouterr().out
 
 
+def test_overrides_after_flags_in_every_command(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse stops taking positionals after an option; a `key=value` after one is
+    still an override, in every command that takes them (not `unrecognized arguments`)."""
+    assert main(["check", PPO, "--data", "trainer.steps=3"]) == 0  # the issue's command
+    bad = "nodes.update_actor.params.mini_batch_size=5"  # FG301: does not divide the batch
+    for args in (["check", PPO, "--format", "json", bad],
+                 ["check", PPO, "--nproc", "1", "trainer.steps=3", bad],
+                 ["compile", PPO, "--target", "local", bad],
+                 ["run", PPO, "--strict", bad],
+                 ["viz", PPO, "-o", str(tmp_path / "g.mmd"), bad]):
+        capsys.readouterr()
+        assert main(args) == 1, args
+        both = capsys.readouterr()
+        assert "FG301" in both.out + both.err and "unrecognized" not in both.err, args
+
+
 @pytest.mark.parametrize("args", [["check", "/no/such/file.yaml"], ["check", "/"]])
 def test_unreadable_input_exits_2(args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert main(args) == 2

@@ -178,6 +178,37 @@ def test_a_trainable_model_is_not_invariant() -> None:
     assert {n.name for n in plan.nodes if n.hoisted} == {"ref_rejected"}
 
 
+def grpo_with_repeated_ground_truth() -> Graph:
+    """GRPO whose reward reads the data column repeated per sample (`repeat` of
+    `train.ground_truth`: Bp rows in, Bp*N out) instead of the rollout's copy."""
+    doc = doc_of("grpo")
+    doc["dims"].update(Bp=4, N=4)
+    doc["nodes"]["update_actor"]["params"]["mini_batch_size"] = 8
+    doc["nodes"]["gt"] = {"kind": "repeat", "inputs": {"x": "train.ground_truth"}}
+    doc["nodes"]["reward"]["inputs"]["ground_truth"] = "gt.x"
+    return graph_of(doc)
+
+
+def test_a_node_with_per_sample_output_is_not_hoisted() -> None:
+    # The prologue keeps one row per data row (by uid); `gt.x` has N rows per data row.
+    plan = plan_of(grpo_with_repeated_ground_truth())
+    assert not plan.node("gt").hoisted
+    assert not any(s.once for s in plan.stages)
+
+
+SAMPLED_EVAL = ("nodes.gen.params.val_n=2", "nodes.gen.params.val_temperature=1.0")
+
+
+@pytest.mark.parametrize(("overrides", "n"), [((), 1), (SAMPLED_EVAL, 2)])
+def test_repeat_follows_the_samples_per_prompt_at_evaluation(overrides: tuple[str, ...],
+                                                             n: int) -> None:
+    # ReMax: `gen` samples N=4 per prompt in training, val_n at evaluation (greedy: 1);
+    # the greedy baseline (`gen_greedy`, n 1) is repeated to match, N times, then n times.
+    baseline = plan_of("remax.yaml", overrides=overrides).node("baseline")
+    assert baseline.param_values() == {"n": None}  # the global N
+    assert baseline.param_values(evaluation=True) == {"n": n}
+
+
 def test_a_wrong_hoisted_mark_in_the_file_is_cleared() -> None:
     doc = doc_of("ppo")
     doc["nodes"]["adv"]["hoisted"] = True

@@ -92,6 +92,24 @@ def test_a_missing_dataset_names_the_resolved_path_and_the_line(
     assert error["line"] == _line_of(elsewhere / "grpo.yaml", "path: graphs/verl_format")
 
 
+@pytest.mark.parametrize("key", ["path", "tokenizer"])
+def test_a_missing_absolute_model_path_is_never_taken_for_a_hub_id(
+        elsewhere: Path, capsys: pytest.CaptureFixture[str], key: str) -> None:
+    """An absolute path is not a hub id: `check` warns (FG123, as for a dataset: the plan
+    may be compiled for a machine that has it) and `check --data` fails (FG506)."""
+    missing = elsewhere / "no" / "such-model"
+    graph, _ = load_graph(VERL, [f"models.actor.{key}={missing}"])
+    assert graph is not None
+    [warning] = [d for d in check_graph(graph).diagnostics if d.code == "FG123"]
+    assert (warning.severity, warning.node) == ("warning", "actor")
+    assert f"model `actor`: folder `{missing}` does not exist" in warning.message
+    assert main(["check", str(VERL), f"models.actor.{key}={missing}", "--data",
+                 "--format", "json"]) == 1
+    found = json.loads(capsys.readouterr().out)
+    assert [(d["code"], d["severity"]) for d in found if d["node"] == "actor"] == [
+        ("FG123", "warning"), ("FG506", "error")], found  # no FG509 note "a hub id"
+
+
 @pytest.mark.parametrize("path", ["Qwen/Qwen2.5-0.5B", "gpt2", "builtin:tiny-lm"])
 def test_hub_ids_and_builtin_names_are_kept(elsewhere: Path, path: str) -> None:
     yaml = VERL.read_text().replace('ref: {path: "builtin:tiny-lm"}', f'ref: {{path: "{path}"}}')

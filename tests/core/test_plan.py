@@ -109,6 +109,12 @@ def _set(path: str, value: object) -> Edit:
     return edit
 
 
+def _repeat_edges(times: int) -> Edit:
+    def edit(data: dict[str, Any]) -> None:
+        data["edges"] = data["edges"] * times
+    return edit
+
+
 def _all(*edits: Edit) -> Edit:
     def edit(data: dict[str, Any]) -> None:
         for e in edits:
@@ -156,6 +162,13 @@ def _all(*edits: Edit) -> Edit:
     (_set("graph/nodes/update/params/beta", 0.5), "invalid execution plan: node `update`: "
      "param `beta` is 0.5 in the graph section but 0.1 in the node's plan, which is what "
      "runs: edit both alike (or compile the graph again)"),
+    # one message however often they repeat (the 50 MB plan: 22,000 times)
+    (_repeat_edges(200), "invalid execution plan: 16 edge(s) are listed more than once, each "
+     "must be listed once: `pairs.prompts -> ref_chosen.prompts` (200 times), "
+     "`pairs.prompt_mask -> ref_chosen.prompt_mask` (200 times), "),
+    (_set("nodes/0/outputs/0/batched", False), "invalid execution plan: edge `pairs.prompts -> "
+     "ref_chosen.prompts` is flagged batched: true, but output `pairs.prompts` is declared "
+     "with batched: false; the two must agree (edit both alike)"),
 ])
 def test_from_json_rejects_a_broken_plan(edit: Edit, message: str) -> None:
     data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
@@ -172,6 +185,31 @@ def test_an_invalid_plan_graph_names_the_problem() -> None:
         ExecutionPlan.from_json(json.dumps(data))
     assert "error[FG004]: `nodes.update.inputs` must be a mapping, got an integer 5" in str(
         exc.value)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize(("content", "message"), [
+    (b'{"version": "\xff"}', "is not UTF-8 text (byte 13: b'\\xff')"),
+    (b"[" * 100_000 + b"]" * 100_000, "the plan is nested more than 80 levels deep"),
+    (b'{"version": ' + b"[" * 81 + b"]" * 81 + b"}", "the plan is nested more than 80 levels deep"),
+    (None, "is larger than 64 MiB"),
+    (b"{nope", "the plan is not valid JSON"),
+], ids=["not-utf8", "nested-100000", "nested-82", "too-large", "not-json"])
+def test_an_unreadable_plan_file_is_one_message_and_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes | None,
+        message: str) -> None:
+    from flowgraph.cli import main
+
+    plan = tmp_path / "plan.json"
+    if content is None:
+        with plan.open("wb") as f:  # sparse: 65 MiB of size, no MiB written
+            f.truncate(65 << 20)
+    else:
+        plan.write_bytes(content)
+    assert main(["run", str(plan)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flowgraph: error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def test_from_json_rejects_text_that_is_not_json() -> None:

@@ -289,7 +289,7 @@ def test_svg(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "ppo.svg"
     code = write_viz(str(PPO), str(out), overrides=(), fmt=None)
     if shutil.which("dot") is None:
-        assert code == 2
+        assert code == 1
         assert "Graphviz" in capsys.readouterr().err
         return
     assert code == 0
@@ -302,7 +302,7 @@ def test_svg_without_graphviz(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                               capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None)
     out = tmp_path / "ppo.svg"
-    assert main(["viz", str(PPO), "-o", str(out)]) == 2
+    assert main(["viz", str(PPO), "-o", str(out)]) == 1  # a tool missing: not a usage error
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
     assert "not installed" in err
@@ -318,7 +318,7 @@ def test_svg_with_broken_graphviz(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     fake.write_text("#!/bin/sh\necho 'Error: syntax error in line 1' >&2\nexit 1\n")
     fake.chmod(0o755)
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: str(fake))
-    assert write_viz(str(PPO), str(tmp_path / "ppo.svg"), overrides=(), fmt=None) == 2
+    assert write_viz(str(PPO), str(tmp_path / "ppo.svg"), overrides=(), fmt=None) == 1
     assert "exited with status 1: Error: syntax error in line 1" in capsys.readouterr().err
 
 
@@ -383,5 +383,5 @@ def test_unreadable_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
 
 def test_unwritable_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "missing" / "dir" / "g.mmd"
-    assert main(["viz", str(PPO), "-o", str(out)]) == 2
+    assert main(["viz", str(PPO), "-o", str(out)]) == 1  # the command ran and failed
     assert "cannot write" in capsys.readouterr().err
