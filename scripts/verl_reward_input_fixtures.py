@@ -35,6 +35,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from omegaconf import OmegaConf
+from typed_values import encode  # scripts/, next to this file
 from verl import DataProto
 from verl.utils.dataset.rl_dataset import RLHFDataset, collate_fn
 from verl.workers.reward_manager.naive import NaiveRewardManager
@@ -62,18 +63,6 @@ CASES: dict[str, tuple[pa.Array, pa.Array]] = {
 """Case -> (ground truth, data_source), two prompts each."""
 ADDED_BY_VERL = ("num_turns", "rollout_reward_scores")
 """Keys verl's reward manager writes into `extra_info` (its agent loop's)."""
-
-
-def encode(value: Any) -> Any:
-    """A value with its Python type at every level; NaN as the string `nan`."""
-    if isinstance(value, dict):
-        return {"type": "dict", "value": {k: encode(v) for k, v in value.items()}}
-    if isinstance(value, list):
-        return {"type": "list", "value": [encode(v) for v in value]}
-    if isinstance(value, float) and math.isnan(value):
-        return {"type": "float", "value": "nan"}
-    return {"type": type(value).__name__, "value": value if value is None or isinstance(
-        value, (str, int, float, bool)) else repr(value)}
 
 
 def write_case(path: Path, truth: pa.Array, source: pa.Array) -> None:

@@ -5,8 +5,8 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,13 @@ from flowgraph.nodes.generate import generate
 from flowgraph.nodes.models import load_model, load_tokenizer
 from flowgraph.nodes.reward import compute_score
 from flowgraph.runtime.context import NodeContext
+
+_spec = importlib.util.spec_from_file_location(  # the recording script's encoding
+    "typed_values", Path(__file__).resolve().parents[2] / "scripts" / "typed_values.py")
+assert _spec is not None and _spec.loader is not None
+_typed = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_typed)
+encode = _typed.encode
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "verl"
 VERL = json.loads((FIXTURES / "reward_inputs.json").read_text())
@@ -35,17 +42,6 @@ def record(data_source: Any, solution_str: str, ground_truth: Any,
     extra_info["seen"] = True
     extra_info["tags"].append("scored")
     return 0.5
-
-
-def encode(value: Any) -> Any:
-    """The fixture's encoding: each value with its Python type (NaN as `nan`)."""
-    if isinstance(value, dict):
-        return {"type": "dict", "value": {k: encode(v) for k, v in value.items()}}
-    if isinstance(value, list):
-        return {"type": "list", "value": [encode(v) for v in value]}
-    if isinstance(value, float) and math.isnan(value):
-        return {"type": "float", "value": "nan"}
-    return {"type": type(value).__name__, "value": value}
 
 
 @pytest.fixture(scope="module")
