@@ -116,9 +116,10 @@ def run_plan(plan: ExecutionPlan, opts: RunOptions) -> None:
     sees the final values."""
     run_dir = prepare_run(plan, resume=opts.resume)
     device = pick_device(plan.resources.device)
-    with run_guard(plan, opts) as stop, serving(
-            plan, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
-            out=opts.out) as exporter:
+    # The guard inside `serving`: the metrics hold after the run is no longer the run's,
+    # and Ctrl-C ends it at once
+    with serving(plan, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
+                 out=opts.out) as exporter, run_guard(plan, opts) as stop:
         options = ExecOptions(run_dir, device, opts.strict, opts.resume, opts.out,
                               opts.tensorboard, exporter,
                               step_timeout_s=plan.trainer.step_timeout_s, stop=stop,

@@ -159,7 +159,7 @@ class HeldOut:
         if self.tokens:
             out = {f"diversity/{k}": v for k, v in diversity_metrics(self.tokens).items()}
         out.update(_accuracy(self.table))
-        sources = {_source(row) for row in self.table} - {None}
+        sources = {s for row in self.table if (s := _source(row)) is not None}
         for source in sorted(sources) if len(sources) > 1 else ():  # a split
             rows = [row for row in self.table if _source(row) == source]
             out.update({f"{source}/{k}": v for k, v in _means(rows).items()})

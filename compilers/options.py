@@ -35,6 +35,9 @@ class RunOptions:
     """fsdp: machines; the plan's processes are split evenly over them."""
     node_rank: int = 0
     rdzv_endpoint: str | None = None
+    disabled: tuple[str, ...] = ()
+    """Passes the run's graph was compiled without (`--disable-pass`): the command that
+    resumes the run repeats them, so that it compiles the same plan."""
     overrides: tuple[str, ...] = field(default=())
     """The command line's overrides, repeated in the resume command an fsdp failure prints."""
     plan_file: Path | None = None

@@ -337,9 +337,8 @@ def run_ray(plan: ExecutionPlan, opts: RunOptions) -> None:
     """`flowgraph run --target ray`: start or join a cluster (`opts.address`) and drive
     the plan. Prometheus metrics as `run_plan` serves them, from the driver."""
     run_dir = prepare_run(plan, resume=opts.resume).resolve()
-    with run_guard(plan, opts) as stop, serving(
-            plan, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
-            target="ray", out=opts.out) as exporter:
+    with serving(plan, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
+                 target="ray", out=opts.out) as exporter, run_guard(plan, opts) as stop:
         target = None
         try:
             start_ray(plan, opts.address)

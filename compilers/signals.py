@@ -119,6 +119,7 @@ def resume_command(plan: ExecutionPlan, opts: RunOptions) -> str:
                            *opts.overrides])  # a plan's only overrides: run_dir, steps
     sized = ["--target", plan.target, "--nproc", str(plan.nproc)] if plan.target != "local" \
         else []
+    sized += [arg for name in opts.disabled for arg in ("--disable-pass", name)]
     return shlex.join(["flowgraph", "run", plan.source, *sized, "--resume", *allowed,
                        *(o for o in opts.overrides if not o.startswith("trainer.run_dir=")),
                        f"trainer.run_dir={plan.trainer.run_dir}"])

@@ -137,6 +137,7 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
     if not isinstance(plan, ExecutionPlan):
         plan = compile(plan, target=target or "local", nproc=nproc, overrides=overrides,
                        disable=disable)
+        options.setdefault("disabled", tuple(disable))
     elif disable or nproc is not None or target not in (None, plan.target):
         raise UsageError(
             f"a plan runs as compiled (target {plan.target}, {plan.nproc} per pool): edit the "

@@ -211,8 +211,9 @@ def _run(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host, metrics_hold=args.metrics_hold, address=args.address,
         nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
         overrides=tuple(args.overrides), plan_file=plan_file,
-        allow_changed=tuple(args.allow_changed)))
-    print(f"run finished: {plan.graph.trainer.run_dir}/metrics.jsonl")
+        allow_changed=tuple(args.allow_changed),
+        disabled=() if plan_file else tuple(args.disable_pass)))
+    print(f"run finished: {plan.trainer.run_dir}/metrics.jsonl")
     return EXIT_OK
 
 

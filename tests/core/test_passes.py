@@ -205,8 +205,8 @@ def test_repeat_follows_the_samples_per_prompt_at_evaluation(overrides: tuple[st
     # ReMax: `gen` samples N=4 per prompt in training, val_n at evaluation (greedy: 1);
     # the greedy baseline (`gen_greedy`, n 1) is repeated to match, N times, then n times.
     baseline = plan_of("remax.yaml", overrides=overrides).node("baseline")
-    assert baseline.param_values() == {"n": None}  # the global N
-    assert baseline.param_values(evaluation=True) == {"n": n}
+    assert baseline.param_values()["n"] is None  # the global N
+    assert baseline.param_values(evaluation=True)["n"] == n
 
 
 def test_a_wrong_hoisted_mark_in_the_file_is_cleared() -> None:
