@@ -394,7 +394,8 @@ class TrainingLoop:
         return MetricsLog(self.opts.run_dir, trackers=trackers,
                           console="console" in self.plan.trainer.loggers,
                           out=self.opts.out, total_steps=self.plan.trainer.steps,
-                          exporter=self.opts.exporter, worker=self.target.label)
+                          exporter=self.opts.exporter, worker=self.target.label,
+                          log_every=self.plan.trainer.log_every)
 
 
 class _Abandoned(Stopped):

@@ -19,11 +19,13 @@ looked for next to the Python file that lists them.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from flowgraph.errors import IRError
+from flowgraph.errors import GraphError, IRError
+from flowgraph.frontend import unknown_key
 from flowgraph.ir import (
     DataSpec,
     DimBinding,
@@ -38,7 +40,9 @@ from flowgraph.ir import (
     ResourceSpec,
     TrainerSpec,
 )
+from flowgraph.lora import lora_spec
 from flowgraph.paths import resolve_path
+from flowgraph.settings import declared
 from flowgraph.source import SourcePos
 
 
@@ -85,15 +89,16 @@ class GraphBuilder:
     def model(self, name: str, path: str, *, trainable: bool = False,
               optimizer: dict[str, Any] | OptimizerSpec | None = None,
               config: dict[str, Any] | None = None,
-              lora: dict[str, Any] | LoraSpec | None = None, **kw: Any) -> str:
-        """Declare a model; `lora` ({r, alpha, dropout, target_modules}) trains adapters."""
+              lora: dict[str, Any] | LoraSpec | Any = None, **kw: Any) -> str:
+        """Declare a model; `lora` trains adapters: a dict ({r, alpha, dropout,
+        target_modules}, or peft's names: lora_alpha, lora_dropout) or a peft `LoraConfig`.
+        An unknown keyword, optimizer or lora key raises `GraphError` (FG003) at this line."""
         pos = _caller()
-        if isinstance(lora, dict):
-            targets = lora.get("target_modules", ("all-linear",))
-            lora = LoraSpec(**{**lora, "target_modules": (
-                (targets,) if isinstance(targets, str) else tuple(targets))}, pos=pos)
+        where = f"models.{name}"
+        _known(ModelSpec, kw, where, pos)
         opt = optimizer
         if isinstance(optimizer, dict):
+            _known(OptimizerSpec, optimizer, f"{where}.optimizer", pos)
             betas = optimizer.get("betas")
             fixed = {**optimizer, **({"betas": tuple(betas)} if betas is not None else {})}
             opt = OptimizerSpec(**fixed, pos=pos)
@@ -102,7 +107,8 @@ class GraphBuilder:
             kw["tokenizer"] = resolve_path(kw["tokenizer"], Path.cwd(), hub=True)
         self._models.append(ModelSpec(name, resolve_path(path, Path.cwd(), hub=True),
                                       trainable=trainable, optimizer=opt,
-                                      config=Params.of(config or {}, pos), lora=lora, pos=pos,
+                                      config=Params.of(config or {}, pos),
+                                      lora=lora_spec(lora, f"{where}.lora", pos), pos=pos,
                                       **kw))
         return name
 
@@ -124,11 +130,17 @@ class GraphBuilder:
         return Handle(name)
 
     def trainer(self, **kw: Any) -> GraphBuilder:
-        self._trainer = replace(self._trainer, **kw, pos=_caller())
+        """Trainer settings (`flowgraph kinds trainer`); an unknown one raises `GraphError`
+        (FG003, naming the setting a TRL name such as `logging_steps` stands for)."""
+        pos = _caller()
+        self._trainer = replace(self._trainer, **_known(TrainerSpec, kw, "trainer", pos),
+                                pos=pos)
         return self
 
     def resources(self, **kw: Any) -> GraphBuilder:
-        self._resources = replace(self._resources, **kw, pos=_caller())
+        pos = _caller()
+        self._resources = replace(self._resources, **_known(ResourceSpec, kw, "resources", pos),
+                                  pos=pos)
         return self
 
     def plugin(self, module: str) -> GraphBuilder:
@@ -141,6 +153,17 @@ class GraphBuilder:
             data=tuple(self._data), dims=tuple(self._dims), trainer=self._trainer,
             resources=self._resources, plugins=tuple(self._plugins), source="<python>",
         )
+
+
+def _known(record: type, values: Mapping[str, Any], where: str, pos: SourcePos
+           ) -> Mapping[str, Any]:
+    """`values` when each key is a setting `record` declares; else `GraphError` with the
+    graph file's FG003 for each other key, at the user's line."""
+    known = [f.name for f, _ in declared(record)]
+    unknown = [key for key in values if key not in known]
+    if unknown:
+        raise GraphError(tuple(unknown_key(key, known, where, pos) for key in unknown))
+    return values
 
 
 def _ref(src: PortRef | str, pos: SourcePos) -> PortRef:

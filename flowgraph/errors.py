@@ -39,7 +39,8 @@ class GraphError(FlowgraphError):
         self.diagnostics = diagnostics
         errors = [d for d in diagnostics if d.severity == "error"]
         lines = [f"{len(errors)} error(s) in the graph:"]
-        lines += [f"  {d.one_line()}" for d in errors]
+        for d in errors:
+            lines += [f"  {d.one_line()}", *([f"    hint: {d.hint}"] if d.hint else [])]
         super().__init__("\n".join(lines))
 
 

@@ -69,6 +69,7 @@ from flowgraph.ir import (
 from flowgraph.paths import folder_of, resolve_path
 from flowgraph.settings import Setting, declared, written_types
 from flowgraph.source import SourcePos
+from flowgraph.trl_names import trl_hint
 
 MAX_FILE_BYTES = 16 * 1024 * 1024
 REF_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\.([A-Za-z_][A-Za-z0-9_]*)$")
@@ -167,8 +168,7 @@ class _Reader:
             name = str(key.value)
             types = schema.get(name)
             if types is None:
-                self.err("FG003", f"unknown key `{name}` in {where}", key.pos,
-                         hint=did_you_mean(name, tuple(schema)))
+                self.diags.append(unknown_key(name, tuple(schema), where, key.pos))
             elif types in ((dict,), (list,)):
                 if isinstance(value, YMap if types == (dict,) else YSeq):
                     out[name] = value
@@ -219,6 +219,14 @@ class _Reader:
             self.err("FG004", f"`{where}` must be a mapping", node.pos)
             return Params()
         return Params(tuple(Param(str(k.value), _freeze(v), v.pos) for k, v in node.items))
+
+
+def unknown_key(name: str, known: Sequence[str], where: str, pos: SourcePos) -> Diagnostic:
+    """FG003 for a key of `where` (`trainer`, `models.actor.lora`) that is none of
+    `known`: a graph file's and the Python builder's. Its hint names the flowgraph setting
+    a TRL name stands for (`flowgraph.trl_names`), else the closest known key."""
+    return error("FG003", f"unknown key `{name}` in {where}", pos,
+                 hint=trl_hint(name) or did_you_mean(name, tuple(known)))
 
 
 _TYPE_NAMES = {int: "an integer", float: "a number", str: "a string", bool: "true or false",

@@ -163,8 +163,11 @@ class OptimizerSpec:
     warmup_steps: int = setting(
         0, "Training steps (not optimizer steps, as verl's lr_warmup_steps) of linear "
         "warm-up from 0: the LR of step s < w is lr*s/w.", minimum=0)
-    schedule: str = setting("constant", "Decay after warm-up over trainer.steps: constant, "
-                            "linear or cosine.", choices=SCHEDULES)
+    schedule: str = setting(
+        "constant", "LR decay after warm-up (TRL's lr_scheduler_type): constant (the default: "
+        "none), or linear or cosine to 0 at trainer.steps, as transformers' "
+        "get_linear_schedule_with_warmup / get_cosine_schedule_with_warmup (TRL's default is "
+        "linear). It steps once per training step.", choices=SCHEDULES)
     grad_clip: float = setting(1.0, "Max global gradient norm; 0 disables clipping.",
                                minimum=0)
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
@@ -313,6 +316,9 @@ class TrainerSpec:
     max_checkpoints: int = setting(2, "Keep the newest this many checkpoints; 0: keep all.",
                                    minimum=0)
     eval_every: int = setting(0, "Evaluate every this many steps; 0: never.", minimum=0)
+    log_every: int = setting(
+        1, "The console prints the line of every this many steps (TRL's logging_steps), and "
+        "of the last; metrics.jsonl and the trackers get every step.", minimum=1)
     val_before_train: bool = setting(
         False, "Also evaluate before the first update (verl's val_before_train): the first "
         "row's val/ metrics are that baseline (unless eval_every is 1).")

@@ -17,6 +17,7 @@ from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec, Params, ParamValu
 from flowgraph.paths import RULE
 from flowgraph.registry import KindSpec, ParamSpec, PortSpec, Registry
 from flowgraph.source import SourcePos
+from flowgraph.trl_names import trl_hint
 
 Producer = NodeSpec | DataSpec
 
@@ -197,8 +198,9 @@ def check_params(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
             if spec is None:
                 out.append(error("FG112", f"kind `{r.kind.name}` has no parameter `{p.name}`",
                                  p.pos, node=r.name,
-                                 hint=did_you_mean(p.name, [s.name for s in r.kind.params])
-                                 if r.kind.params else f"kind {r.kind.name} takes no params"))
+                                 hint=trl_hint(p.name)
+                                 or (did_you_mean(p.name, [s.name for s in r.kind.params])
+                                     if r.kind.params else f"kind {r.kind.name} takes no params")))
                 continue
             problem = param_problem(spec, p.value)
             if problem:

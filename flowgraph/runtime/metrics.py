@@ -56,13 +56,16 @@ class MetricsLog:
 
     def __init__(self, run_dir: Path, *, trackers: Sequence[Tracker] = (),
                  console: bool = True, out: TextIO | None = None, total_steps: int = 0,
-                 exporter: Exporter | None = None, worker: str = "local") -> None:
+                 exporter: Exporter | None = None, worker: str = "local",
+                 log_every: int = 1) -> None:
         self.path = run_dir / "metrics.jsonl"
         self.worker = worker
         """The exporter's `worker` label of the rows written here (`rank0`, `driver`)."""
         self.trackers = tuple(trackers)
         self.console = console
-        """Print a line per step (with a progress bar under it on a terminal)."""
+        """Print a step's line (with a progress bar under it on a terminal)."""
+        self.log_every = log_every
+        """Print the line of every this many steps, and of the last (`trainer.log_every`)."""
         self.out = out or sys.stdout
         self.total = total_steps
         self.exporter = exporter
@@ -104,11 +107,14 @@ class MetricsLog:
             self.exporter.record_memory(worker=self.worker)
         if not self.console:
             return
+        shown = (step + 1) % self.log_every == 0 or step + 1 == self.total
         if self._bar is None:
-            print(self.line(step, metrics), file=self.out, flush=True)
+            if shown:
+                print(self.line(step, metrics), file=self.out, flush=True)
             return
         progress, task = self._bar
-        progress.console.print(self.line(step, metrics), highlight=False, markup=False)
+        if shown:
+            progress.console.print(self.line(step, metrics), highlight=False, markup=False)
         progress.update(task, completed=step + 1)
 
     def table(self, step: int, name: str, rows: Sequence[Mapping[str, Any]]) -> None:
