@@ -60,7 +60,8 @@ def _from_dict(lora: Mapping[str, Any], where: str, pos: SourcePos) -> LoraSpec:
         elif key in PEFT_KEYS or key in own:
             values[PEFT_KEYS.get(key, key)] = value
         else:
-            problems.append(unknown_key(key, [*own, *(k for k in PEFT_KEYS if k not in own)], where, pos))
+            known = [*own, *(k for k in PEFT_KEYS if k not in own)]
+            problems.append(unknown_key(key, known, where, pos))
     if problems:
         raise GraphError(tuple(problems))
     targets = values.get("target_modules", ("all-linear",))

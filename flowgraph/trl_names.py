@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 ABSENT = "not in GRPOConfig"
 """A name TRL 1.16's GRPOConfig no longer has (older TRL, other TRL trainers)."""
 TRAINER_ARG = "GRPOTrainer argument"

@@ -19,7 +19,8 @@ import transformers
 import trl
 from trl import GRPOConfig, GRPOTrainer
 
-OUT = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "trl" / "grpo_config_defaults.json"
+OUT = (Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "trl"
+       / "grpo_config_defaults.json")
 
 
 def _default(f: dataclasses.Field) -> str:

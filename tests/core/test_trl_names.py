@@ -64,7 +64,7 @@ def test_an_unknown_builder_key_is_the_graph_files_fg003_at_the_users_line(
     ("models.actor.optimizer", "lr_scheduler_type"), ("models.actor", "peft_config")])
 def test_yaml_and_the_builder_say_the_same_for_a_trl_name(section: str, key: str) -> None:
     text = (ROOT / "graphs" / "grpo.yaml").read_text()
-    graph, diags = load_graph("g.yaml", overrides=[f"{section}.{key}=5"], text=text)
+    _, diags = load_graph("g.yaml", overrides=[f"{section}.{key}=5"], text=text)
     (d,) = [d for d in diags if d.code == "FG003"]
     assert d.message == f"unknown key `{key}` in {section}"
     assert d.hint == trl_hint(key) and d.hint is not None
@@ -174,7 +174,7 @@ def test_lora_fields_flowgraph_does_not_apply_are_refused_never_dropped(
     line = _line() + 1
     err = _raised(lambda: g.model("actor", "builtin:tiny-lm", trainable=True, lora=lora))
     assert len(err.diagnostics) == len(messages)
-    for d, message in zip(err.diagnostics, messages):
+    for d, message in zip(err.diagnostics, messages, strict=True):
         assert message in d.message, d.message
         assert (d.pos.file, d.pos.line) == (__file__, line)
 
@@ -218,7 +218,7 @@ def test_the_tables_trl_defaults_are_trl_1_16s() -> None:
     the venv that has TRL 1.16."""
     assert TRL["trl"] == "1.16.0"
     for row in TRL_NAMES:
-        for name, default in zip(row.trl, row.defaults):
+        for name, default in zip(row.trl, row.defaults, strict=True):
             if default == ABSENT:
                 assert name not in TRL["defaults"]
             elif default == TRAINER_ARG:
