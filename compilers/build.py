@@ -229,16 +229,17 @@ def lr_lambda(warmup: int, total: int, schedule: str) -> Callable[[int], float]:
     verl 0.9.1's `get_constant_schedule_with_warmup` / `get_cosine_schedule_with_warmup`
     (held to them in tests/compilers/test_local.py): i/w while i < w, then 1, or the
     half cosine over the remaining steps; `linear` decays to 0 as transformers'
-    `get_linear_schedule_with_warmup` does.
+    `get_linear_schedule_with_warmup` does (TRL's default). Linear and cosine equal
+    transformers' own bit for bit, through a resume (tests/compilers/test_lr_schedule.py).
     """
     def factor(i: int) -> float:
         if i < warmup:
             return i / max(1, warmup)
         if schedule == "constant":
             return 1.0
+        if schedule == "linear":  # transformers' expression, to the last bit
+            return max(0.0, (total - i) / max(1, total - warmup))
         frac = (i - warmup) / max(1, total - warmup)
-        if schedule == "linear":
-            return max(0.0, 1.0 - frac)
         return max(0.0, 0.5 * (1.0 + math.cos(math.pi * frac)))
 
     return factor

@@ -252,10 +252,21 @@ def load_weights(folder: Path, models: dict[str, nn.Module], optimizers: dict[st
     dcp = has_dcp(folder)
     if not dcp and not any(map(is_sharded, models.values())):
         load_checkpoint(folder, modules=trained_modules(models, optimizers, schedulers))
-        return
-    (dcp_load if dcp else load_whole)(folder, models, optimizers)
+    else:
+        (dcp_load if dcp else load_whole)(folder, models, optimizers)
+        for name, sched in schedulers.items():
+            sched.load_state_dict(load_plain(folder / f"sched.{name}.pt"))
     for name, sched in schedulers.items():
-        sched.load_state_dict(load_plain(folder / f"sched.{name}.pt"))
+        _on_schedule(optimizers[name], sched)
+
+
+def _on_schedule(opt: Any, sched: Any) -> None:
+    """The LR a resumed run's first step takes, from this run's schedule (the saved
+    optimizer holds the old one's: another `trainer.steps` decays toward the new end).
+    `LambdaLR.step`'s product: an unchanged schedule gives the saved LR to the bit."""
+    for group, base, factor in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas,
+                                   strict=True):
+        group["lr"] = base * factor(sched.last_epoch)
 
 
 # --- sharded checkpoints: DCP ------------------------------------------------------------
