@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from flowgraph.diagnostics import error
 from flowgraph.errors import GraphError, IRError
 from flowgraph.frontend import unknown_key
 from flowgraph.ir import (
@@ -98,11 +99,12 @@ class GraphBuilder:
         _known(ModelSpec, kw, where, pos)
         opt = optimizer
         if isinstance(optimizer, dict):
-            _known(OptimizerSpec, optimizer, f"{where}.optimizer", pos)
-            betas = optimizer.get("betas")
-            fixed = {**optimizer, **({"betas": tuple(betas)} if betas is not None else {})}
-            opt = OptimizerSpec(**fixed, pos=pos)
-        assert opt is None or isinstance(opt, OptimizerSpec)
+            opt = OptimizerSpec(**_known(OptimizerSpec, optimizer, f"{where}.optimizer", pos),
+                                pos=pos)
+        if opt is not None and not isinstance(opt, OptimizerSpec):
+            raise GraphError((error(
+                "FG004", f"`{where}.optimizer` must be a mapping or an OptimizerSpec, got "
+                f"{type(opt).__name__}", pos, hint="e.g. optimizer={'lr': 1e-5}"),))
         if isinstance(kw.get("tokenizer"), str):
             kw["tokenizer"] = resolve_path(kw["tokenizer"], Path.cwd(), hub=True)
         self._models.append(ModelSpec(name, resolve_path(path, Path.cwd(), hub=True),
@@ -157,13 +159,14 @@ class GraphBuilder:
 
 def _known(record: type, values: Mapping[str, Any], where: str, pos: SourcePos
            ) -> Mapping[str, Any]:
-    """`values` when each key is a setting `record` declares; else `GraphError` with the
-    graph file's FG003 for each other key, at the user's line."""
+    """`values` when each key is a setting `record` declares (lists as tuples); else
+    `GraphError` with the graph file's FG003 for each other key, at the user's line."""
     known = [f.name for f, _ in declared(record)]
     unknown = [key for key in values if key not in known]
     if unknown:
         raise GraphError(tuple(unknown_key(key, known, where, pos) for key in unknown))
-    return values
+    # a list where the record keeps a tuple (`loggers=["console", "wandb"]`, `betas`)
+    return {key: tuple(v) if isinstance(v, list) else v for key, v in values.items()}
 
 
 def _ref(src: PortRef | str, pos: SourcePos) -> PortRef:

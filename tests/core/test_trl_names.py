@@ -79,6 +79,27 @@ def test_yaml_and_the_builder_say_the_same_for_a_trl_name(section: str, key: str
         (d.code, d.message, d.hint)]
 
 
+def test_a_trl_name_at_the_top_of_a_graph_file_names_its_dim() -> None:
+    text = (ROOT / "graphs" / "grpo.yaml").read_text() + "num_generations: 8\n"
+    _, diags = load_graph("g.yaml", text=text)
+    (d,) = [d for d in diags if d.code == "FG003"]
+    assert d.message == "unknown key `num_generations` in the graph file"
+    assert "`dims.N`" in (d.hint or "")
+
+
+def test_the_builder_takes_lists_as_a_graph_file_does_and_refuses_a_wrong_optimizer() -> None:
+    g = GraphBuilder("g")
+    g.trainer(loggers=["console", "wandb"])  # TRL's report_to=["wandb"]
+    g.model("actor", "builtin:tiny-lm", trainable=True,
+            optimizer={"lr": 1e-5, "betas": [0.9, 0.95]})
+    graph = g.build()
+    assert graph.trainer.loggers == ("console", "wandb")
+    assert graph.models[0].optimizer == OptimizerSpec(lr=1e-5, betas=(0.9, 0.95))
+    err = _raised(lambda: g.model("critic", "builtin:tiny-lm", optimizer="adamw"))
+    assert [d.code for d in err.diagnostics] == ["FG004"]
+    assert "`models.critic.optimizer` must be a mapping or an OptimizerSpec, got str" in str(err)
+
+
 @pytest.mark.parametrize(("where", "key", "names"), [
     ("nodes.update_actor.params", "beta", "`ppo_actor_update.kl_loss_coef`, `kl_penalty.kl_coef`"),
     ("nodes.update_actor.params", "epsilon_high", "`ppo_actor_update.clip_ratio_high`"),
