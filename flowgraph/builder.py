@@ -14,6 +14,11 @@ at the user's code just as they point at a YAML line. A graph built here has no 
 its relative data, model and tokenizer paths are relative to the working directory when
 `model` or `data` is called, and are stored absolute (`flowgraph.paths`); plugins are
 looked for next to the Python file that lists them.
+
+A keyword or key no record declares (`g.trainer(logging_steps=5)`, `optimizer={"lrr": 1}`)
+raises `GraphError` with the graph file's FG003 at the caller's line, naming the setting a
+TRL name stands for (`flowgraph.trl_names`); `lora=` also takes peft's `LoraConfig`
+(`flowgraph.lora`).
 """
 
 from __future__ import annotations

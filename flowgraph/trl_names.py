@@ -3,14 +3,17 @@ default in TRL 1.16, and the flowgraph setting or param that does the same.
 
 The one table of them: the YAML reader's unknown keys (FG003), the checker's unknown
 params (FG112) and the Python builder's unknown keywords say which flowgraph name a TRL
-name is (`hint`), and the README's "From TRL" table is `markdown_table()` (held to it,
-and each flowgraph name to a setting or param that exists, by tests/core/test_trl_names.py).
+name is (`trl_hint`), and the README's "From TRL" table is `markdown_table()` (held to it,
+and each flowgraph name to a setting or param that exists, by tests/core/test_trl_names.py;
+after a change, paste `python -c "from flowgraph.trl_names import markdown_table;
+print(markdown_table())"` there).
 A flowgraph name is `dims.<D>`, `trainer.<s>`, `resources.<s>`, `models.<m>.<s>` (also
 `.optimizer.<s>`, `.lora`) or `<kind>.<param>`. A leaf module: it imports nothing of
 flowgraph.
 
 Defaults were read from trl/trainer/grpo_config.py, trl/trainer/base_config.py and
-transformers' TrainingArguments as TRL 1.16 installs them (transformers 5).
+transformers' TrainingArguments as TRL 1.16 installs them (transformers 5), and recorded by
+scripts/trl_names_fixture.py.
 """
 
 from __future__ import annotations
