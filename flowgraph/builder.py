@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from flowgraph.errors import IRError
+from flowgraph.errors import FlowgraphError, IRError
 from flowgraph.ir import (
     DataSpec,
     DimBinding,
@@ -38,8 +38,9 @@ from flowgraph.ir import (
     ResourceSpec,
     TrainerSpec,
 )
-from flowgraph.paths import resolve_path
+from flowgraph.paths import resolve_data_path, resolve_path
 from flowgraph.source import SourcePos
+from flowgraph.tables import hold
 
 
 def _caller() -> SourcePos:
@@ -106,12 +107,22 @@ class GraphBuilder:
                                       **kw))
         return name
 
-    def data(self, name: str, kind: str, path: str, **params: Any) -> Handle:
+    def data(self, name: str, kind: str, path: Any, **params: Any) -> Handle:
+        """Declare a data source: `path` (and `eval_path`) a file, a hub id, or a pyarrow
+        Table, pandas DataFrame, `datasets.Dataset` or `DatasetDict` (its `test` split the
+        held-out rows), copied now (`flowgraph.tables`)."""
         pos = _caller()
-        if isinstance(params.get("eval_path"), str):
-            params["eval_path"] = resolve_path(params["eval_path"], Path.cwd())
-        self._data.append(DataSpec(name, kind, resolve_path(path, Path.cwd()),
-                                   Params.of(params, pos), pos))
+        what_for = f"data source `{name}` ({pos})"
+        try:
+            path, held_out = _data_path(path, what_for)
+            given = params.get("eval_path")
+            if given is not None:
+                held_out = _data_path(given, f"{what_for}, eval_path")[0]
+        except FlowgraphError as exc:
+            raise IRError(str(exc)) from None
+        if held_out is not None:
+            params["eval_path"] = held_out
+        self._data.append(DataSpec(name, kind, path, Params.of(params, pos), pos))
         return Handle(name)
 
     def node(self, name: str, kind: str, *, model: str | None = None,
@@ -141,6 +152,14 @@ class GraphBuilder:
             data=tuple(self._data), dims=tuple(self._dims), trainer=self._trainer,
             resources=self._resources, plugins=tuple(self._plugins), source="<python>",
         )
+
+
+def _data_path(path: Any, what_for: str) -> tuple[str, str | None]:
+    """(the path a graph holds, the held-out rows' path or None) of a dataset given as a
+    path or as a Python object (`flowgraph.tables.hold`)."""
+    if isinstance(path, (str, Path)):
+        return resolve_data_path(str(path), Path.cwd()), None
+    return hold(path, what_for)
 
 
 def _ref(src: PortRef | str, pos: SourcePos) -> PortRef:

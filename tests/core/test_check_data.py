@@ -48,7 +48,7 @@ def test_a_dataset_without_ground_truth_too_long_and_too_short(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     data = _jsonl(tmp_path / "q.jsonl", ROWS)
-    graph = _graph(tmp_path, f"{{kind: prompts, path: {data}}}")
+    graph = _graph(tmp_path, f"{{kind: prompts, path: {data}, apply_chat_template: true}}")
     status, diags = _diags(capsys, graph)
     assert status == 1
     by_code = {d["code"]: d for d in diags}
@@ -155,12 +155,12 @@ def test_preferences_on_a_base_model_and_long_responses(
     data = _jsonl(tmp_path / "p.jsonl", rows)
     args = [DPO, f"data.pairs.path={data}",
             *(f"models.{m}.tokenizer={tmp_path / 'base-tok'}" for m in ("policy", "ref"))]
-    status, diags = _diags(capsys, *args)
+    status, diags = _diags(capsys, *args, "data.pairs.apply_chat_template=true")
     assert status == 1
     assert [d["code"] for d in diags if d["severity"] == "error"] == ["FG504"]
-    assert "apply_chat_template: false" in diags[-1]["message"]
-    status, diags = _diags(capsys, *args, "data.pairs.apply_chat_template=false")
-    assert status == 1  # the parameter exists for preferences now (was FG112)
+    assert "apply_chat_template is true: unset it" in diags[-1]["message"]
+    status, diags = _diags(capsys, *args)  # string prompts are raw text: no template needed
+    assert status == 1
     errors = [d for d in diags if d["severity"] == "error"]
     assert [d["code"] for d in errors] == ["FG503"]
     assert "p.jsonl` row 0 (0-based): the rejected is" in errors[0]["message"]
