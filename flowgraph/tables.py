@@ -104,7 +104,9 @@ def _fingerprint(table: Any) -> str:
     import pyarrow as pa
 
     sink = io.BytesIO()
-    table = table.combine_chunks()  # the same rows, however they were chunked
+    # the same rows, however they were chunked and whatever the schema's metadata says
+    # (pandas' index, datasets' features)
+    table = table.combine_chunks().replace_schema_metadata(None)
     with pa.ipc.new_stream(sink, table.schema) as writer:
         writer.write_table(table)
     return hashlib.sha256(sink.getvalue()).hexdigest()
