@@ -131,8 +131,9 @@ _KINDS = (
         impl="flowgraph.nodes.data:prompt_source",
     ),
     KindSpec(
-        "preferences", "data", "Preference pairs (TRL layout: prompt, chosen, rejected; or only chosen and "
-        "rejected conversations, the prompt their shared first messages).",
+        "preferences", "data",
+        "Preference pairs (TRL layout: prompt, chosen, rejected; or only chosen and rejected, "
+        "the prompt their shared first messages).",
         outputs=(
             _p("prompts", "Bp P", "int"),
             _p("prompt_mask", "Bp P", "int", "binary"),

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from flowgraph.ir import DataSpec
     from flowgraph.plan import ExecutionPlan
 
-__all__ = ["MEMORY_PREFIX", "HeldTable", "hold", "held_table", "is_memory", "load_hub",
+__all__ = ["MEMORY_PREFIX", "HeldTable", "held_table", "hold", "is_memory", "load_hub",
            "write_tables"]
 
 MEMORY_PREFIX = "memory:"
@@ -129,7 +129,7 @@ def hold(obj: Any, what_for: str) -> tuple[str, str | None]:
             raise FlowgraphError(f"{what_for}: the DatasetDict has no `train` split; its "
                                  f"splits: {', '.join(obj)}; pass the split to train on "
                                  "(`ds['<split>']`)")
-        test = obj["test"] if "test" in obj else None
+        test = obj.get("test")
         return (_hold_one(obj["train"], f"{what_for} (split train)"),
                 None if test is None else _hold_one(test, f"{what_for} (split test)"))
     return _hold_one(obj, what_for), None
