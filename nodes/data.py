@@ -1,12 +1,15 @@
 """Prompt and preference datasets read with pyarrow, batched and exactly resumable.
 
 Layouts:
-* prompts (verl): `prompt` is a string or a chat-message list (rendered with the
-  tokenizer's chat template and the generation prompt), the ground truth sits in
+* prompts (verl; TRL's standard and conversational formats): `prompt` is a string
+  (raw text) or a chat-message list (rendered with the tokenizer's chat template and
+  the generation prompt), the ground truth sits in
   `reward_model.ground_truth` (a struct column) or `ground_truth`, and `data_source`
   is optional.
-* preferences (TRL): `prompt`, `chosen`, `rejected`; each a string or a message list.
-  Responses end with EOS, as sampled responses do.
+* preferences (TRL): `prompt`, `chosen`, `rejected`; each a string or a message list;
+  or TRL's implicit-prompt format, `chosen` and `rejected` only: the prompt is their
+  shared first messages (`with_prompt`, TRL's `extract_prompt`). Responses end with
+  EOS, as sampled responses do.
 * sft (verl's SFT parquet): a `prompt` and a `response` column (strings; the keys are
   params, a struct field by its dotted name as `extra_info.question`), or a `messages`
   chat list whose last message is the assistant's answer: the messages before it are
@@ -40,8 +43,11 @@ an epoch would: 6.5 s for 20k chat prompts of 125 tokens with the builtin tokeni
   A response over T keeps its first T tokens under both, as TRL truncates completions.
 With no limit (neither the param nor the dim is set) a batch pads to its longest row.
 
-String prompts and responses are raw text when `apply_chat_template: false` (TRL's
-non-conversational format), so a base model without a chat template can be used.
+Prompts are rendered as TRL renders its formats: a message list through the chat
+template, a string as raw text (so a base model without a chat template can be used)
+unless `apply_chat_template: true` asks for the template (as one user message; the
+`sft` kind's default, as verl's SFT datasets). A table may also be one given in Python
+or a hub dataset (`flowgraph.tables`: its path is then a `memory:` key).
 
 Notation: Bp prompts in a batch, P prompt length, T response length.
 """
