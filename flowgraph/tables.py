@@ -113,7 +113,14 @@ def _fingerprint(table: Any) -> str:
 
 
 def _hold_one(obj: Any, what_for: str) -> str:
-    table, kind = _as_arrow(obj, what_for)
+    import pyarrow as pa
+
+    try:
+        table, kind = _as_arrow(obj, what_for)
+    except (pa.ArrowException, ValueError) as exc:  # a column pyarrow cannot type
+        raise FlowgraphError(f"{what_for}: its rows cannot be read as a table: "
+                             f"{str(exc).splitlines()[0]}; give each column one type (a "
+                             "string, a number, a list of {role, content} dicts)") from exc
     held = HeldTable(f"{kind}, {table.num_rows:,} rows × {table.num_columns} columns",
                      tuple(table.column_names), _fingerprint(table), table)
     _HELD.setdefault(held.sha256[:16], held)

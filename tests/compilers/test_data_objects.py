@@ -21,13 +21,17 @@ from flowgraph.testing.targets import assert_same_numbers
 
 # builtin:arith as a user holds it: string prompts (raw text: TRL's standard format)
 ARITH = pd.DataFrame([{"prompt": q, "ground_truth": a} for q, a in arith_problems()])
+HELD_OUT = pd.DataFrame([{"prompt": q, "ground_truth": a}
+                         for q, a in arith_problems("test")][:8])
 
 
-def _graph(data: object, run_dir: Path, steps: int = 2) -> flowgraph.Graph:
+def _graph(data: object, run_dir: Path, steps: int = 2, held_out: object = None
+           ) -> flowgraph.Graph:
     g = GraphBuilder("grpo")
     g.dims(Bp=4, N=2, P=8, T=4)
     g.model("actor", "builtin:tiny-lm", trainable=True, optimizer={"lr": 3e-4})
-    train = g.data("train", "prompts", data)
+    train = g.data("train", "prompts", data,
+                   **({} if held_out is None else {"eval_path": held_out}))
     gen = g.node("gen", "generate", model="actor", prompts=train.input_ids,
                  prompt_mask=train.attention_mask, ground_truth=train.ground_truth)
     seq = {"prompts": gen.prompts, "prompt_mask": gen.prompt_mask,
@@ -40,7 +44,8 @@ def _graph(data: object, run_dir: Path, steps: int = 2) -> flowgraph.Graph:
                  index=gen.index)
     g.node("update_actor", "ppo_actor_update", model="actor", **seq,
            old_log_prob=old.log_prob, advantages=adv.advantages)
-    g.trainer(steps=steps, seed=0, run_dir=str(run_dir), checkpoint_every=0, eval_every=0)
+    g.trainer(steps=steps, seed=0, run_dir=str(run_dir), checkpoint_every=0,
+              eval_every=0 if held_out is None else 2)
     return g.build()
 
 
@@ -48,14 +53,18 @@ def test_a_dataframe_run_resumed_from_the_command_line_and_refused_when_changed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run_dir = tmp_path / "run"
     with open(os.devnull, "w") as out:
-        rows = flowgraph.run(_graph(ARITH, run_dir), out=out, tensorboard=False).rows
-        file = flowgraph.run(_graph(_write(ARITH, tmp_path), tmp_path / "file"), out=out,
+        rows = flowgraph.run(_graph(ARITH, run_dir, held_out=HELD_OUT), out=out,
                              tensorboard=False).rows
+        file = flowgraph.run(_graph(_write(ARITH, tmp_path / "a.parquet"), tmp_path / "file",
+                                    held_out=_write(HELD_OUT, tmp_path / "b.parquet")),
+                             out=out, tensorboard=False).rows
     assert [r["step"] for r in rows] == [0, 1]
-    assert_same_numbers(rows, file)  # the DataFrame's rows are the parquet file's
-    written = sorted((run_dir / "data").glob("train-*.parquet"))
-    assert len(written) == 1
-    assert str(written[0]) in (run_dir / "plan.json").read_text()
+    assert any(k.startswith("val/") for k in rows[-1])  # the held-out DataFrame evaluated
+    assert_same_numbers(rows, file)  # the DataFrames' rows are the parquet files'
+    written = sorted((run_dir / "data").glob("*.parquet"))
+    assert {w.name.rsplit("-", 1)[0] for w in written} == {"train", "train-eval"}
+    plan = (run_dir / "plan.json").read_text()
+    assert all(str(w) in plan for w in written)
     # another process (no DataFrame held): the run dir's plan names the written file
     monkeypatch.setattr(tables, "_HELD", {})
     assert main(["run", str(run_dir / "plan.json"), "--resume", "trainer.steps=3"]) == 0
@@ -63,12 +72,11 @@ def test_a_dataframe_run_resumed_from_the_command_line_and_refused_when_changed(
     changed = ARITH.copy()
     changed.loc[0, "ground_truth"] = "99"
     with pytest.raises(FlowgraphError) as exc:
-        flowgraph.run(_graph(changed, run_dir, steps=4), resume=True)
+        flowgraph.run(_graph(changed, run_dir, steps=4, held_out=HELD_OUT), resume=True)
     assert "data.train.path" in str(exc.value) and "changed since it was written" in str(exc.value)
 
 
-def _write(df: pd.DataFrame, folder: Path) -> str:
-    path = folder / "arith.parquet"
+def _write(df: pd.DataFrame, path: Path) -> str:
     df.to_parquet(path)
     return str(path)
 

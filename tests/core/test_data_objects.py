@@ -103,6 +103,7 @@ def test_a_dataframe_changed_after_the_call_is_not_what_runs() -> None:
     (datasets.DatasetDict({"validation": datasets.Dataset.from_list(ROWS)}),
      "has no `train` split; its splits: validation"),
     (datasets.Dataset.from_list(ROWS).to_iterable_dataset(), "streaming"),
+    (pd.DataFrame({"prompt": ["1+1=", 3]}), "its rows cannot be read as a table"),
 ])
 def test_what_cannot_be_a_dataset_names_the_users_line(obj: Any, needle: str) -> None:
     with pytest.raises(IRError) as exc:
