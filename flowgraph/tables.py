@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowgraph.errors import FlowgraphError
-from flowgraph.paths import is_hub_dataset
+from flowgraph.paths import MEMORY_PREFIX, is_hub_dataset
 
 if TYPE_CHECKING:
     from flowgraph.ir import DataSpec
@@ -43,16 +43,12 @@ if TYPE_CHECKING:
 __all__ = ["MEMORY_PREFIX", "HeldTable", "held_table", "hold", "is_memory", "load_hub",
            "write_tables"]
 
-MEMORY_PREFIX = "memory:"
-
-
 @dataclass(frozen=True, slots=True)
 class HeldTable:
     """A table given as a Python object, copied when the graph was built."""
 
     what: str
     """What it was: `pandas DataFrame, 1,000 rows × 3 columns`."""
-    columns: tuple[str, ...]
     sha256: str
     """Of the table's Arrow IPC stream: equal rows, columns and types, equal digest."""
     table: Any = field(compare=False, repr=False)
@@ -65,8 +61,8 @@ class HeldTable:
 
 
 _HELD: dict[str, HeldTable] = {}
-"""sha256[:16] -> the table: the tables this process's graphs name (the same rows given
-twice are held once)."""
+"""sha256[:16] -> the table: the tables this process's graphs name, for the life of the
+process (the same rows given twice, a notebook cell run again, are held once)."""
 
 
 def is_memory(path: str) -> bool:
@@ -122,7 +118,7 @@ def _hold_one(obj: Any, what_for: str) -> str:
                              f"{str(exc).splitlines()[0]}; give each column one type (a "
                              "string, a number, a list of {role, content} dicts)") from exc
     held = HeldTable(f"{kind}, {table.num_rows:,} rows × {table.num_columns} columns",
-                     tuple(table.column_names), _fingerprint(table), table)
+                     _fingerprint(table), table)
     _HELD.setdefault(held.sha256[:16], held)
     return held.key
 
