@@ -90,3 +90,21 @@ def test_fsdp_ranks_read_the_dataframe_the_driver_wrote(tmp_path: Path) -> None:
                               tensorboard=False).rows
     assert_same_numbers(fsdp, local)
     assert len(list((tmp_path / "fsdp" / "data").glob("train-*.parquet"))) == 1
+
+
+def test_a_dataframe_is_checked_before_any_model_loads_naming_the_users_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import flowgraph.nodes.models as models
+
+    def no_loading(*args: object, **kw: object) -> None:
+        raise AssertionError("a model was loaded before the dataset was checked")
+
+    monkeypatch.setattr(models, "load_model", no_loading)
+    graph = _graph(ARITH.rename(columns={"ground_truth": "answer"}), tmp_path / "run")
+    with pytest.raises(FlowgraphError) as exc:
+        flowgraph.run(graph, tensorboard=False)
+    message = str(exc.value)  # the rows as written into the run dir, and the g.data line
+    assert f"{tmp_path / 'run' / 'data' / 'train-'}" in message
+    assert "has no ground truth, which node `reward` needs; its columns: prompt, answer" \
+        in message
+    assert f"(data source `train` at {__file__}:{graph.data[0].pos.line}:1)" in message

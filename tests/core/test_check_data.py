@@ -254,3 +254,21 @@ def test_identical_and_empty_pairs_are_a_warning(
     assert "1 of 16 pairs have identical responses (chosen == rejected), the first row 14" \
         in pairs[0]["message"]
     assert "1 of 16 pairs have an empty response, the first row 15" in pairs[1]["message"]
+
+
+def test_implicit_prompt_pairs_are_checked_with_their_extracted_prompt(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TRL's implicit-prompt format (only chosen and rejected conversations): the prompt
+    is their shared first messages, measured against P like any prompt."""
+    def pair(q: str, good: str, bad: str) -> dict[str, Any]:
+        user = {"role": "user", "content": q}
+        return {"chosen": [user, {"role": "assistant", "content": good}],
+                "rejected": [user, {"role": "assistant", "content": bad}]}
+
+    rows = [pair("1+1=", "2", "3")] * 15 + [pair(LONG, "0", "1")]
+    data = _jsonl(tmp_path / "p.jsonl", rows)
+    status, diags = _diags(capsys, DPO, f"data.pairs.path={data}")
+    errors = [d for d in diags if d["severity"] == "error"]
+    assert status == 1 and [d["code"] for d in errors] == ["FG503"]
+    assert "p.jsonl` row 15 (0-based): the prompt is 24 tokens" in errors[0]["message"]
