@@ -153,6 +153,10 @@ def test_a_hub_id_is_kept_and_offline_is_one_message(tmp_path: Path) -> None:
     graph = _graph("trl-lib/tldr")
     assert graph.data[0].path == "trl-lib/tldr"  # not a file of the working directory
     assert not [d for d in check_graph(graph).diagnostics if d.code == "FG123"]
+    from flowgraph.nodes.data_check import check_data
+
+    notes = [d for d in check_data(graph) if d.code == "FG509"]
+    assert any("hub dataset `trl-lib/tldr` is not a local path" in d.message for d in notes)
     # no network here: HF's offline mode answers at once instead of a timeout
     yaml = (ROOT / "graphs" / "grpo.yaml").read_text().replace(
         'train: {kind: prompts, path: "builtin:reverse"}', "train: {kind: prompts, path: "
