@@ -212,6 +212,9 @@ def _written(d: DataSpec, folder: Path) -> DataSpec:
             held_out = _write(test, folder, f"{d.name}-eval")
     if held_out is not None and is_memory(held_out):
         held_out = _write(held_table(held_out), folder, f"{d.name}-eval")
+    elif held_out is not None and is_hub_dataset(held_out):  # its test split, or its only
+        train, test = load_hub(held_out, f"{what_for}, eval_path")
+        held_out = _write(train if test is None else test, folder, f"{d.name}-eval")
     if path == d.path and held_out == eval_path:
         return d
     given = {**params, "eval_path": held_out} if held_out is not None else params

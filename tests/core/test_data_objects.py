@@ -14,6 +14,7 @@ from typing import Any
 import datasets
 import pandas as pd
 import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import flowgraph
@@ -174,3 +175,24 @@ def test_a_hub_id_is_kept_and_offline_is_one_message(tmp_path: Path) -> None:
                    "to_parquet", "data source `train`", "g.yaml:"):
         assert needle in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_hub_dataset_is_loaded_and_written_with_its_test_split(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where there is network: `datasets.load_dataset(id)` (stood in for here), its train
+    split the rows, its test split the held-out ones, both written into the run dir."""
+    asked: list[str] = []
+
+    def load_dataset(path: str) -> datasets.DatasetDict:
+        asked.append(path)
+        return datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
+                                     "test": datasets.Dataset.from_list(ROWS[:4])})
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    plan = tables.write_tables(flowgraph.compile(_graph("org/name")), tmp_path)
+    source = plan.data[0]
+    held_out = str(source.params.to_python()["eval_path"])
+    assert asked == ["org/name"]
+    assert [Path(p).parent for p in (source.path, held_out)] == [tmp_path / "data"] * 2
+    assert pq.read_table(source.path).num_rows == 8
+    assert pq.read_table(held_out).num_rows == 4
