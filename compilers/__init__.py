@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flowgraph.compilers.options import Run, RunOptions, read_metrics
+from flowgraph.tables import write_tables
 
 if TYPE_CHECKING:
     from flowgraph.plan import ExecutionPlan
@@ -26,6 +27,8 @@ def run(plan: ExecutionPlan, options: RunOptions | None = None) -> Run:
     opts = options or RunOptions()
     # the one place `--resume` and `trainer.resume` are merged
     opts = replace(opts, resume=opts.resume or plan.trainer.resume)
+    # DataFrames and hub datasets as files in the run dir, before any process reads them
+    plan = write_tables(plan, Path(plan.trainer.run_dir))
     from flowgraph.compilers.builtins import ensure_builtins
 
     ensure_builtins(plan.models, opts.out)  # before any worker looks for them

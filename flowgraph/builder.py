@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from flowgraph.diagnostics import error
-from flowgraph.errors import GraphError, IRError
+from flowgraph.errors import FlowgraphError, GraphError, IRError
 from flowgraph.frontend import unknown_key
 from flowgraph.ir import (
     DataSpec,
@@ -47,9 +47,10 @@ from flowgraph.ir import (
     TrainerSpec,
 )
 from flowgraph.lora import lora_spec
-from flowgraph.paths import resolve_path
+from flowgraph.paths import resolve_data_path, resolve_path
 from flowgraph.settings import declared
 from flowgraph.source import SourcePos
+from flowgraph.tables import hold
 
 
 def _caller() -> SourcePos:
@@ -119,12 +120,22 @@ class GraphBuilder:
                                       **kw))
         return name
 
-    def data(self, name: str, kind: str, path: str, **params: Any) -> Handle:
+    def data(self, name: str, kind: str, path: Any, **params: Any) -> Handle:
+        """Declare a data source: `path` (and `eval_path`) a file, a hub id, or a pyarrow
+        Table, pandas DataFrame, `datasets.Dataset` or `DatasetDict` (its `test` split the
+        held-out rows), copied now (`flowgraph.tables`)."""
         pos = _caller()
-        if isinstance(params.get("eval_path"), str):
-            params["eval_path"] = resolve_path(params["eval_path"], Path.cwd())
-        self._data.append(DataSpec(name, kind, resolve_path(path, Path.cwd()),
-                                   Params.of(params, pos), pos))
+        what_for = f"data source `{name}` ({pos})"
+        try:
+            path, held_out = _data_path(path, what_for)
+            given = params.get("eval_path")
+            if given is not None:
+                held_out = _data_path(given, f"{what_for}, eval_path")[0]
+        except FlowgraphError as exc:
+            raise IRError(str(exc)) from None
+        if held_out is not None:
+            params["eval_path"] = held_out
+        self._data.append(DataSpec(name, kind, path, Params.of(params, pos), pos))
         return Handle(name)
 
     def node(self, name: str, kind: str, *, model: str | None = None,
@@ -172,6 +183,14 @@ def _known(record: type, values: Mapping[str, Any], where: str, pos: SourcePos
         raise GraphError(tuple(unknown_key(key, known, where, pos) for key in unknown))
     # a list where the record keeps a tuple (`loggers=["console", "wandb"]`, `betas`)
     return {key: tuple(v) if isinstance(v, list) else v for key, v in values.items()}
+
+
+def _data_path(path: Any, what_for: str) -> tuple[str, str | None]:
+    """(the path a graph holds, the held-out rows' path or None) of a dataset given as a
+    path or as a Python object (`flowgraph.tables.hold`)."""
+    if isinstance(path, (str, Path)):
+        return resolve_data_path(str(path), Path.cwd()), None
+    return hold(path, what_for)
 
 
 def _ref(src: PortRef | str, pos: SourcePos) -> PortRef:

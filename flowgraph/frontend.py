@@ -66,7 +66,7 @@ from flowgraph.ir import (
     TrainerSpec,
     from_python,
 )
-from flowgraph.paths import folder_of, resolve_path
+from flowgraph.paths import folder_of, resolve_data_path, resolve_path
 from flowgraph.settings import Setting, declared, written_types
 from flowgraph.source import SourcePos
 from flowgraph.trl_names import trl_hint
@@ -343,7 +343,8 @@ def _read_data(r: _Reader, node: YNode | None) -> tuple[DataSpec, ...]:
         rest = YMap(tuple((k, v) for k, v in value.items if k.value not in ("kind", "path")),
                     value.pos)
         params = _held_out_resolved(r.params(rest, f"data.{key.value}"))
-        out.append(DataSpec(str(key.value), kind_v, resolve_path(path_v, folder_of(path.pos)),
+        out.append(DataSpec(str(key.value), kind_v,
+                            resolve_data_path(path_v, folder_of(path.pos)),
                             params, key.pos))
     return tuple(out)
 
@@ -353,7 +354,7 @@ def _held_out_resolved(params: Params) -> Params:
     given = params.find("eval_path")
     if given is None or not isinstance(given.value, str):
         return params
-    held_out = replace(given, value=resolve_path(given.value, folder_of(given.pos)))
+    held_out = replace(given, value=resolve_data_path(given.value, folder_of(given.pos)))
     return Params(tuple(held_out if p is given else p for p in params.items))
 
 

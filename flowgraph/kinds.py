@@ -85,8 +85,17 @@ MINI_BATCH = (
 """The update loop's params, which every update kind declares (`flowgraph.runtime.update.
 MiniBatching`; the loop reads them, the kind's implementation only `packing`)."""
 LOSS_AGG_MODE = _s("loss_agg_mode", "token-mean", LOSS_AGG_MODES)
+TRL_TEMPLATE = ParamSpec(
+    "apply_chat_template", ("bool", "null"), None,
+    doc="null (TRL's formats): a prompt that is a list of chat messages goes through the "
+        "chat template with the generation prompt, a string prompt is raw text; true: a "
+        "string prompt too (as one user message); false: no template (message lists are "
+        "refused)")
+"""The prompt and preference kinds: TRL's standard and conversational formats."""
+VERL_SFT_TEMPLATE = _b("apply_chat_template", True,
+                       "false: string prompts are raw text (a base model); true (verl's SFT "
+                       "datasets): a string prompt is one user message in the chat template")
 DATA_PARAMS = (
-    _b("apply_chat_template", True, "false: string prompts are raw text (a base model)"),
     _s("truncation", "error", ("error", "left", "right"),
        "a row over its length limit: stop (error), keep a prompt's last (left) or first "
        "(right) tokens; responses keep their first"),
@@ -116,12 +125,15 @@ _KINDS = (
             _i("max_prompt_length", None, "left-pad prompts to this", dim="P"),
             _b("shuffle", True),
             _s("eval_path", None, doc="held-out prompts for evaluation"),
+            TRL_TEMPLATE,
             *DATA_PARAMS,
         ),
         impl="flowgraph.nodes.data:prompt_source",
     ),
     KindSpec(
-        "preferences", "data", "Preference pairs (TRL layout: prompt, chosen, rejected).",
+        "preferences", "data",
+        "Preference pairs (TRL layout: prompt, chosen, rejected; or only chosen and rejected, "
+        "the prompt their shared first messages).",
         outputs=(
             _p("prompts", "Bp P", "int"),
             _p("prompt_mask", "Bp P", "int", "binary"),
@@ -137,6 +149,7 @@ _KINDS = (
             _i("max_response_length", None, dim="T"),
             _b("shuffle", True),
             _s("eval_path", None),
+            TRL_TEMPLATE,
             *DATA_PARAMS,
         ),
         impl="flowgraph.nodes.data:preference_source",
@@ -167,6 +180,7 @@ _KINDS = (
             _i("max_response_length", None, dim="T"),
             _b("shuffle", True),
             _s("eval_path", None),
+            VERL_SFT_TEMPLATE,
             *DATA_PARAMS,
         ),
         impl="flowgraph.nodes.data:sft_source",

@@ -21,6 +21,10 @@ from flowgraph.source import SourcePos
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 """A hub id is `name` or `org/name`; anything else (./x, /x, a/b/c, ~/x) is a local path."""
+MEMORY_PREFIX = "memory:"
+"""A dataset path so prefixed names a table given in Python (`flowgraph.tables`)."""
+DATA_SUFFIXES = (".parquet", ".pq", ".jsonl", ".json", ".csv", ".arrow")
+"""A dataset path ending so is a file, never a hub id."""
 RULE = ("a relative path in a graph file is relative to that file's folder; on the command "
         "line or in a graph built in Python, to the working directory")
 """The rule, as a hint under an error about a missing file."""
@@ -44,3 +48,20 @@ def resolve_path(path: str, folder: Path, *, hub: bool = False) -> str:
     if hub and HUB_ID.match(path) and not local.is_dir():
         return path
     return os.path.normpath(local)
+
+
+def resolve_data_path(path: str, folder: Path) -> str:
+    """A dataset's path resolved as `resolve_path` does, except that an in-memory table's
+    key (`memory:…`) and a hub dataset id (`org/name`, no such local file or folder, no
+    file suffix: `flowgraph.tables.is_hub_dataset`) are kept as written."""
+    if path.startswith(MEMORY_PREFIX) or is_hub_dataset(path, folder):
+        return path
+    return resolve_path(path, folder)
+
+
+def is_hub_dataset(path: str, folder: Path | None = None) -> bool:
+    """`org/name` with no file suffix and no such file or folder (in `folder`, else the
+    working directory): a Hugging Face hub dataset (`trl-lib/tldr`)."""
+    local = (folder or Path.cwd()) / Path(path).expanduser()
+    return ("/" in path and HUB_ID.match(path) is not None
+            and not path.endswith(DATA_SUFFIXES) and not local.exists())

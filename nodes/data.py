@@ -1,12 +1,15 @@
 """Prompt and preference datasets read with pyarrow, batched and exactly resumable.
 
 Layouts:
-* prompts (verl): `prompt` is a string or a chat-message list (rendered with the
-  tokenizer's chat template and the generation prompt), the ground truth sits in
+* prompts (verl; TRL's standard and conversational formats): `prompt` is a string
+  (raw text) or a chat-message list (rendered with the tokenizer's chat template and
+  the generation prompt), the ground truth sits in
   `reward_model.ground_truth` (a struct column) or `ground_truth`, and `data_source`
   is optional.
-* preferences (TRL): `prompt`, `chosen`, `rejected`; each a string or a message list.
-  Responses end with EOS, as sampled responses do.
+* preferences (TRL): `prompt`, `chosen`, `rejected`; each a string or a message list;
+  or TRL's implicit-prompt format, `chosen` and `rejected` only: the prompt is their
+  shared first messages (`with_prompt`, TRL's `extract_prompt`). Responses end with
+  EOS, as sampled responses do.
 * sft (verl's SFT parquet): a `prompt` and a `response` column (strings; the keys are
   params, a struct field by its dotted name as `extra_info.question`), or a `messages`
   chat list whose last message is the assistant's answer: the messages before it are
@@ -40,8 +43,11 @@ an epoch would: 6.5 s for 20k chat prompts of 125 tokens with the builtin tokeni
   A response over T keeps its first T tokens under both, as TRL truncates completions.
 With no limit (neither the param nor the dim is set) a batch pads to its longest row.
 
-String prompts and responses are raw text when `apply_chat_template: false` (TRL's
-non-conversational format), so a base model without a chat template can be used.
+Prompts are rendered as TRL renders its formats: a message list through the chat
+template, a string as raw text (so a base model without a chat template can be used)
+unless `apply_chat_template: true` asks for the template (as one user message; the
+`sft` kind's default, as verl's SFT datasets). A table may also be one given in Python
+or a hub dataset (`flowgraph.tables`: its path is then a `memory:` key).
 
 Notation: Bp prompts in a batch, P prompt length, T response length.
 """
@@ -65,6 +71,7 @@ from torch import Tensor
 
 from flowgraph.builtin_models import BUILTIN_PREFIX, held_out_path
 from flowgraph.errors import FlowgraphError
+from flowgraph.tables import held_table, is_memory
 
 __all__ = [
     "Overlong",
@@ -88,6 +95,8 @@ __all__ = [
     "row_problems",
     "same_pairs",
     "sft_source",
+    "shared_prompt",
+    "with_prompt",
 ]
 
 _SUFFIXES = {".parquet": "parquet", ".pq": "parquet", ".jsonl": "jsonl", ".json": "jsonl"}
@@ -159,6 +168,9 @@ def _builtin_table(name: str) -> pa.Table:
 def _read_table(path: str, fmt: str) -> pa.Table:
     if path.startswith(BUILTIN_PREFIX) and fmt in ("auto", "builtin"):
         return _builtin_table(path[len(BUILTIN_PREFIX) :])
+    if is_memory(path):  # a DataFrame or Dataset given in Python (`flowgraph.tables`)
+        table: pa.Table = held_table(path)
+        return table
     file = Path(path).expanduser()
     fmt = _SUFFIXES.get(file.suffix, "") if fmt == "auto" else fmt
     if fmt not in ("parquet", "jsonl"):
@@ -174,31 +186,36 @@ def _read_table(path: str, fmt: str) -> pa.Table:
         raise FlowgraphError(f"cannot read dataset `{path}` as {fmt}: {exc}") from exc
 
 
-def check_rendering(tokenizer: Any, chat: bool, table: pa.Table, key: str, path: str) -> None:
+def check_rendering(tokenizer: Any, chat: bool | None, table: pa.Table, key: str, path: str
+                    ) -> None:
     """Fail at start-up, not at the batch that first meets an unrenderable prompt."""
-    if chat and getattr(tokenizer, "chat_template", None) is None:
-        raise FlowgraphError(
-            f"dataset `{path}`: the tokenizer has no chat template (a base model?); set "
-            f"apply_chat_template: false on the data node to tokenize strings as raw text"
-        )
     kind = table.schema.field(key).type
-    if not chat and (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+    conversational = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+    if chat is False and conversational:
         raise FlowgraphError(
             f"dataset `{path}`: column `{key}` holds chat-message lists ({kind}); "
-            f"set apply_chat_template: true to render them"
+            f"set apply_chat_template: true (or leave it unset) to render them"
+        )
+    if (chat or conversational) and getattr(tokenizer, "chat_template", None) is None:
+        raise FlowgraphError(
+            f"dataset `{path}`: the tokenizer has no chat template (a base model?), and "
+            + (f"column `{key}` holds chat messages: give string prompts, or a tokenizer "
+               "with a chat template" if conversational else
+               "apply_chat_template is true: unset it to tokenize string prompts as raw text")
         )
 
 
 def render_prompts(
     tokenizer: Any,
     prompts: Sequence[str | list[dict[str, str]]],
-    chat: bool,
+    chat: bool | None,
     special_tokens: bool = True,
 ) -> list[list[int]]:
-    """Token ids of prompts: the chat template with the generation prompt, or raw text,
-    with the tokenizer's special tokens (a base model's BOS) unless `special_tokens` is
-    false: TRL tokenizes preference prompts without them."""
-    if not chat:
+    """Token ids of prompts, as TRL's `maybe_apply_chat_template` renders them: message
+    lists (and strings, when `chat` is true) through the chat template with the
+    generation prompt; strings (`chat` null or false) as raw text, with the tokenizer's
+    special tokens (a base model's BOS) unless `special_tokens` is false."""
+    if not chat and all(isinstance(p, str) for p in prompts):
         return [
             list(ids)
             for ids in tokenizer(list(prompts), add_special_tokens=special_tokens).input_ids
@@ -437,6 +454,37 @@ def same_pairs(table: pa.Table, responses: Sequence[str]) -> tuple[list[int], li
     return same, empty
 
 
+def shared_prompt(chosen: Any, rejected: Any) -> int:
+    """How much of a pair is its prompt: TRL 1.16's `extract_prompt`, as it is — the
+    first position where `chosen` and `rejected` (message lists, or strings) differ,
+    one back over a space before it; the last shared position when one is a prefix of
+    the other."""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if chosen[idx - 1] == " ":  # remove space before the prompt
+                idx -= 1
+            break
+    return idx
+
+
+def with_prompt(path: str, table: pa.Table) -> pa.Table:
+    """A preference table in TRL's explicit-prompt layout: `table` itself when it has a
+    `prompt` column; else (TRL's implicit prompt) `chosen` and `rejected` cut where they
+    first differ (`shared_prompt`): the shared messages are the prompt, the rest each
+    response."""
+    if "prompt" in table.column_names:
+        return table
+    check_rows(path, table, "chosen", ["rejected"])
+    rows = table.select(["chosen", "rejected"]).to_pylist()
+    cuts = [shared_prompt(r["chosen"], r["rejected"]) for r in rows]
+    columns = {"prompt": [r["chosen"][:i] for r, i in zip(rows, cuts, strict=True)],
+               "chosen": [r["chosen"][i:] for r, i in zip(rows, cuts, strict=True)],
+               "rejected": [r["rejected"][i:] for r, i in zip(rows, cuts, strict=True)]}
+    rest = [c for c in table.column_names if c not in columns]
+    return pa.table({**columns, **{c: table.column(c) for c in rest}})
+
+
 class _TableDataset:
     """A pyarrow table read once, and the cursor over its rows."""
 
@@ -509,7 +557,7 @@ class PromptDataset(_TableDataset):
         max_prompt_length: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
-        apply_chat_template: bool = True,
+        apply_chat_template: bool | None = None,
         format: str = "auto",
         truncation: str = "error",
         filter_overlong_prompts: bool = False,
@@ -640,7 +688,7 @@ class PreferenceDataset(_TableDataset):
         max_response_length: int | None = None,
         shuffle: bool = True,
         seed: int = 0,
-        apply_chat_template: bool = True,
+        apply_chat_template: bool | None = None,
         format: str = "auto",
         truncation: str = "error",
         filter_overlong_prompts: bool = False,
@@ -655,7 +703,12 @@ class PreferenceDataset(_TableDataset):
         self.same_pairs, self.empty_pairs = self._count_pairs()
 
     def _required(self) -> list[str]:
-        return ["prompt", *self.RESPONSES]
+        return list(self.RESPONSES)
+
+    def _prepare(self, table: pa.Table) -> pa.Table:
+        """TRL's implicit-prompt format (no `prompt` column): the prompt extracted from
+        each pair (`with_prompt`)."""
+        return with_prompt(self.path, table)
 
     def _count_pairs(self) -> tuple[int, int]:
         """Pairs DPO learns nothing from (equal or empty responses), counted and said
@@ -723,6 +776,7 @@ class SFTDataset(PreferenceDataset):
                  loss_mask_read: bool = True, **params: Any) -> None:
         self.keys = (prompt_key, response_key, messages_key)
         self.loss_mask_read = loss_mask_read
+        params.setdefault("apply_chat_template", True)  # verl's SFT datasets: strings too
         super().__init__(path, tokenizer, **params)
         if "turns" in self.table.column_names:
             self._check_turns()
@@ -875,7 +929,7 @@ def prompt_source(
     max_prompt_length: int | None = None,
     shuffle: bool = True,
     eval_path: str | None = None,
-    apply_chat_template: bool = True,
+    apply_chat_template: bool | None = None,
     truncation: str = "error",
     filter_overlong_prompts: bool = False,
     seed: int = 0,
@@ -901,7 +955,7 @@ def preference_source(
     max_response_length: int | None = None,
     shuffle: bool = True,
     eval_path: str | None = None,
-    apply_chat_template: bool = True,
+    apply_chat_template: bool | None = None,
     truncation: str = "error",
     filter_overlong_prompts: bool = False,
     seed: int = 0,

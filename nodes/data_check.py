@@ -26,9 +26,10 @@ from flowgraph.errors import FlowgraphError
 from flowgraph.ir import DataSpec, Graph, ModelSpec
 from flowgraph.nodes import data as nd
 from flowgraph.nodes.models import load_tokenizer
-from flowgraph.paths import RULE
+from flowgraph.paths import RULE, is_hub_dataset
 from flowgraph.registry import KindSpec, Registry
 from flowgraph.source import SourcePos
+from flowgraph.tables import is_memory
 
 __all__ = ["check_data", "ground_truth_readers"]
 
@@ -39,7 +40,10 @@ def ground_truth_readers(graph: Graph, data: str) -> tuple[str, ...]:
 
 
 def _path_pos(pos: SourcePos) -> SourcePos:
-    """Where `path:` is written in the entry that starts at `pos` (the entry's key)."""
+    """Where `path:` is written in the entry that starts at `pos` (the entry's key); a
+    graph built in Python: the line that declared the source."""
+    if not pos.file.endswith((".yaml", ".yml")):
+        return pos
     try:
         lines = Path(pos.file).read_text().splitlines()
     except (OSError, UnicodeDecodeError):
@@ -135,8 +139,11 @@ def _check_source(graph: Graph, d: DataSpec, tokenizers: dict[str, Any]) -> list
     pos = _path_pos(d.pos)
     params = d.params.to_python()
     paths = [d.path] + ([str(params["eval_path"])] if params.get("eval_path") else [])
+    hub = [path for path in paths if is_hub_dataset(path)]
+    if hub:
+        return [_skipped(f"data source `{d.name}`: hub dataset", hub[0], pos)]
     missing = [_missing(f"data source `{d.name}`: dataset file", path, pos, "FG501", d.name)
-               for path in paths if not _local(path)]  # a dataset is never a hub id
+               for path in paths if not _local(path) and not is_memory(path)]
     if missing:
         return missing
     model = _data_model(graph, d)
@@ -180,13 +187,18 @@ def _dataset_problems(graph: Graph, d: DataSpec, path: str, tok: Any) -> Iterato
         return
     limits = _limits(graph, d, kind)
     responses = response_columns(kind)
-    chat = bool(params.get("apply_chat_template", True))
+    template = next(p for p in kind.params if p.name == "apply_chat_template")
+    chat = params.get("apply_chat_template", template.default)
+    assert chat is None or isinstance(chat, bool)
+    prompt_key = next(iter(limits))
+    pairs = len(responses) > 1  # TRL's implicit prompt: the pair's shared messages
+    required = [c for c in limits if not (pairs and c == prompt_key)]
     try:
-        table = nd.open_table(path, str(params.get("format", "auto")), list(limits))
+        table = nd.open_table(path, str(params.get("format", "auto")), required)
+        table = nd.with_prompt(path, table) if pairs else table
     except FlowgraphError as exc:
         yield "FG501", "error", str(exc), None
         return
-    prompt_key = next(iter(limits))
     malformed = nd.row_problems(path, table, prompt_key, responses)
     for message in malformed:
         yield "FG510", "error", message, "fix or drop the row in the file"
@@ -229,7 +241,7 @@ def _pair_problems(path: str, table: Any, responses: list[str]) -> Iterator[Prob
 
 
 def _length_problems(path: str, table: Any, limits: dict[str, tuple[str, int | None]],
-                     prompt_key: str, chat: bool, special_tokens: bool, tok: Any,
+                     prompt_key: str, chat: bool | None, special_tokens: bool, tok: Any,
                      params: dict[str, object]) -> Generator[Problem, None, int]:
     """FG503 for the rows over P or T under the data node's policy; returns how many
     rows `filter_overlong_prompts` drops. Prompts are measured as the dataset renders

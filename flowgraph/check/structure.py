@@ -14,10 +14,11 @@ from flowgraph.builtin_models import BUILTIN_PREFIX, held_out_path
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.document import did_you_mean
 from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec, Params, ParamValue, PortRef
-from flowgraph.paths import RULE
+from flowgraph.paths import RULE, is_hub_dataset
 from flowgraph.registry import KindSpec, ParamSpec, PortSpec, Registry
 from flowgraph.source import SourcePos
 from flowgraph.trl_names import trl_hint
+from flowgraph.tables import is_memory
 
 Producer = NodeSpec | DataSpec
 
@@ -383,7 +384,8 @@ def check_data_files(graph: Graph, out: list[Diagnostic]) -> None:
     for d in graph.data:
         eval_path = d.params.get("eval_path")
         for path in (d.path, eval_path):
-            if not isinstance(path, str) or path.startswith(BUILTIN_PREFIX) or Path(path).exists():
+            if not isinstance(path, str) or path.startswith(BUILTIN_PREFIX) \
+                    or is_memory(path) or is_hub_dataset(path) or Path(path).exists():
                 continue
             out.append(warning("FG123", f"data source `{d.name}`: dataset file `{path}` does not "
                                "exist", d.pos, node=d.name, hint=RULE))

@@ -48,7 +48,7 @@ def test_a_dataset_without_ground_truth_too_long_and_too_short(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     data = _jsonl(tmp_path / "q.jsonl", ROWS)
-    graph = _graph(tmp_path, f"{{kind: prompts, path: {data}}}")
+    graph = _graph(tmp_path, f"{{kind: prompts, path: {data}, apply_chat_template: true}}")
     status, diags = _diags(capsys, graph)
     assert status == 1
     by_code = {d["code"]: d for d in diags}
@@ -155,12 +155,12 @@ def test_preferences_on_a_base_model_and_long_responses(
     data = _jsonl(tmp_path / "p.jsonl", rows)
     args = [DPO, f"data.pairs.path={data}",
             *(f"models.{m}.tokenizer={tmp_path / 'base-tok'}" for m in ("policy", "ref"))]
-    status, diags = _diags(capsys, *args)
+    status, diags = _diags(capsys, *args, "data.pairs.apply_chat_template=true")
     assert status == 1
     assert [d["code"] for d in diags if d["severity"] == "error"] == ["FG504"]
-    assert "apply_chat_template: false" in diags[-1]["message"]
-    status, diags = _diags(capsys, *args, "data.pairs.apply_chat_template=false")
-    assert status == 1  # the parameter exists for preferences now (was FG112)
+    assert "apply_chat_template is true: unset it" in diags[-1]["message"]
+    status, diags = _diags(capsys, *args)  # string prompts are raw text: no template needed
+    assert status == 1
     errors = [d for d in diags if d["severity"] == "error"]
     assert [d["code"] for d in errors] == ["FG503"]
     assert "p.jsonl` row 0 (0-based): the rejected is" in errors[0]["message"]
@@ -254,3 +254,21 @@ def test_identical_and_empty_pairs_are_a_warning(
     assert "1 of 16 pairs have identical responses (chosen == rejected), the first row 14" \
         in pairs[0]["message"]
     assert "1 of 16 pairs have an empty response, the first row 15" in pairs[1]["message"]
+
+
+def test_implicit_prompt_pairs_are_checked_with_their_extracted_prompt(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TRL's implicit-prompt format (only chosen and rejected conversations): the prompt
+    is their shared first messages, measured against P like any prompt."""
+    def pair(q: str, good: str, bad: str) -> dict[str, Any]:
+        user = {"role": "user", "content": q}
+        return {"chosen": [user, {"role": "assistant", "content": good}],
+                "rejected": [user, {"role": "assistant", "content": bad}]}
+
+    rows = [pair("1+1=", "2", "3")] * 15 + [pair(LONG, "0", "1")]
+    data = _jsonl(tmp_path / "p.jsonl", rows)
+    status, diags = _diags(capsys, DPO, f"data.pairs.path={data}")
+    errors = [d for d in diags if d["severity"] == "error"]
+    assert status == 1 and [d["code"] for d in errors] == ["FG503"]
+    assert "p.jsonl` row 15 (0-based): the prompt is 24 tokens" in errors[0]["message"]

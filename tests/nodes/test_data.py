@@ -69,12 +69,17 @@ def test_verl_layout_round_trip(tmp_path: Path, suffix: str) -> None:
 
 
 def test_string_prompts_flat_ground_truth_and_raw_text(tmp_path: Path) -> None:
+    """String prompts are raw text unless the chat template is asked for (TRL's standard
+    format); false says the same as unset."""
     rows = [{"question": f"what is {a} plus 1?", "ground_truth": a + 1} for a in range(4)]
     path = str(_write(tmp_path / "q.jsonl", rows))
-    chat = PromptDataset(path, TOK, prompt_key="question", shuffle=False).next_batch(2)
+    chat = PromptDataset(path, TOK, prompt_key="question", shuffle=False,
+                         apply_chat_template=True).next_batch(2)
     raw = PromptDataset(
         path, TOK, prompt_key="question", shuffle=False, apply_chat_template=False
     ).next_batch(2)
+    unset = PromptDataset(path, TOK, prompt_key="question", shuffle=False).next_batch(2)
+    assert torch.equal(unset["input_ids"], raw["input_ids"])
     assert chat["ground_truth"] == [1, 2]  # JSON numbers stay numbers, as verl passes them
     assert "data_source" not in chat
     text = TOK.decode(chat["input_ids"][0][chat["attention_mask"][0].bool()])
@@ -373,8 +378,17 @@ def test_errors_name_the_file_and_the_column(tmp_path: Path, make: Any, needles:
 def test_a_tokenizer_without_chat_template_is_refused() -> None:
     tok = build_tiny_tokenizer()
     tok.chat_template = None
-    with pytest.raises(FlowgraphError, match="apply_chat_template: false"):
-        PromptDataset("builtin:arith", tok)
+    with pytest.raises(FlowgraphError, match="holds chat messages: give string prompts"):
+        PromptDataset("builtin:arith", tok)  # conversational prompts always need it
+
+
+def test_string_prompts_need_no_template_unless_asked(tmp_path: Path) -> None:
+    tok = build_tiny_tokenizer()
+    tok.chat_template = None
+    path = str(_write(tmp_path / "q.jsonl", [{"prompt": "1+1="}] * 2))
+    assert PromptDataset(path, tok).next_batch(1)["input_ids"].shape == (1, 4)
+    with pytest.raises(FlowgraphError, match="apply_chat_template is true: unset it"):
+        PromptDataset(path, tok, apply_chat_template=True)
 
 
 def _garbage(path: Path) -> Path:
@@ -388,7 +402,8 @@ def _garbage(path: Path) -> Path:
         ({"prompt": "1+1=", "answer": "2"},
          ["q.jsonl", "no ground truth", "`reward`", "columns: prompt, answer"]),
         ({"prompt": "1234567890+1234567890=", "ground_truth": "0"},
-         ["q.jsonl` row 0 (0-based)", "24 tokens", "max_prompt_length 16"]),
+         # raw text (a string prompt, TRL's standard format): one token per character
+         ["q.jsonl` row 0 (0-based)", "22 tokens", "max_prompt_length 16"]),
     ],
 )
 def test_a_run_stops_at_load_before_any_model(
