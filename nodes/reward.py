@@ -37,7 +37,7 @@ import numbers
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -46,6 +46,7 @@ from flowgraph.errors import RewardFnError
 from flowgraph.nodes.logprob import forward_hidden, micro_batches, sequence_lengths
 from flowgraph.nodes.scores import BUILTIN_SCORES
 from flowgraph.runtime import NodeContext
+from flowgraph.runtime.answers import extract_answer, has_marked_answer, normalise_answer
 from flowgraph.runtime.reward_call import (
     TRL_CALL,
     VERL_CALL,
@@ -55,7 +56,6 @@ from flowgraph.runtime.reward_call import (
     function_name,
     keywords_taken,
 )
-from flowgraph.runtime.answers import extract_answer, has_marked_answer, normalise_answer
 
 SCORE_CALLS = (TRL_CALL, VERL_CALL)
 """How `compute_score` calls a function (the kind's `calls`, `flowgraph.kinds`)."""
@@ -207,7 +207,8 @@ def _calls(fn: FnRef | Sequence[FnRef] | None, weights: Sequence[float] | None,
     """(function, weight, its rows) of each function the node calls: every function of
     `fn` (one, or a list: TRL's reward_funcs with `weights`, its reward_weights) on the
     rows fns does not route, each function of fns on the rows it routes (weight 1)."""
-    listed = list(fn) if isinstance(fn, (list, tuple)) else [] if fn is None else [fn]
+    listed: list[FnRef] = (list(fn) if isinstance(fn, (list, tuple)) else [] if fn is None
+                           else [cast(FnRef, fn)])
     if weights is not None and len(weights) != len(listed):
         raise ValueError(f"compute_score: {len(weights)} weights for {len(listed)} "
                          f"functions in fn; give one weight per function (TRL's "
@@ -260,6 +261,7 @@ def compute_score(
         except CallStyleError as exc:
             raise RewardFnError(f"reward fn `{_label(ref)}`: {exc}") from None
         column = torch.full((b, 1), math.nan)
+        got: Sequence[float | None]
         if style.per_batch:
             got = _trl_scores(f, _label(ref), at, texts, responses, response_mask, row, ctx,
                               rows)
@@ -317,8 +319,9 @@ def _trl_scores(f: ScoreFn, label: str, at: list[int], texts: list[str], respons
     trainer_state, log_extra, log_metric; one number or None per completion."""
     when = f"at step {ctx.step}"
     if row is None:
-        raise ValueError(f"reward fn `{label}` takes `completions`: it is called as TRL "
-                         "calls it, with the prompts and the dataset's columns, which reach "
+        raise ValueError(f"reward fn `{label}` is called as TRL calls a reward function "
+                         "(its signature names completions, prompts or completion_ids), "
+                         "with the prompts and the dataset's columns, which reach "
                          "the node through its input `row` (the data's `row`, through "
                          "generate); wire `row: gen.row`")
     picked = [row[i] for i in at]

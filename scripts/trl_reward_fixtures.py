@@ -61,7 +61,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
     """Word-level: every word of ROWS one token, joined back with spaces."""
     words = sorted({w for p, s, lv, cs in ROWS for text in (p, s, lv, *cs)
                     for w in text.split()} | {"user", "assistant", ":"})
-    vocab = {w: i for i, w in enumerate(SPECIALS + words)}
+    vocab = {w: i for i, w in enumerate([*SPECIALS, *words])}
     word = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     word.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=word, pad_token="[PAD]",
@@ -78,7 +78,7 @@ def record(tok: PreTrainedTokenizerFast, conversational: bool) -> dict[str, Any]
     data = Dataset.from_dict({"prompt": [prompt(p) for p, *_ in ROWS],
                               "solution": [s for _, s, _, _ in ROWS],
                               "level": [lv for _, _, lv, _ in ROWS]})
-    ids = [tok(c, add_special_tokens=False).input_ids + [tok.eos_token_id]
+    ids = [[*tok(c, add_special_tokens=False).input_ids, tok.eos_token_id]
            for *_, cs in ROWS for c in cs]
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(

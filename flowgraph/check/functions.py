@@ -17,7 +17,7 @@ from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.document import did_you_mean
 from flowgraph.ir import Graph, NodeSpec, Param, Params
 from flowgraph.registry import ParamSpec, loss_names, loss_spec
-from flowgraph.runtime.reward_call import CallStyleError, call_style, function_name
+from flowgraph.runtime.reward_call import CallStyle, CallStyleError, call_style, function_name
 from flowgraph.source import SourcePos
 
 
@@ -33,12 +33,30 @@ def check_functions(graph: Graph, table: dict[str, Resolved], out: list[Diagnost
             names = " or ".join(f"`{s.name}`" for s in specs)
             out.append(error("FG112", f"`{r.name}` (kind {r.kind.name}) needs {names}",
                              r.spec.pos, node=r.name, hint=_hint(specs[0])))
-        for spec, param in given:
-            for ref, where in _refs(param):
-                _check_ref(r.spec, spec, ref, where, listed, out)
+        styles = [(ref, _check_ref(r.spec, spec, ref, where, listed, out))
+                  for spec, param in given for ref, where in _refs(param)]
+        _check_reads(r.spec, styles, out)
         for spec in r.kind.params:
             if spec.names == "policy_loss":
                 _check_loss(r.name, spec, r.spec, out)
+
+
+def _check_reads(node: NodeSpec, styles: list[tuple[object, CallStyle | None]],
+                 out: list[Diagnostic]) -> None:
+    """The input a function's call style reads (TRL's: `row`, the dataset's columns) is
+    wired; one error naming every function that reads it."""
+    reading: dict[str, list[str]] = {}
+    for ref, style in styles:
+        if style is not None and style.reads and node.input(style.reads) is None:
+            reading.setdefault(style.reads, []).append(f"`{_label(ref)}`")
+    for port, fns in reading.items():
+        out.append(error(
+            "FG104", f"`{node.name}` calls {' and '.join(fns)} as TRL calls reward "
+            f"functions (their signatures name completions, prompts or completion_ids), "
+            f"with the prompts and the dataset's columns of the input `{port}`, which it "
+            f"does not wire", node.pos, node=node.name,
+            hint=f"wire `{port}: gen.{port}` (generate passes on the data's `{port}`: "
+                 f"`{port}: train.{port}`)"))
 
 
 def _check_loss(node: str, spec: ParamSpec, owner: NodeSpec, out: list[Diagnostic]) -> None:
@@ -76,43 +94,47 @@ def _refs(param: Param) -> list[tuple[object, Param]]:
     return [(param.value, param)]
 
 
+def _label(ref: object) -> str:
+    return function_name(ref) if callable(ref) and not isinstance(ref, str) else str(ref)
+
+
 def _check_ref(node: NodeSpec, spec: ParamSpec, ref: object, where: Param, listed: set[str],
-               out: list[Diagnostic]) -> None:
+               out: list[Diagnostic]) -> CallStyle | None:
+    """Problems of one function reference; the style the node will call it in, when the
+    function is known here."""
     assert spec.functions is not None
     if callable(ref) and not isinstance(ref, str):  # a Python function given as it is
-        if spec.calls:
-            _check_signature(node, spec, function_name(ref), ref, where, out)
-        return
+        return _check_signature(node, spec, function_name(ref), ref, where, out)
     if not isinstance(ref, str):
         out.append(error("FG112", f"parameter `{spec.name}` of `{node.name}` names a "
                          f"function as a string or a callable, got {ref!r}", where.pos,
                          node=node.name, hint=_hint(spec)))
-        return
+        return None
     module, colon, name = ref.partition(":")
     if not colon:
         if ref not in spec.functions:
             out.append(error("FG112", f"parameter `{spec.name}` of `{node.name}`: no "
                              f"built-in function `{ref}`", where.pos, node=node.name,
                              hint=_hint(spec)))
-        return
+        return None
     if module not in listed:
         out.append(error("FG113", f"parameter `{spec.name}` of `{node.name}` names `{ref}`, "
                          f"but `{module}` is not listed under plugins:", where.pos,
                          node=node.name,
                          hint=f"add it: `plugins: [{module}]` (every file or module a graph "
                               "runs is listed there)"))
-        return
+        return None
     loaded = sys.modules.get(Path(module).stem if module.endswith(".py") else module)
     if loaded is None:
-        return
+        return None
     fn = getattr(loaded, name, None)
     if not callable(fn):
         out.append(error("FG112", f"parameter `{spec.name}` of `{node.name}`: `{module}` has "
                          f"no function `{name}`", where.pos, node=node.name,
                          hint=_hint(spec)))
-        return
-    if module.endswith(".py") and spec.calls:
-        _check_signature(node, spec, ref, fn, where, out)
+        return None
+    return _check_signature(node, spec, ref, fn, where, out) if module.endswith(".py") \
+        else None
 
 
 def _own_line(fn: Callable[..., object], where: Param) -> SourcePos:
@@ -125,11 +147,12 @@ def _own_line(fn: Callable[..., object], where: Param) -> SourcePos:
 
 
 def _check_signature(node: NodeSpec, spec: ParamSpec, ref: str, fn: Callable[..., object],
-                     where: Param, out: list[Diagnostic]) -> None:
-    """The function can be called as the node will call it, the style its signature
+                     where: Param, out: list[Diagnostic]) -> CallStyle | None:
+    """The function can be called as the node will call it, in the style its signature
     picks (`ParamSpec.calls`: TRL's batch call for `completions`, verl's per-row call for
-    `solution_str`); the error sits on the function's own line. A style that reads an
-    input (TRL: `row`, the dataset's columns) needs it wired."""
+    `solution_str`), which it returns; the error sits on the function's own line."""
+    if not spec.calls:
+        return None
     label = f"`{ref}` (parameter `{spec.name}` of `{node.name}`, {where.pos})"
     try:
         style = call_style(fn, spec.calls)
@@ -138,29 +161,23 @@ def _check_signature(node: NodeSpec, spec: ParamSpec, ref: str, fn: Callable[...
             "FG112", f"{label}: {exc}", _own_line(fn, where), node=node.name,
             hint="name `completions` to be called as TRL calls reward_funcs, or "
                  "`solution_str` as verl calls compute_score"))
-        return
+        return None
     try:
         signature = inspect.signature(fn)
     except ValueError:  # no signature to read (a builtin): it is called as it is
-        return
-    if not style.per_batch:  # TRL's calls add dataset columns, known when the data loads
-        try:
-            signature.bind(**dict.fromkeys(style.keywords))
-        except TypeError as exc:
-            wanted = ", ".join(style.keywords)
-            out.append(error(
-                "FG112", f"{label} cannot be called with the keywords {wanted}: {exc}",
-                _own_line(fn, where), node=node.name,
-                hint=f"take them all: `def {function_name(fn)}({wanted}=None)` ({style.name}'s "
-                     "signature; more keywords with defaults, or **kwargs, are fine)"))
-            return
-    if style.reads and node.input(style.reads) is None:
+        return style
+    if style.per_batch:  # TRL's calls add dataset columns, known when the data loads
+        return style
+    try:
+        signature.bind(**dict.fromkeys(style.keywords))
+    except TypeError as exc:
+        wanted = ", ".join(style.keywords)
         out.append(error(
-            "FG104", f"{label} takes `{style.marker}`, so it is called as {style.name} calls "
-            f"a reward function, with the prompts and the dataset's columns of the input "
-            f"`{style.reads}`, which `{node.name}` does not wire", node.pos, node=node.name,
-            hint=f"wire `{style.reads}: gen.{style.reads}` (generate passes on the data's "
-                 f"`{style.reads}`: `{style.reads}: train.{style.reads}`)"))
+            "FG112", f"{label} cannot be called with the keywords {wanted}: {exc}",
+            _own_line(fn, where), node=node.name,
+            hint=f"take them all: `def {function_name(fn)}({wanted}=None)` ({style.name}'s "
+                 "signature; more keywords with defaults, or **kwargs, are fine)"))
+    return style
 
 
 def _hint(spec: ParamSpec) -> str:

@@ -1,6 +1,7 @@
 """How a reward function is called: as its author wrote it, for TRL or for verl.
 
-A function is read by its signature. One that takes `completions` is called as TRL 1.16's
+A function is read by its signature. One that takes `completions` (or `prompts`,
+`completion_ids`) is called as TRL 1.16's
 GRPOTrainer calls its `reward_funcs`: once per batch, with the keywords `prompts`,
 `completions`, `completion_ids` and every dataset column of the rows, returning one
 float (or None: not applicable to that row) per completion. One that takes
@@ -23,8 +24,8 @@ class CallStyle:
 
     name: str
     """Whose convention it is: `TRL`, `verl`."""
-    marker: str
-    """The parameter whose presence in the signature selects this style."""
+    markers: tuple[str, ...]
+    """Parameters any of which, in the signature, selects this style."""
     keywords: tuple[str, ...]
     """The keywords every call passes (TRL adds the dataset's columns)."""
     signature: str
@@ -36,14 +37,15 @@ class CallStyle:
 
 
 TRL_CALL = CallStyle(
-    "TRL", "completions", ("prompts", "completions", "completion_ids"),
+    "TRL", ("completions", "prompts", "completion_ids"), ("prompts", "completions",
+                                                         "completion_ids"),
     "def f(prompts, completions, completion_ids, **kwargs) -> list[float | None]",
     per_batch=True, reads="row")
 """TRL 1.16 `GRPOTrainer._calculate_rewards`: `reward_func(prompts=, completions=,
 completion_ids=, **reward_kwargs)`, the kwargs being the dataset's columns (all but
 `prompt`) and `trainer_state`, `log_extra`, `log_metric`."""
 VERL_CALL = CallStyle(
-    "verl", "solution_str", ("data_source", "solution_str", "ground_truth", "extra_info"),
+    "verl", ("solution_str",), ("data_source", "solution_str", "ground_truth", "extra_info"),
     "def f(data_source, solution_str, ground_truth, extra_info=None) -> float | dict",
     per_batch=False)
 """verl's `NaiveRewardManager`: `compute_score(data_source=, solution_str=,
@@ -64,7 +66,7 @@ def function_name(fn: Callable[..., object]) -> str:
 
 
 def call_style(fn: Callable[..., object], styles: Sequence[CallStyle]) -> CallStyle:
-    """The style whose marker parameter `fn` declares. A function without a readable
+    """The style one of whose marker parameters `fn` declares. A function without a readable
     signature (a C builtin), or naming no marker but taking `**kwargs`, is called in the
     last style (verl's), as before there were several. CallStyleError when it declares
     none of the markers (and no `**kwargs`) or more than one."""
@@ -72,16 +74,19 @@ def call_style(fn: Callable[..., object], styles: Sequence[CallStyle]) -> CallSt
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return styles[-1]
-    found = [s for s in styles if s.marker in params]
+    found = [s for s in styles if any(m in params for m in s.markers)]
     if len(found) == 1:
         return found[0]
     if not found and any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return styles[-1]
-    ways = "; ".join(f"`{s.marker}` ({s.name}: `{s.signature}`, called once per "
-                     f"{'batch' if s.per_batch else 'row'})" for s in styles)
+    ways = "; ".join(f"{' or '.join(f'`{m}`' for m in s.markers)} ({s.name}: "
+                     f"`{s.signature}`, called once per {'batch' if s.per_batch else 'row'})"
+                     for s in styles)
     which = "both" if found else "neither"
-    raise CallStyleError(f"`{function_name(fn)}{inspect.signature(fn)}` takes {which} of "
-                         f"the parameters that say how to call it: {ways}")
+    names = ", ".join(str(p.replace(annotation=inspect.Parameter.empty))
+                      for p in params.values())
+    raise CallStyleError(f"`{function_name(fn)}({names})` takes {which} of the parameters "
+                         f"that say how to call it: {ways}")
 
 
 def keywords_taken(fn: Callable[..., object], given: dict[str, object]) -> dict[str, object]:

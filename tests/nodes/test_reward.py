@@ -341,8 +341,9 @@ WRONG_SIGNATURES = {
 
 EXPECTED = {
     "positional": "`compute_score(solution, truth)` takes neither of the parameters that say "
-                  "how to call it: `completions` (TRL: `def f(prompts, completions, "
-                  "completion_ids, **kwargs) -> list[float | None]`, called once per batch); "
+                  "how to call it: `completions` or `prompts` or `completion_ids` (TRL: "
+                  "`def f(prompts, completions, completion_ids, **kwargs) -> "
+                  "list[float | None]`, called once per batch); "
                   "`solution_str` (verl: `def f(data_source, solution_str, ground_truth, "
                   "extra_info=None) -> float | dict`, called once per row)",
     "no extra_info": "cannot be called with the keywords data_source, solution_str, "

@@ -80,9 +80,10 @@ def test_rewards_and_grpo_advantages_equal_trls(name: str) -> None:
         assert set(call) == {"prompts", "completions", "completion_ids", *case["columns"],
                              "trainer_state", "log_extra", "log_metric"}
     assert out["scores"].tolist() == case["rewards"]  # to the bit
+    per_func = zip(*case["rewards_per_func"].values(), strict=True)
     assert out["score_mask"].tolist() == [int(any(v is not None for v in values))
-                                          for values in zip(*case["rewards_per_func"].values())]
-    for fn, values in case["rewards_per_func"].items():
+                                          for values in per_func]
+    for fn in case["rewards_per_func"]:
         for stat in ("mean", "std"):
             key = f"rewards/{fn}/{stat}"
             assert ctx.metrics[key] == pytest.approx(case["metrics"][key], abs=1e-6)
@@ -109,9 +110,9 @@ def test_each_function_alone_gives_trls_rewards_per_function() -> None:
 
 def _rollout(texts: list[str]) -> tuple[Any, torch.Tensor, torch.Tensor, list[dict[str, Any]]]:
     tok = PreTrainedTokenizerFast.from_pretrained(FIXTURES / "tokenizer")
-    ids = [tok(t, add_special_tokens=False).input_ids + [tok.eos_token_id] for t in texts]
+    ids = [[*tok(t, add_special_tokens=False).input_ids, tok.eos_token_id] for t in texts]
     width = max(map(len, ids))
-    responses = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in ids])
+    responses = torch.tensor([[*s, *[tok.pad_token_id] * (width - len(s))] for s in ids])
     mask = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in ids])
     row = [{"prompt": "name a number", "solution": "seven", "level": "hard"}] * len(texts)
     return tok, responses, mask, row
@@ -155,8 +156,8 @@ def test_a_trl_function_that_fails_is_named_with_the_step(
 
 def test_a_trl_function_without_the_row_says_what_to_wire() -> None:
     tok, responses, mask, _ = _rollout(["seven"])
-    with pytest.raises(ValueError, match="reward fn `short` takes `completions`: .* wire "
-                                         "`row: gen.row`"):
+    with pytest.raises(ValueError, match=r"reward fn `short` is called as TRL calls a reward "
+                                         r"function .* wire `row: gen.row`"):
         compute_score(responses, mask, tokenizer=tok, fn=short,
                       ctx=NodeContext("reward", "compute_score", step=0, seed=0))
 
@@ -166,7 +167,7 @@ def test_log_metric_log_extra_and_keywords_a_function_names() -> None:
     validation table); a function without **kwargs gets the keywords it names."""
     def logs(completions: list[str], solution: list[str], log_metric: Any,
              log_extra: Any) -> list[float]:
-        log_metric("hits", float(sum(s in c for c, s in zip(completions, solution))))
+        log_metric("hits", float(sum(s in c for c, s in zip(completions, solution, strict=True))))
         log_extra("judged", [c.upper() for c in completions])
         return [0.5 for _ in completions]
 
@@ -184,3 +185,63 @@ def test_a_list_of_functions_needs_one_weight_each() -> None:
                                          "per function"):
         compute_score(responses, mask, row=row, tokenizer=tok, fn=[short, short],
                       weights=[1.0], ctx=NodeContext("reward", "compute_score", step=0, seed=0))
+
+
+# --- the checker: which call a function gets, before launch ---------------------------
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "graphs" / "trl_format" / "grpo.yaml"
+
+
+def _checked(graph_text: str, folder: Path) -> list[Any]:
+    from flowgraph.check import check_graph
+    from flowgraph.frontend import load_graph
+
+    (folder / "rewards.py").write_text((EXAMPLE.parent / "rewards.py").read_text())
+    (folder / "train.jsonl").write_text((EXAMPLE.parent / "train.jsonl").read_text())
+    (folder / "g.yaml").write_text(graph_text)
+    graph, diags = load_graph(folder / "g.yaml")
+    assert graph is not None and not diags
+    return list(check_graph(graph).diagnostics)
+
+
+def test_the_trl_example_checks_and_a_missing_row_is_found(tmp_path: Path) -> None:
+    text = EXAMPLE.read_text()
+    assert _checked(text, tmp_path) == []
+    wired = "inputs: {responses: gen.responses, response_mask: gen.response_mask, row: gen.row}"
+    assert wired in text
+    (diag,) = _checked(text.replace(wired, wired.replace(", row: gen.row", "")), tmp_path)
+    assert (diag.code, diag.node, diag.pos.line) == ("FG104", "reward", 36)  # `reward:`
+    assert diag.message == (
+        "`reward` calls `rewards.py:correct` and `rewards.py:brevity` as TRL calls reward "
+        "functions (their signatures name completions, prompts or completion_ids), with the "
+        "prompts and the dataset's columns of the input `row`, which it does not wire")
+    assert diag.hint == "wire `row: gen.row` (generate passes on the data's `row`: " \
+                        "`row: train.row`)"
+
+
+def neither(text: str, answer: str) -> float:  # takes no keyword TRL or verl passes
+    return 0.0
+
+
+def test_a_python_callable_is_checked_at_its_own_line(tmp_path: Path) -> None:
+    """A function given as the object itself (the builder delivers it) is held to the
+    call its signature picks, the diagnostic on its `def` line."""
+    from dataclasses import replace
+
+    from flowgraph.check import check_graph
+    from flowgraph.frontend import load_graph
+    from flowgraph.ir import Param, Params
+
+    _checked(EXAMPLE.read_text(), tmp_path)
+    graph, _ = load_graph(tmp_path / "g.yaml")
+    assert graph is not None
+    for fn, expected in ((REWARDS.correct, []), (neither, ["FG112"])):
+        nodes = tuple(replace(n, params=Params((Param("fn", fn, n.pos),)))
+                      if n.name == "reward" else n for n in graph.nodes)
+        diags = [d for d in check_graph(replace(graph, nodes=nodes)).diagnostics
+                 if "plain data" not in d.message and "expected str" not in d.message]
+        assert [d.code for d in diags] == expected
+    (diag,) = diags
+    assert (diag.pos.file, diag.pos.line) == (__file__, neither.__code__.co_firstlineno)
+    assert "`neither(text, answer)` takes neither of the parameters " \
+           "that say how to call it" in diag.message

@@ -1,0 +1,57 @@
+"""A GRPO run on the local target with reward functions as TRL users write them, in a
+plugin file next to the graph (graphs/trl_format): the dataset's columns reach them as
+keyword arguments, conversational completions as message lists, and each function's
+values are in metrics.jsonl as `rewards/<fn>/mean` and `/std`."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+import flowgraph
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "graphs" / "trl_format"
+BONUS = '''
+
+def bonus(prompts, completions, bonus, trainer_state, **kwargs):
+    """The row's `bonus` column, read as a keyword argument; a TypeError unless the
+    completions are message lists (the prompts are) and the step is the run's."""
+    if not all(isinstance(c, list) and c[0]["role"] == "assistant" for c in completions):
+        raise TypeError(f"conversational completions expected, got {completions[0]!r}")
+    if not isinstance(prompts[0], list) or trainer_state.global_step not in (0, 1):
+        raise TypeError(f"prompts {prompts[0]!r}, step {trainer_state.global_step}")
+    return list(bonus)
+'''
+
+
+def test_a_grpo_run_calls_trl_reward_functions_with_the_dataset_columns(
+        tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    shutil.copytree(EXAMPLE, project)
+    (project / "rewards.py").write_text((EXAMPLE / "rewards.py").read_text() + BONUS)
+    rows = [json.loads(line) for line in (EXAMPLE / "train.jsonl").read_text().splitlines()]
+    (project / "train.jsonl").write_text(
+        "".join(json.dumps({**r, "bonus": 0.25}) + "\n" for r in rows))
+    graph = (project / "grpo.yaml").read_text()
+    listed = '''fn: ["rewards.py:correct", "rewards.py:brevity"]'''
+    assert listed in graph
+    (project / "grpo.yaml").write_text(graph.replace(
+        listed, '''fn: ["rewards.py:correct", "rewards.py:brevity", "rewards.py:bonus"]''')
+        .replace("weights: [1.0, 0.5]", "weights: [1.0, 0.5, 1.0]"))
+
+    run = flowgraph.run(project / "grpo.yaml", overrides=[
+        "trainer.steps=2", f"trainer.run_dir={tmp_path / 'run'}"], tensorboard=False)
+    assert [r["step"] for r in run.rows] == [0, 1]
+    for row in run.rows:
+        assert (row["rewards/bonus/mean"], row["rewards/bonus/std"]) == (0.25, 0.0)
+        # brevity: -0.01 per completion token
+        assert row["rewards/brevity/mean"] == pytest.approx(-0.01 * row["response_length/mean"])
+        assert "rewards/correct/mean" in row and "rewards/correct/std" in row
+        if math.isnan(float(row["rewards/correct/mean"])):  # no number in any reply: None
+            assert row["critic/score/mean"] == pytest.approx(
+                0.5 * row["rewards/brevity/mean"] + 0.25)
