@@ -307,7 +307,7 @@ _KINDS = (
                           "plugins:), `module:function` (listed too), a built-in (gsm8k, "
                           "math) or a Python callable; a list of them is TRL's reward_funcs, "
                           "their values summed with `weights` (None skipped, as nansum)"),
-            ParamSpec("weights", ("list", "null"), None,
+            ParamSpec("weights", ("list", "null"), None, one_per="fn",
                       doc="one weight per function of a list `fn` (TRL's reward_weights); "
                           "null: each weighs 1"),
             ParamSpec("fns", ("mapping", "null"), None, functions=SCORE_FUNCTIONS,

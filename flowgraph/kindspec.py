@@ -66,6 +66,9 @@ class ParamSpec:
     check` holds a plugin file's function (or a Python callable) to the one it picks
     (`compute_score`: TRL's batch call for a function taking `completions`, verl's
     per-row call for one taking `solution_str`)."""
+    one_per: str | None = None
+    """Set (`weights`: `fn`) when this list has one number per entry of that list param
+    (TRL's reward_weights, one per reward function); the checker holds it to that."""
     evaluation: bool = False
     """Read by the compiler to make the node's params at evaluation (`NodePlan.eval_params`:
     a rollout's `val_n`, `val_temperature`); never passed to the implementation."""

@@ -37,8 +37,32 @@ def check_functions(graph: Graph, table: dict[str, Resolved], out: list[Diagnost
                   for spec, param in given for ref, where in _refs(param)]
         _check_reads(r.spec, styles, out)
         for spec in r.kind.params:
+            if spec.one_per is not None:
+                _check_one_per(r.spec, spec, out)
+        for spec in r.kind.params:
             if spec.names == "policy_loss":
                 _check_loss(r.name, spec, r.spec, out)
+
+
+def _check_one_per(node: NodeSpec, spec: ParamSpec, out: list[Diagnostic]) -> None:
+    """A list of numbers with one entry per entry of the list param `spec.one_per`
+    (`weights` of `fn`: TRL's reward_weights, one per reward function)."""
+    given, of = node.params.find(spec.name), node.params.find(spec.one_per or "")
+    if given is None or not isinstance(given.value, tuple):
+        return
+    bad = [v for v in given.value if isinstance(v, bool) or not isinstance(v, (int, float))]
+    if bad:
+        problem = f"holds {bad[0]!r}, not a number"
+    elif of is None or not isinstance(of.value, tuple):
+        problem = f"needs `{spec.one_per}` to be a list"
+    elif len(of.value) != len(given.value):
+        problem = f"has {len(given.value)} entries for {len(of.value)} in `{spec.one_per}`"
+    else:
+        return
+    out.append(error("FG112", f"parameter `{spec.name}` of `{node.name}` {problem}",
+                     given.pos, node=node.name,
+                     hint=f"one number per entry of `{spec.one_per}`, in its order "
+                          "(TRL's reward_weights)"))
 
 
 def _check_reads(node: NodeSpec, styles: list[tuple[object, CallStyle | None]],

@@ -245,3 +245,15 @@ def test_a_python_callable_is_checked_at_its_own_line(tmp_path: Path) -> None:
     assert (diag.pos.file, diag.pos.line) == (__file__, neither.__code__.co_firstlineno)
     assert "`neither(text, answer)` takes neither of the parameters " \
            "that say how to call it" in diag.message
+
+
+@pytest.mark.parametrize(("weights", "message"), [
+    ("[1.0]", "parameter `weights` of `reward` has 1 entries for 2 in `fn`"),
+    ("[1.0, high]", "parameter `weights` of `reward` holds 'high', not a number"),
+])
+def test_weights_are_one_number_per_function(weights: str, message: str,
+                                             tmp_path: Path) -> None:
+    text = EXAMPLE.read_text()
+    assert "weights: [1.0, 0.5]" in text
+    (diag,) = _checked(text.replace("weights: [1.0, 0.5]", f"weights: {weights}"), tmp_path)
+    assert (diag.code, diag.pos.line, diag.message) == ("FG112", 42, message)
