@@ -257,3 +257,19 @@ def test_weights_are_one_number_per_function(weights: str, message: str,
     assert "weights: [1.0, 0.5]" in text
     (diag,) = _checked(text.replace("weights: [1.0, 0.5]", f"weights: {weights}"), tmp_path)
     assert (diag.code, diag.pos.line, diag.message) == ("FG112", 42, message)
+
+
+def test_fns_routes_rows_to_a_trl_function_by_data_source() -> None:
+    """A TRL function under `fns` is called once on the rows of its data source."""
+    calls: list[list[str]] = []
+
+    def mine(completions: list[str], **kwargs: Any) -> list[float]:
+        calls.append(completions)
+        return [2.0 for _ in completions]
+
+    tok, responses, mask, row = _rollout(["seven", "four", "seven"])
+    out = compute_score(responses, mask, row=row, data_source=["a", "b", "a"], tokenizer=tok,
+                        fn=REWARDS.correct, fns={"a": mine},
+                        ctx=NodeContext("reward", "compute_score", step=0, seed=0))
+    assert calls == [["seven", "seven"]]
+    assert out["scores"].tolist() == [2.0, 0.0, 2.0]  # row 1: correct, "four" != "seven"
