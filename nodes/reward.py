@@ -8,10 +8,15 @@
   (the reward model of Ouyang et al. 2022).
 * `token_reward` puts a sequence score on the last valid response token, the sparse
   reward that PPO's per-token advantage (GAE) consumes.
-* `compute_score` calls a function with verl's signature, `compute_score(data_source,
-  solution_str, ground_truth, extra_info=None) -> float | dict`, on each decoded response:
-  yours from a plugin (`fn: rewards.py:compute_score`), a built-in (`gsm8k`, `math`:
-  `flowgraph.nodes.scores`), or one per data source (`fns`), as verl's reward managers.
+* `compute_score` calls reward functions as their authors wrote them, chosen by
+  signature (`flowgraph.runtime.reward_call`): TRL's, `f(prompts, completions,
+  completion_ids, **columns) -> list[float | None]`, once per batch as TRL 1.16's
+  GRPOTrainer calls its `reward_funcs` (several, summed with `weights`, its
+  `reward_weights`, None skipped); verl's, `compute_score(data_source, solution_str,
+  ground_truth, extra_info=None) -> float | dict`, on each decoded response, as verl's
+  reward managers. Yours from a plugin (`fn: rewards.py:compute_score`), the Python
+  function itself, a built-in (`gsm8k`, `math`: `flowgraph.nodes.scores`), or one per
+  data source (`fns`).
 
 Your own reward is a plain function whose jaxtyping annotations are its contract.
 List its module under `plugins:` in the graph, and `flowgraph check` reads the
@@ -250,17 +255,14 @@ def compute_score(
     over the whole batch), `critic/<key>/mean` of numeric extra entries."""
     texts = _texts(tokenizer, responses, response_mask, "compute_score")
     b = len(texts)
-    values = torch.full((b, 0), math.nan)
     rows: list[dict[str, Any]] = [{} for _ in range(b)]
-    names: list[str] = []
-    weighted: list[float] = []
+    columns, names, weighted = [], [], []
     for ref, weight, at in _calls(fn, weights, fns or {}, data_source, b):
         f = _function(ref)
         try:
             style = call_style(f, SCORE_CALLS)
         except CallStyleError as exc:
             raise RewardFnError(f"reward fn `{_label(ref)}`: {exc}") from None
-        column = torch.full((b, 1), math.nan)
         got: Sequence[float | None]
         if style.per_batch:
             got = _trl_scores(f, _label(ref), at, texts, responses, response_mask, row, ctx,
@@ -268,10 +270,12 @@ def compute_score(
         else:
             got = _verl_scores(f, _label(ref), at, texts, ground_truth, data_source,
                                extra_info, ctx, rows)
-        column[at, 0] = torch.tensor([math.nan if v is None else v for v in got])
-        values = torch.cat([values, column], 1)
+        column = torch.full((b,), math.nan)  # NaN: not this function's row, or None
+        column[at] = torch.tensor([math.nan if v is None else v for v in got])
+        columns.append(column)
         names.append(function_name(f))
         weighted.append(weight)
+    values = torch.stack(columns, 1) if columns else torch.empty(b, 0)
     return _combine(values, torch.tensor(weighted), names, rows, texts, row, ctx)
 
 
