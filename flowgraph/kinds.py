@@ -312,8 +312,8 @@ _KINDS = (
                           "null: each weighs 1"),
             ParamSpec("fns", ("mapping", "null"), None, functions=SCORE_FUNCTIONS,
                       calls=SCORE_CALLS,
-                      doc="data_source -> function, as verl's default reward routes; rows "
-                          "of other sources go to fn"),
+                      doc="data_source -> function (TRL's or verl's), as verl's default "
+                          "reward routes; rows of other sources go to fn"),
         ),
         model="optional",
         head="tokenizer",

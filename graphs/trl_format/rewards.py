@@ -6,16 +6,19 @@ conversational), `completion_ids` and every dataset column as a keyword argument
 import re
 
 
+def _answer(completion):
+    """The last number of a reply (a conversational completion: one message)."""
+    numbers = re.findall(r"\d+", completion[0]["content"])
+    return numbers[-1] if numbers else None
+
+
 def correct(completions, solution, **kwargs):
-    """1 for the right number (the last one in the reply), 0 for a wrong one, None for
-    a reply without a number (TRL's "not applicable": left out of the mean)."""
-    scores = []
-    for completion, answer in zip(completions, solution, strict=True):
-        numbers = re.findall(r"-?\d+", completion[0]["content"])
-        scores.append(None if not numbers else float(numbers[-1] == answer))
-    return scores
+    """1 for the right answer (the row's `solution` column), else 0."""
+    return [float(_answer(c) == s) for c, s in zip(completions, solution, strict=True)]
 
 
-def brevity(completion_ids, **kwargs):
-    """A little less for every token."""
-    return [-0.01 * len(ids) for ids in completion_ids]
+def brevity(completions, completion_ids, solution, **kwargs):
+    """A little less for every token of a right answer; None for a wrong one (TRL's "not
+    applicable": a short wrong answer earns nothing, and is left out of the mean)."""
+    return [-0.01 * len(ids) if _answer(c) == s else None
+            for c, ids, s in zip(completions, completion_ids, solution, strict=True)]

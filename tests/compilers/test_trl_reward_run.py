@@ -45,13 +45,14 @@ def test_a_grpo_run_calls_trl_reward_functions_with_the_dataset_columns(
         .replace("weights: [1.0, 0.5]", "weights: [1.0, 0.5, 1.0]"))
 
     run = flowgraph.run(project / "grpo.yaml", overrides=[
-        "trainer.steps=2", f"trainer.run_dir={tmp_path / 'run'}"], tensorboard=False)
+        "trainer.steps=2", "dims.Bp=4", "dims.N=4", "nodes.update_actor.params."
+        "mini_batch_size=16", f"trainer.run_dir={tmp_path / 'run'}"], tensorboard=False)
     assert [r["step"] for r in run.rows] == [0, 1]
     for row in run.rows:
         assert (row["rewards/bonus/mean"], row["rewards/bonus/std"]) == (0.25, 0.0)
-        # brevity: -0.01 per completion token
-        assert row["rewards/brevity/mean"] == pytest.approx(-0.01 * row["response_length/mean"])
-        assert "rewards/correct/mean" in row and "rewards/correct/std" in row
-        if math.isnan(float(row["rewards/correct/mean"])):  # no number in any reply: None
-            assert row["critic/score/mean"] == pytest.approx(
-                0.5 * row["rewards/brevity/mean"] + 0.25)
+        correct = row["rewards/correct/mean"]  # 0 or 1 on every row: never NaN
+        assert 0.0 <= correct <= 1.0 and "rewards/correct/std" in row
+        # brevity applies to right answers only (None elsewhere): NaN with none right
+        assert math.isnan(float(row["rewards/brevity/mean"])) == (correct == 0.0)
+        brevity = 0.0 if correct == 0.0 else correct * row["rewards/brevity/mean"]
+        assert row["critic/score/mean"] == pytest.approx(correct + 0.5 * brevity + 0.25)

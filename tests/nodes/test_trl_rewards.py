@@ -192,6 +192,12 @@ def test_a_list_of_functions_needs_one_weight_each() -> None:
 EXAMPLE = Path(__file__).resolve().parents[2] / "graphs" / "trl_format" / "grpo.yaml"
 
 
+def _line(text: str, start: str) -> int:
+    """The 1-based line of `text` whose stripped text starts as `start` does."""
+    return next(i for i, line in enumerate(text.splitlines(), 1)
+                if line.strip().startswith(start.strip()))
+
+
 def _checked(graph_text: str, folder: Path) -> list[Any]:
     from flowgraph.check import check_graph
     from flowgraph.frontend import load_graph
@@ -210,7 +216,7 @@ def test_the_trl_example_checks_and_a_missing_row_is_found(tmp_path: Path) -> No
     wired = "inputs: {responses: gen.responses, response_mask: gen.response_mask, row: gen.row}"
     assert wired in text
     (diag,) = _checked(text.replace(wired, wired.replace(", row: gen.row", "")), tmp_path)
-    assert (diag.code, diag.node, diag.pos.line) == ("FG104", "reward", 36)  # `reward:`
+    assert (diag.code, diag.node, diag.pos.line) == ("FG104", "reward", _line(text, "  reward:"))
     assert diag.message == (
         "`reward` calls `rewards.py:correct` and `rewards.py:brevity` as TRL calls reward "
         "functions (their signatures name completions, prompts or completion_ids), with the "
@@ -256,7 +262,8 @@ def test_weights_are_one_number_per_function(weights: str, message: str,
     text = EXAMPLE.read_text()
     assert "weights: [1.0, 0.5]" in text
     (diag,) = _checked(text.replace("weights: [1.0, 0.5]", f"weights: {weights}"), tmp_path)
-    assert (diag.code, diag.pos.line, diag.message) == ("FG112", 42, message)
+    assert (diag.code, diag.pos.line, diag.message) == ("FG112", _line(text, "weights:"),
+                                                        message)
 
 
 def test_fns_routes_rows_to_a_trl_function_by_data_source() -> None:
