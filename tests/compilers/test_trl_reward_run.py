@@ -56,3 +56,25 @@ def test_a_grpo_run_calls_trl_reward_functions_with_the_dataset_columns(
         assert math.isnan(float(row["rewards/brevity/mean"])) == (correct == 0.0)
         brevity = 0.0 if correct == 0.0 else correct * row["rewards/brevity/mean"]
         assert row["critic/score/mean"] == pytest.approx(correct + 0.5 * brevity + 0.25)
+
+
+@pytest.mark.faults
+def test_a_trl_function_that_raises_names_the_node_step_and_the_users_line(
+        tmp_path: Path) -> None:
+    project = tmp_path / "project"
+    shutil.copytree(EXAMPLE, project)
+    source = (EXAMPLE / "rewards.py").read_text()
+    bug = "    return [-0.01 * len(ids) if _answer(c) == s else None"
+    assert bug in source
+    (project / "rewards.py").write_text(source.replace(
+        bug, "    kwargs['level'][0]  # the user's bug: no such column\n" + bug))
+    line = 1 + next(i for i, text in enumerate(source.splitlines()) if text == bug)
+    with pytest.raises(flowgraph.FlowgraphError) as exc:
+        flowgraph.run(project / "grpo.yaml", overrides=[
+            "trainer.steps=1", "dims.Bp=4", "dims.N=4", "nodes.update_actor.params."
+            "mini_batch_size=16", f"trainer.run_dir={tmp_path / 'run'}"], tensorboard=False)
+    text = str(exc.value)
+    assert text.startswith("while executing node `reward` (kind compute_score"), text
+    assert "reward fn `rewards.py:brevity` raised at step 0 on a batch of 16 completions " \
+           "(rows 0..15): KeyError: 'level'" in text, text
+    assert f"at {project / 'rewards.py'}:{line} in brevity" in text, text
