@@ -17,6 +17,7 @@ from dataclasses import replace
 from flowgraph.choices import DPO_LOSS_TYPES, KL_ESTIMATORS, LOSS_AGG_MODES
 from flowgraph.contracts import TensorSpec
 from flowgraph.kindspec import KindSpec, LossSpec, ParamSpec, PortSpec
+from flowgraph.runtime.reward_call import TRL_CALL, VERL_CALL
 
 
 def _p(name: str, dims: str, dtype: str = "float", *constraints: str, optional: bool = False,
@@ -57,8 +58,8 @@ ADV_OUTPUTS = (
 )
 MASK = _p("response_mask", "b T", "mask", "binary")
 SCORE_FUNCTIONS = ("gsm8k", "math")
-SCORE_CALL = ("data_source", "solution_str", "ground_truth", "extra_info")
-"""The keywords `compute_score` calls a function with (verl's reward managers' call)."""
+SCORE_CALLS = (TRL_CALL, VERL_CALL)
+"""How `compute_score` calls a function, by its signature: TRL's batch call, verl's per row."""
 """Built-in verl-style scoring functions (`flowgraph.nodes.scores`)."""
 SCORES = _p("scores", "b", "float", "finite")
 INDEX = _p("index", "b", "int", doc="group id: samples of one prompt share it")
@@ -95,6 +96,8 @@ TRL_TEMPLATE = ParamSpec(
 VERL_SFT_TEMPLATE = _b("apply_chat_template", True,
                        "false: string prompts are raw text (a base model); true (verl's SFT "
                        "datasets): a string prompt is one user message in the chat template")
+ROW_DOC = ("each row's dataset columns as a dict, its prompt (as the file holds it: a "
+           "string or a message list) under `prompt`: what a TRL reward function reads")
 DATA_PARAMS = (
     _s("truncation", "error", ("error", "left", "right"),
        "a row over its length limit: stop (error), keep a prompt's last (left) or first "
@@ -114,6 +117,7 @@ _KINDS = (
             _p("extra_info", "Bp", "object", optional=True,
                doc="each row's `extra_info` dict (verl layout; {} without the column), with "
                    "the columns the param `columns` names"),
+            _p("row", "Bp", "object", optional=True, doc=ROW_DOC),
             _p("uid", "Bp", "int", doc="row id in the dataset"),
         ),
         params=(
@@ -195,6 +199,7 @@ _KINDS = (
             _p("ground_truth", "b", "object", optional=True),
             _p("data_source", "b", "object", optional=True),
             _p("extra_info", "b", "object", optional=True),
+            _p("row", "b", "object", optional=True, doc=ROW_DOC),
         ),
         outputs=(
             _p("prompts", "b*n P", "int"),
@@ -206,6 +211,7 @@ _KINDS = (
             _p("ground_truth", "b*n", "object", optional=True),
             _p("data_source", "b*n", "object", optional=True),
             _p("extra_info", "b*n", "object", optional=True),
+            _p("row", "b*n", "object", optional=True, doc=ROW_DOC),
         ),
         params=(
             _s("backend", "hf", ("hf", "vllm")),
@@ -286,27 +292,42 @@ _KINDS = (
     ),
     KindSpec(
         "compute_score", "reward",
-        "A reward function as verl users write them: compute_score(data_source, "
-        "solution_str, ground_truth, extra_info) -> float or dict with `score`.",
+        "Reward functions as their authors wrote them, chosen by signature: TRL's "
+        "f(prompts, completions, completion_ids, **columns) -> list[float | None] once "
+        "per batch, verl's compute_score(data_source, solution_str, ground_truth, "
+        "extra_info) -> float or dict with `score` once per row.",
         inputs=(
             _p("responses", "b T", "int"),
             _p("response_mask", "b T", "mask", "binary"),
             _p("ground_truth", "b", "object", optional=True),
             _p("data_source", "b", "object", optional=True),
             _p("extra_info", "b", "object", optional=True),
+            _p("row", "b", "object", optional=True,
+               doc="each row's dataset columns (the data's `row`, through generate): a TRL "
+                   "function's `prompts` and keyword arguments; needed by one"),
         ),
         outputs=(SCORES, _p("reward_extra_info", "b", "object", optional=True,
                             doc="each row's other entries of a dict result (verl's "
-                                "reward_extra_info): the validation table's columns")),
+                                "reward_extra_info) and a TRL function's log_extra "
+                                "columns: the validation table's columns"),
+                 _p("score_mask", "b", "int", "binary", optional=True,
+                    doc="0 where every function returned None (TRL: the row is "
+                        "unscorable; its score is 0): wire it into grpo's score_mask to "
+                        "leave the row out of its group's baseline, as TRL does")),
         params=(
-            ParamSpec("fn", ("str", "null"), None, functions=SCORE_FUNCTIONS,
-                      call_with=SCORE_CALL,
-                      doc="`file.py:function` (the file listed under plugins:), "
-                          "`module:function` (listed too), or a built-in: gsm8k, math"),
+            ParamSpec("fn", ("str", "list", "null"), None, functions=SCORE_FUNCTIONS,
+                      calls=SCORE_CALLS,
+                      doc="the reward function: `file.py:function` (the file listed under "
+                          "plugins:), `module:function` (listed too), a built-in (gsm8k, "
+                          "math) or a Python callable; a list of them is TRL's reward_funcs, "
+                          "their values summed with `weights` (None skipped, as nansum)"),
+            ParamSpec("weights", ("list", "null"), None, one_per="fn",
+                      doc="one weight per function of a list `fn` (TRL's reward_weights); "
+                          "null: each weighs 1"),
             ParamSpec("fns", ("mapping", "null"), None, functions=SCORE_FUNCTIONS,
-                      call_with=SCORE_CALL,
-                      doc="data_source -> function, as verl's default reward routes; rows "
-                          "of other sources go to fn"),
+                      calls=SCORE_CALLS,
+                      doc="data_source -> function (TRL's or verl's), as verl's default "
+                          "reward routes; rows of other sources go to fn"),
         ),
         model="optional",
         head="tokenizer",
@@ -355,9 +376,14 @@ _KINDS = (
     ),
     KindSpec(
         "grpo", "advantage", "Group-normalised outcome advantage (Shao et al. 2024).",
-        inputs=(SCORES, MASK, INDEX),
+        inputs=(SCORES, MASK, INDEX,
+                _p("score_mask", "b", "int", "binary", optional=True,
+                   doc="0 for a row no reward function scored (compute_score's "
+                       "score_mask): left out of its group's mean and std, advantage 0 "
+                       "(TRL)")),
         outputs=ADV_OUTPUTS,
-        params=(_f("epsilon", 1e-6, minimum=0.0), _b("norm_by_std", True)),
+        params=(_f("epsilon", 1e-6, "added to the group's std before dividing (verl 1e-6; "
+                   "TRL 1e-4)", minimum=0.0), _b("norm_by_std", True)),
         grouped=True,
         impl="flowgraph.nodes.advantage:grpo",
     ),

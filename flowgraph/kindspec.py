@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from flowgraph.contracts import TensorSpec
 from flowgraph.errors import RegistryError
 from flowgraph.ir import NAME_RE, ParamValue
+from flowgraph.runtime.reward_call import CallStyle
 from flowgraph.runtime.update import LOOP_PARAMS, one_optimizer_step
 
 PARAM_TYPES = ("float", "int", "bool", "str", "list", "mapping", "any", "null")
@@ -60,9 +61,14 @@ class ParamSpec:
     """Set when the value names a function (a mapping param: each of its values does):
     one of these built-in names, or `file.py:function` / `module:function` of a plugin
     the graph lists. A kind with such params needs one of them set."""
-    call_with: tuple[str, ...] = ()
-    """The keywords the node calls such a function with; `flowgraph check` holds a plugin
-    file's function to them (`compute_score`: verl's four)."""
+    calls: tuple[CallStyle, ...] = ()
+    """The ways the node calls such a function, chosen by its signature; `flowgraph
+    check` holds a plugin file's function (or a Python callable) to the one it picks
+    (`compute_score`: TRL's batch call for a function taking `completions`, verl's
+    per-row call for one taking `solution_str`)."""
+    one_per: str | None = None
+    """Set (`weights`: `fn`) when this list has one number per entry of that list param
+    (TRL's reward_weights, one per reward function); the checker holds it to that."""
     evaluation: bool = False
     """Read by the compiler to make the node's params at evaluation (`NodePlan.eval_params`:
     a rollout's `val_n`, `val_temperature`); never passed to the implementation."""

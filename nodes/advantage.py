@@ -279,6 +279,7 @@ def grpo(
     scores: Tensor,
     response_mask: Tensor,
     index: Tensor,
+    score_mask: Tensor | None = None,
     epsilon: float = 1e-6,
     norm_by_std: bool = True,
 ) -> tuple[Tensor, Tensor]:
@@ -288,6 +289,12 @@ def grpo(
     A_i =  s_i − mean_g                 (Dr.GRPO, ``norm_by_std=False``)
     g = index[i]; std is unbiased (torch.std); a singleton group uses mean 0,
     std 1 as verl does. ``returns`` equals ``advantages`` (verl).
+
+    ``score_mask`` (B,) 0/1, from a reward whose functions all returned None for a row
+    (TRL 1.16 `_generate_and_score_completions`): the statistics are over the scored
+    rows of each group (TRL's nanmean / nanstd), an unscored row's advantage is 0, and
+    so is every row of a group with fewer than 2 scored rows (TRL's nanstd of one value
+    is NaN, its advantage then `nan_to_num`'s 0).
     """
     # Shao et al. 2024 (GRPO); Liu et al. 2025 (Dr.GRPO);
     # verl core_algos.compute_grpo_outcome_advantage
@@ -300,11 +307,16 @@ def grpo(
         raise ValueError(
             f"{fn}: epsilon must be >= 0; got {epsilon}. Use a small positive value such as 1e-6."
         )
+    if score_mask is not None:
+        _check_per_seq(fn, "score_mask", score_mask, valid.shape[0])
     with torch.no_grad():
         s = scores.to(torch.float64)
-        _, mean, std = _group_stats(s, inverse, groups)
+        keep = torch.ones_like(s, dtype=torch.bool) if score_mask is None else score_mask.bool()
+        count, mean, std = _group_stats(s[keep], inverse[keep], groups)
         centred = s - mean[inverse]
         per_seq = centred / (std[inverse] + epsilon) if norm_by_std else centred
+        if score_mask is not None:
+            per_seq = torch.where(keep & (count[inverse] >= 2), per_seq, 0.0)
         advantages = _broadcast(per_seq, valid).to(scores.dtype)
     return advantages, advantages.clone()
 

@@ -587,7 +587,8 @@ class PromptDataset(_TableDataset):
 
     def batch(self, ids: list[int], rows: list[dict[str, Any]]) -> dict[str, Any]:
         """input_ids, attention_mask (Bp, P) int64; uid (Bp,) int64; ground_truth and
-        data_source (Bp) lists when the dataset has them; extra_info list[dict] (Bp).
+        data_source (Bp) lists when the dataset has them; extra_info and row list[dict]
+        (Bp).
         Values keep their parquet types (a string, a number, a dict, a list), as verl
         passes them to a reward function, never their str()."""
         prompts = render_prompts(self.tokenizer, [r[self.prompt_key] for r in rows], self.chat)
@@ -605,7 +606,14 @@ class PromptDataset(_TableDataset):
         if "data_source" in self.table.column_names:
             batch["data_source"] = [r["data_source"] for r in rows]
         batch["extra_info"] = [_extra_info(r, self.columns) for r in rows]
+        batch["row"] = [_row(r, self.prompt_key) for r in rows]
         return batch
+
+
+def _row(row: dict[str, Any], prompt_key: str) -> dict[str, Any]:
+    """A row as TRL hands it to a reward function: every column, the prompt (as the
+    file holds it) under `prompt`."""
+    return {"prompt": row[prompt_key], **{k: v for k, v in row.items() if k != prompt_key}}
 
 
 def _field(row: dict[str, Any], name: str) -> Any:

@@ -308,6 +308,7 @@ def generate(
     ground_truth: Sequence[str] | None = None,
     data_source: Sequence[str] | None = None,
     extra_info: Sequence[Any] | None = None,
+    row: Sequence[Any] | None = None,
     backend: str = "hf",
     n: int | None = None,
     temperature: float = 1.0,
@@ -322,7 +323,7 @@ def generate(
     prompts, prompt_mask (b, P) -> prompts, prompt_mask (r, P); responses, response_mask,
     rollout_log_prob (r, T); index (r,) the prompt's row in the global batch (this
     rank's rows start at `ctx.row_offset`: an executor splits a batch into contiguous
-    parts); ground_truth, data_source, extra_info (r,) lists when given. vLLM reserves a
+    parts); ground_truth, data_source, extra_info, row (r,) lists when given. vLLM reserves a
     KV cache for the r sequences of P+T tokens, or, with `gpu_memory_utilization`, that
     share of the accelerator's memory (on CPU: of NUMA node 0's RAM). The kind's `val_n`
     and `val_temperature` are the compiler's: at evaluation the node is called with the
@@ -350,7 +351,7 @@ def generate(
     outputs |= {"prompts": prompts, "prompt_mask": prompt_mask.long(),
                 "index": rows.repeat_interleave(n).to(prompts.device)}
     for name, rows_of in (("ground_truth", ground_truth), ("data_source", data_source),
-                          ("extra_info", extra_info)):
+                          ("extra_info", extra_info), ("row", row)):
         if rows_of is not None:  # one value per prompt -> one per sample, in sample order
             outputs[name] = repeat_rows(rows_of, n)
     return outputs

@@ -8,10 +8,15 @@
   (the reward model of Ouyang et al. 2022).
 * `token_reward` puts a sequence score on the last valid response token, the sparse
   reward that PPO's per-token advantage (GAE) consumes.
-* `compute_score` calls a function with verl's signature, `compute_score(data_source,
-  solution_str, ground_truth, extra_info=None) -> float | dict`, on each decoded response:
-  yours from a plugin (`fn: rewards.py:compute_score`), a built-in (`gsm8k`, `math`:
-  `flowgraph.nodes.scores`), or one per data source (`fns`), as verl's reward managers.
+* `compute_score` calls reward functions as their authors wrote them, chosen by
+  signature (`flowgraph.runtime.reward_call`): TRL's, `f(prompts, completions,
+  completion_ids, **columns) -> list[float | None]`, once per batch as TRL 1.16's
+  GRPOTrainer calls its `reward_funcs` (several, summed with `weights`, its
+  `reward_weights`, None skipped); verl's, `compute_score(data_source, solution_str,
+  ground_truth, extra_info=None) -> float | dict`, on each decoded response, as verl's
+  reward managers. Yours from a plugin (`fn: rewards.py:compute_score`), the Python
+  function itself, a built-in (`gsm8k`, `math`: `flowgraph.nodes.scores`), or one per
+  data source (`fns`).
 
 Your own reward is a plain function whose jaxtyping annotations are its contract.
 List its module under `plugins:` in the graph, and `flowgraph check` reads the
@@ -37,7 +42,7 @@ import numbers
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -47,6 +52,18 @@ from flowgraph.nodes.logprob import forward_hidden, micro_batches, sequence_leng
 from flowgraph.nodes.scores import BUILTIN_SCORES
 from flowgraph.runtime import NodeContext
 from flowgraph.runtime.answers import extract_answer, has_marked_answer, normalise_answer
+from flowgraph.runtime.reward_call import (
+    TRL_CALL,
+    VERL_CALL,
+    CallStyleError,
+    TrainerState,
+    call_style,
+    function_name,
+    keywords_taken,
+)
+
+SCORE_CALLS = (TRL_CALL, VERL_CALL)
+"""How `compute_score` calls a function (the kind's `calls`, `flowgraph.kinds`)."""
 
 __all__ = ["compute_score", "reward_model", "rule_reward", "token_reward"]
 
@@ -108,12 +125,17 @@ def rule_reward(
 
 
 ScoreFn = Callable[..., Any]
+FnRef = str | ScoreFn
+"""A reward function as a param holds it: a name (`_function`) or the callable itself."""
 
 
-def _function(ref: str) -> ScoreFn:
-    """A scoring function: a built-in name, `file.py:function` (a plugin file, imported
-    from the graph's folder by the executor) or `module:function`. Looked up at every
-    call, not cached: another graph run in this process may bring its own `rewards.py`."""
+def _function(ref: FnRef) -> ScoreFn:
+    """A scoring function: a callable as it is, a built-in name, `file.py:function` (a
+    plugin file, imported from the graph's folder by the executor) or `module:function`.
+    Looked up at every call, not cached: another graph run in this process may bring its
+    own `rewards.py`."""
+    if callable(ref):
+        return ref
     if ":" not in ref:
         if ref not in BUILTIN_SCORES:
             raise ValueError(f"compute_score: no built-in function `{ref}`; built-ins: "
@@ -127,6 +149,9 @@ def _function(ref: str) -> ScoreFn:
     return fn
 
 
+def _label(ref: FnRef) -> str:
+    """How messages name a function: as the graph does, or a callable by its name."""
+    return ref if isinstance(ref, str) else function_name(ref)
 def _where(row: int, source: Any, extra_info: Any) -> str:
     """`row i (data_source s, extra_info index k)`: the row as a user finds it again
     (verl's datasets number their rows in `extra_info.index`)."""
@@ -173,12 +198,37 @@ def _numeric(ref: str, key: str, value: Any) -> float | None:
     return None
 
 
-def _route(fns: Mapping[Any, str], source: Any, fn: str | None) -> str | None:
+def _route(fns: Mapping[Any, FnRef], source: Any) -> FnRef | None:
     """fns' function for a row's data_source (the value, else its text: a YAML key `7`
-    for a source 7), else fn; a source that is no key (None, a dict) goes to fn."""
+    for a source 7); None for a source that is no key (None, a dict)."""
     if source is None or not isinstance(source, Hashable):
-        return fn
-    return fns.get(source, fns.get(str(source), fn))
+        return None
+    return fns.get(source, fns.get(str(source)))
+
+
+def _calls(fn: FnRef | Sequence[FnRef] | None, weights: Sequence[float] | None,
+           fns: Mapping[Any, FnRef], data_source: Sequence[Any] | None, b: int
+           ) -> list[tuple[FnRef, float, list[int]]]:
+    """(function, weight, its rows) of each function the node calls: every function of
+    `fn` (one, or a list: TRL's reward_funcs with `weights`, its reward_weights) on the
+    rows fns does not route, each function of fns on the rows it routes (weight 1)."""
+    listed: list[FnRef] = (list(fn) if isinstance(fn, (list, tuple)) else [] if fn is None
+                           else [cast(FnRef, fn)])
+    if weights is not None and len(weights) != len(listed):
+        raise ValueError(f"compute_score: {len(weights)} weights for {len(listed)} "
+                         f"functions in fn; give one weight per function (TRL's "
+                         f"reward_weights)")
+    routed = [_route(fns, None if data_source is None else data_source[i]) for i in range(b)]
+    rest = [i for i in range(b) if routed[i] is None]
+    if rest and not listed:
+        source = None if data_source is None else data_source[rest[0]]
+        raise ValueError(f"compute_score: no function for row {rest[0]} (data_source "
+                         f"`{source}`): set fn, or list the source under fns")
+    calls = [(f, 1.0 if weights is None else float(weights[k]), rest)
+             for k, f in enumerate(listed)]
+    for ref in dict.fromkeys(r for r in routed if r is not None):
+        calls.append((ref, 1.0, [i for i in range(b) if routed[i] is ref]))
+    return [c for c in calls if c[2]]
 
 
 def compute_score(
@@ -187,45 +237,196 @@ def compute_score(
     ground_truth: Sequence[Any] | None = None,
     data_source: Sequence[Any] | None = None,
     extra_info: Sequence[Any] | None = None,
+    row: Sequence[Mapping[str, Any]] | None = None,
     *,
     ctx: NodeContext,
     tokenizer: object = None,
-    fn: str | None = None,
-    fns: Mapping[str, str] | None = None,
+    fn: FnRef | Sequence[FnRef] | None = None,
+    weights: Sequence[float] | None = None,
+    fns: Mapping[Any, FnRef] | None = None,
 ) -> dict[str, Any]:
-    """scores (b,) float32: each decoded response scored by verl's signature,
-    `f(data_source=, solution_str=, ground_truth=, extra_info=)`, with f = fns[data_source]
-    when the map has the row's source, else fn; reward_extra_info (b,): each row's extra
-    dict entries. Numeric extra entries are reported as `critic/<key>/mean` over the
-    rows that gave them. Values reach f as the dataset holds them (`PromptDataset`)."""
-    # verl's NaiveRewardManager / default_compute_score routing, one row at a time.
+    """scores (b,) float32: Σ_k weights_k · R_k over the functions that scored the row
+    (TRL's nansum), R_k (b,) the values of function k, called as its signature says
+    (`flowgraph.runtime.reward_call`): TRL's batch call, or verl's per row with
+    f = fns[data_source] when the map has the row's source, else fn.
+    reward_extra_info (b,): each row's extra dict entries (verl) and log_extra columns
+    (TRL); score_mask (b,) int64: 0 where every function returned None (score 0).
+    Metrics: `rewards/<name>/mean` and `/std` of each function (TRL's nanmean, nanstd
+    over the whole batch), `critic/<key>/mean` of numeric extra entries."""
     texts = _texts(tokenizer, responses, response_mask, "compute_score")
-    scores, extras, rows = [], defaultdict(list), []
-    for i, text in enumerate(texts):
+    b = len(texts)
+    rows: list[dict[str, Any]] = [{} for _ in range(b)]
+    columns, names, weighted = [], [], []
+    for ref, weight, at in _calls(fn, weights, fns or {}, data_source, b):
+        f = _function(ref)
+        try:
+            style = call_style(f, SCORE_CALLS)
+        except CallStyleError as exc:
+            raise RewardFnError(f"reward fn `{_label(ref)}`: {exc}") from None
+        got: Sequence[float | None]
+        if style.per_batch:
+            got = _trl_scores(f, _label(ref), at, texts, responses, response_mask, row, ctx,
+                              rows)
+        else:
+            got = _verl_scores(f, _label(ref), at, texts, ground_truth, data_source,
+                               extra_info, ctx, rows)
+        column = torch.full((b,), math.nan)  # NaN: not this function's row, or None
+        column[at] = torch.tensor([math.nan if v is None else v for v in got])
+        columns.append(column)
+        names.append(function_name(f))
+        weighted.append(weight)
+    values = torch.stack(columns, 1) if columns else torch.empty(b, 0)
+    return _combine(values, torch.tensor(weighted), names, rows, texts, row, ctx)
+
+
+def _verl_scores(f: ScoreFn, label: str, at: list[int], texts: list[str],
+                 ground_truth: Sequence[Any] | None, data_source: Sequence[Any] | None,
+                 extra_info: Sequence[Any] | None, ctx: NodeContext,
+                 rows: list[dict[str, Any]]) -> list[float]:
+    """verl's NaiveRewardManager / default_compute_score: one call per row; a dict
+    result's other entries into the row's extras, their numbers `critic/<key>/mean`."""
+    scores, extras = [], defaultdict(list)
+    for i in at:
         source = None if data_source is None else data_source[i]
         info = None if extra_info is None else extra_info[i]
-        ref = _route(fns or {}, source, fn)
         where = _where(ctx.row_offset + i, source, info)
-        if ref is None:
-            raise ValueError(f"compute_score: no function for row {i} (data_source "
-                             f"`{source}`): set fn, or list the source under fns")
         try:
-            result = _function(ref)(
-                data_source=source, solution_str=text,
-                ground_truth=None if ground_truth is None else ground_truth[i],
-                extra_info=info)
+            result = f(data_source=source, solution_str=texts[i],
+                       ground_truth=None if ground_truth is None else ground_truth[i],
+                       extra_info=info)
         except Exception as exc:
-            raise RewardFnError(f"reward fn `{ref}` raised on {where}: "
+            raise RewardFnError(f"reward fn `{label}` raised on {where}: "
                                 f"{type(exc).__name__}: {exc}") from exc
-        score, extra = _score(result, f"reward fn `{ref}` on {where}")
+        score, extra = _score(result, f"reward fn `{label}` on {where}")
         scores.append(score)
-        rows.append(extra)
+        rows[i].update(extra)
         for key, value in extra.items():
-            number = _numeric(ref, key, value)
+            number = _numeric(label, key, value)
             if number is not None:
                 extras[key].append(number)
     ctx.metrics.update({f"critic/{k}/mean": sum(v) / len(v) for k, v in extras.items()})
-    return {"scores": torch.tensor(scores, dtype=torch.float32), "reward_extra_info": rows}
+    return scores
+
+
+def _conversational(prompt: Any) -> bool:
+    """TRL's `is_conversational`: a prompt that is a list of messages with roles."""
+    return (isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+            and "role" in prompt[0])
+
+
+def _trl_scores(f: ScoreFn, label: str, at: list[int], texts: list[str], responses: Tensor,
+                response_mask: Tensor, row: Sequence[Mapping[str, Any]] | None,
+                ctx: NodeContext, rows: list[dict[str, Any]]) -> list[float | None]:
+    """TRL 1.16 `GRPOTrainer._calculate_rewards`: one call on the batch's rows `at`, with
+    prompts, completions (message lists for a conversational prompt), completion_ids,
+    every column of the rows but `prompt` (and `completion`, `completion_ids`), and
+    trainer_state, log_extra, log_metric; one number or None per completion."""
+    when = f"at step {ctx.step}"
+    if row is None:
+        raise ValueError(f"reward fn `{label}` is called as TRL calls a reward function "
+                         "(its signature names completions, prompts or completion_ids), "
+                         "with the prompts and the dataset's columns, which reach "
+                         "the node through its input `row` (the data's `row`, through "
+                         "generate); wire `row: gen.row`")
+    picked = [row[i] for i in at]
+    prompts = [r["prompt"] for r in picked]
+    chat = _conversational(prompts[0])
+    columns = {k: [r.get(k) for r in picked] for k in picked[0]
+               if k not in ("prompt", "completion", "completion_ids")}
+    logged: dict[str, list[float]] = defaultdict(list)
+
+    def log_extra(column: str, values: Sequence[Any]) -> None:
+        for i, value in zip(at, values, strict=True):
+            rows[i][column] = value
+
+    def log_metric(name: str, value: float) -> None:
+        logged[name].append(float(value))
+
+    given = {
+        "prompts": prompts,
+        "completions": [[{"role": "assistant", "content": texts[i]}] if chat else texts[i]
+                        for i in at],
+        "completion_ids": [responses[i][response_mask[i].bool()].tolist() for i in at],
+        **columns,
+        "trainer_state": TrainerState(global_step=ctx.step),
+        "log_extra": log_extra,
+        "log_metric": log_metric,
+    }
+    try:
+        result = f(**keywords_taken(f, given))
+    except Exception as exc:
+        raise RewardFnError(f"reward fn `{label}` raised {when} on a batch of {len(at)} "
+                            f"completions (rows {ctx.row_offset + at[0]}.."
+                            f"{ctx.row_offset + at[-1]}): {type(exc).__name__}: {exc}"
+                            ) from exc
+    ctx.metrics.update({k: sum(v) / len(v) for k, v in logged.items()})
+    return _batch_scores(result, f"reward fn `{label}` {when}", len(at), ctx.row_offset, at)
+
+
+def _batch_scores(result: Any, who: str, n: int, offset: int, at: list[int]
+                  ) -> list[float | None]:
+    """A TRL function's list: one number (a bool counts as 1 or 0) or None per
+    completion, finite."""
+    if isinstance(result, (str, bytes, Mapping)) or not hasattr(result, "__len__"):
+        raise ValueError(f"{who} returned {type(result).__name__} {result!r:.80}; a TRL "
+                         f"reward function returns a list with one float (or None) per "
+                         f"completion")
+    got = list(result)
+    if len(got) != n:
+        raise ValueError(f"{who} returned {len(got)} values for {n} completions; it returns "
+                         "exactly one float (or None) per completion")
+    for j, value in enumerate(got):
+        if value is None:
+            continue
+        if not isinstance(value, numbers.Real):
+            raise ValueError(f"{who} returned {type(value).__name__} {value!r:.80} for "
+                             f"row {offset + at[j]}; each value is a float, or None where "
+                             "the function does not apply")
+        if not math.isfinite(value):
+            raise RewardFnError(f"{who} returned {value!r} for row {offset + at[j]}; a "
+                                "score must be a finite number (None: the function does not "
+                                "apply to the row)")
+    return [None if v is None else float(v) for v in got]
+
+
+def _nan_stats(ctx: NodeContext, values: Tensor, names: list[str]) -> None:
+    """`rewards/<name>/mean` and `/std` of each column of values (b, K) over the whole
+    batch, every worker's rows: TRL's nanmean and nanstd (unbiased, NaN below 2 values)."""
+    given = ~values.isnan()
+    x = values.double().nan_to_num(0.0)
+    sums = ctx.workers.sum({f"{k}/n": float(given[:, k].sum()) for k in range(len(names))}
+                           | {f"{k}/s": float(x[:, k].sum()) for k in range(len(names))})
+    means = {k: sums[f"{k}/s"] / sums[f"{k}/n"] if sums[f"{k}/n"] else math.nan
+             for k in range(len(names))}
+    squares = ctx.workers.sum({f"{k}": float(((x[:, k] - means[k]) ** 2 * given[:, k]).sum())
+                               for k in range(len(names))})
+    for k, name in enumerate(names):
+        n = sums[f"{k}/n"]
+        ctx.metrics[f"rewards/{name}/mean"] = means[k]
+        ctx.metrics[f"rewards/{name}/std"] = (math.sqrt(squares[f"{k}"] / (n - 1)) if n > 1
+                                              else math.nan)
+
+
+def _combine(values: Tensor, weights: Tensor, names: list[str], rows: list[dict[str, Any]],
+             texts: list[str], row: Sequence[Mapping[str, Any]] | None, ctx: NodeContext
+             ) -> dict[str, Any]:
+    """TRL's `(rewards_per_func * reward_weights).nansum(dim=1)` and its unscorable rows
+    (every function None: said, as TRL warns)."""
+    _nan_stats(ctx, values, names)
+    unscored = values.isnan().all(1)
+    if unscored.any():
+        i = int(unscored.nonzero()[0, 0])
+        prompt = None if row is None else row[i].get("prompt")
+        warnings.warn(
+            f"node `{ctx.node}` at step {ctx.step}: every reward function "
+            f"({', '.join(names)}) returned None for {int(unscored.sum())} of {len(texts)} "
+            f"rows (the first: row {ctx.row_offset + i}, prompt {prompt!r:.80}, completion "
+            f"{texts[i]!r:.80}). Their score is 0; wire this node's score_mask into grpo's "
+            f"score_mask to leave them out of their group's baseline with advantage 0, as "
+            f"TRL does. Make sure at least one function scores every row.", stacklevel=2)
+    scores = (values * weights.unsqueeze(0)).nansum(1)
+    return {"scores": scores, "reward_extra_info": rows,
+            "score_mask": (~unscored).long()}
 
 
 def _score_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:

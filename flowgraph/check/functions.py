@@ -1,8 +1,9 @@
-"""Params that name code: a function (`ParamSpec.functions`) — a built-in name, or a
-function of a plugin the graph lists, `rewards.py:compute_score` — or an entry of a
-registry (`ParamSpec.names`: `policy_loss`) with its own params in `<param>_params`. The
-plugins were imported by then, so a function or a loss that is not there, or a loss
-param it does not take, is found before launch."""
+"""Params that name code: a function (`ParamSpec.functions`) — a built-in name, a
+function of a plugin the graph lists, `rewards.py:compute_score`, or a Python callable —
+or an entry of a registry (`ParamSpec.names`: `policy_loss`) with its own params in
+`<param>_params`. The plugins were imported by then, so a function or a loss that is not
+there, a function the node cannot call (by the style its signature picks, `ParamSpec.
+calls`), or a loss param it does not take, is found before launch."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.document import did_you_mean
 from flowgraph.ir import Graph, NodeSpec, Param, Params
 from flowgraph.registry import ParamSpec, loss_names, loss_spec
+from flowgraph.runtime.reward_call import CallStyle, CallStyleError, call_style, function_name
 from flowgraph.source import SourcePos
 
 
@@ -31,12 +33,54 @@ def check_functions(graph: Graph, table: dict[str, Resolved], out: list[Diagnost
             names = " or ".join(f"`{s.name}`" for s in specs)
             out.append(error("FG112", f"`{r.name}` (kind {r.kind.name}) needs {names}",
                              r.spec.pos, node=r.name, hint=_hint(specs[0])))
-        for spec, param in given:
-            for ref, where in _refs(param):
-                _check_ref(r.name, spec, ref, where, listed, out)
+        styles = [(ref, _check_ref(r.spec, spec, ref, where, listed, out))
+                  for spec, param in given for ref, where in _refs(param)]
+        _check_reads(r.spec, styles, out)
+        for spec in r.kind.params:
+            if spec.one_per is not None:
+                _check_one_per(r.spec, spec, out)
         for spec in r.kind.params:
             if spec.names == "policy_loss":
                 _check_loss(r.name, spec, r.spec, out)
+
+
+def _check_one_per(node: NodeSpec, spec: ParamSpec, out: list[Diagnostic]) -> None:
+    """A list of numbers with one entry per entry of the list param `spec.one_per`
+    (`weights` of `fn`: TRL's reward_weights, one per reward function)."""
+    given, of = node.params.find(spec.name), node.params.find(spec.one_per or "")
+    if given is None or not isinstance(given.value, tuple):
+        return
+    bad = [v for v in given.value if isinstance(v, bool) or not isinstance(v, (int, float))]
+    if bad:
+        problem = f"holds {bad[0]!r}, not a number"
+    elif of is None or not isinstance(of.value, tuple):
+        problem = f"needs `{spec.one_per}` to be a list"
+    elif len(of.value) != len(given.value):
+        problem = f"has {len(given.value)} entries for {len(of.value)} in `{spec.one_per}`"
+    else:
+        return
+    out.append(error("FG112", f"parameter `{spec.name}` of `{node.name}` {problem}",
+                     given.pos, node=node.name,
+                     hint=f"one number per entry of `{spec.one_per}`, in its order "
+                          "(TRL's reward_weights)"))
+
+
+def _check_reads(node: NodeSpec, styles: list[tuple[object, CallStyle | None]],
+                 out: list[Diagnostic]) -> None:
+    """The input a function's call style reads (TRL's: `row`, the dataset's columns) is
+    wired; one error naming every function that reads it."""
+    reading: dict[str, list[str]] = {}
+    for ref, style in styles:
+        if style is not None and style.reads and node.input(style.reads) is None:
+            reading.setdefault(style.reads, []).append(f"`{_label(ref)}`")
+    for port, fns in reading.items():
+        out.append(error(
+            "FG104", f"`{node.name}` calls {' and '.join(fns)} as TRL calls reward "
+            f"functions (their signatures name completions, prompts or completion_ids), "
+            f"with the prompts and the dataset's columns of the input `{port}`, which it "
+            f"does not wire", node.pos, node=node.name,
+            hint=f"wire `{port}: gen.{port}` (generate passes on the data's `{port}`: "
+                 f"`{port}: train.{port}`)"))
 
 
 def _check_loss(node: str, spec: ParamSpec, owner: NodeSpec, out: list[Diagnostic]) -> None:
@@ -65,64 +109,102 @@ def _check_loss(node: str, spec: ParamSpec, owner: NodeSpec, out: list[Diagnosti
 
 
 def _refs(param: Param) -> list[tuple[object, Param]]:
-    """Each function reference in a param: its value, or each value of a mapping."""
+    """Each function reference in a param: its value, each value of a mapping, or each
+    entry of a list (TRL's reward_funcs)."""
     if isinstance(param.value, Params):
         return [(p.value, p) for p in param.value.items]
+    if isinstance(param.value, tuple):
+        return [(v, param) for v in param.value]
     return [(param.value, param)]
 
 
-def _check_ref(node: str, spec: ParamSpec, ref: object, where: Param, listed: set[str],
-               out: list[Diagnostic]) -> None:
+def _label(ref: object) -> str:
+    return function_name(ref) if callable(ref) and not isinstance(ref, str) else str(ref)
+
+
+def _check_ref(node: NodeSpec, spec: ParamSpec, ref: object, where: Param, listed: set[str],
+               out: list[Diagnostic]) -> CallStyle | None:
+    """Problems of one function reference; the style the node will call it in, when the
+    function is known here."""
     assert spec.functions is not None
+    if callable(ref) and not isinstance(ref, str):  # a Python function given as it is
+        return _check_signature(node, spec, function_name(ref), ref, where, out)
     if not isinstance(ref, str):
-        out.append(error("FG112", f"parameter `{spec.name}` of `{node}` names a function as "
-                         f"a string, got {ref!r}", where.pos, node=node, hint=_hint(spec)))
-        return
+        out.append(error("FG112", f"parameter `{spec.name}` of `{node.name}` names a "
+                         f"function as a string or a callable, got {ref!r}", where.pos,
+                         node=node.name, hint=_hint(spec)))
+        return None
     module, colon, name = ref.partition(":")
     if not colon:
         if ref not in spec.functions:
-            out.append(error("FG112", f"parameter `{spec.name}` of `{node}`: no built-in "
-                             f"function `{ref}`", where.pos, node=node, hint=_hint(spec)))
-        return
+            out.append(error("FG112", f"parameter `{spec.name}` of `{node.name}`: no "
+                             f"built-in function `{ref}`", where.pos, node=node.name,
+                             hint=_hint(spec)))
+        return None
     if module not in listed:
-        out.append(error("FG113", f"parameter `{spec.name}` of `{node}` names `{ref}`, but "
-                         f"`{module}` is not listed under plugins:", where.pos, node=node,
+        out.append(error("FG113", f"parameter `{spec.name}` of `{node.name}` names `{ref}`, "
+                         f"but `{module}` is not listed under plugins:", where.pos,
+                         node=node.name,
                          hint=f"add it: `plugins: [{module}]` (every file or module a graph "
                               "runs is listed there)"))
-        return
+        return None
     loaded = sys.modules.get(Path(module).stem if module.endswith(".py") else module)
     if loaded is None:
-        return
+        return None
     fn = getattr(loaded, name, None)
     if not callable(fn):
-        out.append(error("FG112", f"parameter `{spec.name}` of `{node}`: `{module}` has no "
-                         f"function `{name}`", where.pos, node=node, hint=_hint(spec)))
-        return
-    if module.endswith(".py") and spec.call_with:
-        _check_signature(node, spec, ref, fn, where, out)
+        out.append(error("FG112", f"parameter `{spec.name}` of `{node.name}`: `{module}` has "
+                         f"no function `{name}`", where.pos, node=node.name,
+                         hint=_hint(spec)))
+        return None
+    return _check_signature(node, spec, ref, fn, where, out) if module.endswith(".py") \
+        else None
 
 
-def _check_signature(node: str, spec: ParamSpec, ref: str, fn: Callable[..., object],
-                     where: Param, out: list[Diagnostic]) -> None:
-    """A plugin file's function can be called as the node calls it (`ParamSpec.call_with`:
-    verl's `data_source=, solution_str=, ground_truth=, extra_info=`); the error sits on
-    the function's own line."""
+def _own_line(fn: Callable[..., object], where: Param) -> SourcePos:
+    """The function's own definition line, else the param's."""
     try:
-        inspect.signature(fn).bind(**dict.fromkeys(spec.call_with))
-    except TypeError as exc:
         file, line = inspect.getsourcefile(fn), inspect.getsourcelines(fn)[1]
-        pos = SourcePos(file, line, 1) if file else where.pos
-        wanted = ", ".join(spec.call_with)
+    except (OSError, TypeError):
+        return where.pos
+    return SourcePos(file, line, 1) if file else where.pos
+
+
+def _check_signature(node: NodeSpec, spec: ParamSpec, ref: str, fn: Callable[..., object],
+                     where: Param, out: list[Diagnostic]) -> CallStyle | None:
+    """The function can be called as the node will call it, in the style its signature
+    picks (`ParamSpec.calls`: TRL's batch call for `completions`, verl's per-row call for
+    `solution_str`), which it returns; the error sits on the function's own line."""
+    if not spec.calls:
+        return None
+    label = f"`{ref}` (parameter `{spec.name}` of `{node.name}`, {where.pos})"
+    try:
+        style = call_style(fn, spec.calls)
+    except CallStyleError as exc:
         out.append(error(
-            "FG112", f"`{ref}` (parameter `{spec.name}` of `{node}`, {where.pos}) cannot be "
-            f"called with the keywords {wanted}: {exc}", pos, node=node,
-            hint=f"take them all: `def {fn.__name__}({wanted}=None)` (verl's signature; "
-                 "more keywords with defaults, or **kwargs, are fine)"))
+            "FG112", f"{label}: {exc}", _own_line(fn, where), node=node.name,
+            hint="name `completions` to be called as TRL calls reward_funcs, or "
+                 "`solution_str` as verl calls compute_score"))
+        return None
+    try:
+        signature = inspect.signature(fn)
     except ValueError:  # no signature to read (a builtin): it is called as it is
-        return
+        return style
+    if style.per_batch:  # TRL's calls add dataset columns, known when the data loads
+        return style
+    try:
+        signature.bind(**dict.fromkeys(style.keywords))
+    except TypeError as exc:
+        wanted = ", ".join(style.keywords)
+        out.append(error(
+            "FG112", f"{label} cannot be called with the keywords {wanted}: {exc}",
+            _own_line(fn, where), node=node.name,
+            hint=f"take them all: `def {function_name(fn)}({wanted}=None)` ({style.name}'s "
+                 "signature; more keywords with defaults, or **kwargs, are fine)"))
+    return style
 
 
 def _hint(spec: ParamSpec) -> str:
     builtins = ", ".join(spec.functions or ())
-    return (f"a built-in ({builtins}), or `file.py:function` / `module:function` of a plugin "
-            "listed under plugins:")
+    return (f"a built-in ({builtins}), `file.py:function` / `module:function` of a plugin "
+            "listed under plugins:, or the Python function itself")

@@ -377,7 +377,7 @@ VERL_FORMAT = (ROOT / "graphs" / "verl_format" / "grpo.yaml").read_text()
      "`other.py` is not listed under plugins:"),
     ('fn: "rewards.py:compute_score"', "fn: gsm9k", "FG112", "no built-in function `gsm9k`"),
     ('fn: "rewards.py:compute_score"', "fns: {arith: gsm8k, other: 3}", "FG112",
-     "names a function as a string, got 3"),
+     "names a function as a string or a callable, got 3"),
     ('{fn: "rewards.py:compute_score"}', "{}", "FG112", "needs `fn` or `fns`"),
 ])
 def test_a_reward_function_is_checked_before_launch(

@@ -261,8 +261,12 @@ def test_compute_score_routes_by_data_source_and_logs_extra_numbers() -> None:
     # row 0: by_source, "7" == "7"; row 1: gsm8k, #### 5; row 2: by_source, "8" != "9"
     assert out["scores"].tolist() == [1.0, 1.0, 0.0]
     assert out["scores"].dtype == torch.float32
-    # extra numbers are averaged over the rows whose function gave them (rows 0 and 2)
-    assert ctx.metrics == {"critic/length/mean": 1.0, "critic/split_is_train/mean": 0.5}
+    # extra numbers are averaged over the rows whose function gave them (rows 0 and 2);
+    # each function's scores over its rows as TRL logs them (gsm8k's one row: no std)
+    assert ctx.metrics == pytest.approx({
+        "critic/length/mean": 1.0, "critic/split_is_train/mean": 0.5,
+        "rewards/by_source/mean": 0.5, "rewards/by_source/std": 0.5 ** 0.5,
+        "rewards/gsm8k/mean": 1.0, "rewards/gsm8k/std": float("nan")}, nan_ok=True)
 
 
 def test_a_raising_function_names_the_row_and_its_data_source() -> None:
@@ -324,7 +328,9 @@ def test_text_entries_are_kept_per_row_and_reported_once() -> None:
         compute_score(responses, mask, ctx=_ctx(), tokenizer=tok, fn=f"{__name__}:with_text")
     assert len(seen) == 1  # once, not once a row or a step
     assert out["reward_extra_info"] == [{"pred": "7", "acc": True}, {"pred": "8", "acc": True}]
-    assert ctx.metrics == {"critic/acc/mean": 1.0}  # a bool counts as 1, as the score
+    # a bool counts as 1, as the score
+    assert ctx.metrics == {"critic/acc/mean": 1.0, "rewards/with_text/mean": 1.0,
+                           "rewards/with_text/std": 0.0}
 
 
 WRONG_SIGNATURES = {
@@ -333,6 +339,16 @@ WRONG_SIGNATURES = {
                       "    return 0.0\n"),
 }
 
+EXPECTED = {
+    "positional": "`compute_score(solution, truth)` takes neither of the parameters that say "
+                  "how to call it: `completions` or `prompts` or `completion_ids` (TRL: "
+                  "`def f(prompts, completions, completion_ids, **kwargs) -> "
+                  "list[float | None]`, called once per batch); "
+                  "`solution_str` (verl: `def f(data_source, solution_str, ground_truth, "
+                  "extra_info=None) -> float | dict`, called once per row)",
+    "no extra_info": "cannot be called with the keywords data_source, solution_str, "
+                     "ground_truth, extra_info",
+}
 
 GRAPH = """
 version: 1
@@ -372,8 +388,7 @@ def test_check_refuses_a_function_verl_could_not_call(
     assert (diags[0]["file"], diags[0]["line"]) == (str(tmp_path / "rewards.py"), 3)
     assert ("`rewards.py:compute_score` (parameter `fn` of `reward`, "
             f"{tmp_path / 'g.yaml'}:") in diags[0]["message"]
-    assert "cannot be called with the keywords data_source, solution_str, ground_truth, " \
-           "extra_info" in diags[0]["message"]
+    assert EXPECTED[name] in diags[0]["message"]
 
 
 def test_a_number_data_source_routes_by_its_value_or_its_text() -> None:
