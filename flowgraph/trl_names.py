@@ -75,7 +75,15 @@ TRL_NAMES = (
             "`@policy_loss`)"),
     TrlName(("scale_rewards",), ("group",), ("grpo.norm_by_std",),
             "group -> `norm_by_std: true` (the default), none -> false (Dr. GRPO); batch "
-            "(the std over the whole batch) is not built in"),
+            "(the std over the whole batch) is not built in. TRL divides by std + 1e-4, "
+            "flowgraph by std + `epsilon` (default 1e-6, verl's): `epsilon: 1.0e-4` gives "
+            "TRL's advantages"),
+    TrlName(("reward_funcs", "reward_weights"), (TRAINER_ARG, "None"),
+            ("compute_score.fn", "compute_score.weights"),
+            "a TRL reward function as it is (`completions`, `prompts`, `completion_ids`, "
+            "the dataset's columns as keywords, `None` for a row it does not score), or a "
+            "list of them; `weights` one number per function, their weighted sum skips "
+            "`None` (TRL's nansum)"),
     TrlName(("num_iterations",), ("1",), ("ppo_actor_update.ppo_epochs",),
             "passes over each generated batch"),
     TrlName(("max_prompt_length", "max_completion_length"), (ABSENT, "512"),
