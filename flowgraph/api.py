@@ -47,7 +47,8 @@ def compile(graph: Graph | str | Path, *, target: str = "local", nproc: int | No
 def load_plan(path: str | Path) -> ExecutionPlan:
     """A plan file (`flowgraph compile -o plan.json`), checked by the plan verifier. A file
     that cannot be read as a plan (missing, over `MAX_PLAN_BYTES`, not UTF-8, not JSON,
-    nested too deeply, another format version) is one `PlanFileError` naming it."""
+    nested too deeply, another format version), or whose Python objects this process
+    cannot rebuild (`flowgraph.objects`), is one `PlanFileError` naming it."""
     file = Path(path)
     try:
         if file.stat().st_size > MAX_PLAN_BYTES:  # before reading it all into memory
@@ -63,6 +64,9 @@ def load_plan(path: str | Path) -> ExecutionPlan:
         plan = ExecutionPlan.from_json(text)
     except PlanFileError as exc:
         raise PlanFileError(f"`{path}`: {exc}") from exc
+    missing = plan.unresolved()  # a plan file holds references to Python objects, no code
+    if missing:
+        raise PlanFileError(f"`{path}`: {missing}")
     verify_kinds(plan, _kinds(plan))
     return plan
 

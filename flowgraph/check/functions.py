@@ -15,6 +15,7 @@ from flowgraph.check.structure import Resolved, param_problem
 from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.document import did_you_mean
 from flowgraph.ir import Graph, NodeSpec, Param, Params
+from flowgraph.objects import PyObject
 from flowgraph.registry import ParamSpec, loss_names, loss_spec
 from flowgraph.source import SourcePos
 
@@ -74,6 +75,8 @@ def _refs(param: Param) -> list[tuple[object, Param]]:
 def _check_ref(node: str, spec: ParamSpec, ref: object, where: Param, listed: set[str],
                out: list[Diagnostic]) -> None:
     assert spec.functions is not None
+    if isinstance(ref, PyObject):  # the function itself (`flowgraph.objects`): no lookup
+        return
     if not isinstance(ref, str):
         out.append(error("FG112", f"parameter `{spec.name}` of `{node}` names a function as "
                          f"a string, got {ref!r}", where.pos, node=node, hint=_hint(spec)))

@@ -14,6 +14,7 @@ from flowgraph.builtin_models import BUILTIN_PREFIX, held_out_path
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.document import did_you_mean
 from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec, Params, ParamValue, PortRef
+from flowgraph.objects import PyObject
 from flowgraph.paths import RULE
 from flowgraph.registry import KindSpec, ParamSpec, PortSpec, Registry
 from flowgraph.source import SourcePos
@@ -232,7 +233,13 @@ def _type_of(value: ParamValue) -> str:
 
 
 def param_problem(spec: ParamSpec, value: ParamValue) -> str | None:
-    """Why `value` does not fit `spec`, or None."""
+    """Why `value` does not fit `spec`, or None. A function or class fits a param that
+    names a function (`ParamSpec.functions`) or takes any value."""
+    if isinstance(value, PyObject):
+        if spec.functions is not None or "any" in spec.types:
+            return None
+        return (f"expected {' or '.join(spec.types)}, got the Python {value.what} "
+                f"`{value.ref}`")
     t = _type_of(value)
     allowed = set(spec.types)
     if "any" in allowed or t in allowed or (t == "int" and "float" in allowed):
