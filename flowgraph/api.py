@@ -14,6 +14,7 @@ one that starts them (`tests/test_boundaries.py`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -135,6 +136,12 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
     from flowgraph.compilers import RunOptions
     from flowgraph.compilers import run as run_plan
 
+    if sys._getframe(1).f_globals.get("__name__") == "__mp_main__":
+        # a worker process (an fsdp rank, the rollout producer) importing the user's script
+        raise UsageError("flowgraph.run was called again as a worker process of the run "
+                         "imported your script: start the run under "
+                         "`if __name__ == \"__main__\":` (Python's rule for scripts that "
+                         "start processes)")
     if isinstance(plan, (str, Path)) and str(plan).endswith(".json"):
         options.setdefault("plan_file", Path(plan))
         plan = load_plan(plan)
