@@ -107,10 +107,8 @@ def defined_at(obj: object) -> str:
 
 def tagged(value: object) -> str | None:
     """The reference of a document's tagged mapping `{"$python": ref}`, else None."""
-    if isinstance(value, Mapping) and len(value) == 1 and TAG in value \
-            and isinstance(value[TAG], str):
-        return value[TAG]
-    return None
+    ref = value.get(TAG) if isinstance(value, Mapping) and len(value) == 1 else None
+    return ref if isinstance(ref, str) else None
 
 
 def rebuilt(ref: str, what: str = "function", where: str = "") -> PyObject:
@@ -141,8 +139,10 @@ def _find(ref: str) -> Any:
         return None
     except Exception:
         return None
+    if module != "__main__":
+        return obj  # the import path is the reference, an alias (`os.path:join`) included
     named = f"{getattr(obj, '__module__', '')}:{getattr(obj, '__qualname__', '')}"
-    return obj if named == ref else None
+    return obj if named == ref else None  # another `__main__`'s object of that name: no
 
 
 def _main_is_flowgraph() -> bool:

@@ -516,7 +516,7 @@ class ExecutionPlan:
         """Node `name`'s params as its implementation takes them: each `{"$python": ref}`
         replaced by the object itself."""
         table = {o.ref: o for o in self.objects}
-        return {k: _live(v, table, name)
+        return {k: _live(v, table, f"node `{name}` param `{k}`")
                 for k, v in self.node(name).param_values(evaluation=evaluation).items()}
 
     def implementation(self, name: str) -> Any:
@@ -720,18 +720,18 @@ def _refs_in(value: object) -> list[str]:
     return [r for v in items for r in _refs_in(v)]
 
 
-def _live(value: object, table: Mapping[str, PyObject], node: str) -> object:
+def _live(value: object, table: Mapping[str, PyObject], owner: str) -> object:
     """A JSON param value with each tagged reference replaced by its object."""
     ref = tagged(value)
     if ref is not None:
         held = table.get(ref)
         if held is None or held.obj is None:
-            raise PlanError(unresolved_message([(held or PyObject(ref), f"node `{node}`")]))
+            raise PlanError(unresolved_message([(held or PyObject(ref), owner)]))
         return held.obj
     if isinstance(value, dict):
-        return {k: _live(v, table, node) for k, v in value.items()}
+        return {k: _live(v, table, owner) for k, v in value.items()}
     if isinstance(value, list):
-        return [_live(v, table, node) for v in value]
+        return [_live(v, table, owner) for v in value]
     return value
 
 

@@ -110,10 +110,13 @@ def rule_reward(
 ScoreFn = Callable[..., Any]
 
 
-def _function(ref: str) -> ScoreFn:
-    """A scoring function: a built-in name, `file.py:function` (a plugin file, imported
-    from the graph's folder by the executor) or `module:function`. Looked up at every
-    call, not cached: another graph run in this process may bring its own `rewards.py`."""
+def _function(ref: str | ScoreFn) -> ScoreFn:
+    """A scoring function: the function itself (a graph built in Python), a built-in name,
+    `file.py:function` (a plugin file, imported from the graph's folder by the executor)
+    or `module:function`. Looked up at every call, not cached: another graph run in this
+    process may bring its own `rewards.py`."""
+    if callable(ref):
+        return ref
     if ":" not in ref:
         if ref not in BUILTIN_SCORES:
             raise ValueError(f"compute_score: no built-in function `{ref}`; built-ins: "
