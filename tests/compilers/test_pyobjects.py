@@ -45,8 +45,9 @@ def main_reward(responses: Int[Tensor, "b T"], fn=None, shaping=None) -> Float[T
         * shaping["scale"][0]().factor
 
 
-def graph():
+def graph(staleness=0):
     g = GraphBuilder("pyobjects")
+    g.trainer(max_staleness=staleness)  # 1: the rollout producer in a process of its own
     g.dims(Bp=2, N=2, P=16, T=8)
     g.model("actor", "builtin:tiny-lm", trainable=True, optimizer={"lr": 1e-3})
     data = g.data("train", "prompts", "builtin:arith")
@@ -66,11 +67,13 @@ def graph():
 
 def main(target, out):
     checked = flowgraph.check_graph(graph())
-    plan = flowgraph.compile(graph(), target=target, nproc=2 if target != "local" else None)
+    staleness, target = (1, "local") if target == "async" else (0, target)
+    plan = flowgraph.compile(graph(staleness), target=target,
+                             nproc=2 if target != "local" else None)
     result = flowgraph.run(plan, overrides=["trainer.steps=2", f"trainer.run_dir={out}/run"])
     report = {"errors": [d.one_line() for d in checked.errors], "summary": plan.summary(),
               "scores": [r["critic/score/mean"] for r in result.rows]}
-    if target == "local":  # a plan file, run again in the session that defines its objects
+    if target == "local" and not staleness:  # a plan file, run again in the defining session
         with open(f"{out}/plan.json", "w") as f:
             f.write(plan.to_json())
         again = flowgraph.run(f"{out}/plan.json", overrides=[
@@ -146,11 +149,18 @@ def test_a_plan_file_of_main_objects_refuses_elsewhere(
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("target", ["fsdp", "ray"])
+@pytest.mark.parametrize("target", ["fsdp", "ray", "async"])
 def test_main_objects_are_shipped_by_value_with_the_numbers_of_local(
         target: str, local: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    """fsdp ranks, Ray actors, and the rollout producer's own process (`async`: the
+    reward reads only the rollout, so it runs there) get the objects by value."""
     report = _script_run(tmp_path, target)
     assert report["errors"] == []
+    if target == "async":  # step 1 trains on a rollout one version old: step 0 is equal
+        assert report["scores"][0] == pytest.approx(local[1]["scores"][0], abs=1e-6)
+        assert "python objects:" in report["summary"]
+        assert "async      producer train, gen, reward, adv runs" in report["summary"]
+        return
     assert report["scores"] == pytest.approx(local[1]["scores"], abs=1e-6)
     if target == "fsdp":  # the ranks' channel holds the objects; the run's plan.json not
         assert (tmp_path / "run" / ".ranks" / "plan.json.objects").is_file()
