@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowgraph.document import parse_override, plain
-from flowgraph.errors import CompileError, FlowgraphError, PlanFileError, UsageError
+from flowgraph.errors import CompileError, FlowgraphError, PlanError, PlanFileError, UsageError
 from flowgraph.ir import Graph
 from flowgraph.plan import MAX_PLAN_BYTES, ExecutionPlan, verify_kinds
 from flowgraph.registry import KindSpec, Registry
@@ -155,6 +155,9 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
             "plan, or compile the graph again with other --target, --nproc or passes")
     else:
         plan = with_run_settings(plan, overrides)
+    missing = plan.unresolved()  # before anything starts: the run would need them
+    if missing:
+        raise PlanError(missing)
     if "allow_changed" in options:  # a list is welcome here; the options are frozen
         options["allow_changed"] = tuple(options["allow_changed"])
     return run_plan(plan, RunOptions(overrides=tuple(overrides), **options))

@@ -89,9 +89,23 @@ class Params:
     def to_python(self) -> dict[str, object]:
         return {p.name: to_python(p.value) for p in self.items}
 
+    def objects(self) -> list[PyObject]:
+        """The Python functions and classes these params hold, nested ones too."""
+        return [o for p in self.items for o in _objects_in(p.value)]
+
     @staticmethod
     def of(mapping: Mapping[str, object], pos: SourcePos = UNKNOWN_POS) -> Params:
         return Params(tuple(Param(k, from_python(v, pos), pos) for k, v in mapping.items()))
+
+
+def _objects_in(value: ParamValue) -> list[PyObject]:
+    if isinstance(value, PyObject):
+        return [value]
+    if isinstance(value, Params):
+        return value.objects()
+    if isinstance(value, tuple):
+        return [o for v in value for o in _objects_in(v)]
+    return []
 
 
 def to_python(value: ParamValue) -> object:

@@ -70,8 +70,6 @@ from flowgraph.ir import (
     Graph,
     ModelSpec,
     NodeSpec,
-    Params,
-    ParamValue,
     Plugin,
     ResourceSpec,
     TrainerSpec,
@@ -741,7 +739,7 @@ def plan_objects(graph: Graph, functions: Mapping[str, Any]) -> tuple[PyObject, 
     objects with one reference (two lambdas, a function defined again under its old name
     in another scope) are an error: a worker could not tell them apart."""
     found: dict[str, PyObject] = {}
-    held = [o for n in graph.nodes for p in n.params.items for o in _objects_in(p.value)]
+    held = [o for n in graph.nodes for o in n.params.objects()]
     held += [PyObject(ref, "function").with_object(fn) for ref, fn in functions.items()]
     for o in held:
         first = found.setdefault(o.ref, o)
@@ -750,16 +748,6 @@ def plan_objects(graph: Graph, functions: Mapping[str, Any]) -> tuple[PyObject, 
                             f"{first.where or '?'} and {o.where or '?'}): give each its own "
                             "name at module level")
     return tuple(found.values())
-
-
-def _objects_in(value: ParamValue) -> list[PyObject]:
-    if isinstance(value, PyObject):
-        return [value]
-    if isinstance(value, Params):
-        return [o for p in value.items for o in _objects_in(p.value)]
-    if isinstance(value, tuple):
-        return [o for v in value for o in _objects_in(v)]
-    return []
 
 
 def producer_side(graph: Graph, stages: tuple[StagePlan, ...],

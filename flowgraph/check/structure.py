@@ -205,6 +205,13 @@ def check_params(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
             if problem:
                 out.append(error("FG112", f"parameter `{p.name}` of `{r.name}`: {problem}",
                                  p.pos, node=r.name, hint=_param_hint(spec)))
+            for held in Params((p,)).objects():
+                if held.obj is None:
+                    out.append(error("FG113", f"parameter `{p.name}` of `{r.name}` names the "
+                                     f"Python {held.what} `{held.ref}`, which cannot be "
+                                     "imported here", p.pos, node=r.name,
+                                     hint="`module:qualname` of an importable module (a "
+                                     "`__main__` one only in the session that defines it)"))
         _check_required(r, params, out)
 
 

@@ -180,3 +180,27 @@ def test_a_notebook_cell_file_that_exists_is_relative_to_the_working_directory(
     monkeypatch.chdir(tmp_path / "notebooks")
     assert folder_of(SourcePos(str(cell), 1, 1)) == tmp_path / "notebooks"
     assert folder_of(SourcePos(str(script), 1, 1)) == tmp_path
+
+
+def test_a_reference_that_imports_nothing_is_found_before_launch(tmp_path: Path) -> None:
+    """In a graph document: FG113 at its line; in a plan file (a module without the name):
+    refused with the reference; an unloaded plan given to `run`: refused before it starts."""
+    text = graph_to_yaml(_grpo(length_penalty)).replace(
+        f"{__name__}:length_penalty", f"{__name__}:gone")
+    (tmp_path / "g.yaml").write_text(text)
+    result = flowgraph.check_graph(flowgraph.load_graph(str(tmp_path / "g.yaml"))[0])
+    (found,) = [d for d in result.errors if d.code == "FG113"]
+    assert found.message == (f"parameter `fn` of `reward` names the Python function "
+                             f"`{__name__}:gone`, which cannot be imported here")
+    assert found.pos.line == next(i for i, line in enumerate(text.splitlines(), 1)
+                                  if "$python" in line)
+    plan_text = flowgraph.compile(_grpo(length_penalty)).to_json().replace(
+        f"{__name__}:length_penalty", f"{__name__}:gone")
+    (tmp_path / "plan.json").write_text(plan_text)
+    with pytest.raises(PlanFileError, match=rf"cannot rebuild the Python function "
+                                            rf"`{__name__}:gone` \(node `reward` param `fn`.*"
+                                            rf"module `{__name__}` cannot be imported here or "
+                                            r"has no `gone`"):
+        flowgraph.load_plan(tmp_path / "plan.json")
+    with pytest.raises(PlanError, match="cannot rebuild the Python function"):
+        flowgraph.run(ExecutionPlan.from_json(plan_text))
