@@ -179,7 +179,11 @@ def unpickled(data: bytes) -> dict[str, Any]:
     channel (its `run_dir/.ranks`, a pipe to its producer, a Ray actor's arguments)."""
     import pickle
 
-    loaded = pickle.loads(data)
+    try:
+        loaded = pickle.loads(data)  # the run's own channel, see above
+    except Exception as exc:  # a module a by-reference object lives in, missing here
+        raise IRError(f"the run's Python objects cannot be rebuilt in this process: "
+                      f"{type(exc).__name__}: {exc}") from exc
     if not isinstance(loaded, dict):
         raise IRError(f"the run's Python objects are {type(loaded).__name__}, not a mapping")
     return loaded

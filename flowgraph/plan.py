@@ -84,7 +84,7 @@ from flowgraph.objects import (
     unpickled,
     unresolved_message,
 )
-from flowgraph.registry import HOISTABLE_CATEGORIES, KindSpec
+from flowgraph.registry import HOISTABLE_CATEGORIES, KindSpec, plugin_module
 from flowgraph.source import SourcePos
 
 PLAN_VERSION = 6
@@ -549,6 +549,8 @@ class ExecutionPlan:
         """This plan holding the objects `pickled_objects` wrote (on the run's channel)."""
         if data is None:
             return self
+        for plugin in self.plugins:  # an object of a plugin file is unpickled by its name
+            plugin_module(plugin.module, self.plugin_paths)
         held = unpickled(data)
         return replace(self, objects=tuple(o.with_object(held[o.ref]) if o.ref in held else o
                                            for o in self.objects))
