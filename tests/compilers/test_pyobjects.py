@@ -149,7 +149,7 @@ def test_a_plan_file_of_main_objects_refuses_elsewhere(
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("target", ["fsdp", "ray", "async"])
+@pytest.mark.parametrize("target", ["fsdp", "ray", pytest.param("async", marks=pytest.mark.slow)])
 def test_main_objects_are_shipped_by_value_with_the_numbers_of_local(
         target: str, local: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
     """fsdp ranks, Ray actors, and the rollout producer's own process (`async`: the
