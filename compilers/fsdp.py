@@ -69,7 +69,7 @@ from flowgraph.compilers.signals import (
 from flowgraph.compilers.target import Report
 from flowgraph.compilers.worker import ExecOptions, Worker
 from flowgraph.errors import FlowgraphError, Interrupted, RankFailed, Stopped, WorkerLost
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import ExecutionPlan, read_run_plan, write_run_plan
 from flowgraph.runtime.metrics import serving
 
 STOPPED = ".ranks/stopped"
@@ -226,7 +226,7 @@ def _rank(plan_json: str, strict: bool, resume: bool, metrics_port: int | None,
           allow_changed: tuple[str, ...]) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    plan = ExecutionPlan.from_json(Path(plan_json).read_text())
+    plan = read_run_plan(Path(plan_json))
     run_dir = Path(plan.trainer.run_dir)
     device = "cpu"
     if plan.resources.device != "cpu" and torch.cuda.is_available():
@@ -290,7 +290,7 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
         stale.unlink()
     plan_json = run_dir / ".ranks" / "plan.json"
     plan_json.parent.mkdir(exist_ok=True)
-    plan_json.write_text(plan.to_json())
+    write_run_plan(plan, plan_json)
     endpoint = opts.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
     world = world_size(plan)
     if world % opts.nnodes:
@@ -377,7 +377,7 @@ def run_fsdp(plan: ExecutionPlan, opts: RunOptions) -> None:
         plan_json.parent.mkdir(parents=True, exist_ok=True)
         if first:  # a previous launcher's; the others read it after the loop's barrier
             (run_dir / STOP_FILE).unlink(missing_ok=True)
-        plan_json.write_text(plan.to_json())
+        write_run_plan(plan, plan_json)
         with run_guard(plan, opts, lock=first) as stop:
             rank_main(str(plan_json), opts.strict, opts.resume, opts.metrics_port,
                       opts.metrics_host, opts.metrics_hold, stop=stop,

@@ -112,8 +112,8 @@ class Interpreter:
 
     def params(self, name: str, *, evaluation: bool = False) -> dict[str, Any]:
         """The node's params as the plan resolved them (at evaluation: a rollout's held-out
-        sampling, `NodePlan.eval_params`)."""
-        return self.placed[name].param_values(evaluation=evaluation)
+        sampling, `NodePlan.eval_params`), its Python objects in place."""
+        return self.plan.live_params(name, evaluation=evaluation)
 
     def store(self, name: str, outputs: dict[str, Any], env: Env, step: int,
               strict: bool) -> None:

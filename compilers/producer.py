@@ -85,9 +85,10 @@ class ProcessRollouts(Rollouts):
             # not a daemon: a vLLM engine starts processes of its own; it stops when
             # told (`close`) or when this process is gone
             target=_producer_main, name="flowgraph-rollouts", daemon=False,
-            args=(self.plan.to_json(), self.names, str(self.opts.run_dir), self.opts.device,
-                  self.opts.strict, self.shared, self.published, self.grabbed, self.stop, self.cond,
-                  self.queue, first, step, cursors, state,
+            args=((self.plan.to_json(), self.plan.pickled_objects()), self.names,
+                  str(self.opts.run_dir), self.opts.device, self.opts.strict, self.shared,
+                  self.published, self.grabbed, self.stop, self.cond, self.queue, first, step,
+                  cursors, state,
                   cores[1] if cores is not None and self.own else None, os.getpid()))
         self.proc.start()
 
@@ -195,7 +196,8 @@ def _halves() -> tuple[set[int], set[int]] | None:
     return set(cores[:half]), set(cores[half:])
 
 
-def _producer_main(plan_json: str, names: list[str], run_dir: str, device: str, strict: bool,
+def _producer_main(sent: tuple[str, bytes | None], names: list[str], run_dir: str,
+                   device: str, strict: bool,
                    shared: dict[str, dict[str, torch.Tensor]], published: Any, grabbed: Any,
                    stop: Any, cond: Any, out: Any, first: int, origin: int,
                    cursors: dict[str, dict[str, Any]], node_state: dict[str, dict[str, Any]],
@@ -203,7 +205,7 @@ def _producer_main(plan_json: str, names: list[str], run_dir: str, device: str, 
     """The producer process: a worker hosting the models the producer's nodes run (no
     optimizer, no prologue: the consumer looks its outputs up), generating the rollouts
     of steps `first`, `first` + 1, … with the versions admission allows (`parent`: the
-    trainer's pid)."""
+    trainer's pid; `sent`: the plan's JSON and its Python objects, pickled)."""
     # The trainer decides what a signal means (it stops at a step's end, `close`s this
     # process); a killed trainer kills this one at once (the kernel's parent-death signal)
     for signum in STOP_SIGNALS:
@@ -214,7 +216,7 @@ def _producer_main(plan_json: str, names: list[str], run_dir: str, device: str, 
             os.sched_setaffinity(0, cores)
             torch.set_num_threads(len(cores))
         quiet_hf()
-        plan = ExecutionPlan.from_json(plan_json)
+        plan = ExecutionPlan.from_json(sent[0]).with_pickled(sent[1])
         assert plan.asynchronous is not None
         with open(os.devnull, "w") as devnull:
             rollouts = _producer(plan, names, ExecOptions(

@@ -114,7 +114,7 @@ class RayTarget:
     def start(self, checkpoint: Path | None = None) -> None:
         """A placement group and a group of `RayWorker`s per pool, set up (their models
         loaded, from `checkpoint` when given)."""
-        plan_json = self.plan.to_json()
+        sent = (self.plan.to_json(), self.plan.pickled_objects())
         cwd, path = os.getcwd(), [p for p in sys.path if p]
         for pool in self.plan.pools:
             if pool.name == DRIVER or not pool.bundles:
@@ -129,7 +129,7 @@ class RayTarget:
                     num_cpus=bundles[i]["CPU"], num_gpus=bundles[i].get("GPU", 0),
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         pg, placement_group_bundle_index=i),
-                ).remote(plan_json, pool.name, i, cwd, path)
+                ).remote(sent, pool.name, i, cwd, path)
                 for i in range(pool.size)
             ]
             self.groups[pool.name] = Group(pool, workers, pg)

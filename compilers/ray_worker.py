@@ -31,12 +31,13 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
 class RayWorker:
     """One worker of a pool (a Ray actor; `ray.remote` wraps it when the group starts)."""
 
-    def __init__(self, plan_json: str, pool: str, rank: int, cwd: str, path: list[str]
-                 ) -> None:
+    def __init__(self, sent: tuple[str, bytes | None], pool: str, rank: int, cwd: str,
+                 path: list[str]) -> None:
+        """`sent`: the plan's JSON and its Python objects, pickled (`pickled_objects`)."""
         quiet_hf()
         os.chdir(cwd)  # model and data paths are relative to where the run started
         sys.path[:0] = [p for p in path if p not in sys.path]
-        self.plan = ExecutionPlan.from_json(plan_json)
+        self.plan = ExecutionPlan.from_json(sent[0]).with_pickled(sent[1])
         self.pool = self.plan.pool(pool)
         self.rank = rank
         self.group = _dist.DataParallel() if self.pool.size > 1 else None

@@ -124,7 +124,9 @@ class Worker:
         import_plugins(self.plan)
         for name in self.nodes:
             n = self.placed[name]
-            self.impls[name] = Impl.at(n.impl, f"node `{name}`")
+            held = self.plan.implementation(name)  # a kind of the compiling session
+            self.impls[name] = Impl.of(held) if held is not None else \
+                Impl.at(n.impl, f"node `{name}`")
             self.impls[name].verify_names(name, n.kind, n.impl, [i.port for i in n.inputs],
                                           [p.name for p in n.params], n.trains)
         self.tokenizers = load_tokenizers(self.plan.models)

@@ -14,13 +14,14 @@ one that starts them (`tests/test_boundaries.py`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowgraph.document import parse_override, plain
-from flowgraph.errors import CompileError, FlowgraphError, PlanFileError, UsageError
+from flowgraph.errors import CompileError, FlowgraphError, PlanError, PlanFileError, UsageError
 from flowgraph.ir import Graph
 from flowgraph.plan import MAX_PLAN_BYTES, ExecutionPlan, verify_kinds
 from flowgraph.registry import KindSpec, Registry
@@ -47,7 +48,8 @@ def compile(graph: Graph | str | Path, *, target: str = "local", nproc: int | No
 def load_plan(path: str | Path) -> ExecutionPlan:
     """A plan file (`flowgraph compile -o plan.json`), checked by the plan verifier. A file
     that cannot be read as a plan (missing, over `MAX_PLAN_BYTES`, not UTF-8, not JSON,
-    nested too deeply, another format version) is one `PlanFileError` naming it."""
+    nested too deeply, another format version), or whose Python objects this process
+    cannot rebuild (`flowgraph.objects`), is one `PlanFileError` naming it."""
     file = Path(path)
     try:
         if file.stat().st_size > MAX_PLAN_BYTES:  # before reading it all into memory
@@ -63,6 +65,9 @@ def load_plan(path: str | Path) -> ExecutionPlan:
         plan = ExecutionPlan.from_json(text)
     except PlanFileError as exc:
         raise PlanFileError(f"`{path}`: {exc}") from exc
+    missing = plan.unresolved()  # a plan file holds references to Python objects, no code
+    if missing:
+        raise PlanFileError(f"`{path}`: {missing}")
     verify_kinds(plan, _kinds(plan))
     return plan
 
@@ -131,6 +136,12 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
     from flowgraph.compilers import RunOptions
     from flowgraph.compilers import run as run_plan
 
+    if sys._getframe(1).f_globals.get("__name__") == "__mp_main__":
+        # a worker process (an fsdp rank, the rollout producer) importing the user's script
+        raise UsageError("flowgraph.run was called again as a worker process of the run "
+                         "imported your script: start the run under "
+                         "`if __name__ == \"__main__\":` (Python's rule for scripts that "
+                         "start processes)")
     if isinstance(plan, (str, Path)) and str(plan).endswith(".json"):
         options.setdefault("plan_file", Path(plan))
         plan = load_plan(plan)
@@ -144,6 +155,9 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
             "plan, or compile the graph again with other --target, --nproc or passes")
     else:
         plan = with_run_settings(plan, overrides)
+    missing = plan.unresolved()  # before anything starts: the run would need them
+    if missing:
+        raise PlanError(missing)
     if "allow_changed" in options:  # a list is welcome here; the options are frozen
         options["allow_changed"] = tuple(options["allow_changed"])
     return run_plan(plan, RunOptions(overrides=tuple(overrides), **options))

@@ -13,7 +13,8 @@ Each element records the Python file and line that created it, so diagnostics po
 at the user's code just as they point at a YAML line. A graph built here has no file:
 its relative data, model and tokenizer paths are relative to the working directory when
 `model` or `data` is called, and are stored absolute (`flowgraph.paths`); plugins are
-looked for next to the Python file that lists them.
+looked for next to the Python file that lists them (in a notebook, stdin or `python -c`:
+in the working directory).
 
 A keyword or key no record declares (`g.trainer(logging_steps=5)`, `optimizer={"lrr": 1}`)
 raises `GraphError` with the graph file's FG003 at the caller's line, naming the setting a

@@ -66,6 +66,7 @@ from flowgraph.ir import (
     TrainerSpec,
     from_python,
 )
+from flowgraph.objects import rebuilt, tagged
 from flowgraph.paths import folder_of, resolve_data_path, resolve_path
 from flowgraph.settings import Setting, declared, written_types
 from flowgraph.source import SourcePos
@@ -265,6 +266,9 @@ def _freeze(node: YNode) -> ParamValue:
         return node.value
     if isinstance(node, YSeq):
         return tuple(_freeze(i) for i in node.items)
+    ref = tagged(plain(node))
+    if ref is not None:  # `{$python: module:qualname}`: a function or class, by reference
+        return rebuilt(ref)
     return Params(tuple(Param(str(k.value), _freeze(v), v.pos) for k, v in node.items))
 
 

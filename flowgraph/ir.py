@@ -32,6 +32,8 @@ from flowgraph.choices import (
     Precision,
 )
 from flowgraph.errors import IRError
+from flowgraph.objects import PyObject, rebuilt, tagged
+from flowgraph.objects import of as object_of
 from flowgraph.paths import folder_of
 from flowgraph.settings import check_settings, setting
 from flowgraph.source import UNKNOWN_POS, SourcePos
@@ -40,7 +42,8 @@ NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 """Names of nodes, models, data sources, ports and params."""
 
 Scalar: TypeAlias = str | int | float | bool | None
-ParamValue: TypeAlias = Union[Scalar, tuple["ParamValue", ...], "Params"]
+ParamValue: TypeAlias = Union[Scalar, tuple["ParamValue", ...], "Params", PyObject]
+"""A param: plain data, or a function or class held by reference (`flowgraph.objects`)."""
 
 
 def _check_name(what: str, name: str) -> None:
@@ -86,13 +89,30 @@ class Params:
     def to_python(self) -> dict[str, object]:
         return {p.name: to_python(p.value) for p in self.items}
 
+    def objects(self) -> list[PyObject]:
+        """The Python functions and classes these params hold, nested ones too."""
+        return [o for p in self.items for o in _objects_in(p.value)]
+
     @staticmethod
     def of(mapping: Mapping[str, object], pos: SourcePos = UNKNOWN_POS) -> Params:
         return Params(tuple(Param(k, from_python(v, pos), pos) for k, v in mapping.items()))
 
 
+def _objects_in(value: ParamValue) -> list[PyObject]:
+    if isinstance(value, PyObject):
+        return [value]
+    if isinstance(value, Params):
+        return value.objects()
+    if isinstance(value, tuple):
+        return [o for v in value for o in _objects_in(v)]
+    return []
+
+
 def to_python(value: ParamValue) -> object:
-    """Plain dicts and lists, for JSON and YAML output."""
+    """Plain dicts and lists, for JSON and YAML output (a Python object: its tagged
+    mapping `{"$python": "module:qualname"}`)."""
+    if isinstance(value, PyObject):
+        return value.document()
     if isinstance(value, Params):
         return value.to_python()
     if isinstance(value, tuple):
@@ -101,16 +121,25 @@ def to_python(value: ParamValue) -> object:
 
 
 def from_python(value: object, pos: SourcePos = UNKNOWN_POS) -> ParamValue:
-    """Freeze plain Python values (dicts, lists, scalars) into a `ParamValue`."""
-    if isinstance(value, Params):
+    """Freeze plain Python values (dicts, lists, scalars) into a `ParamValue`; a function
+    or class (a reward function, a tool, an env class) is held by reference."""
+    if isinstance(value, (Params, PyObject)):
         return value
+    ref = tagged(value)
+    if ref is not None:
+        return rebuilt(ref)
     if isinstance(value, Mapping):
         return Params(tuple(Param(str(k), from_python(v, pos), pos) for k, v in value.items()))
     if isinstance(value, (list, tuple)):
         return tuple(from_python(v, pos) for v in value)
     if value is None or isinstance(value, (str, int, float, bool)):
         return value
-    raise IRError(f"parameter value {value!r} of type {type(value).__name__} is not plain data")
+    held = object_of(value)
+    if held is not None:
+        return held
+    raise IRError(f"parameter value {value!r} of type {type(value).__name__} is neither plain "
+                  "data (a number, string, list or mapping) nor a function or class; pass "
+                  "the function that builds or calls it instead")
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,15 +26,28 @@ MEMORY_PREFIX = "memory:"
 DATA_SUFFIXES = (".parquet", ".pq", ".jsonl", ".json", ".csv", ".arrow")
 """A dataset path ending so is a file, never a hub id."""
 RULE = ("a relative path in a graph file is relative to that file's folder; on the command "
-        "line or in a graph built in Python, to the working directory")
+        "line, in a graph built in Python or in a notebook, to the working directory")
 """The rule, as a hint under an error about a missing file."""
+
+
+INTERACTIVE = re.compile(r"^<.*>$|(^|/)ipykernel_\d+/\d+\.py$")
+"""Code a user types rather than keeps in a file: `<stdin>`, `<string>` (`python -c`),
+`<ipython-input-3-…>`, and a notebook cell, which ipykernel compiles under a temporary
+file name (`/tmp/ipykernel_4242/1234567.py`, written there when a debugger asks)."""
+
+
+def interactive(file: str) -> bool:
+    """Whether `file` (a code object's file name) is code typed in a session: a notebook
+    cell, stdin, `python -c`. Its relative paths are relative to the working directory."""
+    return bool(INTERACTIVE.search(file))
 
 
 def folder_of(pos: SourcePos) -> Path:
     """The folder a path written at `pos` is relative to: that of the file it is written
-    in, or the working directory where there is none (the command line, YAML text)."""
+    in, or the working directory where there is none (the command line, YAML text) or the
+    code was typed in a session (a notebook cell, stdin: `interactive`)."""
     written_in = Path(pos.file)  # `<command line>`, `<string>`, `<python>`: no file
-    if written_in.is_file():
+    if written_in.is_file() and not interactive(pos.file):
         return written_in.parent.absolute()
     return Path.cwd()
 

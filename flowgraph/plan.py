@@ -55,13 +55,14 @@ import json
 import types
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
+from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from flowgraph.choices import ADMISSIONS, DEVICES, TARGETS
 from flowgraph.contracts import TensorSpec
 from flowgraph.document import MAX_DEPTH, YMap, YNode, YScalar, YSeq
-from flowgraph.errors import PlanError, PlanFileError
+from flowgraph.errors import FlowgraphError, PlanError, PlanFileError
 from flowgraph.frontend import graph_from_document, graph_to_document
 from flowgraph.ir import (
     NAME_RE,
@@ -74,7 +75,16 @@ from flowgraph.ir import (
     TrainerSpec,
     readers,
 )
-from flowgraph.registry import HOISTABLE_CATEGORIES, KindSpec
+from flowgraph.objects import (
+    PyObject,
+    by_value,
+    pickled,
+    rebuilt,
+    tagged,
+    unpickled,
+    unresolved_message,
+)
+from flowgraph.registry import HOISTABLE_CATEGORIES, KindSpec, plugin_module
 from flowgraph.source import SourcePos
 
 PLAN_VERSION = 6
@@ -139,7 +149,9 @@ class ParamPlan:
 
     name: str
     value: str
-    """The value as JSON text (a param value is plain data: a scalar, list or mapping)."""
+    """The value as JSON text (a param value is plain data: a scalar, list or mapping; a
+    function or class is its reference `{"$python": ref}`, an entry of
+    `ExecutionPlan.objects`)."""
 
     @staticmethod
     def of(params: Mapping[str, object]) -> tuple[ParamPlan, ...]:
@@ -192,7 +204,9 @@ class NodePlan:
     name: str
     kind: str
     impl: str
-    """`module:function` of the implementation, imported by executors."""
+    """`module:function` of the implementation, imported by executors; a kind declared in
+    the compiling session (`__main__`, a notebook cell) names an entry of
+    `ExecutionPlan.objects` instead."""
     model: str | None
     pool: str
     data_parallel: bool
@@ -235,7 +249,8 @@ class NodePlan:
         return tuple((i.port, i.ref) for i in self.inputs)
 
     def param_values(self, *, evaluation: bool = False) -> dict[str, Any]:
-        """The params as Python values (at evaluation: `eval_params`)."""
+        """The params as Python values (at evaluation: `eval_params`), a Python object as
+        its reference (`ExecutionPlan.live_params` gives the object)."""
         return {p.name: json.loads(p.value)
                 for p in (self.eval_params if evaluation else self.params)}
 
@@ -486,9 +501,59 @@ class ExecutionPlan:
     """The step's refill loop when the graph has a filter node; None: one pass."""
     asynchronous: AsyncPlan | None = None
     """The producer / consumer cut of asynchronous rollouts; None: synchronous."""
+    objects: tuple[PyObject, ...] = ()
+    """The Python functions and classes its params and kinds name (`flowgraph.objects`):
+    in JSON their references; in a process that holds them, the objects themselves."""
 
     def __post_init__(self) -> None:
         _require(_plan_problems(self), "execution plan")
+
+    # Python objects: what the executors call with `live_params` and `implementation`;
+    # shipped to the run's processes with `pickled_objects` / `with_pickled`.
+    def live_params(self, name: str, *, evaluation: bool = False) -> dict[str, Any]:
+        """Node `name`'s params as its implementation takes them: each `{"$python": ref}`
+        replaced by the object itself."""
+        table = {o.ref: o for o in self.objects}
+        return {k: _live(v, table, f"node `{name}` param `{k}`")
+                for k, v in self.node(name).param_values(evaluation=evaluation).items()}
+
+    def implementation(self, name: str) -> Any:
+        """The function node `name` runs when the plan carries it (a kind declared in the
+        compiling session), else None: the executor imports `NodePlan.impl`."""
+        impl = self.node(name).impl
+        held = next((o for o in self.objects if o.ref == impl), None)
+        if held is None:
+            return None
+        if held.obj is None:
+            raise PlanError(unresolved_message([(held, f"node `{name}`")]))
+        return held.obj
+
+    def unresolved(self) -> str | None:
+        """What this process could not rebuild of the plan's objects, and what to do;
+        None: it has them all."""
+        users = _object_users(self)
+        missing = [(o, " and ".join(users.get(o.ref, ["the plan"]))) for o in self.objects
+                   if o.obj is None]
+        return unresolved_message(missing) if missing else None
+
+    def pickled_objects(self) -> bytes | None:
+        """Its objects for the run's own processes (None: it holds none)."""
+        if not self.objects:
+            return None
+        missing = self.unresolved()
+        if missing:
+            raise PlanError(missing)
+        return pickled({o.ref: o.obj for o in self.objects})
+
+    def with_pickled(self, data: bytes | None) -> ExecutionPlan:
+        """This plan holding the objects `pickled_objects` wrote (on the run's channel)."""
+        if data is None:
+            return self
+        for plugin in self.plugins:  # an object of a plugin file is unpickled by its name
+            plugin_module(plugin.module, self.plugin_paths)
+        held = unpickled(data)
+        return replace(self, objects=tuple(o.with_object(held[o.ref]) if o.ref in held else o
+                                           for o in self.objects))
 
     def node(self, name: str) -> NodePlan:
         return next(n for n in self.nodes if n.name == name)
@@ -578,6 +643,26 @@ class ExecutionPlan:
         return "\n".join(_summary_lines(self))
 
 
+def write_run_plan(plan: ExecutionPlan, path: Path) -> None:
+    """The plan for the run's own processes (fsdp ranks): its JSON at `path` and, when it
+    holds Python objects, those pickled beside it (`<path>.objects`), where only this run
+    writes; `read_run_plan` reads both."""
+    path.write_text(plan.to_json())
+    held = plan.pickled_objects()
+    objects = path.with_name(path.name + ".objects")
+    if held is None:
+        objects.unlink(missing_ok=True)
+    else:
+        objects.write_bytes(held)
+
+
+def read_run_plan(path: Path) -> ExecutionPlan:
+    """What `write_run_plan` wrote at `path`, its Python objects in place."""
+    objects = path.with_name(path.name + ".objects")
+    plan = ExecutionPlan.from_json(path.read_text())
+    return plan.with_pickled(objects.read_bytes() if objects.is_file() else None)
+
+
 # --- validation ------------------------------------------------------------------------
 
 
@@ -596,7 +681,75 @@ def _plan_problems(plan: ExecutionPlan) -> list[str]:
         return problems
     return (_placement_problems(plan) + _order_problems(plan) + _edge_problems(plan)
             + _resample_problems(plan) + _async_problems(plan) + _fusion_problems(plan)
-            + _category_problems(plan) + _param_problems(plan))
+            + _category_problems(plan) + _param_problems(plan) + _object_problems(plan))
+
+
+def _object_problems(plan: ExecutionPlan) -> list[str]:
+    """Every Python object a param or an implementation names is in the plan's table,
+    once; a session's implementation is named nowhere else."""
+    listed = [o.ref for o in plan.objects]
+    problems = [f"Python object `{r}` is listed twice" for r in _twice(listed)]
+    users = _object_users(plan)
+    problems += [f"{' and '.join(who)} name(s) the Python object `{ref}`, which the plan's "
+                 "`objects` do not list" for ref, who in users.items() if ref not in listed]
+    problems += [f"Python object `{r}` is listed but nothing names it" for r in listed
+                 if r not in users]
+    return problems
+
+
+def _object_users(plan: ExecutionPlan) -> dict[str, list[str]]:
+    """Each object reference -> who names it (`node `r` param `fn``)."""
+    users: dict[str, list[str]] = {}
+    for n in plan.nodes:
+        if by_value(n.impl):
+            users.setdefault(n.impl, []).append(f"node `{n.name}` (kind `{n.kind}`)")
+        for p in (*n.params, *n.eval_params):
+            for ref in _refs_in(json.loads(p.value)):
+                who = f"node `{n.name}` param `{p.name}`"
+                if who not in users.setdefault(ref, []):
+                    users[ref].append(who)
+    return users
+
+
+def _refs_in(value: object) -> list[str]:
+    ref = tagged(value)
+    if ref is not None:
+        return [ref]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) \
+        else ()
+    return [r for v in items for r in _refs_in(v)]
+
+
+def _live(value: object, table: Mapping[str, PyObject], owner: str) -> object:
+    """A JSON param value with each tagged reference replaced by its object."""
+    ref = tagged(value)
+    if ref is not None:
+        held = table.get(ref)
+        if held is None or held.obj is None:
+            raise PlanError(unresolved_message([(held or PyObject(ref), owner)]))
+        return held.obj
+    if isinstance(value, dict):
+        return {k: _live(v, table, owner) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_live(v, table, owner) for v in value]
+    return value
+
+
+def plan_objects(graph: Graph, functions: Mapping[str, Any]) -> tuple[PyObject, ...]:
+    """The table of a plan: the objects the graph's params hold, and the session kinds'
+    implementations (`functions`: impl path -> function), in that order. Two different
+    objects with one reference (two lambdas, a function defined again under its old name
+    in another scope) are an error: a worker could not tell them apart."""
+    found: dict[str, PyObject] = {}
+    held = [o for n in graph.nodes for o in n.params.objects()]
+    held += [PyObject(ref, "function").with_object(fn) for ref, fn in functions.items()]
+    for o in held:
+        first = found.setdefault(o.ref, o)
+        if first.obj is not o.obj:
+            raise PlanError(f"two different Python objects are both `{o.ref}` (defined at "
+                            f"{first.where or '?'} and {o.where or '?'}): give each its own "
+                            "name at module level")
+    return tuple(found.values())
 
 
 def producer_side(graph: Graph, stages: tuple[StagePlan, ...],
@@ -989,6 +1142,9 @@ def _stage_problems(plan: ExecutionPlan) -> list[str]:
 def _encode(value: object) -> object:
     if isinstance(value, Graph):
         return graph_to_document(value)
+    if isinstance(value, PyObject):  # the reference, never the object (see `objects`)
+        return {"ref": value.ref, "what": value.what, "defined_at": value.where,
+                "shipped": value.shipped}
     if is_dataclass(value) and not isinstance(value, type):
         return {f.name: _encode(getattr(value, f.name)) for f in fields(value)}
     if isinstance(value, tuple):
@@ -1013,6 +1169,8 @@ def _decode(tp: Any, data: object, where: str, source: str) -> object:
     `source` is the graph file, for the positions of the rebuilt graph."""
     if tp is Graph:
         return _graph(data, where, source)
+    if tp is PyObject:
+        return _python_object(data, where)
     if is_dataclass(tp):
         return _record(tp, data, where, source)
     origin, args = get_origin(tp), get_args(tp)
@@ -1043,6 +1201,19 @@ def _record(cls: Any, data: object, where: str, source: str) -> object:
     try:
         return cls(**values)
     except TypeError as exc:  # a missing field
+        raise PlanError(f"`{where}`: {exc}") from exc
+
+
+def _python_object(data: object, where: str) -> PyObject:
+    """An entry of a plan's `objects`, imported by reference where that works (a plan
+    whose objects this process cannot rebuild does not run: `ExecutionPlan.unresolved`)."""
+    obj = _expect(data, dict, where)
+    ref, what, at = obj.get("ref"), obj.get("what", "function"), obj.get("defined_at", "")
+    if not isinstance(ref, str) or not isinstance(what, str) or not isinstance(at, str):
+        raise PlanError(f"`{where}` must hold `ref`, `what` and `defined_at` as strings")
+    try:
+        return rebuilt(ref, what, at)
+    except FlowgraphError as exc:
         raise PlanError(f"`{where}`: {exc}") from exc
 
 
@@ -1119,7 +1290,23 @@ def _summary_lines(plan: ExecutionPlan) -> list[str]:
     if plan.dropped:
         lines.append(f"dropped (dead): {', '.join(plan.dropped)}")
     lines += [f"rewritten: {r}" for r in plan.rewrites]
-    return lines + _memory_lines(plan)
+    return lines + _object_lines(plan) + _memory_lines(plan)
+
+
+def _object_lines(plan: ExecutionPlan) -> list[str]:
+    """The Python objects the plan holds: who names each, where it is defined, and how
+    it reaches the run's processes."""
+    if not plan.objects:
+        return []
+    users = _object_users(plan)
+    lines = ["", "python objects:"]
+    for o in plan.objects:
+        at = f", defined at {o.where}" if o.where else ""
+        how = ("by value (cloudpickle) to the run's processes; a plan file records only its "
+               "reference" if o.by_value else "by reference (imported by name)")
+        lines.append(f"  {o.ref}  {o.what}{at}: {', '.join(users.get(o.ref, []))}; shipped "
+                     f"{how}")
+    return lines
 
 
 def _workers(p: PoolPlan) -> str:

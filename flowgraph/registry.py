@@ -31,6 +31,7 @@ from flowgraph.kindspec import KindSpec as KindSpec
 from flowgraph.kindspec import LossSpec as LossSpec
 from flowgraph.kindspec import ParamSpec as ParamSpec
 from flowgraph.kindspec import PortSpec as PortSpec
+from flowgraph.objects import by_value
 from flowgraph.runtime.context import RESOURCE_ARGS
 
 ENTRY_POINT_GROUP = "flowgraph.nodes"
@@ -72,10 +73,13 @@ def plugin_module(entry: str, folders: Iterable[str]) -> str:
         _forget_another(module.split(".")[0], source)
         return module
     if entry.endswith(".py"):
-        looked = ", ".join(str(Path(f).resolve()) for f in folders) or "no folder (a graph "
-        raise PluginError(f"plugin file `{entry}` not found; looked in {looked}"
-                          + (")" if not folders else "") + ": files are listed relative to "
-                          "the graph file's folder")
+        looked = ", ".join(str(Path(f).resolve()) for f in folders)
+        where = f"looked in {looked}" if looked else "the plan names no folder holding it " \
+            "(its `plugin_paths`)"
+        raise PluginError(f"plugin file `{entry}` not found; {where}: a plugin file is "
+                          "relative to the folder of the graph file that lists it, or to the "
+                          "working directory for a graph built in a notebook, stdin or "
+                          "`python -c`")
     return entry
 
 
@@ -183,6 +187,14 @@ _FUNCTIONS: dict[str, Callable[..., Any]] = {}
 def declared_kind(name: str) -> KindSpec | None:
     """A kind declared in this process by `@node_kind` or `register_kind`, if any."""
     return _DECLARED.get(name)
+
+
+def session_kinds() -> dict[str, KindSpec]:
+    """The kinds declared by code of this session, which no worker could import by name:
+    their implementation is a `__main__` (script, notebook cell) or local function, and
+    travels with the plan by value (`flowgraph.objects`)."""
+    return {name: kind for name, kind in _DECLARED.items()
+            if name in _FUNCTIONS and by_value(kind.impl)}
 
 
 def declared_function(name: str) -> Callable[..., Any] | None:
@@ -346,9 +358,11 @@ class Registry:
 
     @staticmethod
     def default() -> Registry:
+        """The built-in kinds, and those this Python session declared itself (in a
+        script's `__main__`, a notebook cell or a function): no plugin lists them."""
         from flowgraph.kinds import BUILTIN_KINDS
 
-        return Registry(dict(BUILTIN_KINDS))
+        return Registry(dict(BUILTIN_KINDS) | session_kinds())
 
     def get(self, name: str) -> KindSpec | None:
         kind = self.kinds.get(name)

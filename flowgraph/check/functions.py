@@ -16,6 +16,7 @@ from flowgraph.check.structure import Resolved, param_problem
 from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.document import did_you_mean
 from flowgraph.ir import Graph, NodeSpec, Param, Params
+from flowgraph.objects import PyObject
 from flowgraph.registry import ParamSpec, loss_names, loss_spec
 from flowgraph.runtime.reward_call import CallStyle, CallStyleError, call_style, function_name
 from flowgraph.source import SourcePos
@@ -127,6 +128,8 @@ def _check_ref(node: NodeSpec, spec: ParamSpec, ref: object, where: Param, liste
     """Problems of one function reference; the style the node will call it in, when the
     function is known here."""
     assert spec.functions is not None
+    if isinstance(ref, PyObject):  # the function itself (`flowgraph.objects`)
+        ref = ref.obj if ref.resolved else ref.ref  # unresolved: looked up by its name
     if callable(ref) and not isinstance(ref, str):  # a Python function given as it is
         return _check_signature(node, spec, function_name(ref), ref, where, out)
     if not isinstance(ref, str):

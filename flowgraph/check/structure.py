@@ -14,6 +14,7 @@ from flowgraph.builtin_models import BUILTIN_PREFIX, held_out_path
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.document import did_you_mean
 from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec, Params, ParamValue, PortRef
+from flowgraph.objects import PyObject
 from flowgraph.paths import RULE, is_hub_dataset
 from flowgraph.registry import KindSpec, ParamSpec, PortSpec, Registry
 from flowgraph.source import SourcePos
@@ -207,6 +208,13 @@ def check_params(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
             if problem:
                 out.append(error("FG112", f"parameter `{p.name}` of `{r.name}`: {problem}",
                                  p.pos, node=r.name, hint=_param_hint(spec)))
+            for held in Params((p,)).objects():
+                if held.obj is None:
+                    out.append(error("FG113", f"parameter `{p.name}` of `{r.name}` names the "
+                                     f"Python {held.what} `{held.ref}`, which cannot be "
+                                     "imported here", p.pos, node=r.name,
+                                     hint="`module:qualname` of an importable module (a "
+                                     "`__main__` one only in the session that defines it)"))
         _check_required(r, params, out)
 
 
@@ -235,9 +243,13 @@ def _type_of(value: ParamValue) -> str:
 
 
 def param_problem(spec: ParamSpec, value: ParamValue) -> str | None:
-    """Why `value` does not fit `spec`, or None."""
-    if spec.functions is not None and callable(value) and not isinstance(value, str):
-        return None  # a Python function given as it is: `check_functions` reads it
+    """Why `value` does not fit `spec`, or None. A function or class fits a param that
+    names a function (`ParamSpec.functions`) or takes any value."""
+    if isinstance(value, PyObject):
+        if spec.functions is not None or "any" in spec.types:
+            return None
+        return (f"expected {' or '.join(spec.types)}, got the Python {value.what} "
+                f"`{value.ref}`")
     t = _type_of(value)
     allowed = set(spec.types)
     if "any" in allowed or t in allowed or (t == "int" and "float" in allowed):

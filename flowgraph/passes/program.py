@@ -18,6 +18,7 @@ from flowgraph.diagnostics import Diagnostic
 from flowgraph.dims import resolved_text
 from flowgraph.frontend import graph_to_yaml
 from flowgraph.ir import Graph, PortRef
+from flowgraph.objects import by_value
 from flowgraph.plan import (
     AsyncPlan,
     DimValue,
@@ -33,11 +34,12 @@ from flowgraph.plan import (
     SpecPlan,
     StagePlan,
     gib,
+    plan_objects,
     producer_process,
     producer_side,
     repeated,
 )
-from flowgraph.registry import KindSpec, PortSpec, plugin_folder
+from flowgraph.registry import KindSpec, PortSpec, declared_function, plugin_folder
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +197,8 @@ class Program:
             stages=self.schedule.stages, edges=self.schedule.edges, memory=self.memory or (),
             dropped=self.dropped, rewrites=self.rewrites,
             plugin_paths=plugin_paths(self.graph), source=self.graph.source,
-            resample=self._resample())
+            resample=self._resample(), objects=plan_objects(self.graph, {
+                n.impl: declared_function(n.kind) for n in nodes if by_value(n.impl)}))
         if not self.asynchronous:
             return plan
         kinds = {n.name: self.kind(n.name) for n in self.graph.nodes}

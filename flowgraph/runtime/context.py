@@ -169,6 +169,11 @@ class Impl:
             fn = Impl.load_function(path)
         except FlowgraphError as exc:
             raise FlowgraphError(f"{owner}: {exc}") from exc
+        return Impl.of(fn)
+
+    @staticmethod
+    def of(fn: Callable[..., Any]) -> Impl:
+        """How to call `fn` (a plan's own implementation: `ExecutionPlan.implementation`)."""
         params = inspect.signature(fn).parameters
         return Impl(fn, frozenset(params), any(
             p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()))

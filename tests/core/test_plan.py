@@ -67,7 +67,8 @@ def test_json_layout() -> None:
     data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
     assert list(data) == ["graph", "target", "nproc", "device", "dims", "nodes", "pools",
                           "stages", "edges", "memory", "dropped", "rewrites",
-                          "plugin_paths", "source", "version", "resample", "asynchronous"]
+                          "plugin_paths", "source", "version", "resample", "asynchronous",
+                          "objects"]
     assert data["version"] == PLAN_VERSION
     assert data["graph"]["nodes"]["ref_chosen"]["hoisted"] is True
     assert data["pools"] == [{
