@@ -120,6 +120,8 @@ def _refs(param: Param) -> list[tuple[object, Param]]:
 
 
 def _label(ref: object) -> str:
+    if isinstance(ref, PyObject):
+        return ref.ref
     return function_name(ref) if callable(ref) and not isinstance(ref, str) else str(ref)
 
 
@@ -129,7 +131,9 @@ def _check_ref(node: NodeSpec, spec: ParamSpec, ref: object, where: Param, liste
     function is known here."""
     assert spec.functions is not None
     if isinstance(ref, PyObject):  # the function itself (`flowgraph.objects`)
-        ref = ref.obj if ref.resolved else ref.ref  # unresolved: looked up by its name
+        if not ref.resolved:
+            return None  # one FG113 for it, from the structure check
+        ref = ref.obj
     if callable(ref) and not isinstance(ref, str):  # a Python function given as it is
         return _check_signature(node, spec, function_name(ref), ref, where, out)
     if not isinstance(ref, str):

@@ -39,13 +39,13 @@ def _grpo(fn: object) -> flowgraph.Graph:
     g.model("actor", "builtin:tiny-lm", trainable=True)
     data = g.data("train", "prompts", "builtin:arith")
     gen = g.node("gen", "generate", model="actor", prompts=data.input_ids,
-                 prompt_mask=data.attention_mask)
+                 prompt_mask=data.attention_mask, row=data.row)
     seq = {"prompts": gen.prompts, "prompt_mask": gen.prompt_mask,
            "responses": gen.responses, "response_mask": gen.response_mask}
     old = g.node("old", "logprob", model="actor", **seq)
     reward = g.node("reward", "compute_score", model="actor", params={"fn": fn},
                     responses=gen.responses, response_mask=gen.response_mask,
-                    ground_truth=gen.ground_truth)
+                    row=gen.row)
     adv = g.node("adv", "grpo", scores=reward.scores, index=gen.index,
                  response_mask=gen.response_mask)
     g.node("update", "ppo_actor_update", model="actor", old_log_prob=old.log_prob,

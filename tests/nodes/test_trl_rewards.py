@@ -236,14 +236,14 @@ def test_a_python_callable_is_checked_at_its_own_line(tmp_path: Path) -> None:
 
     from flowgraph.check import check_graph
     from flowgraph.frontend import load_graph
-    from flowgraph.ir import Param, Params
+    from flowgraph.ir import Params
 
     _checked(EXAMPLE.read_text(), tmp_path)
     graph, _ = load_graph(tmp_path / "g.yaml")
     assert graph is not None
     for fn, expected in ((REWARDS.correct, []), ((REWARDS.correct, REWARDS.brevity), []),
                          (neither, ["FG112"])):
-        nodes = tuple(replace(n, params=Params((Param("fn", fn, n.pos),)))
+        nodes = tuple(replace(n, params=Params.of({"fn": fn}, n.pos))
                       if n.name == "reward" else n for n in graph.nodes)
         diags = list(check_graph(replace(graph, nodes=nodes)).diagnostics)
         assert [d.code for d in diags] == expected
