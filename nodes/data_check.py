@@ -3,8 +3,10 @@
 Datasets: readable, with the columns their kind reads and the ground truth a node
 reads; every prompt (and preference response) tokenized and measured against P and T
 under the data node's `truncation` / `filter_overlong_prompts`; a chat template where
-one is applied; enough rows for one batch. Model folders: a readable config, a
-tokenizer whose vocabulary fits the model's, tied or untied embeddings (a note).
+one is applied; enough rows for one batch; the columns a reward function called as TRL
+calls one needs, among those of the rows reaching it (FG512, on its `def` line). Model
+folders: a readable config, a tokenizer whose vocabulary fits the model's, tied or
+untied embeddings (a note).
 A missing local file or folder is an error naming the path it resolved to
 (`flowgraph.paths`); hub ids are skipped with a note. Diagnostics sit on the
 data source's (or model's) `path` line.
@@ -16,22 +18,26 @@ this module imports torch, pyarrow and transformers; the CLI imports it only for
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
 from flowgraph.builtin_models import BUILTIN_PREFIX, builtin_config
+from flowgraph.check.functions import called_functions
 from flowgraph.diagnostics import Diagnostic
+from flowgraph.document import did_you_mean
 from flowgraph.errors import FlowgraphError
-from flowgraph.ir import DataSpec, Graph, ModelSpec
+from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec
 from flowgraph.nodes import data as nd
 from flowgraph.nodes.models import load_tokenizer
 from flowgraph.paths import RULE, is_hub_dataset
 from flowgraph.registry import KindSpec, Registry
+from flowgraph.runtime.reward_call import TRL_NOT_COLUMNS, TRL_PASSES, unmet_parameters
 from flowgraph.source import SourcePos
 from flowgraph.tables import is_memory
 
-__all__ = ["check_data", "ground_truth_readers"]
+__all__ = ["check_data", "ground_truth_readers", "row_source"]
 
 
 def ground_truth_readers(graph: Graph, data: str) -> tuple[str, ...]:
@@ -146,13 +152,77 @@ def _check_source(graph: Graph, d: DataSpec, tokenizers: dict[str, Any]) -> list
                for path in paths if not _local(path) and not is_memory(path)]
     if missing:
         return missing
+    columns = [diag for path in paths for diag in _column_problems(graph, d, path)]
     model = _data_model(graph, d)
     if model is None or model not in tokenizers:
         return [Diagnostic("FG509", "note", f"data source `{d.name}`: no local tokenizer to "
-                           f"measure it with: not checked", pos, node=d.name)]
-    return [Diagnostic(code, sev, f"data source `{d.name}`: {msg}", pos, node=d.name, hint=hint)
-            for path in paths
-            for code, sev, msg, hint in _dataset_problems(graph, d, path, tokenizers[model])]
+                           f"measure it with: not checked", pos, node=d.name), *columns]
+    return [*(Diagnostic(code, sev, f"data source `{d.name}`: {msg}", pos, node=d.name,
+                         hint=hint)
+              for path in paths
+              for code, sev, msg, hint in _dataset_problems(graph, d, path, tokenizers[model])),
+            *columns]
+
+
+def row_source(graph: Graph, node: NodeSpec, port: str = "row") -> str | None:
+    """The data source whose rows reach `node`'s input `port`: back along the wiring, each
+    node passing on its input of the output's name (`reward.row` <- `gen.row` <-
+    `train.row`); None when it starts at no data source."""
+    ref, seen = node.input(port), set()
+    while ref is not None and (ref.node, ref.port) not in seen:
+        seen.add((ref.node, ref.port))
+        if graph.data_source(ref.node) is not None:
+            return ref.node
+        producer = graph.node(ref.node)
+        ref = producer.input(ref.port) if producer is not None else None
+    return None
+
+
+def _column_problems(graph: Graph, d: DataSpec, path: str) -> list[Diagnostic]:
+    """FG512 for each function a node calls as TRL calls reward_funcs, on the rows of `d`,
+    that needs a column `path` lacks (TRL would raise a TypeError at the first batch); on
+    the function's `def` line."""
+    called = [c for c in called_functions(graph, Registry.default())
+              if c.style.reads and row_source(graph, c.node, c.style.reads) == d.name]
+    if not called:
+        return []
+    params = d.params.to_python()
+    try:
+        table = nd.open_table(path, str(params.get("format", "auto")), [])
+    except FlowgraphError:
+        return []  # the dataset's own check says why
+    prompt_key = str(params.get("prompt_key", "prompt"))
+    columns = [c for c in table.column_names if c != prompt_key and c not in TRL_NOT_COLUMNS]
+    diags = []
+    for c in called:
+        for name in unmet_parameters(c.fn, columns):
+            data = (f"dataset `{path}` (data source `{d.name}`, columns "
+                    f"{', '.join(table.column_names)})")
+            why = (f"a column of {data} that TRL does not pass as a keyword (the prompt "
+                   f"reaches a reward function as `prompts`; `completion` and "
+                   f"`completion_ids` columns are dropped)" if name in table.column_names
+                   else f"which is no column of {data}")
+            diags.append(Diagnostic(
+                "FG512", "error", f"reward fn `{c.label}` of `{c.node.name}` needs `{name}`, "
+                f"{why}: called as TRL calls reward_funcs, it would raise a TypeError at the "
+                f"first batch", c.pos,
+                node=c.node.name,
+                hint=f"{_guess(name, columns)}; or give `{name}` a default, or take "
+                     f"**kwargs and read what is there"))
+    return diags
+
+
+def _guess(name: str, columns: list[str]) -> str:
+    """A column close to `name`, else a keyword TRL passes that is a near miss
+    (`prompt` for `prompts`), else the columns."""
+    guess = did_you_mean(name, columns) if columns else ""
+    if guess.startswith("did you mean"):
+        return guess
+    keyword = difflib.get_close_matches(name, TRL_PASSES, n=1, cutoff=0.85)
+    if keyword:
+        return f"did you mean `{keyword[0]}` (TRL passes it itself)?"
+    return (f"name one of the columns the function is given ({', '.join(columns)})"
+            if columns else "the dataset has no column besides its prompt")
 
 
 Problem = tuple[str, str, str, str | None]

@@ -54,6 +54,7 @@ from flowgraph.runtime import NodeContext
 from flowgraph.runtime.answers import extract_answer, has_marked_answer, normalise_answer
 from flowgraph.runtime.reward_call import (
     TRL_CALL,
+    TRL_NOT_COLUMNS,
     VERL_CALL,
     CallStyleError,
     TrainerState,
@@ -332,7 +333,7 @@ def _trl_scores(f: ScoreFn, label: str, at: list[int], texts: list[str], respons
     prompts = [r["prompt"] for r in picked]
     chat = _conversational(prompts[0])
     columns = {k: [r.get(k) for r in picked] for k in picked[0]
-               if k not in ("prompt", "completion", "completion_ids")}
+               if k not in TRL_NOT_COLUMNS}
     logged: dict[str, list[float]] = defaultdict(list)
 
     def log_extra(column: str, values: Sequence[Any]) -> None:

@@ -3,13 +3,16 @@ function of a plugin the graph lists, `rewards.py:compute_score`, or a Python ca
 or an entry of a registry (`ParamSpec.names`: `policy_loss`) with its own params in
 `<param>_params`. The plugins were imported by then, so a function or a loss that is not
 there, a function the node cannot call (by the style its signature picks, `ParamSpec.
-calls`), or a loss param it does not take, is found before launch."""
+calls`), or a loss param it does not take, is found before launch. `called_functions`
+gives the functions found to `check --data`, which holds them against the datasets'
+columns (`flowgraph.nodes.data_check`)."""
 
 from __future__ import annotations
 
 import inspect
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from flowgraph.check.structure import Resolved, param_problem
@@ -17,7 +20,7 @@ from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.document import did_you_mean
 from flowgraph.ir import Graph, NodeSpec, Param, Params
 from flowgraph.objects import PyObject
-from flowgraph.registry import ParamSpec, loss_names, loss_spec
+from flowgraph.registry import ParamSpec, Registry, loss_names, loss_spec
 from flowgraph.runtime.reward_call import CallStyle, CallStyleError, call_style, function_name
 from flowgraph.source import SourcePos
 
@@ -43,6 +46,59 @@ def check_functions(graph: Graph, table: dict[str, Resolved], out: list[Diagnost
         for spec in r.kind.params:
             if spec.names == "policy_loss":
                 _check_loss(r.name, spec, r.spec, out)
+
+
+@dataclass(frozen=True, slots=True)
+class Called:
+    """A function a node's param names, as this process holds it."""
+
+    node: NodeSpec
+    label: str
+    """How the graph names it: `rewards.py:correct`, `__main__:correct`."""
+    fn: Callable[..., object]
+    style: CallStyle
+    """How the node calls it (`ParamSpec.calls`, by its signature)."""
+    pos: SourcePos
+    """Its `def` line, else the param's."""
+
+
+def called_functions(graph: Graph, registry: Registry) -> list[Called]:
+    """Every function the nodes' params name that this process holds (a function given as
+    itself, `file.py:fn` or `module:fn` of a plugin the check imported) and that a node
+    calls in a style its signature picks; built-in names and functions the check refused
+    are left out."""
+    listed = {p.module for p in graph.plugins}
+    found = []
+    for node in graph.nodes:
+        kind = registry.get(node.kind)
+        for spec in kind.params if kind is not None else ():
+            param = node.params.find(spec.name)
+            if not spec.calls or param is None or param.value is None:
+                continue
+            for ref, where in _refs(param):
+                label, fn = _loaded(ref, listed)
+                if fn is None:
+                    continue
+                try:
+                    style = call_style(fn, spec.calls)
+                except CallStyleError:
+                    continue
+                found.append(Called(node, label, fn, style, _own_line(fn, where)))
+    return found
+
+
+def _loaded(ref: object, listed: set[str]) -> tuple[str, Callable[..., object] | None]:
+    """(label, the function a reference names, when this process holds it)."""
+    if isinstance(ref, PyObject):
+        return ref.ref, ref.obj if callable(ref.obj) else None
+    if callable(ref) and not isinstance(ref, str):
+        return function_name(ref), ref
+    module, colon, name = str(ref).partition(":")
+    if not colon or module not in listed:
+        return str(ref), None
+    loaded = sys.modules.get(Path(module).stem if module.endswith(".py") else module)
+    fn = getattr(loaded, name, None)
+    return str(ref), fn if callable(fn) else None
 
 
 def _check_one_per(node: NodeSpec, spec: ParamSpec, out: list[Diagnostic]) -> None:

@@ -55,6 +55,26 @@ TRL_EXTRAS = ("trainer_state", "log_extra", "log_metric")
 factory, which flowgraph's rollouts do not take)."""
 
 
+TRL_PASSES = TRL_CALL.keywords + TRL_EXTRAS
+"""Every keyword TRL's call passes besides the dataset's columns."""
+TRL_NOT_COLUMNS = ("prompt", "completion", "completion_ids")
+"""Columns of a row TRL never passes as keywords (`_calculate_rewards` drops them)."""
+
+
+def unmet_parameters(fn: Callable[..., object], columns: Sequence[str]) -> list[str]:
+    """The parameters of `fn` that TRL's call leaves without a value on rows holding
+    `columns`: those without a default that are neither a keyword TRL passes itself
+    (`TRL_PASSES`) nor one of `columns` (the call would raise a TypeError at the first
+    batch); none for a function without a readable signature."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    named = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [p.name for p in params if p.kind in named and p.default is inspect.Parameter.empty
+            and p.name not in TRL_PASSES and p.name not in columns]
+
+
 class CallStyleError(ValueError):
     """A function whose signature matches no style, or several."""
 
