@@ -16,6 +16,7 @@ from flowgraph import GraphBuilder
 from flowgraph.check import check_graph
 from flowgraph.cli import main
 from flowgraph.nodes.data_check import check_data, row_source
+from flowgraph.runtime.reward_call import unmet_parameters
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "graphs" / "trl_format"
@@ -71,7 +72,7 @@ def correct(completions: list[str], answer: list[str], **kwargs: Any) -> list[fl
     return [float(c == a) for c, a in zip(completions, answer, strict=True)]
 
 
-def _python_graph(rows: pd.DataFrame) -> Any:
+def _python_graph(rows: pd.DataFrame, fn: Any = correct) -> Any:
     """GRPO built in Python: a DataFrame as the data, `correct` given as itself, the rows
     reaching the reward through generate (`reward.row` <- `gen.row` <- `train.row`)."""
     g = GraphBuilder("grpo_py")
@@ -83,7 +84,7 @@ def _python_graph(rows: pd.DataFrame) -> Any:
     seq = {"prompts": gen.prompts, "prompt_mask": gen.prompt_mask,
            "responses": gen.responses, "response_mask": gen.response_mask}
     old = g.node("old_logprob", "logprob", model="actor", **seq)
-    reward = g.node("reward", "compute_score", model="actor", params={"fn": [correct]},
+    reward = g.node("reward", "compute_score", model="actor", params={"fn": [fn]},
                     responses=gen.responses, response_mask=gen.response_mask, row=gen.row)
     adv = g.node("adv", "grpo", scores=reward.scores, response_mask=gen.response_mask,
                  index=gen.index)
@@ -108,3 +109,29 @@ def test_a_function_given_as_itself_on_a_dataframe_without_its_column() -> None:
 
     fixed = _python_graph(pd.DataFrame([{**r, "answer": r["solution"]} for r in rows]))
     assert not [d for d in check_data(fixed) if d.code == "FG512"]
+
+
+def test_the_parameters_trl_leaves_without_a_value() -> None:
+    """Required keyword parameters that are neither TRL's own keywords nor columns; a
+    default, `**kwargs` or `*args` need nothing."""
+    def f(prompts, completions, answer, *args, trainer_state, log_metric, level=1,
+          hint, **kwargs):  # type: ignore[no-untyped-def]
+        return []
+
+    assert unmet_parameters(f, ["answer"]) == ["hint"]
+    assert unmet_parameters(f, ["hint"]) == ["answer"]
+    assert unmet_parameters(len, []) == []
+
+
+def test_the_prompt_column_is_not_a_keyword(tmp_path: Path) -> None:
+    """TRL passes the prompt column as `prompts`, never under its own name."""
+    def by_prompt(completions, prompt, **kwargs):  # type: ignore[no-untyped-def]
+        return [0.0] * len(completions)
+
+    rows = pd.DataFrame([{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(4)])
+    graph = _python_graph(rows, by_prompt)
+    found = [d for d in check_data(graph) if d.code == "FG512"]
+    assert len(found) == 1
+    assert "needs `prompt`, a column of dataset" in found[0].message
+    assert "reaches a reward function as `prompts`" in found[0].message
+    assert found[0].hint is not None and "did you mean `prompts`" in found[0].hint
