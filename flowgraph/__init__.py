@@ -24,6 +24,7 @@ _EXPORTS: dict[str, str] = {
     "Diagnostic": "flowgraph.diagnostics",
     "FlowgraphError": "flowgraph.errors",
     "GraphError": "flowgraph.errors",
+    "Stopped": "flowgraph.errors",
     "graph_from_yaml": "flowgraph.frontend",
     "graph_to_yaml": "flowgraph.frontend",
     "load_graph": "flowgraph.frontend",
@@ -66,6 +67,7 @@ __all__ = [
     "PortSpec",
     "Registry",
     "ResourceSpec",
+    "Stopped",
     "TensorSpec",
     "TrainerSpec",
     "check_graph",
@@ -99,7 +101,7 @@ if TYPE_CHECKING:
     from flowgraph.check import CheckResult, check_graph
     from flowgraph.contracts import TensorSpec
     from flowgraph.diagnostics import Diagnostic
-    from flowgraph.errors import CompileError, FlowgraphError, GraphError
+    from flowgraph.errors import CompileError, FlowgraphError, GraphError, Stopped
     from flowgraph.frontend import graph_from_yaml, graph_to_yaml, load_graph
     from flowgraph.ir import (
         DataSpec,

@@ -14,16 +14,28 @@ one that starts them (`tests/test_boundaries.py`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+import os
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flowgraph.document import parse_override, plain
-from flowgraph.errors import CompileError, FlowgraphError, PlanFileError, UsageError
-from flowgraph.ir import Graph
+from flowgraph.errors import (
+    DEBUG_ENV,
+    CompileError,
+    FlowgraphError,
+    PlanFileError,
+    Stopped,
+    UsageError,
+)
+from flowgraph.ir import Graph, TrainerSpec
 from flowgraph.plan import MAX_PLAN_BYTES, ExecutionPlan, verify_kinds
 from flowgraph.registry import KindSpec, Registry
+from flowgraph.voice import Word, option, python_entry
 
 if TYPE_CHECKING:
     from flowgraph.compilers import Run
@@ -37,8 +49,9 @@ def compile(graph: Graph | str | Path, *, target: str = "local", nproc: int | No
     workers (default `resources.nproc`), without the passes named in `disable`."""
     from flowgraph.passes import PassPipeline, compile_graph
 
-    result = compile_graph(graph, target=target, nproc=nproc, overrides=overrides,
-                           device=device, pipeline=PassPipeline.default(disabled=disable))
+    with python_entry():
+        result = compile_graph(graph, target=target, nproc=nproc, overrides=overrides,
+                               device=device, pipeline=PassPipeline.default(disabled=disable))
     if result.plan is None:
         raise CompileError(result.diagnostics)
     return result.plan
@@ -123,27 +136,100 @@ def _kinds(plan: ExecutionPlan) -> dict[str, KindSpec]:
 
 def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
         nproc: int | None = None, overrides: Sequence[str] = (), disable: Sequence[str] = (),
-        **options: Any) -> Run:
+        run_dir: str | Path | None = None, debug: bool = False, **options: Any) -> Run:
     """Run a plan as it is, or compile a graph (or graph file) for `target` (default
-    `local`) first; a `.json` path is a plan file. `options` are the fields of
-    `flowgraph.compilers.RunOptions` (`resume`, `allow_changed`, `strict`, `out`,
-    `tensorboard`, `metrics_port`, `address`...)."""
-    from flowgraph.compilers import RunOptions
-    from flowgraph.compilers import run as run_plan
+    `local`) first; a `.json` path is a plan file. `run_dir` is where it writes (default
+    its `trainer.run_dir`; where that was left at its default and the run does not
+    resume, a fresh dated folder, `runs/<graph>-YYYYmmdd-HHMMSS`, so that running a cell
+    again starts a new run). `debug`: a node's error carries its full traceback.
+    `options` are the fields of `flowgraph.compilers.RunOptions` (`resume`, `overwrite`,
+    `allow_changed`, `strict`, `out`, `tensorboard`, `metrics_port`, `address`...).
 
-    if isinstance(plan, (str, Path)) and str(plan).endswith(".json"):
-        options.setdefault("plan_file", Path(plan))
-        plan = load_plan(plan)
-    if not isinstance(plan, ExecutionPlan):
-        plan = compile(plan, target=target or "local", nproc=nproc, overrides=overrides,
-                       disable=disable)
-        options.setdefault("disabled", tuple(disable))
-    elif disable or nproc is not None or target not in (None, plan.target):
-        raise UsageError(
-            f"a plan runs as compiled (target {plan.target}, {plan.nproc} per pool): edit the "
-            "plan, or compile the graph again with other --target, --nproc or passes")
-    else:
-        plan = with_run_settings(plan, overrides)
-    if "allow_changed" in options:  # a list is welcome here; the options are frozen
-        options["allow_changed"] = tuple(options["allow_changed"])
-    return run_plan(plan, RunOptions(overrides=tuple(overrides), **options))
+    Interrupted (Ctrl-C, a notebook's interrupt, SIGTERM) it stops at the next node, saves
+    a checkpoint and raises `Stopped` (its `run_dir`, and the call that continues the run
+    in its message: `flowgraph.run(..., resume=True)`)."""
+    from flowgraph.compilers import RunOptions
+
+    with python_entry():
+        options.setdefault("called_with", _called_with(plan))
+        if isinstance(plan, (str, Path)) and str(plan).endswith(".json"):
+            options.setdefault("plan_file", Path(plan))
+            plan = load_plan(plan)
+        if not isinstance(plan, ExecutionPlan):
+            plan = compile(plan, target=target or "local", nproc=nproc, overrides=overrides,
+                           disable=disable)
+            options.setdefault("disabled", tuple(disable))
+        elif disable or nproc is not None or target not in (None, plan.target):
+            raise UsageError(
+                f"a plan runs as compiled (target {plan.target}, {plan.nproc} per pool): edit "
+                "the plan, or compile the graph again with other "
+                f"{option('target', Word('...'))}, {option('nproc', Word('...'))} or "
+                f"{option('disable', Word('[...]'))}")
+        else:
+            plan = with_run_settings(plan, overrides)
+        plan = _with_run_dir(plan, run_dir, fresh=not options.get("resume"))
+        if "allow_changed" in options:  # a list is welcome here; the options are frozen
+            options["allow_changed"] = tuple(options["allow_changed"])
+        opts = RunOptions(overrides=tuple(overrides), **options)
+        with _debugging(debug):
+            return _run(plan, opts)
+
+
+def _run(plan: ExecutionPlan, opts: Any) -> Run:
+    """`flowgraph.compilers.run`; a stop raised without flowgraph's frames (its message
+    says all), a KeyboardInterrupt outside the run's own handling (while it starts or
+    ends) as the `Stopped` it would have been."""
+    import signal
+
+    from flowgraph.compilers import run as run_plan
+    from flowgraph.compilers.signals import stopped
+
+    try:
+        return run_plan(plan, opts)
+    except Stopped as exc:
+        raise exc.with_traceback(None) from None
+    except KeyboardInterrupt:
+        raise stopped(plan, opts, signal.SIGINT, at_once=True).with_traceback(None) from None
+
+
+def _called_with(plan: Any) -> str:
+    """What the call that resumes a run names as its first argument."""
+    if isinstance(plan, (str, Path)):
+        return str(plan)
+    return Word("plan" if isinstance(plan, ExecutionPlan) else "graph")
+
+
+DATED = "runs/{name}-%Y%m%d-%H%M%S"
+"""The run dir of a run from Python that names none (`trainer.run_dir` left at default)."""
+
+
+def _with_run_dir(plan: ExecutionPlan, run_dir: str | Path | None, *, fresh: bool
+                  ) -> ExecutionPlan:
+    """`plan` writing to `run_dir`; with none, to a new dated folder where the plan's
+    is the default one and the run starts `fresh`."""
+    default = TrainerSpec.__dataclass_fields__["run_dir"].default
+    if run_dir is None and (not fresh or plan.trainer.run_dir != default):
+        return plan
+    if run_dir is None:
+        stamp = time.strftime(DATED.format(name=plan.name))
+        run_dir = next(d for i in itertools.count(1)
+                       if not Path(d := stamp if i == 1 else f"{stamp}-{i}").exists())
+    trainer = replace(plan.graph.trainer, run_dir=str(run_dir))
+    return replace(plan, graph=replace(plan.graph, trainer=trainer))
+
+
+@contextmanager
+def _debugging(debug: bool) -> Iterator[None]:
+    """`debug`: a node's error carries its full traceback, in every process of the run."""
+    if not debug:
+        yield
+        return
+    before = os.environ.get(DEBUG_ENV)
+    os.environ[DEBUG_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[DEBUG_ENV]
+        else:
+            os.environ[DEBUG_ENV] = before
