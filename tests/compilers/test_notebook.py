@@ -70,8 +70,8 @@ def test_overwrite_leaves_alone_a_folder_that_is_not_a_run_dir() -> None:
     folder.mkdir()
     (folder / "metrics.jsonl").write_text('{"step": 0}\n')
     (folder / "notes.txt").write_text("keep me")
-    with pytest.raises(FlowgraphError, match="holds no plan.json of a flowgraph run, so "
-                                             "overwrite=True leaves it alone"):
+    with pytest.raises(FlowgraphError, match=r"holds no plan\.json of a flowgraph run, so "
+                                             r"overwrite=True leaves it alone"):
         _run("g.yaml", run_dir="mine", overwrite=True)
     assert (folder / "notes.txt").read_text() == "keep me"
     _run("g.yaml", run_dir=".")
