@@ -28,6 +28,7 @@ from flowgraph.errors import (
     DEBUG_ENV,
     CompileError,
     FlowgraphError,
+    GraphError,
     PlanFileError,
     Stopped,
     UsageError,
@@ -38,7 +39,9 @@ from flowgraph.registry import KindSpec, Registry
 from flowgraph.voice import Word, option, python_entry
 
 if TYPE_CHECKING:
+    from flowgraph.check import CheckResult
     from flowgraph.compilers import Run
+    from flowgraph.diagnostics import Diagnostic
 
 
 def compile(graph: Graph | str | Path, *, target: str = "local", nproc: int | None = None,
@@ -55,6 +58,36 @@ def compile(graph: Graph | str | Path, *, target: str = "local", nproc: int | No
     if result.plan is None:
         raise CompileError(result.diagnostics)
     return result.plan
+
+
+def check(graph: Graph | str | Path, *, overrides: Sequence[str] = (),
+          nproc: int | None = None, target: str | None = None, data: bool = False
+          ) -> CheckResult:
+    """What `flowgraph check` says of a graph (a Graph, or a graph file with `overrides`)
+    for `nproc` data-parallel workers: every diagnostic, and every edge with its bound
+    shape (print the result, or show it in a notebook; `CheckResult.edge_lines`).
+    `data`: also open the local datasets and model folders (imports torch). A file that
+    cannot be read into a graph raises `GraphError` with its diagnostics."""
+    from flowgraph.check import check_graph
+    from flowgraph.frontend import load_graph
+
+    with python_entry():
+        if isinstance(graph, Graph) and overrides:
+            raise UsageError("overrides apply to graph files; change a Python-built graph "
+                             "directly")
+        loaded: list[Diagnostic] = []
+        if not isinstance(graph, Graph):
+            built, loaded = load_graph(graph, overrides)
+            if built is None:
+                raise GraphError(tuple(loaded))
+            graph = built
+        result = check_graph(graph, dp=nproc, target=target)
+        found = [*loaded, *result.diagnostics]
+        if data and result.ok and not any(d.is_error for d in loaded):
+            from flowgraph.nodes.data_check import check_data  # imports torch
+
+            found += check_data(graph)
+        return replace(result, diagnostics=tuple(found))
 
 
 def load_plan(path: str | Path) -> ExecutionPlan:
