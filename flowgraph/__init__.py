@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "check": "flowgraph.api",
     "compile": "flowgraph.api",
+    "debug": "flowgraph.api",
     "run": "flowgraph.api",
     "load_plan": "flowgraph.api",
     "CompileError": "flowgraph.errors",
@@ -76,6 +77,7 @@ __all__ = [
     "check",
     "check_graph",
     "compile",
+    "debug",
     "graph_from_yaml",
     "graph_to_yaml",
     "load_graph",
@@ -124,7 +126,7 @@ sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:
-    from flowgraph.api import check, compile, load_plan, run
+    from flowgraph.api import check, compile, debug, load_plan, run
     from flowgraph.builder import GraphBuilder
     from flowgraph.check import CheckResult, check_graph
     from flowgraph.contracts import TensorSpec

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from flowgraph.document import parse_override, plain
 from flowgraph.errors import (
@@ -41,6 +41,7 @@ from flowgraph.voice import Word, option, python_entry
 if TYPE_CHECKING:
     from flowgraph.check import CheckResult
     from flowgraph.compilers import Run
+    from flowgraph.compilers.debug import Debugger
     from flowgraph.diagnostics import Diagnostic
 
 
@@ -88,6 +89,19 @@ def check(graph: Graph | str | Path, *, overrides: Sequence[str] = (),
 
             found += check_data(graph)
         return replace(result, diagnostics=tuple(found))
+
+
+def debug(graph: Graph | str | Path, *, overrides: Sequence[str] = (),
+          device: str | None = None, out: TextIO | None = None) -> Debugger:
+    """A handle that runs nodes of `graph` on one batch at a time, on the local target
+    (`flowgraph.compilers.debug.Debugger`): `run_until("reward")` draws a batch and runs
+    `reward` and what it reads from, returning every node's outputs;
+    `run_node("reward", inputs={...})` runs one node again with inputs of your own.
+    Compiled now (errors raise `CompileError`); models load at the first call."""
+    from flowgraph.compilers.debug import DEBUG_PASSES_OFF, Debugger
+
+    plan = compile(graph, overrides=overrides, device=device, disable=DEBUG_PASSES_OFF)
+    return Debugger(plan, out)
 
 
 def load_plan(path: str | Path) -> ExecutionPlan:
