@@ -17,6 +17,7 @@ _EXPORTS: dict[str, str] = {
     "check": "flowgraph.api",
     "compile": "flowgraph.api",
     "debug": "flowgraph.api",
+    "export": "flowgraph.api",
     "run": "flowgraph.api",
     "load_plan": "flowgraph.api",
     "CompileError": "flowgraph.errors",
@@ -78,6 +79,7 @@ __all__ = [
     "check_graph",
     "compile",
     "debug",
+    "export",
     "graph_from_yaml",
     "graph_to_yaml",
     "load_graph",
@@ -126,7 +128,7 @@ sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:
-    from flowgraph.api import check, compile, debug, load_plan, run
+    from flowgraph.api import check, compile, debug, export, load_plan, run
     from flowgraph.builder import GraphBuilder
     from flowgraph.check import CheckResult, check_graph
     from flowgraph.contracts import TensorSpec

@@ -104,6 +104,20 @@ def debug(graph: Graph | str | Path, *, overrides: Sequence[str] = (),
     return Debugger(plan, out)
 
 
+def export(run_dir: str | Path, *, model: str, out: str | Path, step: int | None = None,
+           force: bool = False, adapter_only: bool = False) -> Path:
+    """Write model `model` of the run in `run_dir`, from its newest (or `step`'s)
+    checkpoint, to `out` as a Hugging Face folder (`from_pretrained(out)` loads it) with
+    a model card, `README.md`: the graph, its data, the metrics at that step, how to load
+    it. `force`: write into a folder that is not empty; `adapter_only`: a LoRA model's
+    adapter alone. What `flowgraph export` does."""
+    from flowgraph.compilers.export import export_model
+
+    with python_entry():
+        return export_model(Path(run_dir), model, Path(out), step=step, force=force,
+                            adapter_only=adapter_only)
+
+
 def load_plan(path: str | Path) -> ExecutionPlan:
     """A plan file (`flowgraph compile -o plan.json`), checked by the plan verifier. A file
     that cannot be read as a plan (missing, over `MAX_PLAN_BYTES`, not UTF-8, not JSON,

@@ -81,6 +81,7 @@ CODES: dict[str, str] = {
     "FG510": "a malformed dataset row: no rows, a null, empty or mistyped prompt or "
              "message, an extra_info that is not a dict",
     "FG511": "preference pairs with identical or empty responses (DPO learns nothing)",
+    "FG512": "a flowgraph run dir as a model path: its newest checkpoint's model is loaded",
 }
 """Every diagnostic code and what it means; codes are stable across releases."""
 

@@ -55,7 +55,7 @@ import json
 import types
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
 from flowgraph.choices import ADMISSIONS, DEVICES, TARGETS
@@ -523,6 +523,11 @@ class ExecutionPlan:
     def document(self) -> dict[str, object]:
         """The graph file as a document (what experiment trackers record as config)."""
         return graph_to_document(self.graph)
+
+    def with_models(self, models: tuple[ModelSpec, ...]) -> ExecutionPlan:
+        """This plan loading `models` (the same names) instead: a model path resolved when
+        the run starts (a run dir's model, `flowgraph.compilers.export.from_run_dirs`)."""
+        return replace(self, graph=replace(self.graph, models=models))
 
     def readers(self, node: str, port: str) -> tuple[str, ...]:
         """The nodes that read output `node.port` (`flowgraph.ir.readers`)."""

@@ -44,6 +44,8 @@ OPTIONS: dict[str, str] = {
     "metrics_port": "--metrics-port",
     "address": "--address",
     "nnodes": "--nnodes",
+    "model": "--model",
+    "out": "-o",
     "run_dir": "trainer.run_dir=",
     "overrides": "",
 }
