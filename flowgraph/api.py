@@ -228,7 +228,8 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
                 f"{option('disable', Word('[...]'))}")
         else:
             plan = with_run_settings(plan, overrides)
-        plan = _with_run_dir(plan, run_dir, fresh=not options.get("resume"))
+        plan = _with_run_dir(plan, run_dir,
+                             fresh=not (options.get("resume") or plan.trainer.resume))
         if "allow_changed" in options:  # a list is welcome here; the options are frozen
             options["allow_changed"] = tuple(options["allow_changed"])
         opts = RunOptions(overrides=tuple(overrides), **options)
