@@ -124,14 +124,16 @@ def resume_command(plan: ExecutionPlan, opts: RunOptions) -> str:
         ("run_dir", plan.trainer.run_dir)])
 
 
-def stopped(plan: ExecutionPlan, opts: RunOptions, signum: int, *, at_once: bool) -> Stopped:
-    """The `Stopped` a signal ends the run with: what was saved, how to continue."""
+def stopped(plan: ExecutionPlan, opts: RunOptions, signum: int, *, at_once: bool,
+            how: str | None = None) -> Stopped:
+    """The `Stopped` a signal ends the run with (`how` it stopped, if not by the run's
+    own handling): what was saved, how to continue."""
     from flowgraph.compilers.checkpoint import latest_checkpoint
 
     done = latest_checkpoint(Path(plan.trainer.run_dir))
-    how = (f"stopped at once by {_name(signum)} (a second signal, or "
-           f"trainer.stop_grace_s = {plan.trainer.stop_grace_s:g} s passed)" if at_once
-           else f"stopped by {_name(signum)}")
+    how = how or (f"stopped at once by {_name(signum)} (a second signal, or "
+                  f"trainer.stop_grace_s = {plan.trainer.stop_grace_s:g} s passed)" if at_once
+                  else f"stopped by {_name(signum)}")
     saved = (f"the last checkpoint is step {done[0]}; continue with:" if done
              else "no checkpoint was written yet; start again with:")
     return Stopped(signum, f"{how}; {saved} {resume_command(plan, opts)}",

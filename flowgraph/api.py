@@ -251,7 +251,9 @@ def _run(plan: ExecutionPlan, opts: Any) -> Run:
     except Stopped as exc:
         raise exc.with_traceback(None) from None
     except KeyboardInterrupt:
-        raise stopped(plan, opts, signal.SIGINT, at_once=True).with_traceback(None) from None
+        raise stopped(plan, opts, signal.SIGINT, at_once=True,
+                      how="interrupted (KeyboardInterrupt) while the run started or ended"
+                      ).with_traceback(None) from None
 
 
 def _called_with(plan: Any) -> str:

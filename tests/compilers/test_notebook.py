@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import signal
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -138,3 +139,24 @@ def test_other_messages_through_the_python_api_name_its_arguments() -> None:
     with pytest.raises(flowgraph.FlowgraphError, match=r"compile the graph again with other "
                        r"target=\.\.\., nproc=\.\.\. or disable=\[\.\.\.\]"):
         flowgraph.run(plan, nproc=2)
+
+
+def test_a_keyboard_interrupt_outside_the_runs_handling_is_a_stop_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the run starts (before its handlers are in place): the same
+    `Stopped`, with the call that starts it again, not a KeyboardInterrupt's frames."""
+    from flowgraph.compilers import builtins
+
+    def interrupted(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(builtins, "ensure_builtins", interrupted)
+    with pytest.raises(Stopped) as exc:
+        _run("g.yaml", run_dir="runs/k")
+    assert str(exc.value) == (
+        "interrupted (KeyboardInterrupt) while the run started or ended; no checkpoint was "
+        "written yet; start again with: flowgraph.run('g.yaml', resume=True, "
+        "overrides=['trainer.steps=2'], run_dir='runs/k')")
+    frames = traceback.extract_tb(exc.value.__traceback__)
+    assert [f.name for f in frames if f.filename.endswith("api.py")] == ["run", "_run"]
+    assert not [f for f in frames if "/flowgraph/compilers/" in f.filename], frames  # no executor's
