@@ -152,7 +152,7 @@ def _writable(run_dir: Path) -> None:
         raise FlowgraphError(
             f"cannot write the run dir `{run_dir}` (trainer.run_dir): "
             f"{exc.strerror or exc}{f' (`{exc.filename}`)' if exc.filename else ''}; give a "
-            "folder you can write to, e.g. trainer.run_dir=runs/my-run") from exc
+            f"folder you can write to, e.g. {option('run_dir', 'runs/my-run')}") from exc
 
 
 def run_plan(plan: ExecutionPlan, opts: RunOptions) -> None:
