@@ -160,3 +160,13 @@ def test_a_keyboard_interrupt_outside_the_runs_handling_is_a_stop_too(
     frames = traceback.extract_tb(exc.value.__traceback__)
     assert [f.name for f in frames if f.filename.endswith("api.py")] == ["run", "_run"]
     assert not [f for f in frames if "/flowgraph/compilers/" in f.filename], frames  # no executor's
+
+
+def test_a_new_run_removes_an_earlier_attempts_traceback() -> None:
+    """An attempt that failed before its first step left only its traceback; the next run
+    in that folder (not an overwrite: nothing else is there) starts without it."""
+    Path("runs/t").mkdir(parents=True)
+    Path("runs/t/traceback.txt").write_text("Traceback (most recent call last): ...")
+    _run("g.yaml", run_dir="runs/t")
+    assert not Path("runs/t/traceback.txt").exists()
+    assert Path("runs/t/metrics.jsonl").exists()
