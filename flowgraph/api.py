@@ -1,15 +1,20 @@
-"""Compile and run from Python: `flowgraph.compile` and `flowgraph.run`, what the CLI calls.
+"""The Python API, what the CLI calls: `compile`, `run`, `check`, `debug`, `export`.
 
     import flowgraph
     plan = flowgraph.compile(graph, target="ray", nproc=2)   # a Graph, a file or a path
     result = flowgraph.run(plan)                             # or run(graph, target=...)
     result.run_dir, result.rows[-1]["critic/score/mean"]
+    print(flowgraph.check(graph))                            # diagnostics, every edge's shape
+    flowgraph.debug(graph).run_until("reward")               # one batch, node by node
+    flowgraph.export(result.run_dir, model="actor", out="actor-hf")
 
 `compile` raises `CompileError` (its `diagnostics` are what `flowgraph check` prints)
 instead of returning a plan with errors; `run` runs a plan as it is, or compiles a
-graph first, and returns the run's folder and metric rows (`flowgraph.compilers.Run`).
-With the CLI, this module is an entry point: the layer above the executors, the only
-one that starts them (`tests/test_boundaries.py`).
+graph first, and returns the run's folder and metric rows (`flowgraph.compilers.Run`);
+stopped by a signal it raises `Stopped`. Messages raised here name these functions'
+arguments, not the command line's flags (`flowgraph.voice`). With the CLI, this module
+is an entry point: the layer above the executors, the only one that starts them
+(`tests/test_boundaries.py`).
 """
 
 from __future__ import annotations
