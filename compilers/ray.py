@@ -70,7 +70,8 @@ try:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError as exc:  # pragma: no cover - depends on the machine
-    raise FlowgraphError(f"--target ray needs Ray: pip install 'ray>=2.40' ({exc})") from exc
+    raise FlowgraphError(f"{option('target', 'ray')} needs Ray: pip install 'ray>=2.40' "
+                         f"({exc})") from exc
 
 
 def _where(where: tuple[str, int] | None) -> str:

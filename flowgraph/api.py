@@ -41,7 +41,7 @@ from flowgraph.errors import (
 from flowgraph.ir import Graph, TrainerSpec
 from flowgraph.plan import MAX_PLAN_BYTES, ExecutionPlan, verify_kinds
 from flowgraph.registry import KindSpec, Registry
-from flowgraph.voice import Word, option, python_entry
+from flowgraph.voice import Word, command, option, python_entry
 
 if TYPE_CHECKING:
     from flowgraph.check import CheckResult
@@ -178,8 +178,9 @@ def with_run_settings(plan: ExecutionPlan, overrides: Sequence[str]) -> Executio
         raise UsageError(
             f"a compiled plan runs as it is: {', '.join(refused)} would change what it runs "
             f"(it takes only {', '.join(f'trainer.{k}' for k in PLAN_RUN_SETTINGS)}); "
-            "compile the graph again with them (`flowgraph compile GRAPH KEY=VALUE -o "
-            "plan.json`), or edit the plan")
+            "compile the graph again with them "
+            f"(`{command('compile', Word('GRAPH'), [('overrides', [Word('KEY=VALUE')])])}`), "
+            "or edit the plan")
     if trainer is plan.graph.trainer:
         return plan
     return replace(plan, graph=replace(plan.graph, trainer=trainer))
