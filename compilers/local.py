@@ -9,7 +9,8 @@ batch, and a checkpoint is whole files (`model.<m>.safetensors`, `optim.<m>.pt`,
 `sched.<m>.pt`, `rng.pt`, and `manifest.json`); a checkpoint of the fsdp or ray target
 (DCP shards) loads here too.
 `prepare_run` is what every target does before any model loads: the run dir created
-and known writable, and refused when it holds a run unless resuming.
+and known writable, and refused when it holds a run unless resuming or overwriting it
+(`clear_run_dir`: a flowgraph run dir's files only).
 """
 
 from __future__ import annotations
