@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import signal
+import sys
 import traceback
 from pathlib import Path
 from typing import Any
@@ -115,12 +116,17 @@ def test_ipython_shows_the_message_without_frames() -> None:
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
 
+    hooks = sys.displayhook, sys.excepthook
     shell = InteractiveShell.instance()
     code = ("import flowgraph, io\nflowgraph.run('s.yaml', overrides=['trainer.steps=3', "
             "'nodes.score.params.at=0', 'nodes.score.params.signals=SIGINT'], "
             "run_dir='runs/i', tensorboard=False, out=io.StringIO())")
-    with capture_output() as shown:
-        shell.run_cell(code)
+    try:
+        with capture_output() as shown:
+            shell.run_cell(code)
+    finally:  # the shell is this process's: leave none behind for the next tests
+        InteractiveShell.clear_instance()
+        sys.displayhook, sys.excepthook = hooks
     text = shown.stdout + shown.stderr
     assert "Stopped: stopped by SIGINT; the last checkpoint is step 0; continue with: " \
            "flowgraph.run('s.yaml', resume=True" in text, text
