@@ -4,7 +4,8 @@
 is (its target, pools, stages and dispatch; nothing is compiled again) and returns the
 run, its folder and metric rows. `flowgraph run`, `flowgraph.run` and the tests call it.
 A trained built-in model the plan names (`builtin:tiny-lm-sft`) is trained first, once
-per machine (`builtins.py`).
+per machine (`builtins.py`); a run dir named as a model path is exported from its newest
+checkpoint, once (`export.from_run_dirs`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ def run(plan: ExecutionPlan, options: RunOptions | None = None) -> Run:
     # DataFrames and hub datasets as files in the run dir, before any process reads them
     plan = write_tables(plan, Path(plan.trainer.run_dir))
     from flowgraph.compilers.builtins import ensure_builtins
+    from flowgraph.compilers.export import from_run_dirs
 
     ensure_builtins(plan.models, opts.out)  # before any worker looks for them
+    plan = from_run_dirs(plan, opts.out)  # a run dir as a model path: its checkpoint's
     if plan.target == "fsdp":
         from flowgraph.compilers.fsdp import run_fsdp
 

@@ -43,6 +43,7 @@ from flowgraph.compilers.integrity import (
     write_manifest,
 )
 from flowgraph.errors import FlowgraphError, NonFiniteError
+from flowgraph.voice import Word, option
 
 _STEP = re.compile(r"^step_(\d+)$")
 DCP_DIR = "dcp"
@@ -87,7 +88,7 @@ def intact_checkpoint(run_dir: Path, say: Callable[[str], None]) -> tuple[int, P
         raise FlowgraphError(
             f"no intact checkpoint in `{checkpoint_root(run_dir)}` to resume from: "
             + "; ".join(damaged) + ". Start the run again in a new folder "
-            "(trainer.run_dir=...), or restore the files from a copy")
+            f"({option('run_dir', Word('...'))}), or restore the files from a copy")
     return None
 
 

@@ -8,12 +8,24 @@ and `save_pretrained` writes weights and tokenizer, loadable with
 `AutoModelForCausalLM.from_pretrained(DIR)`. A LoRA model's checkpoint holds its
 adapters only: they go on a fresh copy of the base (peft's `get_peft_model`, the module
 names training used) and are merged into it (`merge_and_unload`), or written alone
-(`--adapter-only`: `PeftModel.from_pretrained(base, DIR)` loads them).
+(`--adapter-only`: `PeftModel.from_pretrained(base, DIR)` loads them). Beside them a
+model card, `README.md`: the graph, its data sources, the checkpoint's step and the
+run's final metrics, and how to load the folder (`model_card`).
+
+A run dir given as a model path (`models.actor.path: runs/sft`) is exported here too,
+once per checkpoint, into `RUN_DIR/export/<model>-step_N` (`from_run_dirs`).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import replace
 from pathlib import Path
+from typing import TextIO
 
 from flowgraph.compilers.build import lora_config
 from flowgraph.compilers.checkpoint import (
@@ -22,12 +34,15 @@ from flowgraph.compilers.checkpoint import (
     checkpoint_root,
     dcp_full_model,
     has_dcp,
+    intact_checkpoint,
     latest_checkpoint,
 )
 from flowgraph.compilers.integrity import checkpoint_damage, load_tensors
 from flowgraph.errors import FlowgraphError, UsageError
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan
+from flowgraph.runs import export_command, is_run_dir, trained_lm
+from flowgraph.voice import Word, option
 
 
 def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = None,
@@ -37,11 +52,11 @@ def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = Non
     (a plain Hugging Face model), or with `adapter_only` as its peft adapter alone."""
     from flowgraph.nodes.models import load_model, load_tokenizer
 
-    spec = _trained_lm(run_dir, model, adapter_only)
+    plan, spec = _trained_lm(run_dir, model, adapter_only)
     if out.is_dir() and any(out.iterdir()) and not force:
         raise UsageError(f"`{out}` is not empty; export into a new folder, or pass "
-                             "--force to write over its files")
-    folder = _checkpoint(run_dir, step)
+                         f"{option('force')} to write over its files")
+    step, folder = _checkpoint(run_dir, step)
     sharded = has_dcp(folder)  # written by the fsdp or ray target
     weights = (folder / DCP_DIR / model / ".metadata" if sharded
                else folder / f"model.{model}.safetensors")
@@ -64,10 +79,111 @@ def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = Non
     else:
         (peft_model.merge_and_unload() if peft_model is not None else lm).save_pretrained(out)
     load_tokenizer(spec.tokenizer or spec.path).save_pretrained(out)
+    card = model_card(plan, spec, run_dir, step, adapter_only=peft_model is not None
+                      and adapter_only)
+    (out / "README.md").write_text(card, encoding="utf-8")
     return out
 
 
-def _trained_lm(run_dir: Path, model: str, adapter_only: bool) -> ModelSpec:
+def model_card(plan: ExecutionPlan, spec: ModelSpec, run_dir: Path, step: int, *,
+               adapter_only: bool = False) -> str:
+    """The exported folder's README.md: what the model is, what trained it (the graph,
+    its data sources), the checkpoint's step and the run's metrics there, how to load it."""
+    weights = ("its LoRA adapter" if adapter_only else
+               "LoRA merged into the base" if spec.lora is not None else "full weights")
+    lines = [f"# `{spec.name}` of the flowgraph run `{plan.name}`", "",
+             f"Model `{spec.name}` ({weights}), trained from `{spec.path}` by the graph "
+             f"`{plan.name}` (`{plan.source}`), exported from checkpoint step {step} of the "
+             f"run dir `{run_dir}`.", "", "## Data", ""]
+    lines += [f"- `{d.name}`: {d.kind}, `{d.path}`" for d in plan.data]
+    lines += ["", f"## Metrics at step {step}", "", *_metrics_table(run_dir, step)]
+    lines += ["", "## Load it", "", "```python", _LOAD_ADAPTER.format(base=spec.path)
+              if adapter_only else _LOAD, "```", ""]
+    lines += ["## The graph", "", "```yaml", _yaml(plan.document()), "```", ""]
+    return "\n".join(lines)
+
+
+_LOAD = """from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("<this folder>")
+tokenizer = AutoTokenizer.from_pretrained("<this folder>")"""
+_LOAD_ADAPTER = """from peft import PeftModel
+from transformers import AutoModelForCausalLM
+base = AutoModelForCausalLM.from_pretrained("{base}")
+model = PeftModel.from_pretrained(base, "<this folder>")"""
+
+
+def _metrics_table(run_dir: Path, step: int) -> list[str]:
+    """The run's metrics row of `step` (else its last) as a Markdown table, without the
+    timings."""
+    rows = [json.loads(line) for line in _lines(run_dir / "metrics.jsonl")]
+    row = next((r for r in reversed(rows) if r.get("step") == step), rows[-1] if rows else {})
+    shown = {k: v for k, v in sorted(row.items()) if k != "step" and isinstance(v, (int, float))
+             and not k.startswith(("timing_s/", "phase_s/", "perf/"))}
+    if not shown:
+        return ["(the run dir holds no metrics for this step)"]
+    return ["| metric | value |", "|---|---|", *(f"| `{k}` | {v:.6g} |" for k, v in shown.items())]
+
+
+def _yaml(document: dict[str, object]) -> str:
+    import yaml
+
+    return str(yaml.safe_dump(document, sort_keys=False, default_flow_style=None,
+                              width=100)).rstrip()
+
+
+def _lines(path: Path) -> list[str]:
+    try:
+        return [line for line in path.read_text().splitlines() if line.strip()]
+    except OSError:
+        return []
+
+
+def from_run_dirs(plan: ExecutionPlan, out: TextIO | None = None) -> ExecutionPlan:
+    """`plan` with every model (and tokenizer) path that is a flowgraph run dir replaced
+    by the folder its trained causal LM is exported to from its newest intact checkpoint
+    (`RUN_DIR/export/<model>-step_N`, written once); each such load is said on `out`."""
+    def folder(path: str | None) -> str | None:
+        return _exported(path, out) if path is not None and is_run_dir(path) else path
+
+    models = tuple(replace(m, path=folder(m.path) or m.path, tokenizer=folder(m.tokenizer))
+                   for m in plan.models)
+    if models == plan.models:
+        return plan
+    return plan.with_models(models)
+
+
+def _exported(run_dir: str, out: TextIO | None) -> str:
+    """The folder model path `run_dir` (a run dir) loads from: its one trained causal
+    LM at its newest intact checkpoint, exported there the first time."""
+    spec = trained_lm(run_dir)
+    say = out or sys.stdout
+    found = intact_checkpoint(Path(run_dir), lambda line: print(line, file=say))
+    if found is None:
+        raise FlowgraphError(f"model path `{run_dir}` is a flowgraph run dir with no "
+                             "checkpoint yet: train it first (or give a model folder)")
+    step = found[0]
+    target = Path(run_dir) / "export" / f"{spec.name}-step_{step}"
+    if not (target / "config.json").exists():
+        target.parent.mkdir(exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            export_model(Path(run_dir), spec.name, tmp, step=step, force=True)
+            os.rename(tmp, target)  # atomic; another process may have published it first
+        except OSError as exc:
+            if not (target / "config.json").exists():
+                raise FlowgraphError(f"cannot export model `{spec.name}` of `{run_dir}` "
+                                     f"into `{target}`: {exc.strerror or exc}; export it "
+                                     f"yourself: {export_command(run_dir, spec.name)}, and "
+                                     "give that folder") from exc
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(f"model path `{run_dir}` is a flowgraph run dir: loading its model `{spec.name}` "
+          f"from checkpoint step {step} (exported to `{target}`)", file=say, flush=True)
+    return str(target)
+
+
+def _trained_lm(run_dir: Path, model: str, adapter_only: bool
+                ) -> tuple[ExecutionPlan, ModelSpec]:
     """The spec of `model`, a trained causal LM of the run (with LoRA for
     `adapter_only`)."""
     plan_file = run_dir / "plan.json"
@@ -87,11 +203,11 @@ def _trained_lm(run_dir: Path, model: str, adapter_only: bool) -> ModelSpec:
                              f"hold it, its weights are those of `{spec.path}`")
     if adapter_only and spec.lora is None:
         raise UsageError(f"model `{model}` has no LoRA adapter (no `lora` in its "
-                             "spec): export it without --adapter-only")
-    return spec
+                         f"spec): export it without {option('adapter_only')}")
+    return plan, spec
 
 
-def _checkpoint(run_dir: Path, step: int | None) -> Path:
+def _checkpoint(run_dir: Path, step: int | None) -> tuple[int, Path]:
     """The checkpoint of `step` (None: the newest), its files verified."""
     if step is None:
         found = latest_checkpoint(run_dir)
@@ -104,5 +220,5 @@ def _checkpoint(run_dir: Path, step: int | None) -> Path:
     problem = checkpoint_damage(folder, step)
     if problem is not None:
         raise FlowgraphError(f"checkpoint `{folder}` is damaged: {problem}; export another "
-                             "step (--step N)")
-    return folder
+                             f"step ({option('step', Word('N'))})")
+    return step, folder

@@ -71,6 +71,7 @@ from flowgraph.compilers.worker import ExecOptions, Worker
 from flowgraph.errors import FlowgraphError, Interrupted, RankFailed, Stopped, WorkerLost
 from flowgraph.plan import ExecutionPlan, read_run_plan, write_run_plan
 from flowgraph.runtime.metrics import serving
+from flowgraph.voice import option
 
 STOPPED = ".ranks/stopped"
 """Written by rank 0 when the ranks stopped on a signal, their checkpoint saved."""
@@ -283,7 +284,7 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     out = out or sys.stdout
-    run_dir = prepare_run(plan, resume=opts.resume)
+    run_dir = prepare_run(plan, resume=opts.resume, overwrite=opts.overwrite)
     run_dir.mkdir(parents=True, exist_ok=True)
     ranks = run_dir / ".ranks"
     for stale in ranks.glob("*") if ranks.is_dir() else []:
@@ -294,8 +295,8 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
     endpoint = opts.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
     world = world_size(plan)
     if world % opts.nnodes:
-        raise FlowgraphError(f"the plan's {world} processes do not split over --nnodes "
-                             f"{opts.nnodes} machines")
+        raise FlowgraphError(f"the plan's {world} processes do not split over "
+                             f"{option('nnodes', opts.nnodes)} machines")
     config = LaunchConfig(
         min_nodes=opts.nnodes, max_nodes=opts.nnodes, nproc_per_node=world // opts.nnodes,
         run_id=f"flowgraph-{uuid.uuid4().hex[:8]}" if opts.rdzv_endpoint is None
@@ -372,7 +373,8 @@ def run_fsdp(plan: ExecutionPlan, opts: RunOptions) -> None:
     """`flowgraph run --target fsdp`: as a rank when torchrun started us, else launch."""
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         first = int(os.environ["RANK"]) == 0
-        run_dir = prepare_run(plan, resume=opts.resume, check_only=not first)
+        run_dir = prepare_run(plan, resume=opts.resume, overwrite=opts.overwrite,
+                              check_only=not first)
         plan_json = run_dir / ".ranks" / f"plan.{os.environ['RANK']}.json"
         plan_json.parent.mkdir(parents=True, exist_ok=True)
         if first:  # a previous launcher's; the others read it after the loop's barrier

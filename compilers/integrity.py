@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from flowgraph.errors import FlowgraphError
+from flowgraph.voice import option
 
 MANIFEST = "manifest.json"
 """The last file of every checkpoint: `{"files": {relative path: {size, sha256}}}`."""
@@ -195,6 +196,6 @@ def disk_full(exc: OSError, last: tuple[int, Path] | None) -> FlowgraphError | N
             if exc.errno == errno.EFBIG else "no space left on device")
     where = f"`{exc.filename}`" if exc.filename else "the run's files"
     kept = (f"the last intact checkpoint is step {last[0]} (`{last[1]}`); free some space "
-            "and continue with --resume" if last else
+            f"and continue with {option('resume')}" if last else
             "no checkpoint was written yet; free some space and start again")
     return FlowgraphError(f"{what} while writing {where}; {kept}")

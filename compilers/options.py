@@ -16,6 +16,9 @@ class RunOptions:
     """Check every tensor on every edge at every step (else the first step only)."""
     resume: bool = False
     """Continue the run in the plan's `trainer.run_dir` from its last checkpoint."""
+    overwrite: bool = False
+    """Start afresh in a run dir that holds an earlier run: its files are removed first
+    (only those of a flowgraph run dir; `flowgraph.compilers.local.clear_run_dir`)."""
     allow_changed: tuple[str, ...] = ()
     """With `resume`: settings that may differ from those the checkpoint was written
     with (`--allow-changed KEY`), although they shaped its state."""
@@ -43,6 +46,9 @@ class RunOptions:
     plan_file: Path | None = None
     """The plan file the run was started from (`flowgraph run plan.json`): the resume
     command names it instead of the graph and its overrides."""
+    called_with: str | None = None
+    """From Python: what `flowgraph.run` was given, as the call that resumes the run names
+    it (`plan`, `graph` (`flowgraph.voice.Word`), or a file's path); None: the command's."""
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,7 @@ from flowgraph.errors import DEBUG_ENV, FlowgraphError, NodeError, WorkerLost
 from flowgraph.plan import DRIVER, ExecutionPlan, PoolPlan
 from flowgraph.registry import plugin_source
 from flowgraph.runtime.metrics import serving
+from flowgraph.voice import ENTRY_ENV, Word, option
 
 MAX_RESTARTS = 3
 """Worker-group restarts allowed without a new checkpoint in between."""
@@ -69,7 +70,8 @@ try:
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError as exc:  # pragma: no cover - depends on the machine
-    raise FlowgraphError(f"--target ray needs Ray: pip install 'ray>=2.40' ({exc})") from exc
+    raise FlowgraphError(f"{option('target', 'ray')} needs Ray: pip install 'ray>=2.40' "
+                         f"({exc})") from exc
 
 
 def _where(where: tuple[str, int] | None) -> str:
@@ -303,7 +305,7 @@ def start_ray(plan: ExecutionPlan, address: str | None) -> None:
             raise FlowgraphError(
                 f"cannot join the Ray cluster at `{address}`: {exc}. Is `ray start --head` "
                 "running there (its address, or `auto` on a machine of the cluster)? Or "
-                "leave out --address for a local cluster") from None
+                f"leave out {option('address', Word('ADDR'))} for a local cluster") from None
         return
     ray.init(num_cpus=cluster_cpus(plan), include_dashboard=False, log_to_driver=True,
              configure_logging=False, runtime_env=env)
@@ -313,8 +315,9 @@ def _runtime_env(plan: ExecutionPlan) -> dict[str, Any] | None:
     """What the job's workers need wherever they run: the plugin files and packages
     next to the graph (`py_modules`, uploaded with the job) and `--debug`."""
     env: dict[str, Any] = {}
-    if DEBUG_ENV in os.environ:
-        env["env_vars"] = {DEBUG_ENV: os.environ[DEBUG_ENV]}
+    told = {k: os.environ[k] for k in (DEBUG_ENV, ENTRY_ENV) if k in os.environ}
+    if told:  # `--debug`; the voice of the workers' messages (`flowgraph.voice`)
+        env["env_vars"] = told
     sources = [plugin_source(p.module, folder) for p in plan.plugins
                for folder in plan.plugin_paths]
     modules = sorted({str(s) for s in sources if s is not None})
@@ -336,7 +339,7 @@ def _answers(address: str) -> None:
 def run_ray(plan: ExecutionPlan, opts: RunOptions) -> None:
     """`flowgraph run --target ray`: start or join a cluster (`opts.address`) and drive
     the plan. Prometheus metrics as `run_plan` serves them, from the driver."""
-    run_dir = prepare_run(plan, resume=opts.resume).resolve()
+    run_dir = prepare_run(plan, resume=opts.resume, overwrite=opts.overwrite).resolve()
     with serving(plan, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
                  target="ray", out=opts.out) as exporter, run_guard(plan, opts) as stop:
         target = None

@@ -21,11 +21,13 @@ from flowgraph.compilers.checkpoint import load_weights, save_shards
 from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
 from flowgraph.errors import FlowgraphError
 from flowgraph.plan import ExecutionPlan
+from flowgraph.voice import option
 
 try:
     import ray
 except ImportError as exc:  # pragma: no cover - depends on the machine
-    raise FlowgraphError(f"--target ray needs Ray: pip install 'ray>=2.40' ({exc})") from exc
+    raise FlowgraphError(f"{option('target', 'ray')} needs Ray: pip install 'ray>=2.40' "
+                         f"({exc})") from exc
 
 
 class RayWorker:

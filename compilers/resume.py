@@ -21,6 +21,7 @@ from typing import Any
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import Params
 from flowgraph.plan import ExecutionPlan
+from flowgraph.voice import Word, option
 
 TRAINER = ("seed", "max_staleness", "admission")
 """The trainer settings that shape a checkpoint: the seed (data order, sampling), and
@@ -96,15 +97,16 @@ def check_settings(folder: Any, state: dict[str, Any], now: dict[str, Any],
             + ", ".join(f"{k}={_show(new)}" for k, _, new in locked)
             + f". Resume with {' '.join(f'{k}={_show(old)}' for k, old, _ in locked)}")
     if refused:
-        flags = " ".join(f"--allow-changed {k}" for k, _, _ in refused)
+        flags = f"{option('resume')} {option('allow_changed', [k for k, _, _ in refused])}"
         raise FlowgraphError(
             f"cannot resume from `{folder}`: settings that shape its state changed since it "
             "was written:\n"
             + "\n".join(f"  {k}: {_show(old)} in the checkpoint, {_show(new)} now"
                         for k, old, new in refused)
             + "\nResume with the checkpoint's values, or accept each change deliberately: "
-            f"--resume {flags} (flowgraph.run(..., allow_changed=[...]))")
-    return [f"{k}: {_show(old)} in the checkpoint, {_show(new)} now (--allow-changed)"
+            f"{flags}")
+    allowed = option("allow_changed", Word("KEY"))
+    return [f"{k}: {_show(old)} in the checkpoint, {_show(new)} now ({allowed})"
             for k, old, new in diffs]
 
 

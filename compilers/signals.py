@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import shlex
 import signal
 import socket
 import sys
@@ -35,6 +34,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
 from flowgraph.errors import FlowgraphError, Interrupted, NodeTimeout, Stopped
+from flowgraph.voice import command, option
 
 if TYPE_CHECKING:
     from flowgraph.compilers.options import RunOptions
@@ -111,31 +111,33 @@ class Preemption:
 
 
 def resume_command(plan: ExecutionPlan, opts: RunOptions) -> str:
-    """The command that continues this run (its target, size, overrides and the
-    settings it was allowed to change)."""
-    allowed = [arg for key in opts.allow_changed for arg in ("--allow-changed", key)]
-    if opts.plan_file is not None:
-        return shlex.join(["flowgraph", "run", str(opts.plan_file), "--resume", *allowed,
-                           *opts.overrides])  # a plan's only overrides: run_dir, steps
-    sized = ["--target", plan.target, "--nproc", str(plan.nproc)] if plan.target != "local" \
-        else []
-    sized += [arg for name in opts.disabled for arg in ("--disable-pass", name)]
-    return shlex.join(["flowgraph", "run", plan.source, *sized, "--resume", *allowed,
-                       *(o for o in opts.overrides if not o.startswith("trainer.run_dir=")),
-                       f"trainer.run_dir={plan.trainer.run_dir}"])
+    """The command (or, from Python, the call) that continues this run: its target, size,
+    passes, overrides, run dir and the settings it was allowed to change."""
+    planned = opts.plan_file is not None or opts.called_with == "plan"
+    subject = opts.called_with or str(opts.plan_file or plan.source)
+    sized = [] if planned or plan.target == "local" else [
+        ("target", plan.target), ("nproc", plan.nproc)]
+    return command("run", subject, [
+        *sized, ("disable", [] if planned else list(opts.disabled)), ("resume", True),
+        ("allow_changed", list(opts.allow_changed)),
+        ("overrides", [o for o in opts.overrides if not o.startswith("trainer.run_dir=")]),
+        ("run_dir", plan.trainer.run_dir)])
 
 
-def stopped(plan: ExecutionPlan, opts: RunOptions, signum: int, *, at_once: bool) -> Stopped:
-    """The `Stopped` a signal ends the run with: what was saved, how to continue."""
+def stopped(plan: ExecutionPlan, opts: RunOptions, signum: int, *, at_once: bool,
+            how: str | None = None) -> Stopped:
+    """The `Stopped` a signal ends the run with (`how` it stopped, if not by the run's
+    own handling): what was saved, how to continue."""
     from flowgraph.compilers.checkpoint import latest_checkpoint
 
     done = latest_checkpoint(Path(plan.trainer.run_dir))
-    how = (f"stopped at once by {_name(signum)} (a second signal, or "
-           f"trainer.stop_grace_s = {plan.trainer.stop_grace_s:g} s passed)" if at_once
-           else f"stopped by {_name(signum)}")
+    how = how or (f"stopped at once by {_name(signum)} (a second signal, or "
+                  f"trainer.stop_grace_s = {plan.trainer.stop_grace_s:g} s passed)" if at_once
+                  else f"stopped by {_name(signum)}")
     saved = (f"the last checkpoint is step {done[0]}; continue with:" if done
              else "no checkpoint was written yet; start again with:")
-    return Stopped(signum, f"{how}; {saved} {resume_command(plan, opts)}")
+    return Stopped(signum, f"{how}; {saved} {resume_command(plan, opts)}",
+                   run_dir=Path(plan.trainer.run_dir))
 
 
 @contextmanager
@@ -207,12 +209,13 @@ class RunLock:
             raise FlowgraphError(
                 f"`{self.path.parent}` is in use by another run: pid {pid} on host {host} "
                 f"holds `{self.path}`. One run per run dir: wait for it, stop it (kill "
-                f"-TERM {pid} saves a checkpoint), or give another trainer.run_dir")
+                f"-TERM {pid} saves a checkpoint), or give another "
+                f"{option('run_dir', 'runs/new')}")
         if host not in (None, self.mine["host"]):
             raise FlowgraphError(
                 f"`{self.path.parent}` is in use by pid {pid} on host {host} (`{self.path}`); "
                 "this host cannot tell whether it still runs. If it does not, remove "
-                f"`{self.path}`; else give another trainer.run_dir")
+                f"`{self.path}`; else give another {option('run_dir', 'runs/new')}")
         print(f"flowgraph: note: taking over the stale lock of pid {pid} on host {host} "
               f"(`{self.path}`): that process is gone", file=self.out or sys.stderr,
               flush=True)

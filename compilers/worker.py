@@ -50,6 +50,7 @@ from flowgraph.errors import (
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan, ModelPlacement
 from flowgraph.runtime.context import RESOURCE_ARGS, Impl, NodeContext, named_outputs
+from flowgraph.voice import option
 
 if TYPE_CHECKING:
     from flowgraph.compilers.signals import Preemption
@@ -290,6 +291,8 @@ def rollout_engine(backend: str, verify_every: int = 0) -> Any:
 # --- errors ----------------------------------------------------------------------------
 
 
+TRACEBACK = "traceback.txt"
+"""In the run dir: the full traceback of the error that ended the latest attempt."""
 _LIBRARIES = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib",
                                                        "platlib"))
 
@@ -314,10 +317,10 @@ def node_error(worker: Worker, name: str, step: int, exc: BaseException) -> Node
     and into the message under `flowgraph run --debug`."""
     node = worker.placed[name]
     full = "".join(traceback.format_exception(exc))
-    where = worker.opts.run_dir / "traceback.txt"
+    where = worker.opts.run_dir / TRACEBACK
     try:
         where.write_text(full)
-        saved = f"\n(the full traceback: {where}; `flowgraph run --debug` prints it)"
+        saved = f"\n(the full traceback: {where}; {option('debug')} prints it)"
     except OSError:
         saved = ""
     frame = user_frame(exc)

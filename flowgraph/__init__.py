@@ -7,12 +7,17 @@ are loaded on first use (PEP 562), so the CLI pays only for what a command needs
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
+    "check": "flowgraph.api",
     "compile": "flowgraph.api",
+    "debug": "flowgraph.api",
+    "export": "flowgraph.api",
     "run": "flowgraph.api",
     "load_plan": "flowgraph.api",
     "CompileError": "flowgraph.errors",
@@ -24,6 +29,7 @@ _EXPORTS: dict[str, str] = {
     "Diagnostic": "flowgraph.diagnostics",
     "FlowgraphError": "flowgraph.errors",
     "GraphError": "flowgraph.errors",
+    "Stopped": "flowgraph.errors",
     "graph_from_yaml": "flowgraph.frontend",
     "graph_to_yaml": "flowgraph.frontend",
     "load_graph": "flowgraph.frontend",
@@ -66,10 +72,14 @@ __all__ = [
     "PortSpec",
     "Registry",
     "ResourceSpec",
+    "Stopped",
     "TensorSpec",
     "TrainerSpec",
+    "check",
     "check_graph",
     "compile",
+    "debug",
+    "export",
     "graph_from_yaml",
     "graph_to_yaml",
     "load_graph",
@@ -93,13 +103,37 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
 
+class _CheckPackage(types.ModuleType):
+    """The package `flowgraph.check` (the checker), callable as the function
+    `flowgraph.check(graph)` (`flowgraph.api.check`)."""
+
+    def __call__(self, *args: Any, **kw: Any) -> Any:
+        from flowgraph.api import check
+
+        return check(*args, **kw)
+
+
+class _Package(types.ModuleType):
+    """This package. Importing the subpackage `flowgraph.check` sets it as the attribute
+    `check`, where the function `check` is meant: the subpackage is made callable as
+    that function, so that `flowgraph.check(graph)` works before and after."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "check" and type(value) is types.ModuleType:
+            value.__class__ = _CheckPackage
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
 if TYPE_CHECKING:
-    from flowgraph.api import compile, load_plan, run
+    from flowgraph.api import check, compile, debug, export, load_plan, run
     from flowgraph.builder import GraphBuilder
     from flowgraph.check import CheckResult, check_graph
     from flowgraph.contracts import TensorSpec
     from flowgraph.diagnostics import Diagnostic
-    from flowgraph.errors import CompileError, FlowgraphError, GraphError
+    from flowgraph.errors import CompileError, FlowgraphError, GraphError, Stopped
     from flowgraph.frontend import graph_from_yaml, graph_to_yaml, load_graph
     from flowgraph.ir import (
         DataSpec,

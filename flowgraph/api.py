@@ -1,33 +1,55 @@
-"""Compile and run from Python: `flowgraph.compile` and `flowgraph.run`, what the CLI calls.
+"""The Python API, what the CLI calls: `compile`, `run`, `check`, `debug`, `export`.
 
     import flowgraph
     plan = flowgraph.compile(graph, target="ray", nproc=2)   # a Graph, a file or a path
     result = flowgraph.run(plan)                             # or run(graph, target=...)
     result.run_dir, result.rows[-1]["critic/score/mean"]
+    print(flowgraph.check(graph))                            # diagnostics, every edge's shape
+    flowgraph.debug(graph).run_until("reward")               # one batch, node by node
+    flowgraph.export(result.run_dir, model="actor", out="actor-hf")
 
 `compile` raises `CompileError` (its `diagnostics` are what `flowgraph check` prints)
 instead of returning a plan with errors; `run` runs a plan as it is, or compiles a
-graph first, and returns the run's folder and metric rows (`flowgraph.compilers.Run`).
-With the CLI, this module is an entry point: the layer above the executors, the only
-one that starts them (`tests/test_boundaries.py`).
+graph first, and returns the run's folder and metric rows (`flowgraph.compilers.Run`);
+stopped by a signal it raises `Stopped`. Messages raised here name these functions'
+arguments, not the command line's flags (`flowgraph.voice`). With the CLI, this module
+is an entry point: the layer above the executors, the only one that starts them
+(`tests/test_boundaries.py`).
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from flowgraph.document import parse_override, plain
-from flowgraph.errors import CompileError, FlowgraphError, PlanError, PlanFileError, UsageError
-from flowgraph.ir import Graph
+from flowgraph.errors import (
+    DEBUG_ENV,
+    CompileError,
+    FlowgraphError,
+    GraphError,
+    PlanError,
+    PlanFileError,
+    Stopped,
+    UsageError,
+)
+from flowgraph.ir import Graph, TrainerSpec
 from flowgraph.plan import MAX_PLAN_BYTES, ExecutionPlan, verify_kinds
 from flowgraph.registry import KindSpec, Registry
+from flowgraph.voice import Word, command, option, python_entry
 
 if TYPE_CHECKING:
+    from flowgraph.check import CheckResult
     from flowgraph.compilers import Run
+    from flowgraph.compilers.debug import Debugger
+    from flowgraph.diagnostics import Diagnostic
 
 
 def compile(graph: Graph | str | Path, *, target: str = "local", nproc: int | None = None,
@@ -38,11 +60,69 @@ def compile(graph: Graph | str | Path, *, target: str = "local", nproc: int | No
     workers (default `resources.nproc`), without the passes named in `disable`."""
     from flowgraph.passes import PassPipeline, compile_graph
 
-    result = compile_graph(graph, target=target, nproc=nproc, overrides=overrides,
-                           device=device, pipeline=PassPipeline.default(disabled=disable))
+    with python_entry():
+        result = compile_graph(graph, target=target, nproc=nproc, overrides=overrides,
+                               device=device, pipeline=PassPipeline.default(disabled=disable))
     if result.plan is None:
         raise CompileError(result.diagnostics)
     return result.plan
+
+
+def check(graph: Graph | str | Path, *, overrides: Sequence[str] = (),
+          nproc: int | None = None, target: str | None = None, data: bool = False
+          ) -> CheckResult:
+    """What `flowgraph check` says of a graph (a Graph, or a graph file with `overrides`)
+    for `nproc` data-parallel workers: every diagnostic, and every edge with its bound
+    shape (print the result, or show it in a notebook; `CheckResult.edge_lines`).
+    `data`: also open the local datasets and model folders (imports torch). A file that
+    cannot be read into a graph raises `GraphError` with its diagnostics."""
+    from flowgraph.check import check_graph
+    from flowgraph.frontend import load_graph
+
+    with python_entry():
+        if isinstance(graph, Graph) and overrides:
+            raise UsageError("overrides apply to graph files; change a Python-built graph "
+                             "directly")
+        loaded: list[Diagnostic] = []
+        if not isinstance(graph, Graph):
+            built, loaded = load_graph(graph, overrides)
+            if built is None:
+                raise GraphError(tuple(loaded))
+            graph = built
+        result = check_graph(graph, dp=nproc, target=target)
+        found = [*loaded, *result.diagnostics]
+        if data and result.ok and not any(d.is_error for d in loaded):
+            from flowgraph.nodes.data_check import check_data  # imports torch
+
+            found += check_data(graph)
+        return replace(result, diagnostics=tuple(found))
+
+
+def debug(graph: Graph | str | Path, *, overrides: Sequence[str] = (),
+          device: str | None = None, out: TextIO | None = None) -> Debugger:
+    """A handle that runs nodes of `graph` on one batch at a time, on the local target
+    (`flowgraph.compilers.debug.Debugger`): `run_until("reward")` draws a batch and runs
+    `reward` and what it reads from, returning every node's outputs;
+    `run_node("reward", inputs={...})` runs one node again with inputs of your own.
+    Compiled now (errors raise `CompileError`); models load at the first call."""
+    from flowgraph.compilers.debug import DEBUG_PASSES_OFF, Debugger
+
+    plan = compile(graph, overrides=overrides, device=device, disable=DEBUG_PASSES_OFF)
+    return Debugger(plan, out)
+
+
+def export(run_dir: str | Path, *, model: str, out: str | Path, step: int | None = None,
+           force: bool = False, adapter_only: bool = False) -> Path:
+    """Write model `model` of the run in `run_dir`, from its newest (or `step`'s)
+    checkpoint, to `out` as a Hugging Face folder (`from_pretrained(out)` loads it) with
+    a model card, `README.md`: the graph, its data, the metrics at that step, how to load
+    it. `force`: write into a folder that is not empty; `adapter_only`: a LoRA model's
+    adapter alone. What `flowgraph export` does."""
+    from flowgraph.compilers.export import export_model
+
+    with python_entry():
+        return export_model(Path(run_dir), model, Path(out), step=step, force=force,
+                            adapter_only=adapter_only)
 
 
 def load_plan(path: str | Path) -> ExecutionPlan:
@@ -104,8 +184,9 @@ def with_run_settings(plan: ExecutionPlan, overrides: Sequence[str]) -> Executio
         raise UsageError(
             f"a compiled plan runs as it is: {', '.join(refused)} would change what it runs "
             f"(it takes only {', '.join(f'trainer.{k}' for k in PLAN_RUN_SETTINGS)}); "
-            "compile the graph again with them (`flowgraph compile GRAPH KEY=VALUE -o "
-            "plan.json`), or edit the plan")
+            "compile the graph again with them "
+            f"(`{command('compile', Word('GRAPH'), [('overrides', [Word('KEY=VALUE')])])}`), "
+            "or edit the plan")
     if trainer is plan.graph.trainer:
         return plan
     return replace(plan, graph=replace(plan.graph, trainer=trainer))
@@ -128,13 +209,19 @@ def _kinds(plan: ExecutionPlan) -> dict[str, KindSpec]:
 
 def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
         nproc: int | None = None, overrides: Sequence[str] = (), disable: Sequence[str] = (),
-        **options: Any) -> Run:
+        run_dir: str | Path | None = None, debug: bool = False, **options: Any) -> Run:
     """Run a plan as it is, or compile a graph (or graph file) for `target` (default
-    `local`) first; a `.json` path is a plan file. `options` are the fields of
-    `flowgraph.compilers.RunOptions` (`resume`, `allow_changed`, `strict`, `out`,
-    `tensorboard`, `metrics_port`, `address`...)."""
+    `local`) first; a `.json` path is a plan file. `run_dir` is where it writes (default
+    its `trainer.run_dir`; where that was left at its default and the run does not
+    resume, a fresh dated folder, `runs/<graph>-YYYYmmdd-HHMMSS`, so that running a cell
+    again starts a new run). `debug`: a node's error carries its full traceback.
+    `options` are the fields of `flowgraph.compilers.RunOptions` (`resume`, `overwrite`,
+    `allow_changed`, `strict`, `out`, `tensorboard`, `metrics_port`, `address`...).
+
+    Interrupted (Ctrl-C, a notebook's interrupt, SIGTERM) it stops at the next node, saves
+    a checkpoint and raises `Stopped` (its `run_dir`, and the call that continues the run
+    in its message: `flowgraph.run(..., resume=True)`)."""
     from flowgraph.compilers import RunOptions
-    from flowgraph.compilers import run as run_plan
 
     if sys._getframe(1).f_globals.get("__name__") == "__mp_main__":
         # a worker process (an fsdp rank, the rollout producer) importing the user's script
@@ -142,22 +229,92 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
                          "imported your script: start the run under "
                          "`if __name__ == \"__main__\":` (Python's rule for scripts that "
                          "start processes)")
-    if isinstance(plan, (str, Path)) and str(plan).endswith(".json"):
-        options.setdefault("plan_file", Path(plan))
-        plan = load_plan(plan)
-    if not isinstance(plan, ExecutionPlan):
-        plan = compile(plan, target=target or "local", nproc=nproc, overrides=overrides,
-                       disable=disable)
-        options.setdefault("disabled", tuple(disable))
-    elif disable or nproc is not None or target not in (None, plan.target):
-        raise UsageError(
-            f"a plan runs as compiled (target {plan.target}, {plan.nproc} per pool): edit the "
-            "plan, or compile the graph again with other --target, --nproc or passes")
-    else:
-        plan = with_run_settings(plan, overrides)
-    missing = plan.unresolved()  # before anything starts: the run would need them
-    if missing:
-        raise PlanError(missing)
-    if "allow_changed" in options:  # a list is welcome here; the options are frozen
-        options["allow_changed"] = tuple(options["allow_changed"])
-    return run_plan(plan, RunOptions(overrides=tuple(overrides), **options))
+    with python_entry():
+        options.setdefault("called_with", _called_with(plan))
+        if isinstance(plan, (str, Path)) and str(plan).endswith(".json"):
+            options.setdefault("plan_file", Path(plan))
+            plan = load_plan(plan)
+        if not isinstance(plan, ExecutionPlan):
+            plan = compile(plan, target=target or "local", nproc=nproc, overrides=overrides,
+                           disable=disable)
+            options.setdefault("disabled", tuple(disable))
+        elif disable or nproc is not None or target not in (None, plan.target):
+            raise UsageError(
+                f"a plan runs as compiled (target {plan.target}, {plan.nproc} per pool): edit "
+                "the plan, or compile the graph again with other "
+                f"{option('target', Word('...'))}, {option('nproc', Word('...'))} or "
+                f"{option('disable', Word('[...]'))}")
+        else:
+            plan = with_run_settings(plan, overrides)
+        plan = _with_run_dir(plan, run_dir,
+                             fresh=not (options.get("resume") or plan.trainer.resume))
+        missing = plan.unresolved()  # before anything starts: the run would need them
+        if missing:
+            raise PlanError(missing)
+        if "allow_changed" in options:  # a list is welcome here; the options are frozen
+            options["allow_changed"] = tuple(options["allow_changed"])
+        opts = RunOptions(overrides=tuple(overrides), **options)
+        with _debugging(debug):
+            return _run(plan, opts)
+
+
+def _run(plan: ExecutionPlan, opts: Any) -> Run:
+    """`flowgraph.compilers.run`; a stop raised without flowgraph's frames (its message
+    says all), a KeyboardInterrupt outside the run's own handling (while it starts or
+    ends) as the `Stopped` it would have been."""
+    import signal
+
+    from flowgraph.compilers import run as run_plan
+    from flowgraph.compilers.signals import stopped
+
+    try:
+        return run_plan(plan, opts)
+    except Stopped as exc:
+        raise exc.with_traceback(None) from None
+    except KeyboardInterrupt:
+        raise stopped(plan, opts, signal.SIGINT, at_once=True,
+                      how="interrupted (KeyboardInterrupt) while the run started or ended"
+                      ).with_traceback(None) from None
+
+
+def _called_with(plan: Any) -> str:
+    """What the call that resumes a run names as its first argument."""
+    if isinstance(plan, (str, Path)):
+        return str(plan)
+    return Word("plan" if isinstance(plan, ExecutionPlan) else "graph")
+
+
+DATED = "runs/{name}-%Y%m%d-%H%M%S"
+"""The run dir of a run from Python that names none (`trainer.run_dir` left at default)."""
+
+
+def _with_run_dir(plan: ExecutionPlan, run_dir: str | Path | None, *, fresh: bool
+                  ) -> ExecutionPlan:
+    """`plan` writing to `run_dir`; with none, to a new dated folder where the plan's
+    is the default one and the run starts `fresh`."""
+    default = TrainerSpec.__dataclass_fields__["run_dir"].default
+    if run_dir is None and (not fresh or plan.trainer.run_dir != default):
+        return plan
+    if run_dir is None:
+        stamp = time.strftime(DATED.format(name=plan.name))
+        run_dir = next(d for i in itertools.count(1)
+                       if not Path(d := stamp if i == 1 else f"{stamp}-{i}").exists())
+    trainer = replace(plan.graph.trainer, run_dir=str(run_dir))
+    return replace(plan, graph=replace(plan.graph, trainer=trainer))
+
+
+@contextmanager
+def _debugging(debug: bool) -> Iterator[None]:
+    """`debug`: a node's error carries its full traceback, in every process of the run."""
+    if not debug:
+        yield
+        return
+    before = os.environ.get(DEBUG_ENV)
+    os.environ[DEBUG_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[DEBUG_ENV]
+        else:
+            os.environ[DEBUG_ENV] = before

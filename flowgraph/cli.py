@@ -2,7 +2,7 @@
 
     flowgraph check FILE... [--format text|json|github] [--nproc N] [--data]
     flowgraph compile FILE --target local|fsdp|ray [--nproc N] [-o plan.json]
-    flowgraph run FILE [KEY=VALUE...] [--resume [--allow-changed KEY]] [--strict]
+    flowgraph run FILE [KEY=VALUE...] [--resume [--allow-changed KEY] | --overwrite] [--strict]
                   [--metrics-port PORT]
     flowgraph run PLAN.json [trainer.run_dir=DIR] [trainer.steps=N]
     flowgraph plot RUN_DIR [RUN_DIR...] [-o curves.png]
@@ -207,7 +207,8 @@ def _run(args: argparse.Namespace) -> int:
             return compiled
         plan, plan_file = compiled, None
     run(plan, RunOptions(
-        strict=args.strict, resume=args.resume, metrics_port=args.metrics_port,
+        strict=args.strict, resume=args.resume, overwrite=args.overwrite,
+        metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, metrics_hold=args.metrics_hold, address=args.address,
         nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
         overrides=tuple(args.overrides), plan_file=plan_file,
@@ -461,6 +462,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ray: join this cluster (default: start a local one)")
     r.add_argument("--resume", action="store_true",
                    help="continue from the run dir's latest checkpoint")
+    r.add_argument("--overwrite", action="store_true",
+                   help="start afresh in a run dir that holds an earlier run (its files are "
+                        "removed; only a flowgraph run dir's)")
     r.add_argument("--allow-changed", action="append", default=[], metavar="KEY",
                    help="with --resume: let setting KEY (dims.Bp, "
                         "models.actor.optimizer.lr, ...) differ from the checkpoint's; "

@@ -83,6 +83,7 @@ CODES: dict[str, str] = {
     "FG511": "preference pairs with identical or empty responses (DPO learns nothing)",
     "FG512": "a reward function (called as TRL calls one) that needs a column the dataset "
              "reaching it does not have",
+    "FG513": "a flowgraph run dir as a model path: its newest checkpoint's model is loaded",
 }
 """Every diagnostic code and what it means; codes are stable across releases."""
 

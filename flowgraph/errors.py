@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from flowgraph.diagnostics import Diagnostic
 
 
@@ -22,6 +24,11 @@ workers): a node's error then carries its full traceback."""
 
 class FlowgraphError(Exception):
     """Base class of every user-facing error."""
+
+    def _render_traceback_(self) -> list[str]:
+        """What IPython and Jupyter show of it: the message, without the frames of
+        flowgraph's own code (the message names the user's file, line or node)."""
+        return f"{type(self).__name__}: {self}".splitlines()
 
 
 class UsageError(FlowgraphError):
@@ -115,10 +122,13 @@ class WorkerLost(FlowgraphError):
 
 class Stopped(FlowgraphError):
     """A run stopped on SIGTERM or SIGINT (preemption, Ctrl-C), its work saved where it
-    could be; `flowgraph run` exits with 128 + the signal's number (143, 130)."""
+    could be; `flowgraph run` exits with 128 + the signal's number (143, 130), and
+    `flowgraph.run` raises it, its message saying how to continue (`resume=True`)."""
 
-    def __init__(self, signum: int, message: str) -> None:
+    def __init__(self, signum: int, message: str, *, run_dir: Path | None = None) -> None:
         self.signum = signum
+        self.run_dir = run_dir
+        """The run's folder: its metrics so far, and the checkpoint to continue from."""
         super().__init__(message)
 
 

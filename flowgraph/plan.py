@@ -589,6 +589,11 @@ class ExecutionPlan:
         """The graph file as a document (what experiment trackers record as config)."""
         return graph_to_document(self.graph)
 
+    def with_models(self, models: tuple[ModelSpec, ...]) -> ExecutionPlan:
+        """This plan loading `models` (the same names) instead: a model path resolved when
+        the run starts (a run dir's model, `flowgraph.compilers.export.from_run_dirs`)."""
+        return replace(self, graph=replace(self.graph, models=models))
+
     def readers(self, node: str, port: str) -> tuple[str, ...]:
         """The nodes that read output `node.port` (`flowgraph.ir.readers`)."""
         return readers([(i.ref, n.name, i.port) for n in self.nodes for i in n.inputs],

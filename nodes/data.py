@@ -72,6 +72,7 @@ from torch import Tensor
 from flowgraph.builtin_models import BUILTIN_PREFIX, held_out_path
 from flowgraph.errors import FlowgraphError
 from flowgraph.tables import held_table, is_memory
+from flowgraph.voice import Word, command
 
 __all__ = [
     "Overlong",
@@ -417,8 +418,9 @@ def check_rows(path: str, table: pa.Table, prompt: str, responses: Sequence[str]
     many more `flowgraph check --data` lists."""
     problems = row_problems(path, table, prompt, responses)
     if problems:
-        more = (f" (and {len(problems) - 1} more problems: flowgraph check --data lists "
-                "them)" if len(problems) > 1 else "")
+        lister = command("check", Word("GRAPH"), [("data", True)])
+        more = (f" (and {len(problems) - 1} more problems: {lister} lists them)"
+                if len(problems) > 1 else "")
         raise FlowgraphError(problems[0] + more)
 
 

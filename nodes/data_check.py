@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Generator, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from flowgraph.nodes.models import load_tokenizer
 from flowgraph.paths import RULE, is_hub_dataset
 from flowgraph.registry import KindSpec, Registry
 from flowgraph.runtime.reward_call import TRL_NOT_COLUMNS, TRL_PASSES, unmet_parameters
+from flowgraph.runs import is_run_dir, trained_lm
 from flowgraph.source import SourcePos
 from flowgraph.tables import is_memory
 
@@ -89,6 +91,8 @@ def check_data(graph: Graph) -> list[Diagnostic]:
 
 def _check_model(m: ModelSpec, tokenizers: dict[str, Any]) -> list[Diagnostic]:
     pos = _path_pos(m.pos)
+    if is_run_dir(m.path):
+        return _check_run_dir(m, tokenizers, pos)
     tok_path = m.tokenizer or m.path
     missing = next((p for p in (m.path, tok_path) if Path(p).is_absolute() and not _local(p)),
                    None)
@@ -119,6 +123,21 @@ def _check_model(m: ModelSpec, tokenizers: dict[str, Any]) -> list[Diagnostic]:
                             f"{words} tokens, input and output embeddings "
                             f"{'tied' if tied else 'untied'}", pos, node=m.name))
     return diags
+
+
+def _check_run_dir(m: ModelSpec, tokenizers: dict[str, Any], pos: SourcePos
+                   ) -> list[Diagnostic]:
+    """A run dir as the model path: its trained causal LM is loaded from its newest
+    checkpoint, whose config and tokenizer are those of the model it was trained from."""
+    try:
+        trained = trained_lm(m.path)
+    except FlowgraphError as exc:
+        return [Diagnostic("FG506", "error", f"model `{m.name}`: {exc}", pos, node=m.name)]
+    base = replace(m, path=trained.path, tokenizer=m.tokenizer or trained.tokenizer)
+    note = Diagnostic("FG513", "note", f"model `{m.name}`: `{m.path}` is a flowgraph run dir: "
+                      f"its model `{trained.name}` loads from its newest checkpoint (trained "
+                      f"from `{trained.path}`, checked here)", pos, node=m.name)
+    return [note, *_check_model(base, tokenizers)]
 
 
 def _read_config(path: str) -> dict[str, Any] | str:

@@ -42,6 +42,7 @@ from flowgraph.builtin_models import (
 )
 from flowgraph.errors import FlowgraphError
 from flowgraph.paths import HUB_ID
+from flowgraph.runs import export_command, is_run_dir, trained_lm
 
 __all__ = [
     "CACHE_ENV",
@@ -201,6 +202,10 @@ def _resolve(path: str, cache_dir: str | Path | None, build: bool = True) -> str
     """A loadable folder or hub id; a missing local path fails here, before any loading."""
     if path.startswith(BUILTIN_PREFIX):
         return str(_ensure_builtin(path[len(BUILTIN_PREFIX) :], cache_dir, build))
+    if is_run_dir(path):  # `flowgraph run` loads its checkpoint (`from_run_dirs`), not this
+        raise FlowgraphError(f"`{path}` is a flowgraph run dir, not a model folder (a run "
+                             "loads its newest checkpoint's model); here, export it and give "
+                             f"that folder: {export_command(path, trained_lm(path).name)}")
     if Path(path).expanduser().exists():
         return str(Path(path).expanduser())
     if not HUB_ID.match(path):

@@ -7,6 +7,7 @@ plus what unification inferred, which `viz` and the compiler reuse.
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass
 
 from flowgraph.check.batch import check_batches, ranks_of
@@ -34,9 +35,11 @@ from flowgraph.registry import Registry
 __all__ = ["CheckResult", "DimEnv", "EdgeInfo", "PortShape", "Resolved", "check_graph"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class CheckResult:
-    """Diagnostics plus the inferred facts about a graph."""
+    """Diagnostics plus the inferred facts about a graph. Printed (`str`, or shown in a
+    notebook), it reads as the diagnostics, then every edge with its bound shape
+    (`edge_lines`)."""
 
     graph: Graph
     diagnostics: tuple[Diagnostic, ...]
@@ -52,6 +55,35 @@ class CheckResult:
     @property
     def errors(self) -> tuple[Diagnostic, ...]:
         return tuple(d for d in self.diagnostics if d.is_error)
+
+    def edge_lines(self) -> list[str]:
+        """One line per edge: `gen.responses -> reward.responses  int (Bp*N, T) =
+        (16, 8)`, the producer's dtype and the dims unification bound (`✗`: the edge
+        breaks its contract; a diagnostic says how)."""
+        rows = [(f"{e.src.node}.{e.src.port} -> {e.dst}.{e.port}", e) for e in
+                self.shapes.edges]
+        width = max((len(name) for name, _ in rows), default=0)
+        lines = []
+        for name, e in rows:
+            shape = self.shapes.outputs.get((e.src.node, e.src.port))
+            dtype = f"{shape.spec.dtype} " if shape is not None else ""
+            lines.append(f"{name:<{width}}  {dtype}{e.label}{'' if e.ok else '  ✗'}")
+        return lines
+
+    def __str__(self) -> str:
+        errors = len(self.errors)
+        warnings = sum(d.severity == "warning" for d in self.diagnostics)
+        head = (f"graph `{self.graph.name}`: {'ok' if not errors else 'failed'}, "
+                f"{errors} error(s), {warnings} warning(s); {len(self.shapes.edges)} edges")
+        return "\n".join([head, *(d.one_line() for d in self.diagnostics), "edges:",
+                          *(f"  {line}" for line in self.edge_lines())])
+
+    def __repr__(self) -> str:
+        return f"<CheckResult {str(self).splitlines()[0]}>"
+
+    def _repr_html_(self) -> str:
+        """A notebook shows the printed form."""
+        return f"<pre>{html.escape(str(self))}</pre>"
 
 
 def _load_plugins(graph: Graph, registry: Registry, out: list[Diagnostic]) -> None:
@@ -91,3 +123,4 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     check_staleness(graph, table, shapes, out)
     diags = tuple(sorted(dict.fromkeys(out), key=sort_key))
     return CheckResult(graph, diags, table, shapes, registry, dp)
+

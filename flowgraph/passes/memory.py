@@ -85,6 +85,7 @@ from flowgraph.plan import (
     producer_side,
 )
 from flowgraph.registry import KindSpec
+from flowgraph.voice import Word, option
 
 HEAD_CHUNK = 1024
 """Tokens an update projects onto the vocabulary at once (`head_logprob`'s chunk_size)."""
@@ -699,11 +700,11 @@ def _more_workers(inp: _Inputs, program: Program, pool: PoolPlan) -> Option:
     if not _splits_evenly(inp, pool, size):
         text = ""
     elif local:
-        text = "compile with --target fsdp --nproc 2"
+        text = f"compile with {option('target', 'fsdp')} {option('nproc', 2)}"
     elif any(p.name == pool.name for p in inp.graph.resources.pools):
         text = f"set resources.pools.{pool.name}.size {pool.size}→{size}"
     else:
-        text = f"use --nproc {pool.size}→{size}"
+        text = f"use {option('nproc', Word(f'{pool.size}→{size}'))}"
     return replace(inp, placement=placement), bigger, text
 
 

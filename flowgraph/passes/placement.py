@@ -39,6 +39,7 @@ from flowgraph.ir import Graph, ModelSpec, PoolSpec
 from flowgraph.passes.program import NodePlacement, Placement, Program
 from flowgraph.plan import DRIVER, Bundle, ModelPlacement, PoolPlan
 from flowgraph.registry import KindSpec
+from flowgraph.voice import option
 
 INFERRED_POOLS = ("actor_rollout_ref", "critic", "reward")
 """Pool names inferred for target ray, in plan order."""
@@ -126,7 +127,8 @@ def _offload_problems(program: Program, pools: tuple[PoolPlan, ...]) -> list[Dia
                else f"model `{m.name}` is not sharded over two or more workers")
         out.append(error("FG405", f"{where}: CPU offload moves the shards of an FSDP2-sharded "
                          f"model to host memory, and {why}", m.offload.pos,
-                         hint=f"compile with --target fsdp --nproc 2 (or more), or remove "
+                         hint=f"compile with {option('target', 'fsdp')} {option('nproc', 2)} (or "
+                              "more), or remove "
                               f"{where}"))
     return out
 

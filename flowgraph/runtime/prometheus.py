@@ -66,6 +66,7 @@ from prometheus_client import (
 )
 
 from flowgraph.errors import FlowgraphError
+from flowgraph.voice import option
 
 if TYPE_CHECKING:
     from threading import Thread
@@ -229,10 +230,11 @@ def _set_first(gauge: Gauge, metrics: Mapping[str, float], keys: tuple[str, ...]
 
 
 def _bind_error(port: int, host: str, exc: OSError) -> str:
-    where = f"--metrics-port {port} (host {host})"
+    where = f"{option('metrics_port', port)} (host {host})"
     if exc.errno == errno.EADDRINUSE:
         return (f"{where}: port {port} is already in use (another run or exporter?); "
-                "pick a free port, or --metrics-port 0 to let the system choose one")
+                f"pick a free port, or {option('metrics_port', 0)} to let the system choose "
+                "one")
     if exc.errno == errno.EACCES:
         return f"{where}: no permission to bind port {port}; ports below 1024 need root"
     return f"{where}: cannot serve metrics: {exc.strerror or exc}"

@@ -1,0 +1,112 @@
+"""How a message names what the user changes: in the words of the entry point they came
+through. `flowgraph run g.yaml` reads `continue it with --resume`; `flowgraph.run(g)` (a
+script, a notebook) reads `continue it with resume=True`. The words are chosen here, once,
+from `OPTIONS`; a message says *which* option, never how it is spelt.
+
+    with python_entry():                 flowgraph.run / compile / check / export: the
+        ...                              messages of their work speak Python
+    option("resume")                     `--resume`                | `resume=True`
+    option("allow_changed", ["dims.Bp"]) `--allow-changed dims.Bp` | `allow_changed=['dims.Bp']`
+    option("run_dir", "runs/new")        `trainer.run_dir=runs/new`| `run_dir='runs/new'`
+    command("run", "g.yaml", [("resume", True)])
+                                         `flowgraph run g.yaml --resume`
+                                         | `flowgraph.run('g.yaml', resume=True)`
+
+The entry point is an environment variable (`ENTRY_ENV`), so that every process of a run
+(fsdp ranks, Ray workers) speaks as the one that started it; the command line is the
+default.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+ENTRY_ENV = "FLOWGRAPH_ENTRY"
+"""`python` while `flowgraph.run` (or another function of the Python API) works; unset:
+the command line."""
+
+OPTIONS: dict[str, str] = {
+    "resume": "--resume",
+    "overwrite": "--overwrite",
+    "allow_changed": "--allow-changed",
+    "target": "--target",
+    "nproc": "--nproc",
+    "disable": "--disable-pass",
+    "debug": "--debug",
+    "data": "--data",
+    "force": "--force",
+    "step": "--step",
+    "adapter_only": "--adapter-only",
+    "metrics_port": "--metrics-port",
+    "address": "--address",
+    "nnodes": "--nnodes",
+    "model": "--model",
+    "out": "-o",
+    "run_dir": "trainer.run_dir=",
+    "overrides": "",
+}
+"""Each argument of the Python API -> its command-line spelling: a flag (a list value
+repeats it), `trainer.run_dir=` (an override), or `` (the overrides themselves)."""
+
+
+class Word(str):
+    """A value written as it is in both voices (a placeholder: `step=N`, `--step N`)."""
+
+
+def from_python() -> bool:
+    return os.environ.get(ENTRY_ENV) == "python"
+
+
+@contextmanager
+def python_entry() -> Iterator[None]:
+    """Messages raised in the body (in this process and those it starts) speak Python."""
+    before = os.environ.get(ENTRY_ENV)
+    os.environ[ENTRY_ENV] = "python"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[ENTRY_ENV]
+        else:
+            os.environ[ENTRY_ENV] = before
+
+
+def option(name: str, value: Any = True) -> str:
+    """Option `name` set to `value`, as the entry point spells it."""
+    if from_python():
+        return _python(name, value)
+    tokens = _tokens(name, value)
+    return " ".join(tokens if isinstance(value, Word) else map(shlex.quote, tokens))
+
+
+def command(verb: str, subject: str, options: Sequence[tuple[str, Any]]) -> str:
+    """A whole call: `flowgraph VERB SUBJECT OPTIONS` or `flowgraph.VERB(SUBJECT, OPTIONS)`;
+    an option whose value is empty (False, [], None) is left out."""
+    given = [(n, v) for n, v in options if v not in (False, None, (), [])]
+    if from_python():
+        first = subject if isinstance(subject, Word) else repr(subject)
+        return f"flowgraph.{verb}({', '.join([first, *(_python(n, v) for n, v in given)])})"
+    return shlex.join(["flowgraph", verb, subject,
+                       *(t for n, v in given for t in _tokens(n, v))])
+
+
+def _python(name: str, value: Any) -> str:
+    if isinstance(value, tuple):
+        value = list(value)
+    return f"{name}={value if isinstance(value, Word) else repr(value)}"
+
+
+def _tokens(name: str, value: Any) -> list[str]:
+    flag = OPTIONS[name]
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not flag:
+        return [str(v) for v in values]
+    if flag.endswith("="):
+        return [f"{flag}{v}" for v in values]
+    if value is True:
+        return [flag]
+    return [t for v in values for t in (flag, str(v))]

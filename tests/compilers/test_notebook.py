@@ -1,0 +1,178 @@
+"""A notebook's loop (issue #26, point 4): running a cell again starts a fresh dated run
+(or `overwrite=True` starts afresh in the same folder, never in a folder that is not a
+run dir); an interrupt stops, saves and says how to continue in Python, with no frames
+in IPython; messages raised through the Python API name its arguments, the command
+line's name flags; a new run leaves no earlier `traceback.txt`."""
+
+from __future__ import annotations
+
+import io
+import signal
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import flowgraph
+from flowgraph.compilers.checkpoint import latest_checkpoint
+from flowgraph.errors import FlowgraphError, Stopped
+
+ROOT = Path(__file__).resolve().parents[2]
+PLUGINS = ROOT / "tests" / "plugins"
+FAULTS = (PLUGINS / "faults.yaml").read_text()
+SIGNALLING = FAULTS.replace("fg_runtime_faults", "fg_plugin_faults").replace(
+    "kind: prompt_score", "kind: signalling_score")
+
+
+@pytest.fixture(autouse=True)
+def _here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.syspath_prepend(str(PLUGINS))
+    monkeypatch.chdir(tmp_path)
+    Path("g.yaml").write_text(FAULTS)
+    Path("s.yaml").write_text(SIGNALLING)
+
+
+def _run(graph: Any, *overrides: str, **kw: Any) -> flowgraph.compilers.Run:
+    return flowgraph.run(graph, overrides=["trainer.steps=2", *overrides], tensorboard=False,
+                         out=io.StringIO(), **kw)
+
+
+def test_running_a_cell_again_starts_a_fresh_dated_run_dir() -> None:
+    """No run_dir given from Python: each run gets its own `runs/<graph>-<date>`, where
+    the second run used to be refused (`already holds a run; ... --resume`)."""
+    first, second = _run("g.yaml"), _run("g.yaml")
+    assert first.run_dir != second.run_dir
+    for run in (first, second):
+        assert run.run_dir.parent == Path("runs")
+        assert run.run_dir.name.startswith("faults-20"), run.run_dir
+        assert [r["step"] for r in run.rows] == [0, 1]
+
+
+def test_a_run_dir_that_holds_a_run_is_refused_in_python_words_or_overwritten() -> None:
+    _run("g.yaml", run_dir="runs/a")
+    with pytest.raises(FlowgraphError) as exc:
+        _run("g.yaml", run_dir="runs/a")
+    assert str(exc.value) == (
+        "`runs/a` already holds a run; continue it with resume=True, start it afresh with "
+        "overwrite=True, or give another directory: run_dir='runs/new'")
+    Path("runs/a/traceback.txt").write_text("an earlier attempt's")
+    again = _run("g.yaml", "trainer.steps=1", run_dir="runs/a", overwrite=True)
+    assert [r["step"] for r in again.rows] == [0]  # the earlier rows are gone
+    found = latest_checkpoint(Path("runs/a"))
+    assert found is not None and found[0] == 0
+    assert not Path("runs/a/traceback.txt").exists()
+
+
+def test_overwrite_leaves_alone_a_folder_that_is_not_a_run_dir() -> None:
+    """A folder with rows but no plan.json a run wrote, and the working directory itself,
+    are not cleared: the run is refused and every file stays."""
+    folder = Path("mine")
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text('{"step": 0}\n')
+    (folder / "notes.txt").write_text("keep me")
+    with pytest.raises(FlowgraphError, match=r"holds no plan\.json of a flowgraph run, so "
+                                             r"overwrite=True leaves it alone"):
+        _run("g.yaml", run_dir="mine", overwrite=True)
+    assert (folder / "notes.txt").read_text() == "keep me"
+    _run("g.yaml", run_dir=".")
+    with pytest.raises(FlowgraphError, match="is the working directory"):
+        _run("g.yaml", run_dir=".", overwrite=True)
+    assert Path("g.yaml").exists() and Path("plan.json").exists()
+
+
+def test_the_command_line_keeps_its_words(capsys: pytest.CaptureFixture[str]) -> None:
+    from flowgraph.cli import main
+
+    assert main(["run", "g.yaml", "trainer.steps=1", "trainer.run_dir=runs/c"]) == 0
+    assert main(["run", "g.yaml", "trainer.steps=1", "trainer.run_dir=runs/c"]) == 1
+    assert ("`runs/c` already holds a run; continue it with --resume, start it afresh with "
+            "--overwrite, or give another directory: trainer.run_dir=runs/new"
+            in capsys.readouterr().err)
+    assert main(["run", "g.yaml", "trainer.steps=1", "trainer.run_dir=runs/c",
+                 "--overwrite"]) == 0
+
+
+def test_an_interrupt_saves_and_says_how_to_continue_in_python() -> None:
+    """SIGINT (what a notebook's interrupt button sends) in step 1: the step finishes, is
+    saved, and `Stopped` names the call that continues the run; that call does."""
+    args = ["nodes.score.params.at=1", "nodes.score.params.signals=SIGINT", "trainer.steps=3"]
+    with pytest.raises(Stopped) as exc:
+        _run("s.yaml", *args, run_dir="runs/s")
+    assert exc.value.signum == signal.SIGINT and exc.value.run_dir == Path("runs/s")
+    again = ("flowgraph.run('s.yaml', resume=True, overrides=['trainer.steps=2', "
+             "'nodes.score.params.at=1', 'nodes.score.params.signals=SIGINT', "
+             "'trainer.steps=3'], run_dir='runs/s')")
+    assert str(exc.value) == (
+        f"stopped by SIGINT; the last checkpoint is step 1; continue with: {again}")
+    shown = exc.value._render_traceback_()
+    assert shown == [f"Stopped: {exc.value}"]
+    resumed = eval(again.replace("flowgraph.run(", "_run("), {"_run": flowgraph.run})
+    assert [r["step"] for r in resumed.rows] == [0, 1, 2]
+
+
+def test_ipython_shows_the_message_without_frames() -> None:
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    hooks = sys.displayhook, sys.excepthook
+    shell = InteractiveShell.instance()
+    code = ("import flowgraph, io\nflowgraph.run('s.yaml', overrides=['trainer.steps=3', "
+            "'nodes.score.params.at=0', 'nodes.score.params.signals=SIGINT'], "
+            "run_dir='runs/i', tensorboard=False, out=io.StringIO())")
+    try:
+        with capture_output() as shown:
+            shell.run_cell(code)
+    finally:  # the shell is this process's: leave none behind for the next tests
+        InteractiveShell.clear_instance()
+        sys.displayhook, sys.excepthook = hooks
+    text = shown.stdout + shown.stderr
+    assert "Stopped: stopped by SIGINT; the last checkpoint is step 0; continue with: " \
+           "flowgraph.run('s.yaml', resume=True" in text, text
+    assert "File " not in text and "Traceback" not in text, text
+
+
+def test_other_messages_through_the_python_api_name_its_arguments() -> None:
+    """Resuming with a changed setting, a plan given a size, the memory hint: the words
+    of `flowgraph.run` / `flowgraph.compile`, not the command line's flags."""
+    _run("g.yaml", "trainer.steps=1", run_dir="runs/r")
+    with pytest.raises(FlowgraphError) as exc:
+        _run("g.yaml", "dims.Bp=8", run_dir="runs/r", resume=True)
+    assert "accept each change deliberately: resume=True allow_changed=['dims.Bp']" \
+        in str(exc.value)
+    plan = flowgraph.compile("g.yaml")
+    with pytest.raises(flowgraph.FlowgraphError, match=r"compile the graph again with other "
+                       r"target=\.\.\., nproc=\.\.\. or disable=\[\.\.\.\]"):
+        flowgraph.run(plan, nproc=2)
+
+
+def test_a_keyboard_interrupt_outside_the_runs_handling_is_a_stop_too(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the run starts (before its handlers are in place): the same
+    `Stopped`, with the call that starts it again, not a KeyboardInterrupt's frames."""
+    from flowgraph.compilers import builtins
+
+    def interrupted(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(builtins, "ensure_builtins", interrupted)
+    with pytest.raises(Stopped) as exc:
+        _run("g.yaml", run_dir="runs/k")
+    assert str(exc.value) == (
+        "interrupted (KeyboardInterrupt) while the run started or ended; no checkpoint was "
+        "written yet; start again with: flowgraph.run('g.yaml', resume=True, "
+        "overrides=['trainer.steps=2'], run_dir='runs/k')")
+    frames = traceback.extract_tb(exc.value.__traceback__)
+    assert [f.name for f in frames if f.filename.endswith("api.py")] == ["run", "_run"]
+    assert not [f for f in frames if "/flowgraph/compilers/" in f.filename], frames  # no executor's
+
+
+def test_a_new_run_removes_an_earlier_attempts_traceback() -> None:
+    """An attempt that failed before its first step left only its traceback; the next run
+    in that folder (not an overwrite: nothing else is there) starts without it."""
+    Path("runs/t").mkdir(parents=True)
+    Path("runs/t/traceback.txt").write_text("Traceback (most recent call last): ...")
+    _run("g.yaml", run_dir="runs/t")
+    assert not Path("runs/t/traceback.txt").exists()
+    assert Path("runs/t/metrics.jsonl").exists()
