@@ -28,6 +28,10 @@ def run(plan: ExecutionPlan, options: RunOptions | None = None) -> Run:
     opts = options or RunOptions()
     # the one place `--resume` and `trainer.resume` are merged
     opts = replace(opts, resume=opts.resume or plan.trainer.resume)
+    from flowgraph.compilers.local import prepare_run
+
+    # the run dir refused, or cleared (`overwrite`), before anything is written into it
+    prepare_run(plan, resume=opts.resume, overwrite=opts.overwrite)
     # DataFrames and hub datasets as files in the run dir, before any process reads them
     plan = write_tables(plan, Path(plan.trainer.run_dir))
     from flowgraph.compilers.builtins import ensure_builtins
