@@ -34,8 +34,8 @@ from flowgraph.nodes import data as nd
 from flowgraph.nodes.models import load_tokenizer
 from flowgraph.paths import RULE, is_hub_dataset
 from flowgraph.registry import KindSpec, Registry
-from flowgraph.runtime.reward_call import TRL_NOT_COLUMNS, TRL_PASSES, unmet_parameters
 from flowgraph.runs import is_run_dir, trained_lm
+from flowgraph.runtime.reward_call import TRL_NOT_COLUMNS, TRL_PASSES, unmet_parameters
 from flowgraph.source import SourcePos
 from flowgraph.tables import is_memory
 

@@ -18,8 +18,8 @@ from flowgraph.objects import PyObject
 from flowgraph.paths import RULE, is_hub_dataset
 from flowgraph.registry import KindSpec, ParamSpec, PortSpec, Registry
 from flowgraph.source import SourcePos
-from flowgraph.trl_names import trl_hint
 from flowgraph.tables import is_memory
+from flowgraph.trl_names import trl_hint
 
 Producer = NodeSpec | DataSpec
 
