@@ -21,6 +21,7 @@ from typing import Any
 
 from flowgraph.compilers.interpreter import Env, Interpreter, join
 from flowgraph.errors import FlowgraphError, at_step
+from flowgraph.runtime.reward_call import function_name
 
 
 class Batches:
@@ -115,13 +116,21 @@ class Batches:
         ref = dict(self.plan.node(name).wiring())["index"]  # a required port of filters
         return int(env[ref].unique().numel())
 
+    def _refused_by(self, name: str) -> str:
+        """What the filter keeps by: its metric, or the user's predicate (`fn`)."""
+        params = self.interpreter.params(name)
+        fn = params.get("fn")
+        if fn is None:
+            return str(params["metric"])
+        return f"`{fn}`" if isinstance(fn, str) else f"`{function_name(fn)}`"
+
     def _exhausted(self, step: int, tries: int, kept: int, dropped: int) -> str:
         loop = self.plan.resample
         assert loop is not None
         node = self.plan.node(loop.filter)
         return (f"node `{node.name}` (kind {node.kind}, {node.where}) {at_step(step)}: "
                 f"{tries} tries (max_tries) kept {kept} of the {loop.groups} groups the "
-                f"batch needs ({dropped} dropped: {self.interpreter.params(node.name)['metric']}"
-                " refused them). The data may be too hard or too easy for the model (verl: "
+                f"batch needs ({dropped} dropped: {self._refused_by(node.name)} refused "
+                "them). The data may be too hard or too easy for the model (verl: "
                 f"'Generated too many'); raise nodes.{node.name}.params.max_tries, lower "
                 f"nodes.{node.name}.params.groups, or sample more per prompt (N)")

@@ -17,7 +17,7 @@ from dataclasses import replace
 from flowgraph.choices import DPO_LOSS_TYPES, KL_ESTIMATORS, LOSS_AGG_MODES
 from flowgraph.contracts import TensorSpec
 from flowgraph.kindspec import KindSpec, LossSpec, ParamSpec, PortSpec
-from flowgraph.runtime.reward_call import TRL_CALL, VERL_CALL
+from flowgraph.runtime.reward_call import FILTER_CALL, TRL_CALL, VERL_CALL
 
 
 def _p(name: str, dims: str, dtype: str = "float", *constraints: str, optional: bool = False,
@@ -606,7 +606,15 @@ _FILTER_KINDS = (
         params=(
             _s("metric", "std_nonzero", ("std_nonzero", "mean_in_range"),
                "std_nonzero (DAPO): keep groups whose scores are not all equal (a group of "
-               "one is kept); mean_in_range: min_score <= group mean <= max_score"),
+               "one is kept); mean_in_range: min_score <= group mean <= max_score; not "
+               "used when `fn` is set"),
+            ParamSpec("fn", ("str", "null"), None, functions=(), calls=(FILTER_CALL,),
+                      replaces="metric",
+                      doc="your own predicate instead of `metric`: `def keep(scores: "
+                          "list[float]) -> bool`, called once per sample group with that "
+                          "group's scores (in row order) as one positional list; True keeps "
+                          "the group. The Python function itself, `file.py:keep` (the file "
+                          "listed under plugins:) or `module:keep`; null: `metric`"),
             _f("min_score", None, "mean_in_range: lowest group mean kept; null: no bound"),
             _f("max_score", None, "mean_in_range: highest group mean kept; null: no bound"),
             _i("groups", None, "groups in the filtered batch (verl's train_batch_size); "

@@ -66,6 +66,10 @@ class ParamSpec:
     check` holds a plugin file's function (or a Python callable) to the one it picks
     (`compute_score`: TRL's batch call for a function taking `completions`, verl's
     per-row call for one taking `solution_str`)."""
+    replaces: str | None = None
+    """Set (`filter`'s `fn`: `metric`) on a function param that stands in for another
+    param: it is optional (the kind does not need a function), and set, the graph may not
+    set that param too (the checker's FG112)."""
     one_per: str | None = None
     """Set (`weights`: `fn`) when this list has one number per entry of that list param
     (TRL's reward_weights, one per reward function); the checker holds it to that."""

@@ -14,6 +14,10 @@ every downstream contract checkable: the outputs have the filter's own batch dim
 that reads an unfiltered tensor. A keep mask the executor applied to undeclared ports
 would leave the checker blind to which tensors were subset.
 
+A user's predicate (`fn`: the Python function itself, `file.py:keep`, `module:keep`)
+replaces `metric`: `keep(scores: list[float]) -> bool`, called once per group with that
+group's scores in row order (`flowgraph.runtime.reward_call.FILTER_CALL`).
+
 Kept groups are renumbered `offset, offset+1, ...` in order of first appearance, so
 groups kept by successive tries of a step stay distinct when the executor joins them.
 
@@ -23,25 +27,36 @@ P prompt length, T response length.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
+
+from flowgraph.runtime.reward_call import defined_at, function_name, load_function
 
 __all__ = ["filter_groups", "keep_mask"]
 
 
 def keep_mask(scores: Tensor, index: Tensor, metric: str = "std_nonzero",
-              min_score: float | None = None, max_score: float | None = None) -> Tensor:
+              min_score: float | None = None, max_score: float | None = None,
+              fn: str | Callable[..., object] | None = None) -> Tensor:
     """(b,) bool: the rows of the groups the predicate keeps.
+
+    `fn` (set, `metric` is not used): the user's predicate, `fn(scores) -> bool` once per
+    group, in order of the groups' ids, with the group's scores as a list of floats in row
+    order.
 
     `std_nonzero` (DAPO): the group's scores have a nonzero standard deviation (are not
     all equal); a group of one sample is kept (verl: `len(values) > 1 and std == 0`
     drops). `mean_in_range`: min_score <= mean <= max_score
     (an open bound is no bound).
     """
-    _, inverse = torch.unique(index, return_inverse=True)
+    ids, inverse = torch.unique(index, return_inverse=True)
     groups = int(inverse.max()) + 1 if inverse.numel() else 0
+    if fn is not None:
+        return _predicate(load_function(fn, {}, "filter"), scores, ids, inverse)[inverse]
     s = scores.detach().to(torch.float64)
     count = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, torch.ones_like(s))
     mean = torch.zeros(groups, dtype=torch.float64).index_add_(0, inverse, s) / count
@@ -64,6 +79,31 @@ def keep_mask(scores: Tensor, index: Tensor, metric: str = "std_nonzero",
     return keep[inverse]
 
 
+def _predicate(fn: Callable[..., object], scores: Tensor, ids: Tensor, inverse: Tensor
+               ) -> Tensor:
+    """(G,) bool: `fn` on each group's scores. A predicate that raises, or returns
+    anything but a bool, is an error naming the group and the function's `def` line (the
+    executor adds the node and the step; the predicate's own exception is the cause, its
+    frame the line reported)."""
+    values = scores.detach().to(torch.float64).cpu().tolist()
+    rows: list[list[float]] = [[] for _ in range(ids.numel())]
+    for value, g in zip(values, inverse.tolist(), strict=True):
+        rows[g].append(value)
+    keep = []
+    for g, group in enumerate(rows):
+        where = (f"filter predicate `{function_name(fn)}` ({defined_at(fn) or 'its def'}) "
+                 f"on group {int(ids[g])} (scores {group})")
+        try:
+            result = fn(group)
+        except Exception as exc:
+            raise ValueError(f"{where} raised {type(exc).__name__}: {exc}") from exc
+        if not isinstance(result, (bool, np.bool_)):
+            raise TypeError(f"{where} returned {result!r} ({type(result).__name__}), not a "
+                            "bool: return True to keep the group, False to drop it")
+        keep.append(bool(result))
+    return torch.tensor(keep, dtype=torch.bool)
+
+
 def _first_seen_rank(index: Tensor) -> Tensor:
     """Each row's group numbered 0, 1, ... in order of the group's first row (unique()
     numbers groups in sorted order instead)."""
@@ -81,14 +121,15 @@ def filter_groups(scores: Tensor, index: Tensor, prompts: Tensor, prompt_mask: T
                   rollout_log_prob: Tensor | None = None, ground_truth: list[Any] | None = None,
                   metric: str = "std_nonzero", min_score: float | None = None,
                   max_score: float | None = None, groups: int | None = None,
-                  max_tries: int = 10, offset: int = 0) -> dict[str, Any]:
+                  max_tries: int = 10, offset: int = 0,
+                  fn: str | Callable[..., object] | None = None) -> dict[str, Any]:
     """The rows of the kept groups of every given tensor, index renumbered from `offset`.
     `groups` and `max_tries` are the executor's (the refill loop's); `offset` is the
     number of groups earlier tries of the step kept."""
     if scores.shape[0] != index.shape[0]:
         raise ValueError(f"filter: scores has {scores.shape[0]} rows, index "
                          f"{index.shape[0]}; both are one per sequence")
-    keep = keep_mask(scores, index, metric, min_score, max_score)
+    keep = keep_mask(scores, index, metric, min_score, max_score, fn)
     rows = keep.nonzero().squeeze(1).to(index.device)
     kept_index = index[rows]
     out: dict[str, Any] = {

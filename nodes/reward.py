@@ -36,7 +36,6 @@ Notation: B sequences, P prompt length, T response length.
 
 from __future__ import annotations
 
-import importlib
 import math
 import numbers
 import warnings
@@ -61,6 +60,7 @@ from flowgraph.runtime.reward_call import (
     call_style,
     function_name,
     keywords_taken,
+    load_function,
 )
 
 SCORE_CALLS = (TRL_CALL, VERL_CALL)
@@ -131,23 +131,9 @@ FnRef = str | ScoreFn
 
 
 def _function(ref: FnRef) -> ScoreFn:
-    """A scoring function: a callable as it is, a built-in name, `file.py:function` (a
-    plugin file, imported from the graph's folder by the executor) or `module:function`.
-    Looked up at every call, not cached: another graph run in this process may bring its
-    own `rewards.py`."""
-    if callable(ref):
-        return ref
-    if ":" not in ref:
-        if ref not in BUILTIN_SCORES:
-            raise ValueError(f"compute_score: no built-in function `{ref}`; built-ins: "
-                             f"{', '.join(BUILTIN_SCORES)}")
-        return BUILTIN_SCORES[ref]
-    module, _, name = ref.partition(":")
-    loaded = importlib.import_module(module.removesuffix(".py"))
-    fn: ScoreFn | None = getattr(loaded, name, None)
-    if not callable(fn):
-        raise ValueError(f"compute_score: `{module}` has no function `{name}`")
-    return fn
+    """A scoring function: a callable as it is, a built-in name, `file.py:function` or
+    `module:function` (`flowgraph.runtime.reward_call.load_function`)."""
+    return load_function(ref, BUILTIN_SCORES, "compute_score")
 
 
 def _label(ref: FnRef) -> str:

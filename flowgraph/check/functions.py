@@ -33,10 +33,13 @@ def check_functions(graph: Graph, table: dict[str, Resolved], out: list[Diagnost
         specs = [s for s in r.kind.params if s.functions is not None]
         given = [(s, p) for s in specs if (p := r.spec.params.find(s.name)) is not None
                  and p.value is not None]
-        if specs and not given:
-            names = " or ".join(f"`{s.name}`" for s in specs)
+        needed = [s for s in specs if s.replaces is None]
+        if needed and not given:
+            names = " or ".join(f"`{s.name}`" for s in needed)
             out.append(error("FG112", f"`{r.name}` (kind {r.kind.name}) needs {names}",
-                             r.spec.pos, node=r.name, hint=_hint(specs[0])))
+                             r.spec.pos, node=r.name, hint=_hint(needed[0])))
+        for spec, param in given:
+            _check_replaced(r.spec, spec, param, out)
         styles = [(ref, _check_ref(r.spec, spec, ref, where, listed, out))
                   for spec, param in given for ref, where in _refs(param)]
         _check_reads(r.spec, styles, out)
@@ -99,6 +102,20 @@ def _loaded(ref: object, listed: set[str]) -> tuple[str, Callable[..., object] |
     loaded = sys.modules.get(Path(module).stem if module.endswith(".py") else module)
     fn = getattr(loaded, name, None)
     return str(ref), fn if callable(fn) else None
+
+
+def _check_replaced(node: NodeSpec, spec: ParamSpec, given: Param,
+                    out: list[Diagnostic]) -> None:
+    """A function param that stands in for another (`filter`'s `fn` for `metric`) is not
+    set beside it: one of the two would be ignored."""
+    other = node.params.find(spec.replaces or "")
+    if other is None or other.value is None:
+        return
+    out.append(error("FG112", f"`{node.name}` sets both `{spec.name}` and `{other.name}`; "
+                     f"`{spec.name}` replaces `{other.name}`, which would be ignored",
+                     other.pos, node=node.name,
+                     hint=f"remove `{other.name}: {other.value}` (or `{spec.name}`), "
+                          f"{given.pos}"))
 
 
 def _check_one_per(node: NodeSpec, spec: ParamSpec, out: list[Diagnostic]) -> None:
@@ -256,9 +273,19 @@ def _check_signature(node: NodeSpec, spec: ParamSpec, ref: str, fn: Callable[...
     if style.per_batch:  # TRL's calls add dataset columns, known when the data loads
         return style
     try:
-        signature.bind(**dict.fromkeys(style.keywords))
+        if style.positional:
+            signature.bind(*[None] * len(style.keywords))
+        else:
+            signature.bind(**dict.fromkeys(style.keywords))
     except TypeError as exc:
         wanted = ", ".join(style.keywords)
+        if style.positional:
+            out.append(error(
+                "FG112", f"{label} cannot be called as `{function_name(fn)}({wanted})`, "
+                f"one positional argument each: {exc}", _own_line(fn, where),
+                node=node.name, hint=f"take them: `{style.signature}` (more parameters "
+                                     "with defaults are fine)"))
+            return None
         out.append(error(
             "FG112", f"{label} cannot be called with the keywords {wanted}: {exc}",
             _own_line(fn, where), node=node.name,
@@ -269,5 +296,6 @@ def _check_signature(node: NodeSpec, spec: ParamSpec, ref: str, fn: Callable[...
 
 def _hint(spec: ParamSpec) -> str:
     builtins = ", ".join(spec.functions or ())
-    return (f"a built-in ({builtins}), `file.py:function` / `module:function` of a plugin "
-            "listed under plugins:, or the Python function itself")
+    return ((f"a built-in ({builtins}), " if builtins else "") + "`file.py:function` / "
+            "`module:function` of a plugin listed under plugins:, or the Python function "
+            "itself")

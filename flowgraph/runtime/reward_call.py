@@ -13,9 +13,11 @@ both choose with `call_style`; plain Python, no torch.
 
 from __future__ import annotations
 
+import importlib
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +36,9 @@ class CallStyle:
     """Called once per batch (TRL), else once per row (verl)."""
     reads: str = ""
     """The node input this style needs wired (TRL: `row`, the dataset's columns)."""
+    positional: bool = False
+    """Passes `keywords`' values by position, in order (`filter`'s predicate: any
+    parameter name will do), else by keyword."""
 
 
 TRL_CALL = CallStyle(
@@ -50,6 +55,12 @@ VERL_CALL = CallStyle(
     per_batch=False)
 """verl's `NaiveRewardManager`: `compute_score(data_source=, solution_str=,
 ground_truth=, extra_info=)` on each decoded response."""
+FILTER_CALL = CallStyle(
+    "filter", (), ("scores",), "def keep(scores: list[float]) -> bool", per_batch=False,
+    positional=True)
+"""The `filter` kind's predicate (`flowgraph.nodes.filter`): called once per sample group
+with that group's scores, in row order, as one positional list of floats; it returns
+whether to keep the group."""
 TRL_EXTRAS = ("trainer_state", "log_extra", "log_metric")
 """The keywords TRL passes besides the data (its `environments` needs an environment
 factory, which flowgraph's rollouts do not take)."""
@@ -85,11 +96,43 @@ def function_name(fn: Callable[..., object]) -> str:
     return str(getattr(fn, "__name__", type(fn).__name__))
 
 
+def load_function(ref: object, builtins: Mapping[str, Callable[..., object]], kind: str
+                  ) -> Callable[..., object]:
+    """The function a param names: a callable as it is (a Python function given as
+    itself), a built-in name of `builtins`, `file.py:function` (a plugin file, imported
+    from the graph's folder by the executor) or `module:function`. Looked up at every
+    call, not cached: another graph run in this process may bring its own plugin file.
+    ValueError naming `kind` when there is none."""
+    if callable(ref):
+        return ref
+    text = str(ref)
+    if ":" not in text:
+        if text not in builtins:
+            known = ", ".join(builtins) or "none"
+            raise ValueError(f"{kind}: no built-in function `{text}`; built-ins: {known}")
+        return builtins[text]
+    module, _, name = text.partition(":")
+    fn = getattr(importlib.import_module(module.removesuffix(".py")), name, None)
+    if not callable(fn):
+        raise ValueError(f"{kind}: `{module}` has no function `{name}`")
+    return cast("Callable[..., object]", fn)
+
+
+def defined_at(fn: Callable[..., object]) -> str:
+    """`file:line` of a function's `def`, for messages; '' when Python cannot tell."""
+    try:
+        return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
+    except (OSError, TypeError):
+        return ""
+
+
 def call_style(fn: Callable[..., object], styles: Sequence[CallStyle]) -> CallStyle:
     """The style one of whose marker parameters `fn` declares. A function without a readable
     signature (a C builtin), or naming no marker but taking `**kwargs`, is called in the
     last style (verl's), as before there were several. CallStyleError when it declares
     none of the markers (and no `**kwargs`) or more than one."""
+    if len(styles) == 1 and not styles[0].markers:  # one way to call it (`FILTER_CALL`)
+        return styles[0]
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):

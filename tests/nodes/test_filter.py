@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -56,3 +57,38 @@ def test_mean_in_range_keeps_the_groups_with_a_mean_within_bounds(
 def test_an_unknown_metric_is_refused_by_name() -> None:
     with pytest.raises(ValueError, match="metric must be `std_nonzero` or `mean_in_range`"):
         keep_mask(torch.zeros(2), torch.zeros(2, dtype=torch.long), "std")
+
+
+def test_a_predicate_sees_each_groups_scores_and_picks_the_groups() -> None:
+    """`fn` replaces `metric`: called once per group, in order of the ids, with that
+    group's scores (floats, row order); a numpy bool is a bool."""
+    seen: list[list[float]] = []
+
+    def best_over_half(scores: list[float]) -> bool:
+        seen.append(scores)
+        return max(scores) > 0.5 if len(scores) > 1 else bool(np.True_)
+
+    scores = torch.tensor([1.0, 1, 0, 0.25, 0, 0, 1])
+    index = torch.tensor([5, 5, 3, 3, 7, 7, 9])
+    keep = keep_mask(scores, index, metric="mean_in_range", max_score=-1.0,
+                     fn=best_over_half)
+    assert seen == [[0.0, 0.25], [1.0, 1.0], [0.0, 0.0], [1.0]]
+    assert keep.tolist() == [True, True, False, False, False, False, True]
+
+
+def test_a_predicate_that_raises_or_returns_no_bool_names_the_group_and_its_def() -> None:
+    def picky(scores: list[float]) -> bool:
+        raise ZeroDivisionError("bad group")
+
+    def counts(scores: list[float]) -> int:
+        return len(scores)
+
+    scores, index = torch.tensor([1.0, 0.0, 2.0]), torch.tensor([4, 4, 8])
+    with pytest.raises(ValueError, match=r"filter predicate `picky` \(.*test_filter.py:\d+\) "
+                       r"on group 4 \(scores \[1.0, 0.0\]\) raised ZeroDivisionError: bad "
+                       r"group") as caught:
+        keep_mask(scores, index, fn=picky)
+    assert isinstance(caught.value.__cause__, ZeroDivisionError)
+    with pytest.raises(TypeError, match=r"`counts` .* on group 4 .* returned 2 \(int\), not a "
+                       r"bool"):
+        keep_mask(scores, index, fn=counts)
