@@ -26,7 +26,7 @@ FIXTURE = ROOT / "tests" / "fixtures" / "targets" / "metrics.json"
 COMMON = ("trainer.steps=3", "trainer.eval_every=2", "trainer.checkpoint_every=2")
 """Three steps: an evaluation and a checkpoint after step 1, the last step saved."""
 GRAPHS = ("ppo", "grpo", "dpo", "rloo", "reinforce_pp", "remax", "dapo", "gspo", "drgrpo",
-          "sft", "grpo_lora", "verl_format/grpo")
+          "sft", "grpo_lora", "verl_format/grpo", "trl_format/grpo")
 """Every graph shipped under graphs/ (not graphs/broken/)."""
 TARGETS = {"local": (), "fsdp": ("--target", "fsdp", "--nproc", "2"),
            "ray": ("--target", "ray", "--nproc", "2")}
