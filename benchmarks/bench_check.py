@@ -154,7 +154,7 @@ def heavy_modules() -> bool:
 def _load_and_check(path: Path) -> tuple[float, float, float, int, int]:
     """(wall s, CPU s, wall s of the load alone, nodes, edges) of one load_graph +
     check_graph."""
-    from flowgraph.check import check_graph
+    from flowgraph.checker import check_graph
     from flowgraph.frontend import load_graph
 
     start, cpu = time.perf_counter(), time.process_time()
@@ -184,7 +184,7 @@ def scale(path: Path, runs: int = 5) -> None:
 
 
 def profile(path: Path) -> None:
-    from flowgraph.check import check_graph
+    from flowgraph.checker import check_graph
     from flowgraph.frontend import load_graph
 
     prof = cProfile.Profile()

@@ -7,8 +7,6 @@ are loaded on first use (PEP 562), so the CLI pays only for what a command needs
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -23,8 +21,8 @@ _EXPORTS: dict[str, str] = {
     "CompileError": "flowgraph.errors",
     "ExecutionPlan": "flowgraph.plan",
     "GraphBuilder": "flowgraph.builder",
-    "CheckResult": "flowgraph.check",
-    "check_graph": "flowgraph.check",
+    "CheckResult": "flowgraph.checker",
+    "check_graph": "flowgraph.checker",
     "TensorSpec": "flowgraph.contracts",
     "Diagnostic": "flowgraph.diagnostics",
     "FlowgraphError": "flowgraph.errors",
@@ -103,34 +101,10 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
 
-class _CheckPackage(types.ModuleType):
-    """The package `flowgraph.check` (the checker), callable as the function
-    `flowgraph.check(graph)` (`flowgraph.api.check`)."""
-
-    def __call__(self, *args: Any, **kw: Any) -> Any:
-        from flowgraph.api import check
-
-        return check(*args, **kw)
-
-
-class _Package(types.ModuleType):
-    """This package. Importing the subpackage `flowgraph.check` sets it as the attribute
-    `check`, where the function `check` is meant: the subpackage is made callable as
-    that function, so that `flowgraph.check(graph)` works before and after."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name == "check" and type(value) is types.ModuleType:
-            value.__class__ = _CheckPackage
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-
 if TYPE_CHECKING:
     from flowgraph.api import check, compile, debug, export, load_plan, run
     from flowgraph.builder import GraphBuilder
-    from flowgraph.check import CheckResult, check_graph
+    from flowgraph.checker import CheckResult, check_graph
     from flowgraph.contracts import TensorSpec
     from flowgraph.diagnostics import Diagnostic
     from flowgraph.errors import CompileError, FlowgraphError, GraphError, Stopped

@@ -46,7 +46,7 @@ from flowgraph.registry import KindSpec, Registry
 from flowgraph.voice import Word, command, option, python_entry
 
 if TYPE_CHECKING:
-    from flowgraph.check import CheckResult
+    from flowgraph.checker import CheckResult
     from flowgraph.compilers import Run
     from flowgraph.compilers.debug import Debugger
     from flowgraph.diagnostics import Diagnostic
@@ -76,7 +76,7 @@ def check(graph: Graph | str | Path, *, overrides: Sequence[str] = (),
     shape (print the result, or show it in a notebook; `CheckResult.edge_lines`).
     `data`: also open the local datasets and model folders (imports torch). A file that
     cannot be read into a graph raises `GraphError` with its diagnostics."""
-    from flowgraph.check import check_graph
+    from flowgraph.checker import check_graph
     from flowgraph.frontend import load_graph
 
     with python_entry():

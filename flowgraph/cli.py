@@ -80,7 +80,7 @@ def _unreadable(diags: Sequence[Diagnostic]) -> bool:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from flowgraph.check import check_graph
+    from flowgraph.checker import check_graph
     from flowgraph.diagnostics import render_github, render_json
     from flowgraph.frontend import load_graph
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from flowgraph.check import CheckResult, check_graph
+from flowgraph.checker import CheckResult, check_graph
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.frontend import load_graph
 from flowgraph.ir import DataSpec, NodeSpec, PortRef

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from flowgraph.builtin_models import BUILTIN_PREFIX, builtin_config
-from flowgraph.check.functions import called_functions
+from flowgraph.checker.functions import called_functions
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.document import did_you_mean
 from flowgraph.errors import FlowgraphError

@@ -17,7 +17,7 @@ def test_ci_runs_the_readme_test_command() -> None:
 
 def test_every_package_directory_is_installed() -> None:
     """A wheel holds only the packages pyproject lists: a missing subpackage (as
-    flowgraph.check and flowgraph.runtime once were) works editable and breaks installed."""
+    flowgraph.checker and flowgraph.runtime once were) works editable and breaks installed."""
     import tomllib
 
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]

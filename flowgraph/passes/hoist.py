@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from flowgraph.check.shapes import has_batch_axis, topo_order
+from flowgraph.checker.shapes import has_batch_axis, topo_order
 from flowgraph.dims import Poly
 from flowgraph.ir import NodeSpec, PortRef
 from flowgraph.passes.program import Program

@@ -67,8 +67,8 @@ from pathlib import Path
 from typing import ClassVar
 
 from flowgraph.builtin_models import builtin_config
-from flowgraph.check import CheckResult
-from flowgraph.check.structure import Resolved, param_value
+from flowgraph.checker import CheckResult
+from flowgraph.checker.structure import Resolved, param_value
 from flowgraph.choices import OPTIMIZERS, TENSOR_BYTES
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.frontend import with_params

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar, Protocol
 
-from flowgraph.check import CheckResult
-from flowgraph.check.shapes import has_batch_axis
+from flowgraph.checker import CheckResult
+from flowgraph.checker.shapes import has_batch_axis
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.dims import resolved_text
 from flowgraph.frontend import graph_to_yaml

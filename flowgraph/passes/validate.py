@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from flowgraph.check import check_graph
+from flowgraph.checker import check_graph
 from flowgraph.passes.program import Program
 
 

@@ -7,7 +7,7 @@ GRPOTrainer calls its `reward_funcs`: once per batch, with the keywords `prompts
 float (or None: not applicable to that row) per completion. One that takes
 `solution_str` is called as verl's reward managers call `compute_score`: once per row,
 with `data_source`, `solution_str`, `ground_truth`, `extra_info`. The checker
-(`flowgraph.check.functions`) and the `compute_score` kind (`flowgraph.nodes.reward`)
+(`flowgraph.checker.functions`) and the `compute_score` kind (`flowgraph.nodes.reward`)
 both choose with `call_style`; plain Python, no torch.
 """
 

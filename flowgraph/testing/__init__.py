@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from flowgraph.check import CheckResult, check_graph
+from flowgraph.checker import CheckResult, check_graph
 from flowgraph.diagnostics import render_text
 from flowgraph.errors import FlowgraphError, GraphError
 from flowgraph.frontend import load_graph

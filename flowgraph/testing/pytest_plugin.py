@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import pytest
 
-from flowgraph.check import CheckResult
+from flowgraph.checker import CheckResult
 from flowgraph.testing import assert_honours_contract, check_file
 
 

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 from hypothesis import strategies as st
 
-from flowgraph.check import CheckResult, check_graph
+from flowgraph.checker import CheckResult, check_graph
 from flowgraph.document import YMap, YScalar, read_document
 from flowgraph.frontend import graph_to_yaml, load_graph
 from flowgraph.ir import (

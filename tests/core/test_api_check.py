@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import flowgraph
-from flowgraph.check import CheckResult, Resolved
+from flowgraph.checker import CheckResult, Resolved
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
 

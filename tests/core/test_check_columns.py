@@ -13,7 +13,7 @@ import pandas as pd
 import pytest
 
 from flowgraph import GraphBuilder
-from flowgraph.check import check_graph
+from flowgraph.checker import check_graph
 from flowgraph.cli import main
 from flowgraph.nodes.data_check import check_data, row_source
 from flowgraph.runtime.reward_call import unmet_parameters

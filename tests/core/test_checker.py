@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from flowgraph.check import CheckResult, check_graph
+from flowgraph.checker import CheckResult, check_graph
 from flowgraph.contracts import TensorSpec
 from flowgraph.frontend import load_graph
 from flowgraph.kinds import BUILTIN_KINDS

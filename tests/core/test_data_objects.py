@@ -20,7 +20,7 @@ import pytest
 import flowgraph
 import flowgraph.tables as tables
 from flowgraph import GraphBuilder
-from flowgraph.check import check_graph
+from flowgraph.checker import check_graph
 from flowgraph.cli import main
 from flowgraph.errors import IRError
 

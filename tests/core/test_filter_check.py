@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flowgraph.check import check_graph
+from flowgraph.checker import check_graph
 from flowgraph.frontend import load_graph
 
 DAPO = (Path(__file__).resolve().parents[2] / "graphs" / "dapo.yaml").read_text()

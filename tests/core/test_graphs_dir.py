@@ -108,6 +108,6 @@ def test_check_imports_no_heavy_module() -> None:
     assert run.returncode == 0, run.stderr
     _, status, *modules = run.stdout[run.stdout.index("STATUS "):].split()
     assert status == "0"  # the check really ran, and passed
-    assert "flowgraph.check.shapes" in modules
+    assert "flowgraph.checker.shapes" in modules
     loaded = sorted(m for m in modules if m.split(".")[0] in HEAVY)
     assert loaded == [], f"`flowgraph check` imported {loaded}"

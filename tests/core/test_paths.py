@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from flowgraph import GraphBuilder
-from flowgraph.check import check_graph
+from flowgraph.checker import check_graph
 from flowgraph.cli import main
 from flowgraph.frontend import graph_from_yaml, load_graph
 from flowgraph.plan import ExecutionPlan

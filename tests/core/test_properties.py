@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from flowgraph.check import check_graph
+from flowgraph.checker import check_graph
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.frontend import graph_from_yaml, graph_to_yaml, load_graph
 from flowgraph.ir import Graph, NodeSpec, Param, Params, PortRef

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from flowgraph.check import check_graph
+from flowgraph.checker import check_graph
 from flowgraph.errors import RegistryError
 from flowgraph.frontend import load_graph
 from flowgraph.kinds import BUILTIN_KINDS

@@ -12,7 +12,7 @@ import pytest
 from peft import LoraConfig
 
 from flowgraph.builder import GraphBuilder
-from flowgraph.check import check_graph
+from flowgraph.checker import check_graph
 from flowgraph.dims import CANONICAL_DIMS
 from flowgraph.errors import GraphError
 from flowgraph.frontend import graph_from_yaml, load_graph

@@ -13,7 +13,7 @@ from transformers import LlamaConfig, LlamaForSequenceClassification, LlamaModel
 
 from flowgraph.builder import GraphBuilder
 from flowgraph.builtin_models import BUILTIN_MODELS
-from flowgraph.check import check_graph
+from flowgraph.checker import check_graph
 from flowgraph.errors import RewardFnError
 from flowgraph.nodes.logprob import forward_hidden
 from flowgraph.nodes.models import build_tiny_tokenizer

@@ -199,7 +199,7 @@ def _line(text: str, start: str) -> int:
 
 
 def _checked(graph_text: str, folder: Path) -> list[Any]:
-    from flowgraph.check import check_graph
+    from flowgraph.checker import check_graph
     from flowgraph.frontend import load_graph
 
     (folder / "rewards.py").write_text((EXAMPLE.parent / "rewards.py").read_text())
@@ -234,7 +234,7 @@ def test_a_python_callable_is_checked_at_its_own_line(tmp_path: Path) -> None:
     call its signature picks, the diagnostic on its `def` line."""
     from dataclasses import replace
 
-    from flowgraph.check import check_graph
+    from flowgraph.checker import check_graph
     from flowgraph.frontend import load_graph
     from flowgraph.ir import Params
 

@@ -11,7 +11,7 @@ every node, so any scoring temperature is accepted there.
 
 from __future__ import annotations
 
-from flowgraph.check.structure import Resolved, param_value
+from flowgraph.checker.structure import Resolved, param_value
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.ir import NodeSpec
 

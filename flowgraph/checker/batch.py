@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from flowgraph.check.shapes import DimEnv, ShapeResult, group_size
-from flowgraph.check.structure import Resolved, param_value
+from flowgraph.checker.shapes import DimEnv, ShapeResult, group_size
+from flowgraph.checker.structure import Resolved, param_value
 from flowgraph.choices import VARLEN_ATTENTION
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.ir import Graph, NodeSpec

@@ -14,8 +14,8 @@ that trains on it. The checker holds the graph to what that needs:
 
 from __future__ import annotations
 
-from flowgraph.check.shapes import ShapeResult
-from flowgraph.check.structure import Resolved
+from flowgraph.checker.shapes import ShapeResult
+from flowgraph.checker.structure import Resolved
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.ir import Graph, NodeSpec
 from flowgraph.runtime.update import one_optimizer_step

@@ -19,8 +19,8 @@ Notation: b sequences of one generation batch, g groups kept, n samples per grou
 
 from __future__ import annotations
 
-from flowgraph.check.shapes import ShapeResult, group_size
-from flowgraph.check.structure import Resolved
+from flowgraph.checker.shapes import ShapeResult, group_size
+from flowgraph.checker.structure import Resolved
 from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.ir import Graph, NodeSpec
 from flowgraph.plan import upstream_of

@@ -10,13 +10,13 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
-from flowgraph.check.batch import check_batches, ranks_of
-from flowgraph.check.filters import check_filters
-from flowgraph.check.functions import check_functions
-from flowgraph.check.sampling import check_temperatures, check_val_sampling
-from flowgraph.check.shapes import DimEnv, EdgeInfo, PortShape, ShapeResult, infer_shapes
-from flowgraph.check.staleness import check_staleness
-from flowgraph.check.structure import (
+from flowgraph.checker.batch import check_batches, ranks_of
+from flowgraph.checker.filters import check_filters
+from flowgraph.checker.functions import check_functions
+from flowgraph.checker.sampling import check_temperatures, check_val_sampling
+from flowgraph.checker.shapes import DimEnv, EdgeInfo, PortShape, ShapeResult, infer_shapes
+from flowgraph.checker.staleness import check_staleness
+from flowgraph.checker.structure import (
     Resolved,
     check_cycles,
     check_data_files,

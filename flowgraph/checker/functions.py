@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from flowgraph.check.structure import Resolved, param_problem
+from flowgraph.checker.structure import Resolved, param_problem
 from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.document import did_you_mean
 from flowgraph.ir import Graph, NodeSpec, Param, Params

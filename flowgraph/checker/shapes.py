@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from flowgraph.check.structure import Resolved, param_value
+from flowgraph.checker.structure import Resolved, param_value
 from flowgraph.contracts import TensorSpec
 from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.dims import CANONICAL_DIMS, Poly, format_dims, parse_expr
