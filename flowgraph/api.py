@@ -259,8 +259,10 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
 
 
 def _run(plan: ExecutionPlan, opts: Any) -> Run:
-    """`flowgraph.compilers.run`; a stop raised without flowgraph's frames (its message
-    says all), a KeyboardInterrupt outside the run's own handling (while it starts or
+    """`flowgraph.compilers.run`; a stop or a failure (a node's, a rank's, a worker's)
+    raised without flowgraph's frames and their chain — its message says all: the node,
+    step and your line, and where the full traceback was written (`debug=True` keeps
+    them) — and a KeyboardInterrupt outside the run's own handling (while it starts or
     ends) as the `Stopped` it would have been."""
     import signal
 
@@ -270,6 +272,10 @@ def _run(plan: ExecutionPlan, opts: Any) -> Run:
     try:
         return run_plan(plan, opts)
     except Stopped as exc:
+        raise exc.with_traceback(None) from None
+    except FlowgraphError as exc:
+        if os.environ.get(DEBUG_ENV):
+            raise
         raise exc.with_traceback(None) from None
     except KeyboardInterrupt:
         raise stopped(plan, opts, signal.SIGINT, at_once=True,

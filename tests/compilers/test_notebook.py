@@ -168,6 +168,32 @@ def test_a_keyboard_interrupt_outside_the_runs_handling_is_a_stop_too(
     assert not [f for f in frames if "/flowgraph/compilers/" in f.filename], frames  # no executor's
 
 
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_failed_run_raises_its_message_without_the_executors_frames(
+        monkeypatch: pytest.MonkeyPatch, debug: bool) -> None:
+    """A node's failure from Python: the `NodeError` whose message names node, step and
+    line, raised from `flowgraph.run` alone (a script prints your line, two of the API's
+    and the message, not 40 frames of executor); `debug=True` keeps the frames and the
+    chain to the node's own exception."""
+    import flowgraph.compilers as compilers
+    from flowgraph.errors import NodeError
+
+    def failing(*args: Any) -> None:
+        try:
+            raise ZeroDivisionError("in your reward")
+        except ZeroDivisionError as exc:
+            raise NodeError("while executing node `reward` at step 0: ...") from exc
+
+    monkeypatch.setattr(compilers, "run", failing)
+    with pytest.raises(NodeError) as exc:
+        _run("g.yaml", run_dir="runs/f", debug=debug)
+    frames = [f.name for f in traceback.extract_tb(exc.value.__traceback__)]
+    if debug:
+        assert frames[-1] == "failing" and isinstance(exc.value.__cause__, ZeroDivisionError)
+    else:
+        assert frames[-2:] == ["run", "_run"] and exc.value.__cause__ is None
+
+
 def test_a_new_run_removes_an_earlier_attempts_traceback() -> None:
     """An attempt that failed before its first step left only its traceback; the next run
     in that folder (not an overwrite: nothing else is there) starts without it."""
