@@ -23,8 +23,8 @@ import itertools
 import os
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -43,7 +43,7 @@ from flowgraph.errors import (
 from flowgraph.ir import Graph, TrainerSpec
 from flowgraph.plan import MAX_PLAN_BYTES, ExecutionPlan, verify_kinds
 from flowgraph.registry import KindSpec, Registry
-from flowgraph.voice import Word, command, option, python_entry
+from flowgraph.voice import Word, command, inherited, option, python_entry
 
 if TYPE_CHECKING:
     from flowgraph.checker import CheckResult
@@ -309,18 +309,6 @@ def _with_run_dir(plan: ExecutionPlan, run_dir: str | Path | None, *, fresh: boo
     return replace(plan, graph=replace(plan.graph, trainer=trainer))
 
 
-@contextmanager
-def _debugging(debug: bool) -> Iterator[None]:
+def _debugging(debug: bool) -> AbstractContextManager[None]:
     """`debug`: a node's error carries its full traceback, in every process of the run."""
-    if not debug:
-        yield
-        return
-    before = os.environ.get(DEBUG_ENV)
-    os.environ[DEBUG_ENV] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ[DEBUG_ENV]
-        else:
-            os.environ[DEBUG_ENV] = before
+    return inherited(DEBUG_ENV, "1") if debug else nullcontext()

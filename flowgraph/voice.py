@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import shlex
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 ENTRY_ENV = "FLOWGRAPH_ENTRY"
@@ -62,17 +62,23 @@ def from_python() -> bool:
 
 
 @contextmanager
-def python_entry() -> Iterator[None]:
-    """Messages raised in the body (in this process and those it starts) speak Python."""
-    before = os.environ.get(ENTRY_ENV)
-    os.environ[ENTRY_ENV] = "python"
+def inherited(name: str, value: str) -> Iterator[None]:
+    """Environment variable `name` set to `value` in the body: a setting of this process
+    that the processes it starts (fsdp ranks, Ray workers, the producer) inherit."""
+    before = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if before is None:
-            del os.environ[ENTRY_ENV]
+            del os.environ[name]
         else:
-            os.environ[ENTRY_ENV] = before
+            os.environ[name] = before
+
+
+def python_entry() -> AbstractContextManager[None]:
+    """Messages raised in the body (in this process and those it starts) speak Python."""
+    return inherited(ENTRY_ENV, "python")
 
 
 def option(name: str, value: Any = True) -> str:
