@@ -230,6 +230,7 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
                          "`if __name__ == \"__main__\":` (Python's rule for scripts that "
                          "start processes)")
     with python_entry():
+        _known_options(options)
         options.setdefault("called_with", _called_with(plan))
         if isinstance(plan, (str, Path)) and str(plan).endswith(".json"):
             options.setdefault("plan_file", Path(plan))
@@ -256,6 +257,23 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
         opts = RunOptions(overrides=tuple(overrides), **options)
         with _debugging(debug):
             return _run(plan, opts)
+
+
+def _known_options(options: dict[str, Any]) -> None:
+    """A `UsageError` for a keyword `run` does not take, with the closest one and, for a
+    TRL name (`report_to`), the setting that does it here — never a `TypeError`."""
+    from dataclasses import fields
+
+    from flowgraph.compilers import RunOptions
+    from flowgraph.document import did_you_mean
+    from flowgraph.trl_names import trl_hint
+
+    known = sorted({"target", "nproc", "overrides", "disable", "run_dir", "debug"}
+                   | {f.name for f in fields(RunOptions)})
+    for name in options:
+        if name not in known:
+            raise UsageError(f"flowgraph.run takes no argument `{name}`: "
+                             f"{trl_hint(name) or did_you_mean(name, known)}")
 
 
 def _run(plan: ExecutionPlan, opts: Any) -> Run:

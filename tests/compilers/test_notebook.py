@@ -194,6 +194,19 @@ def test_a_failed_run_raises_its_message_without_the_executors_frames(
         assert frames[-2:] == ["run", "_run"] and exc.value.__cause__ is None
 
 
+def test_an_unknown_keyword_of_run_names_the_closest_or_the_setting_of_a_trl_name() -> None:
+    """`flowgraph.run(..., report_to=...)` or a typo: a `UsageError` before anything
+    starts, never `RunOptions`' TypeError."""
+    from flowgraph.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"no argument `report_to`: `report_to` is TRL's "
+                                         r"name; here: `trainer.loggers`"):
+        flowgraph.run("g.yaml", report_to="wandb")
+    with pytest.raises(UsageError, match=r"no argument `resum`: did you mean `resume`\?"):
+        flowgraph.run("g.yaml", resum=True)
+    assert not Path("runs").exists()
+
+
 def test_a_new_run_removes_an_earlier_attempts_traceback() -> None:
     """An attempt that failed before its first step left only its traceback; the next run
     in that folder (not an overwrite: nothing else is there) starts without it."""
