@@ -217,8 +217,9 @@ print("SCORE", result.rows[-1]["critic/score/mean"])
 
 @pytest.mark.slow
 def test_a_notebook_defines_a_reward_and_a_kind_and_finds_its_plugin(tmp_path: Path) -> None:
-    nbformat = pytest.importorskip("nbformat")
-    nbclient = pytest.importorskip("nbclient")
+    import nbclient  # the dev extra installs them, with ipykernel: never skipped
+    import nbformat
+
     (tmp_path / "nb_rewards.py").write_text(PLUGIN)
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in CELLS])
     nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
