@@ -188,7 +188,7 @@ class Worker:
         worker's share of every mini-batch in the update loop, which trains the
         `Update` the implementation returns."""
         placed, impl = self.placed[name], self.impls[name]
-        kw: dict[str, Any] = dict(inputs)
+        kw: dict[str, Any] = on_device(inputs, self.opts.device)
         kw.update({k: v for k, v in params.items() if k in impl.accepts})
         for o in placed.outputs:
             if o.optional and (name, o.port) in self.consumed and f"with_{o.port}" in impl.accepts:
@@ -220,7 +220,8 @@ class Worker:
         """An update's metrics on held-out `inputs` (its loss's `held_out`), no step."""
         impl = self.impls[name]
         ctx = self.context(name, step)
-        kw = {**inputs, **{k: v for k, v in params.items() if k in impl.accepts}}
+        kw = {**on_device(inputs, self.opts.device),
+              **{k: v for k, v in params.items() if k in impl.accepts}}
         with torch.no_grad(), self._base(name, ctx):
             update = self._guarded(name, step, partial(impl.fn, **kw))
             self._guarded(name, step, partial(update_loop.evaluate, ctx, update))
@@ -346,6 +347,14 @@ def quiet_hf() -> None:
 
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
+
+
+def on_device(inputs: dict[str, Any], device: str) -> dict[str, Any]:
+    """A node's inputs with their tensors on the worker's `device`: a data source's come
+    from the CPU, a model's node computes where its model is."""
+    kind = torch.device(device).type
+    return {k: v.to(device) if isinstance(v, torch.Tensor) and v.device.type != kind else v
+            for k, v in inputs.items()}
 
 
 def pick_device(requested: str) -> str:

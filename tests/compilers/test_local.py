@@ -430,3 +430,18 @@ def test_adam_runs_fused_and_a_resumed_state_keeps_this_targets_kernel() -> None
     opt.load_state_dict(saved)
     assert opt.param_groups[0]["fused"] is True and opt.param_groups[0]["foreach"] is None
     opt.step()  # the fused kernel on the loaded state
+
+
+def test_a_nodes_tensors_are_moved_to_the_workers_device() -> None:
+    """A data source's tensors come from the CPU; a node on another device gets them
+    there (found on a GPU: an SFT update on cuda read its batch from the CPU). `meta`
+    stands in for cuda on a machine without one; other values pass as they are."""
+    import torch
+
+    from flowgraph.compilers.worker import on_device
+
+    ids, rows = torch.ones(2, 3, dtype=torch.int64), [{"a": 1}, {"a": 2}]
+    moved = on_device({"prompts": ids, "row": rows}, "meta")
+    assert moved["prompts"].device.type == "meta" and moved["row"] is rows
+    same = on_device({"prompts": ids}, "cpu")
+    assert same["prompts"] is ids
