@@ -34,7 +34,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from flowgraph.runtime.reward_call import defined_at, function_name, load_function
+from flowgraph.objects import defined_at
+from flowgraph.runtime.reward_call import function_name, load_function
 
 __all__ = ["filter_groups", "keep_mask"]
 

@@ -118,14 +118,6 @@ def load_function(ref: object, builtins: Mapping[str, Callable[..., object]], ki
     return cast("Callable[..., object]", fn)
 
 
-def defined_at(fn: Callable[..., object]) -> str:
-    """`file:line` of a function's `def`, for messages; '' when Python cannot tell."""
-    try:
-        return f"{inspect.getsourcefile(fn)}:{inspect.getsourcelines(fn)[1]}"
-    except (OSError, TypeError):
-        return ""
-
-
 def call_style(fn: Callable[..., object], styles: Sequence[CallStyle]) -> CallStyle:
     """The style one of whose marker parameters `fn` declares. A function without a readable
     signature (a C builtin), or naming no marker but taking `**kwargs`, is called in the
