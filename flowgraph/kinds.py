@@ -236,6 +236,104 @@ _KINDS = (
         dim_defaults=(("n", "N"),),
     ),
     KindSpec(
+        "agent_rollout", "rollout",
+        "Multi-turn episodes: the policy answers, calls tools (Hermes-style tool calls) and "
+        "reads their output or the environment's reply, for up to max_turns turns; token "
+        "in, token out (the sampled ids are kept, new messages are rendered as a delta).",
+        inputs=(
+            _p("row", "b", "object", doc="each row's dataset columns (the data's `row`): the "
+                                         "task `Env.reset` builds the first prompt from"),
+            _p("ground_truth", "b", "object", optional=True),
+            _p("data_source", "b", "object", optional=True),
+            _p("extra_info", "b", "object", optional=True),
+        ),
+        outputs=(
+            _p("prompts", "b*n P", "int", doc="the first prompt, left-padded"),
+            _p("prompt_mask", "b*n P", "int", "binary"),
+            _p("responses", "b*n T", "int", doc="every token after the first prompt: the "
+                                                "policy's turns and the messages between"),
+            _p("response_mask", "b*n T", "int", "binary",
+               doc="1 exactly on the tokens the policy sampled (tool and user tokens are "
+                   "holes): what losses and advantages read"),
+            _p("rollout_log_prob", "b*n T", "float", "nonpositive", optional=True),
+            _p("index", "b*n", "int", doc="group id: the prompt's position in the batch"),
+            _p("scores", "b*n", "float", "finite", optional=True,
+               doc="the episode's reward (`Env.reward`) plus its turns' rewards"),
+            _p("token_level_rewards", "b*n T", "float", "finite", optional=True,
+               doc="each turn's reward at its last sampled token, the episode's reward at "
+                   "the last one (for gae, reinforce_pp: credit per turn)"),
+            _p("turn_rewards", "b*n K", "float", "finite", optional=True,
+               doc="one reward per assistant turn (`Step.reward`, tools' rewards)"),
+            _p("turn_mask", "b*n K", "int", "binary", optional=True,
+               doc="1 on the turns the episode took"),
+            _p("num_turns", "b*n", "int", optional=True),
+            _p("tool_calls", "b*n", "int", optional=True),
+            _p("status", "b*n", "object", optional=True,
+               doc="completed, max_turns, context_exhausted, timeout or error"),
+            _p("messages", "b*n", "object", optional=True,
+               doc="each episode's conversation (chat messages), for reward functions"),
+            _p("reward_extra_info", "b*n", "object", optional=True,
+               doc="each episode's status, turns and tool calls, and the entries of a dict "
+                   "`Env.reward` returned: the validation table's columns"),
+            _p("ground_truth", "b*n", "object", optional=True),
+            _p("data_source", "b*n", "object", optional=True),
+            _p("extra_info", "b*n", "object", optional=True),
+            _p("row", "b*n", "object", optional=True, doc=ROW_DOC),
+        ),
+        params=(
+            ParamSpec("env", ("str", "null"), None, functions=(),
+                      doc="the environment: a `flowgraph.Env` subclass, a TRL "
+                          "environment_factory class or a verl BaseTool, as `file.py:Name` "
+                          "(the file listed under plugins:), `module:Name` or the class "
+                          "itself; null: a plain env over `tools`"),
+            ParamSpec("env_params", ("mapping",), {},
+                      doc="keyword arguments the env is made with, once per episode"),
+            ParamSpec("tools", ("list",), [],
+                      doc="tools every episode may call besides the env's: functions "
+                          "(typed, Google-style docstring) or `flowgraph.tool`s, as "
+                          "`file.py:name`, `module:name` or the objects"),
+            _s("parser", "hermes", (), "how tool calls are read from a turn: a name of "
+                                      "flowgraph.agent.PARSERS (hermes: <tool_call>{json}"
+                                      "</tool_call>, Qwen / ChatML)"),
+            _i("max_turns", 4, "assistant turns per episode at most; binds K", dim="K"),
+            _i("max_new_tokens", None, "the whole response budget (every turn and every "
+               "message between); binds T", dim="T"),
+            _i("max_turn_tokens", None, "tokens one assistant turn may sample; null: what is "
+               "left of T"),
+            _i("max_tool_tokens", 256, "tokens one tool result (or env message) may take; "
+               "longer ones are cut"),
+            _s("truncate_side", "right", ("left", "middle", "right"),
+               "which part of a long tool result is cut (verl's tool_response_truncate_side)"),
+            _f("tool_timeout_s", 30.0, "seconds one tool call may take (a tool's own "
+               "timeout_s wins)", minimum=0.0),
+            _f("turn_timeout_s", 120.0, "seconds the tools and the env may take in one turn",
+               minimum=0.0),
+            _f("episode_timeout_s", 600.0, "seconds the env and tools may take in one "
+               "episode", minimum=0.0),
+            _s("on_error", "mask", ("mask", "zero", "raise"),
+               "an episode that timed out or raised: mask (no token trained, score 0), "
+               "zero (trained with score 0) or raise (stop the run, naming the row)"),
+            _i("concurrency", 64, "episodes whose tools and env run at once (threads for "
+               "sync code)"),
+            _s("chat_template", None, (), "a Jinja chat template (text or a .jinja file) "
+               "instead of the tokenizer's"),
+            _s("backend", "hf", ("hf", "vllm")),
+            _i("n", None, "samples per prompt; null: the global N", dim="n"),
+            _f("temperature", 1.0, minimum=0.0),
+            _f("top_p", 1.0, minimum=0.0),
+            _i("top_k", 0, "0: off", minimum=0),
+            _b("do_sample", True),
+            replace(_i("val_n", 1, "held-out episodes per prompt at evaluation"),
+                    evaluation=True),
+            replace(_f("val_temperature", 0.0, "sampling temperature at evaluation; 0: "
+                       "greedy", minimum=0.0), evaluation=True),
+            _f("gpu_memory_utilization", None, "vLLM only, as generate's", minimum=0.0),
+        ),
+        model="required",
+        impl="flowgraph.nodes.agent:agent_rollout",
+        dim_defaults=(("n", "N"),),
+    ),
+    KindSpec(
         "logprob", "model", "Per-token log-probs (and entropy) of responses, in chunks.",
         inputs=SEQUENCE_INPUTS,
         outputs=(
