@@ -53,7 +53,7 @@ def ensure_builtin(name: str, out: TextIO | None = None) -> Path:
     base, recipe = TRAINED_BUILTINS[name]
     graph = graph_from_yaml(recipe, file=f"<recipe of {BUILTIN_PREFIX}{name}>")
     print(f"{BUILTIN_PREFIX}{name}: training it once from {BUILTIN_PREFIX}{base} "
-          f"({graph.trainer.steps} steps of the SFT graph graphs/sft.yaml); cached in "
+          f"({graph.trainer.steps} steps of its SFT recipe); cached in "
           f"{final}", file=out, flush=True)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))

@@ -25,6 +25,9 @@ backwards (`reverse 381` -> `183`): 1,000 training and 100 held-out strings, dis
 Unlike single-digit sums, which a tiny model can only memorise, reversal is one skill
 shared by every prompt, so what training teaches on one prompt carries to held-out
 ones. Built-in tables also carry a `response` column (the answer), so `sft` reads them.
+The agent tasks (`flowgraph.nodes.agent_tasks`): `builtin:mul` (`37*86=`, for a
+calculator tool), `builtin:guess` (a number of 1-16) and their warm-up conversations
+`builtin:mul-sft` and `builtin:guess-sft` (a `messages` column).
 
 A batch is drawn without replacement from a per-epoch order (shuffled by seed and
 epoch); an epoch's last incomplete batch is dropped, as verl's sampler does. The
@@ -71,6 +74,8 @@ from torch import Tensor
 
 from flowgraph.builtin_models import BUILTIN_PREFIX, held_out_path
 from flowgraph.errors import FlowgraphError
+from flowgraph.nodes.agent_tasks import (guess_games, guess_problems, mul_problems,
+                                         mul_transcripts)
 from flowgraph.tables import held_table, is_memory
 from flowgraph.voice import Word, command
 
@@ -130,7 +135,10 @@ def reverse_problems(split: str = "train") -> list[tuple[str, str]]:
     return [(f"reverse {s}", s[::-1]) for s in chosen]
 
 
-_TASKS = {"arith": arith_problems, "reverse": reverse_problems}
+_TASKS = {"arith": arith_problems, "reverse": reverse_problems, "mul": mul_problems,
+          "guess": guess_problems}
+_CHATS = {"mul-sft": mul_transcripts, "guess-sft": guess_games}
+"""Built-in chat tables (a `messages` column: the `sft` kind's multi-turn layout)."""
 
 
 def _wrong_answer(question: str, answer: str) -> str:
@@ -141,11 +149,14 @@ def _wrong_answer(question: str, answer: str) -> str:
 def _builtin_table(name: str) -> pa.Table:
     task, _, split = name.partition(":")
     pairs = task == "arith-pairs"
-    if (task not in _TASKS and not pairs) or split not in ("", "train", "test"):
+    known = (*_TASKS, "arith-pairs", *_CHATS)
+    if task not in known or split not in ("", "train", "test"):
         raise FlowgraphError(
-            f"unknown built-in dataset `{BUILTIN_PREFIX}{name}`; known: builtin:arith, "
-            f"builtin:arith-pairs, builtin:reverse (suffix `:test` for held-out)"
+            f"unknown built-in dataset `{BUILTIN_PREFIX}{name}`; known: "
+            f"{', '.join(BUILTIN_PREFIX + k for k in known)} (suffix `:test` for held-out)"
         )
+    if task in _CHATS:
+        return pa.table({"messages": _CHATS[task](split or "train")})
     problems = _TASKS["arith" if pairs else task](split or "train")
     prompts = [[{"role": "user", "content": q}] for q, _ in problems]
     if pairs:
