@@ -286,9 +286,9 @@ _KINDS = (
                           "environment_factory class or a verl BaseTool, as `file.py:Name` "
                           "(the file listed under plugins:), `module:Name` or the class "
                           "itself; null: a plain env over `tools`"),
-            ParamSpec("env_params", ("mapping",), {},
+            ParamSpec("env_params", ("mapping", "null"), None,
                       doc="keyword arguments the env is made with, once per episode"),
-            ParamSpec("tools", ("list",), [],
+            ParamSpec("tools", ("list",), (),
                       doc="tools every episode may call besides the env's: functions "
                           "(typed, Google-style docstring) or `flowgraph.tool`s, as "
                           "`file.py:name`, `module:name` or the objects"),

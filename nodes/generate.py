@@ -49,8 +49,8 @@ from flowgraph.runtime.context import NodeContext, Workers
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["SamplingSpec", "counter_uniform", "decode", "filter_logits", "generate",
-           "sample_seed"]
+__all__ = ["SamplingSpec", "counter_uniform", "decode", "eval_mode", "filter_logits", "generate",
+           "pad_id", "sample_seed", "stop_ids"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +162,7 @@ def _forward(model: nn.Module, ids: Tensor, attention: Tensor, positions: Tensor
 
 
 @contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
+def eval_mode(model: nn.Module) -> Iterator[None]:
     """No dropout while sampling; the caller's mode (a trainable actor's) comes back."""
     training = model.training
     model.eval()
@@ -291,7 +291,7 @@ def _reserve(cache: Any, capacity: int) -> None:
             layers[i] = _ReservedLayer(layer.keys, layer.values, capacity)
 
 
-def _stop_ids(model: nn.Module, tokenizer: Any) -> tuple[int, ...]:
+def stop_ids(model: nn.Module, tokenizer: Any) -> tuple[int, ...]:
     """EOS ids of the tokenizer and of the model's generation config (HF may list several)."""
     config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = [tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])]
@@ -334,7 +334,7 @@ def generate(
     if n is None or T is None:
         raise ValueError("generate: set the params n and max_new_tokens, or bind the dims N and T")
     spec = SamplingSpec(T, temperature, top_p, top_k, not do_sample or temperature == 0,
-                        _stop_ids(model, tokenizer), _pad_id(tokenizer))
+                        stop_ids(model, tokenizer), pad_id(tokenizer))
     rows = ctx.row_offset + torch.arange(len(prompts))
     seeds = [sample_seed(ctx.seed, ctx.step, int(row), j) for row in rows for j in range(n)]
     prompts, prompt_mask = prompts.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0)
@@ -342,7 +342,7 @@ def generate(
         out = ctx.rollout_engine("vllm").rollout(model, tokenizer, prompts, prompt_mask, seeds,
                                                  spec, gpu_memory_utilization)
     elif backend == "hf":
-        with _eval_mode(model):
+        with eval_mode(model):
             out = decode(model, prompts, prompt_mask, seeds, spec, ctx.workers)
     else:
         raise ValueError(f"generate: backend must be `hf` or `vllm`, got `{backend}`")
@@ -357,6 +357,6 @@ def generate(
     return outputs
 
 
-def _pad_id(tokenizer: Any) -> int:
+def pad_id(tokenizer: Any) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return int(pad or 0)

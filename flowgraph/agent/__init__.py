@@ -5,6 +5,6 @@ The rollout itself (sampling, token bookkeeping) is the `agent_rollout` kind,
 `flowgraph.nodes.agent`.
 """
 
-from flowgraph.agent.env import STATUSES, Env, Episode, Message, Step, as_messages
+from flowgraph.agent.env import STATUSES, Env, Episode, Message, Step, ToolResult, as_messages
 
-__all__ = ["STATUSES", "Env", "Episode", "Message", "Step", "as_messages"]
+__all__ = ["STATUSES", "Env", "Episode", "Message", "Step", "ToolResult", "as_messages"]

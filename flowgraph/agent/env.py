@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-__all__ = ["STATUSES", "Env", "Episode", "Message", "Step", "as_messages"]
+__all__ = ["STATUSES", "Env", "Episode", "Message", "Step", "ToolResult", "as_messages"]
 
 Message = dict[str, Any]
 """A chat message as chat templates take it: `{"role": ..., "content": ...}` (an
@@ -48,6 +48,15 @@ class Step:
     """This turn's reward (the `turn_rewards` port)."""
     done: bool = False
     """The episode ends here (status `completed`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """What a tool may return instead of its text: the text and a reward for the turn
+    (a verl tool's `execute` reward)."""
+
+    content: str
+    reward: float = 0.0
 
 
 @dataclass
