@@ -119,12 +119,14 @@ class Env:
 
 
 def as_messages(value: Sequence[Message | str] | str | None, who: str) -> list[Message]:
-    """Messages from what a user's env returned: a string is one user message, a list
-    holds messages or strings. ValueError naming `who` for anything else."""
+    """Messages from what a user's env returned: a string is one user message, a mapping
+    one message, a list holds messages or strings. ValueError naming `who` for anything else."""
     if value is None:
         return []
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
+    if isinstance(value, Mapping):  # one message
+        value = [value]
     out: list[Message] = []
     for i, m in enumerate(value):
         if isinstance(m, str):
