@@ -22,7 +22,7 @@ writes a BOS before every message, one whose pieces tokenize differently from th
 whole — saying why and what to do.
 
 Multi-turn SFT (`flowgraph.nodes.data.conversation_spans`) marks its assistant turns
-with the same pieces. Torch-free: only the tokenizer.
+with the same renderer (`ChatRenderer.spans`). Torch-free: only the tokenizer.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class ChatRenderer:
     """
 
     def __init__(self, tokenizer: Any, template: str | None = None,
-                 tools: Sequence[dict[str, Any]] = (), stop_ids: Sequence[int] = ()) -> None:
+                 tools: Sequence[dict[str, Any]] = (), stop_ids: Sequence[int] = (),
+                 probe: bool = True) -> None:
         if template is None and getattr(tokenizer, "chat_template", None) is None:
             raise TemplateError("the tokenizer has no chat template (a base model?); an agent "
                                 "rollout renders messages with one: give the rollout's "
@@ -76,7 +77,8 @@ class ChatRenderer:
         stop = next((s for s in stops if s and self.close.startswith(s)), "")
         self.tail = self.close[len(stop):]
         """What follows an assistant turn that ended with its stop token."""
-        self.check()
+        if probe:
+            self.check()
 
     def text(self, messages: Sequence[Message], generation: bool) -> str:
         out: str = self.tokenizer.apply_chat_template(
@@ -96,6 +98,27 @@ class ChatRenderer:
         turn ended with its stop token, the whole closing when it was cut), `new`'s
         messages and the next generation prompt."""
         return self.ids((self.tail if stopped else self.close) + self._added(_BASE, new))
+
+    def spans(self, messages: Sequence[Message], first: int) -> list[tuple[list[int], bool]]:
+        """A whole conversation after `messages[:first]` (which ends before an assistant
+        turn) as (ids, assistant) spans: each assistant message as the template writes
+        it, each run of other messages with the next generation prompt, each the text
+        the template adds to the conversation so far (multi-turn SFT's loss mask).
+        TemplateError when a prefix's text does not start the next one's."""
+        spans: list[tuple[str, bool]] = []
+        done, i = self.text(messages[:first], True), first
+        while i < len(messages):
+            j = i + 1
+            if messages[i]["role"] != "assistant":
+                while messages[j]["role"] != "assistant":
+                    j += 1
+            upto = self.text(messages[:j], messages[i]["role"] != "assistant")
+            if not upto.startswith(done):
+                raise TemplateError(self._not_prefix(messages[:i], messages[i:j]))
+            spans.append((upto[len(done):], messages[i]["role"] == "assistant"))
+            done, i = upto, j
+        ids = self.tokenizer([t for t, _ in spans], add_special_tokens=False).input_ids
+        return [(list(t), trained) for t, (_, trained) in zip(ids, spans, strict=True)]
 
     def _added(self, before: Sequence[Message], new: Sequence[Message]) -> str:
         head = self.text(before, False)
@@ -150,4 +173,5 @@ class ChatRenderer:
                 "thinking model's template dropping earlier <think> blocks, as Qwen3's "
                 "does) would train the policy on a history it never saw. Give the rollout "
                 "a `chat_template` that keeps every turn as it was written (for Qwen3: "
-                "one that keeps reasoning_content in every turn)")
+                "one that keeps reasoning_content in every turn); an SFT row: or split "
+                "it into one row per answer")
