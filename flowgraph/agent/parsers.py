@@ -127,8 +127,7 @@ def _call(body: str, closed: bool, call_id: str, parser: HermesParser) -> ToolCa
     except json.JSONDecodeError as e:
         what = "is not valid JSON" if closed else \
             f"has no {parser.close_tag} and is not a whole JSON object"
-        return ToolCall("", {}, call_id, f"this tool call {what} ({e.msg} at "
-                                         f"character {e.pos}); {fix}")
+        return ToolCall("", {}, call_id, f"this tool call {what} ({e}); {fix}")
     name = data.get("name") if isinstance(data, dict) else None
     if not isinstance(name, str) or not name:
         return ToolCall("", {}, call_id, f'this tool call has no "name" (a string); {fix}')
