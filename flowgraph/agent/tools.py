@@ -36,7 +36,7 @@ from typing import Any, overload
 
 from flowgraph.agent.schema import argument_problem, function_schema, json_type
 from flowgraph.errors import ToolSchemaError
-from flowgraph.objects import defined_at
+from flowgraph.objects import by_value, defined_at
 
 __all__ = ["Tool", "ToolSchemaError", "as_tool", "tool", "tools_of"]
 
@@ -45,9 +45,14 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 templates and parsers assume (a space or a quote would break a Hermes call)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Tool:
-    """A function the policy may call, with the JSON schema it is shown."""
+    """A function the policy may call, with the JSON schema it is shown.
+
+    Like a `functools.wraps` wrapper, a Tool carries its function's `__module__`,
+    `__qualname__`, `__name__`, `__doc__` and `__wrapped__` (hence no slots): a graph
+    holds a decorated function by its `module:qualname`, as it holds a plain one
+    (`flowgraph.objects`)."""
 
     name: str
     """What the policy calls it (the function's name, unless given)."""
@@ -84,6 +89,10 @@ class Tool:
                                   "positive, finite number of seconds; give one "
                                   "(timeout_s=10) or leave it None for the node's "
                                   "tool_timeout_s")
+        for attr in ("__module__", "__qualname__", "__name__", "__doc__"):
+            if hasattr(self.fn, attr):
+                object.__setattr__(self, attr, getattr(self.fn, attr))
+        object.__setattr__(self, "__wrapped__", self.fn)
 
     def _where(self) -> str:
         at = defined_at(self.fn)
@@ -155,14 +164,19 @@ class Tool:
         # reference; the Tool itself is, where its module holds it under fn's name.
         module, qualname = getattr(self.fn, "__module__", None), \
             getattr(self.fn, "__qualname__", "")
-        if module and "<" not in qualname and _lookup(module, qualname) is self:
+        if module and not by_value(f"{module}:{qualname}") and \
+                _lookup(module, qualname) is self:
             return (_lookup, (module, qualname))
         return (Tool, (self.name, self.description, self.parameters, self.fn,
                        self.timeout_s, self.returns, self.receiver))
 
 
 def _lookup(module: str, qualname: str) -> Any:
-    obj: Any = importlib.import_module(module)
+    """What `module:qualname` names (None where nothing does)."""
+    try:
+        obj: Any = importlib.import_module(module)
+    except ImportError:
+        return None
     for part in qualname.split("."):
         obj = getattr(obj, part, None)
     return obj

@@ -14,14 +14,18 @@ import math
 import pickle
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+import cloudpickle
 import pytest
 
 import flowgraph
 from flowgraph.agent import Env, Tool, ToolSchemaError, as_tool, tool, tools_of
 from flowgraph.agent.schema import function_schema
+from flowgraph.ir import from_python
+from flowgraph.objects import PyObject, rebuilt
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -346,6 +350,31 @@ def test_schema_is_a_copy() -> None:
 
 def test_a_module_tool_pickles_by_reference() -> None:
     assert pickle.loads(pickle.dumps(multiply)) is multiply
+    assert pickle.loads(cloudpickle.dumps(multiply)) is multiply
+
+
+def test_a_local_tool_travels_by_value() -> None:
+    @tool(timeout_s=3.0)
+    def local(x: int) -> int:
+        """Double x.
+
+        Args:
+            x: a number
+        """
+        return 2 * x
+
+    copy = pickle.loads(cloudpickle.dumps(local))
+    assert copy is not local and copy == replace(local, fn=copy.fn) and copy(x=4) == 8
+
+
+def test_a_graph_holds_a_tool_as_it_holds_a_function() -> None:
+    # `params={"tools": [multiply]}`: the decorated function, by its module:qualname.
+    held = from_python([multiply, basic])
+    line = inspect.getsourcelines(multiply)[1]
+    assert held == (PyObject(f"{__name__}:multiply"), PyObject(f"{__name__}:basic"))
+    assert held[0].obj is multiply and held[0].where == f"{__file__}:{line}"
+    assert rebuilt(held[0].ref).obj is multiply
+    assert (multiply.__name__, multiply.__doc__) == ("multiply", multiply.fn.__doc__)
 
 
 @pytest.mark.parametrize("timeout", [0, -1.0, math.inf, math.nan, True, "5"])
