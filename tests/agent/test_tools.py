@@ -8,10 +8,12 @@ reads when a tool cannot be built."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import inspect
 import math
 import pickle
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -588,3 +590,19 @@ def test_importing_the_agent_layer_imports_neither_torch_nor_transformers() -> N
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_the_readme_example() -> None:
+    """The README's `### Tools` blocks: the tool, the schema it shows, the env's tools."""
+    text = (ROOT / "README.md").read_text().split("### Tools\n", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    namespace: dict[str, Any] = {}
+    exec(blocks[0], namespace)  # the tool
+    assert namespace["multiply"].schema() == ast.literal_eval(blocks[1])
+    exec(blocks[2], namespace)  # the env
+    env = namespace["GuessEnv"]()
+    assert env.reset({"secret": 40}) == "Guess my number between 1 and 100."
+    tools = {t.name: t for t in tools_of(env)}
+    assert list(tools) == ["multiply", "guess"] and tools["guess"].timeout_s == 1.0
+    assert [tools["guess"].fn(n=n) for n in (3, 90, 40)] == ["higher", "lower", "right"]
+    assert env.guesses == 3
