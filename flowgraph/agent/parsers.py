@@ -179,17 +179,24 @@ def register_parser(name: str, parser: ToolCallParser | Callable[[str], Any]) ->
     if name in _BUILTIN and parser != old:
         raise RegistryError(f"tool-call parser `{name}` is built in; register "
                             f"{_origin(parser)} under another name")
-    if old is not None and _origin(old) != _origin(parser):
+    if old is not None and old != parser and (
+            _definer(old) is _definer(parser) or _origin(old) != _origin(parser)):
         raise RegistryError(f"tool-call parser `{name}` is taken by {_origin(old)}; "
                             f"register {_origin(parser)} under another name")
     PARSERS[name] = parser
     return parser
 
 
+def _definer(parser: object) -> object:
+    """The function or class that makes a parser what it is."""
+    return parser.fn if isinstance(parser, _FunctionParser) else type(parser)
+
+
 def _origin(parser: object) -> str:
-    """What defines a parser (its function, else its class), with file:line: a reimported
-    plugin's parser has the same origin as before."""
-    what = parser.fn if isinstance(parser, _FunctionParser) else type(parser)
+    """Where a parser's function or class is defined (`module.name (file:line)`): a
+    reimported plugin's parser is another object with the same origin, accepted again;
+    another object of the same class (other settings) is not."""
+    what: Any = _definer(parser)
     where = defined_at(what)
     label = f"{what.__module__}.{what.__qualname__}"
     return f"{label} ({where})" if where else label

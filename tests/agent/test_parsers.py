@@ -4,6 +4,7 @@ what a model wrote, and the registry takes new parsers by name."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 
 import pytest
@@ -156,6 +157,12 @@ def test_register_a_function_or_an_object(registry: dict[str, ToolCallParser]) -
     assert parser.parse("hi\nCALL now") == ("hi", [ToolCall("now", {}, "call_0")])
     # The same parser again, as a reimported plugin registers it: accepted.
     register_parser("upper", upper)
+    source, line = inspect.getsourcelines(upper)
+    reimported = compile("\n" * (line - 1) + "".join(source), __file__, "exec")
+    namespace: dict[str, object] = {"ToolCall": ToolCall, "__name__": __name__}
+    exec(reimported, namespace)
+    again = register_parser("upper", namespace["upper"])  # type: ignore[arg-type]
+    assert get_parser("upper") is again and again is not parser
     square = HermesParser("[[", "]]")
     assert register_parser("square", square) is square
     assert get_parser("square").parse('[[{"name": "f"}]]')[1][0].name == "f"
@@ -167,6 +174,8 @@ def test_register_a_function_or_an_object(registry: dict[str, ToolCallParser]) -
         ("hermes", HermesParser("<call>", "</call>"),
          "tool-call parser `hermes` is built in; register flowgraph.agent.parsers.HermesParser"),
         ("upper", HermesParser(), f"tool-call parser `upper` is taken by {__name__}.upper ("),
+        ("square", HermesParser("{{", "}}"), "tool-call parser `square` is taken by "
+                                             "flowgraph.agent.parsers.HermesParser ("),
         ("", upper, "a tool-call parser's name is a non-empty string, got ''"),
         ("mine", 42, "tool-call parser `mine`: 42 has no parse(text) -> (content, calls) and "
                      "is not such a function"),
@@ -175,6 +184,7 @@ def test_register_a_function_or_an_object(registry: dict[str, ToolCallParser]) -
 def test_registration_refused(registry: dict[str, ToolCallParser], name: str, parser: object,
                               expected: str) -> None:
     register_parser("upper", upper)
+    register_parser("square", HermesParser("[[", "]]"))
     with pytest.raises(RegistryError) as e:
         register_parser(name, parser)  # type: ignore[arg-type]
     assert expected in str(e.value)
