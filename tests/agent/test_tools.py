@@ -16,6 +16,8 @@ import pickle
 import re
 import subprocess
 import sys
+import typing
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -30,6 +32,8 @@ from flowgraph.ir import from_python
 from flowgraph.objects import PyObject, rebuilt
 
 ROOT = Path(__file__).resolve().parents[2]
+TYPING = {"Callable": Callable, "Sequence": Sequence, **{
+    name: getattr(typing, name) for name in ("Dict", "List", "Tuple")}}
 
 
 # --- a dozen varied functions, each compared with transformers' schema ------------------
@@ -193,6 +197,33 @@ def test_schema_equals_transformers(fn: Any, get_json_schema: Any) -> None:
     # The order of keys too: the chat template renders the schema as written.
     assert repr(function_schema(fn)) == repr(expected)
     assert as_tool(fn).schema() == expected
+
+
+HINTS = ["int", "None", "object", "bytes", "set", "Any", "list[Any]", "List[int]",
+         "Dict[str, int]", "Tuple[int, str]", "dict[int, str]", "tuple[()]",
+         "list[dict[str, int]]", "dict[str, list[int] | None]", "Union[int, Literal['a']]",
+         "Optional[Any]", "Literal[True, 1]", "Literal['a'] | None", "int | str | None",
+         "list[int] | tuple[int, int]", "list | dict", "frozenset[int]", "Callable[[int], int]",
+         "Sequence[int]", "tuple[int]", "Literal[1.5, None]"]
+DOCS = ["x: the value", 'x: the value (choices: [1, "b"])', "x: the value (CHOICES: ['a'])",
+        "x: first line\n            second line", "y: not x"]
+
+
+@pytest.mark.parametrize("doc", DOCS)
+@pytest.mark.parametrize("hint", HINTS)
+def test_every_hint_and_docstring_as_transformers(hint: str, doc: str,
+                                                  get_json_schema: Any) -> None:
+    """A grid of hints and argument docs: the same schema as transformers, or both refuse."""
+    source = f'def f(x: {hint}) -> None:\n    """Doc.\n\n    Args:\n        {doc}\n    """\n'
+    namespace: dict[str, Any] = {}
+    exec(source, {**globals(), **TYPING}, namespace)
+    try:
+        expected = get_json_schema(namespace["f"])
+    except Exception:
+        with pytest.raises(ToolSchemaError, match=r"^tool `f` \("):
+            function_schema(namespace["f"])
+        return
+    assert function_schema(namespace["f"]) == expected
 
 
 def test_a_decorated_tool_gives_the_same_schema(get_json_schema: Any) -> None:
