@@ -6,5 +6,33 @@ The rollout itself (sampling, token bookkeeping) is the `agent_rollout` kind,
 """
 
 from flowgraph.agent.env import STATUSES, Env, Episode, Message, Step, ToolResult, as_messages
+from flowgraph.agent.parsers import (
+    PARSERS,
+    ToolCall,
+    ToolCallParser,
+    get_parser,
+    hermes,
+    register_parser,
+)
+from flowgraph.agent.tools import Tool, ToolSchemaError, as_tool, tool, tools_of
 
-__all__ = ["STATUSES", "Env", "Episode", "Message", "Step", "ToolResult", "as_messages"]
+__all__ = [
+    "PARSERS",
+    "STATUSES",
+    "Env",
+    "Episode",
+    "Message",
+    "Step",
+    "Tool",
+    "ToolCall",
+    "ToolCallParser",
+    "ToolResult",
+    "ToolSchemaError",
+    "as_messages",
+    "as_tool",
+    "get_parser",
+    "hermes",
+    "register_parser",
+    "tool",
+    "tools_of",
+]
