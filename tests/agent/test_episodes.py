@@ -154,7 +154,7 @@ def test_malformed_and_unknown_calls_are_told_to_the_model(tok):
     _, (run,) = play(make(tok, tool_tokens=64, budget=400), tok, [[bad, unknown, "42"]])
     tool_msgs = [m["content"] for m in run.episode.messages if m["role"] == "tool"]
     assert run.episode.status == "completed"
-    assert "error" in tool_msgs[0]
+    assert "not valid JSON" in tool_msgs[0]
     assert "no tool `div`" in tool_msgs[1] and "mul" in tool_msgs[1]
 
 
