@@ -34,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import io
 import json
 import os
 import resource
@@ -271,26 +272,25 @@ class PythonSandbox:
                          read_fd: int) -> SandboxResult:
         """Read the output while the code runs; kill its group at the timeout, or when it
         ends (its children too), or when the caller is cancelled."""
-        stream = asyncio.StreamReader(limit=_READ_CHUNK)
-        pipe = open(read_fd, "rb", buffering=0)  # noqa: SIM115 (the transport closes it)
-        transport, _ = await asyncio.get_running_loop().connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(stream), pipe)
         output = _CappedText(self.max_output_chars)
-        reader = asyncio.ensure_future(_drain(stream, output))
+        stream = asyncio.StreamReader(limit=_READ_CHUNK)
+        pipe = open(read_fd, "rb", buffering=0)  # noqa: SIM115 (closed by _finish_reading)
+        transport: asyncio.BaseTransport | None = None
+        reader: asyncio.Future[None] | None = None
         timed_out = False
         try:
+            transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+                lambda: asyncio.StreamReaderProtocol(stream), pipe)
+            reader = asyncio.ensure_future(_drain(stream, output))
             await asyncio.wait_for(proc.wait(), self.timeout_s)
         except asyncio.TimeoutError:
             timed_out = True
         finally:
             _kill_group(proc.pid)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(proc.wait(), KILL_GRACE_S)
-            # a process that left the group (setsid) may hold the pipe: stop reading then
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(reader, KILL_GRACE_S)
-            transport.close()
-        returncode = proc.returncode if proc.returncode is not None else -signal.SIGKILL
+            await _finish_reading(reader, transport or pipe)
+        returncode = -signal.SIGKILL
+        with contextlib.suppress(asyncio.TimeoutError):
+            returncode = await asyncio.wait_for(proc.wait(), KILL_GRACE_S)
         text, status = output.text(), self._status(returncode, timed_out)
         if status:
             text += ("" if not text or text.endswith("\n") else "\n") + f"[{status}]"
@@ -349,6 +349,19 @@ async def _drain(stream: asyncio.StreamReader, out: _CappedText) -> None:
     while chunk := await stream.read(_READ_CHUNK):
         out.add(chunk)
     out.add(b"", final=True)
+
+
+async def _finish_reading(reader: asyncio.Future[None] | None,
+                          pipe: asyncio.BaseTransport | io.RawIOBase) -> None:
+    """Read the killed group's output to its end, then close the pipe. A process that left
+    the group (`setsid`) may hold the pipe open: reading stops KILL_GRACE_S later."""
+    try:
+        if reader is not None:
+            await asyncio.wait({reader}, timeout=KILL_GRACE_S)
+    finally:
+        if reader is not None:
+            reader.cancel()
+        pipe.close()
 
 
 def _kill_group(pgid: int) -> None:

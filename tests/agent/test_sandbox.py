@@ -102,6 +102,30 @@ def test_children_left_behind_die_when_the_code_ends() -> None:
 
 
 @pytest.mark.faults
+def test_a_process_that_leaves_the_group_outlives_it_but_never_hangs_the_call() -> None:
+    """What the README says the sandbox does not stop: `setsid()` escapes the group kill.
+    It holds the output pipe; the sandbox stops reading KILL_GRACE_S after the code ends."""
+    from flowgraph.agent.sandbox import KILL_GRACE_S
+
+    code = ("import os, time\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            "    print('child', os.getpid(), flush=True)\n"
+            "    time.sleep(100)\n"
+            "time.sleep(0.5)\n"
+            "print('parent done')\n")
+    start = time.monotonic()
+    r = FAST.run_sync(code)
+    elapsed = time.monotonic() - start
+    child = int(r.output.split()[1])
+    escaped = _alive(child)
+    if escaped:  # ours to end: the test started it
+        os.kill(child, signal.SIGKILL)
+    assert r.output == f"child {child}\nparent done\n" and not r.timed_out
+    assert escaped and KILL_GRACE_S <= elapsed < KILL_GRACE_S + 2.0
+
+
+@pytest.mark.faults
 def test_cancelling_the_call_kills_the_group() -> None:
     """An episode timeout in the rollout cancels the tool's coroutine."""
     code = ("import subprocess\np = subprocess.Popen(['sleep', '100'])\n"
