@@ -115,6 +115,11 @@ class RewardFnError(FlowgraphError):
     data source; the function's own exception is the cause (its frame is reported)."""
 
 
+class SandboxError(FlowgraphError):
+    """The Python sandbox (`flowgraph.agent.sandbox`) could not start its process, or its
+    limits are invalid. The code's own errors are never this: they are output."""
+
+
 class NodeError(FlowgraphError):
     """A node's implementation failed; the message names node, kind and step."""
 
