@@ -20,9 +20,10 @@ batch it is sampled in, nor on how episodes are split across workers. A sharded 
 runs each turn's forwards on every worker: a worker with no active episode samples a
 placeholder row while others still have some.
 
-On the first call in a process the rollout checks itself: every trained token is the
-one sampled, the mask is 1 exactly on them, and the model's own log-probs of the
-assembled rows (the trainer's view) equal the sampler's (`check_rows`).
+On its first call in a process, and on every call in strict mode, the rollout checks
+itself: every trained token is the one sampled, the mask is 1 exactly on them, and the
+model's own log-probs of the assembled rows (the trainer's view) equal the sampler's
+(`check_rows`).
 
 Notation: b rows given, n episodes per row, r = b·n, P prompt length, T response
 length, K = max_turns.
@@ -174,7 +175,7 @@ def agent_rollout(
         episodes.advance(sampled)
     runs = episodes.finish()
     out: dict[str, Any] = dict(_tensors(runs, P, T, max_turns, spec.pad_id))
-    if ctx.node not in _CHECKED:
+    if ctx.node not in _CHECKED or ctx.strict:
         _CHECKED.add(ctx.node)
         if not (top_k or top_p < 1.0):  # filtered sampling: log-probs of another distribution
             check_rows(ctx, model, out, runs, temperature if do_sample else 0.0,
