@@ -302,8 +302,9 @@ _KINDS = (
                "left of T"),
             _i("max_tool_tokens", 256, "tokens one tool result (or env message) may take; "
                "longer ones are cut"),
-            _s("truncate_side", "right", ("left", "middle", "right"),
-               "which part of a long tool result is cut (verl's tool_response_truncate_side)"),
+            _s("truncate_side", "middle", ("left", "middle", "right"),
+               "which part of a long tool result is cut: left keeps its end, right its "
+               "start, middle both ends (verl's tool_response_truncate_side)"),
             _f("tool_timeout_s", 30.0, "seconds one tool call may take (a tool's own "
                "timeout_s wins)", minimum=0.0),
             _f("turn_timeout_s", 120.0, "seconds the tools and the env may take in one turn",

@@ -124,7 +124,7 @@ def agent_rollout(
     max_new_tokens: int | None = None,
     max_turn_tokens: int | None = None,
     max_tool_tokens: int = 256,
-    truncate_side: str = "right",
+    truncate_side: str = "middle",
     tool_timeout_s: float = 30.0,
     turn_timeout_s: float = 120.0,
     episode_timeout_s: float = 600.0,

@@ -63,7 +63,7 @@ class Limits:
     """Tokens one assistant turn may sample."""
     tool_tokens: int
     """Tokens one tool result or env message may take; longer ones are cut."""
-    truncate_side: str = "right"
+    truncate_side: str = "middle"
     """Which part of a long message is cut: left, middle or right."""
     tool_timeout_s: float = 30.0
     turn_timeout_s: float = 120.0
