@@ -86,6 +86,13 @@ class PluginError(FlowgraphError):
     """A plugin module listed under `plugins:` could not be imported."""
 
 
+class ToolSchemaError(FlowgraphError):
+    """A tool that cannot be offered to the policy: its JSON schema cannot be built from
+    its hints and docstring, its settings are wrong (a timeout that is not a positive,
+    finite number), or two tools of an environment share a name. The message names the
+    function and its file:line, and says what to add."""
+
+
 def at_step(step: int) -> str:
     """`at step 3`, or `in the prologue` (step -1: the plan's once-stage before the loop)."""
     return "in the prologue" if step < 0 else f"at step {step}"
