@@ -144,14 +144,14 @@ def _budget_fix(K: int, t: object, u: int, T: int, need: int) -> str:
     """Raise T to `need`, or lower one of max_turns, max_turn_tokens, max_tool_tokens to
     the largest value that fits T (the ones that can)."""
     turn = t if isinstance(t, int) else 1
-    fixes = [f"raise T to {need} (dims.T, or the rollout's max_new_tokens)",
-             f"lower max_turns to {(T + u) // (turn + u)}"]
+    lower = [f"max_turns to {(T + u) // (turn + u)}"]
     if isinstance(t, int) and (T - (K - 1) * u) // K >= 1:
-        fixes.append(f"max_turn_tokens to {(T - (K - 1) * u) // K}")
+        lower.append(f"max_turn_tokens to {(T - (K - 1) * u) // K}")
     if (T - K * turn) // (K - 1) >= 1:
-        fixes.append(f"max_tool_tokens to {(T - K * turn) // (K - 1)}")
-    return ", or ".join([fixes[0], ", ".join(fixes[1:])]) + \
-        "; or keep it: context_exhausted is the status such episodes end with"
+        lower.append(f"max_tool_tokens to {(T - K * turn) // (K - 1)}")
+    return (f"raise T to {need} (dims.T, or the rollout's max_new_tokens), or lower "
+            f"{' or '.join(lower)}; or keep it: context_exhausted is the status such "
+            "episodes end with")
 
 
 # --- FG602: timeouts --------------------------------------------------------------------
@@ -232,40 +232,49 @@ def _found(r: Resolved, spec: ParamSpec, given: Param, ref: object, listed: set[
            out: list[Diagnostic]) -> object | None:
     """What one reference names, as the rollout will load it; None (and FG605 where the
     reference is wrong) when it is not found here."""
-    what = "env" if spec.agent == "env" else "tool"
-
-    def refuse(problem: str, hint: str) -> None:
-        out.append(error("FG605", f"parameter `{spec.name}` of `{r.name}` {problem}",
-                         given.pos, node=r.name, hint=hint))
-
     if isinstance(ref, PyObject):
-        return ref.obj  # None: FG113, from the structure check
+        held: object | None = ref.obj
+        return held  # None: FG113, from the structure check
+    obj, problem = _lookup(ref, "env" if spec.agent == "env" else "tool", given.pos, listed)
+    if problem is not None:
+        out.append(error("FG605", f"parameter `{spec.name}` of `{r.name}` {problem[0]}",
+                         given.pos, node=r.name, hint=problem[1]))
+    return obj
+
+
+Problem = tuple[str, str]
+"""What is wrong, and the fix."""
+
+
+def _lookup(ref: object, what: str, pos: SourcePos, listed: set[str]
+            ) -> tuple[object | None, Problem | None]:
+    """(the object `ref` names, None), or (None, the problem); (None, None) where it is not
+    known here (a plugin that failed to import: FG113; a verl tool config: the adapter's)."""
     if not isinstance(ref, str):
-        return ref if callable(ref) else refuse(
-            f"holds {ref!r}, not a {what}", f"`file.py:Name` or `module:Name` of a plugin "
-            f"listed under plugins:, or the {what} itself")
+        if callable(ref):
+            return ref, None
+        return None, (f"holds {ref!r}, not a {what}", f"`file.py:Name` or `module:Name` of "
+                      f"a plugin listed under plugins:, or the {what} itself")
     if what == "env" and ref.endswith((".yaml", ".yml")):  # a verl tool config (adapters)
-        path = Path(ref) if Path(ref).is_absolute() else folder_of(given.pos) / ref
-        return None if path.exists() else refuse(
+        path = Path(ref) if Path(ref).is_absolute() else folder_of(pos) / ref
+        return None, None if path.exists() else (
             f"names the verl tool config `{ref}`, which is not there ({path})",
             "a path relative to the graph file's folder")
     module, colon, name = ref.partition(":")
     if not colon or not module or not name:
-        return refuse(f"names `{ref}`, not a {what} (`file.py:Name` or `module:Name`)",
+        return None, (f"names `{ref}`, not a {what} (`file.py:Name` or `module:Name`)",
                       f"write the {what} as `file.py:Name` (the file listed under plugins:)")
     if module not in listed:
-        return refuse(f"names `{ref}`, but `{module}` is not listed under plugins:, so it "
+        return None, (f"names `{ref}`, but `{module}` is not listed under plugins:, so it "
                       "cannot be imported", f"add it: `plugins: [{module}]` (every file or "
                       "module a graph runs is listed there)")
     loaded = plugin_module(module)
-    if loaded is None:
-        return None  # its import failed: FG113 on its plugins: line
-    obj = getattr(loaded, name, None)
-    if obj is None:
-        names = [n for n in vars(loaded) if not n.startswith("_")]
-        return refuse(f"names `{ref}`, but `{module}` has no `{name}` "
-                      f"({getattr(loaded, '__file__', module)})", did_you_mean(name, names))
-    return obj
+    obj: object | None = getattr(loaded, name, None)
+    if loaded is None or obj is not None:
+        return obj, None
+    names = [n for n in vars(loaded) if not n.startswith("_")]
+    return None, (f"names `{ref}`, but `{module}` has no `{name}` "
+                  f"({getattr(loaded, '__file__', module)})", did_you_mean(name, names))
 
 
 def _built(r: Resolved, spec: ParamSpec, given: Param, ref: object, obj: object,
