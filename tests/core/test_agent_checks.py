@@ -370,3 +370,29 @@ def test_checking_an_agent_graph_imports_no_heavy_module() -> None:
     assert "agent_tools" in modules and "flowgraph.checker.agents" in modules
     heavy = [m for m in modules if m.split(".")[0] in ("torch", "transformers", "ray", "vllm")]
     assert heavy == []
+
+
+# --- from Python: the env and tools as objects ------------------------------------------
+
+
+def _raw(word):  # type: ignore[no-untyped-def]
+    return word
+
+
+def test_objects_given_in_python_are_checked_too() -> None:
+    from flowgraph.agent import Env
+    from flowgraph.builder import GraphBuilder
+
+    class RawEnv(Env):
+        tools = (_raw,)
+
+    g = GraphBuilder("py")
+    g.dims(Bp=2, N=2, P=128, T=64)
+    g.model("actor", "builtin:tiny-lm-sft", trainable=True)
+    g.data("train", "prompts", "builtin:reverse")
+    g.node("agent", "agent_rollout", model="actor", row="train.row",
+           params={"env": RawEnv, "max_turns": 3, "max_turn_tokens": 16,
+                   "max_tool_tokens": 8, "tool_timeout_s": 0})
+    found = [d for d in check_graph(g.build()).diagnostics if d.code.startswith("FG6")]
+    assert [(d.code, d.severity) for d in found] == [("FG602", "error"), ("FG603", "error")]
+    assert "RawEnv" in found[1].message and f"_raw` ({__file__}:" in found[1].message
