@@ -204,7 +204,7 @@ def _type_word(schema: Mapping[str, Any]) -> str:
 
 
 @overload
-def tool(fn: Callable[..., Any], /) -> Tool: ...
+def tool(fn: Callable[..., Any]) -> Tool: ...
 
 
 @overload
@@ -212,7 +212,7 @@ def tool(*, name: str | None = None, description: str | None = None,
          timeout_s: float | None = None) -> Callable[[Callable[..., Any]], Tool]: ...
 
 
-def tool(fn: Callable[..., Any] | None = None, /, *, name: str | None = None,
+def tool(fn: Callable[..., Any] | None = None, *, name: str | None = None,
          description: str | None = None,
          timeout_s: float | None = None) -> Tool | Callable[[Callable[..., Any]], Tool]:
     """Make a function (sync or async, or a method of an `Env`) a tool: bare `@tool`, or
