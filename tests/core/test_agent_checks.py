@@ -306,6 +306,21 @@ def test_a_sequence_level_loss_on_episodes_is_fg604(params: str, why: str,
         "sampler clips or down-weights the others' gradients too"]
 
 
+def test_fg604_sees_episodes_through_a_filter(tmp_path: Path) -> None:
+    keep = ("  keep:\n    kind: filter\n    inputs: {scores: agent.scores, index: agent.index, "
+            "prompts: agent.prompts, prompt_mask: agent.prompt_mask, responses: "
+            "agent.responses, response_mask: agent.response_mask}\n"
+            "    params: {metric: std_nonzero}\n")
+    found = _check(tmp_path, ("  adv:\n", keep + "  adv:\n"),
+                   ("{scores: agent.scores, response_mask: agent.response_mask, index: "
+                    "agent.index}", "{scores: keep.scores, response_mask: keep.response_mask, "
+                    "index: keep.index}"),
+                   *[(f"      {p}: agent.{p}\n", f"      {p}: keep.{p}\n") for p in
+                     ("prompts", "prompt_mask", "responses", "response_mask")],
+                   (UPDATE, UPDATE + "    params: {policy_loss: gspo}\n"), code="FG")
+    assert [(d.code, d.severity) for d in found] == [("FG604", "warning")], found
+
+
 @pytest.mark.parametrize("edits", [
     [(UPDATE, UPDATE + "    params: {policy_loss: vanilla}\n")],
     [(UPDATE, UPDATE + "    params: {policy_loss: gspo}\n"), ("max_turns: 3", "max_turns: 1")],
