@@ -99,7 +99,7 @@ def _check_budget(r: Resolved, dims: DimEnv, out: list[Diagnostic]) -> None:
     t = param_value(r, "max_turn_tokens")
     if K is None or u is None or T is None or (t is not None and _count(t) is None):
         return  # a wrong value is FG112's; an unbound T is refused when the rollout runs
-    why_T = (dims.why.get("T", ""),)
+    why_T = tuple(w for w in (dims.why.get("T"),) if w)
     if isinstance(t, int) and t > T:
         out.append(error(
             "FG601", f"`{r.name}.params.max_turn_tokens` = {t} is over the response length "
