@@ -108,6 +108,13 @@ class RewardFnError(FlowgraphError):
     data source; the function's own exception is the cause (its frame is reported)."""
 
 
+class EnvError(FlowgraphError):
+    """An agent environment flowgraph cannot run, or one whose own code (a TRL env's
+    `reset` or `get_reward`, a verl tool's `release`, a SkyRL env's `step`) raised: the
+    message names the object and its file:line; the env's own exception is the cause
+    (its frame is reported)."""
+
+
 class NodeError(FlowgraphError):
     """A node's implementation failed; the message names node, kind and step."""
 

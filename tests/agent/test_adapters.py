@@ -1,0 +1,353 @@
+"""`flowgraph.agent.adapters`: environments written for TRL, verl and SkyRL-gym, run as
+they are. verl's behaviour is held to tests/fixtures/verl/agent_tools.json, recorded by
+scripts/verl_tool_fixtures.py from verl 0.9.1's own `ToolAgentLoop._call_tool`."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowgraph.agent import Env, Episode, Step
+from flowgraph.agent.adapters import (
+    SHAPES,
+    SkyRLEnv,
+    TRLEnv,
+    VerlToolEnv,
+    load_env,
+)
+from flowgraph.compilers.worker import user_frame
+from flowgraph.errors import EnvError
+
+VERL = Path(__file__).resolve().parents[1] / "fixtures" / "verl"
+ROW = {"prompt": [{"role": "user", "content": "Guess my number."}], "answer": 7,
+       "data_source": "toy"}
+
+
+def line_of(fn: Any, text: str) -> int:
+    """The line of `fn`'s source holding `text`."""
+    lines, first = inspect.getsourcelines(fn)
+    return first + next(i for i, line in enumerate(lines) if text in line)
+
+
+# --- flowgraph ---------------------------------------------------------------------------
+
+
+class Mine(Env):
+    pass
+
+
+def test_a_flowgraph_env_is_its_own_factory() -> None:
+    assert load_env(Mine) is Mine
+    assert load_env("flowgraph.agent.env:Env") is Env
+
+
+# --- TRL ---------------------------------------------------------------------------------
+
+
+class Guess:
+    """A TRL environment_factory class, as TRL's docs write one."""
+
+    made = 0
+
+    def __init__(self) -> None:
+        Guess.made += 1
+        self.rows: list[dict[str, Any]] = []
+
+    def reset(self, **row: Any) -> str | None:
+        self.rows.append(row)
+        self.target, self.solved = row["answer"], False
+        return None if row.get("quiet") else " (1 to 10)"
+
+    def guess(self, n: int) -> str:
+        """Guess the number.
+
+        Args:
+            n: your guess
+        """
+        if not 1 <= n <= 10:
+            raise ValueError(f"{n} is out of range")
+        self.solved = n == self.target
+        return "right" if self.solved else ("higher" if n < self.target else "lower")
+
+    async def hint(self) -> int:
+        """A hint: the number's parity."""
+        return self.target % 2
+
+    @staticmethod
+    def rules(verbose: bool) -> str:
+        """The rules.
+
+        Args:
+            verbose: in full
+        """
+        return "guess"
+
+    def get_reward(self) -> float:
+        return 1.0 if self.solved else 0.0
+
+    def _secret(self) -> int:
+        return self.target
+
+    @property
+    def state(self) -> str:
+        raise AssertionError("a property is never read as a tool")
+
+    @classmethod
+    def make(cls) -> Guess:
+        return cls()
+
+
+def test_trl_tools_are_the_public_methods_but_reset_and_get_reward() -> None:
+    env = load_env(Guess)()
+    assert isinstance(env, TRLEnv)
+    assert [t.name for t in env.tools] == ["guess", "hint", "rules"]  # not _secret, state, make
+    guess = env.tools[0]
+    assert guess.parameters == {"type": "object", "required": ["n"], "properties": {
+        "n": {"type": "integer", "description": "your guess"}}}
+    assert guess.description == "Guess the number."
+
+
+def test_trl_reset_gets_every_column_and_its_string_ends_the_prompt() -> None:
+    env = load_env(Guess)()
+    assert env.reset(ROW) == [{"role": "user", "content": "Guess my number. (1 to 10)"}]
+    assert env.env.rows == [ROW]  # the prompt too, as GRPOTrainer passes `x`
+    assert env.reset({**ROW, "quiet": True}) == ROW["prompt"]
+    # GRPOTrainer's default prompt when the env owns the data: one empty user message
+    assert env.reset({"answer": 3}) == [{"role": "user", "content": " (1 to 10)"}]
+    assert env.reset({**ROW, "prompt": "Guess."}) == [
+        {"role": "user", "content": "Guess. (1 to 10)"}]
+
+
+def test_trl_tools_answer_as_grpo_trainer_does_and_reward_is_get_reward() -> None:
+    env = load_env(Guess)()
+    env.reset(ROW)
+    tools = {t.name: t for t in env.tools}
+    assert tools["guess"].fn(n=3) == "higher"
+    assert tools["guess"].fn(n=11) == "{'error': '11 is out of range'}"  # str({"error": ...})
+    assert tools["guess"].fn(m=1) == (
+        "{'error': \"Guess.guess() got an unexpected keyword argument 'm'\"}")
+    assert asyncio.run(tools["hint"].fn()) == "1"
+    assert env.reward(Episode(task=ROW)) == 0.0
+    assert tools["guess"].fn(n=7) == "right"
+    assert env.reward(Episode(task=ROW)) == 1.0
+    assert env.step({"role": "assistant", "content": "7"}) == Step(done=True)
+
+
+def test_trl_objects_are_made_once_and_reset_for_later_episodes() -> None:
+    factory = load_env(Guess)
+    made = Guess.made
+    first = factory()
+    second = factory()  # the first is still in its episode
+    assert Guess.made == made + 2 and first.env is not second.env
+    first.close()
+    third = factory()
+    assert third.env is first.env and Guess.made == made + 2
+    assert third.tools == first.tools  # built once per object
+
+
+def test_a_trl_factory_function_and_an_async_get_reward() -> None:
+    class Judged(Guess):
+        async def get_reward(self) -> float:  # type: ignore[override]
+            return 0.25
+
+    env = load_env(lambda: Judged())()
+    assert inspect.iscoroutinefunction(env.reward)
+    env.reset(ROW)
+    assert asyncio.run(env.reward(Episode(task=ROW))) == 0.25
+
+
+class Broken(Guess):
+    def reset(self, **row: Any) -> str:
+        return row["question"]  # the row has no `question`
+
+
+def test_a_raising_trl_reset_names_the_method_and_its_line() -> None:
+    env = load_env(Broken)()
+    with pytest.raises(EnvError) as info:
+        env.reset(ROW)
+    where = f"{__file__}:{line_of(Broken.reset, 'def reset')}"
+    assert str(info.value) == f"TRL env `Broken.reset` ({where}) raised: KeyError: 'question'"
+    assert isinstance(info.value.__cause__, KeyError)
+    frame = user_frame(info.value)  # what the worker reports: the raising line
+    assert (frame.filename, frame.lineno) == (__file__, line_of(Broken.reset, "question"))
+
+
+# --- verl --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def agent_tools(monkeypatch: pytest.MonkeyPatch) -> Any:
+    """tests/fixtures/verl/agent_tools.py, importable as verl's YAML names it."""
+    monkeypatch.syspath_prepend(str(VERL))
+    monkeypatch.delitem(sys.modules, "agent_tools", raising=False)
+    import agent_tools
+
+    return agent_tools
+
+
+def run_episode(env: VerlToolEnv, row: dict[str, Any], calls: list[Any]) -> list[Any]:
+    env.reset(row)
+    tools = {t.name: t for t in env.tools}
+
+    async def episode() -> list[Any]:
+        contents = [await tools[name].fn(**arguments) for name, arguments in calls]
+        await env.close()
+        return contents
+
+    return asyncio.run(episode())
+
+
+def test_verl_tools_run_as_verl_0_9_1_runs_them(agent_tools: Any) -> None:
+    """Per call verl creates an instance with the row's create_kwargs, executes, releases
+    it (so the counter starts at 5 each time); a raising tool answers an error text; each
+    reward that is not None is a tool reward, and they sum to the episode's reward."""
+    verl = json.loads((VERL / "agent_tools.json").read_text())
+    env = load_env(str(VERL / "agent_tools.yaml"))()
+    assert isinstance(env, VerlToolEnv)
+    agent_tools.LOG.clear()
+    assert run_episode(env, verl["row"], verl["calls"]) == verl["contents"]
+    assert env.agent_data.tool_rewards == verl["tool_rewards"]
+    assert env.reward(Episode(task=verl["row"])) == sum(verl["tool_rewards"]) == 1.0
+    assert [list(e) for e in agent_tools.LOG] == verl["log"]
+    for tool, schema in zip(env.tools, verl["schemas"], strict=True):
+        function = schema["function"]
+        assert (tool.name, tool.description) == (function["name"], function["description"])
+        assert tool.parameters == function.get("parameters",
+                                               {"type": "object", "properties": {}})
+
+
+def test_a_verl_tool_class_or_object_without_yaml(agent_tools: Any) -> None:
+    schema = {"type": "function", "function": {
+        "name": "counter", "description": "Add.", "parameters": {
+            "type": "object", "properties": {"n": {"type": "integer"}}}}}
+    env = load_env(agent_tools.Counter)(config={"type": "native", "scale": 2.0},
+                                        tool_schema=schema)
+    row = {"prompt": "Count.", "extra_info": {"tools_kwargs": {
+        "counter": {"create_kwargs": {"start": 1}}}}}
+    assert env.reset(row) == "Count."
+    assert run_episode(env, row, [("counter", {"n": 1})]) == ["total=2 calls=1"]
+    assert env.reward(Episode(task=row)) == 2.0
+    made = agent_tools.Counter({"type": "native"}, schema)
+    assert load_env(made)().tools[0].name == "counter"
+
+
+class Duck:
+    """A verl-shaped tool that inherits nothing: what `load_env` reads is the shape."""
+
+    def __init__(self) -> None:
+        self.tool_schema = {"type": "function",
+                            "function": {"name": "echo", "description": "Echo."}}
+        self.released: list[str] = []
+
+    async def create(self, instance_id: str | None = None, **kwargs: Any) -> Any:
+        return "id-1", None
+
+    async def execute(self, instance_id: str, parameters: dict[str, Any],
+                      **kwargs: Any) -> Any:
+        assert kwargs["agent_data"].tools_kwargs == {}
+        return f"echo {parameters}", 0.5, {}  # a string, as verl before 0.5 returned
+
+    async def release(self, instance_id: str, **kwargs: Any) -> None:
+        self.released.append(instance_id)
+        if instance_id == "boom":
+            raise OSError("the sandbox is gone")
+
+
+def test_a_duck_typed_verl_tool_and_a_raising_release() -> None:
+    duck = Duck()
+    env = load_env(duck)()
+    assert run_episode(env, {"prompt": "hi"}, [("echo", {"x": 1})]) == ["echo {'x': 1}"]
+    assert duck.released == ["id-1"] and env.reward(Episode(task={})) == 0.5
+
+    async def boom(instance_id: str | None = None, **kwargs: Any) -> Any:
+        return "boom", None
+
+    duck.create = boom  # type: ignore[method-assign]
+    env = load_env(duck)()
+    with pytest.raises(EnvError) as info:
+        run_episode(env, {"prompt": "hi"}, [("echo", {})])
+    where = f"{__file__}:{line_of(Duck.release, 'def release')}"
+    assert str(info.value) == (f"verl tool `Duck.release` ({where}) raised: OSError: the "
+                               "sandbox is gone")
+
+
+def test_verl_agent_data_says_what_it_lacks() -> None:
+    data = VerlToolEnv([Duck()]).agent_data
+    with pytest.raises(AttributeError, match=r"agent_data\.messages is not available"):
+        _ = data.messages
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"tools": []}, "expected `tools:`, a list of {class_name, config, tool_schema}"),
+    ({"tools": [{"class_name": "Counter"}]}, "tool 0: `class_name` must be `module.Class`"),
+    ({"tools": [{"class_name": "agent_tools.Nope"}]},
+     "tool 0: `agent_tools.Nope` cannot be imported: AttributeError"),
+    ({"tools": [{"class_name": "agent_tools.Counter", "config": {"type": "mcp"}}]},
+     "config.type is 'mcp'; verl 0.9.1 runs `native` tools only"),
+])
+def test_verl_tool_config_errors(agent_tools: Any, config: dict[str, Any],
+                                 message: str) -> None:
+    with pytest.raises(EnvError, match=message.replace("{", r"\{").replace("(", r"\(")):
+        load_env(config, where="graph.yaml:7")()
+
+
+# --- SkyRL-gym ---------------------------------------------------------------------------
+
+
+class Countdown:
+    """A SkyRL-gym BaseTextEnv, duck-typed: made per episode with the row as extras."""
+
+    def __init__(self, env_config: Any = None, extras: dict[str, Any] = {}) -> None:  # noqa: B006
+        self.config, self.extras, self.closed = env_config, extras, False
+
+    def init(self, prompt: list[dict[str, str]]) -> tuple[list[dict[str, str]], dict[str, Any]]:
+        return [{"role": "system", "content": "Count down."}, *prompt], {}
+
+    def step(self, action: str) -> dict[str, Any]:
+        done = action.strip() == "0"
+        observations = [] if done else [{"role": "user", "content": f"after {action}?"}]
+        return {"observations": observations, "reward": 1.0 if done else -0.1, "done": done,
+                "metadata": {}}
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_a_skyrl_env_steps_every_turn() -> None:
+    env = load_env(Countdown)(max_turns=3, level=2)
+    assert isinstance(env, SkyRLEnv)
+    assert env.reset({"prompt": "From 2.", "reward_spec": {"ground_truth": "0"}}) == [
+        {"role": "system", "content": "Count down."}, {"role": "user", "content": "From 2."}]
+    assert env.env.config == {"level": 2}
+    assert env.env.extras == {"reward_spec": {"ground_truth": "0"}, "max_turns": 3}
+    assert env.step({"role": "assistant", "content": "1"}) == Step(
+        messages=({"role": "user", "content": "after 1?"},), reward=-0.1, done=False)
+    assert env.step({"role": "assistant", "content": "0"}) == Step(reward=1.0, done=True)
+    env.close()
+    assert env.env.closed
+
+
+# --- anything else -----------------------------------------------------------------------
+
+
+class Nothing:
+    def run(self) -> None:
+        pass
+
+
+def test_anything_else_is_refused_naming_it_and_the_shapes() -> None:
+    with pytest.raises(EnvError) as info:
+        load_env(Nothing, where="graphs/agent.yaml:12")
+    where = f"{__file__}:{line_of(Nothing, 'class Nothing')}"
+    assert str(info.value) == (
+        f"graphs/agent.yaml:12: env `Nothing` ({where}) is not an environment flowgraph "
+        "runs; it takes " + "; ".join(SHAPES))
+    with pytest.raises(EnvError, match="env `no_such_module:Env` cannot be loaded: "
+                                       "ModuleNotFoundError"):
+        load_env("no_such_module:Env")
