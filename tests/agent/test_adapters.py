@@ -1,6 +1,8 @@
 """`flowgraph.agent.adapters`: environments written for TRL, verl and SkyRL-gym, run as
-they are. verl's behaviour is held to tests/fixtures/verl/agent_tools.json, recorded by
-scripts/verl_tool_fixtures.py from verl 0.9.1's own `ToolAgentLoop._call_tool`."""
+they are. TRL's behaviour is held to tests/fixtures/trl/env_episodes.json (TRL 1.16's
+GRPOTrainer running tests/fixtures/trl/envs.py, scripts/trl_env_fixtures.py), verl's to
+tests/fixtures/verl/agent_tools.json (verl 0.9.1's own `ToolAgentLoop._call_tool`,
+scripts/verl_tool_fixtures.py)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,11 @@ from flowgraph.agent.adapters import (
 from flowgraph.compilers.worker import user_frame
 from flowgraph.errors import EnvError
 
-VERL = Path(__file__).resolve().parents[1] / "fixtures" / "verl"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+VERL, TRL = FIXTURES / "verl", FIXTURES / "trl"
+sys.path.insert(0, str(TRL))
+from envs import Guess  # noqa: E402  (TRL's GRPOTrainer ran it: scripts/trl_env_fixtures.py)
+
 ROW = {"prompt": [{"role": "user", "content": "Guess my number."}], "answer": 7,
        "data_source": "toy"}
 
@@ -50,57 +56,46 @@ def test_a_flowgraph_env_is_its_own_factory() -> None:
 # --- TRL ---------------------------------------------------------------------------------
 
 
-class Guess:
-    """A TRL environment_factory class, as TRL's docs write one."""
+def test_trl_envs_run_as_grpo_trainer_runs_them() -> None:
+    """Per sample: the keywords `reset` got, the prompt after it, each tool message
+    (TRL orders a turn's sync results before its async ones; compared by name) and the
+    reward; the tool schemas as the chat template got them."""
+    trl = json.loads((TRL / "env_episodes.json").read_text())
+    factory = load_env(Guess)
+    for row, kwargs, prompt, completion, reward in zip(
+            trl["rows"], trl["reset_kwargs"], trl["prompts"], trl["completions"],
+            trl["rewards"], strict=True):
+        env = factory()
+        assert env.reset(row) == prompt and env.env.rows[-1] == kwargs
+        tools = {t.name: t for t in env.tools}
+        for turn in [m for m in completion if m.get("tool_calls")]:
+            answers = {m["name"]: m["content"] for m in completion
+                       if m["role"] == "tool" and id(m) in _answers_of(completion, turn)}
+            for c in turn["tool_calls"]:
+                name, arguments = c["function"]["name"], c["function"]["arguments"]
+                if name not in tools:  # the rollout answers an unknown tool, not the env
+                    assert answers[name] == f"{{'error': 'Tool {name} not found.'}}"
+                    continue
+                got = tools[name].fn(**arguments)
+                got = asyncio.run(got) if inspect.iscoroutine(got) else got
+                assert got == answers[name]
+        assert env.reward(Episode(task=row)) == reward
+        env.close()
+    for tool, schema in zip(factory().tools, trl["tools"], strict=True):
+        function = schema["function"]
+        assert (tool.name, tool.description, tool.parameters) == (
+            function["name"], function["description"], function["parameters"])
 
-    made = 0
 
-    def __init__(self) -> None:
-        Guess.made += 1
-        self.rows: list[dict[str, Any]] = []
-
-    def reset(self, **row: Any) -> str | None:
-        self.rows.append(row)
-        self.target, self.solved = row["answer"], False
-        return None if row.get("quiet") else " (1 to 10)"
-
-    def guess(self, n: int) -> str:
-        """Guess the number.
-
-        Args:
-            n: your guess
-        """
-        if not 1 <= n <= 10:
-            raise ValueError(f"{n} is out of range")
-        self.solved = n == self.target
-        return "right" if self.solved else ("higher" if n < self.target else "lower")
-
-    async def hint(self) -> int:
-        """A hint: the number's parity."""
-        return self.target % 2
-
-    @staticmethod
-    def rules(verbose: bool) -> str:
-        """The rules.
-
-        Args:
-            verbose: in full
-        """
-        return "guess"
-
-    def get_reward(self) -> float:
-        return 1.0 if self.solved else 0.0
-
-    def _secret(self) -> int:
-        return self.target
-
-    @property
-    def state(self) -> str:
-        raise AssertionError("a property is never read as a tool")
-
-    @classmethod
-    def make(cls) -> Guess:
-        return cls()
+def _answers_of(completion: list[dict[str, Any]], turn: dict[str, Any]) -> set[int]:
+    """The ids of the tool messages that answer the assistant message `turn`."""
+    at = next(i for i, m in enumerate(completion) if m is turn)
+    found = set()
+    for m in completion[at + 1:]:
+        if m["role"] != "tool":
+            break
+        found.add(id(m))
+    return found
 
 
 def test_trl_tools_are_the_public_methods_but_reset_and_get_reward() -> None:
