@@ -74,6 +74,12 @@ def load_env(obj: object, *, where: str = "") -> EnvFactory:
     obj = _resolve(obj, where)
     if inspect.isclass(obj) and issubclass(obj, Env):
         return obj
+    if isinstance(obj, Mapping) and "tools" not in obj and obj and all(
+            callable(v) for v in obj.values()):
+        raise EnvError(f"{where + ': ' if where else ''}env: a mapping of environment "
+                       f"factories ({', '.join(map(str, obj))}) is TRL's multi-environment "
+                       "form, which flowgraph does not take: give each environment its own "
+                       "agent_rollout node (and its rows)")
     if isinstance(obj, Mapping | Path):
         return VerlTools.from_config(obj, where)
     if _has(obj, "create", "execute", "release") and inspect.iscoroutinefunction(

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from flowgraph.agent import Env, Episode, Step
 from flowgraph.agent.adapters import (
@@ -346,3 +347,34 @@ def test_anything_else_is_refused_naming_it_and_the_shapes() -> None:
     with pytest.raises(EnvError, match="env `no_such_module:Env` cannot be loaded: "
                                        "ModuleNotFoundError"):
         load_env("no_such_module:Env")
+    with pytest.raises(EnvError, match=r"a mapping of environment factories \(guess, judge\) "
+                                       "is TRL's multi-environment form"):
+        load_env({"guess": Guess, "judge": Guess})
+
+
+# --- the README --------------------------------------------------------------------------
+
+
+def readme_block(starts: str) -> str:
+    """The README's fenced block whose first line is `starts`."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return next(b.split("\n", 1)[1] for b in readme.split("```")[1::2]
+                if b.split("\n", 1)[1].startswith(starts))
+
+
+def test_the_readme_trl_env_runs_unchanged() -> None:
+    namespace: dict[str, Any] = {}
+    exec(compile(readme_block("# guess.py"), "guess.py", "exec"), namespace)
+    env = load_env(namespace["Guess"])()
+    row = {"prompt": [{"role": "user", "content": "Guess."}], "answer": 4}
+    assert env.reset(row) == [{"role": "user", "content": "Guess. (1 to 10)"}]
+    (guess,) = env.tools
+    assert [guess.fn(n=11), guess.fn(n=4)] == ["{'error': 'out of range'}", "right"]
+    assert env.reward(Episode(task=row)) == 1.0
+
+
+def test_the_readme_verl_config_is_read_as_verl_writes_it() -> None:
+    config = yaml.safe_load(readme_block("# tools.yaml"))
+    with pytest.raises(EnvError, match=r"`my_tools\.Gsm8kTool` cannot be imported: "
+                                       "ModuleNotFoundError"):
+        load_env(config)
