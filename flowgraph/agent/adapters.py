@@ -89,7 +89,7 @@ def load_env(obj: object, *, where: str = "") -> EnvFactory:
         return SkyRLEnvFactory(obj)
     if inspect.isclass(obj) and _has(obj, "reset"):
         return TRLEnvFactory(obj)
-    if callable(obj) and not inspect.isclass(obj):
+    if callable(obj) and not inspect.isclass(obj) and _takes_nothing(obj):
         probe = _call(f"TRL environment_factory `{_name(obj)}`{_at(obj)}", obj)
         if _has(probe, "reset"):
             return TRLEnvFactory(obj, probe)
@@ -110,6 +110,16 @@ def _resolve(obj: object, where: str) -> object:
         raise EnvError(f"{where + ': ' if where else ''}env `{text}` cannot be loaded: "
                        f"{type(exc).__name__}: {exc}; it names `module:Name`, `file.py:Name` "
                        "or a verl tool-config .yaml") from exc
+
+
+def _takes_nothing(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` can be called without arguments (a TRL factory function can)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+               for p in params)
 
 
 def _has(obj: object, *methods: str) -> bool:

@@ -344,6 +344,13 @@ def test_anything_else_is_refused_naming_it_and_the_shapes() -> None:
     assert str(info.value) == (
         f"graphs/agent.yaml:12: env `Nothing` ({where}) is not an environment flowgraph "
         "runs; it takes " + "; ".join(SHAPES))
+    def search(query: str) -> str:
+        return query
+
+    with pytest.raises(EnvError, match=r"env `.*search` .* is not an environment"):
+        load_env(search)  # a tool, not an env: never called to find out
+    with pytest.raises(EnvError, match=r"env `.*<lambda>` .* is not an environment"):
+        load_env(lambda: 42)  # called (a TRL factory function may be), makes no env
     with pytest.raises(EnvError, match="env `no_such_module:Env` cannot be loaded: "
                                        "ModuleNotFoundError"):
         load_env("no_such_module:Env")
