@@ -29,6 +29,7 @@ verl and SkyRL are never imported.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import inspect
 import threading
@@ -260,6 +261,7 @@ def _trl_tool(method: Callable[..., Any]) -> Tool:
     """`method` as a Tool answering as GRPOTrainer's tool loop does: a list result as it
     is (content parts), anything else `str(result)`, an exception `{'error': str(exc)}`."""
     if inspect.iscoroutinefunction(method):
+        @functools.wraps(method)  # inspect.unwrap(tool.fn): the user's method, for messages
         async def call_async(**arguments: Any) -> Any:
             try:
                 result = await method(**arguments)
@@ -269,6 +271,7 @@ def _trl_tool(method: Callable[..., Any]) -> Tool:
 
         return dataclasses.replace(as_tool(method), fn=call_async)
 
+    @functools.wraps(method)
     def call(**arguments: Any) -> Any:
         try:
             result = method(**arguments)
@@ -432,10 +435,11 @@ class VerlToolEnv(Env):
         for instance_id, tool in list(self._open.items()):
             await self._release(tool, instance_id)
 
-    def _tool(self, tool: object) -> Tool:
+    def _tool(self, tool: Any) -> Tool:
         function = verl_schema(tool)["function"]
         name = function["name"]
 
+        @functools.wraps(tool.execute)  # inspect.unwrap(tool.fn): the tool's execute
         async def call(**arguments: Any) -> str:
             text, reward = await self._execute(tool, name, arguments)
             if reward is not None:

@@ -2,7 +2,8 @@
 
 Installed only where the module is missing, with just what `flowgraph.agent.adapters`
 uses (`Tool` with its fields and `schema()`, `as_tool` of a bound method, schemas from
-`transformers.utils.get_json_schema`); the real module replaces it when it lands.
+`transformers.utils.get_json_schema`); the real module (branch `tools`) replaces it when
+it lands, and these tests pass on it too.
 """
 
 from __future__ import annotations
@@ -26,11 +27,13 @@ def _install_stand_in() -> None:
         parameters: dict[str, Any]
         fn: Callable[..., Any]
         timeout_s: float | None = None
+        returns: dict[str, Any] | None = None
 
         def schema(self) -> dict[str, Any]:
+            function = {"name": self.name, "description": self.description,
+                        "parameters": self.parameters}
             return {"type": "function", "function": {
-                "name": self.name, "description": self.description,
-                "parameters": self.parameters}}
+                **function, **({"return": self.returns} if self.returns else {})}}
 
         @property
         def is_async(self) -> bool:
@@ -41,7 +44,7 @@ def _install_stand_in() -> None:
 
         function = get_json_schema(obj)["function"]
         return Tool(function["name"], function.get("description", ""),
-                    function["parameters"], obj)
+                    function["parameters"], obj, None, function.get("return"))
 
     module = types.ModuleType("flowgraph.agent.tools")
     module.Tool, module.as_tool = Tool, as_tool  # type: ignore[attr-defined]

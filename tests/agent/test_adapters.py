@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -82,10 +83,8 @@ def test_trl_envs_run_as_grpo_trainer_runs_them() -> None:
                 assert got == answers[name]
         assert env.reward(Episode(task=row)) == reward
         env.close()
-    for tool, schema in zip(factory().tools, trl["tools"], strict=True):
-        function = schema["function"]
-        assert (tool.name, tool.description, tool.parameters) == (
-            function["name"], function["description"], function["parameters"])
+    assert [t.schema() for t in factory().tools] == trl["tools"]
+    assert inspect.unwrap(factory().tools[0].fn).__func__ is Guess.guess  # for messages
 
 
 def _answers_of(completion: list[dict[str, Any]], turn: dict[str, Any]) -> set[int]:
@@ -365,13 +364,15 @@ def test_anything_else_is_refused_naming_it_and_the_shapes() -> None:
 def readme_block(starts: str) -> str:
     """The README's fenced block whose first line is `starts`."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    return next(b.split("\n", 1)[1] for b in readme.split("```")[1::2]
-                if b.split("\n", 1)[1].startswith(starts))
+    found = re.search(r"```\w*\n(" + re.escape(starts) + r".*?)```", readme, re.DOTALL)
+    assert found, f"the README has no block starting {starts!r}"
+    return found.group(1)
 
 
 def test_the_readme_trl_env_runs_unchanged() -> None:
     namespace: dict[str, Any] = {}
-    exec(compile(readme_block("# guess.py"), "guess.py", "exec"), namespace)
+    source = readme_block("# guess.py, next to the graph: the class you give GRPOTrainer")
+    exec(compile(source, "guess.py", "exec"), namespace)
     env = load_env(namespace["Guess"])()
     row = {"prompt": [{"role": "user", "content": "Guess."}], "answer": 4}
     assert env.reset(row) == [{"role": "user", "content": "Guess. (1 to 10)"}]
@@ -381,7 +382,7 @@ def test_the_readme_trl_env_runs_unchanged() -> None:
 
 
 def test_the_readme_verl_config_is_read_as_verl_writes_it() -> None:
-    config = yaml.safe_load(readme_block("# tools.yaml"))
+    config = yaml.safe_load(readme_block("# tools.yaml, verl's format as it is"))
     with pytest.raises(EnvError, match=r"`my_tools\.Gsm8kTool` cannot be imported: "
                                        "ModuleNotFoundError"):
         load_env(config)
