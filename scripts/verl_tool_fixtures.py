@@ -6,8 +6,9 @@ verl's side is its own code: `initialize_tools_from_config` reads the YAML and m
 tools (verl's `BaseTool` itself among them), and `ToolAgentLoop._call_tool` runs each call
 on a stand-in loop object, as verl's tests/experimental/agent_loop/test_call_tool_on_cpu.py
 does. Recorded per call: the tool message's content (`tool_response.text or ""`) and the
-reward; then verl's `tool_rewards`, each tool's prompt schema
-(`model_dump(exclude_unset=True, exclude_none=True)`) and the order of create / release.
+reward (flowgraph's turn reward, a `ToolResult`); then verl's `tool_rewards`, each tool's
+prompt schema (`model_dump(exclude_unset=True, exclude_none=True)`) and the order of
+create / release.
 tests/agent/test_adapters.py holds the adapter to these without verl. (verl 0.9.1 ships
 no example tool such as the older gsm8k_tool; agent_tools.py's tools keep per-instance
 state, so the record shows verl creating and releasing an instance around every call.)
@@ -89,11 +90,11 @@ async def flowgraph_side() -> dict[str, Any]:
     env.reset(ROW)
     agent_tools.LOG.clear()
     by_name = {tool.name: tool for tool in env.tools}
-    contents = [await by_name[name].fn(**arguments) for name, arguments in CALLS]
+    results = [await by_name[name].fn(**arguments) for name, arguments in CALLS]
     reward = env.reward(Episode(task=ROW))
     await env.close()
-    return {"contents": contents, "tool_rewards": env.agent_data.tool_rewards,
-            "reward": reward, "parameters": [t.parameters for t in env.tools],
+    return {"contents": [r.content for r in results], "rewards": [r.reward for r in results],
+            "tool_rewards": env.agent_data.tool_rewards, "reward": reward,
             "log": [list(e) for e in agent_tools.LOG]}
 
 
@@ -102,7 +103,9 @@ def main() -> None:
     ours = asyncio.run(flowgraph_side())
     for key in ("contents", "tool_rewards", "log"):
         assert ours[key] == reference[key], (key, ours[key], reference[key])
-    assert ours["reward"] == sum(reference["tool_rewards"])
+    # each call's reward is its turn's (None: 0); the episode's own reward is 0
+    assert ours["rewards"] == [0.0 if r is None else r for r in reference["rewards"]]
+    assert ours["reward"] == 0.0
     OUT.write_text(json.dumps({"verl": verl.__version__, "row": ROW, "calls": CALLS,
                                **reference}, indent=1) + "\n")
     print(f"wrote {OUT.relative_to(ROOT)}: flowgraph's adapter matches verl "

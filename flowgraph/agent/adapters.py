@@ -14,8 +14,8 @@ factory the rollout calls once per episode, `factory(**env_params) -> Env`. Four
   class, an instance, or the tool-config YAML verl reads (`tools: - class_name: ...`).
   `VerlToolEnv` calls each tool as verl's `ToolAgentLoop._call_tool` does: per call
   `create(create_kwargs=row's extra_info.tools_kwargs[name].create_kwargs)`, `execute`,
-  `release`; a raising tool answers `Error executing tool '<name>': ...`; the rewards
-  `execute` returns are the episode's reward.
+  `release`; a raising tool answers `Error executing tool '<name>': ...`; the reward
+  `execute` returns is the turn's (`ToolResult`).
 - a SkyRL-gym `BaseTextEnv` subclass: made per episode with the row as its `extras`,
   `init(prompt)` gives the first messages, `step(text)` answers each turn (observations,
   a turn reward, done).
@@ -40,7 +40,7 @@ from typing import Any
 
 import yaml
 
-from flowgraph.agent.env import Env, Episode, Message, Step, as_messages
+from flowgraph.agent.env import Env, Episode, Message, Step, ToolResult, as_messages
 from flowgraph.agent.tools import Tool, as_tool
 from flowgraph.errors import EnvError
 from flowgraph.objects import defined_at
@@ -67,12 +67,18 @@ TRL_NOT_TOOLS = ("reset", "get_reward")
 """Public methods of a TRL env that GRPOTrainer does not expose as tools."""
 
 
-def load_env(obj: object, *, where: str = "") -> EnvFactory:
+def load_env(obj: object, *, params: Mapping[str, Any] | None = None,
+             where: str = "") -> EnvFactory:
     """The factory of one environment per episode for `obj`: an `Env` subclass as it is,
-    any other of the `SHAPES` wrapped. `obj` may also be a reference, `module:Name` or
-    `file.py:Name` (a plugin file), or the path of a verl tool-config YAML. `where` (the
-    node's file:line) prefixes the error for anything else."""
-    obj = _resolve(obj, where)
+    any other of the `SHAPES` wrapped; with `params` (the node's `env_params`), a factory
+    of no arguments that makes each env with them. `obj` may also be a reference,
+    `module:Name` or `file.py:Name` (a plugin file), or the path of a verl tool-config
+    YAML. `where` (the node's file:line) prefixes the error for anything else."""
+    factory = _factory(_resolve(obj, where), where)
+    return functools.partial(factory, **params) if params else factory
+
+
+def _factory(obj: object, where: str) -> EnvFactory:
     if inspect.isclass(obj) and issubclass(obj, Env):
         return obj
     if isinstance(obj, Mapping) and "tools" not in obj and obj and all(
@@ -411,7 +417,9 @@ class VerlAgentData:
 
 class VerlToolEnv(Env):
     """One episode over verl tools, each call made as verl 0.9.1's
-    `ToolAgentLoop._call_tool` makes it."""
+    `ToolAgentLoop._call_tool` makes it; a call's reward (`execute`'s, not None) is its
+    turn's reward, as a `ToolResult`, and is kept in `agent_data.tool_rewards` as verl
+    keeps it. The episode's own reward is 0 (`Env.reward`)."""
 
     def __init__(self, tools: Sequence[object]) -> None:
         self.agent_data = VerlAgentData()
@@ -426,10 +434,6 @@ class VerlToolEnv(Env):
         self.agent_data.tools_kwargs = dict(kwargs or {})
         return super().reset(task)
 
-    def reward(self, episode: Episode) -> float:
-        """The sum of the rewards the tools' `execute` returned this episode."""
-        return float(sum(self.agent_data.tool_rewards))
-
     async def close(self) -> None:  # type: ignore[override]
         """Release what a call left open (one cancelled by its timeout)."""
         for instance_id, tool in list(self._open.items()):
@@ -440,11 +444,11 @@ class VerlToolEnv(Env):
         name = function["name"]
 
         @functools.wraps(tool.execute)  # inspect.unwrap(tool.fn): the tool's execute
-        async def call(**arguments: Any) -> str:
+        async def call(**arguments: Any) -> ToolResult:
             text, reward = await self._execute(tool, name, arguments)
             if reward is not None:
                 self.agent_data.tool_rewards.append(float(reward))
-            return text
+            return ToolResult(text, 0.0 if reward is None else float(reward))
 
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
         return Tool(name=name, description=function.get("description", ""),

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-__all__ = ["STATUSES", "Env", "Episode", "Message", "Step", "as_messages"]
+__all__ = ["STATUSES", "Env", "Episode", "Message", "Step", "ToolResult", "as_messages"]
 
 Message = dict[str, Any]
 """A chat message as chat templates take it: `{"role": ..., "content": ...}` (an
@@ -48,6 +48,15 @@ class Step:
     """This turn's reward (the `turn_rewards` port)."""
     done: bool = False
     """The episode ends here (status `completed`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """What a tool may return instead of its text: the text and a reward for the turn
+    (a verl tool's `execute` reward)."""
+
+    content: str
+    reward: float = 0.0
 
 
 @dataclass
@@ -110,12 +119,14 @@ class Env:
 
 
 def as_messages(value: Sequence[Message | str] | str | None, who: str) -> list[Message]:
-    """Messages from what a user's env returned: a string is one user message, a list
-    holds messages or strings. ValueError naming `who` for anything else."""
+    """Messages from what a user's env returned: a string is one user message, a mapping
+    one message, a list holds messages or strings. ValueError naming `who` for anything else."""
     if value is None:
         return []
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
+    if isinstance(value, Mapping):  # one message
+        value = [value]
     out: list[Message] = []
     for i, m in enumerate(value):
         if isinstance(m, str):

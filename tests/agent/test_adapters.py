@@ -25,6 +25,7 @@ from flowgraph.agent.adapters import (
     VerlToolEnv,
     load_env,
 )
+from flowgraph.agent.env import ToolResult
 from flowgraph.compilers.worker import user_frame
 from flowgraph.errors import EnvError
 
@@ -53,6 +54,17 @@ class Mine(Env):
 def test_a_flowgraph_env_is_its_own_factory() -> None:
     assert load_env(Mine) is Mine
     assert load_env("flowgraph.agent.env:Env") is Env
+
+
+class Sized(Env):
+    def __init__(self, size: int = 1) -> None:
+        self.size = size
+
+
+def test_params_make_a_factory_of_no_arguments() -> None:
+    """What the agent_rollout node does: `load_env(env, params=env_params)()`."""
+    assert load_env(Sized, params={"size": 3})().size == 3
+    assert load_env(Guess, params={})().env.rows == []
 
 
 # --- TRL ---------------------------------------------------------------------------------
@@ -191,24 +203,26 @@ def run_episode(env: VerlToolEnv, row: dict[str, Any], calls: list[Any]) -> list
     tools = {t.name: t for t in env.tools}
 
     async def episode() -> list[Any]:
-        contents = [await tools[name].fn(**arguments) for name, arguments in calls]
+        results = [await tools[name].fn(**arguments) for name, arguments in calls]
         await env.close()
-        return contents
+        return results
 
     return asyncio.run(episode())
 
 
 def test_verl_tools_run_as_verl_0_9_1_runs_them(agent_tools: Any) -> None:
     """Per call verl creates an instance with the row's create_kwargs, executes, releases
-    it (so the counter starts at 5 each time); a raising tool answers an error text; each
-    reward that is not None is a tool reward, and they sum to the episode's reward."""
+    it (so the counter starts at 5 each time); a raising tool answers an error text; a
+    call's reward is its turn's (None: 0), kept in tool_rewards as verl keeps it."""
     verl = json.loads((VERL / "agent_tools.json").read_text())
     env = load_env(str(VERL / "agent_tools.yaml"))()
     assert isinstance(env, VerlToolEnv)
     agent_tools.LOG.clear()
-    assert run_episode(env, verl["row"], verl["calls"]) == verl["contents"]
+    results = run_episode(env, verl["row"], verl["calls"])
+    assert [r.content for r in results] == verl["contents"]
+    assert [r.reward for r in results] == [r or 0.0 for r in verl["rewards"]]
     assert env.agent_data.tool_rewards == verl["tool_rewards"]
-    assert env.reward(Episode(task=verl["row"])) == sum(verl["tool_rewards"]) == 1.0
+    assert env.reward(Episode(task=verl["row"])) == 0.0
     assert [list(e) for e in agent_tools.LOG] == verl["log"]
     for tool, schema in zip(env.tools, verl["schemas"], strict=True):
         function = schema["function"]
@@ -226,8 +240,8 @@ def test_a_verl_tool_class_or_object_without_yaml(agent_tools: Any) -> None:
     row = {"prompt": "Count.", "extra_info": {"tools_kwargs": {
         "counter": {"create_kwargs": {"start": 1}}}}}
     assert env.reset(row) == "Count."
-    assert run_episode(env, row, [("counter", {"n": 1})]) == ["total=2 calls=1"]
-    assert env.reward(Episode(task=row)) == 2.0
+    assert run_episode(env, row, [("counter", {"n": 1})]) == [ToolResult("total=2 calls=1",
+                                                                        2.0)]
     made = agent_tools.Counter({"type": "native"}, schema)
     assert load_env(made)().tools[0].name == "counter"
 
@@ -257,8 +271,9 @@ class Duck:
 def test_a_duck_typed_verl_tool_and_a_raising_release() -> None:
     duck = Duck()
     env = load_env(duck)()
-    assert run_episode(env, {"prompt": "hi"}, [("echo", {"x": 1})]) == ["echo {'x': 1}"]
-    assert duck.released == ["id-1"] and env.reward(Episode(task={})) == 0.5
+    assert run_episode(env, {"prompt": "hi"}, [("echo", {"x": 1})]) == [
+        ToolResult("echo {'x': 1}", 0.5)]
+    assert duck.released == ["id-1"]
 
     async def boom(instance_id: str | None = None, **kwargs: Any) -> Any:
         return "boom", None
