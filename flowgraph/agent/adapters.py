@@ -327,6 +327,10 @@ class VerlTools:
     def __call__(self, **env_params: Any) -> VerlToolEnv:
         """A new episode's env; `env_params` make a tool given as a class (its
         `config` and `tool_schema`, as one entry of verl's YAML)."""
+        if env_params and any(self.configs):
+            raise EnvError(f"{self.where + ': ' if self.where else ''}env_params "
+                           f"{sorted(env_params)} given to a verl tool config: each tool's "
+                           "`config` and `tool_schema` are in its YAML entry")
         with self._lock:
             if self._made is None:
                 self._made = [self._make(t, {**c, **env_params})

@@ -293,6 +293,13 @@ def test_verl_agent_data_says_what_it_lacks() -> None:
         _ = data.messages
 
 
+def test_verl_tool_config_takes_no_env_params(agent_tools: Any) -> None:
+    with pytest.raises(EnvError, match=r"env_params \['config'\] given to a verl tool "
+                                       "config: each tool's `config` and `tool_schema` are "
+                                       "in its YAML entry"):
+        load_env(VERL / "agent_tools.yaml", params={"config": {}})()
+
+
 @pytest.mark.parametrize(("config", "message"), [
     ({"tools": []}, "expected `tools:`, a list of {class_name, config, tool_schema}"),
     ({"tools": [{"class_name": "Counter"}]}, "tool 0: `class_name` must be `module.Class`"),
