@@ -1,7 +1,8 @@
 """Environments written for other trainers, run as they are: `load_env`.
 
 The `agent_rollout` kind's `env` param names an environment; `load_env` turns it into a
-factory the rollout calls once per episode, `factory(**env_params) -> Env`. Four shapes:
+factory the rollout calls once per episode, `factory(**env_params) -> Env` (with
+`params=env_params` given to `load_env`, `factory() -> Env`). Four shapes:
 
 - a `flowgraph.agent.Env` subclass: the class itself is the factory.
 - a TRL `environment_factory` (TRL 1.16 `GRPOTrainer`): a class, or a function of no
@@ -9,7 +10,8 @@ factory the rollout calls once per episode, `factory(**env_params) -> Env`. Four
   does: `reset` gets every column of the row, a string it returns is appended to the last
   prompt message; the object's public methods are its tools (a raising one answers the
   model `{'error': ...}`); `get_reward()` (sync or async) is the episode's reward.
-  Objects are pooled and reset, never rebuilt per episode ("construct once, reset often").
+  Objects are pooled and reset, not rebuilt per episode ("construct once, reset often");
+  one whose episode failed is dropped.
 - a verl tool (verl 0.9.1 `BaseTool`: async `create`, `execute`, `release`), as a
   class, an instance, or the tool-config YAML verl reads (`tools: - class_name: ...`).
   `VerlToolEnv` calls each tool as verl's `ToolAgentLoop._call_tool` does: per call
@@ -215,6 +217,7 @@ class TRLEnv(Env):
         """The TRL object."""
         self.tools = list(trl_tools(env) if tools is None else tools)  # type: ignore[misc]
         self._give_back = give_back
+        self._scored = False  # the rollout asks for no reward of a failed episode
 
     def reset(self, task: Mapping[str, Any]) -> list[Message]:
         """`env.reset(**row)`, every column (`prompt` too); a string (or content list)
@@ -236,12 +239,16 @@ class TRLEnv(Env):
     def reward(self, episode: Episode) -> float:
         """`env.get_reward()` where the env has one (None: 0), else 0."""
         if not callable(getattr(self.env, "get_reward", None)):
+            self._scored = True
             return 0.0
         value = _call(_method(self.env, "get_reward", "TRL env"), self.env.get_reward)
+        self._scored = True
         return 0.0 if value is None else float(value)
 
     def close(self) -> None:
-        if self._give_back is not None:
+        """The object back to the pool, unless its episode failed (a tool that ran past
+        its timeout may still be using it)."""
+        if self._give_back is not None and self._scored:
             self._give_back(self.env)
 
 
@@ -251,6 +258,7 @@ class _AsyncRewardTRLEnv(TRLEnv):
     async def reward(self, episode: Episode) -> float:  # type: ignore[override]
         value = await _acall(_method(self.env, "get_reward", "TRL env"),
                              self.env.get_reward)
+        self._scored = True
         return 0.0 if value is None else float(value)
 
 

@@ -147,15 +147,21 @@ def test_trl_tools_answer_as_grpo_trainer_does_and_reward_is_get_reward() -> Non
 
 
 def test_trl_objects_are_made_once_and_reset_for_later_episodes() -> None:
+    """As GRPOTrainer's pool: an object serves one episode at a time, then is reset for
+    another; one whose episode failed (no reward asked) is not reused."""
     factory = load_env(Guess)
     made = Guess.made
     first = factory()
     second = factory()  # the first is still in its episode
     assert Guess.made == made + 2 and first.env is not second.env
+    first.reward(Episode(task=ROW))
     first.close()
     third = factory()
     assert third.env is first.env and Guess.made == made + 2
     assert third.tools == first.tools  # built once per object
+    third.close()  # a failed episode: the rollout asked for no reward; its object is dropped
+    fourth = factory()
+    assert fourth.env is not first.env and Guess.made == made + 3
 
 
 def test_a_trl_factory_function_and_an_async_get_reward() -> None:
