@@ -120,6 +120,13 @@ class SandboxError(FlowgraphError):
     limits are invalid. The code's own errors are never this: they are output."""
 
 
+class EnvError(FlowgraphError):
+    """An agent environment flowgraph cannot run, or one whose own code (a TRL env's
+    `reset` or `get_reward`, a verl tool's `release`, a SkyRL env's `step`) raised: the
+    message names the object and its file:line; the env's own exception is the cause
+    (its frame is reported)."""
+
+
 class NodeError(FlowgraphError):
     """A node's implementation failed; the message names node, kind and step."""
 

@@ -73,8 +73,7 @@ def _env_factory(env: Any, env_params: Mapping[str, Any]) -> Any:
         return None
     from flowgraph.agent.adapters import load_env
 
-    made = load_function(env, {}, "agent_rollout env")
-    return load_env(made, params=dict(env_params))
+    return load_env(env, params=dict(env_params))
 
 
 def _sample(ctx: NodeContext, model: PreTrainedModel, tokenizer: Any, backend: str,

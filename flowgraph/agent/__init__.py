@@ -5,6 +5,7 @@ The rollout itself (sampling, token bookkeeping) is the `agent_rollout` kind,
 `flowgraph.nodes.agent`.
 """
 
+from flowgraph.agent.adapters import load_env
 from flowgraph.agent.env import STATUSES, Env, Episode, Message, Step, ToolResult, as_messages
 from flowgraph.agent.parsers import (
     PARSERS,
@@ -31,6 +32,7 @@ __all__ = [
     "as_messages",
     "as_tool",
     "get_parser",
+    "load_env",
     "hermes",
     "register_parser",
     "tool",
