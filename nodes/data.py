@@ -69,8 +69,8 @@ import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
-from flowgraph.builtin_models import BUILTIN_PREFIX, held_out_path
 from flowgraph.agent.render import ChatRenderer
+from flowgraph.builtin_models import BUILTIN_PREFIX, held_out_path
 from flowgraph.errors import FlowgraphError
 from flowgraph.tables import held_table, is_memory
 from flowgraph.voice import Word, command

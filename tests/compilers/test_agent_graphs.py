@@ -93,7 +93,7 @@ GRAPHS = {
     inputs:
       scores: agent.scores
       index: agent.index
-""" + SEQUENCES.format(src="agent").replace("      ", "      ", 4) + """    params: {metric: std_nonzero, max_tries: 5, groups: 2}
+""" + SEQUENCES.format(src="agent") + """    params: {metric: std_nonzero, max_tries: 5, groups: 2}
   adv:
     kind: grpo
     inputs: {scores: keep.scores, response_mask: keep.response_mask, index: keep.index}
