@@ -118,17 +118,17 @@ class Env:
         """Release what the episode held (called once, however it ended)."""
 
 
-def as_messages(value: Sequence[Message | str] | str | None, who: str) -> list[Message]:
+def as_messages(value: Sequence[Message | str] | Message | str | None, who: str
+                ) -> list[Message]:
     """Messages from what a user's env returned: a string is one user message, a mapping
     one message, a list holds messages or strings. ValueError naming `who` for anything else."""
     if value is None:
         return []
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
-    if isinstance(value, Mapping):  # one message
-        value = [value]
+    listed: Sequence[Any] = [value] if isinstance(value, Mapping) else value  # one message
     out: list[Message] = []
-    for i, m in enumerate(value):
+    for i, m in enumerate(listed):
         if isinstance(m, str):
             out.append({"role": "user", "content": m})
         elif isinstance(m, Mapping) and isinstance(m.get("role"), str):

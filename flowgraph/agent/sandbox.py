@@ -227,8 +227,9 @@ class PythonSandbox:
             """
             return await box(code)
 
-        return tool(python, name="python", description=self.description,
-                    timeout_s=self.timeout_s + KILL_GRACE_S)
+        made: Tool = tool(name="python", description=self.description,
+                          timeout_s=self.timeout_s + KILL_GRACE_S)(python)
+        return made
 
     def _chown(self, workdir: str) -> int | None:
         """The uid to run as (None: the trainer's), owning `workdir`."""
