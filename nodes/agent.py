@@ -32,7 +32,9 @@ length, K = max_turns.
 from __future__ import annotations
 
 import hashlib
+import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -187,10 +189,19 @@ def agent_rollout(
 
 
 def _template(chat_template: str | None) -> str | None:
+    """The template's text: `chat_template` itself, or the `.jinja` file it names, next
+    to the graph (found as its plugin files are: the plugins' folders are on sys.path)
+    or in the working directory."""
     if chat_template is None or not chat_template.endswith(".jinja"):
         return chat_template
-    with open(chat_template) as f:
-        return f.read()
+    path = Path(chat_template)
+    places = [path] if path.is_absolute() else \
+        [Path(folder) / path for folder in sys.path if folder] + [Path.cwd() / path]
+    found = next((p for p in places if p.is_file()), None)
+    if found is None:
+        raise FlowgraphError(f"agent_rollout: the chat template `{chat_template}` is not a "
+                             "file next to the graph's plugins nor in the working directory")
+    return found.read_text()
 
 
 def _check_prompts(first: list[list[int]], P: int, rows: list[int], n: int) -> None:
