@@ -107,9 +107,12 @@ class Run:
 
 def own_frame(exc: BaseException) -> traceback.FrameSummary | None:
     """The innermost frame of a user's code in `exc`'s traceback (not flowgraph's, not
-    the standard library's), or None."""
+    the standard library's), or None; an error re-raised with its cause (an adapter's
+    `EnvError`) is looked up in the cause's traceback, where the user's line raised."""
     import sysconfig
 
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
     skip = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib"))
     here = __file__.rsplit("/", 2)[0]  # flowgraph/
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
