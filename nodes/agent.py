@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -80,10 +80,12 @@ def _env_factory(env: Any, env_params: Mapping[str, Any]) -> Any:
 
 def _sample(ctx: NodeContext, model: PreTrainedModel, tokenizer: Any, backend: str,
             requests: list[tuple[int, list[int], int]], seeds: list[int], spec: SamplingSpec,
-            width: int, gpu_memory_utilization: float | None
-            ) -> dict[int, tuple[list[int], list[float], bool]]:
+            width: int, gpu_memory_utilization: float | None,
+            begin: Callable[[int, list[int], list[float], bool], None]) -> None:
     """One turn of every request (episode, ids so far, tokens it may sample), sampled as
-    one batch, left-padded to `width`: {episode: (ids, log-probs, ended with a stop)}."""
+    one batch left-padded to `width`; each episode's turn handed to `begin(episode, ids,
+    log-probs, ended with a stop)` as soon as it is sampled (the hf backend: as its row
+    ends, so its tool calls run while the other rows decode)."""
     pad, device = spec.pad_id, next(model.parameters()).device
     rows = [ids for _, ids, _ in requests] or [[pad]]  # a placeholder keeps a sharded
     prompts = torch.full((len(rows), width), pad, dtype=torch.int64)  # model's workers
@@ -92,20 +94,29 @@ def _sample(ctx: NodeContext, model: PreTrainedModel, tokenizer: Any, backend: s
         prompts[k, width - len(ids):] = torch.tensor(ids)
         mask[k, width - len(ids):] = 1
     seeds = seeds or [0]
+    begun: set[int] = set()
+
+    def ended(responses: Tensor, log_prob: Tensor, ks: list[int], t: int) -> None:
+        for k in ks:  # rows that sampled their stop token at t, within their room
+            if k < len(requests) and t < requests[k][2]:
+                begun.add(k)
+                begin(requests[k][0], responses[k, : t + 1].tolist(),
+                      log_prob[k, : t + 1].tolist(), True)
+
     if backend == "vllm":
         out = ctx.rollout_engine("vllm").rollout(model, tokenizer, prompts, mask, seeds, spec,
                                                  gpu_memory_utilization)
     else:
         with eval_mode(model):
-            out = decode(model, prompts.to(device), mask.to(device), seeds, spec, ctx.workers)
-    got = {}
+            out = decode(model, prompts.to(device), mask.to(device), seeds, spec, ctx.workers,
+                         finished=ended)
     stops = set(spec.stop_ids)
     for k, (i, _, room) in enumerate(requests):
-        n = int(out["response_mask"][k].sum())
-        ids = out["responses"][k, :n].tolist()[:room]
-        log_probs = out["rollout_log_prob"][k, :n].tolist()[:room]
-        got[i] = (ids, log_probs, bool(ids) and ids[-1] in stops)
-    return got
+        if k not in begun:
+            n = int(out["response_mask"][k].sum())
+            ids = out["responses"][k, :n].tolist()[:room]
+            log_probs = out["rollout_log_prob"][k, :n].tolist()[:room]
+            begin(i, ids, log_probs, bool(ids) and ids[-1] in stops)
 
 
 def agent_rollout(
@@ -170,10 +181,10 @@ def agent_rollout(
             break
         # every worker samples turn_tokens (a sharded model's workers decode in step);
         # an episode keeps what fits its budget
-        sampled = _sample(ctx, model, tokenizer, backend, asks,
-                          [turn_seed(seeds[i], turn) for i, _, _ in asks], spec, width,
-                          gpu_memory_utilization)
-        episodes.advance(sampled)
+        _sample(ctx, model, tokenizer, backend, asks,
+                [turn_seed(seeds[i], turn) for i, _, _ in asks], spec, width,
+                gpu_memory_utilization, episodes.begin)
+        episodes.wait()
     runs = episodes.finish()
     out: dict[str, Any] = dict(_tensors(runs, P, T, max_turns, spec.pad_id))
     if ctx.node not in _CHECKED or ctx.strict:

@@ -173,7 +173,9 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 def decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequence[int],
-           spec: SamplingSpec, workers: Workers | None = None) -> dict[str, Tensor]:
+           spec: SamplingSpec, workers: Workers | None = None,
+           finished: Callable[[Tensor, Tensor, list[int], int], None] | None = None
+           ) -> dict[str, Tensor]:
     """The hf backend: prompts (r, P) left-padded, one seed per row -> responses,
     response_mask (r, T) int64 and rollout_log_prob (r, T) float32, on the model's device.
 
@@ -188,16 +190,22 @@ def decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequen
     for the whole decode; an SDPA model gets its attention mask prepared once; it runs
     in the workers' inference mode (`torch.inference_mode` unless the model is
     sharded), returning ordinary tensors.
+
+    `finished(responses, log_prob, rows, t)` is called as rows end: with the rows that
+    sampled a stop token at position t (an agent rollout starts their tool calls while
+    the others still decode); it must copy what it keeps.
     """
     workers = workers or Workers()
     with workers.inference(model):
-        out = _decode(model, prompts, prompt_mask, seeds, spec, workers.all)
+        out = _decode(model, prompts, prompt_mask, seeds, spec, workers.all, finished)
     return {name: value.clone() if value.is_inference() else value
             for name, value in out.items()}
 
 
 def _decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequence[int],
-            spec: SamplingSpec, everywhere: Callable[[bool], bool]) -> dict[str, Tensor]:
+            spec: SamplingSpec, everywhere: Callable[[bool], bool],
+            finished: Callable[[Tensor, Tensor, list[int], int], None] | None = None
+            ) -> dict[str, Tensor]:
     device = next(model.parameters()).device
     r, T = len(prompts), spec.max_new_tokens
     lo = first_prompt_column(prompt_mask)
@@ -231,7 +239,10 @@ def _decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Seque
         responses[:, t] = token.masked_fill(done, spec.pad_id)
         mask[:, t] = (~done).long()
         log_prob[:, t] = token_log_prob.masked_fill(done, 0.0)
-        done |= torch.isin(token, stop)
+        ended = torch.isin(token, stop) & ~done
+        done |= ended
+        if finished is not None and bool(ended.any()):
+            finished(responses, log_prob, ended.nonzero()[:, 0].tolist(), t)
         if t == T - 1 or everywhere(bool(done.all())):
             break
         positions = positions[:, -1:] + 1

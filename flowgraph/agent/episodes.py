@@ -27,7 +27,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, ClassVar
@@ -87,6 +87,8 @@ class Run:
     log_probs: list[float] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
     """Where each turn's last sampled token is in `ids`."""
+    turn: list[int] = field(default_factory=list)
+    """The ids of the turn sampled last."""
     active: bool = True
     spent_s: float = 0.0
     """Seconds of env and tool work so far (the episode timeout's clock)."""
@@ -136,13 +138,19 @@ class _Loop:
     pools: ClassVar[dict[int, ThreadPoolExecutor]] = {}
 
     @classmethod
-    def run(cls, coro: Any) -> Any:
+    def submit(cls, coro: Any) -> Future[Any]:
+        """Start `coro` on the loop (started on first use); its future."""
         with cls.lock:
             if cls.loop is None:
                 cls.loop = asyncio.new_event_loop()
                 threading.Thread(target=cls.loop.run_forever, name="flowgraph-agents",
                                  daemon=True).start()
-        return asyncio.run_coroutine_threadsafe(coro, cls.loop).result()
+        return asyncio.run_coroutine_threadsafe(coro, cls.loop)
+
+    @classmethod
+    def run(cls, coro: Any) -> Any:
+        """`coro`'s result, run on the loop."""
+        return cls.submit(coro).result()
 
     @classmethod
     def pool(cls, size: int) -> ThreadPoolExecutor:
@@ -171,8 +179,10 @@ class Episodes:
         self.make_env, self.tools = make_env, list(tools)
         self.renderer, self.parser, self.limits = renderer, parser, limits
         self.pool = _Loop.pool(concurrency)
-        self.gate = concurrency
+        self.concurrency = concurrency
+        self.gate: asyncio.Semaphore | None = None
         self.runs: list[Run] = []
+        self.started: list[Future[Any]] = []
 
     # -- the three phases ------------------------------------------------------------------
 
@@ -195,14 +205,28 @@ class Episodes:
     def advance(self, turns: Mapping[int, tuple[Sequence[int], Sequence[float], bool]]) -> None:
         """Each episode's sampled turn (ids, their log-probs, whether it ended with a stop
         token): its tool calls or the env's reply, then its next prompt's delta."""
-        for i, (ids, log_probs, _) in turns.items():
-            run = self.runs[i]
-            run.ids += list(ids)
-            run.sampled += [1] * len(ids)
-            run.log_probs += list(log_probs)
-            run.ends.append(len(run.ids) - 1)
-            run.episode.turns += 1
-        _Loop.run(self._all(self._turn, list(turns), turns))
+        for i, turn in turns.items():
+            self.begin(i, *turn)
+        self.wait()
+
+    def begin(self, i: int, ids: Sequence[int], log_probs: Sequence[float], stopped: bool
+              ) -> None:
+        """Episode i's sampled turn, whose tool calls (or env reply) start now, in the
+        background, while other episodes may still be sampling theirs (`wait` for all)."""
+        run = self.runs[i]
+        run.turn = list(ids)
+        run.ids += run.turn
+        run.sampled += [1] * len(ids)
+        run.log_probs += list(log_probs)
+        run.ends.append(len(run.ids) - 1)
+        run.episode.turns += 1
+        self.started.append(_Loop.submit(self._one(i, self._turn, i, stopped)))
+
+    def wait(self) -> None:
+        """Until every turn `begin` started is done (each ends within its timeouts)."""
+        started, self.started = self.started, []
+        for future in started:
+            future.result()
 
     def finish(self) -> list[Run]:
         """Each episode's reward (`Env.reward`), its env closed; `on_error` applied."""
@@ -222,15 +246,15 @@ class Episodes:
 
     # -- per episode -------------------------------------------------------------------------
 
-    async def _all(self, each: Callable[..., Any], which: Sequence[int] | range,
-                   *args: Any) -> None:
-        gate = asyncio.Semaphore(self.gate)
+    async def _all(self, each: Callable[..., Any], which: Sequence[int] | range) -> None:
+        await asyncio.gather(*(self._one(i, each, i) for i in which))
 
-        async def one(i: int) -> None:
-            async with gate:
-                await self._timed(self.runs[i], each(i, *args))
-
-        await asyncio.gather(*(one(i) for i in which))
+    async def _one(self, i: int, each: Callable[..., Any], *args: Any) -> None:
+        """`each(*args)` on episode i, at most `concurrency` episodes at once."""
+        if self.gate is None:  # made on the loop's thread, once
+            self.gate = asyncio.Semaphore(self.concurrency)
+        async with self.gate:
+            await self._timed(self.runs[i], each(*args))
 
     async def _timed(self, run: Run, work: Any) -> None:
         """`work` on `run` within its turn's and its episode's time left; a timeout or an
@@ -262,11 +286,10 @@ class Episodes:
         run.episode.messages = first
         run.prompt = self.renderer.prompt(first)
 
-    async def _turn(self, i: int, turns: Mapping[int, tuple[Sequence[int], Sequence[float],
-                                                             bool]]) -> None:
+    async def _turn(self, i: int, stopped: bool) -> None:
         run = self.runs[i]
-        ids, _, stopped = turns[i]
-        text = self.renderer.tokenizer.decode(list(ids)[:-1] if stopped else list(ids))
+        ids = run.turn
+        text = self.renderer.tokenizer.decode(ids[:-1] if stopped else ids)
         content, calls = self.parser.parse(text)
         message: Message = {"role": "assistant", "content": content}
         if calls:
