@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from flowgraph.nodes.logprob import response_span
 from flowgraph.plan import ExecutionPlan, NodePlan
 from flowgraph.runtime.evaluation import diversity_metrics, exact_match, pass_at_n
 
@@ -34,6 +35,8 @@ def step_metrics(plan: ExecutionPlan, env: dict[tuple[str, str], Any]) -> dict[s
             prompt = env[(node.name, "prompt_mask")].float()
             out["perf/tokens"] = out.get("perf/tokens", 0.0) + float(resp.sum() + prompt.sum())
             out["perf/response_tokens"] = out.get("perf/response_tokens", 0.0) + float(resp.sum())
+            if (node.name, "scores") in env:  # an agent rollout's episode rewards
+                out.setdefault("critic/score/mean", float(env[(node.name, "scores")].mean()))
         elif node.category == "reward" and (node.name, "scores") in env:
             out.setdefault("critic/score/mean", float(env[(node.name, "scores")].mean()))
         elif node.category == "filter" and (node.name, "scores") in env:
@@ -119,13 +122,16 @@ class HeldOut:
         keep = [r for r, i in enumerate(index) if i >= skip]
         tok = tokenizers.get(gen.model or "")
         special = set(getattr(tok, "all_special_ids", ()) or ())
-        rows = _valid_rows(env[(gen.name, "responses")], env[(gen.name, "response_mask")])
+        mask = env[(gen.name, "response_mask")]
+        rows = _valid_rows(env[(gen.name, "responses")], mask)
         self.tokens += [[t for t in rows[r] if t not in special] for r in keep]
         first, self.prompts = self.prompts, self.prompts + max(index, default=-1) + 1 - skip
         judge = _judge(plan, env)
         if judge is None or tok is None:
             return
-        texts = [tok.decode(row, skip_special_tokens=True) for row in rows]
+        # an agent's response: its tokens up to its last sampled one, tool results too
+        texts = [tok.decode(row, skip_special_tokens=True)
+                 for row in _valid_rows(env[(gen.name, "responses")], response_span(mask))]
         prompts = [tok.decode(row, skip_special_tokens=True) for row in
                    _valid_rows(env[(gen.name, "prompts")], env[(gen.name, "prompt_mask")])]
         column = partial(_per_sample, env, judge, gen, index)
@@ -203,13 +209,15 @@ def _accuracy(rows: list[dict[str, Any]]) -> dict[str, float]:
 
 def _judge(plan: ExecutionPlan, env: dict[tuple[str, str], Any]) -> NodePlan | None:
     """The reward node the validation table shows: the first that reports correctness
-    (an `exact_match` rule, a dict result with `acc`), else the first reward node."""
+    (an `exact_match` rule, a dict result with `acc`), else the first reward node; an
+    agent rollout's episode rewards count as one."""
     rewards = [n for n in plan.nodes if n.category == "reward"]
-    for node in rewards:
+    agents = [n for n in plan.nodes if n.category == "rollout" and (n.name, "scores") in env]
+    for node in rewards + agents:  # an agent rollout scores its episodes (`Env.reward`)
         extras = env.get((node.name, "reward_extra_info")) or [{}]
         if node.param_values().get("fn") == "exact_match" or "acc" in extras[0]:
             return node
-    return rewards[0] if rewards else None
+    return (rewards + agents)[0] if rewards or agents else None
 
 
 def _per_sample(env: dict[tuple[str, str], Any], judge: NodePlan, gen: NodePlan,

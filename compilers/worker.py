@@ -168,6 +168,7 @@ class Worker:
             scheduler=self.schedulers.get(model) if trains else None,
             grad_clip=spec.optimizer.grad_clip if spec and spec.optimizer else 0.0,
             state=self.node_state[name], dims=dict(self.dims),
+            strict=self.opts.strict or self.plan.trainer.strict,
             engines=partial(rollout_engine, verify_every=self.plan.trainer.verify_sync_every),
             **dp)
 

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
+    "Env": "flowgraph.agent.env",
+    "tool": "flowgraph.agent.tools",
     "check": "flowgraph.api",
     "compile": "flowgraph.api",
     "debug": "flowgraph.api",
@@ -55,6 +57,7 @@ __all__ = [
     "DataSpec",
     "Diagnostic",
     "DimBinding",
+    "Env",
     "ExecutionPlan",
     "FlowgraphError",
     "Graph",
@@ -85,6 +88,7 @@ __all__ = [
     "node_kind",
     "register_kind",
     "run",
+    "tool",
 ]
 
 
@@ -102,6 +106,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
+    from flowgraph.agent.env import Env
+    from flowgraph.agent.tools import tool
     from flowgraph.api import check, compile, debug, export, load_plan, run
     from flowgraph.builder import GraphBuilder
     from flowgraph.checker import CheckResult, check_graph

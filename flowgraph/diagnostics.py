@@ -84,6 +84,15 @@ CODES: dict[str, str] = {
     "FG512": "a reward function (called as TRL calls one) that needs a column the dataset "
              "reaching it does not have",
     "FG513": "a flowgraph run dir as a model path: its newest checkpoint's model is loaded",
+    # agents (an agent rollout's budgets, timeouts, tools, env and template)
+    "FG601": "an agent rollout's turns and tool results that cannot fit the response "
+             "length T",
+    "FG602": "an agent rollout timeout that is zero (no timeout) or can never fire",
+    "FG603": "a tool whose JSON schema cannot be built",
+    "FG604": "a sequence-level loss or correction (GSPO, sequence TIS) on multi-turn "
+             "episodes: its sequence is the whole episode",
+    "FG605": "an env or tool an agent rollout names that cannot be imported",
+    "FG606": "a chat template an agent rollout cannot render turn by turn (check --data)",
 }
 """Every diagnostic code and what it means; codes are stable across releases."""
 

@@ -86,6 +86,13 @@ class PluginError(FlowgraphError):
     """A plugin module listed under `plugins:` could not be imported."""
 
 
+class ToolSchemaError(FlowgraphError):
+    """A tool that cannot be offered to the policy: its JSON schema cannot be built from
+    its hints and docstring, its settings are wrong (a timeout that is not a positive,
+    finite number), or two tools of an environment share a name. The message names the
+    function and its file:line, and says what to add."""
+
+
 def at_step(step: int) -> str:
     """`at step 3`, or `in the prologue` (step -1: the plan's once-stage before the loop)."""
     return "in the prologue" if step < 0 else f"at step {step}"
@@ -106,6 +113,18 @@ class ContractViolation(FlowgraphError):
 class RewardFnError(FlowgraphError):
     """A user's reward function raised: the message names the function, the row and its
     data source; the function's own exception is the cause (its frame is reported)."""
+
+
+class SandboxError(FlowgraphError):
+    """The Python sandbox (`flowgraph.agent.sandbox`) could not start its process, or its
+    limits are invalid. The code's own errors are never this: they are output."""
+
+
+class EnvError(FlowgraphError):
+    """An agent environment flowgraph cannot run, or one whose own code (a TRL env's
+    `reset` or `get_reward`, a verl tool's `release`, a SkyRL env's `step`) raised: the
+    message names the object and its file:line; the env's own exception is the cause
+    (its frame is reported)."""
 
 
 class NodeError(FlowgraphError):

@@ -281,14 +281,14 @@ _KINDS = (
             _p("row", "b*n", "object", optional=True, doc=ROW_DOC),
         ),
         params=(
-            ParamSpec("env", ("str", "null"), None, functions=(),
+            ParamSpec("env", ("str", "null"), None, functions=(), agent="env",
                       doc="the environment: a `flowgraph.Env` subclass, a TRL "
                           "environment_factory class or a verl BaseTool, as `file.py:Name` "
                           "(the file listed under plugins:), `module:Name` or the class "
                           "itself; null: a plain env over `tools`"),
-            ParamSpec("env_params", ("mapping",), {},
+            ParamSpec("env_params", ("mapping", "null"), None,
                       doc="keyword arguments the env is made with, once per episode"),
-            ParamSpec("tools", ("list",), [],
+            ParamSpec("tools", ("list",), (), functions=(), agent="tools",
                       doc="tools every episode may call besides the env's: functions "
                           "(typed, Google-style docstring) or `flowgraph.tool`s, as "
                           "`file.py:name`, `module:name` or the objects"),
@@ -302,8 +302,9 @@ _KINDS = (
                "left of T"),
             _i("max_tool_tokens", 256, "tokens one tool result (or env message) may take; "
                "longer ones are cut"),
-            _s("truncate_side", "right", ("left", "middle", "right"),
-               "which part of a long tool result is cut (verl's tool_response_truncate_side)"),
+            _s("truncate_side", "middle", ("left", "middle", "right"),
+               "which part of a long tool result is cut: left keeps its end, right its "
+               "start, middle both ends (verl's tool_response_truncate_side)"),
             _f("tool_timeout_s", 30.0, "seconds one tool call may take (a tool's own "
                "timeout_s wins)", minimum=0.0),
             _f("turn_timeout_s", 120.0, "seconds the tools and the env may take in one turn",
@@ -604,9 +605,10 @@ _KINDS = (
             _f("clip_ratio_low", 0.2, minimum=0.0),
             _f("clip_ratio_high", 0.2, minimum=0.0),
             _f("clip_ratio_c", 3.0, minimum=1.0),
-            _s("rollout_is", None, ("token", "sequence"),
-               "rollout correction: weigh each token (or sequence) by pi_old / pi_rollout "
-               "from generate's rollout_log_prob; null: off"),
+            replace(_s("rollout_is", None, ("token", "sequence"),
+                       "rollout correction: weigh each token (or sequence) by pi_old / "
+                       "pi_rollout from generate's rollout_log_prob; null: off"),
+                    per_sequence=("sequence",)),
             _f("rollout_is_threshold", 2.0, "weights above are truncated to it (TIS)",
                minimum=0.0),
             _f("rollout_is_threshold_lower", None, "set: tokens with weights outside "
@@ -788,7 +790,8 @@ def _loss(name: str, doc: str, *params: ParamSpec) -> LossSpec:
 
 POLICY_LOSSES: dict[str, LossSpec] = {loss.name: loss for loss in (
     _loss("vanilla", "PPO's clipped objective, dual clip for A < 0 (Schulman et al. 2017)"),
-    _loss("gspo", "sequence-level importance ratio (Zheng et al. 2025)"),
+    replace(_loss("gspo", "sequence-level importance ratio (Zheng et al. 2025)"),
+            per_sequence=True),
     _loss("cispo", "clipped importance weight on the log-prob gradient (MiniMax 2025)"),
     _loss("gpg", "-A log pi, no ratio (Chu et al. 2025)"),
     _loss("clip_cov", "PPO with high-covariance tokens' gradients cut (Cui et al. 2025)",

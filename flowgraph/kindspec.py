@@ -79,6 +79,15 @@ class ParamSpec:
     executor: bool = False
     """Read by the executor around the node's call (`timeout_s`), every kind has it
     (`NODE_PARAMS`); passed to the implementation only where it declares it."""
+    agent: str | None = None
+    """`env` or `tools` (`agent_rollout`): the value names an agent environment (a class)
+    or tools, which `flowgraph check` finds in the plugins the graph lists and whose tools'
+    schemas it builds (`flowgraph.checker.agents`: FG603, FG605) instead of holding them
+    to a function's call style."""
+    per_sequence: tuple[str, ...] = ()
+    """Values of this param that weigh a whole sequence by one number (`rollout_is:
+    sequence`, TIS of the sequence's ratio): on multi-turn episodes the sequence is the
+    episode, which the checker says (FG604)."""
 
     def __post_init__(self) -> None:
         bad = [t for t in self.types if t not in PARAM_TYPES]
@@ -257,3 +266,6 @@ class LossSpec:
     impl: str
     """`module:function`, imported by the update."""
     doc: str = ""
+    per_sequence: bool = False
+    """Its importance ratio is one per sequence (GSPO), not one per token: on multi-turn
+    episodes, one per episode (the checker's FG604)."""

@@ -84,7 +84,7 @@ def of(value: object) -> PyObject | None:
     """`value` as a `PyObject` when it is a function or a class, else None."""
     if inspect.isclass(value):
         what = "class"
-    elif inspect.isfunction(value) or inspect.isbuiltin(value):
+    elif inspect.isfunction(value) or inspect.isbuiltin(value) or _wraps_a_function(value):
         what = "function"
     else:
         return None
@@ -93,9 +93,19 @@ def of(value: object) -> PyObject | None:
     return PyObject(f"{module}:{qualname}", what, value, defined_at(value))
 
 
+def _wraps_a_function(value: object) -> bool:
+    """A callable object standing for the function it wraps, its name included (as a
+    `functools.wraps` wrapper, or `flowgraph.tool`'s `Tool`): held as that function is."""
+    wrapped = getattr(value, "__wrapped__", None)
+    return callable(value) and inspect.isfunction(wrapped) and \
+        getattr(value, "__qualname__", None) == wrapped.__qualname__
+
+
 def defined_at(obj: object) -> str:
-    """`file:line` of a function's or class's definition, or `""` where Python cannot
-    tell (a builtin; a class of a notebook cell)."""
+    """`file:line` of a function's or class's definition (a wrapper's: its function's),
+    or `""` where Python cannot tell (a builtin; a class of a notebook cell)."""
+    if not hasattr(obj, "__code__") and _wraps_a_function(obj):
+        obj = obj.__wrapped__  # type: ignore[attr-defined]
     code = getattr(obj, "__code__", None)
     if code is not None:
         return f"{code.co_filename}:{code.co_firstlineno}"

@@ -121,7 +121,7 @@ _LOSSES: dict[str, LossSpec] = {}
 """Policy losses declared by plugins with `@policy_loss`."""
 
 
-def policy_loss(name: str) -> Callable[[F], F]:
+def policy_loss(name: str, *, per_sequence: bool = False) -> Callable[[F], F]:
     """Declare a policy loss for `ppo_actor_update(policy_loss=name)`:
 
         @policy_loss("my_loss")
@@ -132,7 +132,9 @@ def policy_loss(name: str) -> Callable[[F], F]:
     It takes the four (B, T) tensors, then keyword params with defaults: a clip ratio
     (`clip_ratio_low/high/c`) comes from the update's params, any other is the loss's own,
     set in `policy_loss_params` and checked before launch. It returns the per-token loss
-    (the update aggregates it by `loss_agg_mode`) and metrics (logged as actor/<name>)."""
+    (the update aggregates it by `loss_agg_mode`) and metrics (logged as actor/<name>).
+    `per_sequence=True` declares one importance ratio per sequence (as GSPO's): the
+    checker warns where the sequences are multi-turn episodes (FG604)."""
     if not NAME_RE.match(name):
         raise RegistryError(f"policy loss name {name!r} is not an identifier")
 
@@ -146,7 +148,7 @@ def policy_loss(name: str) -> Callable[[F], F]:
         own = tuple(_param_from_signature(p.name, p, hints.get(p.name))
                     for p in params[len(LOSS_INPUTS):] if p.name not in LOSS_SHARED)
         spec = LossSpec(name, own, f"{fn.__module__}:{fn.__qualname__}",
-                        (fn.__doc__ or "").strip().split("\n")[0])
+                        (fn.__doc__ or "").strip().split("\n")[0], per_sequence)
         if name in _builtin_losses() or _LOSSES.get(name, spec).impl != spec.impl:
             raise RegistryError(f"policy loss `{name}` is declared twice (built in or by "
                                 f"{_LOSSES[name].impl if name in _LOSSES else 'flowgraph'})")

@@ -72,6 +72,7 @@ import pyarrow.parquet as pq
 import torch
 from torch import Tensor
 
+from flowgraph.agent.render import ChatRenderer
 from flowgraph.builtin_models import BUILTIN_PREFIX, held_out_path
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.agent_tasks import (guess_games, guess_problems, mul_problems,
@@ -895,31 +896,11 @@ def _split_messages(path: str, key: str, conversations: list[Any]) -> dict[str, 
 def conversation_spans(tokenizer: Any, messages: list[dict[str, str]], first: int
                        ) -> list[tuple[list[int], bool]]:
     """The response of a conversation whose first answer is `messages[first]`, as
-    (token ids, trained) spans: each assistant turn as the chat template renders it
-    (trained), each run of other messages with the next generation prompt (not
-    trained). A span is the text the template adds to the conversation so far."""
-    def text(upto: int, generation: bool) -> str:
-        out: str = tokenizer.apply_chat_template(messages[:upto], tokenize=False,
-                                                 add_generation_prompt=generation)
-        return out
-
-    spans: list[tuple[str, bool]] = []
-    done, i = text(first, True), first
-    while i < len(messages):
-        j = i + 1
-        if messages[i]["role"] != "assistant":
-            while messages[j]["role"] != "assistant":
-                j += 1
-        upto = text(j, messages[i]["role"] != "assistant")
-        if not upto.startswith(done):
-            raise FlowgraphError(
-                "the chat template does not render this conversation turn by turn (the text "
-                f"of its first {i} messages is not the start of the text of its first {j}), "
-                "so its assistant turns cannot be marked: split it into one row per answer")
-        spans.append((upto[len(done):], messages[i]["role"] == "assistant"))
-        done, i = upto, j
-    ids = tokenizer([t for t, _ in spans], add_special_tokens=False).input_ids
-    return [(list(t), trained) for t, (_, trained) in zip(ids, spans, strict=True)]
+    (token ids, trained) spans, rendered by the agent rollouts' renderer
+    (`flowgraph.agent.render.ChatRenderer.spans`): each assistant turn as the chat
+    template renders it (trained), each run of other messages with the next generation
+    prompt (not trained)."""
+    return ChatRenderer(tokenizer, probe=False).spans(messages, first)
 
 
 @dataclass(frozen=True, slots=True)

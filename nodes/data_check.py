@@ -6,7 +6,8 @@ under the data node's `truncation` / `filter_overlong_prompts`; a chat template 
 one is applied; enough rows for one batch; the columns a reward function called as TRL
 calls one needs, among those of the rows reaching it (FG512, on its `def` line). Model
 folders: a readable config, a tokenizer whose vocabulary fits the model's, tied or
-untied embeddings (a note).
+untied embeddings (a note). Agent rollouts: the chat template renders an episode turn by
+turn, extending the conversation as a prefix (FG606, the rollout's own probe).
 A missing local file or folder is an error naming the path it resolved to
 (`flowgraph.paths`); hub ids are skipped with a note. Diagnostics sit on the
 data source's (or model's) `path` line.
@@ -24,6 +25,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from flowgraph.agent.render import ChatRenderer, TemplateError
 from flowgraph.builtin_models import BUILTIN_PREFIX, builtin_config
 from flowgraph.checker.functions import called_functions
 from flowgraph.diagnostics import Diagnostic
@@ -32,7 +34,7 @@ from flowgraph.errors import FlowgraphError
 from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec
 from flowgraph.nodes import data as nd
 from flowgraph.nodes.models import load_tokenizer
-from flowgraph.paths import RULE, is_hub_dataset
+from flowgraph.paths import RULE, folder_of, is_hub_dataset
 from flowgraph.registry import KindSpec, Registry
 from flowgraph.runs import is_run_dir, trained_lm
 from flowgraph.runtime.reward_call import TRL_NOT_COLUMNS, TRL_PASSES, unmet_parameters
@@ -86,7 +88,39 @@ def check_data(graph: Graph) -> list[Diagnostic]:
         diags += _check_model(m, tokenizers)
     for d in graph.data:
         diags += _check_source(graph, d, tokenizers)
+    for node in graph.nodes:
+        diags += _check_agent_template(node, tokenizers)
     return diags
+
+
+def _check_agent_template(node: NodeSpec, tokenizers: dict[str, Any]) -> list[Diagnostic]:
+    """An agent rollout's chat template (its `chat_template`, else its model's tokenizer's)
+    probed as the rollout will probe it when it starts (`ChatRenderer`): it must extend a
+    conversation as a prefix, turn after turn (FG606)."""
+    kind = Registry.default().get(node.kind)
+    tok = tokenizers.get(node.model or "")
+    if kind is None or kind.param("max_turns") is None or tok is None:
+        return []
+    given = node.params.find("chat_template")
+    template = given.value if given is not None else None
+    where = given.pos if given is not None else node.pos
+    if isinstance(template, str) and template.endswith(".jinja"):
+        path = Path(template) if Path(template).is_absolute() else folder_of(where) / template
+        try:
+            template = path.read_text()
+        except OSError as exc:
+            return [Diagnostic("FG606", "error", f"`{node.name}`: the chat template "
+                               f"`{template}` cannot be read: {exc}", where, node=node.name,
+                               hint="a .jinja file relative to the graph file's folder, or "
+                                    "the template's text")]
+    try:
+        ChatRenderer(tok, template if isinstance(template, str) else None)
+    except TemplateError as exc:
+        whose = "its `chat_template`" if given is not None else \
+            f"the chat template of model `{node.model}`'s tokenizer"
+        return [Diagnostic("FG606", "error", f"`{node.name}` cannot render its episodes turn "
+                           f"by turn with {whose}: {exc}", where, node=node.name)]
+    return []
 
 
 def _check_model(m: ModelSpec, tokenizers: dict[str, Any]) -> list[Diagnostic]:

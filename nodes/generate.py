@@ -49,8 +49,8 @@ from flowgraph.runtime.context import NodeContext, Workers
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["SamplingSpec", "counter_uniform", "decode", "filter_logits", "generate",
-           "sample_seed"]
+__all__ = ["SamplingSpec", "counter_uniform", "decode", "eval_mode", "filter_logits", "generate",
+           "pad_id", "sample_seed", "stop_ids"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +162,7 @@ def _forward(model: nn.Module, ids: Tensor, attention: Tensor, positions: Tensor
 
 
 @contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
+def eval_mode(model: nn.Module) -> Iterator[None]:
     """No dropout while sampling; the caller's mode (a trainable actor's) comes back."""
     training = model.training
     model.eval()
@@ -173,7 +173,9 @@ def _eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 def decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequence[int],
-           spec: SamplingSpec, workers: Workers | None = None) -> dict[str, Tensor]:
+           spec: SamplingSpec, workers: Workers | None = None,
+           finished: Callable[[Tensor, Tensor, list[int], int], None] | None = None
+           ) -> dict[str, Tensor]:
     """The hf backend: prompts (r, P) left-padded, one seed per row -> responses,
     response_mask (r, T) int64 and rollout_log_prob (r, T) float32, on the model's device.
 
@@ -188,16 +190,22 @@ def decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequen
     for the whole decode; an SDPA model gets its attention mask prepared once; it runs
     in the workers' inference mode (`torch.inference_mode` unless the model is
     sharded), returning ordinary tensors.
+
+    `finished(responses, log_prob, rows, t)` is called as rows end: with the rows that
+    sampled a stop token at position t (an agent rollout starts their tool calls while
+    the others still decode); it must copy what it keeps.
     """
     workers = workers or Workers()
     with workers.inference(model):
-        out = _decode(model, prompts, prompt_mask, seeds, spec, workers.all)
+        out = _decode(model, prompts, prompt_mask, seeds, spec, workers.all, finished)
     return {name: value.clone() if value.is_inference() else value
             for name, value in out.items()}
 
 
 def _decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Sequence[int],
-            spec: SamplingSpec, everywhere: Callable[[bool], bool]) -> dict[str, Tensor]:
+            spec: SamplingSpec, everywhere: Callable[[bool], bool],
+            finished: Callable[[Tensor, Tensor, list[int], int], None] | None = None
+            ) -> dict[str, Tensor]:
     device = next(model.parameters()).device
     r, T = len(prompts), spec.max_new_tokens
     lo = first_prompt_column(prompt_mask)
@@ -231,7 +239,10 @@ def _decode(model: nn.Module, prompts: Tensor, prompt_mask: Tensor, seeds: Seque
         responses[:, t] = token.masked_fill(done, spec.pad_id)
         mask[:, t] = (~done).long()
         log_prob[:, t] = token_log_prob.masked_fill(done, 0.0)
-        done |= torch.isin(token, stop)
+        ended = torch.isin(token, stop) & ~done
+        done |= ended
+        if finished is not None and bool(ended.any()):
+            finished(responses, log_prob, ended.nonzero()[:, 0].tolist(), t)
         if t == T - 1 or everywhere(bool(done.all())):
             break
         positions = positions[:, -1:] + 1
@@ -291,7 +302,7 @@ def _reserve(cache: Any, capacity: int) -> None:
             layers[i] = _ReservedLayer(layer.keys, layer.values, capacity)
 
 
-def _stop_ids(model: nn.Module, tokenizer: Any) -> tuple[int, ...]:
+def stop_ids(model: nn.Module, tokenizer: Any) -> tuple[int, ...]:
     """EOS ids of the tokenizer and of the model's generation config (HF may list several)."""
     config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     ids = [tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])]
@@ -334,7 +345,7 @@ def generate(
     if n is None or T is None:
         raise ValueError("generate: set the params n and max_new_tokens, or bind the dims N and T")
     spec = SamplingSpec(T, temperature, top_p, top_k, not do_sample or temperature == 0,
-                        _stop_ids(model, tokenizer), _pad_id(tokenizer))
+                        stop_ids(model, tokenizer), pad_id(tokenizer))
     rows = ctx.row_offset + torch.arange(len(prompts))
     seeds = [sample_seed(ctx.seed, ctx.step, int(row), j) for row in rows for j in range(n)]
     prompts, prompt_mask = prompts.repeat_interleave(n, 0), prompt_mask.repeat_interleave(n, 0)
@@ -342,7 +353,7 @@ def generate(
         out = ctx.rollout_engine("vllm").rollout(model, tokenizer, prompts, prompt_mask, seeds,
                                                  spec, gpu_memory_utilization)
     elif backend == "hf":
-        with _eval_mode(model):
+        with eval_mode(model):
             out = decode(model, prompts, prompt_mask, seeds, spec, ctx.workers)
     else:
         raise ValueError(f"generate: backend must be `hf` or `vllm`, got `{backend}`")
@@ -357,6 +368,6 @@ def generate(
     return outputs
 
 
-def _pad_id(tokenizer: Any) -> int:
+def pad_id(tokenizer: Any) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return int(pad or 0)

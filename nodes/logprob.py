@@ -46,6 +46,7 @@ __all__ = [
     "head_logprob",
     "logprob",
     "micro_batches",
+    "response_span",
     "sequence_lengths",
     "sequence_logprob",
 ]
@@ -105,7 +106,8 @@ def forward_hidden(
     lo, t = _trimmed(prompt_mask, response_mask)
     backbone = getattr(model, "base_model", model)
     input_ids = torch.cat([prompts[:, lo:], responses[:, :t]], dim=1)
-    attention_mask = torch.cat([prompt_mask[:, lo:], response_mask[:, :t]], dim=1).long()
+    attention_mask = torch.cat([prompt_mask[:, lo:], response_span(response_mask)[:, :t]],
+                               dim=1).long()
     # Left padding: count positions over real tokens only (HF generate does the same).
     position_ids = (attention_mask.cumsum(-1) - 1).clamp_min(0)
     out = backbone(
@@ -127,10 +129,11 @@ def _packed_hidden(
     position ids 0 .. n_i − 1 for row i's n_i = p_i + r_i tokens and no attention mask
     (the padded forward's positions, counted over the mask; transformers reads the
     boundaries off the restarts). Prompts must be left-padded and responses
-    right-padded, and a row with a response token must have a prompt token: the
+    right-padded (a response with holes packs every token up to its last valid one:
+    `response_span`), and a row with a response token must have a prompt token: the
     padded forward predicts a response token from the column before it, which is
     then a valid token, and that is the state this row holds."""
-    pm, rm = prompt_mask.bool(), response_mask.bool()
+    pm, rm = prompt_mask.bool(), response_span(response_mask).bool()
     (B, P), T = pm.shape, rm.shape[1]
     p, r = pm.sum(-1), rm.sum(-1)
     prompt_ok = pm == (torch.arange(P, device=pm.device) >= (P - p).unsqueeze(-1))
@@ -157,6 +160,13 @@ def _packed_hidden(
     index = first.unsqueeze(-1) + torch.arange(T, device=ids.device)  # (B, T)
     hidden = flat.new_zeros(B, T, flat.shape[-1])
     return hidden.masked_scatter(rm.unsqueeze(-1), flat[index[rm]])
+
+
+def response_span(response_mask: Tensor) -> Tensor:
+    """(B, T): 1 on every response position up to a row's last valid token. The tokens a
+    forward attends to: an agent's response mask has holes (tool and user tokens, which
+    no loss reads but which the policy saw), a generated one is its own span."""
+    return response_mask.flip(-1).cummax(-1).values.flip(-1)
 
 
 def first_prompt_column(prompt_mask: Tensor) -> int:
@@ -323,8 +333,9 @@ def micro_batches(
 
 
 def sequence_lengths(prompt_mask: Tensor, *response_masks: Tensor) -> Tensor:
-    """(B, 2): each row's valid prompt tokens and the most valid tokens of its responses."""
-    responses = torch.stack([m.bool().sum(-1) for m in response_masks]).amax(0)
+    """(B, 2): each row's valid prompt tokens and the most tokens of its responses (up to
+    the last valid one: `response_span`)."""
+    responses = torch.stack([response_span(m).bool().sum(-1) for m in response_masks]).amax(0)
     return torch.stack([prompt_mask.bool().sum(-1), responses], dim=-1)
 
 

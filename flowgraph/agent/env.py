@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-__all__ = ["STATUSES", "Env", "Episode", "Message", "Step", "as_messages"]
+__all__ = ["STATUSES", "Env", "Episode", "Message", "Step", "ToolResult", "as_messages"]
 
 Message = dict[str, Any]
 """A chat message as chat templates take it: `{"role": ..., "content": ...}` (an
@@ -48,6 +48,15 @@ class Step:
     """This turn's reward (the `turn_rewards` port)."""
     done: bool = False
     """The episode ends here (status `completed`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolResult:
+    """What a tool may return instead of its text: the text and a reward for the turn
+    (a verl tool's `execute` reward)."""
+
+    content: str
+    reward: float = 0.0
 
 
 @dataclass
@@ -109,15 +118,17 @@ class Env:
         """Release what the episode held (called once, however it ended)."""
 
 
-def as_messages(value: Sequence[Message | str] | str | None, who: str) -> list[Message]:
-    """Messages from what a user's env returned: a string is one user message, a list
-    holds messages or strings. ValueError naming `who` for anything else."""
+def as_messages(value: Sequence[Message | str] | Message | str | None, who: str
+                ) -> list[Message]:
+    """Messages from what a user's env returned: a string is one user message, a mapping
+    one message, a list holds messages or strings. ValueError naming `who` for anything else."""
     if value is None:
         return []
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
+    listed: Sequence[Any] = [value] if isinstance(value, Mapping) else value  # one message
     out: list[Message] = []
-    for i, m in enumerate(value):
+    for i, m in enumerate(listed):
         if isinstance(m, str):
             out.append({"role": "user", "content": m})
         elif isinstance(m, Mapping) and isinstance(m.get("role"), str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 from dataclasses import dataclass
 
+from flowgraph.checker.agents import SCHEMA_HINT, check_agents
 from flowgraph.checker.batch import check_batches, ranks_of
 from flowgraph.checker.filters import check_filters
 from flowgraph.checker.functions import check_functions
@@ -28,7 +29,7 @@ from flowgraph.checker.structure import (
     resolve_kinds,
 )
 from flowgraph.diagnostics import Diagnostic, error, sort_key
-from flowgraph.errors import PluginError
+from flowgraph.errors import PluginError, ToolSchemaError
 from flowgraph.ir import Graph
 from flowgraph.registry import Registry
 
@@ -91,6 +92,11 @@ def _load_plugins(graph: Graph, registry: Registry, out: list[Diagnostic]) -> No
         try:
             registry.load_plugins([plugin.module], [plugin.folder()])
         except PluginError as exc:
+            if isinstance(exc.__cause__, ToolSchemaError):  # a @tool it defines
+                out.append(error("FG603", f"plugin `{plugin.module}` defines a tool that "
+                                 f"cannot be offered to the policy: {exc.__cause__}",
+                                 plugin.pos, hint=SCHEMA_HINT))
+                continue
             out.append(error("FG113", str(exc), plugin.pos,
                              hint="a file or module next to the graph file, or an installed "
                                   "package: is the name spelt as you would `import` it?"))
@@ -121,6 +127,7 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     check_batches(graph, table, shapes, ranks, pools, out)
     check_filters(graph, table, shapes, out)
     check_staleness(graph, table, shapes, out)
+    check_agents(graph, table, shapes.env, out)
     diags = tuple(sorted(dict.fromkeys(out), key=sort_key))
     return CheckResult(graph, diags, table, shapes, registry, dp)
 

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 
 from flowgraph.checker.structure import Resolved, param_problem
 from flowgraph.diagnostics import Diagnostic, error
@@ -30,7 +31,7 @@ def check_functions(graph: Graph, table: dict[str, Resolved], out: list[Diagnost
     for r in table.values():
         if r.kind is None or not isinstance(r.spec, NodeSpec):
             continue
-        specs = [s for s in r.kind.params if s.functions is not None]
+        specs = [s for s in r.kind.params if s.functions is not None and s.agent is None]
         given = [(s, p) for s in specs if (p := r.spec.params.find(s.name)) is not None
                  and p.value is not None]
         needed = [s for s in specs if s.replaces is None]
@@ -99,9 +100,14 @@ def _loaded(ref: object, listed: set[str]) -> tuple[str, Callable[..., object] |
     module, colon, name = str(ref).partition(":")
     if not colon or module not in listed:
         return str(ref), None
-    loaded = sys.modules.get(Path(module).stem if module.endswith(".py") else module)
-    fn = getattr(loaded, name, None)
+    fn = getattr(plugin_module(module), name, None)
     return str(ref), fn if callable(fn) else None
+
+
+def plugin_module(module: str) -> ModuleType | None:
+    """The module a listed plugin (`rewards.py` or `my_pkg.rewards`) was imported as by
+    the check; None when its import failed (FG113 says why)."""
+    return sys.modules.get(Path(module).stem if module.endswith(".py") else module)
 
 
 def _check_replaced(node: NodeSpec, spec: ParamSpec, given: Param,
@@ -228,7 +234,7 @@ def _check_ref(node: NodeSpec, spec: ParamSpec, ref: object, where: Param, liste
                          hint=f"add it: `plugins: [{module}]` (every file or module a graph "
                               "runs is listed there)"))
         return None
-    loaded = sys.modules.get(Path(module).stem if module.endswith(".py") else module)
+    loaded = plugin_module(module)
     if loaded is None:
         return None
     fn = getattr(loaded, name, None)

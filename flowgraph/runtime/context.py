@@ -80,6 +80,9 @@ class NodeContext:
     workers: Workers = field(default_factory=lambda: Workers())
     """The data-parallel workers running this call, as services (one process unless
     the executor says otherwise)."""
+    strict: bool = False
+    """Strict mode (`trainer.strict`, `--strict`): a node checks itself on every call
+    where it would otherwise on its first (an agent rollout's rows against its samples)."""
     engines: Callable[[str], Any] | None = None
     """Set by an executor: the rollout engine of a backend; nodes call `rollout_engine`."""
 

@@ -6,9 +6,11 @@ Good graphs check clean. Each file under graphs/broken/ starts with
     # <a sentence: the bug and the user's pain it mirrors>
 
 and must report exactly that code as an error at that line:column, and no error of
-another code. Two broken graphs use plugin kinds from tests/plugins/broken_heads.py;
-the `plugins_on_path` fixture puts that directory on `sys.path` (as a user's CI would
-install their plugin package).
+another code. `# expect: warning FG604 at 36:27` declares a graph that checks with no
+error but must carry that warning there (a setting that runs, but not as its author
+thinks: GSPO on multi-turn episodes). Two broken graphs use plugin kinds from
+tests/plugins/broken_heads.py; the `plugins_on_path` fixture puts that directory on
+`sys.path` (as a user's CI would install their plugin package).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ PLUGINS = ROOT / "tests" / "plugins"
 ALL = sorted(GRAPHS.glob("**/*.yaml"))
 BROKEN = [p for p in ALL if "broken" in p.relative_to(GRAPHS).parts]
 GOOD = [p for p in ALL if p not in BROKEN]
-EXPECT = re.compile(r"# expect: (FG\d{3}) at (\d+):(\d+)")
+EXPECT = re.compile(r"# expect: (warning )?(FG\d{3}) at (\d+):(\d+)")
 UNREADABLE = frozenset({"FG001", "FG008"})
 """Codes for files that cannot be read into a graph: `flowgraph check` exits 2."""
 HEAVY = ("torch", "transformers", "ray", "vllm", "networkx")
@@ -40,14 +42,16 @@ def _name(path: Path) -> str:
     return path.name
 
 
-def expectation(path: Path) -> tuple[str, int, int]:
-    """(code, line, column) from the file's `# expect:` line; the next line explains."""
+def expectation(path: Path) -> tuple[str, str, int, int]:
+    """(severity, code, line, column) from the file's `# expect:` line; the next line
+    explains."""
     first, second = path.read_text(encoding="utf-8").splitlines()[:2]
     m = EXPECT.fullmatch(first)
-    assert m, f"{path}: the first line must be `# expect: FGnnn at LINE:COL`, got {first!r}"
+    assert m, (f"{path}: the first line must be `# expect: [warning ]FGnnn at LINE:COL`, "
+               f"got {first!r}")
     assert second.startswith("# ") and len(second.split()) >= 6, (
         f"{path}: the second line must be a sentence saying what the bug is")
-    return m.group(1), int(m.group(2)), int(m.group(3))
+    return "warning" if m.group(1) else "error", m.group(2), int(m.group(3)), int(m.group(4))
 
 
 @pytest.fixture
@@ -74,11 +78,15 @@ def test_good_graph_checks_clean(path: Path, capsys: pytest.CaptureFixture[str])
 @pytest.mark.usefixtures("plugins_on_path")
 def test_broken_graph_reports_its_documented_error(path: Path,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    code, line, col = expectation(path)
+    severity, code, line, col = expectation(path)
     status = main(["check", str(path), "--format", "json"])
     diags = json.loads(capsys.readouterr().out)
+    found = {(d["code"], d["line"], d["column"]) for d in diags if d["severity"] == severity}
     errors = {(d["code"], d["line"], d["column"]) for d in diags if d["severity"] == "error"}
-    assert (code, line, col) in errors, errors
+    assert (code, line, col) in found, found
+    if severity == "warning":
+        assert errors == set() and status == 0, f"a warning's graph has errors: {errors}"
+        return
     assert {c for c, _, _ in errors} == {code}, f"other errors besides {code}: {errors}"
     assert status == (2 if code in UNREADABLE else 1)
 
@@ -88,10 +96,10 @@ def test_broken_graph_reports_its_documented_error(path: Path,
 def test_broken_graph_text_names_file_line_and_column(path: Path,
                                                       capsys: pytest.CaptureFixture[str]
                                                       ) -> None:
-    code, line, col = expectation(path)
+    severity, code, line, col = expectation(path)
     main(["check", str(path)])
     out = capsys.readouterr().out
-    assert f"{path}:{line}:{col}: error[{code}]: " in out
+    assert f"{path}:{line}:{col}: {severity}[{code}]: " in out
     assert "Traceback" not in out
 
 

@@ -23,6 +23,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from flowgraph.agent import Env, Step
 from flowgraph.kinds import BUILTIN_KINDS
 from flowgraph.nodes.values import ValueModel
 from flowgraph.registry import KindSpec, node_kind
@@ -43,6 +44,7 @@ CAUSAL_KINDS = ("generate", "logprob", "sequence_logprob")
 CRITIC_KINDS = ("values", "reward_model")
 UPDATE_KINDS = ("ppo_actor_update", "ppo_critic_update", "dpo_update", "sft_update")
 FILTER_KINDS = ("filter",)
+AGENT_KINDS = ("agent_rollout",)
 """Their outputs' batch dim (`g*n`) is that of the rows joined over a step's tries;
 one call returns the kept rows of one try (test_filter_kind_keeps_whole_groups)."""
 EXAMPLES = {"generate": 6, "logprob": 8, "sequence_logprob": 8, "values": 8,
@@ -72,7 +74,7 @@ def tokenizer() -> Any:
 
 def test_every_builtin_kind_is_covered() -> None:
     covered = (DATA_KINDS + PURE_KINDS + WHITENING_KINDS + CAUSAL_KINDS + CRITIC_KINDS
-               + UPDATE_KINDS + FILTER_KINDS + ("reward", "compute_score"))
+               + UPDATE_KINDS + FILTER_KINDS + AGENT_KINDS + ("reward", "compute_score"))
     assert sorted(covered) == sorted(BUILTIN_KINDS)
 
 
@@ -92,6 +94,29 @@ def test_causal_model_kind_honours_contract(name: str, lm: LlamaForCausalLM,
     # `generate` reads EOS/pad ids from the tokenizer (hf backend only here).
     tok = tokenizer if name == "generate" else None
     assert_honours_contract(name, model=lm, tokenizer=tok, max_examples=EXAMPLES[name])
+
+
+class OneDigit(Env):
+    """A one-token first prompt (P may be drawn 1) and one reply: two turns at most."""
+
+    def reset(self, task: Any) -> str:
+        self.replied = False
+        return str(task["index"] % 10)
+
+    def step(self, message: Any) -> Step:
+        done, self.replied = self.replied, True
+        return Step(["7"], reward=0.5, done=done)
+
+
+def test_agent_rollout_honours_contract(tokenizer: Any) -> None:
+    """On the 512-token tiny model (the rendered ids are the tokenizer's), with a chat
+    template that writes contents only, so a first prompt fits any drawn P."""
+    from flowgraph.nodes.models import load_model
+
+    assert_honours_contract(
+        "agent_rollout", model=load_model("builtin:tiny-lm"), tokenizer=tokenizer,
+        max_examples=6, params={"env": OneDigit, "max_turns": 2, "chat_template":
+                                "{% for m in messages %}{{ m['content'] }}{% endfor %}"})
 
 
 @pytest.mark.parametrize("name", CRITIC_KINDS)

@@ -169,9 +169,13 @@ def model() -> LlamaForCausalLM:
 
 
 def _model_reference(model: LlamaForCausalLM) -> tuple[Tensor, Tensor]:
-    """Full logits of [prompt | response]; the logit at P-1+t predicts response token t."""
+    """Full logits of [prompt | response]; the logit at P-1+t predicts response token t.
+    A hole in a response (a tool's output) is attended to, as the policy saw it: the
+    attention covers each response up to its last valid token."""
     prompts, prompt_mask, responses, mask = _batch()
-    attention = torch.cat([prompt_mask, mask], 1)
+    span = mask.clone()
+    span[1, 2] = 1  # row 1's hole
+    attention = torch.cat([prompt_mask, span], 1)
     positions = (attention.cumsum(-1) - 1).clamp_min(0)
     logits = model(
         input_ids=torch.cat([prompts, responses], 1),
@@ -319,13 +323,17 @@ def test_packing_gives_the_padded_numbers(name: str) -> None:
         torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-4, msg=n)
 
 
-def test_packing_refuses_rows_it_cannot_pack(model: LlamaForCausalLM) -> None:
-    """A masked token inside a response (its state is the padded run's and is not a
-    packed row's), or a response after an empty prompt: a message naming the row."""
-    prompts, prompt_mask, responses, mask = _batch()  # row 1 has a masked middle token
-    with pytest.raises(ValueError, match=r"packing needs .* row 1 has .* response_mask "
-                                         r"\[1, 1, 0, 1, 1, 0, 0\].*packing: false"):
-        forward_hidden(model, prompts, prompt_mask, responses, mask, packing=True)
+def test_packing_takes_holes_and_refuses_a_response_after_an_empty_prompt(
+        model: LlamaForCausalLM) -> None:
+    """A masked token inside a response (an agent's tool output) is packed with the rest
+    and attended to, as in the padded run; a response after an empty prompt has no
+    state to be predicted from: a message naming the row."""
+    batch = _batch()  # row 1 has a masked middle token
+    with torch.no_grad():
+        padded = forward_hidden(model, *batch)
+        packed = forward_hidden(model, *batch, packing=True)
+    valid = batch[3].bool()
+    torch.testing.assert_close(packed[valid], padded[valid], atol=1e-5, rtol=0)
     prompts, prompt_mask, responses, mask = _packable()
     prompt_mask[2] = 0
     with pytest.raises(ValueError, match=r"row 2 has prompt_mask \[0, 0, 0, 0, 0\]"):

@@ -1,0 +1,409 @@
+"""Episodes between sampled turns: tool calls, the env's replies, budgets, timeouts, statuses.
+
+The `agent_rollout` kind samples every active episode's next turn in one batch, then
+hands the sampled ids to `Episodes.advance`, which for each episode at once (asyncio):
+decodes the turn, reads its tool calls (`parser`), runs them (sync tools in a thread
+pool, so a slow one blocks no other), or asks the env's `step`; renders the new
+messages as a delta of ids (`ChatRenderer.delta`); and decides whether the episode goes
+on. Token in, token out: the ids an episode holds are the sampled ones and the deltas,
+never a re-tokenized history.
+
+Everything that can hang has a timeout (a tool call, a turn's env and tool work, the
+whole episode's), everything that can fail has a status (`STATUSES`): a raising or
+hanging tool or env ends its episode, and the step completes; `on_error` says what the
+episode then counts for. A hung sync call's thread cannot be killed: it is abandoned
+(the episode ends, the thread finishes or not in the pool's background); the Python
+sandbox tool runs code in a process group it kills.
+
+Torch-free; the caller does the sampling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import threading
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, ClassVar
+
+from flowgraph.agent.env import Env, Episode, Message, ToolResult, as_messages
+from flowgraph.agent.parsers import ToolCall, ToolCallParser
+from flowgraph.agent.render import ChatRenderer
+from flowgraph.agent.tools import Tool, tools_of
+from flowgraph.errors import FlowgraphError
+
+__all__ = ["AgentError", "Episodes", "Limits", "Run", "own_frame"]
+
+FAILED = ("timeout", "error")
+"""Statuses `on_error` applies to."""
+
+
+class AgentError(FlowgraphError):
+    """An episode failed and the rollout's `on_error` is `raise`."""
+
+
+class ToolTimeout(Exception):
+    """A tool call, a turn or an episode ran past its timeout (status `timeout`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """An agent rollout's budgets and timeouts (its params)."""
+
+    max_turns: int
+    budget: int
+    """T: tokens after the first prompt, every turn and message between."""
+    turn_tokens: int
+    """Tokens one assistant turn may sample."""
+    tool_tokens: int
+    """Tokens one tool result or env message may take; longer ones are cut."""
+    truncate_side: str = "middle"
+    """Which part of a long message is cut: left, middle or right."""
+    tool_timeout_s: float = 30.0
+    turn_timeout_s: float = 120.0
+    episode_timeout_s: float = 600.0
+    on_error: str = "mask"
+
+
+@dataclass
+class Run:
+    """One episode's state: its env, its ids, and what it has become."""
+
+    task: Mapping[str, Any]
+    env: Env | None = None
+    tools: dict[str, Tool] = field(default_factory=dict)
+    episode: Episode = field(init=False)
+    prompt: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    """Every token after the first prompt."""
+    sampled: list[int] = field(default_factory=list)
+    """1 where the policy sampled the token (the response mask)."""
+    log_probs: list[float] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+    """Where each turn's last sampled token is in `ids`."""
+    turn: list[int] = field(default_factory=list)
+    """The ids of the turn sampled last."""
+    active: bool = True
+    spent_s: float = 0.0
+    """Seconds of env and tool work so far (the episode timeout's clock)."""
+    score: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+    """The entries of a dict `Env.reward` returned, but `score`."""
+    failure: BaseException | None = None
+
+    def __post_init__(self) -> None:
+        self.episode = Episode(task=self.task)
+
+    def end(self, status: str, failure: BaseException | None = None) -> None:
+        self.active, self.episode.status = False, status
+        if failure is not None:
+            self.failure = failure
+            self.episode.error = describe(failure)
+
+
+def own_frame(exc: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of a user's code in `exc`'s traceback (not flowgraph's, not
+    the standard library's), or None; an error re-raised with its cause (an adapter's
+    `EnvError`) is looked up in the cause's traceback, where the user's line raised."""
+    import sysconfig
+
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    skip = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib"))
+    here = __file__.rsplit("/", 2)[0]  # flowgraph/
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(skip) and not f.filename.startswith(here)]
+    return frames[-1] if frames else None
+
+
+def describe(exc: BaseException) -> str:
+    """`Type: message at file:line in function` of a user's error."""
+    frame = own_frame(exc)
+    text = f"{type(exc).__name__}: {exc}".rstrip(": ")
+    return text + (f" at {frame.filename}:{frame.lineno} in {frame.name}" if frame else "")
+
+
+class _Loop:
+    """One event loop in a daemon thread for every rollout of the process, and a thread
+    pool for sync code: an async env keeps its loop from turn to turn."""
+
+    lock: ClassVar[threading.Lock] = threading.Lock()
+    loop: ClassVar[asyncio.AbstractEventLoop | None] = None
+    pools: ClassVar[dict[int, ThreadPoolExecutor]] = {}
+
+    @classmethod
+    def submit(cls, coro: Any) -> Future[Any]:
+        """Start `coro` on the loop (started on first use); its future."""
+        with cls.lock:
+            if cls.loop is None:
+                cls.loop = asyncio.new_event_loop()
+                threading.Thread(target=cls.loop.run_forever, name="flowgraph-agents",
+                                 daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coro, cls.loop)
+
+    @classmethod
+    def run(cls, coro: Any) -> Any:
+        """`coro`'s result, run on the loop."""
+        return cls.submit(coro).result()
+
+    @classmethod
+    def pool(cls, size: int) -> ThreadPoolExecutor:
+        with cls.lock:
+            if size not in cls.pools:
+                cls.pools[size] = ThreadPoolExecutor(size, thread_name_prefix="flowgraph-tool")
+            return cls.pools[size]
+
+
+async def _call(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any,
+                **kwargs: Any) -> Any:
+    """`fn`'s result: awaited when it is a coroutine function, else run in `pool`."""
+    if inspect.iscoroutinefunction(fn):
+        return await fn(*args, **kwargs)
+    out = await asyncio.get_running_loop().run_in_executor(pool, partial(fn, *args, **kwargs))
+    return await out if inspect.isawaitable(out) else out
+
+
+class Episodes:
+    """The episodes of one rollout call: `reset`, then `requests` / `advance` each turn,
+    then `finish`."""
+
+    def __init__(self, make_env: Callable[[], Env] | None, tools: Sequence[Tool],
+                 renderer: ChatRenderer, parser: ToolCallParser, limits: Limits,
+                 concurrency: int = 64) -> None:
+        self.make_env, self.tools = make_env, list(tools)
+        self.renderer, self.parser, self.limits = renderer, parser, limits
+        self.pool = _Loop.pool(concurrency)
+        self.concurrency = concurrency
+        self.gate: asyncio.Semaphore | None = None
+        self.runs: list[Run] = []
+        self.started: list[Future[Any]] = []
+
+    # -- the three phases ------------------------------------------------------------------
+
+    def reset(self, tasks: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+        """Make each episode's env and its first prompt's ids (an episode that failed to
+        start has an empty prompt and ends as `error` or `timeout`)."""
+        self.runs = [Run(task) for task in tasks]
+        _Loop.run(self._all(self._reset, range(len(self.runs))))
+        return [run.prompt for run in self.runs]
+
+    def requests(self) -> list[tuple[int, list[int], int]]:
+        """(episode, prompt + ids so far, tokens it may sample) of each active episode."""
+        out = []
+        for i, run in enumerate(self.runs):
+            if run.active:
+                room = min(self.limits.turn_tokens, self.limits.budget - len(run.ids))
+                out.append((i, run.prompt + run.ids, room))
+        return out
+
+    def advance(self, turns: Mapping[int, tuple[Sequence[int], Sequence[float], bool]]) -> None:
+        """Each episode's sampled turn (ids, their log-probs, whether it ended with a stop
+        token): its tool calls or the env's reply, then its next prompt's delta."""
+        for i, turn in turns.items():
+            self.begin(i, *turn)
+        self.wait()
+
+    def begin(self, i: int, ids: Sequence[int], log_probs: Sequence[float], stopped: bool
+              ) -> None:
+        """Episode i's sampled turn, whose tool calls (or env reply) start now, in the
+        background, while other episodes may still be sampling theirs (`wait` for all)."""
+        run = self.runs[i]
+        run.turn = list(ids)
+        run.ids += run.turn
+        run.sampled += [1] * len(ids)
+        run.log_probs += list(log_probs)
+        run.ends.append(len(run.ids) - 1)
+        run.episode.turns += 1
+        self.started.append(_Loop.submit(self._one(i, self._turn, i, stopped)))
+
+    def wait(self) -> None:
+        """Until every turn `begin` started is done (each ends within its timeouts)."""
+        started, self.started = self.started, []
+        for future in started:
+            future.result()
+
+    def finish(self) -> list[Run]:
+        """Each episode's reward (`Env.reward`), its env closed; `on_error` applied."""
+        _Loop.run(self._all(self._finish, range(len(self.runs))))
+        for i, run in enumerate(self.runs):
+            if run.episode.status in FAILED:
+                if self.limits.on_error == "raise":
+                    raise AgentError(
+                        f"episode {i} (row {run.task.get('_row', i)}) ended with status "
+                        f"`{run.episode.status}`: {run.episode.error}; set on_error: mask "
+                        "(or zero) to train on the other episodes") from run.failure
+                run.score = 0.0
+                run.episode.turn_rewards = [0.0] * len(run.episode.turn_rewards)
+                if self.limits.on_error == "mask":
+                    run.sampled = [0] * len(run.sampled)
+        return self.runs
+
+    # -- per episode -------------------------------------------------------------------------
+
+    async def _all(self, each: Callable[..., Any], which: Sequence[int] | range) -> None:
+        await asyncio.gather(*(self._one(i, each, i) for i in which))
+
+    async def _one(self, i: int, each: Callable[..., Any], *args: Any) -> None:
+        """`each(*args)` on episode i, at most `concurrency` episodes at once."""
+        if self.gate is None:  # made on the loop's thread, once
+            self.gate = asyncio.Semaphore(self.concurrency)
+        async with self.gate:
+            await self._timed(self.runs[i], each(*args))
+
+    async def _timed(self, run: Run, work: Any) -> None:
+        """`work` on `run` within its turn's and its episode's time left; a timeout or an
+        error of the user's code ends the episode with that status."""
+        left = min(self.limits.turn_timeout_s, self.limits.episode_timeout_s - run.spent_s)
+        start = time.perf_counter()
+        try:
+            await asyncio.wait_for(work, max(left, 0.0))
+        except TimeoutError:
+            which = "turn" if left == self.limits.turn_timeout_s else "episode"
+            limit = getattr(self.limits, f"{which}_timeout_s")
+            run.end("timeout", ToolTimeout(f"the {which}'s env and tool work ran past "
+                                           f"{which}_timeout_s = {limit} s"))
+        except ToolTimeout as exc:
+            run.end("timeout", exc)
+        except Exception as exc:  # the user's env: its error is the episode's status
+            run.end("error", exc)
+        finally:
+            run.spent_s += time.perf_counter() - start
+
+    async def _reset(self, i: int) -> None:
+        run = self.runs[i]
+        if self.make_env is not None:
+            run.env = await _call(self.pool, self.make_env)
+        env = run.env or Env()
+        run.tools = {t.name: t for t in [*self.tools, *tools_of(env)]}
+        first = as_messages(await _call(self.pool, env.reset, run.task),
+                            f"{type(env).__name__}.reset")
+        run.episode.messages = first
+        run.prompt = self.renderer.prompt(first)
+
+    async def _turn(self, i: int, stopped: bool) -> None:
+        run = self.runs[i]
+        ids = run.turn
+        text = self.renderer.tokenizer.decode(ids[:-1] if stopped else ids)
+        content, calls = self.parser.parse(text)
+        message: Message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.name, "arguments": c.arguments}} for c in calls]
+        run.episode.messages.append(message)
+        reward, done, new = 0.0, False, []
+        if calls:
+            for call in calls:
+                result = await self._tool(run, call)
+                reward += result.reward
+                new.append({"role": "tool", "name": call.name, "tool_call_id": call.id,
+                            "content": result.content})
+            run.episode.tool_calls += len(calls)
+        else:
+            env = run.env or Env()
+            step = await _call(self.pool, env.step, message)
+            reward, done = float(step.reward), bool(step.done)
+            new = as_messages(step.messages, f"{type(env).__name__}.step")
+            done = done or not new
+        run.episode.turn_rewards.append(reward)
+        new = [self._cut(m) for m in new]
+        run.episode.messages += new
+        self._next(run, new, done, stopped)
+
+    def _next(self, run: Run, new: list[Message], done: bool, stopped: bool) -> None:
+        """Whether the episode goes on, and if so its next prompt's delta."""
+        if done:
+            return run.end("completed")
+        if run.episode.turns >= self.limits.max_turns:
+            return run.end("max_turns")
+        delta = self.renderer.delta(new, stopped)
+        if len(run.ids) + len(delta) >= self.limits.budget:  # no room for a sampled token
+            return run.end("context_exhausted")
+        run.ids += delta
+        run.sampled += [0] * len(delta)
+        run.log_probs += [0.0] * len(delta)
+        return None
+
+    async def _tool(self, run: Run, call: ToolCall) -> ToolResult:
+        """A tool call's result; a malformed or unknown call's message is the model's to
+        read. A tool that raises or runs past its timeout raises (the episode's status)."""
+        if call.error is not None:
+            return ToolResult(call.error)
+        tool = run.tools.get(call.name)
+        if tool is None:
+            known = ", ".join(run.tools) or "none"
+            return ToolResult(f"error: no tool `{call.name}`; the tools are: {known}")
+        problem = tool.check_arguments(call.arguments)
+        if problem is not None:
+            return ToolResult(f"error: {problem}")
+        limit = tool.timeout_s or self.limits.tool_timeout_s
+        start = time.perf_counter()
+        try:
+            out = await asyncio.wait_for(_call(self.pool, tool.fn, **call.arguments), limit)
+        except TimeoutError:
+            raise ToolTimeout(f"tool `{call.name}` ran past its timeout of {limit} s "
+                               f"(arguments {call.arguments})") from None
+        finally:
+            run.episode.tool_time_s += time.perf_counter() - start
+        return out if isinstance(out, ToolResult) else ToolResult(_text(out))
+
+    def _cut(self, message: Message) -> Message:
+        """A message whose content is over `tool_tokens` tokens, cut on `truncate_side`."""
+        content = message.get("content")
+        if not isinstance(content, str):
+            return message
+        tok, limit = self.renderer.tokenizer, self.limits.tool_tokens
+        ids = tok(content, add_special_tokens=False).input_ids
+        if len(ids) <= limit:
+            return message
+        side, half = self.limits.truncate_side, limit // 2
+        kept = (ids[-limit:] if side == "left" else ids[:limit] if side == "right"
+                else ids[:half] + ids[len(ids) - (limit - half):])
+        cut = f"...({len(ids) - limit} tokens cut)"
+        text = tok.decode(kept)
+        text = (cut + text if side == "left" else text + cut if side == "right"
+                else tok.decode(kept[:half]) + cut + tok.decode(kept[half:]))
+        return {**message, "content": text}
+
+    async def _finish(self, i: int) -> None:
+        run = self.runs[i]
+        env = run.env or Env()
+        try:
+            if run.episode.status not in FAILED:
+                got = await _call(self.pool, env.reward, run.episode)
+                run.score, run.extra = _score(got, type(env).__name__)
+        finally:
+            run.active = False
+            await _call(self.pool, env.close)
+
+
+def _score(value: Any, who: str) -> tuple[float, dict[str, Any]]:
+    """(score, other entries) of what `Env.reward` returned: a number, or a mapping with
+    a `score` (verl's compute_score convention)."""
+    extra: dict[str, Any] = {}
+    if isinstance(value, Mapping):
+        if "score" not in value:
+            raise ValueError(f"{who}.reward returned a mapping without `score`: {value!r}")
+        extra = {k: v for k, v in value.items() if k != "score"}
+        value = value["score"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{who}.reward returned {value!r}; a reward is a number (or a "
+                         "mapping with `score`)")
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError(f"{who}.reward returned {value}; a reward must be finite")
+    return float(value), extra
+
+
+def _text(value: Any) -> str:
+    """A tool's result as the text of its message: a string as it is, else JSON."""
+    if isinstance(value, str):
+        return value
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return str(value)

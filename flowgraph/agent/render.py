@@ -1,0 +1,177 @@
+"""Messages to token ids, turn by turn: the first prompt, then each new message as a delta.
+
+A multi-turn episode is trained on the ids the policy sampled, so the history is never
+decoded and re-encoded (re-tokenizing a sampled turn can give other ids: TRL #5224,
+verl #3960). What is rendered is only what the policy did not sample: the first
+prompt, and after each turn the new messages (tool results, the env's reply) with the
+next generation prompt, as the text the chat template adds to a conversation:
+
+    delta(new) = tail + render(BASE + new, generation prompt)[len(render(BASE)):]
+
+BASE is a fixed conversation ending with an assistant turn, so the delta does not
+depend on the history. `tail` is what the template writes after an assistant turn's
+stop token (ChatML's newline after `<|im_end|>`, nothing for most), or the whole
+closing when the turn was cut before its stop token: a separator the template puts
+between turns is never dropped (verl #6921).
+
+That holds only for a template that extends a conversation as a prefix: each
+message's text is appended, nothing earlier is rewritten. `ChatRenderer` probes the
+template on a conversation with every role and refuses one that does not — a thinking
+template that strips earlier turns' reasoning (verl #6854, prime-rl #1334), one that
+writes a BOS before every message, one whose pieces tokenize differently from the
+whole — saying why and what to do.
+
+Multi-turn SFT (`flowgraph.nodes.data.conversation_spans`) marks its assistant turns
+with the same renderer (`ChatRenderer.spans`). Torch-free: only the tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from flowgraph.agent.env import Message
+from flowgraph.errors import FlowgraphError
+
+__all__ = ["ChatRenderer", "TemplateError"]
+
+_BASE: list[Message] = [{"role": "user", "content": "Hi."},
+                        {"role": "assistant", "content": "Hello."}]
+_PROBE: list[Message] = [
+    {"role": "system", "content": "You are helpful."},
+    {"role": "user", "content": "What is 6*7?"},
+    {"role": "assistant", "content": "<think>\nUse the tool.\n</think>\n\n<tool_call>\n"
+                                     '{"name": "mul", "arguments": {"a": 6, "b": 7}}\n'
+                                     "</tool_call>"},
+    {"role": "tool", "content": "42"},
+    {"role": "assistant", "content": "<think>\nIt said 42.\n</think>\n\n42"},
+    {"role": "user", "content": "And 6*8?"},
+    {"role": "assistant", "content": "48"},
+]
+"""A conversation with every role and reasoning in the assistant turns."""
+
+
+class TemplateError(FlowgraphError):
+    """A chat template that cannot render an episode turn by turn."""
+
+
+class ChatRenderer:
+    """A tokenizer's chat template (or `template`), rendering an episode's pieces.
+
+    `tools` are the episode's tool schemas (`Tool.schema()`), passed to the template as
+    `apply_chat_template(tools=...)` (a Qwen / Hermes template lists them in the system
+    prompt). Raises `TemplateError` when the template does not extend a conversation as
+    a prefix.
+    """
+
+    def __init__(self, tokenizer: Any, template: str | None = None,
+                 tools: Sequence[dict[str, Any]] = (), stop_ids: Sequence[int] = (),
+                 probe: bool = True) -> None:
+        if template is None and getattr(tokenizer, "chat_template", None) is None:
+            raise TemplateError("the tokenizer has no chat template (a base model?); an agent "
+                                "rollout renders messages with one: give the rollout's "
+                                "`chat_template` (a Jinja text or a .jinja file)")
+        self.tokenizer, self.template, self.tools = tokenizer, template, list(tools)
+        self.close = self._closing()
+        stops = [tokenizer.decode([i]) for i in stop_ids]
+        stop = next((s for s in stops if s and self.close.startswith(s)), "")
+        self.tail = self.close[len(stop):]
+        """What follows an assistant turn that ended with its stop token."""
+        if probe:
+            self.check()
+
+    def text(self, messages: Sequence[Message], generation: bool) -> str:
+        out: str = self.tokenizer.apply_chat_template(
+            list(messages), tools=self.tools or None, chat_template=self.template,
+            add_generation_prompt=generation, tokenize=False)
+        return out
+
+    def ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def prompt(self, messages: Sequence[Message]) -> list[int]:
+        """The first prompt: `messages` with the generation prompt."""
+        return self.ids(self.text(messages, True))
+
+    def delta(self, new: Sequence[Message], stopped: bool = True) -> list[int]:
+        """The ids that follow a sampled assistant turn: its closing (`tail` when the
+        turn ended with its stop token, the whole closing when it was cut), `new`'s
+        messages and the next generation prompt."""
+        return self.ids((self.tail if stopped else self.close) + self._added(_BASE, new))
+
+    def spans(self, messages: Sequence[Message], first: int) -> list[tuple[list[int], bool]]:
+        """A whole conversation after `messages[:first]` (which ends before an assistant
+        turn) as (ids, assistant) spans: each assistant message as the template writes
+        it, each run of other messages with the next generation prompt, each the text
+        the template adds to the conversation so far (multi-turn SFT's loss mask).
+        TemplateError when a prefix's text does not start the next one's."""
+        spans: list[tuple[str, bool]] = []
+        done, i = self.text(messages[:first], True), first
+        while i < len(messages):
+            j = i + 1
+            if messages[i]["role"] != "assistant":
+                while messages[j]["role"] != "assistant":
+                    j += 1
+            upto = self.text(messages[:j], messages[i]["role"] != "assistant")
+            if not upto.startswith(done):
+                raise TemplateError(self._not_prefix(messages[:i], messages[i:j]))
+            spans.append((upto[len(done):], messages[i]["role"] == "assistant"))
+            done, i = upto, j
+        ids = self.tokenizer([t for t, _ in spans], add_special_tokens=False).input_ids
+        return [(list(t), trained) for t, (_, trained) in zip(ids, spans, strict=True)]
+
+    def _added(self, before: Sequence[Message], new: Sequence[Message]) -> str:
+        head = self.text(before, False)
+        full = self.text([*before, *new], True)
+        if not full.startswith(head):
+            raise TemplateError(self._not_prefix(before, new))
+        return full[len(head):]
+
+    def _closing(self) -> str:
+        """What the template writes after an assistant message's content."""
+        text = self.text(_BASE, False)
+        content = str(_BASE[-1]["content"])
+        at = text.rfind(content)
+        if at < 0:
+            raise TemplateError("the chat template does not write an assistant message's "
+                                f"content as it is (rendering {_BASE} gave {text!r})")
+        return text[at + len(content):]
+
+    def check(self) -> None:
+        """Refuse a template that cannot render `_PROBE` turn by turn: each prefix's text
+        must start the next one's, no piece may carry the BOS token, and the pieces'
+        ids must be the whole conversation's ids."""
+        pieces: list[list[int]] = []
+        done = ""
+        for k in range(1, len(_PROBE) + 1):
+            generation = k < len(_PROBE) and _PROBE[k]["role"] == "assistant"
+            upto = self.text(_PROBE[:k], generation)
+            if not upto.startswith(done):
+                raise TemplateError(self._not_prefix(_PROBE[:k - 1], _PROBE[k - 1:k]))
+            piece = upto[len(done):]
+            bos = getattr(self.tokenizer, "bos_token", None)
+            if k > 1 and bos and bos in piece:
+                raise TemplateError(
+                    f"the chat template writes the BOS token {bos!r} before a later message "
+                    f"({_PROBE[k - 1]['role']}): the model would see a new document start "
+                    "mid-episode. Give the rollout a `chat_template` that writes BOS once")
+            pieces.append(self.ids(piece))
+            done = upto
+        whole = self.ids(done)
+        if [t for p in pieces for t in p] != whole:
+            raise TemplateError(
+                "the chat template's pieces tokenize differently from the whole "
+                "conversation (a token spans the boundary between two messages), so the "
+                "ids of a turn would depend on what follows it. Give the rollout a "
+                "`chat_template` whose messages end on a special token")
+
+    def _not_prefix(self, before: Sequence[Message], new: Sequence[Message]) -> str:
+        roles = [m["role"] for m in before]
+        return (f"the chat template does not extend a conversation as a prefix: the text "
+                f"of messages {roles} is not the start of the text after adding a "
+                f"{new[0]['role']} message. A template that rewrites earlier turns (a "
+                "thinking model's template dropping earlier <think> blocks, as Qwen3's "
+                "does) would train the policy on a history it never saw. Give the rollout "
+                "a `chat_template` that keeps every turn as it was written (for Qwen3: "
+                "one that keeps reasoning_content in every turn); an SFT row: or split "
+                "it into one row per answer")

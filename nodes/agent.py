@@ -1,0 +1,319 @@
+"""Multi-turn, tool-using rollouts (the `agent_rollout` kind): token in, token out.
+
+Each of the r = b·n episodes starts from its dataset row (`Env.reset`), rendered with
+the chat template and the generation prompt. Then, turn after turn, every active
+episode's next turn is sampled in one batch by the `generate` kind's backends (the hf
+decoding loop, or vLLM with token-id prompts), and `flowgraph.agent.episodes.Episodes`
+runs its tool calls or the env's reply and appends the new messages' ids as a delta.
+An episode's prompt for turn k is its first prompt, the ids it sampled and the deltas:
+
+    x_k = x_0 ⊕ y_0 ⊕ d_0 ⊕ y_1 ⊕ d_1 ⊕ … ⊕ y_{k−1} ⊕ d_{k−1}
+
+The response is everything after x_0 (y's and d's), right-padded to T; the response
+mask is 1 exactly on the y's, the tokens the policy sampled, so the d's are holes every
+loss and advantage skips (the forward still attends to them: `forward_hidden` attends
+up to a row's last valid token).
+
+Turn k of sample j of the prompt at global row i draws its noise from
+sample_seed(seed, step, i, j) hashed with k: an episode's tokens do not depend on the
+batch it is sampled in, nor on how episodes are split across workers. A sharded model
+runs each turn's forwards on every worker: a worker with no active episode samples a
+placeholder row while others still have some.
+
+On its first call in a process, and on every call in strict mode, the rollout checks
+itself: every trained token is the one sampled, the mask is 1 exactly on them, and the
+model's own log-probs of the assembled rows (the trainer's view) equal the sampler's
+(`check_rows`).
+
+Notation: b rows given, n episodes per row, r = b·n, P prompt length, T response
+length, K = max_turns.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from flowgraph.agent.env import STATUSES
+from flowgraph.agent.episodes import Episodes, Limits, Run
+from flowgraph.agent.parsers import get_parser
+from flowgraph.agent.render import ChatRenderer
+from flowgraph.agent.tools import as_tool
+from flowgraph.errors import FlowgraphError
+from flowgraph.nodes.generate import SamplingSpec, decode, eval_mode, pad_id, sample_seed, stop_ids
+from flowgraph.nodes.logprob import logprob
+from flowgraph.nodes.shaping import repeat_rows
+from flowgraph.runtime.context import NodeContext
+from flowgraph.runtime.reward_call import load_function
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+__all__ = ["agent_rollout", "check_rows", "turn_seed"]
+
+_CHECKED: set[str] = set()
+"""Nodes whose first rollout in this process was checked (`check_rows`)."""
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    """The seed of turn `turn` of the episode whose seed is `seed` (turn 0: `seed`)."""
+    if turn == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:turn:{turn}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def _env_factory(env: Any, env_params: Mapping[str, Any]) -> Any:
+    """What makes one episode's env: the class (or factory) `env` names, with `env_params`."""
+    if env is None:
+        return None
+    from flowgraph.agent.adapters import load_env
+
+    return load_env(env, params=dict(env_params))
+
+
+def _sample(ctx: NodeContext, model: PreTrainedModel, tokenizer: Any, backend: str,
+            requests: list[tuple[int, list[int], int]], seeds: list[int], spec: SamplingSpec,
+            width: int, gpu_memory_utilization: float | None,
+            begin: Callable[[int, list[int], list[float], bool], None]) -> None:
+    """One turn of every request (episode, ids so far, tokens it may sample), sampled as
+    one batch left-padded to `width`; each episode's turn handed to `begin(episode, ids,
+    log-probs, ended with a stop)` as soon as it is sampled (the hf backend: as its row
+    ends, so its tool calls run while the other rows decode)."""
+    pad, device = spec.pad_id, next(model.parameters()).device
+    rows = [ids for _, ids, _ in requests] or [[pad]]  # a placeholder keeps a sharded
+    prompts = torch.full((len(rows), width), pad, dtype=torch.int64)  # model's workers
+    mask = torch.zeros((len(rows), width), dtype=torch.int64)         # in step
+    for k, ids in enumerate(rows):
+        prompts[k, width - len(ids):] = torch.tensor(ids)
+        mask[k, width - len(ids):] = 1
+    seeds = seeds or [0]
+    begun: set[int] = set()
+
+    def ended(responses: Tensor, log_prob: Tensor, ks: list[int], t: int) -> None:
+        for k in ks:  # rows that sampled their stop token at t, within their room
+            if k < len(requests) and t < requests[k][2]:
+                begun.add(k)
+                begin(requests[k][0], responses[k, : t + 1].tolist(),
+                      log_prob[k, : t + 1].tolist(), True)
+
+    if backend == "vllm":
+        out = ctx.rollout_engine("vllm").rollout(model, tokenizer, prompts, mask, seeds, spec,
+                                                 gpu_memory_utilization)
+    else:
+        with eval_mode(model):
+            out = decode(model, prompts.to(device), mask.to(device), seeds, spec, ctx.workers,
+                         finished=ended)
+    stops = set(spec.stop_ids)
+    for k, (i, _, room) in enumerate(requests):
+        if k not in begun:
+            n = int(out["response_mask"][k].sum())
+            ids = out["responses"][k, :n].tolist()[:room]
+            log_probs = out["rollout_log_prob"][k, :n].tolist()[:room]
+            begin(i, ids, log_probs, bool(ids) and ids[-1] in stops)
+
+
+def agent_rollout(
+    ctx: NodeContext,
+    model: PreTrainedModel,
+    tokenizer: Any,
+    *,
+    row: Sequence[Mapping[str, Any]],
+    ground_truth: Sequence[Any] | None = None,
+    data_source: Sequence[Any] | None = None,
+    extra_info: Sequence[Any] | None = None,
+    env: Any = None,
+    env_params: Mapping[str, Any] | None = None,
+    tools: Sequence[Any] = (),
+    parser: str = "hermes",
+    max_turns: int = 4,
+    max_new_tokens: int | None = None,
+    max_turn_tokens: int | None = None,
+    max_tool_tokens: int = 256,
+    truncate_side: str = "middle",
+    tool_timeout_s: float = 30.0,
+    turn_timeout_s: float = 120.0,
+    episode_timeout_s: float = 600.0,
+    on_error: str = "mask",
+    concurrency: int = 64,
+    chat_template: str | None = None,
+    backend: str = "hf",
+    n: int | None = None,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    do_sample: bool = True,
+    gpu_memory_utilization: float | None = None,
+) -> dict[str, Any]:
+    """The `agent_rollout` kind: n episodes per row; episodes of a row are consecutive."""
+    n = n or ctx.dims.get("N")
+    T, P = max_new_tokens or ctx.dims.get("T"), ctx.dims.get("P")
+    if n is None or T is None or P is None:
+        raise ValueError("agent_rollout: set the params n and max_new_tokens, or bind the "
+                         "dims N, T and P")
+    turn_tokens = min(max_turn_tokens or T, T)
+    spec = SamplingSpec(turn_tokens, temperature, top_p, top_k,
+                        not do_sample or temperature == 0, stop_ids(model, tokenizer),
+                        pad_id(tokenizer))
+    limits = Limits(max_turns, T, turn_tokens, max_tool_tokens, truncate_side,
+                    tool_timeout_s, turn_timeout_s, episode_timeout_s, on_error)
+    extra_tools = [as_tool(load_function(t, {}, "agent_rollout tools")) for t in tools]
+    renderer = ChatRenderer(tokenizer, _template(chat_template),
+                            [t.schema() for t in extra_tools], spec.stop_ids)
+    episodes = Episodes(_env_factory(env, env_params or {}), extra_tools, renderer,
+                        get_parser(parser), limits, concurrency)
+    rows = (ctx.row_offset + torch.arange(len(row))).tolist()
+    tasks = [{**dict(task), "_row": r} for r, task in zip(rows, row, strict=True)
+             for _ in range(n)]
+    seeds = [sample_seed(ctx.seed, ctx.step, r, j) for r in rows for j in range(n)]
+    first = episodes.reset(tasks)
+    _check_prompts(first, P, rows, n)
+    width = P + T - 1  # an active episode's history is shorter: one width every turn
+    for turn in range(max_turns):
+        asks = episodes.requests()
+        if ctx.workers.all(not asks):
+            break
+        # every worker samples turn_tokens (a sharded model's workers decode in step);
+        # an episode keeps what fits its budget
+        _sample(ctx, model, tokenizer, backend, asks,
+                [turn_seed(seeds[i], turn) for i, _, _ in asks], spec, width,
+                gpu_memory_utilization, episodes.begin)
+        episodes.wait()
+    runs = episodes.finish()
+    out: dict[str, Any] = dict(_tensors(runs, P, T, max_turns, spec.pad_id))
+    if ctx.node not in _CHECKED or ctx.strict:
+        _CHECKED.add(ctx.node)
+        if not (top_k or top_p < 1.0):  # filtered sampling: log-probs of another distribution
+            check_rows(ctx, model, out, runs, temperature if do_sample else 0.0,
+                       atol=1e-3 if backend == "hf" else 5e-2)
+    out |= _objects(runs, n, ground_truth, data_source, extra_info, row)
+    _metrics(ctx, runs)
+    out["index"] = torch.tensor(rows).repeat_interleave(n)
+    device = next(model.parameters()).device
+    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in out.items()}
+
+
+def _template(chat_template: str | None) -> str | None:
+    """The template's text: `chat_template` itself, or the `.jinja` file it names, next
+    to the graph (found as its plugin files are: the plugins' folders are on sys.path)
+    or in the working directory."""
+    if chat_template is None or not chat_template.endswith(".jinja"):
+        return chat_template
+    path = Path(chat_template)
+    places = [path] if path.is_absolute() else \
+        [Path(folder) / path for folder in sys.path if folder] + [Path.cwd() / path]
+    found = next((p for p in places if p.is_file()), None)
+    if found is None:
+        raise FlowgraphError(f"agent_rollout: the chat template `{chat_template}` is not a "
+                             "file next to the graph's plugins nor in the working directory")
+    return found.read_text()
+
+
+def _check_prompts(first: list[list[int]], P: int, rows: list[int], n: int) -> None:
+    over = [(i, len(ids)) for i, ids in enumerate(first) if len(ids) > P]
+    if over:
+        i, length = over[0]
+        raise FlowgraphError(
+            f"agent_rollout: the first prompt of row {rows[i // n]} is {length} tokens, over "
+            f"P = {P} ({len(over)} episodes over it); raise P (dims.P) or shorten the "
+            "messages `Env.reset` returns")
+
+
+def _tensors(runs: list[Run], P: int, T: int, K: int, pad: int) -> dict[str, Tensor]:
+    r = len(runs)
+    out = {
+        "prompts": torch.full((r, P), pad, dtype=torch.int64),
+        "prompt_mask": torch.zeros((r, P), dtype=torch.int64),
+        "responses": torch.full((r, T), pad, dtype=torch.int64),
+        "response_mask": torch.zeros((r, T), dtype=torch.int64),
+        "rollout_log_prob": torch.zeros((r, T), dtype=torch.float32),
+        "token_level_rewards": torch.zeros((r, T), dtype=torch.float32),
+        "turn_rewards": torch.zeros((r, K), dtype=torch.float32),
+        "turn_mask": torch.zeros((r, K), dtype=torch.int64),
+    }
+    for k, run in enumerate(runs):
+        prompt = run.prompt or [pad]  # an episode whose env failed to start: a placeholder
+        out["prompts"][k, P - len(prompt):] = torch.tensor(prompt)
+        out["prompt_mask"][k, P - len(prompt):] = 1
+        m = len(run.ids)
+        if m:
+            out["responses"][k, :m] = torch.tensor(run.ids)
+            out["response_mask"][k, :m] = torch.tensor(run.sampled)
+            out["rollout_log_prob"][k, :m] = torch.tensor(run.log_probs)
+        turns = run.episode.turn_rewards
+        out["turn_rewards"][k, : len(turns)] = torch.tensor(turns, dtype=torch.float32)
+        out["turn_mask"][k, : len(turns)] = 1
+        for end, reward in zip(run.ends, turns, strict=False):
+            out["token_level_rewards"][k, end] += reward
+        if run.ends:
+            out["token_level_rewards"][k, run.ends[-1]] += run.score
+    out["scores"] = out["token_level_rewards"].sum(-1)
+    out["num_turns"] = torch.tensor([run.episode.turns for run in runs], dtype=torch.int64)
+    out["tool_calls"] = torch.tensor([run.episode.tool_calls for run in runs],
+                                     dtype=torch.int64)
+    return out
+
+
+def _objects(runs: list[Run], n: int, *columns: Sequence[Any] | None) -> dict[str, list[Any]]:
+    out: dict[str, list[Any]] = {
+        "status": [run.episode.status for run in runs],
+        "messages": [run.episode.messages for run in runs],
+        "reward_extra_info": [{"status": run.episode.status, "turns": run.episode.turns,
+                               "tool_calls": run.episode.tool_calls, **run.extra}
+                              for run in runs],
+    }
+    for name, rows_of in zip(("ground_truth", "data_source", "extra_info", "row"), columns,
+                             strict=True):
+        if rows_of is not None:
+            out[name] = repeat_rows(rows_of, n)
+    return out
+
+
+def _metrics(ctx: NodeContext, runs: list[Run]) -> None:
+    """`agent/turns`, `agent/tool_calls`, `agent/tool_time_s` (means per episode) and
+    `agent/status/<status>` (fractions), over every worker's episodes."""
+    sums = {"n": float(len(runs)),
+            "turns": float(sum(r.episode.turns for r in runs)),
+            "tool_calls": float(sum(r.episode.tool_calls for r in runs)),
+            "tool_time_s": sum(r.episode.tool_time_s for r in runs)}
+    sums |= {f"status/{s}": float(sum(r.episode.status == s for r in runs)) for s in STATUSES}
+    total = ctx.workers.sum(sums)
+    for key, value in total.items():
+        if key != "n":
+            ctx.metrics[f"agent/{key}"] = value / max(total["n"], 1.0)
+
+
+def check_rows(ctx: NodeContext, model: PreTrainedModel, out: Mapping[str, Tensor],
+               runs: list[Run], temperature: float, atol: float = 1e-3) -> None:
+    """The rollout's own rows against what was sampled: the response holds each
+    episode's ids, the mask is 1 exactly on the sampled ones (masked episodes aside),
+    and the model's log-probs of the rows (as a trainer computes them: one forward over
+    prompt and response) equal the sampler's within `atol`. FlowgraphError naming the
+    episode and the first token that differs."""
+    for k, run in enumerate(runs):
+        m = len(run.ids)
+        if out["responses"][k, :m].tolist() != run.ids or \
+                out["response_mask"][k, :m].tolist() != run.sampled:
+            raise FlowgraphError(f"agent_rollout: episode {k}'s row is not the tokens it "
+                                 "sampled and was given (a bug in flowgraph: please report)")
+    mask = out["response_mask"]
+    device = next(model.parameters()).device
+    with ctx.workers.inference(model):
+        mine = logprob(model, out["prompts"].to(device), out["prompt_mask"].to(device),
+                       out["responses"].to(device), mask.to(device),
+                       temperature=temperature, ctx=ctx)
+    diff = (mine["log_prob"].float().cpu() - out["rollout_log_prob"]).abs() * mask
+    worst = float(diff.max())
+    if worst > atol:
+        k, t = divmod(int(diff.argmax()), mask.shape[1])
+        raise FlowgraphError(
+            f"agent_rollout: the log-probs a trainer computes for episode {k}'s token {t} "
+            f"differ from the sampler's by {worst:.2e} (over {atol}): the rows are not "
+            "what was sampled, or the forward attends to them differently (the chat "
+            "template, the attention mask over tool tokens)")

@@ -1,0 +1,260 @@
+"""Episodes between sampled turns (`flowgraph.agent.episodes`), driven by a scripted
+policy: each turn's "sampled" ids are the tokens of a given text and the EOS, so every
+rule is checked on known ids — tool calls, the env's replies, deltas as holes, budgets,
+timeouts and statuses, on_error."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from flowgraph.agent import Env, Episode, Step
+from flowgraph.agent.episodes import AgentError, Episodes, Limits
+from flowgraph.agent.parsers import get_parser
+from flowgraph.agent.render import ChatRenderer
+from flowgraph.agent.tools import tool
+from flowgraph.nodes.models import load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer("builtin:tiny-lm")
+
+
+def mul(a: int, b: int) -> int:
+    """Multiply two integers.
+
+    Args:
+        a: The first factor.
+        b: The second factor.
+    """
+    return a * b
+
+
+def slow(seconds: float) -> str:
+    """Sleep, then answer.
+
+    Args:
+        seconds: How long to sleep.
+    """
+    time.sleep(seconds)
+    return "slept"
+
+
+def broken(x: int) -> str:
+    """Always fails.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError("the tool broke")
+
+
+CALL = '<tool_call>{"name": "mul", "arguments": {"a": 6, "b": 7}}</tool_call>'
+
+
+class Answer(Env):
+    """One question; the right answer (the ground truth) ends it with reward 1."""
+
+    def reset(self, task):
+        return task["prompt"]
+
+    def step(self, message):
+        right = message["content"].strip() == self.truth
+        return Step(["try again"], reward=-0.1, done=right) if not right else Step(done=True)
+
+    def reward(self, episode: Episode) -> float:
+        return 1.0 if episode.messages[-1]["content"].strip() == self.truth else 0.0
+
+    truth = "42"
+
+
+def limits(**over) -> Limits:
+    base = dict(max_turns=4, budget=96, turn_tokens=64, tool_tokens=16, tool_timeout_s=5.0,
+                turn_timeout_s=10.0, episode_timeout_s=30.0)
+    return Limits(**{**base, **over})
+
+
+def make(tok, env=Answer, tools=(mul,), **over) -> Episodes:
+    tools = [tool(t) for t in tools]
+    renderer = ChatRenderer(tok, tools=[t.schema() for t in tools], stop_ids=[tok.eos_token_id])
+    return Episodes(env, tools, renderer, get_parser("hermes"), limits(**over))
+
+
+def play(episodes: Episodes, tok, script: Sequence[Sequence[str]], n: int = 1):
+    """Run `n` episodes; turn k of episode i samples `script[i][k]` (and EOS)."""
+    first = episodes.reset([{"prompt": "What is 6*7?"}] * n)
+    turn = 0
+    while asks := episodes.requests():
+        episodes.advance({i: (ids := [*tok(script[i][turn], add_special_tokens=False).input_ids,
+                                      tok.eos_token_id][:room], [-0.5] * len(ids),
+                              ids[-1] == tok.eos_token_id)
+                          for i, _, room in asks})
+        turn += 1
+    return first, episodes.finish()
+
+
+def test_a_tool_call_then_the_answer_is_two_turns_with_the_tool_result_as_a_hole(tok):
+    first, (run,) = play(make(tok), tok, [[CALL, "42"]])
+    assert run.episode.status == "completed"
+    assert run.episode.turns == 2 and run.episode.tool_calls == 1
+    assert run.score == 1.0 and run.episode.turn_rewards == [0.0, 0.0]
+    assert [m["role"] for m in run.episode.messages] == ["user", "assistant", "tool", "assistant"]
+    assert run.episode.messages[2]["content"] == "42"
+    # token in, token out: the response is turn 1's ids, the delta, turn 2's ids
+    turn1 = [*tok(CALL, add_special_tokens=False).input_ids, tok.eos_token_id]
+    delta = tok("<|tool|>42<|assistant|>", add_special_tokens=False).input_ids
+    turn2 = [*tok("42", add_special_tokens=False).input_ids, tok.eos_token_id]
+    assert run.ids == turn1 + delta + turn2
+    assert run.sampled == [1] * len(turn1) + [0] * len(delta) + [1] * len(turn2)
+    assert run.log_probs == [-0.5] * len(turn1) + [0.0] * len(delta) + [-0.5] * len(turn2)
+    assert run.ends == [len(turn1) - 1, len(run.ids) - 1]
+    # the rendered conversation is the ids: the template's text of the whole episode
+    text = tok.apply_chat_template(run.episode.messages[:1], add_generation_prompt=True,
+                                   tokenize=False)
+    assert tok.decode(first[0] + run.ids) == text + CALL + "<|eos|><|tool|>42<|assistant|>42<|eos|>"
+
+
+def test_the_env_replies_with_a_turn_reward_until_the_answer_is_right(tok):
+    _, (run,) = play(make(tok), tok, [["41", "43", "42"]])
+    assert run.episode.status == "completed" and run.episode.turns == 3
+    assert run.episode.turn_rewards == [-0.1, -0.1, 0.0]
+    assert [m["content"] for m in run.episode.messages if m["role"] == "user"][1:] == \
+        ["try again", "try again"]
+
+
+def test_max_turns_ends_an_episode_that_never_finishes(tok):
+    _, (run,) = play(make(tok, max_turns=2), tok, [["1", "2"]])
+    assert run.episode.status == "max_turns" and run.episode.turns == 2
+    assert run.score == 0.0
+
+
+def test_context_exhausted_when_the_next_turn_would_not_fit(tok):
+    # turn 1 leaves too little room for the tool message and a sampled token
+    ids = len(tok(CALL, add_special_tokens=False).input_ids) + 1
+    _, (run,) = play(make(tok, budget=ids + 3), tok, [[CALL]])
+    assert run.episode.status == "context_exhausted" and run.episode.turns == 1
+    assert len(run.ids) == ids  # the delta that did not fit is not there
+
+
+def test_a_turn_cut_by_its_budget_gets_the_whole_closing_as_a_hole(tok):
+    _, (run,) = play(make(tok, turn_tokens=3), tok, [["1234567", "42"]])
+    cut = tok("1234567", add_special_tokens=False).input_ids[:3]
+    delta = tok("<|eos|><|user|>try again<|assistant|>", add_special_tokens=False).input_ids
+    assert run.ids[: len(cut) + len(delta)] == cut + delta
+    assert run.sampled[: len(cut) + len(delta)] == [1] * len(cut) + [0] * len(delta)
+
+
+def test_malformed_and_unknown_calls_are_told_to_the_model(tok):
+    bad = "<tool_call>{not json</tool_call>"
+    unknown = '<tool_call>{"name": "div", "arguments": {}}</tool_call>'
+    _, (run,) = play(make(tok, tool_tokens=64, budget=400), tok, [[bad, unknown, "42"]])
+    tool_msgs = [m["content"] for m in run.episode.messages if m["role"] == "tool"]
+    assert run.episode.status == "completed"
+    assert "not valid JSON" in tool_msgs[0]
+    assert "no tool `div`" in tool_msgs[1] and "mul" in tool_msgs[1]
+
+
+def test_a_long_tool_result_is_cut_to_its_token_budget(tok):
+    def echo(text: str) -> str:
+        """Echo.
+
+        Args:
+            text: What to say.
+        """
+        return "9" * 50
+
+    call = '<tool_call>{"name": "echo", "arguments": {"text": "x"}}</tool_call>'
+    _, (run,) = play(make(tok, tools=(echo,), tool_tokens=8, budget=300, truncate_side="right"),
+                     tok, [[call, "42"]])
+    assert run.episode.messages[2]["content"] == "9" * 8 + "...(42 tokens cut)"
+    _, (run,) = play(make(tok, tools=(echo,), tool_tokens=8, budget=300), tok, [[call, "42"]])
+    assert run.episode.messages[2]["content"] == "9" * 4 + "...(42 tokens cut)" + "9" * 4
+
+
+@pytest.mark.parametrize("on_error", ["mask", "zero"])
+def test_a_raising_tool_is_an_error_status_and_the_others_go_on(tok, on_error):
+    call = '<tool_call>{"name": "broken", "arguments": {"x": 1}}</tool_call>'
+    _, runs = play(make(tok, tools=(mul, broken), on_error=on_error), tok,
+                   [[call], [CALL, "42"]], n=2)
+    failed, fine = runs
+    assert failed.episode.status == "error"
+    assert "RuntimeError: the tool broke" in failed.episode.error
+    assert "test_episodes.py" in failed.episode.error  # the user's own frame
+    assert failed.score == 0.0
+    assert any(failed.sampled) == (on_error == "zero")
+    assert fine.episode.status == "completed" and fine.score == 1.0
+
+
+def test_on_error_raise_names_the_episode_and_the_cause(tok):
+    call = '<tool_call>{"name": "broken", "arguments": {"x": 1}}</tool_call>'
+    with pytest.raises(AgentError, match=r"episode 0 .*`error`: RuntimeError: the tool broke"):
+        play(make(tok, tools=(broken,), on_error="raise"), tok, [[call]])
+
+
+def test_a_hanging_tool_times_out_and_sync_tools_run_at_once(tok):
+    call = '<tool_call>{"name": "slow", "arguments": {"seconds": 0.3}}</tool_call>'
+    hang = '<tool_call>{"name": "slow", "arguments": {"seconds": 3}}</tool_call>'
+    start = time.perf_counter()
+    _, runs = play(make(tok, tools=(slow,), tool_timeout_s=1.0), tok,
+                   [[call, "42"]] * 8 + [[hang]], n=9)
+    took = time.perf_counter() - start
+    assert [r.episode.status for r in runs] == ["completed"] * 8 + ["timeout"]
+    assert "ran past its timeout of 1.0 s" in runs[-1].episode.error
+    assert took < 2.5  # 8 × 0.3 s at once, the hung one cut at 1 s (not 2.4 + 3 s)
+    assert all(r.episode.tool_time_s >= 0.3 for r in runs[:8])
+
+
+def test_an_async_env_keeps_its_loop_and_a_hung_turn_times_out(tok):
+    class Async(Env):
+        async def reset(self, task):
+            self.loop = asyncio.get_running_loop()
+            return task["prompt"]
+
+        async def step(self, message):
+            assert asyncio.get_running_loop() is self.loop
+            if message["content"] == "hang":
+                await asyncio.sleep(10)
+            return Step(["again"])
+
+    _, runs = play(make(tok, env=Async, turn_timeout_s=0.5, max_turns=2), tok,
+                   [["1", "2"], ["hang"]], n=2)
+    assert [r.episode.status for r in runs] == ["max_turns", "timeout"]
+    assert "turn_timeout_s = 0.5 s" in runs[1].episode.error
+
+
+def test_an_env_that_fails_to_start_is_an_error_with_its_frame(tok):
+    class Bad(Env):
+        def reset(self, task):
+            return {"not": "messages"}
+
+    first, (run,) = play(make(tok, env=Bad), tok, [[]])
+    assert run.episode.status == "error" and first == [[]]
+    assert "message 0 is {'not': 'messages'}" in run.episode.error
+    assert "Bad.reset" in run.episode.error
+
+
+@pytest.mark.parametrize("value, message", [
+    ({"acc": 1}, "without `score`"),
+    ("1", "a reward is a number"),
+    (float("nan"), "must be finite"),
+])
+def test_a_bad_reward_is_an_error_status_naming_it(tok, value, message):
+    class Bad(Answer):
+        def reward(self, episode):
+            return value
+
+    _, (run,) = play(make(tok, env=Bad), tok, [["42"]])
+    assert run.episode.status == "error" and message in run.episode.error
+
+
+def test_a_dict_reward_keeps_its_other_entries(tok):
+    class Scored(Answer):
+        def reward(self, episode):
+            return {"score": 0.5, "acc": 1.0}
+
+    _, (run,) = play(make(tok, env=Scored), tok, [["42"]])
+    assert run.score == 0.5 and run.extra == {"acc": 1.0}

@@ -1,0 +1,95 @@
+"""The `agent_rollout` kind on the tiny models: multi-turn rows with holes, the trainer's
+log-probs of them equal to the sampler's, packing over holes, and episodes that do not
+depend on how rows are split across workers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flowgraph.nodes.agent as agent_node
+import flowgraph.nodes.logprob as logprob_mod
+from flowgraph.agent import Env, Step
+from flowgraph.errors import FlowgraphError
+from flowgraph.nodes.agent import agent_rollout
+from flowgraph.nodes.logprob import logprob
+from flowgraph.nodes.models import load_model, load_tokenizer
+from flowgraph.runtime.context import NodeContext
+
+
+class Again(Env):
+    """Replies `again` twice; the third answer ends the episode."""
+
+    def reset(self, task):
+        self.turn = 0
+        return task["prompt"]
+
+    def step(self, message):
+        self.turn += 1
+        return Step(["again"], reward=0.5, done=self.turn == 3)
+
+    def reward(self, episode):
+        return 1.0
+
+
+ROWS = [{"prompt": "reverse 123"}, {"prompt": "reverse 4567"}, {"prompt": "reverse 89"}]
+
+
+@pytest.fixture(scope="module", params=["builtin:tiny-lm", "builtin:tiny-tied"])
+def model_and_tok(request):
+    return load_model(request.param), load_tokenizer(request.param)
+
+
+def run(model, tok, rows=ROWS, offset=0, node="agent", **params):
+    ctx = NodeContext(node, "agent_rollout", step=3, seed=7, row_offset=offset,
+                      dims={"P": 16, "T": 40, "N": 2})
+    kw = {"env": Again, "max_turns": 4, "max_turn_tokens": 8, "n": 2} | params
+    return agent_rollout(ctx, model, tok, row=rows, **kw), ctx
+
+
+def test_episodes_are_rows_with_holes_and_the_trainer_sees_the_sampled_log_probs(model_and_tok):
+    model, tok = model_and_tok
+    out, ctx = run(model, tok)
+    mask, resp = out["response_mask"], out["responses"]
+    assert resp.shape == mask.shape == (6, 40) and out["prompts"].shape == (6, 16)
+    assert out["turn_rewards"].shape == out["turn_mask"].shape == (6, 4)
+    span = logprob_mod.response_span(mask)
+    holes = span.bool() & ~mask.bool()
+    assert holes.any(dim=1).all()  # every episode has the env's `again` between its turns
+    again = tok("<|user|>again<|assistant|>", add_special_tokens=False).input_ids
+    row = resp[0][span[0].bool()].tolist()
+    assert any(row[i:i + len(again)] == again for i in range(len(row)))
+    assert (out["rollout_log_prob"][~mask.bool()] == 0).all()
+    mine = logprob(model, out["prompts"], out["prompt_mask"], resp, mask)["log_prob"]
+    assert torch.allclose(mine * mask, out["rollout_log_prob"], atol=1e-4)
+    packed = logprob(model, out["prompts"], out["prompt_mask"], resp, mask,
+                     packing=True)["log_prob"]
+    assert torch.allclose(packed, mine, atol=1e-5)
+    assert set(out["status"]) <= {"completed", "context_exhausted"}
+    # a turn reward of 0.5 each (the third ends the episode), the episode's 1 at the end
+    assert out["scores"].tolist() == pytest.approx((0.5 * out["num_turns"] + 1.0).tolist())
+    assert out["token_level_rewards"].sum(-1).tolist() == pytest.approx(out["scores"].tolist())
+    assert ctx.metrics["agent/turns"] == pytest.approx(float(out["num_turns"].float().mean()))
+
+
+def test_episodes_do_not_depend_on_how_rows_are_split(model_and_tok):
+    model, tok = model_and_tok
+    whole, _ = run(model, tok)
+    first, _ = run(model, tok, ROWS[:1], offset=0)
+    rest, _ = run(model, tok, ROWS[1:], offset=1)
+    for port in ("responses", "response_mask", "index"):
+        assert torch.equal(whole[port], torch.cat([first[port], rest[port]])), port
+    # the same tokens; their log-probs from batches of other shapes, to rounding
+    assert torch.allclose(whole["rollout_log_prob"],
+                          torch.cat([first["rollout_log_prob"], rest["rollout_log_prob"]]),
+                          atol=1e-5)
+
+
+def test_the_first_rollout_catches_rows_a_trainer_would_read_otherwise(monkeypatch):
+    """Forwards that took the holes for padding (attending only to sampled tokens) would
+    score other log-probs than were sampled: the rollout's own check says so."""
+    model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
+    monkeypatch.setattr(logprob_mod, "response_span", lambda mask: mask)
+    monkeypatch.setattr(agent_node, "_CHECKED", set())
+    with pytest.raises(FlowgraphError, match="differ from the sampler's"):
+        run(model, tok, node="fresh")
