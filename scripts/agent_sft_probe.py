@@ -51,7 +51,7 @@ def render(tok, messages: list[dict[str, str]]) -> str:
     return tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
-def probe_mul(model, tok, n: int, t: float) -> None:
+def probe_mul(model, tok, n: int, t: float) -> dict[str, float]:
     problems = mul_problems("test")
     calls = formed = right_args = copied = direct = direct_right = total = 0
     answered_right = 0
@@ -84,13 +84,17 @@ def probe_mul(model, tok, n: int, t: float) -> None:
             for i, c, turn in zip(second_idx, second_chats, second, strict=True):
                 copied += turn.strip() == c[-1]["content"]
                 answered_right += turn.strip() == problems[i][1]
-    print(f"turns: {total}; tool calls {calls / total:.1%}; well-formed {formed / max(calls, 1):.1%}"
-          f"; arguments = the question {right_args / max(calls, 1):.1%}; final answer copies the "
-          f"tool result {copied / max(calls, 1):.1%}; direct answers right "
-          f"{direct_right / max(direct, 1):.1%} of {direct}; accuracy {answered_right / total:.1%}")
+    out = {"tool_rate": calls / total, "well_formed": formed / max(calls, 1),
+           "right_arguments": right_args / max(calls, 1), "copied": copied / max(calls, 1),
+           "direct_right": direct_right / max(direct, 1), "accuracy": answered_right / total}
+    print(f"turns: {total}; tool calls {out['tool_rate']:.1%}; well-formed "
+          f"{out['well_formed']:.1%}; arguments = the question {out['right_arguments']:.1%}; "
+          f"final answer copies the tool result {out['copied']:.1%}; direct answers right "
+          f"{out['direct_right']:.1%} of {direct}; accuracy {out['accuracy']:.1%}")
+    return out
 
 
-def probe_guess(model, tok, n: int, t: float, max_turns: int) -> None:
+def probe_guess(model, tok, n: int, t: float, max_turns: int) -> dict[str, float]:
     numbers = [int(a) for _, a in guess_problems("test")] * n
     chats = [[{"role": "user", "content": GUESS_PROMPT}] for _ in numbers]
     turns = [0] * len(numbers)
@@ -115,9 +119,26 @@ def probe_guess(model, tok, n: int, t: float, max_turns: int) -> None:
                 chats[i].append({"role": "user",
                                  "content": "higher" if numbers[i] > g else "lower"})
     won = [tu for tu, d in zip(turns, done, strict=True) if d]
-    print(f"games: {len(numbers)}; won {len(won) / len(numbers):.1%} within {max_turns} turns; "
-          f"mean turns {statistics.mean(turns):.2f} (won games: "
+    out = {"won": len(won) / len(numbers), "turns": statistics.mean(turns)}
+    print(f"games: {len(numbers)}; won {out['won']:.1%} within {max_turns} turns; "
+          f"mean turns {out['turns']:.2f} (won games: "
           f"{statistics.mean(won) if won else 0:.2f}); unparsable guesses {invalid}")
+    return out
+
+
+def probe(model_path: str, task: str = "mul", n: int = 4, t: float = 1.0,
+          max_turns: int = 8) -> dict[str, float]:
+    """The probe's numbers for a model (a trained built-in is trained first if absent)."""
+    name = model_path.removeprefix(BUILTIN_PREFIX)
+    if model_path.startswith(BUILTIN_PREFIX) and name in TRAINED_BUILTINS:
+        ensure_builtin(name)
+    torch.manual_seed(0)
+    model = load_model(model_path).eval()
+    tok = load_tokenizer(model_path)
+    with torch.inference_mode():
+        if task == "mul":
+            return probe_mul(model, tok, n, t)
+        return probe_guess(model, tok, n, t, max_turns)
 
 
 def main() -> None:
@@ -128,17 +149,7 @@ def main() -> None:
     ap.add_argument("-t", type=float, default=1.0, help="temperature")
     ap.add_argument("--max-turns", type=int, default=8)
     args = ap.parse_args()
-    name = args.model.removeprefix(BUILTIN_PREFIX)
-    if args.model.startswith(BUILTIN_PREFIX) and name in TRAINED_BUILTINS:
-        ensure_builtin(name)
-    torch.manual_seed(0)
-    model = load_model(args.model).eval()
-    tok = load_tokenizer(args.model)
-    with torch.inference_mode():
-        if args.task == "mul":
-            probe_mul(model, tok, args.n, args.t)
-        else:
-            probe_guess(model, tok, args.n, args.t, args.max_turns)
+    probe(args.model, args.task, args.n, args.t, args.max_turns)
 
 
 if __name__ == "__main__":
