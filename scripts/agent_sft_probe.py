@@ -21,14 +21,14 @@ from pathlib import Path
 
 import torch
 
-from flowgraph.compilers.builtins import ensure_builtin
 from flowgraph.builtin_models import BUILTIN_PREFIX, TRAINED_BUILTINS
+from flowgraph.compilers.builtins import ensure_builtin
 from flowgraph.nodes.agent_tasks import GUESS_PROMPT, guess_problems, mul_problems
 from flowgraph.nodes.generate import SamplingSpec, decode
 from flowgraph.nodes.models import load_model, load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "graphs"))
-from agent_calculator import calculator  # noqa: E402
+from agent_calculator import calculator
 
 CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
 

@@ -98,7 +98,7 @@ def test_guess_games_follow_the_answers_and_binary_search_is_shorter() -> None:
 
 
 def test_an_unknown_builtin_names_the_agent_tasks() -> None:
-    with pytest.raises(FlowgraphError, match="builtin:mul-sft.*builtin:guess-sft"):
+    with pytest.raises(FlowgraphError, match=r"builtin:mul-sft.*builtin:guess-sft"):
         sft_source("builtin:mul-chat", tokenizer=TOK)
 
 
