@@ -95,9 +95,9 @@ def local_run() -> Any:
 
 
 class LocalReference:
-    """`ref("ppo")`: the rows of graphs/ppo.yaml (`graph_file`) run locally with `EQUAL["ppo"]`, trained
-    once per session (`ref("ppo", tied=True)`: on the tied built-in, `tied_overrides`);
-    `ref.run_dir("ppo")`: where that run lives."""
+    """`ref("ppo")`: the rows of graphs/ppo.yaml (`graph_file`) run locally with
+    `EQUAL["ppo"]`, trained once per session (`ref("ppo", tied=True)`: on the tied
+    built-in, `tied_overrides`); `ref.run_dir("ppo")`: where that run lives."""
 
     def __init__(self, root: Path) -> None:
         self.root = root

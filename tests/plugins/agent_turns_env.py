@@ -47,7 +47,7 @@ class Turns(Env):
     episode (or `max_turns` does). Each reply is worth 0.1; the episode's reward is the
     share of digits in what the policy wrote."""
 
-    tools = [count]
+    tools = (count,)
     resets = itertools.count(1)
     """Episodes this process started (envs reset in threads: a count is atomic): with
     FG_TEST_KILL_AT_RESET=k set, the k-th start kills the process (SIGKILL, in the middle
