@@ -5,7 +5,7 @@ Run:  python benchmarks/bench_agent.py                 (32 episodes x 3 calls, 3
       python benchmarks/bench_agent.py --episodes 64    (more episodes, the same tool)
 
 What runs: a GRPO graph whose `agent_rollout` node (the built-in `builtin:tiny-lm-sft`,
-HF backend) plays 32 episodes (8 prompts x 4 samples) of 3 turns; the plugin
+HF backend) plays 32 episodes (8 prompts x 4 samples) of 3 turns of 8 tokens; the plugin
 `_agent_bench_env.py` registers a parser that reads every sampled turn as one call of
 the tool `lookup`, so every episode calls it 3 times (the tiny model writes no tool call
 of its own). The calls go through the rollout's real path: parsed, checked, run by
@@ -21,15 +21,18 @@ A step is the whole training step (`timing_s/step`: rollout, advantages, the upd
 step 0 (model loading, the first rollout's self-check) is left out. Runs alternate
 (instant, sync, async, instant, ...) and each variant's median step time is taken over
 every run and step; ratio = median step with the 200 ms tool / median step with the
-instant tool (target: <= 1.5). 3 calls of 200 ms are at least 0.6 s a step whatever the
-concurrency (the turns are in lockstep: each turn's calls run together between two
-batched samplings); were the calls one after another, a step would be 32 x 0.6 s =
-19.2 s longer. So the ratio cannot be under the lockstep floor (instant step + 0.6 s) /
-instant step, printed too: with the tiny model's ~1 s step on 2 CPU cores that floor
-is itself about 1.5. To say where the time goes, the table also has the rollout's
-seconds (`timing_s/agent`), the seconds between turns (`Episodes.advance`, wrapped
-here: parsing, every episode's tool calls, rendering the deltas; 3 calls a step) and
-the summed tool seconds per episode (`agent/tool_time_s`: 3 x 0.2 s when each call
+instant tool (target: <= 1.5). An episode's 3 calls are one after another (each turn
+reads the previous call's result), so the 200 ms tool makes a step at least 0.6 s
+longer however the episodes are scheduled (lockstep turns, or each episode on its own);
+were all 96 calls one after another, it would be 19.2 s longer. So the ratio cannot be
+under the floor (instant step + 0.6 s) / instant step, printed too: the tiny model's
+step on CPU is 0.13 s (an idle machine; its turns often end at EOS before 8 tokens)
+to ~1 s (2 cores shared with other jobs), so that floor is 5.6 to 1.6; a ratio of 1.5
+needs an instant step of 1.2 s or more. To say where the time goes, the table also has
+the rollout's seconds (`timing_s/agent`), the seconds between turns (the turn loop
+waiting, after a turn's batch is sampled, for the episodes' tool calls, env replies and
+deltas: timed around `Episodes.wait`, or `Episodes.advance` where there is no `wait`)
+and the summed tool seconds per episode (`agent/tool_time_s`: 3 x 0.2 s when each call
 took its 200 ms and no more).
 
 Exits 1 when the ratio of the sync tool is over the target.
@@ -87,34 +90,38 @@ trainer: {{steps: {steps}, seed: 0, checkpoint_every: 0}}
 
 
 class _BetweenTurns:
-    """Wraps `Episodes.advance` (everything between two sampled turns: parsing, the
-    tool calls of every episode, rendering the deltas) and keeps each call's seconds."""
+    """Keeps the seconds the turn loop waits between a turn's sampling and the next:
+    for the episodes' tool calls, env replies and deltas still running once the batch is
+    sampled (`Episodes.wait`, where tool calls start as their row ends; `Episodes.advance`,
+    which runs them all after the batch, where there is no `wait`)."""
 
     def __init__(self) -> None:
         from flowgraph.agent.episodes import Episodes
 
-        self.real = Episodes.advance
+        name = "wait" if hasattr(Episodes, "wait") else "advance"
+        real = getattr(Episodes, name)
         self.seconds: list[float] = []
 
-        def advance(episodes: Any, turns: Any) -> None:
+        def timed(episodes: Any, *args: Any) -> None:
             start = time.perf_counter()
             try:
-                self.real(episodes, turns)
+                real(episodes, *args)
             finally:
                 self.seconds.append(time.perf_counter() - start)
 
-        Episodes.advance = advance  # type: ignore[method-assign]
+        setattr(Episodes, name, timed)
 
 
-def run_once(folder: Path, variant: str, steps: int, episodes: int, between: _BetweenTurns
+def run_once(folder: Path, variant: str, args: argparse.Namespace, between: _BetweenTurns
              ) -> list[dict[str, Any]]:
     """The metrics rows of one run of the graph with `variant`'s tool, each with the
     seconds its step spent between turns (`between`)."""
     import flowgraph
 
     graph = folder / f"{variant}.yaml"
-    graph.write_text(GRAPH.format(prompts=episodes // 4, episodes=episodes, steps=steps,
-                                  env=TOOLS[variant]))
+    steps = args.steps
+    graph.write_text(GRAPH.format(prompts=args.episodes // 4, episodes=args.episodes,
+                                  steps=steps, env=TOOLS[variant]))
     run_dir = folder / f"run-{variant}"
     shutil.rmtree(run_dir, ignore_errors=True)
     with open(os.devnull, "w") as out:
@@ -144,7 +151,7 @@ def main() -> None:
         shutil.copy(HERE / "_agent_bench_env.py", folder)
         for _ in range(args.repeats):
             for variant in TOOLS:
-                for row in run_once(folder, variant, args.steps, args.episodes, between)[1:]:
+                for row in run_once(folder, variant, args, between)[1:]:
                     for k, metric in keys.items():
                         seen[variant][k].append(row[metric])
     med = {v: {k: statistics.median(xs) for k, xs in d.items()} for v, d in seen.items()}
@@ -160,12 +167,11 @@ def main() -> None:
               f"{fast[v] / fast['instant']:8.2f}")
     base, floor = med["instant"]["step"], 3 * DELAY_S
     added = med["sync"]["between"] - med["instant"]["between"]
-    print(f"between turns the 200 ms tool adds {added:.2f} s a step ({floor:.2f} s: 3 "
-          f"lockstep turns of concurrent calls; {args.episodes * floor:.1f} s were the "
-          "calls run one after another)")
-    print(f"lockstep floor (instant step + {floor:.1f} s) / instant step: "
-          f"{(base + floor) / base:.2f}; instant step + what the tool adds between turns: "
-          f"{(base + added) / base:.2f}")
+    print(f"between turns the 200 ms tool adds {added:.2f} s a step ({floor:.2f} s: an "
+          f"episode's 3 calls, one after another; {args.episodes * floor:.1f} s were all "
+          "the calls run one after another)")
+    print(f"floor (instant step + {floor:.1f} s) / instant step: {(base + floor) / base:.2f}; "
+          f"instant step + what the tool adds between turns: {(base + added) / base:.2f}")
     ratio = med["sync"]["step"] / base
     print(f"ratio (median step, sync 200 ms tool / instant tool): {ratio:.2f} "
           f"(target <= {TARGET})")
