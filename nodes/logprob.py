@@ -283,6 +283,12 @@ def head_logprob(
     zeros = torch.zeros(mask.shape, dtype=torch.float32, device=hidden.device)
     names = ("log_prob", "entropy")[: 1 + with_entropy]
     if not parts:  # no valid response token
+        if grad and hidden.numel():
+            # 0 × the head on one position: the zeros hang on every parameter's graph,
+            # so that a sharded model's workers all run the same backward (its
+            # collectives) though this one's tokens are all masked; a zero gradient.
+            anchor = 0.0 * lm_head(hidden.reshape(-1, hidden.shape[-1])[:1]).float().sum()
+            return {name: zeros + anchor for name in names}
         return {name: zeros.clone() for name in names}
     return {
         name: zeros.masked_scatter(mask, torch.cat(col))

@@ -36,7 +36,7 @@ EXTRA = {
                            "models.ref.path=builtin:tiny-tied")),
 }
 """Variants beside the shipped graphs: asynchronous rollouts and the tied model."""
-WALL_CLOCK = ("timing_s/", "phase_s/", "perf/")
+WALL_CLOCK = ("timing_s/", "phase_s/", "perf/", "agent/tool_time_s")
 
 
 OWN = {"remax": ("trainer.eval_every=0",)}

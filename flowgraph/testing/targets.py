@@ -10,8 +10,9 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-WALL_CLOCK = ("timing_s/", "phase_s/", "perf/")
-"""Prefixes of metrics that measure time, not training: never equal run to run."""
+WALL_CLOCK = ("timing_s/", "phase_s/", "perf/", "agent/tool_time_s")
+"""Prefixes of metrics that measure time, not training: never equal run to run (an
+agent rollout's seconds in tools among them)."""
 
 
 def numbers(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -15,6 +15,9 @@ from flowgraph.plan import ExecutionPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAPHS = ROOT / "graphs"
+FILES = {"agent": ROOT / "tests" / "plugins" / "agent_turns.yaml"}
+"""Graphs compared across targets that are not shipped under graphs/: the agent graph
+(multi-turn episodes calling a tool, tests/plugins/agent_turns_env.py)."""
 SHORT = ("trainer.steps=5", "trainer.checkpoint_every=2")
 """The runs compared across targets: 5 steps, checkpoints after steps 1, 3 and 4."""
 SMALL = {
@@ -26,11 +29,17 @@ SMALL = {
 """The shipped PPO and GRPO at small batches (two optimizer steps a rollout), so that
 the runs compared across targets stay quick (the shipped batches are for learning)."""
 EQUAL = {"ppo": (*SMALL["ppo"], *SHORT, "trainer.eval_every=5"),
-         "grpo": (*SMALL["grpo"], *SHORT), "dpo": SHORT}
+         "grpo": (*SMALL["grpo"], *SHORT), "dpo": SHORT, "agent": SHORT}
 """Overrides of each graph's equal-numbers run (PPO also evaluates before its first and
 after its last step)."""
-MODELS = {"ppo": ("actor", "ref", "critic"), "grpo": ("actor", "ref"), "dpo": ("policy", "ref")}
+MODELS = {"ppo": ("actor", "ref", "critic"), "grpo": ("actor", "ref"), "dpo": ("policy", "ref"),
+          "agent": ("actor",)}
 """Each graph's models: `tied_overrides(graph)` loads them all from the tied built-in."""
+
+
+def graph_file(name: str) -> Path:
+    """The file of the graph `name` the target tests compare (graphs/NAME.yaml or `FILES`)."""
+    return FILES.get(name, GRAPHS / f"{name}.yaml")
 
 
 def tied_overrides(graph: str) -> tuple[str, ...]:
@@ -63,6 +72,12 @@ def compile_plan() -> Any:
 
 
 @pytest.fixture(scope="session")
+def graph_path() -> Any:
+    """`graph_path(name)` -> the graph file the target tests compare (`graph_file`)."""
+    return graph_file
+
+
+@pytest.fixture(scope="session")
 def equal_overrides() -> dict[str, tuple[str, ...]]:
     return EQUAL
 
@@ -80,9 +95,9 @@ def local_run() -> Any:
 
 
 class LocalReference:
-    """`ref("ppo")`: the rows of graphs/ppo.yaml run locally with `EQUAL["ppo"]`, trained
-    once per session (`ref("ppo", tied=True)`: on the tied built-in, `tied_overrides`);
-    `ref.run_dir("ppo")`: where that run lives."""
+    """`ref("ppo")`: the rows of graphs/ppo.yaml (`graph_file`) run locally with
+    `EQUAL["ppo"]`, trained once per session (`ref("ppo", tied=True)`: on the tied
+    built-in, `tied_overrides`); `ref.run_dir("ppo")`: where that run lives."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -96,7 +111,7 @@ class LocalReference:
         key = f"{name}-tied" if tied else name
         if key not in self.cache:
             models = tied_overrides(name) if tied else ()
-            self.cache[key] = run_local(GRAPHS / f"{name}.yaml", self.root / key,
+            self.cache[key] = run_local(graph_file(name), self.root / key,
                                         *EQUAL[name], *models)
         return self.cache[key]
 

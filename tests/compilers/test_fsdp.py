@@ -284,6 +284,25 @@ def test_grpo_vllm_rollouts_from_a_sharded_actor_equal_local(
     assert_same_numbers(_fsdp(graph, tmp_path / "fsdp", *overrides), local)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_agent_rollouts_equal_local(tmp_path: Path, tied: bool, local_reference: Any,
+                                    equal_overrides: dict[str, tuple[str, ...]],
+                                    tied_models: Any, graph_path: Any) -> None:
+    """The agent graph (tests/plugins/agent_turns.yaml: episodes of 1-3 turns calling a
+    tool): each rank runs half of the episodes, and every turn's forward on both ranks:
+    rank 1's episodes take one turn, so it samples placeholder rows while rank 0's go
+    on, and its masked episodes (a tool that raised) may leave it micro-batches without
+    a trained token, whose backward it still runs (else rank 0 waits in FSDP's
+    all-gather forever). The numbers of the local run, `agent/*` included. Slow: ~1 min
+    a model on 2 CPU cores."""
+    overrides = (*equal_overrides["agent"], *(tied_models("agent") if tied else ()))
+    fsdp = _fsdp(graph_path("agent"), tmp_path / "fsdp", *overrides)
+    assert_same_numbers(fsdp, local_reference("agent", tied=tied))
+    assert all(r["agent/tool_calls"] > 0 for r in fsdp)
+    assert any(r["agent/status/error"] > 0 for r in fsdp), "masked episodes on rank 1"
+
+
 @pytest.mark.parametrize("packing", [False, True])
 def test_token_budgets_on_sharded_models_equal_local(tmp_path: Path, local_run: Any,
                                                      packing: bool) -> None:

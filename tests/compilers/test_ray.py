@@ -77,10 +77,11 @@ class _Scraper:
             return str(reply.read().decode())
 
 
-def _plan(graph: str, run_dir: Path, overrides: tuple[str, ...]) -> Any:
+def _plan(graph: str, run_dir: Path, overrides: tuple[str, ...],
+          file: Path | None = None) -> Any:
     """The graph compiled for ray(2), written to a plan file and read back from it: what
     `flowgraph compile -o plan.json` then `flowgraph run plan.json` runs."""
-    result = compile_graph(GRAPHS / f"{graph}.yaml", target="ray", nproc=2,
+    result = compile_graph(file or GRAPHS / f"{graph}.yaml", target="ray", nproc=2,
                            overrides=[f"trainer.run_dir={run_dir}", *overrides])
     assert result.plan is not None, result.diagnostics
     file = run_dir.parent / f"{graph}.plan.json"
@@ -89,24 +90,27 @@ def _plan(graph: str, run_dir: Path, overrides: tuple[str, ...]) -> Any:
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("graph", ["ppo", "grpo", "dpo"])
+@pytest.mark.parametrize("graph", ["ppo", "grpo", "dpo",
+                                   pytest.param("agent", marks=pytest.mark.slow)])
 def test_ray_gives_the_numbers_of_the_local_run(
         graph: str, tied: bool, cluster: Any, tmp_path: Path, devnull: Any,
         local_reference: Any, local_run: Any, equal_overrides: dict[str, tuple[str, ...]],
-        tied_models: Any) -> None:
+        tied_models: Any, graph_path: Any) -> None:
     """Untied (`builtin:tiny-lm`) and tied (`builtin:tiny-tied`: the LM head is the
-    input embedding) models alike; resumed by the local target from a ray checkpoint."""
+    input embedding) models alike; resumed by the local target from a ray checkpoint.
+    `agent` (slow): multi-turn episodes calling a tool (tests/plugins/agent_turns.yaml),
+    each worker running its half of the episodes, `agent/*` metrics included."""
     from flowgraph.compilers.ray import run_ray
 
     out = _Scraper(devnull)
     overrides = (*equal_overrides[graph], *(tied_models(graph) if tied else ()))
-    run_ray(_plan(graph, tmp_path / "ray", overrides), RunOptions(
+    run_ray(_plan(graph, tmp_path / "ray", overrides, graph_path(graph)), RunOptions(
         out=out, shutdown=False, metrics_port=0, metrics_hold=0.1 if graph == "grpo" else 0))
     rows = read_metrics(tmp_path / "ray")
     assert_same_numbers(rows, local_reference(graph, tied=tied))
     # The step-3 checkpoint (DCP shards) resumed by the local target: the same step 4.
     shutil.rmtree(tmp_path / "ray" / "checkpoints" / "step_4")
-    assert_same_numbers(local_run(GRAPHS / f"{graph}.yaml", tmp_path / "ray", *overrides,
+    assert_same_numbers(local_run(graph_path(graph), tmp_path / "ray", *overrides,
                                   resume=True), rows)
     if graph == "ppo":
         assert "val/score/mean" in rows[-1], "held-out evaluation through the workers"

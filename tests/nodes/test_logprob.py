@@ -338,3 +338,20 @@ def test_packing_takes_holes_and_refuses_a_response_after_an_empty_prompt(
     prompt_mask[2] = 0
     with pytest.raises(ValueError, match=r"row 2 has prompt_mask \[0, 0, 0, 0, 0\]"):
         forward_hidden(model, prompts, prompt_mask, responses, mask, packing=True)
+
+
+def test_no_valid_token_still_reaches_every_parameter(model: LlamaForCausalLM) -> None:
+    """A micro-batch whose response tokens are all masked (an agent's masked episodes,
+    all on one worker): log-probs of 0 that hang on every parameter's graph, so that a
+    sharded model's workers run the same backward (FSDP's collectives; one that skipped
+    it left the other waiting forever), with a zero gradient."""
+    prompts, prompt_mask, responses, mask = _batch()
+    for packing in (False, True):
+        out = logprob(model, prompts, prompt_mask, responses, torch.zeros_like(mask),
+                      chunk_size=4, packing=packing)["log_prob"]
+        assert torch.equal(out, torch.zeros(B, T)) and out.requires_grad
+        model.zero_grad(set_to_none=True)
+        out.sum().backward()
+        for name, p in model.named_parameters():
+            assert p.grad is not None and not p.grad.any(), name
+    model.zero_grad(set_to_none=True)
