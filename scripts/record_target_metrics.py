@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from flowgraph.testing.targets import numbers
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "targets" / "metrics.json"
 COMMON = ("trainer.steps=3", "trainer.eval_every=2", "trainer.checkpoint_every=2")
@@ -36,7 +38,6 @@ EXTRA = {
                            "models.ref.path=builtin:tiny-tied")),
 }
 """Variants beside the shipped graphs: asynchronous rollouts and the tied model."""
-WALL_CLOCK = ("timing_s/", "phase_s/", "perf/", "agent/tool_time_s")
 
 
 OWN = {"remax": ("trainer.eval_every=0",)}
@@ -63,7 +64,7 @@ def run_case(graph: str, target: str, overrides: tuple[str, ...]) -> list[dict[s
         rows = [json.loads(line) for line in
                 (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         shutil.rmtree(run_dir, ignore_errors=True)
-    return [{k: v for k, v in row.items() if not k.startswith(WALL_CLOCK)} for row in rows]
+    return [numbers(row) for row in rows]
 
 
 def main() -> None:

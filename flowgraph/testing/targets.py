@@ -12,12 +12,13 @@ from typing import Any
 
 WALL_CLOCK = ("timing_s/", "phase_s/", "perf/", "agent/tool_time_s")
 """Prefixes of metrics that measure time, not training: never equal run to run (an
-agent rollout's seconds in tools among them)."""
+agent rollout's seconds in tools among them); held-out ones (`val/...`) too."""
 
 
 def numbers(row: Mapping[str, Any]) -> dict[str, Any]:
     """A metrics.jsonl row without its wall-clock entries."""
-    return {k: v for k, v in row.items() if not k.startswith(WALL_CLOCK)}
+    return {k: v for k, v in row.items()
+            if not k.removeprefix("val/").startswith(WALL_CLOCK)}
 
 
 def assert_same_numbers(rows: Sequence[Mapping[str, Any]],

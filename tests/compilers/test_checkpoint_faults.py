@@ -29,7 +29,7 @@ from flowgraph.compilers.checkpoint import load_buffer
 from flowgraph.compilers.integrity import checkpoint_damage, write_manifest
 from flowgraph.errors import FlowgraphError
 from flowgraph.passes import compile_graph
-from flowgraph.testing.targets import WALL_CLOCK
+from flowgraph.testing.targets import numbers
 
 pytestmark = pytest.mark.faults
 
@@ -53,7 +53,7 @@ def _resume(run_dir: Path, *overrides: str, **options: Any) -> tuple[list[dict[s
 
 
 def _numbers(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)} for r in rows]
+    return [numbers(r) for r in rows]
 
 
 @pytest.fixture(scope="module")

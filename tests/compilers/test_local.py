@@ -20,7 +20,7 @@ from flowgraph.compilers.checkpoint import latest_checkpoint, load_checkpoint, r
 from flowgraph.compilers.export import export_model
 from flowgraph.errors import ContractViolation, FlowgraphError, NonFiniteError
 from flowgraph.passes import compile_graph
-from flowgraph.testing.targets import WALL_CLOCK, assert_same_numbers
+from flowgraph.testing.targets import assert_same_numbers, numbers
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGINS = ROOT / "tests" / "plugins"
@@ -41,8 +41,7 @@ def _run(graph: str | Path, tmp_path: Path, *overrides: str, text: str | None = 
 
 
 def _numbers(rows: list[dict[str, float]]) -> list[dict[str, float]]:
-    return [{k: v for k, v in r.items() if not k.startswith(WALL_CLOCK)}
-            for r in rows]
+    return [numbers(r) for r in rows]
 
 
 @pytest.fixture(autouse=True)
