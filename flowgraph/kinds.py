@@ -401,6 +401,10 @@ _KINDS = (
             _p("ground_truth", "b", "object", optional=True),
             _p("data_source", "b", "object", optional=True),
             _p("extra_info", "b", "object", optional=True),
+            _p("messages", "b", "object", optional=True,
+               doc="each episode's messages (an agent_rollout's `messages`): a TRL "
+                   "function's `completions` are then each episode's turns and the tools' "
+                   "messages between them, as TRL passes a tool-using episode"),
             _p("row", "b", "object", optional=True,
                doc="each row's dataset columns (the data's `row`, through generate): a TRL "
                    "function's `prompts` and keyword arguments; needed by one"),

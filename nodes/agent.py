@@ -57,8 +57,8 @@ if TYPE_CHECKING:
 
 __all__ = ["agent_rollout", "check_rows", "turn_seed"]
 
-_CHECKED: set[str] = set()
-"""Nodes whose first rollout in this process was checked (`check_rows`)."""
+_CHECKED: set[tuple[str, int]] = set()
+"""(node, model) pairs whose first rollout in this process was checked (`check_rows`)."""
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -187,8 +187,8 @@ def agent_rollout(
         episodes.wait()
     runs = episodes.finish()
     out: dict[str, Any] = dict(_tensors(runs, P, T, max_turns, spec.pad_id))
-    if ctx.node not in _CHECKED or ctx.strict:
-        _CHECKED.add(ctx.node)
+    if (ctx.node, id(model)) not in _CHECKED or ctx.strict:
+        _CHECKED.add((ctx.node, id(model)))
         if not (top_k or top_p < 1.0):  # filtered sampling: log-probs of another distribution
             check_rows(ctx, model, out, runs, temperature if do_sample else 0.0,
                        atol=1e-3 if backend == "hf" else 5e-2)

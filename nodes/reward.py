@@ -47,7 +47,12 @@ import torch
 from torch import Tensor, nn
 
 from flowgraph.errors import RewardFnError
-from flowgraph.nodes.logprob import forward_hidden, micro_batches, sequence_lengths
+from flowgraph.nodes.logprob import (
+    forward_hidden,
+    micro_batches,
+    response_span,
+    sequence_lengths,
+)
 from flowgraph.nodes.scores import BUILTIN_SCORES
 from flowgraph.runtime import NodeContext
 from flowgraph.runtime.answers import extract_answer, has_marked_answer, normalise_answer
@@ -75,7 +80,8 @@ def _texts(tokenizer: object, responses: Tensor, response_mask: Tensor, fn: str)
             f"reward fn `{fn}` decodes the responses: bind a model (its "
             f"tokenizer) to the reward node, or pass tokenizer="
         )
-    mask = response_mask.bool()
+    # up to the last valid token: an agent's response holds the tools' results it read
+    mask = response_span(response_mask).bool()
     return [
         tokenizer.decode(r[m].tolist(), skip_special_tokens=True)  # type: ignore[attr-defined]
         for r, m in zip(responses, mask, strict=True)
@@ -225,6 +231,7 @@ def compute_score(
     data_source: Sequence[Any] | None = None,
     extra_info: Sequence[Any] | None = None,
     row: Sequence[Mapping[str, Any]] | None = None,
+    messages: Sequence[Sequence[Mapping[str, Any]]] | None = None,
     *,
     ctx: NodeContext,
     tokenizer: object = None,
@@ -253,7 +260,7 @@ def compute_score(
         got: Sequence[float | None]
         if style.per_batch:
             got = _trl_scores(f, _label(ref), at, texts, responses, response_mask, row, ctx,
-                              rows)
+                              rows, messages)
         else:
             got = _verl_scores(f, _label(ref), at, texts, ground_truth, data_source,
                                extra_info, ctx, rows)
@@ -301,9 +308,19 @@ def _conversational(prompt: Any) -> bool:
             and "role" in prompt[0])
 
 
+def _completion(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """An episode's messages from its first assistant turn on (TRL's `completions` of a
+    tool-using episode: the turns, the tools' messages between them)."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"),
+                 len(messages))
+    return list(messages[first:])
+
+
 def _trl_scores(f: ScoreFn, label: str, at: list[int], texts: list[str], responses: Tensor,
                 response_mask: Tensor, row: Sequence[Mapping[str, Any]] | None,
-                ctx: NodeContext, rows: list[dict[str, Any]]) -> list[float | None]:
+                ctx: NodeContext, rows: list[dict[str, Any]],
+                messages: Sequence[Sequence[Mapping[str, Any]]] | None = None
+                ) -> list[float | None]:
     """TRL 1.16 `GRPOTrainer._calculate_rewards`: one call on the batch's rows `at`, with
     prompts, completions (message lists for a conversational prompt), completion_ids,
     every column of the rows but `prompt` (and `completion`, `completion_ids`), and
@@ -331,7 +348,8 @@ def _trl_scores(f: ScoreFn, label: str, at: list[int], texts: list[str], respons
 
     given = {
         "prompts": prompts,
-        "completions": [[{"role": "assistant", "content": texts[i]}] if chat else texts[i]
+        "completions": [_completion(messages[i]) for i in at] if messages is not None else
+                       [[{"role": "assistant", "content": texts[i]}] if chat else texts[i]
                         for i in at],
         "completion_ids": [responses[i][response_mask[i].bool()].tolist() for i in at],
         **columns,

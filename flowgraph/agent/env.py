@@ -43,7 +43,8 @@ class Step:
     """What `Env.step` returns for an assistant turn that called no tool."""
 
     messages: Sequence[Message | str] = ()
-    """Messages for the policy's next turn (a string is a user message)."""
+    """Messages for the policy's next turn (a string is a user message); none: the
+    episode ends (status `completed`), as with `done`."""
     reward: float = 0.0
     """This turn's reward (the `turn_rewards` port)."""
     done: bool = False

@@ -93,3 +93,31 @@ def test_the_first_rollout_catches_rows_a_trainer_would_read_otherwise(monkeypat
     monkeypatch.setattr(agent_node, "_CHECKED", set())
     with pytest.raises(FlowgraphError, match="differ from the sampler's"):
         run(model, tok, node="fresh")
+
+
+def test_reward_functions_read_whole_episodes():
+    """A TRL function gets each episode's turns and the messages between them as its
+    `completions` (`messages` wired); a verl one the decoded response, the env's replies
+    included."""
+    from flowgraph.nodes.reward import compute_score
+
+    model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
+    out, ctx = run(model, tok)
+    seen: dict[str, list] = {}
+
+    def turns(prompts, completions, **columns):
+        seen["completions"] = completions
+        return [float(sum(m["role"] == "assistant" for m in c)) for c in completions]
+
+    def replies(data_source, solution_str, ground_truth, extra_info=None):
+        return float(solution_str.count("again"))
+
+    trl = compute_score(out["responses"], out["response_mask"], row=out["row"],
+                        messages=out["messages"], ctx=ctx, tokenizer=tok, fn=turns)
+    assert [m["role"] for m in seen["completions"][0]][:3] == ["assistant", "user", "assistant"]
+    assert seen["completions"][0] == out["messages"][0][1:]
+    assert trl["scores"].tolist() == out["num_turns"].float().tolist()
+    verl = compute_score(out["responses"], out["response_mask"], ctx=ctx, tokenizer=tok,
+                         fn=replies)
+    replied = [sum(m["content"] == "again" for m in ms[1:-1]) for ms in out["messages"]]
+    assert verl["scores"].tolist() == [float(n) for n in replied]
