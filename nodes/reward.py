@@ -346,7 +346,7 @@ def _trl_scores(f: ScoreFn, label: str, at: list[int], texts: list[str], respons
     def log_metric(name: str, value: float) -> None:
         logged[name].append(float(value))
 
-    given = {
+    given: dict[str, object] = {
         "prompts": prompts,
         "completions": [_completion(messages[i]) for i in at] if messages is not None else
                        [[{"role": "assistant", "content": texts[i]}] if chat else texts[i]
