@@ -169,10 +169,9 @@ def agent_rollout(
     episodes = Episodes(_env_factory(env, env_params or {}), extra_tools, renderer,
                         get_parser(parser), limits, concurrency)
     rows = (ctx.row_offset + torch.arange(len(row))).tolist()
-    tasks = [{**dict(task), "_row": r} for r, task in zip(rows, row, strict=True)
-             for _ in range(n)]
+    tasks = [dict(task) for task in row for _ in range(n)]
     seeds = [sample_seed(ctx.seed, ctx.step, r, j) for r in rows for j in range(n)]
-    first = episodes.reset(tasks)
+    first = episodes.reset(tasks, [r for r in rows for _ in range(n)])
     _check_prompts(first, P, rows, n)
     width = P + T - 1  # an active episode's history is shorter: one width every turn
     for turn in range(max_turns):

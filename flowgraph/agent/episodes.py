@@ -76,6 +76,8 @@ class Run:
     """One episode's state: its env, its ids, and what it has become."""
 
     task: Mapping[str, Any]
+    row: int = 0
+    """The task's row of the global batch."""
     env: Env | None = None
     tools: dict[str, Tool] = field(default_factory=dict)
     episode: Episode = field(init=False)
@@ -186,10 +188,13 @@ class Episodes:
 
     # -- the three phases ------------------------------------------------------------------
 
-    def reset(self, tasks: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+    def reset(self, tasks: Sequence[Mapping[str, Any]], rows: Sequence[int] | None = None
+              ) -> list[list[int]]:
         """Make each episode's env and its first prompt's ids (an episode that failed to
-        start has an empty prompt and ends as `error` or `timeout`)."""
-        self.runs = [Run(task) for task in tasks]
+        start has an empty prompt and ends as `error` or `timeout`); `rows`: each task's
+        row of the global batch, for messages."""
+        self.runs = [Run(task, row=i if rows is None else rows[i])
+                     for i, task in enumerate(tasks)]
         _Loop.run(self._all(self._reset, range(len(self.runs))))
         return [run.prompt for run in self.runs]
 
@@ -235,7 +240,7 @@ class Episodes:
             if run.episode.status in FAILED:
                 if self.limits.on_error == "raise":
                     raise AgentError(
-                        f"episode {i} (row {run.task.get('_row', i)}) ended with status "
+                        f"episode {i} (row {run.row}) ended with status "
                         f"`{run.episode.status}`: {run.episode.error}; set on_error: mask "
                         "(or zero) to train on the other episodes") from run.failure
                 run.score = 0.0
