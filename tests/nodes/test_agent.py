@@ -121,3 +121,16 @@ def test_reward_functions_read_whole_episodes():
                          fn=replies)
     replied = [sum(m["content"] == "again" for m in ms[1:-1]) for ms in out["messages"]]
     assert verl["scores"].tolist() == [float(n) for n in replied]
+
+
+def test_an_env_sees_the_dataset_row_as_it_is():
+    seen = []
+
+    class Columns(Env):
+        def reset(self, task):
+            seen.append(dict(task))
+            return task["prompt"]
+
+    model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
+    run(model, tok, rows=[{"prompt": "reverse 12", "answer": "21"}], env=Columns)
+    assert seen == [{"prompt": "reverse 12", "answer": "21"}] * 2
