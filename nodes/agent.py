@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from flowgraph.agent.env import STATUSES
-from flowgraph.agent.episodes import Episodes, Limits, Run
+from flowgraph.agent.episodes import AgentError, Episodes, Limits, Run
 from flowgraph.agent.parsers import get_parser
 from flowgraph.agent.render import ChatRenderer
 from flowgraph.agent.tools import as_tool
@@ -193,6 +193,7 @@ def agent_rollout(
                        atol=1e-3 if backend == "hf" else 5e-2)
     out |= _objects(runs, n, ground_truth, data_source, extra_info, row)
     _metrics(ctx, runs)
+    _failures(ctx, runs, on_error)
     out["index"] = torch.tensor(rows).repeat_interleave(n)
     device = next(model.parameters()).device
     return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in out.items()}
@@ -264,7 +265,8 @@ def _objects(runs: list[Run], n: int, *columns: Sequence[Any] | None) -> dict[st
         "status": [run.episode.status for run in runs],
         "messages": [run.episode.messages for run in runs],
         "reward_extra_info": [{"status": run.episode.status, "turns": run.episode.turns,
-                               "tool_calls": run.episode.tool_calls, **run.extra}
+                               "tool_calls": run.episode.tool_calls, **run.extra,
+                               **({"error": run.episode.error} if run.episode.error else {})}
                               for run in runs],
     }
     for name, rows_of in zip(("ground_truth", "data_source", "extra_info", "row"), columns,
@@ -272,6 +274,32 @@ def _objects(runs: list[Run], n: int, *columns: Sequence[Any] | None) -> dict[st
         if rows_of is not None:
             out[name] = repeat_rows(rows_of, n)
     return out
+
+
+_SAID: set[str] = set()
+"""Episode errors this process has printed (each once)."""
+
+
+def _failures(ctx: NodeContext, runs: list[Run], on_error: str) -> None:
+    """One line on stderr for each new reason episodes failed (the metric
+    `agent/status/<status>` counts them every step): what failed, where, and what the
+    episodes then count for. AgentError when every episode on every worker failed."""
+    failed = [r for r in runs if r.episode.status in ("timeout", "error")]
+    if ctx.workers.all(len(failed) == len(runs)):
+        first = failed[0] if failed else None
+        raise AgentError(
+            f"every episode of step {ctx.step} ended `timeout` or `error`: nothing to train "
+            "on (a bug in the env or its tools rather than a flaky call)"
+            + (f"; row {first.row}: {first.episode.error}" if first else "")) \
+            from (first.failure if first else None)
+    new = [r for r in failed if r.episode.error not in _SAID]
+    if not new:
+        return
+    _SAID.add(new[0].episode.error)
+    counted = "masked: no token trained" if on_error == "mask" else "trained with score 0"
+    print(f"flowgraph: node `{ctx.node}` step {ctx.step}: {len(failed)} of {len(runs)} "
+          f"episodes ended `timeout` or `error` ({counted}, on_error: {on_error}); row "
+          f"{new[0].row}: {new[0].episode.error}", file=sys.stderr, flush=True)
 
 
 def _metrics(ctx: NodeContext, runs: list[Run]) -> None:

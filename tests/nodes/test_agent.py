@@ -134,3 +134,33 @@ def test_an_env_sees_the_dataset_row_as_it_is():
     model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
     run(model, tok, rows=[{"prompt": "reverse 12", "answer": "21"}], env=Columns)
     assert seen == [{"prompt": "reverse 12", "answer": "21"}] * 2
+
+
+class Flaky(Env):
+    """The reward of the first task's episodes raises."""
+
+    def reset(self, task):
+        self.bad = task["prompt"] == ROWS[0]["prompt"]
+        return task["prompt"]
+
+    def reward(self, episode):
+        if self.bad:
+            raise KeyError("no score for this one")
+        return 1.0
+
+
+def test_failed_episodes_are_said_once_and_all_failed_stops_the_run(capsys):
+    from flowgraph.agent.episodes import AgentError
+
+    model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
+    out, _ = run(model, tok, env=Flaky, max_turns=1)
+    assert out["status"] == ["error"] * 2 + ["completed"] * 4
+    assert not out["response_mask"][:2].any() and out["response_mask"][2:].any()
+    assert out["reward_extra_info"][0]["error"].startswith("KeyError: 'no score for this one'")
+    said = capsys.readouterr().err
+    assert "2 of 6 episodes ended `timeout` or `error` (masked" in said
+    assert "test_agent.py" in said  # the user's line
+    run(model, tok, env=Flaky, max_turns=1)
+    assert capsys.readouterr().err == ""  # said once
+    with pytest.raises(AgentError, match="every episode of step 3 ended"):
+        run(model, tok, rows=ROWS[:1], env=Flaky, max_turns=1)
