@@ -171,7 +171,7 @@ def agent_rollout(
     rows = (ctx.row_offset + torch.arange(len(row))).tolist()
     tasks = [dict(task) for task in row for _ in range(n)]
     seeds = [sample_seed(ctx.seed, ctx.step, r, j) for r in rows for j in range(n)]
-    first = episodes.reset(tasks, [r for r in rows for _ in range(n)])
+    first = episodes.reset(tasks, [r for r in rows for _ in range(n)], seeds)
     _check_prompts(first, P, rows, n)
     width = P + T - 1  # an active episode's history is shorter: one width every turn
     for turn in range(max_turns):

@@ -97,6 +97,12 @@ class Env:
     tools: ClassVar[Sequence[Any]] = ()
     """Functions (typed, with a Google-style docstring) or `Tool`s every episode may call;
     methods decorated with `@flowgraph.tool` are added."""
+    row: int = 0
+    """Set before `reset`: the row of the episode's prompt in the step's batch."""
+    seed: int = 0
+    """Set before `reset`: the episode's own seed (from the run's seed, the step, its row
+    and its sample). Draw the env's randomness from it (`random.Random(self.seed)`): an
+    episode then does not depend on how episodes are split across workers."""
 
     def reset(self, task: Mapping[str, Any]) -> Sequence[Message | str] | str:
         """The first prompt's messages for `task` (a dataset row)."""

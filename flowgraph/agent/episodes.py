@@ -77,7 +77,9 @@ class Run:
 
     task: Mapping[str, Any]
     row: int = 0
-    """The task's row of the global batch."""
+    """The task's row of the step's batch."""
+    seed: int = 0
+    """The episode's own seed (its first turn's)."""
     env: Env | None = None
     tools: dict[str, Tool] = field(default_factory=dict)
     episode: Episode = field(init=False)
@@ -188,12 +190,13 @@ class Episodes:
 
     # -- the three phases ------------------------------------------------------------------
 
-    def reset(self, tasks: Sequence[Mapping[str, Any]], rows: Sequence[int] | None = None
-              ) -> list[list[int]]:
+    def reset(self, tasks: Sequence[Mapping[str, Any]], rows: Sequence[int] | None = None,
+              seeds: Sequence[int] | None = None) -> list[list[int]]:
         """Make each episode's env and its first prompt's ids (an episode that failed to
-        start has an empty prompt and ends as `error` or `timeout`); `rows`: each task's
-        row of the global batch, for messages."""
-        self.runs = [Run(task, row=i if rows is None else rows[i])
+        start has an empty prompt and ends as `error` or `timeout`); `rows`, `seeds`: each
+        episode's row of the step's batch and its own seed (`Env.row`, `Env.seed`)."""
+        self.runs = [Run(task, row=i if rows is None else rows[i],
+                         seed=i if seeds is None else seeds[i])
                      for i, task in enumerate(tasks)]
         _Loop.run(self._all(self._reset, range(len(self.runs))))
         return [run.prompt for run in self.runs]
@@ -284,7 +287,8 @@ class Episodes:
         run = self.runs[i]
         if self.make_env is not None:
             run.env = await _call(self.pool, self.make_env)
-        env = run.env or Env()
+        env = run.env = run.env or Env()
+        env.row, env.seed = run.row, run.seed
         run.tools = {t.name: t for t in [*self.tools, *tools_of(env)]}
         first = as_messages(await _call(self.pool, env.reset, run.task),
                             f"{type(env).__name__}.reset")

@@ -164,3 +164,18 @@ def test_failed_episodes_are_said_once_and_all_failed_stops_the_run(capsys):
     assert capsys.readouterr().err == ""  # said once
     with pytest.raises(AgentError, match="every episode of step 3 ended"):
         run(model, tok, rows=ROWS[:1], env=Flaky, max_turns=1)
+
+
+def test_an_env_knows_its_row_and_seed_however_rows_are_split():
+    class Seeded(Env):
+        def reward(self, episode):
+            return {"score": 0.0, "row": self.row, "seed": self.seed}
+
+    model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
+    whole, _ = run(model, tok, env=Seeded, max_turns=1)
+    first, _ = run(model, tok, ROWS[:1], offset=0, env=Seeded, max_turns=1)
+    rest, _ = run(model, tok, ROWS[1:], offset=1, env=Seeded, max_turns=1)
+    info = [(e["row"], e["seed"]) for e in whole["reward_extra_info"]]
+    assert info == [(e["row"], e["seed"]) for e in
+                    first["reward_extra_info"] + rest["reward_extra_info"]]
+    assert [r for r, _ in info] == [0, 0, 1, 1, 2, 2] and len({s for _, s in info}) == 6

@@ -55,7 +55,7 @@ class Turns(Env):
         if str(next(Turns.resets)) == os.environ.get("FG_TEST_KILL_AT_RESET"):
             os.kill(os.getpid(), signal.SIGKILL)
         self.replies = 0
-        self.one_turn = self.one_turn_from is not None and task["_row"] >= self.one_turn_from
+        self.one_turn = self.one_turn_from is not None and self.row >= self.one_turn_from
         return task["prompt"]
 
     @tool(timeout_s=5.0)
