@@ -10,11 +10,11 @@ HF backend) plays 32 episodes (8 prompts x 4 samples) of 3 turns of 8 tokens; th
 the tool `lookup`, so every episode calls it 3 times (the tiny model writes no tool call
 of its own). The calls go through the rollout's real path: parsed, checked, run by
 `flowgraph.agent.episodes.Episodes` (all episodes of a turn at once on its event loop;
-a sync tool in its thread pool), their results rendered as the next prompt's delta.
+a sync tool in a thread of its own), their results rendered as the next prompt's delta.
 The same graph runs three times over, the tool changed only:
 
     instant   `lookup` returns at once                          (the reference)
-    sync      `lookup` blocks 200 ms in `time.sleep`            (thread pool)
+    sync      `lookup` blocks 200 ms in `time.sleep`            (a thread)   
     async     `lookup` awaits 200 ms in `asyncio.sleep`         (event loop)
 
 A step is the whole training step (`timing_s/step`: rollout, advantages, the update);

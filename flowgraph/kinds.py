@@ -314,8 +314,8 @@ _KINDS = (
             _s("on_error", "mask", ("mask", "zero", "raise"),
                "an episode that timed out or raised: mask (no token trained, score 0), "
                "zero (trained with score 0) or raise (stop the run, naming the row)"),
-            _i("concurrency", 64, "episodes whose tools and env run at once (threads for "
-               "sync code)"),
+            _i("concurrency", 64, "episodes whose tools and env run at once (a sync call "
+               "in a thread of its own)"),
             _s("chat_template", None, (), "a Jinja chat template (text or a .jinja file) "
                "instead of the tokenizer's"),
             _s("backend", "hf", ("hf", "vllm")),

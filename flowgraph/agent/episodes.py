@@ -2,8 +2,8 @@
 
 The `agent_rollout` kind samples every active episode's next turn in one batch, then
 hands the sampled ids to `Episodes.advance`, which for each episode at once (asyncio):
-decodes the turn, reads its tool calls (`parser`), runs them (sync tools in a thread
-pool, so a slow one blocks no other), or asks the env's `step`; renders the new
+decodes the turn, reads its tool calls (`parser`), runs them (a sync tool in a thread
+of its own, so a slow one blocks no other), or asks the env's `step`; renders the new
 messages as a delta of ids (`ChatRenderer.delta`); and decides whether the episode goes
 on. Token in, token out: the ids an episode holds are the sampled ones and the deltas,
 never a re-tokenized history.
@@ -12,8 +12,8 @@ Everything that can hang has a timeout (a tool call, a turn's env and tool work,
 whole episode's), everything that can fail has a status (`STATUSES`): a raising or
 hanging tool or env ends its episode, and the step completes; `on_error` says what the
 episode then counts for. A hung sync call's thread cannot be killed: it is abandoned
-(the episode ends, the thread finishes or not in the pool's background); the Python
-sandbox tool runs code in a process group it kills.
+(the episode ends; the daemon thread finishes or not, and never holds the process at
+exit); the Python sandbox tool runs code in a process group it kills.
 
 Torch-free; the caller does the sampling.
 """
@@ -27,9 +27,8 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, ClassVar
 
 from flowgraph.agent.env import Env, Episode, Message, ToolResult, as_messages
@@ -134,12 +133,11 @@ def describe(exc: BaseException) -> str:
 
 
 class _Loop:
-    """One event loop in a daemon thread for every rollout of the process, and a thread
-    pool for sync code: an async env keeps its loop from turn to turn."""
+    """One event loop in a daemon thread for every rollout of the process: an async env
+    keeps its loop from turn to turn."""
 
     lock: ClassVar[threading.Lock] = threading.Lock()
     loop: ClassVar[asyncio.AbstractEventLoop | None] = None
-    pools: ClassVar[dict[int, ThreadPoolExecutor]] = {}
 
     @classmethod
     def submit(cls, coro: Any) -> Future[Any]:
@@ -156,20 +154,31 @@ class _Loop:
         """`coro`'s result, run on the loop."""
         return cls.submit(coro).result()
 
-    @classmethod
-    def pool(cls, size: int) -> ThreadPoolExecutor:
-        with cls.lock:
-            if size not in cls.pools:
-                cls.pools[size] = ThreadPoolExecutor(size, thread_name_prefix="flowgraph-tool")
-            return cls.pools[size]
 
 
-async def _call(pool: ThreadPoolExecutor, fn: Callable[..., Any], *args: Any,
-                **kwargs: Any) -> Any:
-    """`fn`'s result: awaited when it is a coroutine function, else run in `pool`."""
+async def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """`fn`'s result: awaited when it is a coroutine function, else run in a thread of
+    its own. A daemon thread: a call abandoned at its timeout (a thread cannot be
+    killed) never holds the process at exit, as a pool's worker would."""
     if inspect.iscoroutinefunction(fn):
         return await fn(*args, **kwargs)
-    out = await asyncio.get_running_loop().run_in_executor(pool, partial(fn, *args, **kwargs))
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not done.done():  # not cancelled by a timeout meanwhile
+            done.set_exception(error) if error is not None else done.set_result(result)
+
+    def work() -> None:
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException as exc:  # the awaiting coroutine re-raises it
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=work, name="flowgraph-tool", daemon=True).start()
+    out = await done
     return await out if inspect.isawaitable(out) else out
 
 
@@ -182,7 +191,6 @@ class Episodes:
                  concurrency: int = 64) -> None:
         self.make_env, self.tools = make_env, list(tools)
         self.renderer, self.parser, self.limits = renderer, parser, limits
-        self.pool = _Loop.pool(concurrency)
         self.concurrency = concurrency
         self.gate: asyncio.Semaphore | None = None
         self.runs: list[Run] = []
@@ -286,11 +294,11 @@ class Episodes:
     async def _reset(self, i: int) -> None:
         run = self.runs[i]
         if self.make_env is not None:
-            run.env = await _call(self.pool, self.make_env)
+            run.env = await _call(self.make_env)
         env = run.env = run.env or Env()
         env.row, env.seed = run.row, run.seed
         run.tools = {t.name: t for t in [*self.tools, *tools_of(env)]}
-        first = as_messages(await _call(self.pool, env.reset, run.task),
+        first = as_messages(await _call(env.reset, run.task),
                             f"{type(env).__name__}.reset")
         run.episode.messages = first
         run.prompt = self.renderer.prompt(first)
@@ -315,7 +323,7 @@ class Episodes:
             run.episode.tool_calls += len(calls)
         else:
             env = run.env or Env()
-            step = await _call(self.pool, env.step, message)
+            step = await _call(env.step, message)
             reward, done = float(step.reward), bool(step.done)
             new = as_messages(step.messages, f"{type(env).__name__}.step")
             done = done or not new
@@ -353,7 +361,7 @@ class Episodes:
         limit = tool.timeout_s or self.limits.tool_timeout_s
         start = time.perf_counter()
         try:
-            out = await asyncio.wait_for(_call(self.pool, tool.fn, **call.arguments), limit)
+            out = await asyncio.wait_for(_call(tool.fn, **call.arguments), limit)
         except TimeoutError:
             raise ToolTimeout(f"tool `{call.name}` ran past its timeout of {limit} s "
                                f"(arguments {call.arguments})") from None
@@ -384,11 +392,11 @@ class Episodes:
         env = run.env or Env()
         try:
             if run.episode.status not in FAILED:
-                got = await _call(self.pool, env.reward, run.episode)
+                got = await _call(env.reward, run.episode)
                 run.score, run.extra = _score(got, type(env).__name__)
         finally:
             run.active = False
-            await _call(self.pool, env.close)
+            await _call(env.close)
 
 
 def _score(value: Any, who: str) -> tuple[float, dict[str, Any]]:

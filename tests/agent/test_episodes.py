@@ -258,3 +258,34 @@ def test_a_dict_reward_keeps_its_other_entries(tok):
 
     _, (run,) = play(make(tok, env=Scored), tok, [["42"]])
     assert run.score == 0.5 and run.extra == {"acc": 1.0}
+
+
+def test_a_hung_sync_tool_never_holds_the_process_at_exit(tok, tmp_path):
+    """Its thread is abandoned at the timeout; the process still exits at once."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import time\n"
+        "from flowgraph.agent import tool\n"
+        "from flowgraph.agent.episodes import Episodes, Limits\n"
+        "from flowgraph.agent.parsers import get_parser\n"
+        "from flowgraph.agent.render import ChatRenderer\n"
+        "from flowgraph.nodes.models import load_tokenizer\n"
+        "def hang(x: int) -> str:\n"
+        "    '''Hang.\n\n    Args:\n        x: Anything.\n    '''\n"
+        "    time.sleep(60)\n"
+        "tok = load_tokenizer('builtin:tiny-lm')\n"
+        "e = Episodes(None, [tool(hang)], ChatRenderer(tok), get_parser('hermes'),\n"
+        "             Limits(2, 64, 32, 8, tool_timeout_s=0.5))\n"
+        "e.reset([{'prompt': 'hi'}])\n"
+        "call = '<tool_call>{\"name\": \"hang\", \"arguments\": {\"x\": 1}}</tool_call>'\n"
+        "e.advance({0: (tok(call).input_ids + [2], [0.0] * 99, True)})\n"
+        "print(e.finish()[0].episode.status)\n")
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=40)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "timeout"
+    assert time.perf_counter() - start < 30  # not the 60 s the thread sleeps
