@@ -14,7 +14,7 @@ a sync tool in a thread of its own), their results rendered as the next prompt's
 The same graph runs three times over, the tool changed only:
 
     instant   `lookup` returns at once                          (the reference)
-    sync      `lookup` blocks 200 ms in `time.sleep`            (a thread)   
+    sync      `lookup` blocks 200 ms in `time.sleep`            (a thread)
     async     `lookup` awaits 200 ms in `asyncio.sleep`         (event loop)
 
 A step is the whole training step (`timing_s/step`: rollout, advantages, the update);
