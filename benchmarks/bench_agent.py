@@ -31,7 +31,7 @@ to ~1 s (2 cores shared with other jobs), so that floor is 5.6 to 1.6; a ratio o
 needs an instant step of 1.2 s or more. To say where the time goes, the table also has
 the rollout's seconds (`timing_s/agent`), the seconds between turns (the turn loop
 waiting, after a turn's batch is sampled, for the episodes' tool calls, env replies and
-deltas: timed around `Episodes.wait`, or `Episodes.advance` where there is no `wait`)
+deltas: timed around `Episodes.wait`)
 and the summed tool seconds per episode (`agent/tool_time_s`: 3 x 0.2 s when each call
 took its 200 ms and no more).
 
@@ -92,14 +92,13 @@ trainer: {{steps: {steps}, seed: 0, checkpoint_every: 0}}
 class _BetweenTurns:
     """Keeps the seconds the turn loop waits between a turn's sampling and the next:
     for the episodes' tool calls, env replies and deltas still running once the batch is
-    sampled (`Episodes.wait`, where tool calls start as their row ends; `Episodes.advance`,
-    which runs them all after the batch, where there is no `wait`)."""
+    sampled (`Episodes.wait`; tool calls start as their row ends)."""
 
     def __init__(self) -> None:
         from flowgraph.agent.episodes import Episodes
 
-        name = "wait" if hasattr(Episodes, "wait") else "advance"
-        real = getattr(Episodes, name)
+        name = "wait"
+        real = Episodes.wait
         self.seconds: list[float] = []
 
         def timed(episodes: Any, *args: Any) -> None:
