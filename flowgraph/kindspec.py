@@ -180,6 +180,12 @@ class KindSpec:
         return self.trains
 
     @property
+    def multi_turn(self) -> bool:
+        """Its rows are multi-turn episodes: a rollout that takes `max_turns` (the
+        checker's budgets and timeouts, `check --data`'s template probe)."""
+        return self.param("max_turns") is not None
+
+    @property
     def row_wise_forward(self) -> bool:
         """It runs its model's weights (head `lm` or `scalar`) row by row, each output row
         a function of its own input rows (a category in `HOISTABLE_CATEGORIES`, not an

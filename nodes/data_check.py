@@ -99,7 +99,7 @@ def _check_agent_template(node: NodeSpec, tokenizers: dict[str, Any]) -> list[Di
     conversation as a prefix, turn after turn (FG606)."""
     kind = Registry.default().get(node.kind)
     tok = tokenizers.get(node.model or "")
-    if kind is None or kind.param("max_turns") is None or tok is None:
+    if kind is None or not kind.multi_turn or tok is None:
         return []
     given = node.params.find("chat_template")
     template = given.value if given is not None else None

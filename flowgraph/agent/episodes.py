@@ -79,7 +79,8 @@ class Run:
     """The task's row of the step's batch."""
     seed: int = 0
     """The episode's own seed (its first turn's)."""
-    env: Env | None = None
+    env: Env = field(default_factory=Env)
+    """The episode's env (the default `Env` until `make_env` made one)."""
     tools: dict[str, Tool] = field(default_factory=dict)
     episode: Episode = field(init=False)
     prompt: list[int] = field(default_factory=list)
@@ -295,7 +296,7 @@ class Episodes:
         run = self.runs[i]
         if self.make_env is not None:
             run.env = await _call(self.make_env)
-        env = run.env = run.env or Env()
+        env = run.env
         env.row, env.seed = run.row, run.seed
         run.tools = {t.name: t for t in [*self.tools, *tools_of(env)]}
         first = as_messages(await _call(env.reset, run.task),
@@ -322,7 +323,7 @@ class Episodes:
                             "content": result.content})
             run.episode.tool_calls += len(calls)
         else:
-            env = run.env or Env()
+            env = run.env
             step = await _call(env.step, message)
             reward, done = float(step.reward), bool(step.done)
             new = as_messages(step.messages, f"{type(env).__name__}.step")
@@ -389,7 +390,7 @@ class Episodes:
 
     async def _finish(self, i: int) -> None:
         run = self.runs[i]
-        env = run.env or Env()
+        env = run.env
         try:
             if run.episode.status not in FAILED:
                 got = await _call(env.reward, run.episode)

@@ -75,8 +75,7 @@ def check_agents(graph: Graph, table: dict[str, Resolved], dims: DimEnv,
 
 
 def _is_agent(r: Resolved) -> bool:
-    return r.kind is not None and isinstance(r.spec, NodeSpec) \
-        and r.kind.param("max_turns") is not None
+    return r.kind is not None and isinstance(r.spec, NodeSpec) and r.kind.multi_turn
 
 
 def _pos(r: Resolved, name: str) -> SourcePos:
