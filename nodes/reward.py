@@ -46,6 +46,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from flowgraph.agent.env import completion
 from flowgraph.errors import RewardFnError
 from flowgraph.nodes.logprob import (
     forward_hidden,
@@ -308,14 +309,6 @@ def _conversational(prompt: Any) -> bool:
             and "role" in prompt[0])
 
 
-def _completion(messages: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """An episode's messages from its first assistant turn on (TRL's `completions` of a
-    tool-using episode: the turns, the tools' messages between them)."""
-    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"),
-                 len(messages))
-    return list(messages[first:])
-
-
 def _trl_scores(f: ScoreFn, label: str, at: list[int], texts: list[str], responses: Tensor,
                 response_mask: Tensor, row: Sequence[Mapping[str, Any]] | None,
                 ctx: NodeContext, rows: list[dict[str, Any]],
@@ -348,7 +341,7 @@ def _trl_scores(f: ScoreFn, label: str, at: list[int], texts: list[str], respons
 
     given: dict[str, object] = {
         "prompts": prompts,
-        "completions": [_completion(messages[i]) for i in at] if messages is not None else
+        "completions": [completion(messages[i]) for i in at] if messages is not None else
                        [[{"role": "assistant", "content": texts[i]}] if chat else texts[i]
                         for i in at],
         "completion_ids": [responses[i][response_mask[i].bool()].tolist() for i in at],

@@ -25,7 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-__all__ = ["STATUSES", "Env", "Episode", "Message", "Step", "ToolResult", "as_messages"]
+__all__ = ["STATUSES", "Env", "Episode", "Message", "Step", "ToolResult", "as_messages",
+           "completion"]
 
 Message = dict[str, Any]
 """A chat message as chat templates take it: `{"role": ..., "content": ...}` (an
@@ -81,9 +82,15 @@ class Episode:
     @property
     def completion(self) -> list[Message]:
         """The messages after the first prompt (TRL's conversational `completions`)."""
-        first = next((i for i, m in enumerate(self.messages) if m.get("role") == "assistant"),
-                     len(self.messages))
-        return self.messages[first:]
+        return completion(self.messages)
+
+
+def completion(messages: Sequence[Mapping[str, Any]]) -> list[Message]:
+    """An episode's messages from its first assistant turn on (TRL's `completions` of a
+    tool-using episode: the turns, the tools' messages between them)."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"),
+                 len(messages))
+    return [dict(m) for m in messages[first:]]
 
 
 class Env:
