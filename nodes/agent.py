@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from flowgraph.agent.env import STATUSES
-from flowgraph.agent.episodes import AgentError, Episodes, Limits, Run
+from flowgraph.agent.episodes import FAILED, AgentError, Episodes, Limits, Run
 from flowgraph.agent.parsers import get_parser
 from flowgraph.agent.render import ChatRenderer
 from flowgraph.agent.tools import as_tool
@@ -284,7 +284,7 @@ def _failures(ctx: NodeContext, runs: list[Run], on_error: str) -> None:
     """One line on stderr for each new reason episodes failed (the metric
     `agent/status/<status>` counts them every step): what failed, where, and what the
     episodes then count for. AgentError when every episode on every worker failed."""
-    failed = [r for r in runs if r.episode.status in ("timeout", "error")]
+    failed = [r for r in runs if r.episode.status in FAILED]
     if ctx.workers.all(len(failed) == len(runs)):
         first = failed[0] if failed else None
         raise AgentError(

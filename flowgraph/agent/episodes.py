@@ -37,7 +37,7 @@ from flowgraph.agent.render import ChatRenderer
 from flowgraph.agent.tools import Tool, tools_of
 from flowgraph.errors import FlowgraphError
 
-__all__ = ["AgentError", "Episodes", "Limits", "Run", "own_frame"]
+__all__ = ["FAILED", "AgentError", "Episodes", "Limits", "Run", "own_frame"]
 
 FAILED = ("timeout", "error")
 """Statuses `on_error` applies to."""
