@@ -276,7 +276,10 @@ def test_a_huge_print_is_cut_in_the_middle_and_never_held_whole() -> None:
 
 @pytest.mark.faults
 def test_an_endless_flood_is_cut_and_killed() -> None:
-    r = PythonSandbox(timeout_s=1, max_output_chars=100).run_sync(
+    # The CPU limit is set far past the wall clock's: by default it equals the timeout,
+    # and on a loaded machine the child could use its 1 s of CPU before the parent,
+    # waiting to be scheduled, saw 1 s pass, so the status would name the CPU limit.
+    r = PythonSandbox(timeout_s=1, cpu_s=30, max_output_chars=100).run_sync(
         "while True:\n    print('y' * 1000)")
     assert r.timed_out and r.chars_cut > 1000
     assert r.output.startswith("y" * 50 + "\n[... ")
