@@ -93,6 +93,8 @@ CODES: dict[str, str] = {
              "episodes: its sequence is the whole episode",
     "FG605": "an env or tool an agent rollout names that cannot be imported",
     "FG606": "a chat template an agent rollout cannot render turn by turn (check --data)",
+    "FG607": "a black-box agent program that is not `async def run(task, client)`, or "
+             "given with an env or tools",
 }
 """Every diagnostic code and what it means; codes are stable across releases."""
 

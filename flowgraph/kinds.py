@@ -286,6 +286,11 @@ _KINDS = (
                           "environment_factory class or a verl BaseTool, as `file.py:Name` "
                           "(the file listed under plugins:), `module:Name` or the class "
                           "itself; null: a plain env over `tools`"),
+            ParamSpec("agent", ("str", "null"), None, functions=(), agent="program",
+                      doc="a black-box agent program instead of an env: `async def "
+                          "run(task, client) -> float | dict`, as `file.py:run`, "
+                          "`module:run` or the function; `client` is an openai.AsyncOpenAI "
+                          "on the rollout's endpoint (flowgraph.agent.endpoint)"),
             ParamSpec("env_params", ("mapping", "null"), None,
                       doc="keyword arguments the env is made with, once per episode"),
             ParamSpec("tools", ("list",), (), functions=(), agent="tools",

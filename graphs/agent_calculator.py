@@ -49,7 +49,7 @@ def calculator(expression: str) -> str:
         return f"error: {exc}"
 
 
-def _ground_truth(task: Mapping[str, Any]) -> str:
+def ground_truth(task: Mapping[str, Any]) -> str:
     truth = task.get("ground_truth")
     if truth is None and isinstance(task.get("reward_model"), Mapping):
         truth = task["reward_model"].get("ground_truth")
@@ -68,5 +68,5 @@ class CalculatorEnv(Env):
     tools = (calculator,)
 
     def reward(self, episode: Episode) -> dict[str, float]:  # type: ignore[override]
-        right = float(final_answer(episode) == _ground_truth(episode.task))
+        right = float(final_answer(episode) == ground_truth(episode.task))
         return {"score": right, "acc": right}

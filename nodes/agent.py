@@ -35,11 +35,12 @@ import hashlib
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
 
+from flowgraph.agent.endpoint import Program, Sessions
 from flowgraph.agent.env import STATUSES
 from flowgraph.agent.episodes import FAILED, AgentError, Episodes, Limits, Run
 from flowgraph.agent.parsers import get_parser
@@ -131,6 +132,7 @@ def agent_rollout(
     env: Any = None,
     env_params: Mapping[str, Any] | None = None,
     tools: Sequence[Any] = (),
+    agent: Any = None,
     parser: str = "hermes",
     max_turns: int = 4,
     max_new_tokens: int | None = None,
@@ -163,11 +165,21 @@ def agent_rollout(
                         pad_id(tokenizer))
     limits = Limits(max_turns, T, turn_tokens, max_tool_tokens, truncate_side,
                     tool_timeout_s, turn_timeout_s, episode_timeout_s, on_error)
-    extra_tools = [as_tool(load_function(t, {}, "agent_rollout tools")) for t in tools]
-    renderer = ChatRenderer(tokenizer, _template(chat_template),
-                            [t.schema() for t in extra_tools], spec.stop_ids)
-    episodes = Episodes(_env_factory(env, env_params or {}), extra_tools, renderer,
-                        get_parser(parser), limits, concurrency)
+    episodes: Episodes | Sessions
+    if agent is not None and (env is not None or tools):
+        raise FlowgraphError("agent_rollout: `agent` (a black-box program) with `env` or "
+                             "`tools`: the program brings its own tools; give one or the other")
+    if agent is not None:  # a black-box program behind the endpoint
+        program = cast("Program", load_function(agent, {}, "agent_rollout agent"))
+        episodes = Sessions(program, tokenizer, _template(chat_template), spec.stop_ids,
+                            get_parser(parser), limits, P, ctx.node, temperature, top_p,
+                            concurrency)
+    else:
+        extra_tools = [as_tool(load_function(t, {}, "agent_rollout tools")) for t in tools]
+        renderer = ChatRenderer(tokenizer, _template(chat_template),
+                                [t.schema() for t in extra_tools], spec.stop_ids)
+        episodes = Episodes(_env_factory(env, env_params or {}), extra_tools, renderer,
+                            get_parser(parser), limits, concurrency)
     rows = (ctx.row_offset + torch.arange(len(row))).tolist()
     tasks = [dict(task) for task in row for _ in range(n)]
     seeds = [sample_seed(ctx.seed, ctx.step, r, j) for r in rows for j in range(n)]
@@ -303,12 +315,14 @@ def _failures(ctx: NodeContext, runs: list[Run], on_error: str) -> None:
 
 
 def _metrics(ctx: NodeContext, runs: list[Run]) -> None:
-    """`agent/turns`, `agent/tool_calls`, `agent/tool_time_s` (means per episode) and
+    """`agent/turns`, `agent/tool_calls`, `agent/tool_time_s`, `agent/forks` (a black-box
+    agent's histories that did not extend its session's; means per episode) and
     `agent/status/<status>` (fractions), over every worker's episodes."""
     sums = {"n": float(len(runs)),
             "turns": float(sum(r.episode.turns for r in runs)),
             "tool_calls": float(sum(r.episode.tool_calls for r in runs)),
-            "tool_time_s": sum(r.episode.tool_time_s for r in runs)}
+            "tool_time_s": sum(r.episode.tool_time_s for r in runs),
+            "forks": float(sum(r.extra.get("forks", 0) for r in runs))}
     sums |= {f"status/{s}": float(sum(r.episode.status == s for r in runs)) for s in STATUSES}
     total = ctx.workers.sum(sums)
     for key, value in total.items():

@@ -37,7 +37,8 @@ from flowgraph.agent.render import ChatRenderer
 from flowgraph.agent.tools import Tool, tools_of
 from flowgraph.errors import FlowgraphError
 
-__all__ = ["FAILED", "AgentError", "Episodes", "Limits", "Run", "own_frame"]
+__all__ = ["FAILED", "AgentError", "Episodes", "Limits", "Run", "apply_on_error", "cut_message",
+           "own_frame", "score_of"]
 
 FAILED = ("timeout", "error")
 """Statuses `on_error` applies to."""
@@ -82,6 +83,9 @@ class Run:
     env: Env = field(default_factory=Env)
     """The episode's env (the default `Env` until `make_env` made one)."""
     tools: dict[str, Tool] = field(default_factory=dict)
+    renderer: ChatRenderer | None = None
+    """The rollout's renderer, listing every tool the episode may call (its env's too)
+    to the chat template."""
     episode: Episode = field(init=False)
     prompt: list[int] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)
@@ -248,18 +252,7 @@ class Episodes:
     def finish(self) -> list[Run]:
         """Each episode's reward (`Env.reward`), its env closed; `on_error` applied."""
         _Loop.run(self._all(self._finish, range(len(self.runs))))
-        for i, run in enumerate(self.runs):
-            if run.episode.status in FAILED:
-                if self.limits.on_error == "raise":
-                    raise AgentError(
-                        f"episode {i} (row {run.row}) ended with status "
-                        f"`{run.episode.status}`: {run.episode.error}; set on_error: mask "
-                        "(or zero) to train on the other episodes") from run.failure
-                run.score = 0.0
-                run.episode.turn_rewards = [0.0] * len(run.episode.turn_rewards)
-                if self.limits.on_error == "mask":
-                    run.sampled = [0] * len(run.sampled)
-        return self.runs
+        return apply_on_error(self.runs, self.limits.on_error)
 
     # -- per episode -------------------------------------------------------------------------
 
@@ -299,10 +292,11 @@ class Episodes:
         env = run.env
         env.row, env.seed = run.row, run.seed
         run.tools = {t.name: t for t in [*self.tools, *tools_of(env)]}
+        run.renderer = self.renderer.with_tools([t.schema() for t in run.tools.values()])
         first = as_messages(await _call(env.reset, run.task),
                             f"{type(env).__name__}.reset")
         run.episode.messages = first
-        run.prompt = self.renderer.prompt(first)
+        run.prompt = run.renderer.prompt(first)
 
     async def _turn(self, i: int, stopped: bool) -> None:
         run = self.runs[i]
@@ -329,7 +323,7 @@ class Episodes:
             new = as_messages(step.messages, f"{type(env).__name__}.step")
             done = done or not new
         run.episode.turn_rewards.append(reward)
-        new = [self._cut(m) for m in new]
+        new = [cut_message(m, self.renderer.tokenizer, self.limits) for m in new]
         run.episode.messages += new
         self._next(run, new, done, stopped)
 
@@ -339,7 +333,8 @@ class Episodes:
             return run.end("completed")
         if run.episode.turns >= self.limits.max_turns:
             return run.end("max_turns")
-        delta = self.renderer.delta(new, stopped)
+        assert run.renderer is not None  # made at reset
+        delta = run.renderer.delta(new, stopped)
         if len(run.ids) + len(delta) >= self.limits.budget:  # no room for a sampled token
             return run.end("context_exhausted")
         run.ids += delta
@@ -370,50 +365,70 @@ class Episodes:
             run.episode.tool_time_s += time.perf_counter() - start
         return out if isinstance(out, ToolResult) else ToolResult(_text(out))
 
-    def _cut(self, message: Message) -> Message:
-        """A message whose content is over `tool_tokens` tokens, cut on `truncate_side`."""
-        content = message.get("content")
-        if not isinstance(content, str):
-            return message
-        tok, limit = self.renderer.tokenizer, self.limits.tool_tokens
-        ids = tok(content, add_special_tokens=False).input_ids
-        if len(ids) <= limit:
-            return message
-        side, half = self.limits.truncate_side, limit // 2
-        kept = (ids[-limit:] if side == "left" else ids[:limit] if side == "right"
-                else ids[:half] + ids[len(ids) - (limit - half):])
-        cut = f"...({len(ids) - limit} tokens cut)"
-        text = tok.decode(kept)
-        text = (cut + text if side == "left" else text + cut if side == "right"
-                else tok.decode(kept[:half]) + cut + tok.decode(kept[half:]))
-        return {**message, "content": text}
-
     async def _finish(self, i: int) -> None:
         run = self.runs[i]
         env = run.env
         try:
             if run.episode.status not in FAILED:
                 got = await _call(env.reward, run.episode)
-                run.score, run.extra = _score(got, type(env).__name__)
+                run.score, run.extra = score_of(got, f"{type(env).__name__}.reward")
         finally:
             run.active = False
             await _call(env.close)
 
 
-def _score(value: Any, who: str) -> tuple[float, dict[str, Any]]:
-    """(score, other entries) of what `Env.reward` returned: a number, or a mapping with
-    a `score` (verl's compute_score convention)."""
+def apply_on_error(runs: list[Run], on_error: str) -> list[Run]:
+    """`runs` with `on_error` applied to the failed ones (`FAILED`): raise AgentError
+    naming the first, or score 0 (and no token trained, for `mask`)."""
+    for i, run in enumerate(runs):
+        if run.episode.status not in FAILED:
+            continue
+        if on_error == "raise":
+            raise AgentError(
+                f"episode {i} (row {run.row}) ended with status `{run.episode.status}`: "
+                f"{run.episode.error}; set on_error: mask (or zero) to train on the other "
+                "episodes") from run.failure
+        run.score = 0.0
+        run.episode.turn_rewards = [0.0] * len(run.episode.turn_rewards)
+        if on_error == "mask":
+            run.sampled = [0] * len(run.sampled)
+    return runs
+
+
+def cut_message(message: Message, tokenizer: Any, limits: Limits) -> Message:
+    """`message` with its content cut to `limits.tool_tokens` tokens on `truncate_side`
+    (a tool result or env message the policy reads)."""
+    content = message.get("content")
+    if not isinstance(content, str):
+        return message
+    limit = limits.tool_tokens
+    ids = tokenizer(content, add_special_tokens=False).input_ids
+    if len(ids) <= limit:
+        return message
+    side, half = limits.truncate_side, limit // 2
+    kept = (ids[-limit:] if side == "left" else ids[:limit] if side == "right"
+            else ids[:half] + ids[len(ids) - (limit - half):])
+    cut = f"...({len(ids) - limit} tokens cut)"
+    text = tokenizer.decode(kept)
+    text = (cut + text if side == "left" else text + cut if side == "right"
+            else tokenizer.decode(kept[:half]) + cut + tokenizer.decode(kept[half:]))
+    return {**message, "content": text}
+
+
+def score_of(value: Any, who: str) -> tuple[float, dict[str, Any]]:
+    """(score, other entries) of an episode's reward as `who` returned it: a number, or
+    a mapping with a `score` (verl's compute_score convention)."""
     extra: dict[str, Any] = {}
     if isinstance(value, Mapping):
         if "score" not in value:
-            raise ValueError(f"{who}.reward returned a mapping without `score`: {value!r}")
+            raise ValueError(f"{who} returned a mapping without `score`: {value!r}")
         extra = {k: v for k, v in value.items() if k != "score"}
         value = value["score"]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{who}.reward returned {value!r}; a reward is a number (or a "
+        raise ValueError(f"{who} returned {value!r}; a reward is a number (or a "
                          "mapping with `score`)")
     if value != value or value in (float("inf"), float("-inf")):
-        raise ValueError(f"{who}.reward returned {value}; a reward must be finite")
+        raise ValueError(f"{who} returned {value}; a reward must be finite")
     return float(value), extra
 
 

@@ -27,6 +27,7 @@ with the same renderer (`ChatRenderer.spans`). Torch-free: only the tokenizer.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -79,6 +80,15 @@ class ChatRenderer:
         """What follows an assistant turn that ended with its stop token."""
         if probe:
             self.check()
+
+    def with_tools(self, tools: Sequence[dict[str, Any]]) -> ChatRenderer:
+        """This renderer listing `tools` (schemas) instead (the template, once probed,
+        need not be again: what it writes after a turn does not depend on them)."""
+        if list(tools) == self.tools:
+            return self
+        other = copy.copy(self)
+        other.tools = list(tools)
+        return other
 
     def text(self, messages: Sequence[Message], generation: bool) -> str:
         out: str = self.tokenizer.apply_chat_template(

@@ -26,6 +26,11 @@
   graph lists, as `flowgraph.checker.functions` finds reward functions (the plugin's
   own import failure is FG113, once, on its `plugins:` line).
 
+- FG607 (agent programs): a black-box agent (`agent: my_agent.py:run`) is called as
+  `await run(task, client)`: an `async def` taking two arguments. It brings its own
+  tools and plays its own episode, so an `env` or `tools` beside it would be ignored:
+  an error too.
+
 The chat template (FG606) needs the tokenizer: `check --data` probes it
 (`flowgraph.nodes.data_check`); otherwise the rollout refuses it when it starts
 (`flowgraph.agent.render.ChatRenderer`).
@@ -69,6 +74,7 @@ def check_agents(graph: Graph, table: dict[str, Resolved], dims: DimEnv,
         if not _is_agent(r):
             continue
         offered = _offered_tools(r, listed, out)
+        _check_program(r, listed, out)
         _check_budget(r, dims, out)
         _check_timeouts(r, offered, out)
     _check_sequence_level(table, out)
@@ -207,6 +213,50 @@ def _never_fires(r: Resolved, name: str, seconds: float, other: str, limit: floa
         hint=f"lower {name} to at most {limit:g}, or raise {other}")
 
 
+# --- FG607: a black-box agent program ---------------------------------------------------
+
+
+def _check_program(r: Resolved, listed: set[str], out: list[Diagnostic]) -> None:
+    assert isinstance(r.spec, NodeSpec)
+    given = r.spec.params.find("agent")
+    if given is None or given.value is None:
+        return
+    beside = [p for p in ("env", "tools") if param_value(r, p)]
+    if beside:
+        out.append(error(
+            "FG607", f"`{r.name}` names the agent program `{_label(given.value)}` and "
+            f"{' and '.join(f'`{p}`' for p in beside)}: a black-box agent brings its own "
+            "tools and plays its own episodes, so they would be ignored", given.pos,
+            node=r.name, hint="keep `agent` (its tools are what it passes as `tools=` to "
+            "the client) or the env and tools, not both"))
+    ref = given.value
+    program = ref.obj if isinstance(ref, PyObject) else _lookup(ref, "agent program",
+                                                                given.pos, listed)[0]
+    if program is None or _runs_as_agent(program):
+        return
+    where = defined_at(program)
+    out.append(error(
+        "FG607", f"the agent program `{_label(ref)}` of `{r.name}` is not `async def "
+        f"run(task, client)`" + (f" ({where})" if where else ""), given.pos, node=r.name,
+        hint="the rollout awaits run(task, client) for each episode: `task` the dataset "
+             "row, `client` an openai.AsyncOpenAI on the rollout's endpoint; it returns "
+             "the episode's reward (a number, or a dict with `score`)"))
+
+
+def _runs_as_agent(fn: object) -> bool:
+    if not inspect.iscoroutinefunction(fn):
+        return False
+    try:
+        inspect.signature(fn).bind(None, None)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _label(ref: object) -> str:
+    return ref.ref if isinstance(ref, PyObject) else str(ref)
+
+
 # --- FG605, FG603: the env and tools, found and their schemas built ------------------------
 
 
@@ -234,7 +284,8 @@ def _found(r: Resolved, spec: ParamSpec, given: Param, ref: object, listed: set[
     if isinstance(ref, PyObject):
         held: object | None = ref.obj
         return held  # None: FG113, from the structure check
-    obj, problem = _lookup(ref, "env" if spec.agent == "env" else "tool", given.pos, listed)
+    what = {"env": "env", "tools": "tool"}.get(spec.agent or "", "agent program")
+    obj, problem = _lookup(ref, what, given.pos, listed)
     if problem is not None:
         out.append(error("FG605", f"parameter `{spec.name}` of `{r.name}` {problem[0]}",
                          given.pos, node=r.name, hint=problem[1]))

@@ -411,3 +411,44 @@ def test_objects_given_in_python_are_checked_too() -> None:
     found = [d for d in check_graph(g.build()).diagnostics if d.code.startswith("FG6")]
     assert [(d.code, d.severity) for d in found] == [("FG602", "error"), ("FG603", "error")]
     assert "RawEnv" in found[1].message and f"_raw` ({__file__}:" in found[1].message
+
+
+# --- FG607 ------------------------------------------------------------------------------
+
+PROGRAMS = PLUGIN + '''
+
+async def run(task, client):
+    return 1.0
+
+
+def plain(task, client):
+    return 1.0
+
+
+async def lonely(task):
+    return 1.0
+'''
+
+
+@pytest.mark.parametrize(("edits", "expected"), [
+    ([("      env: envs.py:Guess\n      tools: [envs.py:lookup]\n",
+       "      agent: envs.py:run\n")], []),
+    ([("      env: envs.py:Guess\n", "      agent: envs.py:run\n")],
+     ["error FG607: `agent` names the agent program `envs.py:run` and `tools`: a black-box "
+      "agent brings its own tools and plays its own episodes, so they would be ignored"]),
+    ([("      env: envs.py:Guess\n      tools: [envs.py:lookup]\n",
+       "      agent: envs.py:plain\n")],
+     ["error FG607: the agent program `envs.py:plain` of `agent` is not `async def run(task, "
+      "client)` (TMP/envs.py:53)"]),
+    ([("      env: envs.py:Guess\n      tools: [envs.py:lookup]\n",
+       "      agent: envs.py:lonely\n")],
+     ["error FG607: the agent program `envs.py:lonely` of `agent` is not `async def "
+      "run(task, client)` (TMP/envs.py:57)"]),
+    ([("      env: envs.py:Guess\n      tools: [envs.py:lookup]\n",
+       "      agent: envs.py:runner\n")],
+     ["error FG605: parameter `agent` of `agent` names `envs.py:runner`, but `envs.py` has "
+      "no `runner` (TMP/envs.py)"]),
+])
+def test_an_agent_program_is_awaited_with_task_and_client(
+        tmp_path: Path, edits: list[tuple[str, str]], expected: list[str]) -> None:
+    assert _lines(_check(tmp_path, *edits, plugin=PROGRAMS), tmp_path) == expected

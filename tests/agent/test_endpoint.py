@@ -1,0 +1,168 @@
+"""Black-box agents through the OpenAI-compatible endpoint (`flowgraph.agent.endpoint`):
+a real `openai.AsyncOpenAI` client loop gives the rows the equivalent native env gives,
+re-sent turns are matched (never re-tokenized), rewritten histories fork, and the
+endpoint refuses what the graph decides and sessions it does not hold."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from flowgraph.agent.endpoint import Server
+from flowgraph.agent.episodes import AgentError
+from flowgraph.agent.parsers import PARSERS, ToolCall
+from flowgraph.agent.tools import as_tool
+from flowgraph.nodes.agent import agent_rollout
+from flowgraph.nodes.models import load_model, load_tokenizer
+from flowgraph.runtime.context import NodeContext
+
+pytest.importorskip("openai")
+
+
+def lookup(query: str) -> str:
+    """Look a query up.
+
+    Args:
+        query: what to look up
+    """
+    return f"{len(query)} chars"
+
+
+class SomeTurnsCall:
+    """The tiny model writes no tool call: a turn whose text is not a multiple of 3
+    characters long is read as one call of `lookup` (its text the query)."""
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        if len(text) % 3 == 0:
+            return text.strip(), []
+        return "", [ToolCall("lookup", {"query": text}, "call_0")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def some_turns_call():
+    with pytest.MonkeyPatch.context() as patch:  # registered for this module's tests only
+        patch.setitem(PARSERS, "test_some_turns_call", SomeTurnsCall())
+        yield
+SCHEMA = as_tool(lookup).schema()
+ROWS = [{"prompt": "reverse 123"}, {"prompt": "reverse 4567"}, {"prompt": "reverse 89"}]
+
+
+async def program(task, client):
+    """An agent as users write them: the official client, its messages re-sent as the
+    client's objects serialise them, tool results appended."""
+    messages = [{"role": "user", "content": task["prompt"]}]
+    calls = 0
+    while True:
+        r = await client.chat.completions.create(model="policy", messages=messages,
+                                                 tools=[SCHEMA])
+        message = r.choices[0].message
+        if not message.tool_calls:
+            return {"score": 0.25 * calls, "finish": r.choices[0].finish_reason}
+        messages.append(message.model_dump(exclude_none=True))
+        for call in message.tool_calls:
+            calls += 1
+            messages.append({"role": "tool", "tool_call_id": call.id,
+                             "content": lookup(**json.loads(call.function.arguments))})
+
+
+@pytest.fixture(scope="module", params=["builtin:tiny-lm", "builtin:tiny-tied"])
+def model_and_tok(request):
+    return load_model(request.param), load_tokenizer(request.param)
+
+
+def run(model, tok, rows=ROWS, **params):
+    ctx = NodeContext("agent", "agent_rollout", step=3, seed=7, strict=True,
+                      dims={"P": 48, "T": 40, "N": 2})
+    kw = {"max_turns": 4, "max_turn_tokens": 6, "n": 2, "parser": "test_some_turns_call",
+          "max_tool_tokens": 8} | params
+    return agent_rollout(ctx, model, tok, row=rows, **kw), ctx
+
+
+ROW_PORTS = ("prompts", "prompt_mask", "responses", "response_mask", "rollout_log_prob",
+             "num_turns", "tool_calls", "turn_mask", "index")
+
+
+def test_endpoint_rows_equal_the_native_env_rows(model_and_tok):
+    model, tok = model_and_tok
+    native, _ = run(model, tok, tools=[lookup])
+    black, ctx = run(model, tok, agent=program)
+    for port in ROW_PORTS:
+        assert torch.equal(native[port], black[port]), port
+    assert native["status"] == black["status"]
+    assert native["messages"] == black["messages"]
+    assert black["tool_calls"].sum() > 0 and (black["num_turns"] > 1).any()
+    holes = black["response_mask"].sum() < (black["responses"] != 0).sum()
+    assert holes  # tool results between the turns, never trained
+    assert black["scores"].tolist() == pytest.approx((0.25 * black["tool_calls"]).tolist())
+    assert ctx.metrics["agent/forks"] == 0.0
+    assert {i["finish"] for i in black["reward_extra_info"]} <= {"stop", "length"}
+
+
+async def rewriting(task, client):
+    """Rewrites its own history after the first call: the endpoint must fork, not splice."""
+    messages = [{"role": "user", "content": task["prompt"]}]
+    r = await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])
+    messages.append({"role": "assistant", "content": "I did it differently."})
+    messages.append({"role": "user", "content": "go on"})
+    await client.chat.completions.create(model="m", messages=messages, tools=[SCHEMA])
+    return 1.0 if r.choices else 0.0
+
+
+def test_a_rewritten_history_forks_the_row(model_and_tok):
+    model, tok = model_and_tok
+    out, ctx = run(model, tok, rows=ROWS[:1], agent=rewriting, max_turns=4)
+    assert ctx.metrics["agent/forks"] == 1.0
+    assert [i["forks"] for i in out["reward_extra_info"]] == [1, 1]
+    # the row is the second chain only: its prompt holds the rewritten history, and
+    # only the second turn's tokens are trained
+    prompt = tok.decode(out["prompts"][0][out["prompt_mask"][0].bool()])
+    assert "I did it differently." in prompt
+    assert out["num_turns"].tolist() == [2, 2]
+    assert int(out["turn_mask"][0].sum()) == 1
+
+
+async def hot(task, client):
+    await client.chat.completions.create(model="m", temperature=0.7,
+                                         messages=[{"role": "user", "content": "hi"}])
+    return 1.0
+
+
+def test_a_client_temperature_is_refused_at_the_programs_line(model_and_tok):
+    model, tok = model_and_tok
+    with pytest.raises(AgentError) as caught:
+        run(model, tok, rows=ROWS[:2], agent=hot, n=1)
+    error = str(caught.value)
+    assert "every episode of step 3 ended `timeout` or `error`" in error
+    assert "`temperature`: 0.7 differs from the graph's 1.0" in error
+    assert "test_endpoint.py:" in error and "in hot" in error
+
+
+async def texting(task, client):
+    """The completions API, the prompt grown as text by the program."""
+    prompt = task["prompt"]
+    r = await client.completions.create(model="m", prompt=prompt, logprobs=0)
+    prompt += r.choices[0].text + "\nmore:"
+    r2 = await client.completions.create(model="m", prompt=prompt)
+    assert r.choices[0].logprobs.token_logprobs  # the sampled tokens' log-probs
+    return float(len(r2.choices[0].text) >= 0)
+
+
+def test_the_completions_api_extends_its_text(model_and_tok):
+    model, tok = model_and_tok
+    out, ctx = run(model, tok, rows=ROWS[:1], agent=texting, n=1)
+    assert out["status"] == ["completed"] and out["num_turns"].tolist() == [2]
+    more = tok("\nmore:", add_special_tokens=False).input_ids
+    row = out["responses"][0][: int(out["response_mask"][0].nonzero().max()) + 1].tolist()
+    assert any(row[i:i + len(more)] == more for i in range(len(row)))
+    assert ctx.metrics["agent/forks"] == 0.0
+
+
+def test_an_unknown_session_is_refused():
+    server = Server.get()
+    r = httpx.post(server.url("not-a-session") + "/chat/completions",
+                   json={"messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 404 and "unknown or closed session" in r.text
+    assert httpx.get(server.url("nope") + "/models").status_code == 404
