@@ -289,3 +289,29 @@ def test_a_hung_sync_tool_never_holds_the_process_at_exit(tok, tmp_path):
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "timeout"
     assert time.perf_counter() - start < 30  # not the 60 s the thread sleeps
+
+
+LISTING = ("{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}"
+           "{% endfor %}{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+           "{% if m['role'] == 'assistant' %}<|eos|>{% endif %}{% endfor %}"
+           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+"""The tiny template, listing the tools first (as Qwen's lists them in its system prompt)."""
+
+
+class WithHint(Answer):
+    @tool
+    def hint(self, parity: str) -> str:
+        """Say whether the answer is even or odd.
+
+        Args:
+            parity: even or odd
+        """
+        return "yes"
+
+
+def test_the_template_lists_the_envs_tools_with_the_rollouts(tok):
+    tools = [tool(mul)]
+    renderer = ChatRenderer(tok, LISTING, [t.schema() for t in tools], [tok.eos_token_id])
+    episodes = Episodes(WithHint, tools, renderer, get_parser("hermes"), limits())
+    first = episodes.reset([{"prompt": "What is 6*7?"}])
+    assert tok.decode(first[0]).startswith("<|system|>tools: mul hint<|user|>What is 6*7?")
