@@ -397,7 +397,7 @@ class Sessions:
 
     async def _start(self, tasks: Sequence[Mapping[str, Any]], rows: Sequence[int],
                      seeds: Sequence[int]) -> None:
-        from openai import AsyncOpenAI
+        from openai import AsyncOpenAI, DefaultAsyncHttpxClient
 
         gate = asyncio.Semaphore(self.concurrency)
         for task, row, seed in zip(tasks, rows, seeds, strict=True):
@@ -406,8 +406,11 @@ class Sessions:
             session.run.episode.messages = []
             self.server.sessions[sid] = session
             self.sessions.append(session)
+            # trust_env=False: an HTTP(S)_PROXY of the cluster must not carry loopback
+            # requests away (httpx would send them to the proxy)
             client = AsyncOpenAI(base_url=self.server.url(sid), api_key="flowgraph",
-                                 max_retries=0, timeout=self.limits.episode_timeout_s)
+                                 max_retries=0, timeout=self.limits.episode_timeout_s,
+                                 http_client=DefaultAsyncHttpxClient(trust_env=False))
             session.task = asyncio.ensure_future(self._play(session, dict(task), client, gate))
 
     async def _play(self, session: Session, task: dict[str, Any], client: Any,

@@ -85,8 +85,10 @@ ROW_PORTS = ("prompts", "prompt_mask", "responses", "response_mask", "rollout_lo
              "num_turns", "tool_calls", "turn_mask", "index")
 
 
-def test_endpoint_rows_equal_the_native_env_rows(model_and_tok):
+def test_endpoint_rows_equal_the_native_env_rows(model_and_tok, monkeypatch):
     model, tok = model_and_tok
+    for proxy in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):  # a cluster's, for its web
+        monkeypatch.setenv(proxy, "http://127.0.0.1:9")      # traffic: not the endpoint's
     native, _ = run(model, tok, tools=[lookup])
     black, ctx = run(model, tok, agent=program)
     for port in ROW_PORTS:
