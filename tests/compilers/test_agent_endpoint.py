@@ -34,6 +34,19 @@ def test_the_black_box_calculator_gives_the_native_graphs_numbers(tmp_path: Path
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("target", ["fsdp", "ray"])
+def test_black_box_episodes_on_two_workers_give_the_local_numbers(tmp_path: Path,
+                                                                  target: str) -> None:
+    """Each worker serves its own endpoint for its episodes; the numbers are the local
+    native run's (measured: equal within assert_same_numbers' 1e-4, fsdp(2) and ray(2))."""
+    native = _run("agent_calculator.yaml", tmp_path / "native", *SMALL)
+    black = _run("agent_calculator_openai.yaml", tmp_path / target, *SMALL,
+                 "--target", target, "--nproc", "2")
+    assert_same_numbers(black, native)
+
+
+@pytest.mark.slow
 def test_the_black_box_calculator_learns_as_the_native_one(tmp_path: Path) -> None:
     """The whole example (30 steps, evaluation every 10) both ways: the same numbers at
     every step; val/accuracy rises by 30 points (measured: as the native graph's)."""
