@@ -186,15 +186,14 @@ def agent_rollout(
     first = episodes.reset(tasks, [r for r in rows for _ in range(n)], seeds)
     _check_prompts(first, P, rows, n)
     width = P + T - 1  # an active episode's history is shorter: one width every turn
-    for turn in range(max_turns):
-        asks = episodes.requests()
-        if ctx.workers.all(not asks):
-            break
+    # until no episode asks for a turn: each takes max_turns at most (a black-box
+    # program waiting for a `concurrency` slot starts its turns later than the others)
+    while not ctx.workers.all(not (asks := episodes.requests())):
         # every worker samples turn_tokens (a sharded model's workers decode in step);
-        # an episode keeps what fits its budget
+        # an episode keeps what fits its budget; turn k draws from turn_seed(seed, k)
         _sample(ctx, model, tokenizer, backend, asks,
-                [turn_seed(seeds[i], turn) for i, _, _ in asks], spec, width,
-                gpu_memory_utilization, episodes.begin)
+                [turn_seed(seeds[i], episodes.runs[i].episode.turns) for i, _, _ in asks],
+                spec, width, gpu_memory_utilization, episodes.begin)
         episodes.wait()
     runs = episodes.finish()
     out: dict[str, Any] = dict(_tensors(runs, P, T, max_turns, spec.pad_id))

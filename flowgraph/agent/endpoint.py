@@ -111,7 +111,8 @@ class Session:
     pending: asyncio.Future[tuple[list[int], list[float], bool]] | None = None
     room: int = 0
     settled: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set while the program waits for a completion or has ended."""
+    """Set while the program waits for a completion, waits for a `concurrency` slot, or
+    has ended: no batch waits for it."""
     busy_since: float = field(default_factory=time.perf_counter)
     task: asyncio.Task[Any] | None = None
     result: Any = None
@@ -416,7 +417,10 @@ class Sessions:
     async def _play(self, session: Session, task: dict[str, Any], client: Any,
                     gate: asyncio.Semaphore) -> None:
         try:
+            if gate.locked():  # waits for a slot: no batch waits for it meanwhile
+                session.settle()
             async with gate:
+                session.unsettle()
                 session.result = await self.program(task, client)
         except asyncio.CancelledError:
             if session.run.active:
@@ -432,7 +436,9 @@ class Sessions:
             session.settle()
 
     async def _all_quiet(self) -> None:
-        await asyncio.gather(*(self._quiet(s) for s in self.sessions))
+        # again while a program that got a `concurrency` slot meanwhile works
+        while busy := [s for s in self.sessions if not s.settled.is_set()]:
+            await asyncio.gather(*(self._quiet(s) for s in busy))
 
     async def _quiet(self, session: Session) -> None:
         if session.done or session.settled.is_set():

@@ -168,3 +168,18 @@ def test_an_unknown_session_is_refused():
                    json={"messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 404 and "unknown or closed session" in r.text
     assert httpx.get(server.url("nope") + "/models").status_code == 404
+
+
+def test_programs_past_the_concurrency_start_later_with_the_same_rows(model_and_tok):
+    """concurrency 2 of 6 episodes: the others wait for a slot (no batch waits for them)
+    and take their turns later, each turn drawn from its own seed: the same rows."""
+    model, tok = model_and_tok
+    all_at_once, _ = run(model, tok, agent=program)
+    two_at_a_time, _ = run(model, tok, agent=program, concurrency=2)
+    for port in ROW_PORTS:
+        if port != "rollout_log_prob":
+            assert torch.equal(all_at_once[port], two_at_a_time[port]), port
+    # other batches, other float sums: the same log-probs to rounding
+    assert torch.allclose(all_at_once["rollout_log_prob"], two_at_a_time["rollout_log_prob"],
+                          atol=1e-5)
+    assert all_at_once["status"] == two_at_a_time["status"]
