@@ -162,6 +162,31 @@ def test_the_completions_api_extends_its_text(model_and_tok):
     assert ctx.metrics["agent/forks"] == 0.0
 
 
+URLS: list[str] = []
+
+
+async def remembering(task, client):
+    URLS.append(str(client.base_url))
+    models = await client.models.list()
+    await client.chat.completions.create(model=models.data[0].id,
+                                         messages=[{"role": "user", "content": "hi"}])
+    return 1.0
+
+
+def test_a_closed_session_is_refused_and_urls_are_loopback_and_unguessable(model_and_tok):
+    model, tok = model_and_tok
+    URLS.clear()
+    out, _ = run(model, tok, rows=ROWS[:2], agent=remembering, n=1)
+    assert out["status"] == ["completed", "completed"]
+    assert len(set(URLS)) == 2
+    for url in URLS:
+        assert url.startswith("http://127.0.0.1:")
+        assert len(url.split("/s/")[1].split("/")[0]) >= 43  # 32 random bytes, base64
+        r = httpx.post(url.rstrip("/") + "/chat/completions",
+                       json={"messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 404 and "unknown or closed session" in r.text
+
+
 def test_an_unknown_session_is_refused():
     server = Server.get()
     r = httpx.post(server.url("not-a-session") + "/chat/completions",
