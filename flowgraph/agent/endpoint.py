@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import json
 import secrets
 import socket
@@ -340,6 +341,12 @@ class Sessions:
         self.base = ChatRenderer(tokenizer, template, (), stop_ids)
         """The chat template, probed (TemplateError here, before any episode starts)."""
         self.sessions: list[Session] = []
+        missing = [m for m in ("fastapi", "uvicorn", "openai")
+                   if importlib.util.find_spec(m) is None]
+        if missing:
+            raise FlowgraphError(f"agent_rollout's `agent` (a black-box program) serves an "
+                                 f"endpoint and gives it a client: {', '.join(missing)} "
+                                 "not installed; pip install 'flowgraph[agents]'")
         self.server = Server.get()
 
     @property

@@ -15,11 +15,10 @@ from flowgraph.agent.endpoint import Server
 from flowgraph.agent.episodes import AgentError
 from flowgraph.agent.parsers import PARSERS, ToolCall
 from flowgraph.agent.tools import as_tool
+from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.agent import agent_rollout
 from flowgraph.nodes.models import load_model, load_tokenizer
 from flowgraph.runtime.context import NodeContext
-
-pytest.importorskip("openai")
 
 
 def lookup(query: str) -> str:
@@ -208,3 +207,15 @@ def test_programs_past_the_concurrency_start_later_with_the_same_rows(model_and_
     assert torch.allclose(all_at_once["rollout_log_prob"], two_at_a_time["rollout_log_prob"],
                           atol=1e-5)
     assert all_at_once["status"] == two_at_a_time["status"]
+
+
+def test_a_missing_endpoint_package_names_the_extra(model_and_tok, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    model, tok = model_and_tok
+    with pytest.raises(FlowgraphError, match=r"uvicorn not installed; pip install "
+                                             r"'flowgraph\[agents\]'"):
+        run(model, tok, rows=ROWS[:1], agent=program, n=1)
