@@ -38,6 +38,7 @@ from flowgraph.plan import (
     producer_process,
     producer_side,
     repeated,
+    rollout_pool,
 )
 from flowgraph.registry import KindSpec, PortSpec, declared_function, plugin_folder
 
@@ -203,9 +204,13 @@ class Program:
             return plan
         kinds = {n.name: self.kind(n.name) for n in self.graph.nodes}
         t = self.graph.trainer
+        producer = producer_side(self.graph, plan.stages, kinds)
+        runs = {n.model for n in nodes if n.name in producer and n.loads_model and n.model}
         return replace(plan, asynchronous=AsyncPlan(
-            producer_side(self.graph, plan.stages, kinds), t.max_staleness, t.admission,
-            t.old_log_prob, producer_process(self.target)))
+            producer, t.max_staleness, t.admission, t.old_log_prob,
+            producer_process(self.target),
+            rollout_pool(self.target, plan.pools, runs, self.device,
+                         self.graph.resources.rollout_cpus)))
 
     def _resample(self) -> ResamplePlan | None:
         """The refill loop of the graph's filter node (the checker allows one, and only

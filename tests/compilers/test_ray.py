@@ -139,19 +139,34 @@ def test_a_local_checkpoint_of_a_tied_model_resumes_on_ray(
     assert (run_dir / "checkpoints" / "step_4" / "dcp").is_dir(), "written by ray"
 
 
-def test_async_rollouts_on_ray_equal_a_local_producer_process(
+def test_async_rollouts_on_a_rollout_pool_equal_a_local_producer_process_and_resume(
         cluster: Any, tmp_path: Path, devnull: Any, local_run: Any,
         equal_overrides: dict[str, tuple[str, ...]], tied_models: Any) -> None:
-    """GRPO on the tied built-in with `trainer.max_staleness: 1`: the driver produces each
-    step's rollout one step ahead in its loop; the local target in a producer process,
-    the tied weights reaching it through shared memory: the same numbers."""
+    """GRPO on the tied built-in with `trainer.max_staleness: 1`: on ray the producer runs
+    on the rollout pool (one worker with its own copies of actor and reference, the
+    weights of the two sharded trainer workers sent to it after every update); the local
+    target runs it in a producer process, the tied weights reaching it through shared
+    memory: the same numbers. A run resumed from the step-1 checkpoint (its buffer holds
+    step 2's rollout) repeats steps 2-4."""
     from flowgraph.compilers.ray import run_ray
 
     overrides = (*equal_overrides["grpo"], *tied_models("grpo"), "trainer.max_staleness=1")
-    run_ray(_plan("grpo", tmp_path / "ray", overrides), RunOptions(out=devnull, shutdown=False))
+    plan = _plan("grpo", tmp_path / "ray", overrides)
+    assert plan.asynchronous.pool is not None
+    run_ray(plan, RunOptions(out=devnull, shutdown=False))
     rows = read_metrics(tmp_path / "ray")
     assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    overlap = [r["async/overlap_frac"] for r in rows]
+    assert all(0.0 <= f <= 1.0 for f in overlap) and overlap[-1] == 0.0, overlap
     assert_same_numbers(rows, local_run(GRAPHS / "grpo.yaml", tmp_path / "local", *overrides))
+
+    shutil.copytree(tmp_path / "ray", tmp_path / "resumed")
+    for step in (3, 4):
+        shutil.rmtree(tmp_path / "resumed" / "checkpoints" / f"step_{step}")
+    run_ray(_plan("grpo", tmp_path / "resumed", overrides),
+            RunOptions(out=devnull, shutdown=False, resume=True))
+    assert_same_numbers(read_metrics(tmp_path / "resumed"), rows)
 
 
 def test_a_node_error_in_a_worker_names_the_node_and_step(
