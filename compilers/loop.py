@@ -13,8 +13,9 @@ target (`flowgraph.compilers.target.Target`: local, fsdp, ray) dispatches each o
 writes and reads checkpoints and recovers from a lost worker. The batches and the
 resample loop: `flowgraph.compilers.batches`; metrics of a step:
 `flowgraph.compilers.metrics`; evaluation: `flowgraph.compilers.evaluation`; the buffer
-of asynchronous rollouts: `flowgraph.compilers.rollouts` (in the loop) and
-`flowgraph.compilers.producer` (a process of its own).
+of asynchronous rollouts: `flowgraph.compilers.rollouts` (in the loop),
+`flowgraph.compilers.producer` (a process of its own) and
+`flowgraph.compilers.rollout_pool` (ray's rollout pool).
 """
 
 from __future__ import annotations
