@@ -1174,6 +1174,8 @@ def _reference_problems(plan: ExecutionPlan) -> list[str]:
                  if n.pool not in pools]
     problems += [f"edge `{e.src} -> {e.dst}` names an unknown node" for e in plan.edges
                  if not {e.src.split(".")[0], e.dst.split(".")[0]} <= nodes]
+    if plan.asynchronous is not None and plan.asynchronous.pool is not None:
+        pools.add(plan.asynchronous.pool.name)
     problems += [f"memory of unknown pool `{m.pool}`" for m in plan.memory if m.pool not in pools]
     problems += [f"dropped node `{n}` is still planned" for n in plan.dropped if n in nodes]
     return problems

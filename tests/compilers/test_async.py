@@ -14,7 +14,7 @@ import torch
 
 from flowgraph.errors import FlowgraphError, PlanError
 from flowgraph.passes import PassPipeline, compile_graph
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import ExecutionPlan, gib
 from flowgraph.testing.targets import assert_same_numbers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,6 +77,18 @@ def test_on_ray_the_producer_gets_a_rollout_pool_of_its_own() -> None:
     assert "  rollouts           1 worker(s) on cpu, each {CPU: 3}, beside the trainer's " \
            "pools" in summary, summary
     assert "runs the asynchronous producer: train, gen, ref_logprob, reward, adv" in summary
+    # its memory: a copy's weights (no gradients, no optimizer) and the working memory
+    # of the producer's model nodes on the whole batch; FG401 when it does not fit
+    trainer, rollouts = plan.memory
+    assert (trainer.pool, rollouts.pool) == ("actor_rollout_ref", "rollouts")
+    assert sorted((i.what, i.owner) for i in rollouts.items if not i.transient) == [
+        ("weights", "actor"), ("weights", "ref")]
+    assert rollouts.peak_node in ("gen", "ref_logprob")
+    over = compile_graph(GRPO, target="ray", nproc=4, overrides=[
+        *ASYNC, f"resources.memory_gib={rollouts.total_bytes / (1 << 30) * 0.9}"])
+    assert [d.message for d in over.diagnostics if d.code == "FG401"] == [
+        f"plan needs {gib(rollouts.total_bytes)} on the device of the rollout pool `rollouts`, "
+        f"declared {gib(rollouts.total_bytes * 0.9)}"]
     from flowgraph.compilers.ray import cluster_cpus
 
     assert cluster_cpus(plan) >= 2 + 3  # the trainer's two workers and the rollout pool's
