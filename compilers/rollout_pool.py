@@ -26,6 +26,7 @@ any pool, and `start` sets up a fresh one at the checkpoint's buffer and cursors
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -120,6 +121,7 @@ class PoolRollouts(Rollouts):
         answers(self.actor.setup.remote(self.names, str(self.opts.run_dir), self.opts.strict,
                                         cursors, state, step), None,
                 "while the rollout pool's worker set up")
+        self._list_worker()
         self.free_at, self.weights = time.time(), None
         self.next, self.last_index, self.version, self.sent = first, first - 1, step, -1
         self._ask()
@@ -178,6 +180,16 @@ class PoolRollouts(Rollouts):
                 self.next, self.version, *weights)
             self.calls.append(_Call(self.next, span, rollout, time.time()))
             self.next += 1
+
+    def _list_worker(self) -> None:
+        """The worker's pid beside the trainer's workers' (`run_dir/.ranks/workers.json`,
+        which the target wrote as its groups started), for operators and tests that
+        want to signal it."""
+        listed = self.opts.run_dir / ".ranks" / "workers.json"
+        workers = json.loads(listed.read_text()) if listed.is_file() else {}
+        workers[self.pool.name] = [answers(self.actor.pid.remote(), None)]
+        listed.parent.mkdir(parents=True, exist_ok=True)
+        listed.write_text(json.dumps(workers, indent=2))
 
     def _admits(self) -> bool:
         if self.block:
@@ -240,6 +252,9 @@ class RolloutWorker:
         self.rollouts: Rollouts | None = None
         self.devnull = open(os.devnull, "w")  # noqa: SIM115 - the actor's life long
         """Where the producer's worker prints (the trainer's console is the driver's)."""
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def setup(self, names: list[str], run_dir: str, strict: bool,
               cursors: dict[str, dict[str, Any]], node_state: dict[str, dict[str, Any]],

@@ -281,3 +281,36 @@ def test_a_plan_file_runs_as_edited_a_pool_of_another_size(
     workers = json.loads((run_dir / ".ranks" / "workers.json").read_text())
     assert {name: len(pids) for name, pids in workers.items()} == {"actor_rollout_ref": 1}
     assert_same_numbers(result.rows, local_reference("grpo"))
+
+
+@pytest.mark.slow
+def test_a_dead_rollout_pool_worker_is_restarted_and_the_numbers_hold(
+        tmp_path: Path, local_run: Any) -> None:
+    """SIGKILL the rollout pool's worker after step 2 of an asynchronous GRPO (`block`):
+    the driver notices at its next wait for a rollout, restarts every group and the
+    pool from the step-1 checkpoint (its buffer: step 2's rollout), and the run ends
+    with every step once and the numbers of the local producer process."""
+    run_dir = tmp_path / "run"
+    overrides = ("dims.Bp=4", "dims.N=4", "nodes.update_actor.params.mini_batch_size=16",
+                 "trainer.val_before_train=false", "trainer.eval_every=0",
+                 "trainer.max_staleness=1", "trainer.steps=6", "trainer.checkpoint_every=2")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flowgraph", "run", str(GRAPHS / "grpo.yaml"), "--target",
+         "ray", "trainer.step_timeout_s=30", f"trainer.run_dir={run_dir}", *overrides],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+        env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+    try:
+        _wait(lambda: len(_rows(run_dir)) >= 3, proc, "step 2")
+        first = _workers(run_dir)
+        os.kill(first["rollouts"][0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "a worker died in the rollout pool" in out, out
+    assert "restarting the worker groups" in out, out
+    assert _workers(run_dir)["rollouts"] != first["rollouts"]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(6)), "every step exactly once"
+    assert_same_numbers(rows, local_run(GRAPHS / "grpo.yaml", tmp_path / "local", *overrides))
