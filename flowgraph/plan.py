@@ -1328,9 +1328,10 @@ def _summary_lines(plan: ExecutionPlan) -> list[str]:
     if rollout is not None and plan.asynchronous is not None:
         lines.append(f"  {rollout.name:<{width}}  {_workers(rollout)}, beside the trainer's "
                      "pools")
-        lines += [f"  {'':<{width}}    model {m.name} (a copy, the trained weights sent "
-                  f"after every update)" if m.trainable else
-                  f"  {'':<{width}}    model {m.name} (a copy)" for m in rollout.models]
+        for m in rollout.models:
+            what = "a copy, the trained weights sent after every update" if m.trainable \
+                else "a copy"
+            lines.append(f"  {'':<{width}}    model {m.name} ({what})")
         lines.append(f"  {'':<{width}}    runs the asynchronous producer: "
                      + ", ".join(plan.asynchronous.producer))
     lines += ["", "stages:"]

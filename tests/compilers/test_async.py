@@ -97,6 +97,11 @@ def test_on_ray_the_producer_gets_a_rollout_pool_of_its_own() -> None:
     with pytest.raises(PlanError, match="the rollout pool `rollouts` does not host model "
                                         "`ref`, which the producer's node `ref_logprob` runs"):
         ExecutionPlan.from_json(json.dumps(data))
+    declared = compile_graph(GRPO, target="ray", overrides=[
+        *ASYNC, "resources.pools={rollouts: {size: 1, models: [actor, ref]}}"])
+    assert [(d.code, d.message) for d in declared.diagnostics if d.is_error] == [
+        ("FG403", "pool name `rollouts` is reserved for the rollout pool of asynchronous "
+                  "rollouts (trainer.max_staleness > 0) on ray")]
     for target in ("local", "fsdp"):
         other = compile_graph(GRPO, target=target, nproc=None if target == "local" else 2,
                               overrides=list(ASYNC)).plan
