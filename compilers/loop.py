@@ -13,8 +13,9 @@ target (`flowgraph.compilers.target.Target`: local, fsdp, ray) dispatches each o
 writes and reads checkpoints and recovers from a lost worker. The batches and the
 resample loop: `flowgraph.compilers.batches`; metrics of a step:
 `flowgraph.compilers.metrics`; evaluation: `flowgraph.compilers.evaluation`; the buffer
-of asynchronous rollouts: `flowgraph.compilers.rollouts` (in the loop) and
-`flowgraph.compilers.producer` (a process of its own).
+of asynchronous rollouts: `flowgraph.compilers.rollouts` (in the loop),
+`flowgraph.compilers.producer` (a process of its own) and
+`flowgraph.compilers.rollout_pool` (ray's rollout pool).
 """
 
 from __future__ import annotations
@@ -121,9 +122,7 @@ class TrainingLoop:
         self.prepare_run_dir()
         cut = self.plan.asynchronous
         if cut is not None:
-            kind = ProcessRollouts if cut.own_process else InlineRollouts
-            self.rollouts = kind(self.plan, self.batches, self.target.worker, self.producer,
-                                 self.opts)
+            self.rollouts = self.make_rollouts()
         step = self.start_step = self.restore() if self.opts.resume else 0
         self.saved_step = step - 1  # restored (or nothing to save before step 0)
         log = self.open_log()
@@ -155,6 +154,18 @@ class TrainingLoop:
                 self.rollouts.close()
             log.close()
         return rows
+
+    def make_rollouts(self) -> Rollouts:
+        """The buffer of an asynchronous plan, with the producer where the plan says: a
+        rollout pool (ray), a process of its own (local), or this loop (fsdp)."""
+        cut = self.plan.asynchronous
+        assert cut is not None
+        args = (self.plan, self.batches, self.target.worker, self.producer, self.opts)
+        if cut.pool is not None:
+            from flowgraph.compilers.rollout_pool import PoolRollouts  # imports Ray
+
+            return PoolRollouts(*args, trainer=self.target)
+        return ProcessRollouts(*args) if cut.own_process else InlineRollouts(*args)
 
     # -- preemption ---------------------------------------------------------------------
 
@@ -267,8 +278,12 @@ class TrainingLoop:
             self.batches.produce(env, step, strict, metrics, self.order)
         else:  # the producer's outputs from the buffer, then the consumer's nodes
             env = self.rollouts.take(step, metrics)
+            t1, generated = time.perf_counter(), self.rollouts.generating_s()
             self.batches.look_up(env, step, strict)
             self.interpreter.run(self.consumer, env, step, strict=strict, metrics=metrics)
+            work = time.perf_counter() - t1
+            overlapped = self.rollouts.generating_s() - generated
+            metrics["async/overlap_frac"] = min(overlapped / work, 1.0) if work > 0 else 0.0
         seconds = {k.removeprefix("timing_s/"): v for k, v in metrics.items()
                    if k.startswith("timing_s/")}
         waited = 0.0

@@ -30,7 +30,7 @@ from flowgraph.compilers.rollouts import Rollouts
 from flowgraph.compilers.signals import STOP_SIGNALS, die_with_parent
 from flowgraph.compilers.worker import ExecOptions, Worker, quiet_hf
 from flowgraph.errors import FlowgraphError
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import ExecutionPlan, ModelPlacement
 
 POLL_S = 1.0
 """How often a wait checks that the producer process is still alive."""
@@ -58,6 +58,9 @@ class ProcessRollouts(Rollouts):
                             if p.requires_grad} for m, model in self.models.items()}
         """The entries an update changes (a LoRA model's adapters; both names of a tied
         embedding): what is published after the first time."""
+        self.busy = self.mp.Array("d", [0.0, -1.0])
+        """The producer's seconds spent producing so far, and when the rollout it is
+        producing began (-1: none; `time.time()`), for `generating_s`."""
         self.published = self.mp.Value("q", -1, lock=False)
         self.grabbed = self.mp.Value("q", -1, lock=False)
         self.stop = self.mp.Value("b", 0, lock=False)
@@ -87,7 +90,8 @@ class ProcessRollouts(Rollouts):
             target=_producer_main, name="flowgraph-rollouts", daemon=False,
             args=((self.plan.to_json(), self.plan.pickled_objects()), self.names,
                   str(self.opts.run_dir), self.opts.device, self.opts.strict, self.shared,
-                  self.published, self.grabbed, self.stop, self.cond, self.queue, first, step,
+                  self.published, self.grabbed, self.stop, self.cond, self.queue, self.busy,
+                  first, step,
                   cursors, state,
                   cores[1] if cores is not None and self.own else None, os.getpid()))
         self.proc.start()
@@ -110,6 +114,11 @@ class ProcessRollouts(Rollouts):
             self._wait(lambda: self.grabbed.value >= step, f"step {step}")
         if version < self.steps:
             self._publish(version)
+
+    def generating_s(self) -> float:
+        with self.busy.get_lock():
+            done, since = float(self.busy[0]), float(self.busy[1])
+        return done + (max(time.time() - since, 0.0) if since >= 0 else 0.0)
 
     def buffered(self, step: int) -> list[Rollout]:
         if self.block:
@@ -199,7 +208,7 @@ def _halves() -> tuple[set[int], set[int]] | None:
 def _producer_main(sent: tuple[str, bytes | None], names: list[str], run_dir: str,
                    device: str, strict: bool,
                    shared: dict[str, dict[str, torch.Tensor]], published: Any, grabbed: Any,
-                   stop: Any, cond: Any, out: Any, first: int, origin: int,
+                   stop: Any, cond: Any, out: Any, busy: Any, first: int, origin: int,
                    cursors: dict[str, dict[str, Any]], node_state: dict[str, dict[str, Any]],
                    cores: set[int] | None, parent: int) -> None:
     """The producer process: a worker hosting the models the producer's nodes run (no
@@ -219,9 +228,10 @@ def _producer_main(sent: tuple[str, bytes | None], names: list[str], run_dir: st
         plan = ExecutionPlan.from_json(sent[0]).with_pickled(sent[1])
         assert plan.asynchronous is not None
         with open(os.devnull, "w") as devnull:
-            rollouts = _producer(plan, names, ExecOptions(
+            rollouts = producer(plan, names, ExecOptions(
                 Path(run_dir), device, strict, out=devnull, tensorboard=False,
-                step_timeout_s=plan.trainer.step_timeout_s), cursors, node_state)
+                step_timeout_s=plan.trainer.step_timeout_s), cursors, node_state,
+                _hosted(plan, names))
             rollouts.origin = origin
             loaded = -1
             # drop: rollouts dropped are replaced, so the producer goes on until stopped
@@ -238,7 +248,9 @@ def _producer_main(sent: tuple[str, bytes | None], names: list[str], run_dir: st
                     grabbed.value = loaded
                     cond.notify_all()
                 metrics: dict[str, float] = {}
+                _busy(busy, True)
                 item = rollouts.produce(index, loaded, metrics)
+                _busy(busy, False)
                 item.metrics = metrics
                 if not _send(out, ("rollout", _pack(item)), stop, parent):
                     return
@@ -246,15 +258,30 @@ def _producer_main(sent: tuple[str, bytes | None], names: list[str], run_dir: st
         _send(out, ("error", _pack(_portable(exc))), stop, parent)
 
 
-def _producer(plan: ExecutionPlan, names: list[str], opts: ExecOptions,
-              cursors: dict[str, dict[str, Any]], node_state: dict[str, dict[str, Any]]
-              ) -> Rollouts:
-    """The producer's side of the run in this process: its worker (the models `names`,
-    the producer's nodes in the trainer's order, run and their LoRA bases), interpreter
-    and batches at the trainer's cursors."""
+def _busy(busy: Any, begins: bool) -> None:
+    """A rollout begins (`begins`) or ends: the producer's busy seconds (`generating_s`)."""
+    with busy.get_lock():
+        if begins:
+            busy[1] = time.time()
+        else:
+            busy[0], busy[1] = busy[0] + max(time.time() - busy[1], 0.0), -1.0
+
+
+def _hosted(plan: ExecutionPlan, names: list[str]) -> tuple[ModelPlacement, ...]:
+    """The models the producer's nodes `names` run, and their LoRA bases, as the trainer's
+    pools place them."""
     run = _producer_models(plan, names)
     bases = {m.base_of for p in plan.pools for m in p.models if m.name in run}
-    hosted = tuple(m for p in plan.pools for m in p.models if m.name in run or m.name in bases)
+    return tuple(m for p in plan.pools for m in p.models if m.name in run or m.name in bases)
+
+
+def producer(plan: ExecutionPlan, names: list[str], opts: ExecOptions,
+             cursors: dict[str, dict[str, Any]], node_state: dict[str, dict[str, Any]],
+             hosted: tuple[ModelPlacement, ...]) -> Rollouts:
+    """The producer's side of the run in a process of its own (a producer process, a
+    rollout pool's worker): its worker (`hosted`: the models the producer's nodes `names`
+    run, whole; no optimizer, no prologue: the consumer looks its outputs up),
+    interpreter and batches at the trainer's cursors, the nodes' state restored."""
     worker = Worker(plan, opts, hosted, trained=frozenset())
     worker.prepare()
     batches = Batches(Interpreter(plan, worker.dispatch), load_data(plan, worker.tokenizers), [])

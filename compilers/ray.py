@@ -18,6 +18,9 @@ with a `RayTarget`:
   come back and are concatenated; update nodes get the whole batch on every worker and
   the update loop takes the worker's share of each mini-batch
   (`flowgraph.compilers.update_loop`). Tensors move through Ray's object store.
+* asynchronous rollouts (`trainer.max_staleness` S > 0): the producer runs on a pool of
+  its own, the plan's rollout pool (`flowgraph.compilers.rollout_pool`), overlapping
+  these groups; the trained weights go to it after every update (`trained_weights`).
 * checkpoints: every worker writes its shards with DCP into the same folder as the
   fsdp target (`step_N/dcp/<model>`); the driver publishes it atomically, with the
   data cursors and node state. A checkpoint of the local target resumes here too.
@@ -74,8 +77,42 @@ except ImportError as exc:  # pragma: no cover - depends on the machine
                          f"({exc})") from exc
 
 
-def _where(where: tuple[str, int] | None) -> str:
+def _where(where: tuple[str, int] | str | None) -> str:
+    if isinstance(where, str):
+        return f" {where}"
     return f" in node `{where[0]}` at step {where[1]}" if where else ""
+
+
+def answers(refs: Any, timeout: float | None, where: tuple[str, int] | str | None = None
+            ) -> Any:
+    """ray.get with `timeout` (the step timeout; None: no limit); a dead or silent worker
+    raises WorkerLost, a node's own error comes back as it was raised in the worker.
+    `where`: the node and step waited for, or what the worker was doing."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except RayTaskError as exc:
+        cause = exc.cause
+        if isinstance(cause, FlowgraphError) or (  # a full disk: the loop says it
+                isinstance(cause, OSError) and cause.errno in DISK_FULL):
+            raise cause from None
+        raise NodeError(f"{type(cause).__name__}: {cause}") from None
+    except RayActorError as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "actor died"
+        raise WorkerLost(f"a worker died{_where(where)} ({reason})") from None
+    except GetTimeoutError:
+        raise WorkerLost(f"a worker gave no answer for trainer.step_timeout_s = "
+                         f"{timeout} s{_where(where)}; it is taken for dead") from None
+
+
+def reserve(pool: PoolPlan) -> tuple[Any, list[dict[str, Any]]]:
+    """A placement group of one bundle per worker of `pool`, ready; and each worker's
+    actor options, which place it in its bundle."""
+    bundles = [{"CPU": b.cpu, **({"GPU": b.gpu} if b.gpu else {})} for b in pool.bundles]
+    pg = placement_group(bundles, strategy="PACK")
+    ray.get(pg.ready())
+    return pg, [{"num_cpus": b["CPU"], "num_gpus": b.get("GPU", 0),
+                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                     pg, placement_group_bundle_index=i)} for i, b in enumerate(bundles)]
 
 
 # --- the driver ------------------------------------------------------------------------------
@@ -121,19 +158,10 @@ class RayTarget:
         for pool in self.plan.pools:
             if pool.name == DRIVER or not pool.bundles:
                 continue
-            bundles = [{"CPU": b.cpu, **({"GPU": b.gpu} if b.gpu else {})}
-                       for b in pool.bundles]
-            pg = placement_group(bundles, strategy="PACK")
-            ray.get(pg.ready())
+            pg, places = reserve(pool)
             remote = ray.remote(RayWorker)
-            workers = [
-                remote.options(
-                    num_cpus=bundles[i]["CPU"], num_gpus=bundles[i].get("GPU", 0),
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        pg, placement_group_bundle_index=i),
-                ).remote(sent, pool.name, i, cwd, path)
-                for i in range(pool.size)
-            ]
+            workers = [remote.options(**places[i]).remote(sent, pool.name, i, cwd, path)
+                       for i in range(pool.size)]
             self.groups[pool.name] = Group(pool, workers, pg)
         # Set up every group at once: workers of a group rendezvous with each other.
         pending = []
@@ -161,24 +189,22 @@ class RayTarget:
 
     def _get(self, refs: Any, where: tuple[str, int] | None = None, *,
              timed: bool = True) -> Any:
-        """ray.get with the step timeout (`timed`); a dead or silent worker raises
-        WorkerLost, a node's own error comes back as it was raised in the worker.
-        `where`: the node and step waited for."""
-        timeout = (self.plan.trainer.step_timeout_s or None) if timed else None
-        try:
-            return ray.get(refs, timeout=timeout)
-        except RayTaskError as exc:
-            cause = exc.cause
-            if isinstance(cause, FlowgraphError) or (  # a full disk: the loop says it
-                    isinstance(cause, OSError) and cause.errno in DISK_FULL):
-                raise cause from None
-            raise NodeError(f"{type(cause).__name__}: {cause}") from None
-        except RayActorError as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "actor died"
-            raise WorkerLost(f"a worker died{_where(where)} ({reason})") from None
-        except GetTimeoutError:
-            raise WorkerLost(f"a worker gave no answer for trainer.step_timeout_s = "
-                             f"{timeout} s{_where(where)}; it is taken for dead") from None
+        return answers(refs, (self.plan.trainer.step_timeout_s or None) if timed else None,
+                       where)
+
+    def trained_weights(self, models: list[str], *, changed: bool) -> list[Any]:
+        """The current weights of trained `models`, whole (model -> name -> tensor, on
+        CPU), as object-store references, one per pool hosting some of them: a call that
+        takes them as arguments waits for them, the driver does not. Every worker of the
+        pool takes part (an entry sharded over them is made whole by a collective); the
+        reference is worker 0's. `changed`: only the entries an update changes."""
+        refs = []
+        for group in self.groups.values():
+            hosted = [m for m in models if m in {p.name for p in group.pool.models}]
+            if hosted:
+                calls = [w.weights.remote(hosted, changed) for w in group.workers]
+                refs.append(calls[0])  # the others take part in the collective
+        return refs
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -287,8 +313,10 @@ class RayTarget:
 
 
 def cluster_cpus(plan: ExecutionPlan) -> int:
-    """Logical CPUs the embedded cluster offers: the plan's bundles, at least the cores."""
-    need = sum(b.cpu for p in plan.pools for b in p.bundles)
+    """Logical CPUs the embedded cluster offers: the plan's bundles (its rollout pool's
+    too), at least the cores."""
+    rollout = plan.asynchronous.pool if plan.asynchronous is not None else None
+    need = sum(b.cpu for p in (*plan.pools, *([rollout] if rollout else [])) for b in p.bundles)
     return max(need, os.cpu_count() or 1)
 
 

@@ -18,6 +18,7 @@ import torch
 
 from flowgraph.compilers import _dist
 from flowgraph.compilers.checkpoint import load_weights, save_shards
+from flowgraph.compilers.weight_sync import reshard, whole
 from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
 from flowgraph.errors import FlowgraphError
 from flowgraph.plan import ExecutionPlan
@@ -84,6 +85,24 @@ class RayWorker:
     def save(self, folder: str) -> None:
         w = self._ready()
         save_shards(Path(folder), w.saved_models(), w.optimizers, w.schedulers, self.rank)
+
+    def weights(self, models: list[str], changed: bool
+                ) -> dict[str, dict[str, torch.Tensor]] | None:
+        """The whole weights of `models` (hosted and trained here) on CPU, for the rollout
+        pool of an asynchronous run (`flowgraph.compilers.rollout_pool`); `changed`: only
+        the entries an update changes (a LoRA model's adapters; both names of a tied
+        embedding). Every worker of the pool runs it (a sharded entry is made whole by a
+        collective); worker 0 answers, the others None."""
+        w = self._ready()
+        out = {}
+        for m in models:
+            model = w.models[m]
+            reshard(model)  # the sharded parameters, not what a forward left unsharded
+            keep = {k for k, p in model.named_parameters(remove_duplicate=False)
+                    if p.requires_grad} if changed else None
+            out[m] = {k: whole(v).detach().to("cpu", copy=True)
+                      for k, v in model.state_dict().items() if keep is None or k in keep}
+        return out if self.rank == 0 else None
 
     def call(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
              dp: dict[str, Any], evaluation: bool = False

@@ -23,21 +23,29 @@ Where the producer runs:
 * `ProcessRollouts` (`AsyncPlan.own_process`: target local; `flowgraph.compilers.producer`):
   in a process of its own with its own copy of the models its nodes run, so generating
   step k+1 overlaps training step k.
-* `InlineRollouts` (fsdp, ray): in the training loop, before the consumer of each
-  step, the same schedule without the overlap: at step k the rollouts up to k + S are
-  generated with the weights of step k. `block` gives the numbers `ProcessRollouts`
-  gives.
+* `PoolRollouts` (`AsyncPlan.pool`: target ray; `flowgraph.compilers.rollout_pool`): on
+  a Ray worker of its own, the rollout pool, with its own copy of the models its nodes
+  run, overlapping the trainer's pools; the trained weights are sent to it after every
+  update. The worker runs the producer process's code, so `block` gives its numbers.
+* `InlineRollouts` (fsdp): in the training loop, before the consumer of each step, the
+  same schedule without the overlap: at step k the rollouts up to k + S are generated
+  with the weights of step k. `block` gives the numbers `ProcessRollouts` gives.
 
 A checkpoint after step k holds the buffer (`rollouts.pt`: for `block`, the rollouts
 of steps k+1 … k+S, waited for) and the data cursors after the last of them, so a
 resumed run neither loses nor repeats a rollout, and repeats the numbers of a run that
-never stopped (`block`). Metrics: `async/staleness` (versions between the rollout and
-the update that trains on it), `perf/rollout_wait_s` (the consumer waiting for a
-rollout) and, with `drop`, `async/dropped`.
+never stopped (`block`). Metrics: `async/staleness` and `async/staleness_max` (the
+versions between the policy that sampled a trained token and the update that trains on
+it: mean and max over the step's trained tokens; every token of a rollout is sampled by
+its one version today, so the two agree), `async/overlap_frac` (the share of the
+trainer's work, its step less the wait for a rollout, during which the producer was
+producing: 0 in the loop), `perf/rollout_wait_s` (the consumer waiting for a rollout)
+and, with `drop`, `async/dropped`.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from typing import Any
 
@@ -70,6 +78,8 @@ class Rollouts:
         """The data cursors after the last rollout received (None: the datasets')."""
         self.origin = 0
         """The version the run started (or resumed) from: no older weights exist."""
+        self.generated = 0.0
+        """Seconds this process spent producing rollouts (in the loop)."""
 
     # -- what the executor calls ----------------------------------------------------
 
@@ -90,7 +100,8 @@ class Rollouts:
         if item.error is not None:
             raise item.error
         metrics.update(item.metrics)
-        metrics["async/staleness"] = float(step - item.version)
+        # every token of the rollout was sampled by its one version: mean = max
+        metrics["async/staleness"] = metrics["async/staleness_max"] = float(step - item.version)
         if not self.block:
             metrics["async/dropped"] = float(dropped)
         return dict(item.env)
@@ -119,6 +130,12 @@ class Rollouts:
 
     def close(self) -> None:
         """The run is over (or failed)."""
+
+    def generating_s(self) -> float:
+        """Seconds the producer has spent producing rollouts so far, the one it is
+        producing now included: what the trainer's work overlapped is the difference of
+        two readings (`async/overlap_frac`)."""
+        return self.generated
 
     # -- per producer ------------------------------------------------------------------
 
@@ -165,7 +182,9 @@ class InlineRollouts(Rollouts):
     def next_rollout(self, step: int, metrics: dict[str, float]) -> tuple[Rollout, float]:
         while self.next <= min(step + self.S, self.steps - 1):
             produced: dict[str, float] = {}
+            t0 = time.perf_counter()
             item = self.produce(self.next, step, produced)
+            self.generated += time.perf_counter() - t0
             # Node seconds count in the step that spent them; the rest goes with the rollout.
             for k, v in produced.items():
                 if k.startswith("timing_s/"):

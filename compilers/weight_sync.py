@@ -97,7 +97,7 @@ def _retie(model: nn.Module) -> None:
     head.quant_method.process_weights_after_loading(head)
 
 
-def _whole(tensor: Tensor) -> Tensor:
+def whole(tensor: Tensor) -> Tensor:
     """A sharded (DTensor) value made whole on every worker (a collective); a plain
     tensor as it is."""
     full = getattr(tensor, "full_tensor", None)
@@ -123,7 +123,7 @@ def fingerprint(model: nn.Module) -> tuple[float, ...]:
     # one worker may stay put while another's changes: it counts by its all-reduced sum
     # only, which every worker sees the same, so all of them sync or none does.
     params = [p.detach() for p in model.parameters()]
-    sums = torch.stack([_whole(p.sum(dtype=torch.float32)) for p in params]).tolist()
+    sums = torch.stack([whole(p.sum(dtype=torch.float32)) for p in params]).tolist()
     plain = [p for p in params if not hasattr(p, "full_tensor")]
     return (id(model), *(p.data_ptr() for p in plain), *(p._version for p in plain), *sums)
 
@@ -143,7 +143,7 @@ def load(llm: LLM, model: nn.Module) -> None:
     dtype = compute_dtype(model)  # bf16 from fp32 masters under `dtype: bfloat16`
     llm.collective_rpc("flowgraph_reload_begin")
     try:
-        for name, tensor in merged_parameters(model, _whole):
+        for name, tensor in merged_parameters(model, whole):
             llm.collective_rpc("flowgraph_reload_tensor", args=wire(name, tensor.to(dtype)))
     finally:
         # Also after a failure: layers that got no tensor get their old weights back.

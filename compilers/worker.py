@@ -3,10 +3,11 @@ nodes' implementations and state, and the call of one node in this process.
 
 Every target calls nodes through a `Worker`: the local target's one process, each fsdp
 rank, each worker of a Ray pool and the Ray driver (for model-free nodes), and the
-producer process of asynchronous rollouts. What differs between them is given to the
-worker, not overridden: which models it hosts and how each is placed (whole, or sharded
-over its group), and the data-parallel facts of a call (`dp`: this worker's rank, the
-group size, the row its slice starts at, the group's collectives as `Workers`).
+producer process or rollout pool of asynchronous rollouts. What differs between them is
+given to the worker, not overridden: which models it hosts and how each is placed
+(whole, or sharded over its group), and the data-parallel facts of a call (`dp`: this
+worker's rank, the group size, the row its slice starts at, the group's collectives as
+`Workers`).
 
 `call` is the calling convention of `flowgraph.runtime.context`: inputs and params as
 keyword arguments, the resources a function declares (`ctx`, `model`, `tokenizer`),

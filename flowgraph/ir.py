@@ -418,6 +418,11 @@ class ResourceSpec:
                                              "estimate must fit. null: not checked.")
     pools: tuple[PoolSpec, ...] = setting((), "Resource pools by name; empty lets the "
                                               "compiler infer them.", written=(dict,))
+    rollout_cpus: int = setting(
+        1, "Target ray with trainer.max_staleness > 0: CPU cores of the rollout pool's "
+        "worker (its torch threads), which holds its own copy of the models the rollout "
+        "runs and generates beside the trainer's pools (with device cuda, one GPU too).",
+        minimum=1)
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
 
     def __post_init__(self) -> None:

@@ -458,14 +458,39 @@ class AsyncPlan:
     forward) or `rollout` (the sampling policy's own, rewired by the compiler)."""
     own_process: bool = False
     """The producer runs in a process of its own, overlapping the consumer's update
-    (`producer_process`: target local); False: in the loop, before the consumer."""
+    (`producer_process`: target local); False: in the loop, before the consumer (fsdp),
+    or on `pool`."""
+    pool: PoolPlan | None = None
+    """The rollout pool (`rollout_pool`: target ray): a worker of its own, hosting its own
+    copy of the models the producer runs, that produces the rollouts while the trainer's
+    pools train; None: `own_process`, or in the loop."""
+
+
+ROLLOUT_POOL = "rollouts"
+"""The name of an asynchronous plan's rollout pool (target ray)."""
 
 
 def producer_process(target: str) -> bool:
     """Whether an asynchronous plan's producer gets a process of its own on `target`:
-    on `local`, where it overlaps the update; the fsdp ranks and the Ray driver produce
-    in their loop (same numbers, no overlap)."""
+    on `local`, where it overlaps the update; the fsdp ranks produce in their loop (same
+    numbers, no overlap); ray gives it a pool of its own (`rollout_pool`)."""
     return target == "local"
+
+
+def rollout_pool(target: str, pools: tuple[PoolPlan, ...], runs: set[str], device: str,
+                 cpus: int) -> PoolPlan | None:
+    """The pool an asynchronous plan's producer runs on, on `target`: on ray one worker
+    of `cpus` cores (and a GPU on cuda) hosting a whole copy of each model the producer's
+    nodes run (`runs`, with the LoRA models whose base they run), which it loads itself
+    and then takes the trained weights into after every update; None elsewhere (the
+    producer runs in a process of its own, or in the loop)."""
+    if target != "ray":
+        return None
+    bases = {m.base_of for p in pools for m in p.models if m.name in runs and m.base_of}
+    models = tuple(replace(m, sharding="none") for p in pools for m in p.models
+                   if m.name in runs or m.name in bases)
+    return PoolPlan(ROLLOUT_POOL, 1, device, models,
+                    (Bundle(cpu=cpus, gpu=1 if device == "cuda" else 0),))
 
 
 @dataclass(frozen=True, slots=True)
@@ -810,6 +835,30 @@ def _async_problems(plan: ExecutionPlan) -> list[str]:
     if plan.resample is not None:
         problems += [f"the resample loop repeats `{n}`, which the asynchronous producer does "
                      "not run" for n in plan.resample.repeat if n not in side]
+    return problems + _rollout_pool_problems(plan, cut)
+
+
+def _rollout_pool_problems(plan: ExecutionPlan, cut: AsyncPlan) -> list[str]:
+    """A rollout pool: on ray only, not with a producer process, one worker named apart
+    from the trainer's pools, hosting every model the producer's nodes run."""
+    pool = cut.pool
+    if pool is None:
+        return []
+    where = f"the rollout pool `{pool.name}`"
+    problems = []
+    if plan.target != "ray":
+        problems.append(f"{where} is for target ray, not {plan.target}")
+    if cut.own_process:
+        problems.append(f"{where} and a producer process (own_process) both run the producer")
+    if pool.size != 1 or not pool.bundles:
+        problems.append(f"{where} must have one worker with its bundle (the producer runs "
+                        "whole in it)")
+    if pool.name in {p.name for p in plan.pools}:
+        problems.append(f"{where} has the name of a trainer pool")
+    hosted = {m.name for m in pool.models}
+    problems += [f"{where} does not host model `{n.model}`, which the producer's node "
+                 f"`{n.name}` runs" for n in plan.nodes
+                 if n.name in cut.producer and n.loads_model and n.model not in hosted]
     return problems
 
 
@@ -1125,6 +1174,8 @@ def _reference_problems(plan: ExecutionPlan) -> list[str]:
                  if n.pool not in pools]
     problems += [f"edge `{e.src} -> {e.dst}` names an unknown node" for e in plan.edges
                  if not {e.src.split(".")[0], e.dst.split(".")[0]} <= nodes]
+    if plan.asynchronous is not None and plan.asynchronous.pool is not None:
+        pools.add(plan.asynchronous.pool.name)
     problems += [f"memory of unknown pool `{m.pool}`" for m in plan.memory if m.pool not in pools]
     problems += [f"dropped node `{n}` is still planned" for n in plan.dropped if n in nodes]
     return problems
@@ -1266,13 +1317,23 @@ def _summary_lines(plan: ExecutionPlan) -> list[str]:
     lines = [f"plan for `{plan.graph.name}` ({plan.source}): target {plan.target}, "
              f"nproc {plan.nproc}, device {plan.device}",
              f"dims: {dims}", "", "pools:"]
-    width = max(len(p.name) for p in plan.pools)
+    rollout = plan.asynchronous.pool if plan.asynchronous is not None else None
+    width = max(len(p.name) for p in (*plan.pools, *([rollout] if rollout else [])))
     for p in plan.pools:
         lines.append(f"  {p.name:<{width}}  {_workers(p)}")
         lines += [f"  {'':<{width}}    model {m.name} ({_role(plan, m)}, {_sharding(m, p)})"
                   for m in p.models]
         lines.append(f"  {'':<{width}}    nodes: "
                      + ", ".join(n.name for n in plan.nodes if n.pool == p.name))
+    if rollout is not None and plan.asynchronous is not None:
+        lines.append(f"  {rollout.name:<{width}}  {_workers(rollout)}, beside the trainer's "
+                     "pools")
+        for m in rollout.models:
+            what = "a copy, the trained weights sent after every update" if m.trainable \
+                else "a copy"
+            lines.append(f"  {'':<{width}}    model {m.name} ({what})")
+        lines.append(f"  {'':<{width}}    runs the asynchronous producer: "
+                     + ", ".join(plan.asynchronous.producer))
     lines += ["", "stages:"]
     once = "  (once per row, before the loop)"
     lines += [f"  {s.name:<10} {', '.join(s.nodes)}{once if s.once else ''}"

@@ -83,6 +83,7 @@ from flowgraph.plan import (
     gib,
     producer_process,
     producer_side,
+    rollout_pool,
 )
 from flowgraph.registry import KindSpec
 from flowgraph.voice import Word, option
@@ -320,6 +321,7 @@ class EstimateMemory:
                 configs[mp.name] = cfg
         inp = _inputs(program, program.placement, program.check, configs)
         memory = tuple(_estimate_pool(inp, p) for p in program.placement.pools if p.models)
+        memory += _rollout_pool_memory(inp, program)
         diags += [d for m in memory if (d := _unestimated_nodes(inp, m)) is not None]
         diags += [d for m in memory if (d := _over(inp, program, m)) is not None]
         return replace(program, memory=memory).add(*diags)
@@ -397,6 +399,34 @@ def _producer_items(inp: _Inputs, pool: PoolPlan, items: list[MemoryItem]
         node = max(working, key=lambda n: working[n])
         out.append(MemoryItem("activations", f"{node} (rollout process)", working[node], False))
     return out
+
+
+def _rollout_pool_memory(inp: _Inputs, program: Program) -> tuple[PoolMemory, ...]:
+    """The rollout pool of an asynchronous plan on ray (`flowgraph.plan.rollout_pool`): its
+    whole copy of each model the producer runs (weights only: no optimizer), and the
+    working memory of the producer's model nodes on the whole batch."""
+    if not program.asynchronous or program.schedule is None or program.placement is None:
+        return ()
+    producer = producer_side(inp.graph, program.schedule.stages, inp.kinds)
+    nodes = [n for n in inp.graph.nodes if n.name in producer and n.model is not None
+             and inp.kinds[n.name].model != "none" and inp.kinds[n.name].head != "tokenizer"]
+    pool = rollout_pool(program.target, program.placement.pools, {n.model for n in nodes
+                        if n.model is not None}, program.device,
+                        inp.graph.resources.rollout_cpus)
+    if pool is None:
+        return ()
+    items = [i for m in pool.models if m.name in inp.configs
+             for i in _state_items(inp, pool, m) if i.what == "weights"]
+    missing = [m.name for m in pool.models if m.name not in inp.configs]
+    for node in nodes:
+        if node.model not in inp.configs:
+            continue
+        node_items = _node_items(inp, pool, node)
+        if node_items is None:
+            missing.append(node.name)
+        else:
+            items += node_items
+    return (PoolMemory.of(pool.name, items, tuple(missing)),)
 
 
 def _runs_in(inp: _Inputs, node: NodeSpec, pool: PoolPlan) -> bool:
@@ -613,6 +643,13 @@ def _over(inp: _Inputs, program: Program, mem: PoolMemory) -> Diagnostic | None:
     declared = inp.graph.resources.memory_gib
     if declared is None or mem.total_bytes <= declared * GIB:
         return None
+    if mem.pool not in {p.name for p in inp.placement.pools}:  # the rollout pool
+        return error(
+            "FG401", f"plan needs {gib(mem.total_bytes)} on the device of the rollout pool "
+            f"`{mem.pool}`, declared {gib(declared * GIB)}", inp.graph.resources.pos,
+            expected=f"<= {gib(declared * GIB)} per device", actual=gib(mem.total_bytes),
+            hint="run fewer rows per rollout (dims.Bp, dims.N), or declare "
+                 f"resources.memory_gib >= {math.ceil(mem.total_bytes / GIB * 1000) / 1000:g}")
     pool = inp.placement.pool(mem.pool)
     counted = [i for i in mem.items if not i.transient or i.owner == mem.peak_node]
     largest = sorted(counted, key=lambda i: -i.bytes)[:4]

@@ -37,7 +37,7 @@ from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.document import did_you_mean
 from flowgraph.ir import Graph, ModelSpec, PoolSpec
 from flowgraph.passes.program import NodePlacement, Placement, Program
-from flowgraph.plan import DRIVER, Bundle, ModelPlacement, PoolPlan
+from flowgraph.plan import DRIVER, ROLLOUT_POOL, Bundle, ModelPlacement, PoolPlan
 from flowgraph.registry import KindSpec
 from flowgraph.voice import option
 
@@ -58,6 +58,7 @@ class PlaceNodes:
     def apply(self, program: Program) -> Program:
         runs = _model_nodes(program)
         problems = check_pools(program.graph, runs) + _head_problems(program, runs)
+        problems += _rollout_pool_name(program)
         if problems:
             return program.add(*problems)
         pools = self._pools(program, runs, _heads(program, runs))
@@ -226,6 +227,17 @@ def check_pools(graph: Graph, runs: dict[str, str]) -> list[Diagnostic]:
     out += [_unpooled(graph, model, runs) for model in dict.fromkeys(runs.values())
             if model not in first]
     return out
+
+
+def _rollout_pool_name(program: Program) -> list[Diagnostic]:
+    """On ray an asynchronous plan's producer gets a pool named `ROLLOUT_POOL`
+    (`flowgraph.plan.rollout_pool`): a declared pool cannot have that name (FG403)."""
+    if program.target != "ray" or program.graph.trainer.max_staleness < 1:
+        return []
+    return [error("FG403", f"pool name `{ROLLOUT_POOL}` is reserved for the rollout pool of "
+                  "asynchronous rollouts (trainer.max_staleness > 0) on ray", p.pos,
+                  hint="rename the pool, e.g. `workers`")
+            for p in program.graph.resources.pools if p.name == ROLLOUT_POOL]
 
 
 def _check_pool(graph: Graph, pool: PoolSpec) -> list[Diagnostic]:

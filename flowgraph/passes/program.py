@@ -38,6 +38,7 @@ from flowgraph.plan import (
     producer_process,
     producer_side,
     repeated,
+    rollout_pool,
 )
 from flowgraph.registry import KindSpec, PortSpec, declared_function, plugin_folder
 
@@ -191,21 +192,29 @@ class Program:
             first, *rest = sorted(group, key=order.index)
             leads[first] = tuple(rest)
         nodes = tuple(replace(n, fused=leads.get(n.name, ())) for n in nodes)
-        plan = ExecutionPlan(
+        return ExecutionPlan(
             graph=self.graph, target=self.target, nproc=self.nproc, device=self.device,
             dims=self.dims, nodes=nodes, pools=self.placement.pools,
             stages=self.schedule.stages, edges=self.schedule.edges, memory=self.memory or (),
             dropped=self.dropped, rewrites=self.rewrites,
             plugin_paths=plugin_paths(self.graph), source=self.graph.source,
-            resample=self._resample(), objects=plan_objects(self.graph, {
+            resample=self._resample(), asynchronous=self._async_plan(nodes),
+            objects=plan_objects(self.graph, {
                 n.impl: declared_function(n.kind) for n in nodes if by_value(n.impl)}))
-        if not self.asynchronous:
-            return plan
+
+    def _async_plan(self, nodes: tuple[NodePlan, ...]) -> AsyncPlan | None:
+        """The producer / consumer cut when pass `asynchronous` ran (None: synchronous),
+        with where the producer runs on this target."""
+        if not self.asynchronous or self.placement is None or self.schedule is None:
+            return None
         kinds = {n.name: self.kind(n.name) for n in self.graph.nodes}
         t = self.graph.trainer
-        return replace(plan, asynchronous=AsyncPlan(
-            producer_side(self.graph, plan.stages, kinds), t.max_staleness, t.admission,
-            t.old_log_prob, producer_process(self.target)))
+        producer = producer_side(self.graph, self.schedule.stages, kinds)
+        runs = {n.model for n in nodes if n.name in producer and n.loads_model and n.model}
+        return AsyncPlan(producer, t.max_staleness, t.admission, t.old_log_prob,
+                         producer_process(self.target),
+                         rollout_pool(self.target, self.placement.pools, runs, self.device,
+                                      self.graph.resources.rollout_cpus))
 
     def _resample(self) -> ResamplePlan | None:
         """The refill loop of the graph's filter node (the checker allows one, and only

@@ -10,9 +10,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-WALL_CLOCK = ("timing_s/", "phase_s/", "perf/", "agent/tool_time_s")
+WALL_CLOCK = ("timing_s/", "phase_s/", "perf/", "agent/tool_time_s", "async/overlap_frac")
 """Prefixes of metrics that measure time, not training: never equal run to run (an
-agent rollout's seconds in tools among them); held-out ones (`val/...`) too."""
+agent rollout's seconds in tools, the share of the trainer's time that overlapped
+generation among them); held-out ones (`val/...`) too."""
 
 
 def numbers(row: Mapping[str, Any]) -> dict[str, Any]:

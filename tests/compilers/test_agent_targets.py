@@ -129,8 +129,8 @@ def test_a_run_killed_in_a_rollout_resumes_to_the_uninterrupted_numbers(
 def test_one_step_stale_agent_rollouts_on_ray_equal_the_local_producer(
         tmp_path: Path, local_run: Any) -> None:
     """`trainer.max_staleness: 1`: locally the episodes run in a producer process one
-    step ahead; on ray(2) the driver produces them one step ahead, each worker running
-    half of the episodes: the same numbers, staleness 0 then 1."""
+    step ahead; on ray(2) the rollout pool's worker runs them one step ahead while the two
+    trainer workers train: the same numbers, staleness 0 then 1."""
     overrides = ("trainer.steps=3", "trainer.max_staleness=1")
     local = local_run(AGENT, tmp_path / "local", *overrides)
     assert [r["async/staleness"] for r in local] == [0.0, 1.0, 1.0]

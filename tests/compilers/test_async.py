@@ -14,7 +14,7 @@ import torch
 
 from flowgraph.errors import FlowgraphError, PlanError
 from flowgraph.passes import PassPipeline, compile_graph
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import ExecutionPlan, gib
 from flowgraph.testing.targets import assert_same_numbers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +56,59 @@ def test_the_plan_cuts_the_step_at_the_rollout() -> None:
     with pytest.raises(PlanError, match="the asynchronous producer runs `update_actor`, an "
                                         "update"):
         ExecutionPlan.from_json(json.dumps(data))
+
+
+def test_on_ray_the_producer_gets_a_rollout_pool_of_its_own() -> None:
+    """Target ray: the producer's models (the actor, trained; its frozen reference) are
+    copied whole onto the rollout pool, one worker of `resources.rollout_cpus` cores,
+    beside the trainer's pools; the summary shows it and the verifier holds it to the
+    cut. The local and fsdp plans have none."""
+    result = compile_graph(GRPO, target="ray", nproc=2,
+                           overrides=[*ASYNC, "resources.rollout_cpus=3"])
+    plan = result.plan
+    assert plan is not None and plan.asynchronous is not None
+    pool = plan.asynchronous.pool
+    assert pool is not None and not plan.asynchronous.own_process
+    assert (pool.name, pool.size, pool.bundles[0].cpu) == ("rollouts", 1, 3)
+    assert [(m.name, m.trainable, m.sharding) for m in pool.models] == [
+        ("actor", True, "none"), ("ref", False, "none")]
+    assert ExecutionPlan.from_json(plan.to_json()) == plan
+    summary = plan.summary()
+    assert "  rollouts           1 worker(s) on cpu, each {CPU: 3}, beside the trainer's " \
+           "pools" in summary, summary
+    assert "runs the asynchronous producer: train, gen, ref_logprob, reward, adv" in summary
+    # its memory: a copy's weights (no gradients, no optimizer) and the working memory
+    # of the producer's model nodes on the whole batch; FG401 when it does not fit
+    trainer, rollouts = plan.memory
+    assert (trainer.pool, rollouts.pool) == ("actor_rollout_ref", "rollouts")
+    assert sorted((i.what, i.owner) for i in rollouts.items if not i.transient) == [
+        ("weights", "actor"), ("weights", "ref")]
+    assert rollouts.peak_node in ("gen", "ref_logprob")
+    over = compile_graph(GRPO, target="ray", nproc=4, overrides=[
+        *ASYNC, f"resources.memory_gib={rollouts.total_bytes / (1 << 30) * 0.9}"])
+    assert [d.message for d in over.diagnostics if d.code == "FG401"] == [
+        f"plan needs {gib(rollouts.total_bytes)} on the device of the rollout pool `rollouts`, "
+        f"declared {gib(rollouts.total_bytes * 0.9)}"]
+    from flowgraph.compilers.ray import cluster_cpus
+
+    assert cluster_cpus(plan) >= 2 + 3  # the trainer's two workers and the rollout pool's
+    data = json.loads(plan.to_json())
+    data["asynchronous"]["pool"]["models"] = data["asynchronous"]["pool"]["models"][:1]
+    with pytest.raises(PlanError, match="the rollout pool `rollouts` does not host model "
+                                        "`ref`, which the producer's node `ref_logprob` runs"):
+        ExecutionPlan.from_json(json.dumps(data))
+    declared = compile_graph(GRPO, target="ray", overrides=[
+        *ASYNC, "resources.pools={rollouts: {size: 1, models: [actor, ref]}}"])
+    assert [(d.code, d.message) for d in declared.diagnostics if d.is_error] == [
+        ("FG403", "pool name `rollouts` is reserved for the rollout pool of asynchronous "
+                  "rollouts (trainer.max_staleness > 0) on ray")]
+    for target in ("local", "fsdp"):
+        other = compile_graph(GRPO, target=target, nproc=None if target == "local" else 2,
+                              overrides=list(ASYNC)).plan
+        assert other is not None and other.asynchronous is not None
+        assert other.asynchronous.pool is None and "  rollouts " not in other.summary()
+    synchronous = compile_graph(GRPO, target="ray", overrides=list(SMALL)).plan
+    assert synchronous is not None and "  rollouts " not in synchronous.summary()
 
 
 def test_old_log_probs_from_the_rollout_rewire_the_update() -> None:
@@ -116,6 +169,13 @@ def test_a_producer_process_gives_the_numbers_of_the_same_schedule_and_resumes_e
     inline = _run(tmp_path / "inline", *steps, overlap=False)
     assert_same_numbers(apart, inline)
     assert [r["async/staleness"] for r in apart] == [0.0, 1.0, 1.0, 1.0]
+    assert [r["async/staleness_max"] for r in apart] == [0.0, 1.0, 1.0, 1.0]
+    # generating step k+1 overlaps training step k; nothing is left to generate during
+    # the last step, and in the loop generation never overlaps the update
+    overlap = [r["async/overlap_frac"] for r in apart]
+    assert all(0.0 <= f <= 1.0 for f in overlap) and max(overlap[:3]) > 0.0, overlap
+    assert overlap[3] == 0.0, overlap
+    assert [r["async/overlap_frac"] for r in inline] == [0.0] * 4
     assert all(r["phase_s/generation"] == r["perf/rollout_wait_s"] for r in apart)
 
     folder = tmp_path / "process" / "checkpoints" / "step_1"

@@ -139,19 +139,34 @@ def test_a_local_checkpoint_of_a_tied_model_resumes_on_ray(
     assert (run_dir / "checkpoints" / "step_4" / "dcp").is_dir(), "written by ray"
 
 
-def test_async_rollouts_on_ray_equal_a_local_producer_process(
+def test_async_rollouts_on_a_rollout_pool_equal_a_local_producer_process_and_resume(
         cluster: Any, tmp_path: Path, devnull: Any, local_run: Any,
         equal_overrides: dict[str, tuple[str, ...]], tied_models: Any) -> None:
-    """GRPO on the tied built-in with `trainer.max_staleness: 1`: the driver produces each
-    step's rollout one step ahead in its loop; the local target in a producer process,
-    the tied weights reaching it through shared memory: the same numbers."""
+    """GRPO on the tied built-in with `trainer.max_staleness: 1`: on ray the producer runs
+    on the rollout pool (one worker with its own copies of actor and reference, the
+    weights of the two sharded trainer workers sent to it after every update); the local
+    target runs it in a producer process, the tied weights reaching it through shared
+    memory: the same numbers. A run resumed from the step-1 checkpoint (its buffer holds
+    step 2's rollout) repeats steps 2-4."""
     from flowgraph.compilers.ray import run_ray
 
     overrides = (*equal_overrides["grpo"], *tied_models("grpo"), "trainer.max_staleness=1")
-    run_ray(_plan("grpo", tmp_path / "ray", overrides), RunOptions(out=devnull, shutdown=False))
+    plan = _plan("grpo", tmp_path / "ray", overrides)
+    assert plan.asynchronous.pool is not None
+    run_ray(plan, RunOptions(out=devnull, shutdown=False))
     rows = read_metrics(tmp_path / "ray")
     assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    overlap = [r["async/overlap_frac"] for r in rows]
+    assert all(0.0 <= f <= 1.0 for f in overlap) and overlap[-1] == 0.0, overlap
     assert_same_numbers(rows, local_run(GRAPHS / "grpo.yaml", tmp_path / "local", *overrides))
+
+    shutil.copytree(tmp_path / "ray", tmp_path / "resumed")
+    for step in (3, 4):
+        shutil.rmtree(tmp_path / "resumed" / "checkpoints" / f"step_{step}")
+    run_ray(_plan("grpo", tmp_path / "resumed", overrides),
+            RunOptions(out=devnull, shutdown=False, resume=True))
+    assert_same_numbers(read_metrics(tmp_path / "resumed"), rows)
 
 
 def test_a_node_error_in_a_worker_names_the_node_and_step(
@@ -266,3 +281,36 @@ def test_a_plan_file_runs_as_edited_a_pool_of_another_size(
     workers = json.loads((run_dir / ".ranks" / "workers.json").read_text())
     assert {name: len(pids) for name, pids in workers.items()} == {"actor_rollout_ref": 1}
     assert_same_numbers(result.rows, local_reference("grpo"))
+
+
+@pytest.mark.slow
+def test_a_dead_rollout_pool_worker_is_restarted_and_the_numbers_hold(
+        tmp_path: Path, local_run: Any) -> None:
+    """SIGKILL the rollout pool's worker after step 2 of an asynchronous GRPO (`block`):
+    the driver notices at its next wait for a rollout, restarts every group and the
+    pool from the step-1 checkpoint (its buffer: step 2's rollout), and the run ends
+    with every step once and the numbers of the local producer process."""
+    run_dir = tmp_path / "run"
+    overrides = ("dims.Bp=4", "dims.N=4", "nodes.update_actor.params.mini_batch_size=16",
+                 "trainer.val_before_train=false", "trainer.eval_every=0",
+                 "trainer.max_staleness=1", "trainer.steps=6", "trainer.checkpoint_every=2")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flowgraph", "run", str(GRAPHS / "grpo.yaml"), "--target",
+         "ray", "trainer.step_timeout_s=30", f"trainer.run_dir={run_dir}", *overrides],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+        env={**os.environ, "RAY_DEDUP_LOGS": "0"})
+    try:
+        _wait(lambda: len(_rows(run_dir)) >= 3, proc, "step 2")
+        first = _workers(run_dir)
+        os.kill(first["rollouts"][0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "a worker died in the rollout pool" in out, out
+    assert "restarting the worker groups" in out, out
+    assert _workers(run_dir)["rollouts"] != first["rollouts"]
+    rows = _rows(run_dir)
+    assert [r["step"] for r in rows] == list(range(6)), "every step exactly once"
+    assert_same_numbers(rows, local_run(GRAPHS / "grpo.yaml", tmp_path / "local", *overrides))

@@ -1,0 +1,288 @@
+"""Asynchronous rollouts on a pool of their own (`AsyncPlan.pool`: target ray).
+
+`PoolRollouts` starts the rollout pool: a placement group of one bundle
+(`resources.rollout_cpus`, a GPU on cuda) and in it a `RolloutWorker`, a Ray actor
+running the producer process's code (`flowgraph.compilers.producer.producer`): its own
+copy of the models the producer's nodes run, the data at the trainer's cursors, the
+producer's nodes in the trainer's order. It generates the rollouts of later steps while
+the trainer's pools train (`flowgraph.compilers.rollouts` says what the buffer holds and
+how admission works).
+
+The driver asks for each rollout as soon as admission allows it, with the weights it is
+to be generated with: a Ray actor runs the calls of one caller in the order they were
+made, so under `block` the rollout of step j is asked for right after version
+max(j − S, v0) is out (the update of step j − S − 1), and then generated while the
+trainer trains; under `drop` up to S + 1 rollouts are asked for, each with the newest
+weights. The trained models' weights are asked of the trainer's pools after an update
+(`RayTarget.trained_weights`, whole: all of them the first time, then what updates
+change) and go, as object-store references, with the call that first needs them: the
+rollout worker fetches them from the trainer's worker, not through the driver, copies
+them into its models, and a vLLM rollout engine takes them from there as it does from a
+trained model (`flowgraph.compilers.vllm_engine`, the weight-sync probe included).
+
+A dead or silent rollout worker is a lost worker (`WorkerLost`): the loop recovers as for
+any pool, and `start` sets up a fresh one at the checkpoint's buffer and cursors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from flowgraph.compilers.batches import Batches
+from flowgraph.compilers.checkpoint import Rollout
+from flowgraph.compilers.producer import producer
+from flowgraph.compilers.ray import RayTarget, answers, reserve
+from flowgraph.compilers.rollouts import Rollouts
+from flowgraph.compilers.target import Target
+from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
+from flowgraph.errors import FlowgraphError
+from flowgraph.plan import ExecutionPlan, PoolPlan
+
+try:
+    import ray
+    from ray.util.placement_group import remove_placement_group
+except ImportError as exc:  # pragma: no cover - depends on the machine
+    raise FlowgraphError(f"the rollout pool needs Ray: pip install 'ray>=2.40' ({exc})") from exc
+
+
+@dataclass
+class _Call:
+    """A rollout asked of the worker, not yet received."""
+
+    index: int
+    span: Any
+    """ObjectRef of (began, ended): when the worker produced it (`time.time()`)."""
+    rollout: Any
+    """ObjectRef of the `Rollout`."""
+    sent: float
+    """When it was asked for (`time.time()`): the worker begins it no earlier."""
+    took: tuple[float, float] | None = None
+    """(began, ended), once known."""
+
+
+class PoolRollouts(Rollouts):
+    """The producer runs on the rollout pool (target ray), overlapping the trainer's
+    pools; the trained weights go to it after every update."""
+
+    overlaps = True
+
+    def __init__(self, plan: ExecutionPlan, batches: Batches, worker: Worker,
+                 names: list[str], opts: ExecOptions, *, trainer: Target) -> None:
+        super().__init__(plan, batches, worker, names, opts)
+        if not isinstance(trainer, RayTarget):
+            raise FlowgraphError(f"plan `{plan.name}` has a rollout pool, which runs on target "
+                                 f"ray only; this run's target is {plan.target}")
+        assert plan.asynchronous is not None and plan.asynchronous.pool is not None
+        self.pool: PoolPlan = plan.asynchronous.pool
+        self.trainer = trainer
+        self.trained = sorted(m.name for m in self.pool.models
+                              if m.trainable and m.base_of is None)
+        """The trained models the producer runs: their weights follow every update."""
+        self.actor: Any = None
+        self.pg: Any = None
+        self.calls: deque[_Call] = deque()
+        self.next = 0
+        """The index of the next rollout to ask for."""
+        self.version = 0
+        """The newest published version: the trainer's weights after that many updates."""
+        self.weights: tuple[int, bool, list[Any]] | None = None
+        """The trainer's weights asked for a version, only what updates change or not
+        (object-store references)."""
+        self.sent = -1
+        """The version of the weights the worker was sent last (-1: none yet)."""
+        self.last_index = -1
+        self.busy = 0.0
+        """The worker's seconds producing the rollouts whose span is known."""
+        self.free_at = 0.0
+        """When the worker finished its last call whose span is known."""
+
+    # -- what the loop calls -----------------------------------------------------------
+
+    def start(self, step: int) -> None:
+        """A fresh worker at the buffer's end (`load`), holding the weights of `step`."""
+        super().start(step)
+        self.close()
+        first = step + len(self.pending)
+        cursors = self.pending[-1].cursors if self.pending else self.data_cursors()
+        state = {n: s for n, s in self.worker.node_state.items() if n in self.names}
+        self.pg, places = reserve(self.pool)
+        self.actor = ray.remote(RolloutWorker).options(**places[0]).remote(
+            (self.plan.to_json(), self.plan.pickled_objects()), os.getcwd(),
+            [p for p in sys.path if p])
+        answers(self.actor.setup.remote(self.names, str(self.opts.run_dir), self.opts.strict,
+                                        cursors, state, step), None,
+                "while the rollout pool's worker set up")
+        self._list_worker()
+        self.free_at, self.weights = time.time(), None
+        self.next, self.last_index, self.version, self.sent = first, first - 1, step, -1
+        self._ask()
+
+    def next_rollout(self, step: int, metrics: dict[str, float]) -> tuple[Rollout, float]:
+        t0 = time.perf_counter()
+        if not self.pending and not self.calls:
+            self._ask()  # drop: everything asked for was dropped
+        item = self.pending.popleft() if self.pending else self._receive(step)
+        waited = time.perf_counter() - t0
+        if self.block and item.index != step:
+            raise FlowgraphError(f"internal: the rollout pool sent step {item.index}'s batch "
+                                 f"where step {step}'s was due")
+        return item, waited
+
+    def advance(self, step: int) -> None:
+        """Version step + 1 is out: ask for the rollouts it generates."""
+        if step + 1 < self.steps:
+            self.version = step + 1
+            self._ask()
+
+    def buffered(self, step: int) -> list[Rollout]:
+        if self.block:
+            while self.last_index < min(step + self.S, self.steps - 1):
+                self.pending.append(self._receive(step))
+        return list(self.pending)
+
+    def generating_s(self) -> float:
+        self._spans()
+        running = next((c for c in self.calls if c.took is None), None)
+        if running is None:
+            return self.busy
+        began = max(running.sent, self.free_at)  # the worker runs calls in order
+        return self.busy + max(time.time() - began, 0.0)
+
+    def close(self) -> None:
+        if self.actor is not None:
+            ray.kill(self.actor, no_restart=True)
+            self.actor = None
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+        self.calls.clear()
+
+    # -- the worker --------------------------------------------------------------------
+
+    def _ask(self) -> None:
+        """Ask for every rollout admission allows now: `block`, those whose version is
+        out (`need`); `drop`, up to S + 1 in the buffer."""
+        while self._admits():
+            weights = []
+            if self.sent != self.version:  # with the first call that needs them
+                weights = self._weights()
+                self.sent = self.version
+            span, rollout = self.actor.produce.options(num_returns=2).remote(
+                self.next, self.version, *weights)
+            self.calls.append(_Call(self.next, span, rollout, time.time()))
+            self.next += 1
+
+    def _list_worker(self) -> None:
+        """The worker's pid beside the trainer's workers' (`run_dir/.ranks/workers.json`,
+        which the target wrote as its groups started), for operators and tests that
+        want to signal it."""
+        listed = self.opts.run_dir / ".ranks" / "workers.json"
+        workers = json.loads(listed.read_text()) if listed.is_file() else {}
+        workers[self.pool.name] = [answers(self.actor.pid.remote(), None)]
+        listed.parent.mkdir(parents=True, exist_ok=True)
+        listed.write_text(json.dumps(workers, indent=2))
+
+    def _admits(self) -> bool:
+        if self.block:
+            return self.next < self.steps and self.need(self.next) <= self.version
+        return len(self.calls) + len(self.pending) <= self.S
+
+    def _weights(self) -> list[Any]:
+        """The trainer's weights of the newest version: whole the first time, then what
+        the updates change; references the worker's call resolves (from the trainer's
+        workers, not through the driver)."""
+        changed = self.sent >= 0
+        if self.weights is None or self.weights[:2] != (self.version, changed):
+            self.weights = (self.version, changed,
+                            self.trainer.trained_weights(self.trained, changed=changed))
+        return self.weights[2]
+
+    def _receive(self, step: int) -> Rollout:
+        """The oldest rollout asked for, when it is ready."""
+        timeout = self.plan.trainer.step_timeout_s or None
+        call = self.calls[0]
+        item: Rollout = answers(call.rollout, timeout,
+                                f"in the rollout pool, producing the rollout for step {step}")
+        self._spans()
+        self.calls.popleft()
+        self.last_index = item.index
+        if item.error is None:
+            self.cursors = item.cursors
+            for name, state in item.node_state.items():  # what a checkpoint saves of them
+                self.worker.node_state[name] = state
+        return item
+
+    def _spans(self) -> None:
+        """Learn when the worker produced the rollouts it has finished (in order)."""
+        for call in self.calls:
+            if call.took is not None:
+                continue
+            ready, _ = ray.wait([call.span], timeout=0)
+            if not ready:
+                return
+            try:
+                call.took = ray.get(call.span)
+            except Exception:  # the call failed: its rollout's `_receive` says why
+                return
+            self.busy += call.took[1] - call.took[0]
+            self.free_at = call.took[1]
+
+
+class RolloutWorker:
+    """The rollout pool's worker (a Ray actor; `ray.remote` wraps it when the pool starts):
+    the producer's side of the run, generating one rollout a call."""
+
+    def __init__(self, sent: tuple[str, bytes | None], cwd: str, path: list[str]) -> None:
+        """`sent`: the plan's JSON and its Python objects, pickled (`pickled_objects`)."""
+        quiet_hf()
+        os.chdir(cwd)  # model and data paths are relative to where the run started
+        sys.path[:0] = [p for p in path if p not in sys.path]
+        self.plan = ExecutionPlan.from_json(sent[0]).with_pickled(sent[1])
+        assert self.plan.asynchronous is not None and self.plan.asynchronous.pool is not None
+        self.pool = self.plan.asynchronous.pool
+        self.rollouts: Rollouts | None = None
+        self.devnull = open(os.devnull, "w")  # noqa: SIM115 - the actor's life long
+        """Where the producer's worker prints (the trainer's console is the driver's)."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def setup(self, names: list[str], run_dir: str, strict: bool,
+              cursors: dict[str, dict[str, Any]], node_state: dict[str, dict[str, Any]],
+              origin: int) -> None:
+        """Load the models and the data at the trainer's cursors; the run (re)starts at
+        version `origin`."""
+        torch.set_num_threads(max(self.pool.bundles[0].cpu, 1))
+        device = pick_device(self.pool.device.split(":")[0])
+        opts = ExecOptions(Path(run_dir), device, strict, out=self.devnull, tensorboard=False,
+                           step_timeout_s=self.plan.trainer.step_timeout_s)
+        self.rollouts = producer(self.plan, names, opts, cursors, node_state, self.pool.models)
+        self.rollouts.origin = origin
+
+    def produce(self, index: int, version: int, *weights: dict[str, Any]
+                ) -> tuple[tuple[float, float], Rollout]:
+        """The rollout of `index` generated by `version`, whose weights (model -> name ->
+        tensor, one dict per trainer pool) come with the first call that needs them;
+        (when it began and ended, the rollout)."""
+        rollouts = self.rollouts
+        if rollouts is None:
+            raise FlowgraphError("the rollout worker was used before setup")
+        began = time.time()
+        with torch.no_grad():
+            for m, state in (item for part in weights for item in part.items()):
+                held = rollouts.worker.models[m].state_dict()
+                for k, v in state.items():
+                    held[k].copy_(v)
+        metrics: dict[str, float] = {}
+        item = rollouts.produce(index, version, metrics)
+        item.metrics = metrics
+        return (began, time.time()), item
