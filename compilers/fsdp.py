@@ -153,7 +153,7 @@ class FsdpTarget:
 
     def report(self, step: int, metrics: dict[str, float]) -> list[Report]:
         """Every rank's node seconds and memory, gathered on rank 0 for its endpoint (a
-        `worker="rank<R>"` label each; rank 0's own row goes through its MetricsLog)."""
+        `worker="rank<R>"` label each; the step row is rank 0's, through its MetricsLog)."""
         if not self.exporting or self.world == 1:
             return []
         from flowgraph.runtime.prometheus import process_memory
@@ -164,7 +164,7 @@ class FsdpTarget:
         dist.all_gather_object(every, mine)
         if self.rank:
             return []
-        return [(f"rank{rank}", timings if rank else {}, memory)
+        return [(f"rank{rank}", timings, memory)
                 for rank, (timings, memory) in enumerate(every)]
 
     def recover(self, exc: WorkerLost, step: int) -> Path | None:
