@@ -45,6 +45,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import TCPStore  # torch.distributed's, undeclared there
 
 from flowgraph.compilers.build import torch_dtype
 from flowgraph.compilers.checkpoint import is_sharded
@@ -80,13 +81,13 @@ def init_group(rank: int, world: int, device: str, *, addr: str | None = None,
     addr = addr or os.environ["MASTER_ADDR"]
     port = port or int(os.environ["MASTER_PORT"])
     store = (listening_store(addr, port, world, timeout) if rank == 0 else
-             dist.TCPStore(addr, port, world, False, timeout=timeout))
+             TCPStore(addr, port, world, False, timeout=timeout))
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world,
                             timeout=timeout)
 
 
 def listening_store(addr: str, port: int, world: int | None,
-                    timeout: timedelta) -> dist.TCPStore:
+                    timeout: timedelta) -> TCPStore:
     """The server of a TCPStore listening on `addr` alone (127.0.0.1 on one machine, the
     address the user named across machines): torch's binds every interface, so it is
     handed a socket bound here (`master_listen_fd`)."""
@@ -98,9 +99,9 @@ def listening_store(addr: str, port: int, world: int | None,
         sock.listen(128)
     except OSError as exc:
         sock.close()
-        raise FlowgraphError(f"cannot serve the process group's store on {addr}:{port}: "
-                             f"{exc.strerror or exc}") from None
-    return dist.TCPStore(addr, port, world, True, timeout=timeout,
+        raise FlowgraphError(f"cannot listen on {addr}:{port}: {exc.strerror or exc}"
+                             ) from None
+    return TCPStore(addr, port, world, True, timeout=timeout,
                          master_listen_fd=sock.detach())
 
 

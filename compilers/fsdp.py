@@ -72,7 +72,7 @@ from flowgraph.compilers.worker import ExecOptions, Worker
 from flowgraph.errors import FlowgraphError, Interrupted, RankFailed, Stopped, WorkerLost
 from flowgraph.plan import ExecutionPlan, read_run_plan, write_run_plan
 from flowgraph.runtime.metrics import serving
-from flowgraph.voice import option
+from flowgraph.voice import inherited, option
 
 STOPPED = ".ranks/stopped"
 """Written by rank 0 when the ranks stopped on a signal, their checkpoint saved."""
@@ -309,7 +309,7 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
         run_id=f"flowgraph-{uuid.uuid4().hex[:8]}" if opts.rdzv_endpoint is None
         else f"flowgraph-{plan.name}",
         rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs={"is_host": False},
-        local_addr="127.0.0.1" if opts.nnodes == 1 else None,
+        local_addr="127.0.0.1" if opts.nnodes == 1 else address_towards(endpoint),
         logs_specs=DefaultLogsSpecs(log_dir=os.devnull),  # no `torchelastic_*` folder
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
         signals_to_handle="SIGHUP,SIGQUIT")
@@ -340,15 +340,31 @@ def _rendezvous_store(endpoint: str) -> Any:
     """The rendezvous' store, served by node 0 on the endpoint's address alone."""
     from datetime import timedelta
 
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
-    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    host, port = _host_port(endpoint)
     try:
         return _dist.listening_store(host, port, None, timedelta(seconds=60))
     except FlowgraphError as exc:
         raise FlowgraphError(f"{option('rdzv_endpoint', endpoint)}: {exc}; node 0 serves "
                              "the rendezvous, so the endpoint is an address of node 0 "
                              "(this machine) and a free port") from None
+
+
+def address_towards(endpoint: str) -> str:
+    """This machine's address on the way to the rendezvous `endpoint` (the interface a
+    packet to it leaves by): where the other nodes reach this one, and so where the
+    ranks' store listens when this node's rank 0 serves it (MASTER_ADDR)."""
+    host, port = _host_port(endpoint)
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)  # UDP: no packet is sent, the kernel only picks the route
+        return str(s.getsockname()[0])
+
+
+def _host_port(endpoint: str) -> tuple[str, int]:
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    return str(host), int(port)
 
 
 @contextmanager
@@ -358,18 +374,14 @@ def _contained() -> Iterator[None]:
     removed after the launch, and its agent shares no store with the ranks (that one
     would listen on every interface): rank 0 serves theirs on MASTER_ADDR alone
     (`_dist.init_group`), the agent's `local_addr`."""
-    saved = tempfile.tempdir, os.environ.get(SHARE_STORE_ENV)
-    with tempfile.TemporaryDirectory(prefix="flowgraph-launch-") as scratch:
+    saved = tempfile.tempdir
+    with tempfile.TemporaryDirectory(prefix="flowgraph-launch-") as scratch, \
+            inherited(SHARE_STORE_ENV, "1"):
         tempfile.tempdir = scratch
-        os.environ[SHARE_STORE_ENV] = "1"
         try:
             yield
         finally:
-            tempfile.tempdir = saved[0]
-            if saved[1] is None:
-                os.environ.pop(SHARE_STORE_ENV, None)
-            else:
-                os.environ[SHARE_STORE_ENV] = saved[1]
+            tempfile.tempdir = saved
 
 
 def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan, opts: RunOptions) -> str:

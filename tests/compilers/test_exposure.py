@@ -87,6 +87,28 @@ def test_a_store_listens_on_its_address_alone() -> None:
     del store
 
 
+def test_a_rendezvous_endpoint_that_is_not_this_machine_is_named() -> None:
+    """Node 0 serves the rendezvous on the endpoint's address: one not of this machine
+    (192.0.2.0/24 is TEST-NET-1) is a message naming the flag, not a torch traceback."""
+    from flowgraph.compilers.fsdp import _rendezvous_store
+    from flowgraph.errors import FlowgraphError
+
+    with pytest.raises(FlowgraphError) as exc:
+        _rendezvous_store("192.0.2.99:29411")
+    assert str(exc.value).startswith("--rdzv-endpoint 192.0.2.99:29411: cannot listen on "
+                                     "192.0.2.99:29411: ")
+    assert "an address of node 0 (this machine)" in str(exc.value)
+
+
+def test_a_node_is_reached_at_its_address_towards_the_rendezvous() -> None:
+    """Across machines a node's stores listen on the interface its route to the
+    rendezvous endpoint leaves by; towards 127.0.0.1 that is 127.0.0.1."""
+    from flowgraph.compilers.fsdp import address_towards
+
+    assert address_towards("127.0.0.1:29400") == "127.0.0.1"
+    assert address_towards("localhost") in ("127.0.0.1", "::1")
+
+
 def _free_port() -> int:
     import socket
 
