@@ -78,8 +78,9 @@ def init_group(rank: int, world: int, device: str, *, addr: str | None = None,
         dist.init_process_group(backend_for(device), rank=rank, world_size=world,
                                 timeout=timeout)
         return
-    addr = addr or os.environ["MASTER_ADDR"]
-    port = port or int(os.environ["MASTER_PORT"])
+    if addr is not None:  # as torch's launcher would: for what reads them later
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     store = (listening_store(addr, port, world, timeout) if rank == 0 else
              TCPStore(addr, port, world, False, timeout=timeout))
     dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world,

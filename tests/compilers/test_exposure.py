@@ -141,6 +141,25 @@ def test_an_fsdp_run_listens_on_loopback_and_leaves_no_temp_files(tmp_path: Path
 
 
 @pytest.mark.multiprocess
+def test_two_fsdp_nodes_listen_on_the_network_their_endpoint_names(tmp_path: Path) -> None:
+    """`--nnodes 2` with `--rdzv-endpoint 127.0.0.1:PORT`: node 0's rendezvous, the
+    ranks' store and everything else either node opens is on that network, loopback."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    procs = [_flowgraph(["--target", "fsdp", "--nproc", "2", "--nnodes", "2", "--node-rank",
+                         str(rank), "--rdzv-endpoint", endpoint, "trainer.steps=2",
+                         f"trainer.run_dir={tmp_path / 'run'}"], tmp_path / f"node{rank}.log")
+             for rank in range(2)]
+    seen: dict[tuple[str, int], int] = {}
+    while any(p.poll() is None for p in procs):
+        seen.update(_listening(lambda: [q for p in procs for q in _tree(p.pid)]))
+        time.sleep(0.2)
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, (tmp_path / f"node{rank}.log").read_text()[-3000:]
+    assert ("127.0.0.1", int(endpoint.rpartition(":")[2])) in seen  # node 0's rendezvous
+    assert [a for a in seen if not _loopback(a[0])] == [], seen
+
+
+@pytest.mark.multiprocess
 def test_a_ray_run_on_one_machine_binds_loopback_keeps_its_token_and_dies_with_its_driver(
         tmp_path: Path) -> None:
     """The embedded cluster's `~/.ray/auth_token` is 0600; the pool's process-group store
