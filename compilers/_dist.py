@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import re
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._distributed_c10d import TCPStore  # torch.distributed's, undeclared there
 
 from flowgraph.compilers.build import torch_dtype
 from flowgraph.compilers.checkpoint import is_sharded
@@ -65,13 +67,43 @@ def backend_for(device: str) -> str:
 
 def init_group(rank: int, world: int, device: str, *, addr: str | None = None,
                port: int | None = None, timeout_s: float = 1800.0) -> None:
-    """Join the default process group (env:// when `addr` is None: torch's launcher)."""
+    """Join the default process group, its store at `addr:port` (None: MASTER_ADDR and
+    MASTER_PORT, as torch's launcher sets them). Rank 0 serves the store on `addr` only
+    (`listening_store`), never on every interface as torch's own store would; under a
+    `torchrun` that shares its agent's store with the ranks, that one is used."""
     if dist.is_initialized():
         return
-    if addr is not None:
+    timeout = timedelta(seconds=timeout_s)
+    if addr is None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        dist.init_process_group(backend_for(device), rank=rank, world_size=world,
+                                timeout=timeout)
+        return
+    if addr is not None:  # as torch's launcher would: for what reads them later
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
-    dist.init_process_group(backend_for(device), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    store = (listening_store(addr, port, world, timeout) if rank == 0 else
+             TCPStore(addr, port, world, False, timeout=timeout))
+    dist.init_process_group(backend_for(device), store=store, rank=rank, world_size=world,
+                            timeout=timeout)
+
+
+def listening_store(addr: str, port: int, world: int | None,
+                    timeout: timedelta) -> TCPStore:
+    """The server of a TCPStore listening on `addr` alone (127.0.0.1 on one machine, the
+    address the user named across machines): torch's binds every interface, so it is
+    handed a socket bound here (`master_listen_fd`)."""
+    family, _, _, _, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(128)
+    except OSError as exc:
+        sock.close()
+        raise FlowgraphError(f"cannot listen on {addr}:{port}: {exc.strerror or exc}"
+                             ) from None
+    return TCPStore(addr, port, world, True, timeout=timeout,
+                         master_listen_fd=sock.detach())
 
 
 class DataParallel(Workers):

@@ -33,6 +33,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import traceback
 import uuid
 from collections.abc import Iterator
@@ -71,10 +72,12 @@ from flowgraph.compilers.worker import ExecOptions, Worker
 from flowgraph.errors import FlowgraphError, Interrupted, RankFailed, Stopped, WorkerLost
 from flowgraph.plan import ExecutionPlan, read_run_plan, write_run_plan
 from flowgraph.runtime.metrics import serving
-from flowgraph.voice import option
+from flowgraph.voice import inherited, option
 
 STOPPED = ".ranks/stopped"
 """Written by rank 0 when the ranks stopped on a signal, their checkpoint saved."""
+SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""Set to 1 while launching: torch's agent then shares no store with the ranks."""
 
 
 class FsdpTarget:
@@ -153,7 +156,7 @@ class FsdpTarget:
 
     def report(self, step: int, metrics: dict[str, float]) -> list[Report]:
         """Every rank's node seconds and memory, gathered on rank 0 for its endpoint (a
-        `worker="rank<R>"` label each; rank 0's own row goes through its MetricsLog)."""
+        `worker="rank<R>"` label each; the step row is rank 0's, through its MetricsLog)."""
         if not self.exporting or self.world == 1:
             return []
         from flowgraph.runtime.prometheus import process_memory
@@ -164,7 +167,7 @@ class FsdpTarget:
         dist.all_gather_object(every, mine)
         if self.rank:
             return []
-        return [(f"rank{rank}", timings if rank else {}, memory)
+        return [(f"rank{rank}", timings, memory)
                 for rank, (timings, memory) in enumerate(every)]
 
     def recover(self, exc: WorkerLost, step: int) -> Path | None:
@@ -280,6 +283,7 @@ def world_size(plan: ExecutionPlan) -> int:
 def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> Path:
     """Run `plan` on its pool's processes, `opts.nnodes` machines sharing them evenly;
     the run dir when it finished."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -297,12 +301,16 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
     if world % opts.nnodes:
         raise FlowgraphError(f"the plan's {world} processes do not split over "
                              f"{option('nnodes', opts.nnodes)} machines")
+    # Node 0 serves the rendezvous on the endpoint's address alone (torch's would listen
+    # on every interface); every launcher, node 0's too, joins it as a client.
+    rendezvous = _rendezvous_store(endpoint) if opts.node_rank == 0 else None
     config = LaunchConfig(
         min_nodes=opts.nnodes, max_nodes=opts.nnodes, nproc_per_node=world // opts.nnodes,
         run_id=f"flowgraph-{uuid.uuid4().hex[:8]}" if opts.rdzv_endpoint is None
         else f"flowgraph-{plan.name}",
-        rdzv_backend="c10d", rdzv_endpoint=endpoint,
-        rdzv_configs={"is_host": opts.node_rank == 0} if opts.nnodes > 1 else {},
+        rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs={"is_host": False},
+        local_addr="127.0.0.1" if opts.nnodes == 1 else address_towards(endpoint),
+        logs_specs=DefaultLogsSpecs(log_dir=os.devnull),  # no `torchelastic_*` folder
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
         signals_to_handle="SIGHUP,SIGQUIT")
     def tell_ranks(signum: int) -> None:
@@ -312,7 +320,7 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
     # would kill the ranks before they save (and print its SignalException)
     with run_guard(plan, opts, lock=opts.node_rank == 0, on_request=tell_ranks) as stop:
         try:
-            with _quiet_launcher():
+            with _quiet_launcher(), _contained():
                 elastic_launch(config, rank_main)(str(plan_json), opts.strict, opts.resume,
                                                   opts.metrics_port, opts.metrics_host,
                                                   opts.metrics_hold, os.getpid(),
@@ -321,9 +329,59 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
             if stop.signum is not None:  # a rank stopped at once (a second signal)
                 raise Interrupted(stop.signum) from None
             raise RankFailed(_failure_message(exc, run_dir, plan, opts)) from None
+        finally:
+            del rendezvous  # served until here: the launchers are gone
         if (run_dir / STOPPED).exists():
             raise Stopped(int((run_dir / STOPPED).read_text()), "stopped")
     return run_dir
+
+
+def _rendezvous_store(endpoint: str) -> Any:
+    """The rendezvous' store, served by node 0 on the endpoint's address alone."""
+    from datetime import timedelta
+
+    host, port = _host_port(endpoint)
+    try:
+        return _dist.listening_store(host, port, None, timedelta(seconds=60))
+    except FlowgraphError as exc:
+        raise FlowgraphError(f"{option('rdzv_endpoint', endpoint)}: {exc}; node 0 serves "
+                             "the rendezvous, so the endpoint is an address of node 0 "
+                             "(this machine) and a free port") from None
+
+
+def address_towards(endpoint: str) -> str:
+    """This machine's address on the way to the rendezvous `endpoint` (the interface a
+    packet to it leaves by): where the other nodes reach this one, and so where the
+    ranks' store listens when this node's rank 0 serves it (MASTER_ADDR)."""
+    host, port = _host_port(endpoint)
+    family, _, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as s:
+        s.connect(addr)  # UDP: no packet is sent, the kernel only picks the route
+        return str(s.getsockname()[0])
+
+
+def _host_port(endpoint: str) -> tuple[str, int]:
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(endpoint, default_port=29400)
+    return str(host), int(port)
+
+
+@contextmanager
+def _contained() -> Iterator[None]:
+    """Torch's launcher, kept from leaving anything behind or listening widely: the
+    traceback files of failed ranks (`pytorch-errorfile-*.pickle`) go to a temp folder
+    removed after the launch, and its agent shares no store with the ranks (that one
+    would listen on every interface): rank 0 serves theirs on MASTER_ADDR alone
+    (`_dist.init_group`), the agent's `local_addr`."""
+    saved = tempfile.tempdir
+    with tempfile.TemporaryDirectory(prefix="flowgraph-launch-") as scratch, \
+            inherited(SHARE_STORE_ENV, "1"):
+        tempfile.tempdir = scratch
+        try:
+            yield
+        finally:
+            tempfile.tempdir = saved
 
 
 def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan, opts: RunOptions) -> str:

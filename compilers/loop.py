@@ -303,8 +303,7 @@ class TrainingLoop:
         exporter = self.opts.exporter
         for worker, timings, memory in self.target.report(step, metrics):
             if exporter is not None:
-                if timings:
-                    exporter.observe_step(step, timings, worker=worker)
+                exporter.observe_worker(timings, worker)
                 for device, used in memory:
                     exporter.set_memory(worker, device, used)
         return metrics

@@ -34,8 +34,10 @@ with a `RayTarget`:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import secrets
 import socket
 import sys
 import time
@@ -55,7 +57,7 @@ from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.options import RunOptions
 from flowgraph.compilers.ray_worker import RayWorker
-from flowgraph.compilers.signals import run_guard
+from flowgraph.compilers.signals import child_pids, reap_with_parent, run_guard
 from flowgraph.compilers.target import Report
 from flowgraph.compilers.worker import ExecOptions, Worker
 from flowgraph.errors import DEBUG_ENV, FlowgraphError, NodeError, WorkerLost
@@ -166,7 +168,9 @@ class RayTarget:
         # Set up every group at once: workers of a group rendezvous with each other.
         pending = []
         for group in self.groups.values():
-            addr, port = self._get(group.workers[0].endpoint.remote(), timed=False)
+            nodes = self._get([w.node.remote() for w in group.workers], timed=False)
+            addr, port = self._get(group.workers[0].endpoint.remote(len(set(nodes)) == 1),
+                                   timed=False)
             pending += [w.setup.remote(addr, port, str(self.opts.run_dir),
                                        str(checkpoint) if checkpoint else None)
                         for w in group.workers]
@@ -335,8 +339,31 @@ def start_ray(plan: ExecutionPlan, address: str | None) -> None:
                 "running there (its address, or `auto` on a machine of the cluster)? Or "
                 f"leave out {option('address', Word('ADDR'))} for a local cluster") from None
         return
+    _private_token()
+    before = child_pids()
     ray.init(num_cpus=cluster_cpus(plan), include_dashboard=False, log_to_driver=True,
              configure_logging=False, runtime_env=env)
+    reap_with_parent(child_pids() - before)  # a killed driver takes the cluster along
+
+
+def _private_token() -> None:
+    """Ray (2.5x) enables token authentication on a cluster `ray.init` starts and, when
+    it finds no token, writes one to `~/.ray/auth_token` readable by everyone (0644).
+    Write it first, readable by its owner alone (0600); tighten one left readable."""
+    told = os.environ.get("RAY_AUTH_MODE", "token").lower() != "token" or any(
+        k in os.environ for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"))
+    if told or importlib.util.find_spec("ray._private.authentication") is None:
+        return  # the user's token, or a Ray without token authentication
+    path = Path.home() / ".ray" / "auth_token"
+    path.parent.mkdir(mode=0o700, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        if path.stat().st_mode & 0o077:
+            path.chmod(0o600)
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))  # as `ray get-auth-token --generate` makes one
 
 
 def _runtime_env(plan: ExecutionPlan) -> dict[str, Any] | None:

@@ -46,14 +46,21 @@ class RayWorker:
         self.group = _dist.DataParallel() if self.pool.size > 1 else None
         self.worker: Worker | None = None
 
-    def endpoint(self) -> tuple[str, int]:
-        """(address, free port) for the pool's process group; asked of worker 0."""
+    def node(self) -> str:
+        """The Ray node this worker runs on."""
+        return str(ray.get_runtime_context().get_node_id())
+
+    def endpoint(self, one_node: bool) -> tuple[str, int]:
+        """(address, free port) of the pool's process-group store, which this worker (0)
+        serves on that address alone: 127.0.0.1 when the whole group is on this node, else
+        the node's address in the cluster (`ray start --node-ip-address`)."""
         import socket
 
-        with socket.socket() as s:
-            s.bind(("", 0))
+        addr = "127.0.0.1" if one_node else ray.util.get_node_ip_address()
+        with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
+            s.bind((addr, 0))
             port = int(s.getsockname()[1])
-        return ray.util.get_node_ip_address(), port
+        return addr, port
 
     def pid(self) -> int:
         return os.getpid()

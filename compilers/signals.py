@@ -1,5 +1,6 @@
 """A run and its process: preemption (SIGTERM, SIGINT), the run-dir lock, a node's
-deadline, and child processes that end with their parent — the same on every target.
+deadline, and child processes that end with their parent — the same on every target
+(`die_with_parent`; `reap_with_parent` for those that outlive it by themselves).
 
     with run_guard(plan, opts) as stop:     the run dir's lock taken (`RunLock`), the
         ...                                 signal handlers installed (`Preemption`);
@@ -24,11 +25,12 @@ import json
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
@@ -288,3 +290,72 @@ def die_with_parent(parent: int, signum: int = signal.SIGTERM) -> None:
         return
     if os.getppid() != parent:  # it died before this (while this process started)
         os.kill(os.getpid(), signum)
+
+
+def child_pids() -> set[int]:
+    """This process's children (Linux /proc; elsewhere none)."""
+    me = os.getpid()
+    return {pid for pid, (parent, _) in _processes().items() if parent == me}
+
+
+_WATCHERS: list[subprocess.Popen[bytes]] = []
+"""The running watchers, held: a Popen dropped while its process runs warns."""
+
+
+def reap_with_parent(roots: set[int]) -> None:
+    """A watcher (a process of its own) that SIGKILLs `roots` and every process below
+    them once this process is gone, however it died: an embedded Ray cluster's raylet
+    and GCS die with their driver, but its agents (DashboardAgent, RuntimeEnvAgent)
+    then wait 60 s to report it to that GCS. It ends by itself when they are all gone
+    (the cluster shut down). Linux only."""
+    _WATCHERS[:] = [w for w in _WATCHERS if w.poll() is None]
+    if not roots or not Path("/proc/self/stat").exists():
+        return
+    code = (f"import sys; sys.path[:0] = {[p for p in sys.path if p]!r}; "
+            f"from flowgraph.compilers.signals import _reap; _reap({os.getpid()}, "
+            f"{sorted(roots)!r})")
+    # a session of its own: a Ctrl-C or a kill of the driver's process group spares it
+    _WATCHERS.append(subprocess.Popen([sys.executable, "-c", code],
+                                      stdin=subprocess.DEVNULL, start_new_session=True))
+
+
+def _reap(parent: int, roots: list[int], interval: float = 1.0) -> None:
+    """The watcher's body: note the processes below `roots` while `parent` lives."""
+    seen: dict[int, str] = {}
+    while os.getppid() == parent:
+        tree = _below(roots)
+        if not tree:
+            return
+        seen.update(tree)
+        time.sleep(interval)
+    for pid, start in seen.items():
+        if _start_time(pid) == start:  # not a reused pid
+            with suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _below(roots: list[int]) -> dict[int, str]:
+    """pid -> start time of the live `roots` and all their descendants."""
+    processes = _processes()
+    found = {pid: processes[pid][1] for pid in roots if pid in processes}
+    frontier = set(found)
+    while frontier:
+        frontier = {pid for pid, (parent, _) in processes.items()
+                    if parent in frontier and pid not in found}
+        found.update({pid: processes[pid][1] for pid in frontier})
+    return found
+
+
+def _processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every process (Linux /proc)."""
+    out = {}
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else []:
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:  # gone meanwhile
+            continue
+        if fields[0] != "Z":  # a zombie is dead already
+            out[int(entry.name)] = (int(fields[1]), fields[19])
+    return out

@@ -44,6 +44,7 @@ OPTIONS: dict[str, str] = {
     "metrics_port": "--metrics-port",
     "address": "--address",
     "nnodes": "--nnodes",
+    "rdzv_endpoint": "--rdzv-endpoint",
     "model": "--model",
     "out": "-o",
     "run_dir": "trainer.run_dir=",

@@ -14,6 +14,9 @@ Series (every one carries a `worker` label):
                                                      trainer.on_nonfinite=skip)
     flowgraph_stage_seconds{stage,kind}   histogram  `timing_s/<node>`: stage = node or data
                                                      source name, kind = its registry kind
+    flowgraph_worker_stage_seconds{stage,kind}
+                                          histogram  a worker's own seconds in a node (fsdp
+                                                     ranks, Ray pool workers; see below)
     flowgraph_step_seconds                histogram  `timing_s/step`, one whole step
     flowgraph_generated_tokens_total      counter    `perf/response_tokens`: valid response tokens
     flowgraph_tokens_total                counter    `perf/tokens`: prompt + response tokens
@@ -37,12 +40,16 @@ estimator). `actor/ppo_kl` measures something else — how far one update moved 
 policy — and has its own gauge.
 
 Distributed executors (fsdp, ray) keep ONE endpoint per run, on the process that owns
-the training loop (fsdp: rank 0; ray: the driver), and feed it every worker's row and
-memory with a `worker` label (`rank0`, `rank1`, … or the Ray actor's name):
-`observe_step(step, row, worker=...)`, `set_memory(worker, device, nbytes)`. Prometheus
-then scrapes one target per run, and a dashboard aggregates over `worker` (`max` of
-the step rate, `sum` of token rates, memory `by (worker, device)`). The local executor
-reports as `worker="local"`.
+the training loop (fsdp: rank 0; ray: the driver). The step row is the run's, so its
+series are exported once, by that owner (`worker="rank0"`, `"driver"`, `"local"`):
+`observe_step(step, row, worker=...)`. A worker exports only what it measures itself —
+its seconds in each node (`observe_worker`: `flowgraph_worker_stage_seconds`) and its
+memory (`set_memory(worker, device, nbytes)`), under its own `worker` label (`rank1`,
+or the Ray actor's `<pool>/<rank>`) — never a series of the row: a worker's reward or
+KL gauge at 0 beside the driver's would make every `avg` over `worker` a fraction of
+the truth. Prometheus scrapes one target per run; a dashboard needs no `worker`
+filter (`max` of the step rate, `sum` of token rates, memory `by (worker, device)`).
+The local executor reports as `worker="local"`.
 """
 
 from __future__ import annotations
@@ -108,6 +115,10 @@ class Exporter:
         self.stage_seconds = Histogram(
             "flowgraph_stage_seconds", "Seconds spent in one stage (node) of a step.",
             ["worker", "stage", "kind"], buckets=STAGE_BUCKETS, registry=r)
+        self.worker_stage_seconds = Histogram(
+            "flowgraph_worker_stage_seconds", "Seconds one worker spent in one stage "
+            "(node) of a step.", ["worker", "stage", "kind"], buckets=STAGE_BUCKETS,
+            registry=r)
         self.step_seconds = Histogram("flowgraph_step_seconds", "Seconds of one whole step.",
                                       ["worker"], buckets=STAGE_BUCKETS, registry=r)
         self.generated_tokens = Counter("flowgraph_generated_tokens",
@@ -147,7 +158,8 @@ class Exporter:
 
     def observe_step(self, step: int, metrics: Mapping[str, float],
                      worker: str = "local") -> None:
-        """One step row (verl names, as written to metrics.jsonl) of one worker."""
+        """The step row (verl names, as written to metrics.jsonl) of the run, from the
+        process that owns it; a series is set only from a key the row has."""
         self.steps.labels(worker).inc()
         self.last_step.labels(worker).set(step)
         for key, raw in metrics.items():
@@ -162,12 +174,20 @@ class Exporter:
                                                    self.stage_kinds.get(stage, "")), value)
             elif key not in _FED_ELSEWHERE:
                 self.step_metric.labels(worker, key).set(value)
-        _increase(self.generated_tokens.labels(worker), metrics.get("perf/response_tokens"))
-        _increase(self.tokens.labels(worker), metrics.get("perf/tokens"))
-        _increase(self.skipped.labels(worker), metrics.get("skipped"))
-        _set_first(self.reward.labels(worker), metrics, REWARD_KEYS)
-        _set_first(self.kl.labels(worker), metrics, KL_KEYS)
-        _set_first(self.ppo_kl.labels(worker), metrics, ("actor/ppo_kl",))
+        _increase(self.generated_tokens, worker, metrics.get("perf/response_tokens"))
+        _increase(self.tokens, worker, metrics.get("perf/tokens"))
+        _increase(self.skipped, worker, metrics.get("skipped", 0.0))  # 0 from the start
+        _set_first(self.reward, worker, metrics, REWARD_KEYS)
+        _set_first(self.kl, worker, metrics, KL_KEYS)
+        _set_first(self.ppo_kl, worker, metrics, ("actor/ppo_kl",))
+
+    def observe_worker(self, timings: Mapping[str, float], worker: str) -> None:
+        """One worker's own seconds in the step's nodes (`timing_s/<node>`)."""
+        for key, value in timings.items():
+            stage = key.removeprefix("timing_s/")
+            _observe(self.worker_stage_seconds.labels(worker, stage,
+                                                      self.stage_kinds.get(stage, "")),
+                     float(value))
 
     def set_memory(self, worker: str, device: str, nbytes: int) -> None:
         """Memory in use on one device of one worker (`cuda:0`, `cpu`, …), in bytes."""
@@ -217,15 +237,22 @@ def _observe(histogram: Histogram, value: float) -> None:
         histogram.observe(value)
 
 
-def _increase(counter: Counter, value: float | None) -> None:
-    if value is not None and math.isfinite(value) and value > 0:
-        counter.inc(value)
+def _increase(counter: Counter, worker: str, value: float | None) -> None:
+    """Count `value` (a row's key; None: the row has none, and no series is made)."""
+    if value is None:
+        return
+    child = counter.labels(worker)
+    if math.isfinite(value) and value > 0:
+        child.inc(value)
 
 
-def _set_first(gauge: Gauge, metrics: Mapping[str, float], keys: tuple[str, ...]) -> None:
+def _set_first(gauge: Gauge, worker: str, metrics: Mapping[str, float],
+               keys: tuple[str, ...]) -> None:
+    """The gauge from the first of `keys` the row has; none: no series (a DPO run has no
+    reward, and a series at 0 would say it had)."""
     for key in keys:
         if key in metrics:
-            gauge.set(float(metrics[key]))
+            gauge.labels(worker).set(float(metrics[key]))
             return
 
 

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any
@@ -243,11 +244,16 @@ def test_dpo_rank_killed_then_resumed_equals_local(tmp_path: Path,
 
 
 def test_a_failing_rank_names_node_and_step_without_tracebacks(
-        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capfd: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A NaN from a plugin node stops the ranks: one message naming node and step, the
-    traceback kept in run_dir/.ranks, none of the launcher's per-rank logs."""
+    traceback kept in run_dir/.ranks, none of the launcher's per-rank logs, nothing
+    left in the temp folder (torch's `pytorch-errorfile-*.pickle` of a failed rank)."""
     graph = tmp_path / "faults.yaml"
     graph.write_text((PLUGINS / "faults.yaml").read_text())
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # the launcher's, this process
     with pytest.raises(RankFailed) as exc:
         _fsdp(graph, tmp_path / "run", "trainer.steps=3", "nodes.score.params.nan_at=1")
     message = str(exc.value)
@@ -260,6 +266,7 @@ def test_a_failing_rank_names_node_and_step_without_tracebacks(
     assert trace and "NonFiniteError" in Path(trace[1]).read_text()
     err = capfd.readouterr().err
     assert "Traceback" not in err and "Terminating process" not in err, err
+    assert list(temp.iterdir()) == []
 
 
 @pytest.mark.slow

@@ -116,8 +116,10 @@ def test_ray_gives_the_numbers_of_the_local_run(
         assert "val/score/mean" in rows[-1], "held-out evaluation through the workers"
     if graph == "grpo":  # one endpoint on the driver; every worker under its own label
         body = out.scrape()
-        for worker in ("driver", "actor_rollout_ref/0", "actor_rollout_ref/1"):
-            assert f'flowgraph_training_steps_total{{worker="{worker}"}} 5.0' in body, body
+        assert 'flowgraph_training_steps_total{worker="driver"} 5.0' in body, body
+        for worker in ("actor_rollout_ref/0", "actor_rollout_ref/1"):  # its own seconds
+            assert (f'flowgraph_worker_stage_seconds_count{{kind="generate",stage="gen",'
+                    f'worker="{worker}"}} 5.0') in body, body
         assert 'flowgraph_device_memory_bytes{device="cpu",worker="actor_rollout_ref/1"}' \
             in body
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import shutil
 import signal
@@ -21,6 +22,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -265,21 +267,39 @@ def test_a_port_out_of_range_is_a_usage_error(capsys: pytest.CaptureFixture[str]
 
 
 def test_exporter_labels_each_worker() -> None:
-    """What fsdp/ray feed: one endpoint, a `worker` label per rank."""
+    """What fsdp/ray feed: one endpoint; the step row once, from the process that owns
+    it (rank 0), and each rank's own node seconds and memory under its label."""
     exporter = Exporter(stage_kinds={"gen": "generate"})
+    exporter.observe_step(0, {"timing_s/gen": 1.5, "perf/response_tokens": 10.0,
+                              "critic/score/mean": 0.25}, worker="rank0")
     for rank in range(2):
-        exporter.observe_step(0, {"timing_s/gen": 0.5 + rank, "perf/response_tokens": 10.0,
-                                  "critic/score/mean": 0.25 * rank}, worker=f"rank{rank}")
+        exporter.observe_worker({"timing_s/gen": 0.5 + rank}, f"rank{rank}")
         exporter.set_memory(f"rank{rank}", f"cuda:{rank}", 1000 * (rank + 1))
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value
            for family in exporter.registry.collect() for s in family.samples}
-    assert got[("flowgraph_training_steps_total", (("worker", "rank1"),))] == 1.0
+    assert got[("flowgraph_training_steps_total", (("worker", "rank0"),))] == 1.0
     assert got[("flowgraph_stage_seconds_sum",
+                (("kind", "generate"), ("stage", "gen"), ("worker", "rank0")))] == 1.5
+    assert got[("flowgraph_worker_stage_seconds_sum",
                 (("kind", "generate"), ("stage", "gen"), ("worker", "rank1")))] == 1.5
     assert got[("flowgraph_generated_tokens_total", (("worker", "rank0"),))] == 10.0
-    assert got[("flowgraph_reward_mean", (("worker", "rank1"),))] == 0.25
+    assert got[("flowgraph_reward_mean", (("worker", "rank0"),))] == 0.25
     assert got[("flowgraph_device_memory_bytes",
                 (("device", "cuda:1"), ("worker", "rank1")))] == 2000
+    # rank 1 owns no series of the row: no reward, KL, steps or tokens of its own
+    assert {labels for _, labels in got if ("worker", "rank1") in labels} == {
+        (("device", "cuda:1"), ("worker", "rank1"))} | {
+        labels for name, labels in got if name.startswith("flowgraph_worker_stage_seconds")
+        and ("worker", "rank1") in labels}
+
+
+def test_a_row_without_a_reward_exports_no_reward() -> None:
+    """DPO's rows have no score: no `flowgraph_reward_mean` at 0 saying there was one."""
+    exporter = Exporter()
+    exporter.observe_step(0, {"actor/dpo_loss": 0.7})
+    names = {s.name for family in exporter.registry.collect() for s in family.samples}
+    assert "flowgraph_reward_mean" not in names and "flowgraph_kl" not in names
+    assert "flowgraph_skipped_steps_total" in names  # a counter at 0 from the start
 
 
 def test_a_skipped_batch_is_counted_not_left_as_a_gauge() -> None:
@@ -297,8 +317,10 @@ def test_a_skipped_batch_is_counted_not_left_as_a_gauge() -> None:
 # --- a real Prometheus server -----------------------------------------------------------------
 
 
-@pytest.mark.prometheus
-def test_prometheus_scrapes_the_run(live_run: LiveRun, tmp_path: Path) -> None:
+@contextmanager
+def prometheus(tmp_path: Path, jobs: dict[str, int]) -> Iterator[tuple[int, Path]]:
+    """A real Prometheus scraping `127.0.0.1:<port>` of each job every second, ready;
+    (its port, its log)."""
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.fail("the `prometheus` binary is not on PATH: run `scripts/ensure-prometheus` "
@@ -306,8 +328,8 @@ def test_prometheus_scrapes_the_run(live_run: LiveRun, tmp_path: Path) -> None:
     config = tmp_path / "prometheus.yml"
     config.write_text(json.dumps({  # JSON is YAML
         "global": {"scrape_interval": "1s"},
-        "scrape_configs": [{"job_name": "flowgraph", "static_configs": [
-            {"targets": [f"127.0.0.1:{live_run.port}"]}]}]}))
+        "scrape_configs": [{"job_name": job, "static_configs": [
+            {"targets": [f"127.0.0.1:{port}"]}]} for job, port in jobs.items()]}))
     port = free_port()
     log = tmp_path / "prometheus.log"
     with log.open("w") as out:
@@ -316,7 +338,16 @@ def test_prometheus_scrapes_the_run(live_run: LiveRun, tmp_path: Path) -> None:
              f"--web.listen-address=127.0.0.1:{port}"], stdout=out, stderr=subprocess.STDOUT)
     try:
         _wait_for(lambda: _ready(port, server, log), 30, log)
-        result = _query_until(port, "flowgraph_training_steps_total", server, log)
+        yield port, log
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+@pytest.mark.prometheus
+def test_prometheus_scrapes_the_run(live_run: LiveRun, tmp_path: Path) -> None:
+    with prometheus(tmp_path, {"flowgraph": live_run.port}) as (port, log):
+        result = _query_until(port, "flowgraph_training_steps_total", log)
         metric, (_, count) = result[0]["metric"], result[0]["value"]
         assert float(count) == STEPS
         assert metric["job"] == "flowgraph" and metric["worker"] == "local"
@@ -325,9 +356,6 @@ def test_prometheus_scrapes_the_run(live_run: LiveRun, tmp_path: Path) -> None:
             query = re.sub(r"\$\w+", lambda m: grafana[m.group(0)], expr)
             _query(port, query.replace("label_values(flowgraph_run_info, job)",
                                        "flowgraph_run_info"))
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     check = subprocess.run(["promtool", "check", "config",
                             str(ROOT / "deploy" / "prometheus" / "prometheus.yml")],
                            capture_output=True, text=True)
@@ -355,8 +383,7 @@ def _query(port: int, promql: str) -> list[dict[str, object]]:
     return list(body["data"]["result"])
 
 
-def _query_until(port: int, promql: str, server: subprocess.Popen[bytes], log: Path
-                 ) -> list[dict[str, object]]:
+def _query_until(port: int, promql: str, log: Path) -> list[dict[str, object]]:
     """Query until Prometheus has scraped the series (within 30 s)."""
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -365,3 +392,150 @@ def _query_until(port: int, promql: str, server: subprocess.Popen[bytes], log: P
             return result
         time.sleep(0.25)
     pytest.fail(f"prometheus returned no `{promql}` within 30 s:\n{log.read_text()[-3000:]}")
+
+
+# --- the dashboard of a distributed run ------------------------------------------------------
+
+WORKERS = {"ray": {"driver", "actor_rollout_ref/0", "actor_rollout_ref/1"},
+           "fsdp": {"rank0", "rank1"}}
+"""Who reports memory in a run of 2 workers: the Ray driver and its pool's workers; the
+fsdp ranks."""
+Rows = list[dict[str, float]]
+
+
+def _last(key: str) -> Callable[[Rows], float]:
+    """The latest row's `key` (a gauge: the dashboard shows the latest value)."""
+    return lambda rows: [r[key] for r in rows if key in r][-1]
+
+
+def _total(key: str) -> Callable[[Rows], float]:
+    """`key` summed over the rows: the counter a rate panel takes the slope of."""
+    return lambda rows: sum(r[key] for r in rows)
+
+
+def _stage_quantile(q: float, stages: Callable[[str], bool]) -> Callable[[Rows], object]:
+    """`histogram_quantile(q, ...)` of the rows' `timing_s/<stage>`: per stage, or of the
+    stages `stages` picks pooled (one value) when the panel sums over stage."""
+    return lambda rows: bucket_quantile(q, [r[k] for r in rows for k in r
+                                            if k.startswith("timing_s/") and stages(k[9:])])
+
+
+def bucket_quantile(q: float, values: list[float]) -> float:
+    """Prometheus' `histogram_quantile` of `values` observed into `STAGE_BUCKETS`: the
+    bucket holding rank q·n, linearly interpolated between its bounds (the lowest bucket
+    starts at 0; a rank in +Inf gives the highest finite bound)."""
+    from flowgraph.runtime.prometheus import STAGE_BUCKETS
+
+    counts = [sum(v <= le for v in values) for le in STAGE_BUCKETS]
+    rank = q * len(values)
+    b = next((i for i, c in enumerate(counts[:-1]) if c >= rank), len(counts) - 1)
+    if b == len(counts) - 1:
+        return STAGE_BUCKETS[-2]
+    start, below = (STAGE_BUCKETS[b - 1], counts[b - 1]) if b else (0.0, 0)
+    return start + (STAGE_BUCKETS[b] - start) * (rank - below) / (counts[b] - below)
+
+
+def _by(label: str, keys: Callable[[str], bool], prefix: str = "") -> Callable[[Rows], object]:
+    """A vector panel: label value -> the latest row's `<prefix><label value>`."""
+    return lambda rows: {k.removeprefix(prefix): v for k, v in rows[-1].items()
+                         if k.startswith(prefix) and keys(k.removeprefix(prefix))}
+
+
+TRUTH: dict[tuple[str, str], Callable[[Rows], object]] = {
+    ("Step", "A"): _last("step"),
+    # 60 * rate(steps_total) -> 60 * steps_total: one count per row
+    ("Steps / min", "A"): lambda rows: 60.0 * len(rows),
+    ("Training step rate", "A"): lambda rows: 60.0 * len(rows),
+    ("Generated tokens / s", "A"): _total("perf/response_tokens"),
+    ("Tokens / s", "A"): _total("perf/response_tokens"),
+    ("Tokens / s", "B"): _total("perf/tokens"),
+    ("Reward (latest)", "A"): _last("critic/score/mean"),
+    ("Reward", "A"): _last("critic/score/mean"),
+    ("Reward", "B"): _last("val/score/mean"),
+    ("Reward", "C"): _last("val/accuracy"),
+    ("Held-out accuracy", "A"): _last("val/accuracy"),
+    ("KL to reference (latest)", "A"): _last("actor/kl_loss"),  # GRPO: no kl_penalty node
+    ("KL", "A"): _last("actor/kl_loss"),
+    ("KL", "B"): _last("actor/ppo_kl"),
+    ("KL", "C"): _last("val/log_ratio_to_ref"),
+    ("Generation latency p50 / p95", "A"): _stage_quantile(0.95, lambda s: s == "gen"),
+    ("Generation latency p50 / p95", "B"): _stage_quantile(0.5, lambda s: s == "gen"),
+    ("Stage time p95", "A"): lambda rows: {
+        k[9:]: bucket_quantile(0.95, [r[k] for r in rows]) for k in rows[0]
+        if k.startswith("timing_s/") and k != "timing_s/step"},
+    ("Losses", "A"): _by("name", lambda k: k in {"actor/pg_loss", "critic/vf_loss",
+                                                 "actor/dpo_loss", "actor/kl_loss"}),
+    ("Held-out diversity and length", "A"): _by(
+        "name", lambda k: k.startswith("diversity/") or k == "response_length/mean", "val/"),
+}
+"""Each panel target's value, from metrics.jsonl. A rate panel is compared through its
+counter (`rate(c[…])` read as `c`): its slope depends on when Prometheus scraped, its
+total does not, and the total is what a worker's duplicate series would break."""
+
+
+def _panel_targets() -> list[tuple[str, str, str]]:
+    board = json.loads(DASHBOARD.read_text())
+    return [(p["title"], t["refId"], t["expr"]) for p in board["panels"] for t in p["targets"]]
+
+
+def _evaluate(port: int, expr: str, job: str) -> object:
+    """A panel's PromQL for one run (`$job`), a rate read as its counter: one number, or
+    {label value: number} for a panel that keeps a label."""
+    query = re.sub(r"rate\((.+?)\[\$__rate_interval\]\)", r"\1", expr).replace("$job", job)
+    result = _query(port, query)
+    kept = [k for k in ("stage", "name", "job") if f"by (le, {k})" in query
+            or f"by ({k})" in query]
+    if not kept:
+        assert len(result) == 1, f"{query}: {result}"
+        return float(result[0]["value"][1])  # type: ignore[index]
+    return {r["metric"][kept[0]]: float(r["value"][1]) for r in result}  # type: ignore[index]
+
+
+@pytest.mark.prometheus
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("target", ["ray", "fsdp"])
+def test_every_panel_of_a_distributed_run_shows_its_metrics_jsonl(
+        target: str, tmp_path: Path) -> None:
+    """ray(2) and fsdp(2), scraped by a real Prometheus: every panel of the dashboard
+    evaluated through its HTTP API is the run's metrics.jsonl — no worker's series
+    beside the driver's (rank 0's) pulls an `avg` down or adds to a `sum`."""
+    targets = _panel_targets()
+    assert {(t, r) for t, r, _ in targets} == set(TRUTH) | {("Memory per device", "A")}
+    metrics_port, run_dir, log = free_port(), tmp_path / "run", tmp_path / "run.log"
+    eval_set = tmp_path / "eval.jsonl"
+    eval_set.write_text("".join(json.dumps(
+        {"prompt": [{"role": "user", "content": q}], "ground_truth": a}) + "\n"
+        for q, a in EVAL_SET))
+    cmd = [sys.executable, "-m", "flowgraph", "run", str(ROOT / "graphs" / "grpo.yaml"),
+           "--target", target, "--nproc", "2", *SMALL, f"trainer.run_dir={run_dir}",
+           f"data.train.eval_path={eval_set}", "--metrics-port", str(metrics_port),
+           "--metrics-hold", "120"]
+    with prometheus(tmp_path, {target: metrics_port}) as (port, prom_log), \
+            log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path,
+                                start_new_session=True)
+        try:
+            _wait_for(lambda: "serving the final metrics" in log.read_text()
+                      or proc.poll() is not None, 240, log)
+            assert proc.poll() is None, log.read_text()[-3000:]
+            held = time.time()  # the run is over: a scrape after this one is final
+            _wait_for(lambda: float(_query_until(port, f'max(timestamp(flowgraph_last_step'
+                                                 f'{{job="{target}"}}))', prom_log)[0]
+                                    ["value"][1]) > held, 30, prom_log)  # type: ignore[index]
+            rows = _rows(run_dir)
+            assert len(rows) == STEPS and rows[-1]["critic/score/mean"] != 0
+            assert rows[-1]["actor/kl_loss"] != 0, "a KL of 0 cannot show a fraction of it"
+            for title, ref, expr in targets:
+                if title == "Memory per device":  # not in metrics.jsonl: every worker's
+                    memory = {r["metric"]["worker"]: float(r["value"][1])  # type: ignore[index]
+                              for r in _query(port, expr.replace("$job", target))}
+                    assert set(memory) == WORKERS[target] and min(memory.values()) > 1e6
+                    continue
+                got, want = _evaluate(port, expr, target), TRUTH[title, ref](rows)
+                if "by (job)" in expr:
+                    want = {target: want}
+                assert got == pytest.approx(want, rel=1e-9), f"panel `{title}` ({ref}): {expr}"
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

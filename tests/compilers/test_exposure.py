@@ -1,0 +1,209 @@
+"""Loopback by default, nothing left behind: what a run opens to the network and leaves on
+the machine.
+
+A single-host run serves every store flowgraph creates (the fsdp rendezvous, the
+process groups of fsdp ranks and of Ray pool workers) on 127.0.0.1; the embedded Ray
+cluster's token is readable by its owner alone; a driver killed with SIGKILL takes the
+cluster's processes with it; an fsdp run leaves nothing in the temp folder. The runs
+are real `flowgraph run` processes (grpo at its smallest); listening sockets are read
+with psutil, as `ss -ltnp` would show them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+psutil = pytest.importorskip("psutil")
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ("dims.Bp=2", "dims.N=2", "nodes.update_actor.params.mini_batch_size=4")
+
+
+def _listening(pids: Callable[[], list[int]]) -> dict[tuple[str, int], int]:
+    """(address, port) -> pid of every TCP socket the processes `pids()` listen on."""
+    found = {}
+    for pid in pids():
+        try:
+            for c in psutil.Process(pid).net_connections("tcp"):
+                if c.status == psutil.CONN_LISTEN:
+                    found[(c.laddr.ip, c.laddr.port)] = pid
+        except psutil.Error:  # gone meanwhile
+            continue
+    return found
+
+
+def _tree(pid: int) -> list[int]:
+    try:
+        root = psutil.Process(pid)
+        return [pid, *(p.pid for p in root.children(recursive=True))]
+    except psutil.Error:
+        return []
+
+
+def _loopback(addr: str) -> bool:
+    return ipaddress.ip_address(addr.split("%")[0]).is_loopback
+
+
+def _flowgraph(args: list[str], log: Path, **env: str) -> subprocess.Popen[bytes]:
+    cache = os.environ.get("FLOWGRAPH_CACHE") or str(Path.home() / ".cache" / "flowgraph")
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "flowgraph", "run", str(ROOT / "graphs" / "grpo.yaml"),
+             *SMALL, *args], stdout=out, stderr=subprocess.STDOUT,
+            env={**os.environ, "FLOWGRAPH_CACHE": cache, **env})
+
+
+def _until(ready: Callable[[], bool], seconds: float, log: Path) -> None:
+    deadline = time.monotonic() + seconds
+    while not ready():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up after {seconds} s:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
+def test_a_store_listens_on_its_address_alone() -> None:
+    """torch's TCPStore server listens on every interface (`*:port`); ours on the
+    address it is given."""
+    from flowgraph.compilers._dist import listening_store
+
+    port = _free_port()
+    store = listening_store("127.0.0.1", port, None, datetime.timedelta(seconds=10))
+    store.set("key", "value")
+    mine = {addr for (addr, p) in _listening(lambda: [os.getpid()]) if p == port}
+    assert mine == {"127.0.0.1"}
+    del store
+
+
+def test_a_rendezvous_endpoint_that_is_not_this_machine_is_named() -> None:
+    """Node 0 serves the rendezvous on the endpoint's address: one not of this machine
+    (192.0.2.0/24 is TEST-NET-1) is a message naming the flag, not a torch traceback."""
+    from flowgraph.compilers.fsdp import _rendezvous_store
+    from flowgraph.errors import FlowgraphError
+
+    with pytest.raises(FlowgraphError) as exc:
+        _rendezvous_store("192.0.2.99:29411")
+    assert str(exc.value).startswith("--rdzv-endpoint 192.0.2.99:29411: cannot listen on "
+                                     "192.0.2.99:29411: ")
+    assert "an address of node 0 (this machine)" in str(exc.value)
+
+
+def test_a_node_is_reached_at_its_address_towards_the_rendezvous() -> None:
+    """Across machines a node's stores listen on the interface its route to the
+    rendezvous endpoint leaves by; towards 127.0.0.1 that is 127.0.0.1."""
+    from flowgraph.compilers.fsdp import address_towards
+
+    assert address_towards("127.0.0.1:29400") == "127.0.0.1"
+    assert address_towards("localhost") in ("127.0.0.1", "::1")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.multiprocess
+def test_an_fsdp_run_listens_on_loopback_and_leaves_no_temp_files(tmp_path: Path) -> None:
+    """Every socket of the launcher and its ranks (rendezvous, process-group store, gloo,
+    /metrics) is on 127.0.0.1; no `torchelastic_*` folder or `pytorch-errorfile-*`
+    remains in the temp folder."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    log = tmp_path / "run.log"
+    proc = _flowgraph(["--target", "fsdp", "--nproc", "2", "trainer.steps=2",
+                       f"trainer.run_dir={tmp_path / 'run'}", "--metrics-port", "0"],
+                      log, TMPDIR=str(temp))
+    seen: dict[tuple[str, int], int] = {}
+    while proc.poll() is None:
+        seen.update(_listening(lambda: _tree(proc.pid)))
+        time.sleep(0.2)
+    assert proc.returncode == 0, log.read_text()[-3000:]
+    assert len(seen) >= 4, seen  # rendezvous, ranks' store, their gloo pairs, /metrics
+    assert [a for a in seen if not _loopback(a[0])] == [], seen
+    # torch's compile cache (`torchinductor_<user>`, made at import) is every torch
+    # program's, kept across runs like ~/.cache: not a run's litter
+    assert [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")] == []
+
+
+@pytest.mark.multiprocess
+def test_two_fsdp_nodes_listen_on_the_network_their_endpoint_names(tmp_path: Path) -> None:
+    """`--nnodes 2` with `--rdzv-endpoint 127.0.0.1:PORT`: node 0's rendezvous, the
+    ranks' store and everything else either node opens is on that network, loopback."""
+    endpoint = f"127.0.0.1:{_free_port()}"
+    procs = [_flowgraph(["--target", "fsdp", "--nproc", "2", "--nnodes", "2", "--node-rank",
+                         str(rank), "--rdzv-endpoint", endpoint, "trainer.steps=2",
+                         f"trainer.run_dir={tmp_path / 'run'}"], tmp_path / f"node{rank}.log")
+             for rank in range(2)]
+    seen: dict[tuple[str, int], int] = {}
+    while any(p.poll() is None for p in procs):
+        seen.update(_listening(lambda: [q for p in procs for q in _tree(p.pid)]))
+        time.sleep(0.2)
+    for rank, proc in enumerate(procs):
+        assert proc.returncode == 0, (tmp_path / f"node{rank}.log").read_text()[-3000:]
+    assert ("127.0.0.1", int(endpoint.rpartition(":")[2])) in seen  # node 0's rendezvous
+    assert [a for a in seen if not _loopback(a[0])] == [], seen
+
+
+@pytest.mark.multiprocess
+def test_a_ray_run_on_one_machine_binds_loopback_keeps_its_token_and_dies_with_its_driver(
+        tmp_path: Path) -> None:
+    """The embedded cluster's `~/.ray/auth_token` is 0600; the pool's process-group store
+    is served on 127.0.0.1 (worker 0 listens on no more wildcard addresses than worker
+    1: both only on Ray's own); a SIGKILL of the driver ends every process of the
+    cluster within seconds (Ray's agents alone would wait 60 s for a dead GCS)."""
+    home, run_dir, log = tmp_path / "home", tmp_path / "run", tmp_path / "run.log"
+    home.mkdir()
+    proc = _flowgraph(["--target", "ray", "--nproc", "2", "trainer.steps=200",
+                       "trainer.checkpoint_every=0", f"trainer.run_dir={run_dir}"],
+                      log, HOME=str(home))
+    cluster: list[int] = []
+    try:
+        _until(lambda: "step 1/" in log.read_text() or proc.poll() is not None, 240, log)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        token = home / ".ray" / "auth_token"
+        assert stat.S_IMODE(token.stat().st_mode) == 0o600
+        workers = json.loads((run_dir / ".ranks" / "workers.json").read_text())
+        first, second = workers["actor_rollout_ref"]
+        wide = [sorted(p for (a, p) in _listening(lambda w=w: [w]) if not _loopback(a))
+                for w in (first, second)]
+        assert len(wide[0]) <= len(wide[1]), wide
+        assert any(_loopback(a) for a, _ in _listening(lambda: [first]))  # the store
+        cluster = _tree(proc.pid)[1:]
+        names = {psutil.Process(p).name() for p in cluster if psutil.pid_exists(p)}
+        assert {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} & names, names
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _until(lambda: not [p for p in cluster if _alive(p)], 15, log)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        threading.Thread(target=_kill, args=(cluster,), daemon=True).start()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _kill(pids: list[int]) -> None:
+    for pid in pids:
+        if _alive(pid):
+            os.kill(pid, signal.SIGKILL)
