@@ -51,6 +51,7 @@ from flowgraph.compilers.integrity import DISK_FULL
 from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.options import RunOptions
+from flowgraph.compilers.ray_cluster import placed, watched
 from flowgraph.compilers.ray_worker import RayWorker
 from flowgraph.compilers.signals import run_guard
 from flowgraph.compilers.target import Report
@@ -124,7 +125,7 @@ class RayTarget:
             bundles = [{"CPU": b.cpu, **({"GPU": b.gpu} if b.gpu else {})}
                        for b in pool.bundles]
             pg = placement_group(bundles, strategy="PACK")
-            ray.get(pg.ready())
+            placed(pg, pool.name, bundles)
             remote = ray.remote(RayWorker)
             workers = [
                 remote.options(
@@ -349,10 +350,11 @@ def run_ray(plan: ExecutionPlan, opts: RunOptions) -> None:
             options = ExecOptions(run_dir, "cpu", opts.strict, opts.resume, opts.out,
                                   opts.tensorboard, exporter, stop=stop,
                                   allow_changed=opts.allow_changed)
-            target = RayTarget(plan, options)
-            loop = TrainingLoop(plan, target, options)
-            loop.setup()
-            loop.run()
+            with watched(plan, opts):  # a lost head or node: what to do, not Ray's exit
+                target = RayTarget(plan, options)
+                loop = TrainingLoop(plan, target, options)
+                loop.setup()
+                loop.run()
         finally:  # workers first: the endpoint is held after this block
             if target is not None:
                 target.stop()

@@ -5,28 +5,37 @@ fsdp --nnodes 2 --node-rank R --rdzv-endpoint 127.0.0.1:PORT` launches.
   with one message (never a checkpoint published without node 1's shards);
 * a node that never comes is named after `--rdzv-timeout`, with a progress line meanwhile;
 * a rank killed on one node is named on both, each with the command that resumes it,
-  every launch flag in it; resumed, the run has the local run's numbers.
+  every launch flag in it; resumed, the run has the local run's numbers;
+* a Ray head lost under a driver that joined it (`--address`) is one flowgraph message
+  with the last checkpoint and the resume command, not Ray's own exit.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
-from flowgraph.compilers import _dist, read_metrics
+from flowgraph.compilers import RunOptions, _dist, read_metrics
 from flowgraph.compilers.checkpoint import latest_checkpoint
+from flowgraph.compilers.signals import resume_command
+from flowgraph.ir import TrainerSpec
+from flowgraph.passes import compile_graph
 from flowgraph.testing.targets import assert_same_numbers
-
-pytestmark = [pytest.mark.cluster, pytest.mark.multiprocess]
+from flowgraph.voice import python_entry
 
 ROOT = Path(__file__).resolve().parents[2]
 DPO = ROOT / "graphs" / "dpo.yaml"
@@ -54,6 +63,70 @@ def _both(*procs: subprocess.Popen[str]) -> list[tuple[int, str, str]]:
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs, strict=True)]
 
 
+@pytest.mark.parametrize("python", [False, True], ids=["cli", "python"])
+def test_the_resume_command_carries_every_launch_flag(tmp_path: Path, python: bool) -> None:
+    plan = compile_graph(DPO, target="fsdp", nproc=2,
+                         overrides=["trainer.run_dir=run"]).plan
+    assert plan is not None
+    opts = RunOptions(nnodes=2, node_rank=0, rdzv_endpoint="10.0.0.1:29500",
+                      rdzv_timeout=30, overrides=("trainer.run_dir=run",))
+    if not python:
+        assert resume_command(plan, opts) == (
+            f"flowgraph run {DPO} --target fsdp --nproc 2 --nnodes 2 --node-rank 0 "
+            "--rdzv-endpoint 10.0.0.1:29500 --rdzv-timeout 30 --resume trainer.run_dir=run")
+        return
+    with python_entry():
+        assert resume_command(plan, opts) == (
+            f"flowgraph.run({str(DPO)!r}, target='fsdp', nproc=2, nnodes=2, node_rank=0, "
+            "rdzv_endpoint='10.0.0.1:29500', rdzv_timeout=30, resume=True, "
+            "run_dir='run')")
+
+
+def test_a_ray_resume_command_joins_the_same_cluster() -> None:
+    plan = compile_graph(DPO, target="ray", nproc=2, overrides=["trainer.run_dir=run"]).plan
+    assert plan is not None
+    assert resume_command(plan, RunOptions(address="10.0.0.1:6379")) == (
+        f"flowgraph run {DPO} --target ray --nproc 2 --address 10.0.0.1:6379 --resume "
+        "trainer.run_dir=run")
+
+
+@pytest.mark.parametrize(("error", "lost"), [
+    ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+     "[127.0.0.1]:14216: Connection reset by peer.", True),
+    ("DistBackendError: NCCL communicator was aborted on rank 0.", True),
+    ("RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+     "1800000ms for recv operation to complete", True),
+    ("NodeTimeout: the node ran past nodes.score.params.timeout_s = 30 s and was stopped "
+     "here", False),
+    ("non-finite output `scores` in node `score` at step 1", False)])
+def test_a_peer_s_broken_connection_is_told_from_a_rank_s_own_error(error: str, lost: bool
+                                                                    ) -> None:
+    assert _dist.lost_peer(error) is lost
+
+
+def test_several_nodes_need_a_rendezvous_endpoint(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from flowgraph.cli import main
+
+    code = main(["run", str(DPO), "--target", "fsdp", "--nproc", "2", "--nnodes", "2",
+                 f"trainer.run_dir={tmp_path / 'run'}"])
+    assert code == 2
+    assert ("flowgraph: error: --nnodes 2 needs --rdzv-endpoint HOST:PORT: node 0's address "
+            "and a free port, the same on every machine") in capsys.readouterr().err
+
+
+def test_the_default_step_timeout_is_set_and_stated_in_the_readme() -> None:
+    """A stopped worker ends a run by default (ray restarts it, fsdp names it): the
+    default the README states is the declared one."""
+    default = TrainerSpec().step_timeout_s
+    assert default > 0
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Multi-node", 1)[1].split("\n## ", 1)[0]
+    assert f"`trainer.step_timeout_s` is {default:g} s by default" in section
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
 def test_run_dirs_that_are_not_one_folder_are_refused_on_every_node(tmp_path: Path) -> None:
     port = _port()
     results = _both(_node(tmp_path, 0, port, *SHORT, "trainer.run_dir=node0"),
@@ -73,6 +146,8 @@ def test_run_dirs_that_are_not_one_folder_are_refused_on_every_node(tmp_path: Pa
         assert [p.name for p in ranks.iterdir()] == [f"machine_{node}"]
 
 
+@pytest.mark.cluster
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("rank", "told"), [
     (0, "node 1 did not join the rendezvous at 127.0.0.1:{port} within --rdzv-timeout 3 s "
         "(1 of 2 joined: node 0); start `flowgraph run` with --node-rank 1 and the same "
@@ -107,6 +182,8 @@ def _kill_rank(run_dir: Path, rank: int, at_step: int, done: threading.Event,
             return
 
 
+@pytest.mark.cluster
+@pytest.mark.multiprocess
 def test_a_rank_killed_on_one_node_is_named_on_both_then_resumed_to_the_local_numbers(
         tmp_path: Path, local_reference: Any) -> None:
     """Rank 1 SIGKILLed at step 3: node 0 names it too (not its own rank's broken
@@ -145,3 +222,65 @@ def test_a_rank_killed_on_one_node_is_named_on_both_then_resumed_to_the_local_nu
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert_same_numbers(rows, local_reference("dpo"))
+
+
+@pytest.fixture
+def ray_head() -> Iterator[tuple[str, dict[str, str], Path]]:
+    """A Ray head of its own (`ray start --head`): its address, the environment that
+    joins it (token authentication off: ~/.ray/auth_token is shared with every other
+    cluster of this user), its folder; every process of it killed at the end."""
+    folder = Path(tempfile.mkdtemp(prefix="fgray", dir="/tmp"))  # short: Ray's sockets
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    port = _port()
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head",
+                    f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
+                    f"--temp-dir={folder}", "--disable-usage-stats"],
+                   env=env, check=True, capture_output=True, timeout=120)
+    try:
+        yield f"127.0.0.1:{port}", env, folder
+    finally:
+        for proc in _processes_of(folder):
+            proc.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _processes_of(folder: Path, name: str = "") -> list[psutil.Process]:
+    """The processes of the Ray head in `folder` (whose command line names it)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        line = " ".join(proc.info["cmdline"] or [])
+        if str(folder) in line and name in line:
+            found.append(proc)
+    return found
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_lost_ray_head_is_one_message_with_the_last_checkpoint_and_the_resume_command(
+        tmp_path: Path, ray_head: tuple[str, dict[str, str], Path]) -> None:
+    """The head's GCS killed at step 3: Ray would end the driver after
+    RAY_gcs_rpc_server_reconnect_timeout_s (15 s here) with its own line; flowgraph
+    ends it 5 s before, saying what was lost and how to go on."""
+    address, env, folder = ray_head
+    env["RAY_gcs_rpc_server_reconnect_timeout_s"] = "15"
+    args = ("--target", "ray", "--nproc", "2", "--address", address, "trainer.steps=2000",
+            "trainer.checkpoint_every=2", "trainer.run_dir=run")
+    proc = subprocess.Popen([sys.executable, "-m", "flowgraph", "run", str(DPO), *args],
+                            cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    while proc.poll() is None and len(read_metrics(tmp_path / "run")) < 3:
+        time.sleep(0.2)
+    (gcs,) = _processes_of(folder, "gcs_server")
+    gcs.kill()
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    found = latest_checkpoint(tmp_path / "run")
+    assert found is not None and metrics.exists()
+    assert f"flowgraph: error: lost the Ray head of `{address}`: its GCS at " in err, err
+    assert ("gave no answer for 10 s; the run stopped; the last checkpoint is step "
+            f"{found[0]}; once the cluster is whole again, continue with: flowgraph run "
+            f"{DPO} --target ray --nproc 2 --address {address} --resume trainer.steps=2000 "
+            "trainer.checkpoint_every=2 trainer.run_dir=run\n") in err, err
+    assert "Failed to connect to GCS" not in err and "Traceback" not in err, err
