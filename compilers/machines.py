@@ -139,7 +139,7 @@ def endpoint(text: str | None) -> tuple[str, int]:
 def _store(host: str, port: int, opts: RunOptions, deadline: float, out: TextIO) -> Any:
     """Node 0: a new store at `port` (its token drawn); the others: one connected to it
     once something answers there."""
-    from torch.distributed import TCPStore
+    from torch._C._distributed_c10d import TCPStore
 
     timeout = timedelta(seconds=max(opts.rdzv_timeout, 60.0))
     if opts.node_rank == 0:
