@@ -336,3 +336,12 @@ def read_status(run_dir: Path, rank: int) -> tuple[int, str] | None:
     except OSError:
         return None
     return (int(m["step"]), m["node"]) if m else None
+
+
+def status_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid a worker's status file names (`write_status`), None without one."""
+    try:
+        m = _STATUS.match(status_file(run_dir, rank).read_text().strip())
+    except OSError:
+        return None
+    return int(m["pid"]) if m and m["pid"] else None

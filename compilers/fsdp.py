@@ -36,7 +36,7 @@ import sys
 import traceback
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -328,7 +328,7 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
     # would kill the ranks before they save (and print its SignalException)
     with run_guard(plan, opts, lock=opts.node_rank == 0, on_request=tell_ranks) as stop:
         try:
-            with _quiet_launcher():
+            with _quiet_launcher(), machines.watching() if machines else nullcontext():
                 elastic_launch(config, rank_main)(str(plan_json), opts.strict, opts.resume,
                                                   opts.metrics_port, opts.metrics_host,
                                                   opts.metrics_hold, os.getpid(),
@@ -348,8 +348,8 @@ def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan, opts: RunOpti
     several machines, every machine's failed ranks (`Machines.gathered`): each names
     the same rank."""
     failures = [_failure(run_dir, rank, failure) for rank, failure in exc.failures.items()]
-    if machines is not None:
-        failures = machines.gathered(failures)
+    if machines is not None:  # its own ranks it ended for another machine: as it saw them
+        failures = machines.gathered([machines.ended.get(f.rank, f) for f in failures])
     # The first failure first; echoes (a peer's broken connection) only with no other.
     causes = [f for f in failures if not f.echo] or failures
     lines = [f.line for f in sorted(causes, key=lambda f: (f.time, f.rank))]

@@ -32,14 +32,20 @@ others' for up to `REPORT_WAIT_S`, so that every machine names the same rank.
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import threading
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
+from flowgraph.compilers import _dist
 from flowgraph.compilers.options import RunOptions
 from flowgraph.errors import FlowgraphError
 from flowgraph.voice import Word, option
@@ -76,6 +82,50 @@ class Machines:
     rank: int
     nnodes: int
     run_dir: Path
+    ended: dict[int, Failure] = field(default_factory=dict)
+    """This machine's ranks that `watching` ended because another machine failed."""
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """The body (the launch) with a thread that, once another machine has reported
+        a failure, ends this machine's ranks: a rank hung or stopped here would keep
+        this launcher waiting for good while the others have ended."""
+        done = threading.Event()
+        thread = threading.Thread(target=self._watch, args=(done,), daemon=True,
+                                  name="flowgraph-machines")
+        thread.start()
+        try:
+            yield
+        finally:
+            done.set()
+            thread.join()
+
+    def _watch(self, done: threading.Event) -> None:
+        others = [self.run_dir / ".ranks" / f"failed_{r}.json" for r in range(self.nnodes)
+                  if r != self.rank]
+        while not done.wait(1.0):
+            failed = [p for p in others if p.exists()]
+            if failed:
+                self._end_ranks(failed[0].stem.removeprefix("failed_"))
+                return
+
+    def _end_ranks(self, machine: str) -> None:
+        """SIGKILL this machine's ranks (the launcher's children, by their status
+        files); one found stopped (SIGSTOP, `T`) is the cause, the others echoes."""
+        for status in (self.run_dir / ".ranks").glob("rank_*"):
+            rank = int(status.name.removeprefix("rank_"))
+            where, pid = _dist.read_status(self.run_dir, rank), _dist.status_pid(
+                self.run_dir, rank)
+            if where is None or pid is None or _parent(pid) != os.getpid():
+                continue
+            stopped = _state(pid) == "T"
+            line = (f"rank {rank} was stopped (SIGSTOP, or a debugger) at step {where[0]} "
+                    f"in node `{where[1]}`: its peers gave up waiting for it" if stopped
+                    else f"rank {rank} was ended at step {where[0]}: node {machine}'s ranks "
+                    "had failed")
+            self.ended[rank] = Failure(rank, line, time.time(), not stopped)
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def gathered(self, mine: list[Failure], wait_s: float = REPORT_WAIT_S
                  ) -> list[Failure]:
@@ -229,6 +279,22 @@ def _prove_shared_run_dir(here: Machines, opts: RunOptions) -> None:
         "run writes each checkpoint from every rank into one folder: put "
         "trainer.run_dir on a filesystem every node mounts at the same path (NFS, "
         f"Lustre, ...), e.g. {option('run_dir', '/shared/runs/NAME')} on every node")
+
+
+def _parent(pid: int) -> int | None:
+    """The parent of process `pid` (Linux), None if it is gone."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _state(pid: int) -> str | None:
+    """Process `pid`'s state letter (`T`: stopped), None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except (OSError, IndexError):
+        return None
 
 
 def _marker(path: Path) -> str | None:

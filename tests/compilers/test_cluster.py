@@ -12,6 +12,7 @@ fsdp --nnodes 2 --node-rank R --rdzv-endpoint 127.0.0.1:PORT` launches.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -222,6 +223,41 @@ def test_a_rank_killed_on_one_node_is_named_on_both_then_resumed_to_the_local_nu
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert_same_numbers(rows, local_reference("dpo"))
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_run_on_both_nodes_named_as_the_cause(tmp_path: Path
+                                                                     ) -> None:
+    """Rank 1 SIGSTOPped: after trainer.step_timeout_s its peer's collective times out;
+    the machine of the stopped rank, which would wait on it for good, ends it, and both
+    machines name it."""
+    port, run_dir = _port(), tmp_path / "run"
+    procs = [_node(tmp_path, r, port, "trainer.steps=2000", "trainer.step_timeout_s=15",
+                   "trainer.run_dir=run") for r in (0, 1)]
+    pid = None
+    try:
+        while pid is None and all(p.poll() is None for p in procs):
+            where = _dist.read_status(run_dir, 1)
+            if where is not None and where[0] >= 2:
+                pid = _dist.status_pid(run_dir, 1)
+            time.sleep(0.01)
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        step, node = _dist.read_status(run_dir, 1) or (-1, "")
+        results = _both(*procs)
+    finally:
+        for p in procs:
+            p.kill()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    for code, _, err in results:
+        assert code == 1, err
+        assert (f"flowgraph: error: the fsdp run stopped: rank 1 was stopped (SIGSTOP, or a "
+                f"debugger) at step {step} in node `{node}`: its peers gave up waiting for "
+                "it\n") in err, err
 
 
 @pytest.fixture
