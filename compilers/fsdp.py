@@ -37,6 +37,7 @@ import traceback
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -328,7 +329,8 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
     # would kill the ranks before they save (and print its SignalException)
     with run_guard(plan, opts, lock=opts.node_rank == 0, on_request=tell_ranks) as stop:
         try:
-            with _quiet_launcher(), machines.watching() if machines else nullcontext():
+            with _quiet_launcher(), (machines.watching(partial(_position, run_dir))
+                                     if machines else nullcontext()):
                 elastic_launch(config, rank_main)(str(plan_json), opts.strict, opts.resume,
                                                   opts.metrics_port, opts.metrics_host,
                                                   opts.metrics_hold, os.getpid(),
@@ -363,6 +365,12 @@ def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan, opts: RunOpti
     if traces:
         tail += f"\n(the full traceback: {', '.join(traces)})"
     return "the fsdp run stopped: " + "; ".join(lines) + f"\n{tail}"
+
+
+def _position(run_dir: Path, rank: int) -> tuple[int, str, int] | None:
+    """Rank `rank`'s step, node and pid (its status file), None before its first node."""
+    where, pid = _dist.read_status(run_dir, rank), _dist.status_pid(run_dir, rank)
+    return None if where is None or pid is None else (*where, pid)
 
 
 def _failure(run_dir: Path, rank: int, failure: Any) -> Failure:

@@ -38,14 +38,13 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
-from flowgraph.compilers import _dist
 from flowgraph.compilers.options import RunOptions
 from flowgraph.errors import FlowgraphError
 from flowgraph.voice import Word, option
@@ -57,6 +56,8 @@ FIRST_S = 1.0
 REPORT_WAIT_S = 15.0
 """How long a failed machine waits for the others' reports of their ranks."""
 _KEY = "flowgraph/machines/"
+Position = Callable[[int], tuple[int, str, int] | None]
+"""Rank -> the step, node and pid its status file names (None: none yet)."""
 
 
 @dataclass(frozen=True)
@@ -86,12 +87,13 @@ class Machines:
     """This machine's ranks that `watching` ended because another machine failed."""
 
     @contextmanager
-    def watching(self) -> Iterator[None]:
+    def watching(self, position: Position) -> Iterator[None]:
         """The body (the launch) with a thread that, once another machine has reported
-        a failure, ends this machine's ranks: a rank hung or stopped here would keep
-        this launcher waiting for good while the others have ended."""
+        a failure, ends this machine's ranks (found by `position`): a rank hung or
+        stopped here would keep this launcher waiting for good while the others have
+        ended."""
         done = threading.Event()
-        thread = threading.Thread(target=self._watch, args=(done,), daemon=True,
+        thread = threading.Thread(target=self._watch, args=(done, position), daemon=True,
                                   name="flowgraph-machines")
         thread.start()
         try:
@@ -100,29 +102,29 @@ class Machines:
             done.set()
             thread.join()
 
-    def _watch(self, done: threading.Event) -> None:
+    def _watch(self, done: threading.Event, position: Position) -> None:
         others = [self.run_dir / ".ranks" / f"failed_{r}.json" for r in range(self.nnodes)
                   if r != self.rank]
         while not done.wait(1.0):
             failed = [p for p in others if p.exists()]
             if failed:
-                self._end_ranks(failed[0].stem.removeprefix("failed_"))
+                self._end_ranks(failed[0].stem.removeprefix("failed_"), position)
                 return
 
-    def _end_ranks(self, machine: str) -> None:
-        """SIGKILL this machine's ranks (the launcher's children, by their status
-        files); one found stopped (SIGSTOP, `T`) is the cause, the others echoes."""
+    def _end_ranks(self, machine: str, position: Position) -> None:
+        """SIGKILL this machine's ranks (the launcher's children among the ranks with a
+        position); one found stopped (SIGSTOP, `T`) is the cause, the others echoes."""
         for status in (self.run_dir / ".ranks").glob("rank_*"):
             rank = int(status.name.removeprefix("rank_"))
-            where, pid = _dist.read_status(self.run_dir, rank), _dist.status_pid(
-                self.run_dir, rank)
-            if where is None or pid is None or _parent(pid) != os.getpid():
+            where = position(rank)
+            if where is None or _parent(where[2]) != os.getpid():
                 continue
+            step, node, pid = where
             stopped = _state(pid) == "T"
-            line = (f"rank {rank} was stopped (SIGSTOP, or a debugger) at step {where[0]} "
-                    f"in node `{where[1]}`: its peers gave up waiting for it" if stopped
-                    else f"rank {rank} was ended at step {where[0]}: node {machine}'s ranks "
-                    "had failed")
+            line = (f"rank {rank} was stopped (SIGSTOP, or a debugger) at step {step} in "
+                    f"node `{node}`: its peers gave up waiting for it" if stopped
+                    else f"rank {rank} was ended at step {step}: node {machine}'s ranks had "
+                    "failed")
             self.ended[rank] = Failure(rank, line, time.time(), not stopped)
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -154,7 +154,8 @@ def test_run_dirs_that_are_not_one_folder_are_refused_on_every_node(tmp_path: Pa
         "(1 of 2 joined: node 0); start `flowgraph run` with --node-rank 1 and the same "
         "--nnodes 2 --rdzv-endpoint 127.0.0.1:{port} there"),
     (1, "node 0 did not answer at 127.0.0.1:{port} within --rdzv-timeout 3 s: start it "
-        "(--node-rank 0) with --rdzv-endpoint 127.0.0.1:{port}")])
+        "(--node-rank 0) with --rdzv-endpoint 127.0.0.1:{port}")],
+    ids=["node 1 never comes", "node 0 never comes"])
 def test_a_node_that_never_comes_is_named_after_the_rendezvous_timeout(
         tmp_path: Path, rank: int, told: str) -> None:
     port = _port()
@@ -183,12 +184,10 @@ def _kill_rank(run_dir: Path, rank: int, at_step: int, done: threading.Event,
             return
 
 
-@pytest.mark.cluster
-@pytest.mark.multiprocess
-def test_a_rank_killed_on_one_node_is_named_on_both_then_resumed_to_the_local_numbers(
-        tmp_path: Path, local_reference: Any) -> None:
+def _killed_on_one_node(tmp_path: Path) -> list[list[str]]:
     """Rank 1 SIGKILLed at step 3: node 0 names it too (not its own rank's broken
-    connection); each node's resume command, run as printed, finishes the run."""
+    connection), each node with its resume command, every launch flag in it; those
+    commands' arguments."""
     port, run_dir = _port(), tmp_path / "run"
     done, killed = threading.Event(), list[tuple[int, str]]()
     killer = threading.Thread(target=_kill_rank, args=(run_dir, 1, 3, done, killed))
@@ -213,14 +212,30 @@ def test_a_rank_killed_on_one_node_is_named_on_both_then_resumed_to_the_local_nu
         assert f"the last checkpoint is step {found[0]}; continue with: {command}\n" in err
         assert "gloo" not in err and "Traceback" not in err, err
         again.append(command.split()[2:])
+    return again
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+def test_a_rank_killed_on_one_node_is_named_on_both(tmp_path: Path) -> None:
+    _killed_on_one_node(tmp_path)
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_run_with_a_rank_killed_on_one_node_resumes_to_the_local_numbers(
+        tmp_path: Path, local_reference: Any) -> None:
+    """Each node's resume command, run as printed, finishes the run: every step once,
+    the numbers of the uninterrupted local run."""
     procs = [subprocess.Popen([sys.executable, "-m", "flowgraph", "run", *args], cwd=tmp_path,
                               text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for args in again]
+             for args in _killed_on_one_node(tmp_path)]
     (code0, out0, err0), (code1, out1, err1) = _both(*procs)
     assert code0 == code1 == 0, err0 + err1
     assert "run finished: run/metrics.jsonl" in out0
     assert "run finished: the ranks of node 1 are done; node 0 wrote run/metrics.jsonl" in out1
-    rows = read_metrics(run_dir)
+    rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert_same_numbers(rows, local_reference("dpo"))
 
