@@ -335,6 +335,18 @@ def all_gather(value: Any, world: int) -> list[Any]:
     return objs
 
 
+_LOST_PEER = re.compile(
+    r"gloo/transport|Connection (?:reset|closed) by peer|Broken pipe|DistNetworkError|"
+    r"DistBackendError|NCCL (?:communicator was aborted|Watchdog)|[Tt]imed out waiting")
+"""What a collective raises on a worker whose peer died or hung (gloo's broken
+connection, a collective's timeout, NCCL's watchdog): the cause is that peer."""
+
+
+def lost_peer(error: str) -> bool:
+    """A worker's error (`ExceptionType: message`) says it lost a peer, not why."""
+    return _LOST_PEER.search(error) is not None
+
+
 def status_file(run_dir: Path, rank: int) -> Path:
     return run_dir / ".ranks" / f"rank_{rank}"
 
@@ -356,3 +368,12 @@ def read_status(run_dir: Path, rank: int) -> tuple[int, str] | None:
     except OSError:
         return None
     return (int(m["step"]), m["node"]) if m else None
+
+
+def status_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid a worker's status file names (`write_status`), None without one."""
+    try:
+        m = _STATUS.match(status_file(run_dir, rank).read_text().strip())
+    except OSError:
+        return None
+    return int(m["pid"]) if m and m["pid"] else None

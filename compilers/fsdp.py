@@ -37,7 +37,8 @@ import tempfile
 import traceback
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -59,6 +60,7 @@ from flowgraph.compilers.checkpoint import (
 from flowgraph.compilers.integrity import load_plain
 from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
+from flowgraph.compilers.machines import Failure, Machines, meet
 from flowgraph.compilers.options import RunOptions
 from flowgraph.compilers.signals import (
     STOP_FILE,
@@ -69,10 +71,17 @@ from flowgraph.compilers.signals import (
 )
 from flowgraph.compilers.target import Report
 from flowgraph.compilers.worker import ExecOptions, Worker
-from flowgraph.errors import FlowgraphError, Interrupted, RankFailed, Stopped, WorkerLost
+from flowgraph.errors import (
+    FlowgraphError,
+    Interrupted,
+    RankFailed,
+    Stopped,
+    UsageError,
+    WorkerLost,
+)
 from flowgraph.plan import ExecutionPlan, read_run_plan, write_run_plan
 from flowgraph.runtime.metrics import serving
-from flowgraph.voice import inherited, option
+from flowgraph.voice import Word, inherited, option
 
 STOPPED = ".ranks/stopped"
 """Written by rank 0 when the ranks stopped on a signal, their checkpoint saved."""
@@ -288,27 +297,38 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     out = out or sys.stdout
-    run_dir = prepare_run(plan, resume=opts.resume, overwrite=opts.overwrite)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    ranks = run_dir / ".ranks"
-    for stale in ranks.glob("*") if ranks.is_dir() else []:
-        stale.unlink()
-    plan_json = run_dir / ".ranks" / "plan.json"
-    plan_json.parent.mkdir(exist_ok=True)
-    write_run_plan(plan, plan_json)
-    endpoint = opts.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
     world = world_size(plan)
     if world % opts.nnodes:
         raise FlowgraphError(f"the plan's {world} processes do not split over "
                              f"{option('nnodes', opts.nnodes)} machines")
+    if opts.nnodes > 1 and opts.rdzv_endpoint is None:
+        raise UsageError(f"{option('nnodes', opts.nnodes)} needs "
+                         f"{option('rdzv_endpoint', Word('HOST:PORT'))}: node 0's address and "
+                         "a free port, the same on every machine")
+    first = opts.node_rank == 0  # node 0 prepares the run dir: the others share it
+    run_dir = prepare_run(plan, resume=opts.resume, overwrite=opts.overwrite,
+                          check_only=not first)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ranks = run_dir / ".ranks"
+    for stale in ranks.glob("*") if first and ranks.is_dir() else []:
+        stale.unlink()
+    endpoint = opts.rdzv_endpoint or f"127.0.0.1:{_free_port()}"
     # Node 0 serves the rendezvous on the endpoint's address alone (torch's would listen
-    # on every interface); every launcher, node 0's too, joins it as a client.
-    rendezvous = _rendezvous_store(endpoint) if opts.node_rank == 0 else None
+    # on every interface); every launcher, node 0's too, joins it as a client. Several
+    # machines meet there first (`meet`), before torch's rendezvous.
+    rendezvous = _rendezvous_store(endpoint, opts.rdzv_timeout) if first else None
+    machines = (meet(opts, run_dir, opts.out or sys.stderr, rendezvous)
+                if opts.nnodes > 1 else None)
+    plan_json = run_dir / ".ranks" / ("plan.json" if first else f"plan.node{opts.node_rank}.json")
+    plan_json.parent.mkdir(exist_ok=True)
+    write_run_plan(plan, plan_json)
     config = LaunchConfig(
         min_nodes=opts.nnodes, max_nodes=opts.nnodes, nproc_per_node=world // opts.nnodes,
         run_id=f"flowgraph-{uuid.uuid4().hex[:8]}" if opts.rdzv_endpoint is None
         else f"flowgraph-{plan.name}",
-        rdzv_backend="c10d", rdzv_endpoint=endpoint, rdzv_configs={"is_host": False},
+        rdzv_backend="c10d", rdzv_endpoint=endpoint,
+        rdzv_configs={"is_host": False, **({"join_timeout": int(opts.rdzv_timeout)}
+                                          if opts.nnodes > 1 else {})},
         local_addr="127.0.0.1" if opts.nnodes == 1 else address_towards(endpoint),
         logs_specs=DefaultLogsSpecs(log_dir=os.devnull),  # no `torchelastic_*` folder
         max_restarts=0, monitor_interval=0.1, start_method="spawn",
@@ -320,7 +340,9 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
     # would kill the ranks before they save (and print its SignalException)
     with run_guard(plan, opts, lock=opts.node_rank == 0, on_request=tell_ranks) as stop:
         try:
-            with _quiet_launcher(), _contained():
+            with _quiet_launcher(), _contained(), (
+                    machines.watching(partial(_position, run_dir)) if machines
+                    else nullcontext()):
                 elastic_launch(config, rank_main)(str(plan_json), opts.strict, opts.resume,
                                                   opts.metrics_port, opts.metrics_host,
                                                   opts.metrics_hold, os.getpid(),
@@ -328,7 +350,7 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
         except ChildFailedError as exc:
             if stop.signum is not None:  # a rank stopped at once (a second signal)
                 raise Interrupted(stop.signum) from None
-            raise RankFailed(_failure_message(exc, run_dir, plan, opts)) from None
+            raise RankFailed(_failure_message(exc, run_dir, plan, opts, machines)) from None
         finally:
             del rendezvous  # served until here: the launchers are gone
         if (run_dir / STOPPED).exists():
@@ -336,13 +358,14 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
     return run_dir
 
 
-def _rendezvous_store(endpoint: str) -> Any:
+def _rendezvous_store(endpoint: str, timeout_s: float) -> Any:
     """The rendezvous' store, served by node 0 on the endpoint's address alone."""
     from datetime import timedelta
 
     host, port = _host_port(endpoint)
     try:
-        return _dist.listening_store(host, port, None, timedelta(seconds=60))
+        return _dist.listening_store(host, port, None,
+                                     timedelta(seconds=max(timeout_s, 60.0)))
     except FlowgraphError as exc:
         raise FlowgraphError(f"{option('rdzv_endpoint', endpoint)}: {exc}; node 0 serves "
                              "the rendezvous, so the endpoint is an address of node 0 "
@@ -384,22 +407,19 @@ def _contained() -> Iterator[None]:
             tempfile.tempdir = saved
 
 
-def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan, opts: RunOptions) -> str:
-    """`rank 1 died (SIGKILL) at step 3 in node `update_actor``, with how to resume."""
-    lines, traces = [], []
-    # The first failure first: the others are often its echo (a peer's broken pipe).
-    for rank, failure in sorted(exc.failures.items(), key=lambda f: (f[1].timestamp, f[0])):
-        error = run_dir / ".ranks" / f"error_{rank}"
-        if error.exists():
-            lines.append(f"rank {rank} failed: {error.read_text().strip()}")
-            traces.append(str(run_dir / ".ranks" / f"traceback_{rank}"))
-            continue
-        where = _dist.read_status(run_dir, rank)
-        code = failure.exitcode
-        how = (f"was killed by {signal.Signals(-code).name}" if code < 0
-               else f"exited with code {code}")
-        at = f" at step {where[0]} in node `{where[1]}`" if where else " before its first node"
-        lines.append(f"rank {rank} {how}{at}")
+def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan, opts: RunOptions,
+                     machines: Machines | None = None) -> str:
+    """`rank 1 died (SIGKILL) at step 3 in node `update_actor``, with how to resume. On
+    several machines, every machine's failed ranks (`Machines.gathered`): each names
+    the same rank."""
+    failures = [_failure(run_dir, rank, failure) for rank, failure in exc.failures.items()]
+    if machines is not None:  # its own ranks it ended for another machine: as it saw them
+        failures = machines.gathered([machines.ended.get(f.rank, f) for f in failures])
+    # The first failure first; echoes (a peer's broken connection) only with no other.
+    causes = [f for f in failures if not f.echo] or failures
+    lines = [f.line for f in sorted(causes, key=lambda f: (f.time, f.rank))]
+    traces = [str(run_dir / ".ranks" / f"traceback_{f.rank}") for f in causes
+              if (run_dir / ".ranks" / f"traceback_{f.rank}").exists()]
     done = latest_checkpoint(run_dir)
     # --resume also without a checkpoint: the run dir already holds metrics.jsonl rows
     again = resume_command(plan, opts)
@@ -408,6 +428,27 @@ def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan, opts: RunOpti
     if traces:
         tail += f"\n(the full traceback: {', '.join(traces)})"
     return "the fsdp run stopped: " + "; ".join(lines) + f"\n{tail}"
+
+
+def _position(run_dir: Path, rank: int) -> tuple[int, str, int] | None:
+    """Rank `rank`'s step, node and pid (its status file), None before its first node."""
+    where, pid = _dist.read_status(run_dir, rank), _dist.status_pid(run_dir, rank)
+    return None if where is None or pid is None else (*where, pid)
+
+
+def _failure(run_dir: Path, rank: int, failure: Any) -> Failure:
+    """A failed rank of this machine: its error, else how it ended and where it was."""
+    error = run_dir / ".ranks" / f"error_{rank}"
+    if error.exists():
+        text = error.read_text().strip()
+        return Failure(rank, f"rank {rank} failed: {text}", failure.timestamp,
+                       _dist.lost_peer(text))
+    where = _dist.read_status(run_dir, rank)
+    code = failure.exitcode
+    how = (f"was killed by {signal.Signals(-code).name}" if code < 0
+           else f"exited with code {code}")
+    at = f" at step {where[0]} in node `{where[1]}`" if where else " before its first node"
+    return Failure(rank, f"rank {rank} {how}{at}", failure.timestamp, False)
 
 
 @contextmanager

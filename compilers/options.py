@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+RDZV_TIMEOUT_S = 600.0
+"""The default of `RunOptions.rdzv_timeout` (torch's own join timeout)."""
+
 
 @dataclass(frozen=True)
 class RunOptions:
@@ -38,6 +41,9 @@ class RunOptions:
     """fsdp: machines; the plan's processes are split evenly over them."""
     node_rank: int = 0
     rdzv_endpoint: str | None = None
+    rdzv_timeout: float = RDZV_TIMEOUT_S
+    """fsdp: seconds the machines have to meet at `rdzv_endpoint` (a line every 10 s
+    while they wait), then the run stops naming those missing."""
     disabled: tuple[str, ...] = ()
     """Passes the run's graph was compiled without (`--disable-pass`): the command that
     resumes the run repeats them, so that it compiles the same plan."""

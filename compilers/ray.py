@@ -56,6 +56,7 @@ from flowgraph.compilers.integrity import DISK_FULL
 from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.options import RunOptions
+from flowgraph.compilers.ray_cluster import placed, watched
 from flowgraph.compilers.ray_worker import RayWorker
 from flowgraph.compilers.signals import child_pids, reap_with_parent, run_guard
 from flowgraph.compilers.target import Report
@@ -107,11 +108,12 @@ def answers(refs: Any, timeout: float | None, where: tuple[str, int] | str | Non
 
 
 def reserve(pool: PoolPlan) -> tuple[Any, list[dict[str, Any]]]:
-    """A placement group of one bundle per worker of `pool`, ready; and each worker's
+    """A placement group of one bundle per worker of `pool`, ready (`placed`: within a
+    bounded time, else a message); and each worker's
     actor options, which place it in its bundle."""
     bundles = [{"CPU": b.cpu, **({"GPU": b.gpu} if b.gpu else {})} for b in pool.bundles]
     pg = placement_group(bundles, strategy="PACK")
-    ray.get(pg.ready())
+    placed(pg, pool.name, bundles)
     return pg, [{"num_cpus": b["CPU"], "num_gpus": b.get("GPU", 0),
                  "scheduling_strategy": PlacementGroupSchedulingStrategy(
                      pg, placement_group_bundle_index=i)} for i, b in enumerate(bundles)]
@@ -404,10 +406,11 @@ def run_ray(plan: ExecutionPlan, opts: RunOptions) -> None:
             options = ExecOptions(run_dir, "cpu", opts.strict, opts.resume, opts.out,
                                   opts.tensorboard, exporter, stop=stop,
                                   allow_changed=opts.allow_changed)
-            target = RayTarget(plan, options)
-            loop = TrainingLoop(plan, target, options)
-            loop.setup()
-            loop.run()
+            with watched(plan, opts):  # a lost head or node: what to do, not Ray's exit
+                target = RayTarget(plan, options)
+                loop = TrainingLoop(plan, target, options)
+                loop.setup()
+                loop.run()
         finally:  # workers first: the endpoint is held after this block
             if target is not None:
                 target.stop()

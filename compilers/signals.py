@@ -36,7 +36,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
 from flowgraph.errors import FlowgraphError, Interrupted, NodeTimeout, Stopped
-from flowgraph.voice import command, option
+from flowgraph.voice import Word, command, option
 
 if TYPE_CHECKING:
     from flowgraph.compilers.options import RunOptions
@@ -120,10 +120,26 @@ def resume_command(plan: ExecutionPlan, opts: RunOptions) -> str:
     sized = [] if planned or plan.target == "local" else [
         ("target", plan.target), ("nproc", plan.nproc)]
     return command("run", subject, [
-        *sized, ("disable", [] if planned else list(opts.disabled)), ("resume", True),
+        *sized, *_launched(plan, opts), ("disable", [] if planned else list(opts.disabled)),
+        ("resume", True),
         ("allow_changed", list(opts.allow_changed)),
         ("overrides", [o for o in opts.overrides if not o.startswith("trainer.run_dir=")]),
         ("run_dir", plan.trainer.run_dir)])
+
+
+def _launched(plan: ExecutionPlan, opts: RunOptions) -> list[tuple[str, Any]]:
+    """Where the run ran, as the command that continues it must say again: the Ray
+    cluster it joined; an fsdp run's machines (this one's rank among them)."""
+    from flowgraph.compilers.options import RDZV_TIMEOUT_S
+
+    if plan.target == "ray":
+        return [("address", opts.address)]
+    if plan.target != "fsdp" or opts.nnodes == 1:
+        return []
+    return [("nnodes", opts.nnodes), ("node_rank", Word(str(opts.node_rank))),
+            ("rdzv_endpoint", opts.rdzv_endpoint),
+            ("rdzv_timeout", None if opts.rdzv_timeout == RDZV_TIMEOUT_S
+             else Word(f"{opts.rdzv_timeout:g}"))]
 
 
 def stopped(plan: ExecutionPlan, opts: RunOptions, signum: int, *, at_once: bool,

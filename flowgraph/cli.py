@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from flowgraph.choices import TARGETS
+from flowgraph.compilers.options import RDZV_TIMEOUT_S
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.errors import (
     FlowgraphError,
@@ -211,10 +212,16 @@ def _run(args: argparse.Namespace) -> int:
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host, metrics_hold=args.metrics_hold, address=args.address,
         nnodes=args.nnodes, node_rank=args.node_rank, rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_timeout=args.rdzv_timeout,
         overrides=tuple(args.overrides), plan_file=plan_file,
         allow_changed=tuple(args.allow_changed),
         disabled=() if plan_file else tuple(args.disable_pass)))
-    print(f"run finished: {plan.trainer.run_dir}/metrics.jsonl")
+    metrics = f"{plan.trainer.run_dir}/metrics.jsonl"
+    if args.node_rank > 0:  # rank 0 writes the metrics, on node 0
+        print(f"run finished: the ranks of node {args.node_rank} are done; node 0 wrote "
+              f"{metrics}")
+    else:
+        print(f"run finished: {metrics}")
     return EXIT_OK
 
 
@@ -280,6 +287,16 @@ def _port(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"`{text}` is not a port number (0-65535)")
     return port
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"`{text}` is not a number of seconds (> 0)")
+    return value
 
 
 # --- viz, schema ---------------------------------------------------------------------
@@ -458,6 +475,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--node-rank", type=int, default=0, help="fsdp: this machine's rank")
     r.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
                    help="fsdp: rendezvous of a multi-machine run (node 0's address)")
+    r.add_argument("--rdzv-timeout", type=_seconds, default=RDZV_TIMEOUT_S, metavar="SECONDS",
+                   help="fsdp: how long the machines may take to meet at --rdzv-endpoint (a "
+                        "line every 10 s while waiting) before the run stops naming those "
+                        f"missing (default {RDZV_TIMEOUT_S:g})")
     r.add_argument("--address", default=None,
                    help="ray: join this cluster (default: start a local one)")
     r.add_argument("--resume", action="store_true",

@@ -357,9 +357,12 @@ class TrainerSpec:
     on_nonfinite: str = setting("stop", "`stop`, or `skip` a batch with NaN/inf in rewards, "
                                         "advantages, losses or gradients.",
                                 choices=ON_NONFINITE)
-    step_timeout_s: float = setting(0.0, "A worker with no progress for this long is treated "
-                                         "as dead (the local target: a node that runs this "
-                                         "long stops the run); 0 disables.", minimum=0)
+    step_timeout_s: float = setting(
+        1800.0, "A worker with no progress for this long is treated as dead: ray restarts "
+        "its worker groups from the last checkpoint, fsdp ends the job with the command "
+        "that resumes it (the local target: a node that runs this long stops the run); "
+        "generous for real steps, so that a stopped or hung worker never hangs the run "
+        "for good; 0 disables.", minimum=0)
     stop_grace_s: float = setting(
         120.0, "After SIGTERM or SIGINT, the seconds the run may take to finish its node and "
         "save a checkpoint before it stops at once (keep it below the scheduler's kill wait: "

@@ -164,6 +164,10 @@ def _build_builtin(name: str, target: Path) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_SEED)
         model = LlamaForCausalLM(llama)
+    # transformers writes a model only on rank 0 of an initialized process group; an fsdp
+    # rank or Ray worker building the cache (a node's first run) is any rank, and would
+    # publish a folder holding the tokenizer alone
+    model.should_save_on_this_rank = lambda is_main_process: True  # type: ignore[method-assign]
     model.save_pretrained(target)
 
 

@@ -153,3 +153,17 @@ def test_a_folder_that_is_not_a_model_is_named(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(FlowgraphError, match=f"cannot load model `{tmp_path}`"):
         load_model(str(tmp_path))
+
+
+def test_a_rank_other_than_0_builds_a_whole_builtin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An fsdp rank or Ray worker of a process group may be the first to need the cache
+    (every rank of node 1 on a cluster): transformers saves a model on rank 0 alone, and
+    the folder published must still hold the model, not the tokenizer alone."""
+    from transformers.distributed import mixin
+
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    final = models._ensure_builtin("tiny-lm", tmp_path)
+    assert {"config.json", "model.safetensors"} <= {p.name for p in final.iterdir()}

@@ -1,0 +1,340 @@
+"""Two machines simulated on one (issue #29, points 1 and 3): two `flowgraph run --target
+fsdp --nnodes 2 --node-rank R --rdzv-endpoint 127.0.0.1:PORT` launches.
+
+* run dirs that are not one folder are refused on both nodes, before any model loads,
+  with one message (never a checkpoint published without node 1's shards);
+* a node that never comes is named after `--rdzv-timeout`, with a progress line meanwhile;
+* a rank killed on one node is named on both, each with the command that resumes it,
+  every launch flag in it; resumed, the run has the local run's numbers;
+* a Ray head lost under a driver that joined it (`--address`) is one flowgraph message
+  with the last checkpoint and the resume command, not Ray's own exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowgraph.compilers import RunOptions, _dist, read_metrics
+from flowgraph.compilers.checkpoint import latest_checkpoint
+from flowgraph.compilers.signals import resume_command
+from flowgraph.ir import TrainerSpec
+from flowgraph.passes import compile_graph
+from flowgraph.testing.targets import assert_same_numbers
+from flowgraph.voice import python_entry
+
+ROOT = Path(__file__).resolve().parents[2]
+DPO = ROOT / "graphs" / "dpo.yaml"
+SHORT = ("trainer.steps=5", "trainer.checkpoint_every=2")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _node(cwd: Path, rank: int, port: int, *args: str) -> subprocess.Popen[str]:
+    """One machine's `flowgraph run` of the DPO graph on 2 processes over 2 nodes."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "flowgraph", "run", str(DPO), "--target", "fsdp", "--nproc",
+         "2", "--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint",
+         f"127.0.0.1:{port}", *args], cwd=cwd, text=True, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE)
+
+
+def _both(*procs: subprocess.Popen[str]) -> list[tuple[int, str, str]]:
+    """Each process's exit code, stdout and stderr, once all have ended."""
+    outputs = [p.communicate(timeout=300) for p in procs]
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs, strict=True)]
+
+
+@pytest.mark.parametrize("python", [False, True], ids=["cli", "python"])
+def test_the_resume_command_carries_every_launch_flag(tmp_path: Path, python: bool) -> None:
+    plan = compile_graph(DPO, target="fsdp", nproc=2,
+                         overrides=["trainer.run_dir=run"]).plan
+    assert plan is not None
+    opts = RunOptions(nnodes=2, node_rank=0, rdzv_endpoint="10.0.0.1:29500",
+                      rdzv_timeout=30, overrides=("trainer.run_dir=run",))
+    if not python:
+        assert resume_command(plan, opts) == (
+            f"flowgraph run {DPO} --target fsdp --nproc 2 --nnodes 2 --node-rank 0 "
+            "--rdzv-endpoint 10.0.0.1:29500 --rdzv-timeout 30 --resume trainer.run_dir=run")
+        return
+    with python_entry():
+        assert resume_command(plan, opts) == (
+            f"flowgraph.run({str(DPO)!r}, target='fsdp', nproc=2, nnodes=2, node_rank=0, "
+            "rdzv_endpoint='10.0.0.1:29500', rdzv_timeout=30, resume=True, "
+            "run_dir='run')")
+
+
+def test_a_ray_resume_command_joins_the_same_cluster() -> None:
+    plan = compile_graph(DPO, target="ray", nproc=2, overrides=["trainer.run_dir=run"]).plan
+    assert plan is not None
+    assert resume_command(plan, RunOptions(address="10.0.0.1:6379")) == (
+        f"flowgraph run {DPO} --target ray --nproc 2 --address 10.0.0.1:6379 --resume "
+        "trainer.run_dir=run")
+
+
+@pytest.mark.parametrize(("error", "lost"), [
+    ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+     "[127.0.0.1]:14216: Connection reset by peer.", True),
+    ("DistBackendError: NCCL communicator was aborted on rank 0.", True),
+    ("RuntimeError: [../gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting "
+     "1800000ms for recv operation to complete", True),
+    ("NodeTimeout: the node ran past nodes.score.params.timeout_s = 30 s and was stopped "
+     "here", False),
+    ("non-finite output `scores` in node `score` at step 1", False)])
+def test_a_peer_s_broken_connection_is_told_from_a_rank_s_own_error(error: str, lost: bool
+                                                                    ) -> None:
+    assert _dist.lost_peer(error) is lost
+
+
+def test_several_nodes_need_a_rendezvous_endpoint(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from flowgraph.cli import main
+
+    code = main(["run", str(DPO), "--target", "fsdp", "--nproc", "2", "--nnodes", "2",
+                 f"trainer.run_dir={tmp_path / 'run'}"])
+    assert code == 2
+    assert ("flowgraph: error: --nnodes 2 needs --rdzv-endpoint HOST:PORT: node 0's address "
+            "and a free port, the same on every machine") in capsys.readouterr().err
+
+
+def test_the_default_step_timeout_is_set_and_stated_in_the_readme() -> None:
+    """A stopped worker ends a run by default (ray restarts it, fsdp names it): the
+    default the README states is the declared one."""
+    default = TrainerSpec().step_timeout_s
+    assert default > 0
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("### Multi-node", 1)[1].split("\n## ", 1)[0]
+    assert f"`trainer.step_timeout_s` is {default:g} s by default" in section
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+def test_run_dirs_that_are_not_one_folder_are_refused_on_every_node(tmp_path: Path) -> None:
+    port = _port()
+    results = _both(_node(tmp_path, 0, port, *SHORT, "trainer.run_dir=node0"),
+                    _node(tmp_path, 1, port, *SHORT, "trainer.run_dir=node1"))
+    errors = set()
+    for code, out, err in results:
+        assert code == 1, err
+        assert "Traceback" not in err and "run finished" not in out, err
+        errors |= {line for line in err.splitlines() if line.startswith("flowgraph: error:")}
+    (error,) = errors  # the same one message on both
+    assert ("the 2 nodes do not share one run dir: node 0 (host "
+            f"{socket.gethostname()}, run dir `node0`) does not see the files of node 1; "
+            "node 1 (") in error, error
+    assert "put trainer.run_dir on a filesystem every node mounts" in error
+    for node in (0, 1):  # no rank started: nothing written but each node's marker
+        ranks = tmp_path / f"node{node}" / ".ranks"
+        assert [p.name for p in ranks.iterdir()] == [f"machine_{node}"]
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("rank", "told"), [
+    (0, "node 1 did not join the rendezvous at 127.0.0.1:{port} within --rdzv-timeout 3 s "
+        "(1 of 2 joined: node 0); start `flowgraph run` with --node-rank 1 and the same "
+        "--nnodes 2 --rdzv-endpoint 127.0.0.1:{port} there"),
+    (1, "node 0 did not answer at 127.0.0.1:{port} within --rdzv-timeout 3 s: start it "
+        "(--node-rank 0) with --rdzv-endpoint 127.0.0.1:{port}")],
+    ids=["node 1 never comes", "node 0 never comes"])
+def test_a_node_that_never_comes_is_named_after_the_rendezvous_timeout(
+        tmp_path: Path, rank: int, told: str) -> None:
+    port = _port()
+    ((code, _, err),) = _both(_node(tmp_path, rank, port, "--rdzv-timeout", "3",
+                                    "trainer.run_dir=run"))
+    assert code == 1, err
+    waiting = ("flowgraph: waiting for 2 nodes at 127.0.0.1:{port}: 1 joined (node 0)" if rank == 0
+               else "flowgraph: waiting for node 0 at 127.0.0.1:{port}")
+    assert waiting.format(port=port) in err, err
+    assert f"flowgraph: error: {told.format(port=port)}" in err, err
+    assert "Traceback" not in err and "c10d" not in err, err
+
+
+def _kill_rank(run_dir: Path, rank: int, at_step: int, done: threading.Event,
+               killed: list[tuple[int, str]]) -> None:
+    """SIGKILL `rank` once its status file shows `at_step` or later."""
+    status = _dist.status_file(run_dir, rank)
+    while not done.wait(0.01):
+        try:
+            m = re.match(r"step (\d+) node (\S+) pid (\d+)", status.read_text())
+        except OSError:
+            continue
+        if m and int(m[1]) >= at_step:
+            os.kill(int(m[3]), signal.SIGKILL)
+            killed.append((int(m[1]), m[2]))
+            return
+
+
+def _killed_on_one_node(tmp_path: Path) -> list[list[str]]:
+    """Rank 1 SIGKILLed at step 3: node 0 names it too (not its own rank's broken
+    connection), each node with its resume command, every launch flag in it; those
+    commands' arguments."""
+    port, run_dir = _port(), tmp_path / "run"
+    done, killed = threading.Event(), list[tuple[int, str]]()
+    killer = threading.Thread(target=_kill_rank, args=(run_dir, 1, 3, done, killed))
+    killer.start()
+    try:
+        results = _both(*(_node(tmp_path, r, port, *SHORT, "trainer.run_dir=run")
+                          for r in (0, 1)))
+    finally:
+        done.set()
+        killer.join()
+    (step, node), = killed
+    found = latest_checkpoint(run_dir)
+    assert found is not None
+    again = []
+    for rank, (code, _, err) in enumerate(results):
+        assert code == 1, err
+        assert (f"flowgraph: error: the fsdp run stopped: rank 1 was killed by SIGKILL at "
+                f"step {step} in node `{node}`\n") in err, err
+        command = (f"flowgraph run {DPO} --target fsdp --nproc 2 --nnodes 2 --node-rank "
+                   f"{rank} --rdzv-endpoint 127.0.0.1:{port} --resume {' '.join(SHORT)} "
+                   "trainer.run_dir=run")
+        assert f"the last checkpoint is step {found[0]}; continue with: {command}\n" in err
+        assert "gloo" not in err and "Traceback" not in err, err
+        again.append(command.split()[2:])
+    return again
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+def test_a_rank_killed_on_one_node_is_named_on_both(tmp_path: Path) -> None:
+    _killed_on_one_node(tmp_path)
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_run_with_a_rank_killed_on_one_node_resumes_to_the_local_numbers(
+        tmp_path: Path, local_reference: Any) -> None:
+    """Each node's resume command, run as printed, finishes the run: every step once,
+    the numbers of the uninterrupted local run."""
+    procs = [subprocess.Popen([sys.executable, "-m", "flowgraph", "run", *args], cwd=tmp_path,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for args in _killed_on_one_node(tmp_path)]
+    (code0, out0, err0), (code1, out1, err1) = _both(*procs)
+    assert code0 == code1 == 0, err0 + err1
+    assert "run finished: run/metrics.jsonl" in out0
+    assert "run finished: the ranks of node 1 are done; node 0 wrote run/metrics.jsonl" in out1
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
+    assert_same_numbers(rows, local_reference("dpo"))
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_run_on_both_nodes_named_as_the_cause(tmp_path: Path
+                                                                     ) -> None:
+    """Rank 1 SIGSTOPped: after trainer.step_timeout_s its peer's collective times out;
+    the machine of the stopped rank, which would wait on it for good, ends it, and both
+    machines name it."""
+    port, run_dir = _port(), tmp_path / "run"
+    procs = [_node(tmp_path, r, port, "trainer.steps=2000", "trainer.step_timeout_s=15",
+                   "trainer.run_dir=run") for r in (0, 1)]
+    pid = None
+    try:
+        while pid is None and all(p.poll() is None for p in procs):
+            where = _dist.read_status(run_dir, 1)
+            if where is not None and where[0] >= 2:
+                pid = _dist.status_pid(run_dir, 1)
+            time.sleep(0.01)
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        step, node = _dist.read_status(run_dir, 1) or (-1, "")
+        results = _both(*procs)
+    finally:
+        for p in procs:
+            p.kill()
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    for code, _, err in results:
+        assert code == 1, err
+        assert (f"flowgraph: error: the fsdp run stopped: rank 1 was stopped (SIGSTOP, or a "
+                f"debugger) at step {step} in node `{node}`: its peers gave up waiting for "
+                "it\n") in err, err
+
+
+@pytest.fixture
+def ray_head() -> Iterator[tuple[str, dict[str, str], Path]]:
+    """A Ray head of its own (`ray start --head`): its address, the environment that
+    joins it (token authentication off: ~/.ray/auth_token is shared with every other
+    cluster of this user), its folder; every process of it killed at the end."""
+    folder = Path(tempfile.mkdtemp(prefix="fgray", dir="/tmp"))  # short: Ray's sockets
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    port = _port()
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head",
+                    f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
+                    f"--temp-dir={folder}", "--disable-usage-stats"],
+                   env=env, check=True, capture_output=True, timeout=120)
+    try:
+        yield f"127.0.0.1:{port}", env, folder
+    finally:
+        for pid in _processes_of(folder):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _processes_of(folder: Path, name: str = "") -> list[int]:
+    """The pids of the Ray head in `folder` (whose command line names it; Linux)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile
+            continue
+        if str(folder) in line and name in line:
+            found.append(int(cmdline.parent.name))
+    return found
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_lost_ray_head_is_one_message_with_the_last_checkpoint_and_the_resume_command(
+        tmp_path: Path, ray_head: tuple[str, dict[str, str], Path]) -> None:
+    """The head's GCS killed at step 3: Ray would end the driver after
+    RAY_gcs_rpc_server_reconnect_timeout_s (15 s here) with its own line; flowgraph
+    ends it 5 s before, saying what was lost and how to go on."""
+    address, env, folder = ray_head
+    env["RAY_gcs_rpc_server_reconnect_timeout_s"] = "15"
+    args = ("--target", "ray", "--nproc", "2", "--address", address, "trainer.steps=2000",
+            "trainer.checkpoint_every=2", "trainer.run_dir=run")
+    proc = subprocess.Popen([sys.executable, "-m", "flowgraph", "run", str(DPO), *args],
+                            cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    while proc.poll() is None and len(read_metrics(tmp_path / "run")) < 3:
+        time.sleep(0.2)
+    (gcs,) = _processes_of(folder, "gcs_server")
+    os.kill(gcs, signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1, err
+    found = latest_checkpoint(tmp_path / "run")
+    assert found is not None and metrics.exists()
+    assert f"flowgraph: error: lost the Ray head of `{address}`: its GCS at " in err, err
+    assert ("gave no answer for 10 s; the run stopped; the last checkpoint is step "
+            f"{found[0]}; once the cluster is whole again, continue with: flowgraph run "
+            f"{DPO} --target ray --nproc 2 --address {address} --resume trainer.steps=2000 "
+            "trainer.checkpoint_every=2 trainer.run_dir=run\n") in err, err
+    assert "Failed to connect to GCS" not in err and "Traceback" not in err, err
