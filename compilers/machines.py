@@ -1,7 +1,8 @@
 """The machines of a multi-node fsdp launch, met before any rank starts, and what each
 one says when the run fails.
 
-    machines = meet(opts, run_dir, out)    every launcher (`--nnodes M --node-rank R
+    machines = meet(opts, run_dir, out, store)
+                                            every launcher (`--nnodes M --node-rank R
                                             --rdzv-endpoint HOST:PORT`) has joined within
                                             `--rdzv-timeout`, a progress line every
                                             `PROGRESS_S` meanwhile; every one sees the
