@@ -94,7 +94,7 @@ def test_a_rendezvous_endpoint_that_is_not_this_machine_is_named() -> None:
     from flowgraph.errors import FlowgraphError
 
     with pytest.raises(FlowgraphError) as exc:
-        _rendezvous_store("192.0.2.99:29411")
+        _rendezvous_store("192.0.2.99:29411", 60.0)
     assert str(exc.value).startswith("--rdzv-endpoint 192.0.2.99:29411: cannot listen on "
                                      "192.0.2.99:29411: ")
     assert "an address of node 0 (this machine)" in str(exc.value)
