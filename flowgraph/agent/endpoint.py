@@ -140,6 +140,7 @@ class Server:
 
     def __init__(self) -> None:
         self.sessions: dict[str, Session] = {}
+        self._http: Any = None
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
@@ -151,6 +152,17 @@ class Server:
                                 access_log=False)
         self.server = uvicorn.Server(config)
         self.serving = _Loop.submit(self.server.serve(sockets=[self.sock]))
+
+    def http(self) -> Any:
+        """The HTTP client every episode's `AsyncOpenAI` sends through (one connection
+        pool: making one per client costs ~20 ms, an SSL context each). It ignores the
+        environment's HTTP(S)_PROXY, which would carry loopback requests to a cluster's
+        proxy."""
+        if self._http is None:
+            from openai import DefaultAsyncHttpxClient
+
+            self._http = DefaultAsyncHttpxClient(trust_env=False)
+        return self._http
 
     @classmethod
     def get(cls) -> Server:
@@ -405,20 +417,17 @@ class Sessions:
 
     async def _start(self, tasks: Sequence[Mapping[str, Any]], rows: Sequence[int],
                      seeds: Sequence[int]) -> None:
-        from openai import AsyncOpenAI, DefaultAsyncHttpxClient
+        from openai import AsyncOpenAI
 
         gate = asyncio.Semaphore(self.concurrency)
         for task, row, seed in zip(tasks, rows, seeds, strict=True):
             sid = secrets.token_urlsafe(32)
             session = Session(sid, Run(task, row=row, seed=seed), self)
-            session.run.episode.messages = []
             self.server.sessions[sid] = session
             self.sessions.append(session)
-            # trust_env=False: an HTTP(S)_PROXY of the cluster must not carry loopback
-            # requests away (httpx would send them to the proxy)
             client = AsyncOpenAI(base_url=self.server.url(sid), api_key="flowgraph",
                                  max_retries=0, timeout=self.limits.episode_timeout_s,
-                                 http_client=DefaultAsyncHttpxClient(trust_env=False))
+                                 http_client=self.server.http())
             session.task = asyncio.ensure_future(self._play(session, dict(task), client, gate))
 
     async def _play(self, session: Session, task: dict[str, Any], client: Any,
@@ -437,9 +446,8 @@ class Sessions:
                 session.run.end("error", exc)
         else:
             session.run.active = False
-        finally:
+        finally:  # the client's connections are the server's pool's (not closed)
             session.done = True
-            await client.close()
             session.settle()
 
     async def _all_quiet(self) -> None:
