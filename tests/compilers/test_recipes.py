@@ -1,0 +1,203 @@
+"""The launch recipes under deploy/ run as written, on two "nodes" of this machine.
+
+deploy/slurm/*.sbatch run under a fake `sbatch` / `srun` / `scontrol`
+(tests/fixtures/fake_slurm.py: each node of the allocation is a loopback address, each
+srun task a local process with its node's SLURM_* variables); deploy/ray/submit.sh
+submits to a Ray head and a second Ray node started here with `ray start`. Each run is
+GRPO at small batches for 2 steps, and its metrics are the local run's.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowgraph.compilers import read_metrics
+from flowgraph.testing.targets import assert_same_numbers
+
+ROOT = Path(__file__).resolve().parents[2]
+GRAPH = ROOT / "graphs" / "grpo.yaml"
+FAKE_SLURM = ROOT / "tests" / "fixtures" / "fake_slurm.py"
+SMALL = ("dims.Bp=4", "dims.N=4", "nodes.update_actor.params.mini_batch_size=8",
+         "trainer.val_before_train=false")
+"""GRPO at small batches (tests/compilers/conftest.py's SMALL["grpo"])."""
+TWO_STEPS = (*SMALL, "trainer.steps=2")
+
+
+
+@pytest.fixture(scope="module")
+def local_rows(tmp_path_factory: pytest.TempPathFactory, local_run: Any
+               ) -> list[dict[str, Any]]:
+    """The local run every recipe's run must equal."""
+    return list(local_run(GRAPH, tmp_path_factory.mktemp("recipes") / "local", *TWO_STEPS))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _environment(tmp_path: Path, **values: str) -> dict[str, str]:
+    """This environment with the fake SLURM commands and this Python's scripts (flowgraph,
+    ray) first on PATH, and the recipe's variables `values`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for tool in ("sbatch", "srun", "scontrol"):
+        wrapper = bin_dir / tool
+        wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_SLURM}" {tool} "$@"\n')
+        wrapper.chmod(0o755)
+    path = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_"))}
+    return {**env, "PATH": path, **values}
+
+
+def _run(command: list[str], env: dict[str, str], timeout: float = 400
+         ) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(command, env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"{command} exited {proc.returncode}:\n" \
+        f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def _processes_naming(text: str) -> list[str]:
+    """Command lines of the live processes that contain `text`."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # ended meanwhile
+            continue
+        if text in args:
+            found.append(args)
+    return found
+
+
+def test_every_deploy_script_parses() -> None:
+    scripts = [p for p in (ROOT / "deploy").rglob("*")
+               if p.is_file() and p.read_text(errors="replace").startswith("#!/bin/bash")]
+    assert {p.name for p in scripts} >= {"fsdp.sbatch", "ray.sbatch", "submit.sh"}
+    for script in scripts:
+        proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+        assert proc.returncode == 0, f"{script}: {proc.stderr}"
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+def test_fsdp_sbatch_on_two_nodes_equals_local_and_resumes_when_requeued(
+        tmp_path: Path, local_rows: list[dict[str, Any]]) -> None:
+    """Step 0 as one job; the same job requeued (SLURM_RESTART_COUNT=1), now for 2 steps,
+    continues from step 0's checkpoint with --resume: the rows of one local run."""
+    run_dir = tmp_path / "run"
+    recipe = {"GRAPH": str(GRAPH), "RUN_DIR": str(run_dir), "PROCS_PER_NODE": "1"}
+    first = _run(["sbatch", "deploy/slurm/fsdp.sbatch"], _environment(
+        tmp_path, **recipe, RDZV_PORT=str(_free_port()),
+        OVERRIDES=" ".join((*SMALL, "trainer.steps=1"))))
+    assert "2 nodes x 1 ranks, rendezvous at 127.0.0.1:" in first.stdout
+    # each node's launcher says it; rank 0 (on node 0) prints the steps
+    assert first.stdout.count(f"run finished: {run_dir}/metrics.jsonl") == 2, first.stdout
+    assert [r["step"] for r in read_metrics(run_dir)] == [0]
+
+    again = _run(["sbatch", "deploy/slurm/fsdp.sbatch"], _environment(
+        tmp_path, **recipe, RDZV_PORT=str(_free_port()), SLURM_RESTART_COUNT="1",
+        OVERRIDES=" ".join(TWO_STEPS)))
+    assert "the next step is 1" in again.stdout, again.stdout
+    assert_same_numbers(read_metrics(run_dir), local_rows)
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+def test_ray_sbatch_starts_a_two_node_cluster_runs_and_stops_it(
+        tmp_path: Path, local_rows: list[dict[str, Any]]) -> None:
+    """A head and a second Ray node of 1 CPU each: the two workers of the pool run one
+    on each. Afterwards no process of the cluster is left and its token file is gone."""
+    port, temp = _free_port(), tempfile.mkdtemp(prefix="fg-ray-")  # short: socket paths
+    token = tmp_path / "token"
+    # Two Ray nodes on one machine: each its own temp dir is not needed, but the head's
+    # dashboard agent needs a port of its own (52365 may be taken by another cluster).
+    start_args = f"--temp-dir={temp} --dashboard-agent-listen-port={_free_port()}"
+    proc = _run(["sbatch", "--cpus-per-task=1", "deploy/slurm/ray.sbatch"], _environment(
+        tmp_path, GRAPH=str(GRAPH), RUN_DIR=str(tmp_path / "run"), NPROC="2",
+        RAY_PORT=str(port), RAY_DASHBOARD_PORT=str(_free_port()), RAY_TOKEN_FILE=str(token),
+        RAY_START_ARGS=start_args, OVERRIDES=" ".join(TWO_STEPS)))
+    assert "waiting for 2 Ray nodes: 2 joined" in proc.stdout, proc.stdout
+    assert_same_numbers(read_metrics(tmp_path / "run"), local_rows)
+    assert not token.exists()
+    assert not _processes_naming(temp), "the cluster's processes outlived the job"
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+@pytest.fixture
+def two_ray_nodes(tmp_path: Path) -> Iterator[dict[str, str]]:
+    """A Ray head and a second Ray node (1 CPU each) with token authentication, as
+    `ray start` runs them; the environment that reaches them (RAY_API: the job API)."""
+    port, dashboard, temp = _free_port(), _free_port(), tempfile.mkdtemp(prefix="fg-ray-")
+    token = tmp_path / "token"
+    token.write_text(os.urandom(32).hex())
+    token.chmod(0o600)
+    env = _environment(tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    common = ["--num-cpus=1", f"--temp-dir={temp}", "--disable-usage-stats", "--block"]
+    head = subprocess.Popen(
+        ["ray", "start", "--head", f"--port={port}", f"--dashboard-port={dashboard}",
+         f"--dashboard-agent-listen-port={_free_port()}", *common],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    nodes = [head]
+    try:
+        _wait_for_port(port, head)
+        nodes.append(subprocess.Popen(
+            ["ray", "start", f"--address=127.0.0.1:{port}", *common],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        yield {**env, "RAY_API": f"http://127.0.0.1:{dashboard}"}
+    finally:
+        for node in nodes:  # `ray start --block` stops its node's processes on SIGTERM
+            node.terminate()
+        for node in nodes:
+            node.wait(timeout=60)
+    assert not _processes_naming(temp), "a Ray node's processes outlived `ray start`"
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "`ray start --head` ended"
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+            return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"no Ray head on port {port} after {timeout} s")
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+def test_ray_job_submit_runs_on_the_cluster_it_was_submitted_to(
+        tmp_path: Path, two_ray_nodes: dict[str, str], local_rows: list[dict[str, Any]]
+        ) -> None:
+    """deploy/ray/submit.sh: `ray job submit --working-dir . -- flowgraph run ...
+    --address auto`; the driver joins the 2-node cluster (its 2 workers need both
+    nodes' CPU), the job succeeds, its rows are the local run's."""
+    run_dir = tmp_path / "run"
+    env = {**two_ray_nodes, "GRAPH": "graphs/grpo.yaml", "RUN_DIR": str(run_dir),
+           "NPROC": "2", "OVERRIDES": " ".join(TWO_STEPS)}
+    proc = _run(["bash", "deploy/ray/submit.sh"], env)
+    assert "succeeded" in proc.stdout, proc.stdout
+    assert f"run finished: {run_dir}/metrics.jsonl" in proc.stdout
+    assert_same_numbers(read_metrics(run_dir), local_rows)
+
+
+def test_ray_job_submit_refuses_a_relative_run_dir(tmp_path: Path) -> None:
+    proc = subprocess.run(["bash", "deploy/ray/submit.sh"], cwd=ROOT, capture_output=True,
+                          text=True, env=_environment(tmp_path, RUN_DIR="runs/grpo"))
+    assert proc.returncode == 2
+    assert "RUN_DIR=runs/grpo is relative; give an absolute path" in proc.stderr
