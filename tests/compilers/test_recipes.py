@@ -130,12 +130,33 @@ def test_ray_sbatch_starts_a_two_node_cluster_runs_and_stops_it(
         tmp_path, GRAPH=str(GRAPH), RUN_DIR=str(tmp_path / "run"), NPROC="2",
         RAY_PORT=str(port), RAY_DASHBOARD_PORT=str(_free_port()), RAY_TOKEN_FILE=str(token),
         RAY_START_ARGS=start_args, OVERRIDES=" ".join(TWO_STEPS)))
-    assert "waiting for 2 Ray nodes: 2 joined" in proc.stdout, proc.stdout
+    assert "Ray nodes joined: 2 of 2" in proc.stdout, proc.stdout
     assert_same_numbers(read_metrics(tmp_path / "run"), local_rows)
     assert not token.exists()
     assert not _processes_naming(temp), "the cluster's processes outlived the job"
     with pytest.raises(OSError):
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+WAIT_FOR_CLUSTER = """
+import sys, time, urllib.error, urllib.request
+import ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+deadline = time.monotonic() + 120
+while sum(node["Alive"] for node in ray.nodes()) < 2:
+    assert time.monotonic() < deadline, "the second Ray node did not join within 120 s"
+    time.sleep(0.5)
+while True:  # the job API (which answers 401 without the token)
+    try:
+        urllib.request.urlopen(sys.argv[2] + "/api/version", timeout=5).close()
+        break
+    except urllib.error.HTTPError:
+        break
+    except OSError:
+        assert time.monotonic() < deadline, "the dashboard did not answer within 120 s"
+        time.sleep(0.5)
+"""
+"""Wait until the cluster at argv[1] has 2 live nodes and its job API (argv[2]) answers."""
 
 
 @pytest.fixture
@@ -147,18 +168,22 @@ def two_ray_nodes(tmp_path: Path) -> Iterator[dict[str, str]]:
     token.write_text(os.urandom(32).hex())
     token.chmod(0o600)
     env = _environment(tmp_path, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
-    common = ["--num-cpus=1", f"--temp-dir={temp}", "--disable-usage-stats", "--block"]
+    # Each node its own temp dir, as on two machines: a node's runtime-env agent sets up
+    # the job's working dir afresh in it, under the feet of the driver running there.
+    common = ["--num-cpus=1", "--disable-usage-stats", "--block"]
     head = subprocess.Popen(
         ["ray", "start", "--head", f"--port={port}", f"--dashboard-port={dashboard}",
-         f"--dashboard-agent-listen-port={_free_port()}", *common],
+         f"--dashboard-agent-listen-port={_free_port()}", f"--temp-dir={temp}/0", *common],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     nodes = [head]
     try:
         _wait_for_port(port, head)
         nodes.append(subprocess.Popen(
-            ["ray", "start", f"--address=127.0.0.1:{port}", *common],
+            ["ray", "start", f"--address=127.0.0.1:{port}", f"--temp-dir={temp}/1", *common],
             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        yield {**env, "RAY_API": f"http://127.0.0.1:{dashboard}"}
+        api = f"http://127.0.0.1:{dashboard}"
+        _run([sys.executable, "-c", WAIT_FOR_CLUSTER, f"127.0.0.1:{port}", api], env)
+        yield {**env, "RAY_API": api}
     finally:
         for node in nodes:  # `ray start --block` stops its node's processes on SIGTERM
             node.terminate()
