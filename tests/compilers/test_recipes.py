@@ -10,6 +10,7 @@ GRPO at small batches for 2 steps, and its metrics are the local run's.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -157,6 +158,45 @@ while True:  # the job API (which answers 401 without the token)
         time.sleep(0.5)
 """
 """Wait until the cluster at argv[1] has 2 live nodes and its job API (argv[2]) answers."""
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_ray_sbatch_stopped_by_sigterm_saves_and_continues_with_resume(
+        tmp_path: Path, local_run: Any) -> None:
+    """SIGTERM to the batch script (what `#SBATCH --signal=B:TERM@300` sends before the
+    time limit) reaches the driver: it checkpoints after its step and exits 143, the
+    cluster is stopped; a new job with RESUME=1 continues: the rows of one local run."""
+    overrides = (*SMALL, "trainer.steps=8")
+    temp = tempfile.mkdtemp(prefix="fg-ray-")
+
+    def job(**more: str) -> subprocess.Popen[str]:
+        env = _environment(
+            tmp_path, GRAPH=str(GRAPH), RUN_DIR=str(tmp_path / "run"), NPROC="2",
+            RAY_PORT=str(_free_port()), RAY_DASHBOARD_PORT=str(_free_port()),
+            RAY_START_ARGS=f"--temp-dir={temp} --dashboard-agent-listen-port={_free_port()}",
+            RAY_TOKEN_FILE=str(tmp_path / "token"), OVERRIDES=" ".join(overrides), **more)
+        return subprocess.Popen(["sbatch", "--cpus-per-task=1", "deploy/slurm/ray.sbatch"],
+                                env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    first, seen = job(), []
+    assert first.stdout is not None
+    for line in first.stdout:
+        seen.append(line)
+        if line.startswith("step 2/"):
+            first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=120) == 143, "".join(seen[-40:])
+    assert any("stopped by SIGTERM; the last checkpoint is step" in s for s in seen), seen
+    assert not _processes_naming(temp), "the cluster's processes outlived the job"
+
+    again = job(RESUME="1")
+    out, _ = again.communicate(timeout=400)
+    assert again.returncode == 0, out[-5000:]
+    assert "resuming from checkpoint" in out
+    assert_same_numbers(read_metrics(tmp_path / "run"),
+                        local_run(GRAPH, tmp_path / "local", *overrides))
 
 
 @pytest.fixture
