@@ -73,15 +73,8 @@ def _run(command: list[str], env: dict[str, str], timeout: float = 400
 
 def _processes_naming(text: str) -> list[str]:
     """Command lines of the live processes that contain `text`."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            args = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # ended meanwhile
-            continue
-        if text in args:
-            found.append(args)
-    return found
+    lines = (_cmdline(int(p.name)) for p in Path("/proc").glob("[0-9]*"))
+    return [line for line in lines if text in line]
 
 
 def test_every_deploy_script_parses() -> None:
@@ -160,24 +153,50 @@ while True:  # the job API (which answers 401 without the token)
 """Wait until the cluster at argv[1] has 2 live nodes and its job API (argv[2]) answers."""
 
 
+def _srun_steps(batch: int) -> list[int]:
+    """The pids of the `srun` steps the batch job `batch` (the fake sbatch) runs."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (name) state ppid ...": the name may hold spaces
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    below = {batch}
+    while more := {pid for pid, ppid in parents.items() if ppid in below} - below:
+        below |= more
+    return [pid for pid in below if f"{FAKE_SLURM} srun" in _cmdline(pid)]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:  # ended meanwhile
+        return ""
+    return args.replace(b"\0", b" ").decode(errors="replace")
+
+
 @pytest.mark.cluster
 @pytest.mark.multiprocess
 @pytest.mark.slow
-def test_ray_sbatch_stopped_by_sigterm_saves_and_continues_with_resume(
-        tmp_path: Path, local_run: Any) -> None:
-    """SIGTERM to the batch script (what `#SBATCH --signal=B:TERM@300` sends before the
-    time limit) reaches the driver: it checkpoints after its step and exits 143, the
-    cluster is stopped; a new job with RESUME=1 continues: the rows of one local run."""
+@pytest.mark.parametrize("target", ["fsdp", "ray"])
+def test_sbatch_stopped_by_sigterm_saves_and_a_new_job_continues_with_resume(
+        target: str, tmp_path: Path, local_run: Any) -> None:
+    """What `#SBATCH --signal` sends before the time limit: SIGTERM to the job's srun
+    steps (fsdp: every node's launcher), or to the batch script alone (ray, `B:`: it
+    passes it to the driver). The run checkpoints after its step and exits 143 (ray:
+    the cluster stopped); a new job with RESUME=1 continues: one local run's rows."""
     overrides = (*SMALL, "trainer.steps=8")
     temp = tempfile.mkdtemp(prefix="fg-ray-")
+    recipe = {"fsdp": {"PROCS_PER_NODE": "1"}, "ray": {
+        "NPROC": "2", "RAY_DASHBOARD_PORT": str(_free_port()),
+        "RAY_START_ARGS": f"--temp-dir={temp} --dashboard-agent-listen-port={_free_port()}",
+        "RAY_TOKEN_FILE": str(tmp_path / "token")}}[target]
 
     def job(**more: str) -> subprocess.Popen[str]:
-        env = _environment(
-            tmp_path, GRAPH=str(GRAPH), RUN_DIR=str(tmp_path / "run"), NPROC="2",
-            RAY_PORT=str(_free_port()), RAY_DASHBOARD_PORT=str(_free_port()),
-            RAY_START_ARGS=f"--temp-dir={temp} --dashboard-agent-listen-port={_free_port()}",
-            RAY_TOKEN_FILE=str(tmp_path / "token"), OVERRIDES=" ".join(overrides), **more)
-        return subprocess.Popen(["sbatch", "--cpus-per-task=1", "deploy/slurm/ray.sbatch"],
+        env = _environment(tmp_path, GRAPH=str(GRAPH), RUN_DIR=str(tmp_path / "run"),
+                           RDZV_PORT=str(_free_port()), RAY_PORT=str(_free_port()),
+                           OVERRIDES=" ".join(overrides), **recipe, **more)
+        return subprocess.Popen(["sbatch", "--cpus-per-task=1", f"deploy/slurm/{target}.sbatch"],
                                 env=env, cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
 
@@ -186,7 +205,10 @@ def test_ray_sbatch_stopped_by_sigterm_saves_and_continues_with_resume(
     for line in first.stdout:
         seen.append(line)
         if line.startswith("step 2/"):
-            first.send_signal(signal.SIGTERM)
+            steps = _srun_steps(first.pid) if target == "fsdp" else [first.pid]
+            assert steps, "no srun step found"
+            for pid in steps:
+                os.kill(pid, signal.SIGTERM)
     assert first.wait(timeout=120) == 143, "".join(seen[-40:])
     assert any("stopped by SIGTERM; the last checkpoint is step" in s for s in seen), seen
     assert not _processes_naming(temp), "the cluster's processes outlived the job"
