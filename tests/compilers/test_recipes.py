@@ -10,6 +10,7 @@ GRPO at small batches for 2 steps, and its metrics are the local run's.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -34,12 +35,20 @@ SMALL = ("dims.Bp=4", "dims.N=4", "nodes.update_actor.params.mini_batch_size=8",
 TWO_STEPS = (*SMALL, "trainer.steps=2")
 
 
-
 @pytest.fixture(scope="module")
 def local_rows(tmp_path_factory: pytest.TempPathFactory, local_run: Any
                ) -> list[dict[str, Any]]:
     """The local run every recipe's run must equal."""
     return list(local_run(GRAPH, tmp_path_factory.mktemp("recipes") / "local", *TWO_STEPS))
+
+
+@pytest.fixture
+def ray_temp() -> Iterator[str]:
+    """A Ray temp dir with a short path (a node's socket paths must stay under 108
+    bytes), removed after the test."""
+    temp = tempfile.mkdtemp(prefix="fg-ray-")
+    yield temp
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 def _free_port() -> int:
@@ -112,13 +121,12 @@ def test_fsdp_sbatch_on_two_nodes_equals_local_and_resumes_when_requeued(
 @pytest.mark.cluster
 @pytest.mark.multiprocess
 def test_ray_sbatch_starts_a_two_node_cluster_runs_and_stops_it(
-        tmp_path: Path, local_rows: list[dict[str, Any]]) -> None:
+        tmp_path: Path, ray_temp: str, local_rows: list[dict[str, Any]]) -> None:
     """A head and a second Ray node of 1 CPU each: the two workers of the pool run one
     on each. Afterwards no process of the cluster is left and its token file is gone."""
-    port, temp = _free_port(), tempfile.mkdtemp(prefix="fg-ray-")  # short: socket paths
-    token = tmp_path / "token"
-    # Two Ray nodes on one machine: each its own temp dir is not needed, but the head's
-    # dashboard agent needs a port of its own (52365 may be taken by another cluster).
+    port, temp, token = _free_port(), ray_temp, tmp_path / "token"
+    # The two nodes share this machine: the head's dashboard agent gets a port of its own
+    # (another cluster here may hold Ray's 52365).
     start_args = f"--temp-dir={temp} --dashboard-agent-listen-port={_free_port()}"
     proc = _run(["sbatch", "--cpus-per-task=1", "deploy/slurm/ray.sbatch"], _environment(
         tmp_path, GRAPH=str(GRAPH), RUN_DIR=str(tmp_path / "run"), NPROC="2",
@@ -180,13 +188,12 @@ def _cmdline(pid: int) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("target", ["fsdp", "ray"])
 def test_sbatch_stopped_by_sigterm_saves_and_a_new_job_continues_with_resume(
-        target: str, tmp_path: Path, local_run: Any) -> None:
+        target: str, tmp_path: Path, ray_temp: str, local_run: Any) -> None:
     """What `#SBATCH --signal` sends before the time limit: SIGTERM to the job's srun
     steps (fsdp: every node's launcher), or to the batch script alone (ray, `B:`: it
     passes it to the driver). The run checkpoints after its step and exits 143 (ray:
     the cluster stopped); a new job with RESUME=1 continues: one local run's rows."""
-    overrides = (*SMALL, "trainer.steps=8")
-    temp = tempfile.mkdtemp(prefix="fg-ray-")
+    overrides, temp = (*SMALL, "trainer.steps=8"), ray_temp
     recipe = {"fsdp": {"PROCS_PER_NODE": "1"}, "ray": {
         "NPROC": "2", "RAY_DASHBOARD_PORT": str(_free_port()),
         "RAY_START_ARGS": f"--temp-dir={temp} --dashboard-agent-listen-port={_free_port()}",
@@ -222,10 +229,10 @@ def test_sbatch_stopped_by_sigterm_saves_and_a_new_job_continues_with_resume(
 
 
 @pytest.fixture
-def two_ray_nodes(tmp_path: Path) -> Iterator[dict[str, str]]:
+def two_ray_nodes(tmp_path: Path, ray_temp: str) -> Iterator[dict[str, str]]:
     """A Ray head and a second Ray node (1 CPU each) with token authentication, as
     `ray start` runs them; the environment that reaches them (RAY_API: the job API)."""
-    port, dashboard, temp = _free_port(), _free_port(), tempfile.mkdtemp(prefix="fg-ray-")
+    port, dashboard, temp = _free_port(), _free_port(), ray_temp
     token = tmp_path / "token"
     token.write_text(os.urandom(32).hex())
     token.chmod(0o600)
