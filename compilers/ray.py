@@ -76,7 +76,7 @@ from flowgraph.voice import ENTRY_ENV, Word, option
 
 MAX_RESTARTS = 3
 """Worker-group restarts allowed without a new checkpoint in between."""
-NAMESPACE_WAIT_S = 10.0
+NAMESPACE_WAIT_S = 5.0
 """The longest wait for a dead run's actors to leave the run's namespace (`--address`)."""
 
 try:
