@@ -162,6 +162,8 @@ def test_async_rollouts_on_a_rollout_pool_equal_a_local_producer_process_and_res
     overlap = [r["async/overlap_frac"] for r in rows]
     assert all(0.0 <= f <= 1.0 for f in overlap) and overlap[-1] == 0.0, overlap
     assert_same_numbers(rows, local_run(GRAPHS / "grpo.yaml", tmp_path / "local", *overrides))
+    logs = sorted(p.name for p in (tmp_path / "ray" / "logs").iterdir())
+    assert logs == ["actor_rollout_ref-0.log", "actor_rollout_ref-1.log", "rollouts-0.log"]
 
     shutil.copytree(tmp_path / "ray", tmp_path / "resumed")
     for step in (3, 4):
@@ -241,6 +243,10 @@ def test_a_dead_and_a_hung_worker_are_restarted_from_the_last_checkpoint(tmp_pat
             proc.kill()
     assert proc.returncode == 0, out
     assert "a worker died in node `" in out and "restarting the worker groups" in out, out
+    # Ray's error names the worker (point 5 of issue #29); flowgraph says where its log is.
+    assert ("(flowgraph/run/actor_rollout_ref/1: The actor died unexpectedly before "
+            "finishing this task. Its output: logs/actor_rollout_ref-1.log in the run dir)"
+            ) in out, out
     assert "gave no answer for trainer.step_timeout_s = 10" in out, out
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(9)), "every step exactly once"
