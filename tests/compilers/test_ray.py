@@ -271,6 +271,41 @@ def test_an_address_where_nothing_listens_is_one_error_at_once(
     assert time.monotonic() - start < 10
 
 
+@pytest.mark.parametrize("leaves", [True, False], ids=["dead-run-leaves", "live-run"])
+def test_a_run_joins_its_own_namespace_and_waits_for_a_dead_run_s_actors_to_leave_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, leaves: bool) -> None:
+    """`--address`: the run joins namespace `flowgraph/<run dir's name>`. Actors already
+    named there are a dead run's (Ray ends them within a second: the run goes on) or a
+    live run's whose run dir has the same name (one message with the fix). No cluster:
+    Ray's calls are stood in for."""
+    from flowgraph.compilers import ray as target
+    from flowgraph.errors import FlowgraphError
+
+    plan = compile_graph(GRAPHS / "grpo.yaml", target="ray",
+                         overrides=[f"trainer.run_dir={tmp_path / 'grpo-7'}"]).plan
+    assert plan is not None
+    joined: dict[str, Any] = {}
+    held = ["flowgraph/grpo-7/actor_rollout_ref/1", "flowgraph/grpo-7/actor_rollout_ref/0"]
+    answers = iter([held, []] if leaves else [])
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: joined.update(kw))
+    monkeypatch.setattr(ray.util, "list_named_actors", lambda: next(answers, held))
+    monkeypatch.setattr(target, "_answers", lambda address: None)
+    monkeypatch.setattr(target, "NAMESPACE_WAIT_S", 0.6)
+    if leaves:
+        target.start_ray(plan, "10.0.0.1:6379")
+        assert joined["namespace"] == "flowgraph/grpo-7"
+        return
+    with pytest.raises(FlowgraphError) as exc:
+        target.start_ray(plan, "10.0.0.1:6379")
+    assert str(exc.value) == (
+        "the Ray cluster at `10.0.0.1:6379` runs actors of another run in namespace "
+        "`flowgraph/grpo-7` (flowgraph/grpo-7/actor_rollout_ref/0, "
+        "flowgraph/grpo-7/actor_rollout_ref/1): a run's Ray names come from its run dir's "
+        "name, `grpo-7`; give this run a run dir of another name, e.g. "
+        "trainer.run_dir=runs/grpo-7-2")
+
+
 def test_a_plan_file_runs_as_edited_a_pool_of_another_size(
         cluster: Any, tmp_path: Path, devnull: Any, local_reference: Any,
         equal_overrides: dict[str, tuple[str, ...]]) -> None:
