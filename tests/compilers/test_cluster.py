@@ -406,6 +406,7 @@ def test_two_runs_on_one_cluster_are_told_apart_by_names_and_log_to_their_run_di
     assert second.returncode == 0, err
     log = (tmp_path / "second" / "logs" / "actor_rollout_ref-0.log").read_text()
     assert "naming_logprob on stderr at step 1\n" in log, log
+    assert "UserWarning: naming_logprob warns at step 1\n" in log, log
     seen = json.loads(next(line for line in log.splitlines() if line.startswith(NAMES))
                       [len(NAMES):])
     for run in ("first", "second"):

@@ -4,6 +4,7 @@ the worker's log (`run_dir/logs/<pool>-<rank>.log`)."""
 
 import json
 import sys
+import warnings
 
 import torch
 from jaxtyping import Float, Int
@@ -20,7 +21,7 @@ def naming_logprob(ctx, model, prompts: Int[Tensor, "b P"], prompt_mask: Int[Ten
                    responses: Int[Tensor, "b T"], response_mask: Int[Tensor, "b T"]
                    ) -> Float[Tensor, "b T"]:
     """Zero log-probs; prints the cluster's live named actors (name, namespace) and placement
-    groups (name) on stdout, and a line on stderr, as a user's node prints."""
+    groups (name) on stdout, a line on stderr and a warning, as a user's node does."""
     import ray
 
     actors = ray.util.list_named_actors(all_namespaces=True)
@@ -28,4 +29,5 @@ def naming_logprob(ctx, model, prompts: Int[Tensor, "b P"], prompt_mask: Int[Ten
               if g["state"] != "REMOVED"]
     print(NAMES + json.dumps({"actors": actors, "groups": groups}), flush=True)
     print(f"naming_logprob on stderr at step {ctx.step}", file=sys.stderr, flush=True)
+    warnings.warn(f"naming_logprob warns at step {ctx.step}", stacklevel=1)
     return torch.zeros(responses.shape, dtype=torch.float32)
