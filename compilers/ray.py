@@ -24,6 +24,12 @@ with a `RayTarget`:
 * checkpoints: every worker writes its shards with DCP into the same folder as the
   fsdp target (`step_N/dcp/<model>`); the driver publishes it atomically, with the
   data cursors and node state. A checkpoint of the local target resumes here too.
+* names: the run is `flowgraph/<run name>` on the cluster (the run dir's name): its Ray
+  namespace, the prefix of its placement groups' names (`flowgraph/<run name>/<pool>`)
+  and of its actors' (`flowgraph/<run name>/<pool>/<index>`), so that `ray list actors`
+  and the dashboard tell two runs on one cluster apart. Each worker writes its stdout and
+  stderr to `run_dir/logs/<pool>-<index>.log`, which Ray also forwards to the driver's
+  console (`flowgraph.compilers.ray_worker.log_to`).
 * faults: a worker that dies (its actor is gone) or hangs (no answer within
   `trainer.step_timeout_s`) is noticed at the driver's next wait; the driver kills
   every worker group, starts them afresh, reloads the last checkpoint and goes on from
@@ -37,6 +43,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import secrets
 import socket
 import sys
@@ -57,7 +64,7 @@ from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.options import RunOptions
 from flowgraph.compilers.ray_cluster import placed, watched
-from flowgraph.compilers.ray_worker import RayWorker
+from flowgraph.compilers.ray_worker import RayWorker, worker_log
 from flowgraph.compilers.signals import child_pids, reap_with_parent, run_guard
 from flowgraph.compilers.target import Report
 from flowgraph.compilers.worker import ExecOptions, Worker
@@ -69,6 +76,8 @@ from flowgraph.voice import ENTRY_ENV, Word, option
 
 MAX_RESTARTS = 3
 """Worker-group restarts allowed without a new checkpoint in between."""
+NAMESPACE_WAIT_S = 5.0
+"""The longest wait for a dead run's actors to leave the run's namespace (`--address`)."""
 
 try:
     import ray
@@ -100,19 +109,47 @@ def answers(refs: Any, timeout: float | None, where: tuple[str, int] | str | Non
             raise cause from None
         raise NodeError(f"{type(cause).__name__}: {cause}") from None
     except RayActorError as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "actor died"
-        raise WorkerLost(f"a worker died{_where(where)} ({reason})") from None
+        raise WorkerLost(f"a worker died{_where(where)} ({_died(exc)})") from None
     except GetTimeoutError:
         raise WorkerLost(f"a worker gave no answer for trainer.step_timeout_s = "
                          f"{timeout} s{_where(where)}; it is taken for dead") from None
 
 
-def reserve(pool: PoolPlan) -> tuple[Any, list[dict[str, Any]]]:
-    """A placement group of one bundle per worker of `pool`, ready (`placed`: within a
-    bounded time, else a message); and each worker's
+def run_name(plan: ExecutionPlan) -> str:
+    """The run's name on the cluster: its run dir's (as MLflow names the run)."""
+    return Path(plan.trainer.run_dir).resolve().name
+
+
+def namespace(plan: ExecutionPlan) -> str:
+    """The run's Ray namespace, `flowgraph/<run name>`: what an operator filters by."""
+    return f"flowgraph/{run_name(plan)}"
+
+
+def ray_name(plan: ExecutionPlan, pool: str, index: int | None = None) -> str:
+    """`flowgraph/<run name>/<pool>`, a pool's placement group; with `index`,
+    `flowgraph/<run name>/<pool>/<index>`, that worker's actor."""
+    return f"{namespace(plan)}/{pool}" + (f"/{index}" if index is not None else "")
+
+
+def _died(exc: Exception) -> str:
+    """Why a worker died, from Ray's error: its first line, and for a flowgraph worker
+    (Ray's message names the actor) which one and where its output is."""
+    text = str(exc).strip()
+    reason = text.splitlines()[0] if text else "actor died"
+    named = re.search(r"^\s*name: flowgraph/[^\n]*/([^/\n]+)/(\d+)$", text, re.MULTILINE)
+    if named is None:
+        return reason
+    pool, rank = named[1], int(named[2])
+    return (f"{named[0].split(': ', 1)[1]}: {reason} Its output: "
+            f"{worker_log(Path(), pool, rank)} in the run dir")
+
+
+def reserve(pool: PoolPlan, name: str = "") -> tuple[Any, list[dict[str, Any]]]:
+    """A placement group of one bundle per worker of `pool`, named `name` (`ray_name`),
+    ready (`placed`: within a bounded time, else a message); and each worker's
     actor options, which place it in its bundle."""
     bundles = [{"CPU": b.cpu, **({"GPU": b.gpu} if b.gpu else {})} for b in pool.bundles]
-    pg = placement_group(bundles, strategy="PACK")
+    pg = placement_group(bundles, strategy="PACK", name=name)
     placed(pg, pool.name, bundles)
     return pg, [{"num_cpus": b["CPU"], "num_gpus": b.get("GPU", 0),
                  "scheduling_strategy": PlacementGroupSchedulingStrategy(
@@ -162,9 +199,11 @@ class RayTarget:
         for pool in self.plan.pools:
             if pool.name == DRIVER or not pool.bundles:
                 continue
-            pg, places = reserve(pool)
+            pg, places = reserve(pool, name=ray_name(self.plan, pool.name))
             remote = ray.remote(RayWorker)
-            workers = [remote.options(**places[i]).remote(sent, pool.name, i, cwd, path)
+            workers = [remote.options(name=ray_name(self.plan, pool.name, i), **places[i]
+                                      ).remote(sent, pool.name, i, cwd, path,
+                                               str(self.opts.run_dir))
                        for i in range(pool.size)]
             self.groups[pool.name] = Group(pool, workers, pg)
         # Set up every group at once: workers of a group rendezvous with each other.
@@ -334,18 +373,36 @@ def start_ray(plan: ExecutionPlan, address: str | None) -> None:
     if address:
         try:
             _answers(address)
-            ray.init(address=address, log_to_driver=True, runtime_env=env)
+            ray.init(address=address, log_to_driver=True, runtime_env=env,
+                     namespace=namespace(plan))
         except (OSError, RuntimeError, ValueError) as exc:  # ConnectionError is an OSError
             raise FlowgraphError(
                 f"cannot join the Ray cluster at `{address}`: {exc}. Is `ray start --head` "
                 "running there (its address, or `auto` on a machine of the cluster)? Or "
                 f"leave out {option('address', Word('ADDR'))} for a local cluster") from None
+        _namespace_free(plan, address)
         return
     _private_token()
     before = child_pids()
     ray.init(num_cpus=cluster_cpus(plan), include_dashboard=False, log_to_driver=True,
-             configure_logging=False, runtime_env=env)
+             configure_logging=False, runtime_env=env, namespace=namespace(plan))
     reap_with_parent(child_pids() - before)  # a killed driver takes the cluster along
+
+
+def _namespace_free(plan: ExecutionPlan, address: str) -> None:
+    """Stop when the run's namespace on the cluster joined holds live actors: another
+    run's whose run dir has the same name (one run dir is one run: its lock). A dead
+    driver's actors are Ray's to end, which it does within a second (measured 0.1 s);
+    they are waited for `NAMESPACE_WAIT_S` at most."""
+    deadline = time.monotonic() + NAMESPACE_WAIT_S
+    while held := ray.util.list_named_actors():  # this job's namespace
+        if time.monotonic() > deadline:
+            raise FlowgraphError(
+                f"the Ray cluster at `{address}` runs actors of another run in namespace "
+                f"`{namespace(plan)}` ({', '.join(sorted(held)[:3])}): a run's Ray names "
+                f"come from its run dir's name, `{run_name(plan)}`; give this run a run dir "
+                f"of another name, e.g. {option('run_dir', f'runs/{run_name(plan)}-2')}")
+        time.sleep(0.5)
 
 
 def _private_token() -> None:

@@ -5,12 +5,20 @@ In a pool of size > 1 the workers form a torch process group (gloo on CPU, nccl 
 GPU) and shard their models with FSDP2 where the plan says `full_shard`, as the fsdp
 target does; a data-parallel call carries this worker's rank, the pool's size and the
 row its slice starts at. Tensors arrive by value or as object-store references.
+
+A worker's stdout and stderr (Python's prints and warnings, C libraries' output, a
+crash's last words) go to `run_dir/logs/<pool>-<rank>.log` (`log_to`), and from there on
+to Ray's own files of the worker, which Ray forwards to the driver's console with the
+worker's name as prefix (`(actor_rollout_ref-0 pid=...)`).
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -35,16 +43,22 @@ class RayWorker:
     """One worker of a pool (a Ray actor; `ray.remote` wraps it when the group starts)."""
 
     def __init__(self, sent: tuple[str, bytes | None], pool: str, rank: int, cwd: str,
-                 path: list[str]) -> None:
+                 path: list[str], run_dir: str) -> None:
         """`sent`: the plan's JSON and its Python objects, pickled (`pickled_objects`)."""
-        quiet_hf()
+        self.label = f"{pool}-{rank}"
         os.chdir(cwd)  # model and data paths are relative to where the run started
+        log_to(worker_log(Path(run_dir), pool, rank))
+        quiet_hf()
         sys.path[:0] = [p for p in path if p not in sys.path]
         self.plan = ExecutionPlan.from_json(sent[0]).with_pickled(sent[1])
         self.pool = self.plan.pool(pool)
         self.rank = rank
         self.group = _dist.DataParallel() if self.pool.size > 1 else None
         self.worker: Worker | None = None
+
+    def __repr__(self) -> str:
+        """The prefix of this worker's lines on the driver's console (Ray's)."""
+        return self.label
 
     def node(self) -> str:
         """The Ray node this worker runs on."""
@@ -134,6 +148,45 @@ class RayWorker:
         if self.worker is None:
             raise FlowgraphError("worker used before setup")
         return self.worker
+
+
+def worker_log(run_dir: Path, pool: str, rank: int) -> Path:
+    """Where worker `rank` of `pool` writes its stdout and stderr."""
+    return run_dir / "logs" / f"{pool}-{rank}.log"
+
+
+def log_to(log: Path) -> None:
+    """This process's stdout and stderr appended to `log`, at the file descriptors (so
+    C libraries' output and a crash's traceback, `faulthandler`, land there too, and
+    stay there whatever kills the process); a thread copies what lands there on to the
+    stderr Ray gave the process, which Ray forwards to the driver's console."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ray_fd = os.dup(2)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    start = os.fstat(fd).st_size
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for stream in (sys.stdout, sys.stderr):  # a killed worker's last lines are written
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True)
+    faulthandler.enable(file=sys.stderr)
+    threading.Thread(target=_forward, args=(log, start, ray_fd), daemon=True,
+                     name="flowgraph-log-forward").start()
+
+
+def _forward(log: Path, start: int, fd: int) -> None:
+    """Copy what `log` gains after byte `start` to `fd`, for the worker's life."""
+    with open(log, "rb") as f:
+        f.seek(start)
+        while True:
+            chunk = f.read(1 << 16)
+            if chunk:
+                os.write(fd, chunk)
+            else:
+                time.sleep(0.2)
 
 
 def _values(inputs: dict[str, Any]) -> dict[str, Any]:

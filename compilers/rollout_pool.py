@@ -40,12 +40,13 @@ import torch
 from flowgraph.compilers.batches import Batches
 from flowgraph.compilers.checkpoint import Rollout
 from flowgraph.compilers.producer import producer
-from flowgraph.compilers.ray import RayTarget, answers, reserve
+from flowgraph.compilers.ray import RayTarget, answers, ray_name, reserve
+from flowgraph.compilers.ray_worker import log_to, worker_log
 from flowgraph.compilers.rollouts import Rollouts
 from flowgraph.compilers.target import Target
 from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
 from flowgraph.errors import FlowgraphError
-from flowgraph.plan import ExecutionPlan, PoolPlan
+from flowgraph.plan import ROLLOUT_POOL, ExecutionPlan, PoolPlan
 
 try:
     import ray
@@ -114,10 +115,11 @@ class PoolRollouts(Rollouts):
         first = step + len(self.pending)
         cursors = self.pending[-1].cursors if self.pending else self.data_cursors()
         state = {n: s for n, s in self.worker.node_state.items() if n in self.names}
-        self.pg, places = reserve(self.pool)
-        self.actor = ray.remote(RolloutWorker).options(**places[0]).remote(
+        self.pg, places = reserve(self.pool, name=ray_name(self.plan, self.pool.name))
+        self.actor = ray.remote(RolloutWorker).options(
+            name=ray_name(self.plan, self.pool.name, 0), **places[0]).remote(
             (self.plan.to_json(), self.plan.pickled_objects()), os.getcwd(),
-            [p for p in sys.path if p])
+            [p for p in sys.path if p], str(self.opts.run_dir))
         answers(self.actor.setup.remote(self.names, str(self.opts.run_dir), self.opts.strict,
                                         cursors, state, step), None,
                 "while the rollout pool's worker set up")
@@ -241,10 +243,12 @@ class RolloutWorker:
     """The rollout pool's worker (a Ray actor; `ray.remote` wraps it when the pool starts):
     the producer's side of the run, generating one rollout a call."""
 
-    def __init__(self, sent: tuple[str, bytes | None], cwd: str, path: list[str]) -> None:
+    def __init__(self, sent: tuple[str, bytes | None], cwd: str, path: list[str],
+                 run_dir: str) -> None:
         """`sent`: the plan's JSON and its Python objects, pickled (`pickled_objects`)."""
-        quiet_hf()
         os.chdir(cwd)  # model and data paths are relative to where the run started
+        log_to(worker_log(Path(run_dir), ROLLOUT_POOL, 0))
+        quiet_hf()
         sys.path[:0] = [p for p in path if p not in sys.path]
         self.plan = ExecutionPlan.from_json(sent[0]).with_pickled(sent[1])
         assert self.plan.asynchronous is not None and self.plan.asynchronous.pool is not None
@@ -252,6 +256,10 @@ class RolloutWorker:
         self.rollouts: Rollouts | None = None
         self.devnull = open(os.devnull, "w")  # noqa: SIM115 - the actor's life long
         """Where the producer's worker prints (the trainer's console is the driver's)."""
+
+    def __repr__(self) -> str:
+        """The prefix of this worker's lines on the driver's console (Ray's)."""
+        return f"{ROLLOUT_POOL}-0"
 
     def pid(self) -> int:
         return os.getpid()

@@ -7,12 +7,17 @@ fsdp --nnodes 2 --node-rank R --rdzv-endpoint 127.0.0.1:PORT` launches.
 * a rank killed on one node is named on both, each with the command that resumes it,
   every launch flag in it; resumed, the run has the local run's numbers;
 * a Ray head lost under a driver that joined it (`--address`) is one flowgraph message
-  with the last checkpoint and the resume command, not Ray's own exit.
+  with the last checkpoint and the resume command, not Ray's own exit;
+* two runs on one Ray cluster (issue #29, point 5) are told apart by their actors' and
+  placement groups' names and namespaces; each worker's output is in its run's
+  `logs/<pool>-<index>.log` and on the driver's console; a run dir name in use on the
+  cluster is refused, and free again as soon as that run's driver is killed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -338,3 +343,108 @@ def test_a_lost_ray_head_is_one_message_with_the_last_checkpoint_and_the_resume_
             f"{DPO} --target ray --nproc 2 --address {address} --resume trainer.steps=2000 "
             "trainer.checkpoint_every=2 trainer.run_dir=run\n") in err, err
     assert "Failed to connect to GCS" not in err and "Traceback" not in err, err
+
+
+NAMING = ("--target", "ray", "--nproc", "1", "dims.Bp=4", "dims.N=4",
+          "nodes.update_actor.params.mini_batch_size=8", "trainer.val_before_train=false")
+"""A small GRPO on one Ray worker (the run's `naming_logprob` reports the cluster's names)."""
+
+
+def _naming_graph(tmp_path: Path) -> Path:
+    """GRPO whose `old_logprob` is tests/plugins' `naming_logprob`, which prints the
+    cluster's named actors and placement groups from its worker."""
+    text = (ROOT / "graphs" / "grpo.yaml").read_text().replace(
+        "name: grpo\n", "name: grpo\nplugins: [fg_ray_names]\n", 1).replace(
+        "  old_logprob:\n    kind: logprob\n", "  old_logprob:\n    kind: naming_logprob\n", 1)
+    graph = tmp_path / "naming.yaml"
+    graph.write_text(text)
+    return graph
+
+
+def _ray_run(graph: Path, cwd: Path, env: dict[str, str], address: str, *args: str
+             ) -> subprocess.Popen[str]:
+    plugins = os.pathsep.join([str(ROOT / "tests" / "plugins"), env.get("PYTHONPATH", "")])
+    return subprocess.Popen(
+        [sys.executable, "-m", "flowgraph", "run", str(graph), *NAMING, "--address", address,
+         *args], cwd=cwd, env={**env, "PYTHONPATH": plugins}, text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _running(proc: subprocess.Popen[str], run_dir: Path) -> None:
+    """Wait until the run in `run_dir` has written its first step."""
+    deadline = time.monotonic() + 240
+    while len(read_metrics(run_dir)) < 1:
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the first run wrote no step in 240 s"
+        time.sleep(0.2)
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+def test_two_runs_on_one_cluster_are_told_apart_by_names_and_log_to_their_run_dirs(
+        tmp_path: Path, ray_head: tuple[str, dict[str, str], Path],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run `first` trains on while run `second` (2 steps) joins the same cluster; what
+    `second`'s worker sees of the cluster names both runs apart, each in its own
+    namespace; its prints are in `second/logs/actor_rollout_ref-0.log` and on its
+    driver's console under the worker's name."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests" / "plugins"))
+    from fg_ray_names import NAMES
+
+    address, env, _ = ray_head
+    graph = _naming_graph(tmp_path)
+    first = _ray_run(graph, tmp_path, env, address, "trainer.steps=1000",
+                     "trainer.run_dir=first")
+    try:
+        _running(first, tmp_path / "first")
+        second = _ray_run(graph, tmp_path, env, address, "trainer.steps=2",
+                          "trainer.run_dir=second")
+        out, err = second.communicate(timeout=300)
+    finally:
+        first.kill()
+        first.communicate()
+    assert second.returncode == 0, err
+    log = (tmp_path / "second" / "logs" / "actor_rollout_ref-0.log").read_text()
+    assert "naming_logprob on stderr at step 1\n" in log, log
+    assert "UserWarning: naming_logprob warns at step 1\n" in log, log
+    seen = json.loads(next(line for line in log.splitlines() if line.startswith(NAMES))
+                      [len(NAMES):])
+    for run in ("first", "second"):
+        assert {"name": f"flowgraph/{run}/actor_rollout_ref/0",
+                "namespace": f"flowgraph/{run}"} in seen["actors"], seen
+        assert f"flowgraph/{run}/actor_rollout_ref" in seen["groups"], seen
+    # Ray forwards the worker's lines to its driver, prefixed with the worker's name.
+    assert re.search(r"\(actor_rollout_ref-0 pid=\d+\)\S* naming_logprob on stderr at "
+                     r"step 1", out + err), out + err
+    assert (tmp_path / "first" / "logs" / "actor_rollout_ref-0.log").is_file()
+    assert not list((tmp_path / "second").glob("logs/*first*"))
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_a_run_dir_name_in_use_on_the_cluster_is_refused_until_its_driver_dies(
+        tmp_path: Path, ray_head: tuple[str, dict[str, str], Path]) -> None:
+    """A second run whose run dir has the same name as a live one's (`a/run`, `b/run`)
+    would take its Ray names: it is refused with the fix. Once the first driver is
+    killed (-9), Ray ends its actors and the name is free for the next run at once."""
+    address, env, _ = ray_head
+    graph = _naming_graph(tmp_path)
+    first = _ray_run(graph, tmp_path, env, address, "trainer.steps=1000",
+                     "trainer.run_dir=a/run")
+    try:
+        _running(first, tmp_path / "a" / "run")
+        twin = _ray_run(graph, tmp_path, env, address, "trainer.steps=1",
+                        "trainer.run_dir=b/run")
+        _, err = twin.communicate(timeout=120)
+    finally:
+        first.kill()
+        first.communicate()
+    assert twin.returncode == 1, err
+    assert (f"flowgraph: error: the Ray cluster at `{address}` runs actors of another run "
+            "in namespace `flowgraph/run` (flowgraph/run/actor_rollout_ref/0): a run's Ray "
+            "names come from its run dir's name, `run`; give this run a run dir of another "
+            "name, e.g. trainer.run_dir=runs/run-2\n") in err, err
+    again = _ray_run(graph, tmp_path, env, address, "trainer.steps=1", "trainer.run_dir=c/run")
+    _, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err

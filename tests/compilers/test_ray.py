@@ -162,6 +162,8 @@ def test_async_rollouts_on_a_rollout_pool_equal_a_local_producer_process_and_res
     overlap = [r["async/overlap_frac"] for r in rows]
     assert all(0.0 <= f <= 1.0 for f in overlap) and overlap[-1] == 0.0, overlap
     assert_same_numbers(rows, local_run(GRAPHS / "grpo.yaml", tmp_path / "local", *overrides))
+    logs = sorted(p.name for p in (tmp_path / "ray" / "logs").iterdir())
+    assert logs == ["actor_rollout_ref-0.log", "actor_rollout_ref-1.log", "rollouts-0.log"]
 
     shutil.copytree(tmp_path / "ray", tmp_path / "resumed")
     for step in (3, 4):
@@ -241,6 +243,10 @@ def test_a_dead_and_a_hung_worker_are_restarted_from_the_last_checkpoint(tmp_pat
             proc.kill()
     assert proc.returncode == 0, out
     assert "a worker died in node `" in out and "restarting the worker groups" in out, out
+    # Ray's error names the worker (point 5 of issue #29); flowgraph says where its log is.
+    assert ("(flowgraph/run/actor_rollout_ref/1: The actor died unexpectedly before "
+            "finishing this task. Its output: logs/actor_rollout_ref-1.log in the run dir)"
+            ) in out, out
     assert "gave no answer for trainer.step_timeout_s = 10" in out, out
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(9)), "every step exactly once"
@@ -263,6 +269,41 @@ def test_an_address_where_nothing_listens_is_one_error_at_once(
     with pytest.raises(FlowgraphError, match=r"cannot join the Ray cluster at `127\.0\.0\.1:1`"):
         start_ray(plan, "127.0.0.1:1")
     assert time.monotonic() - start < 10
+
+
+@pytest.mark.parametrize("leaves", [True, False], ids=["dead-run-leaves", "live-run"])
+def test_a_run_joins_its_own_namespace_and_waits_for_a_dead_run_s_actors_to_leave_it(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, leaves: bool) -> None:
+    """`--address`: the run joins namespace `flowgraph/<run dir's name>`. Actors already
+    named there are a dead run's (Ray ends them within a second: the run goes on) or a
+    live run's whose run dir has the same name (one message with the fix). No cluster:
+    Ray's calls are stood in for."""
+    from flowgraph.compilers import ray as target
+    from flowgraph.errors import FlowgraphError
+
+    plan = compile_graph(GRAPHS / "grpo.yaml", target="ray",
+                         overrides=[f"trainer.run_dir={tmp_path / 'grpo-7'}"]).plan
+    assert plan is not None
+    joined: dict[str, Any] = {}
+    held = ["flowgraph/grpo-7/actor_rollout_ref/1", "flowgraph/grpo-7/actor_rollout_ref/0"]
+    answers = iter([held, []] if leaves else [])
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: joined.update(kw))
+    monkeypatch.setattr(ray.util, "list_named_actors", lambda: next(answers, held))
+    monkeypatch.setattr(target, "_answers", lambda address: None)
+    monkeypatch.setattr(target, "NAMESPACE_WAIT_S", 0.6)
+    if leaves:
+        target.start_ray(plan, "10.0.0.1:6379")
+        assert joined["namespace"] == "flowgraph/grpo-7"
+        return
+    with pytest.raises(FlowgraphError) as exc:
+        target.start_ray(plan, "10.0.0.1:6379")
+    assert str(exc.value) == (
+        "the Ray cluster at `10.0.0.1:6379` runs actors of another run in namespace "
+        "`flowgraph/grpo-7` (flowgraph/grpo-7/actor_rollout_ref/0, "
+        "flowgraph/grpo-7/actor_rollout_ref/1): a run's Ray names come from its run dir's "
+        "name, `grpo-7`; give this run a run dir of another name, e.g. "
+        "trainer.run_dir=runs/grpo-7-2")
 
 
 def test_a_plan_file_runs_as_edited_a_pool_of_another_size(
