@@ -126,6 +126,7 @@ LORA = written_types(LoraSpec)
 OPTIMIZER = written_types(OptimizerSpec)
 TRAINER = written_types(TrainerSpec)
 RESOURCES = written_types(ResourceSpec)
+POOL = written_types(PoolSpec)
 
 
 class _Reader:

@@ -408,10 +408,11 @@ class PoolSpec:
     size: int = setting(doc="Workers in the pool.")
     models: tuple[str, ...] = setting(doc="Models hosted together in the pool.")
     cpus: int = setting(1, "CPU cores of each worker (target ray: its bundle's CPU).",
-                        minimum=1)
+                        minimum=1, hint="a worker takes one core at least, e.g. `cpus: 4`")
     gpus: int | None = setting(
         None, "GPUs of each worker (target ray: its bundle's GPU); null: 1 with device "
-        "cuda, 0 on cpu.", minimum=0)
+        "cuda, 0 on cpu.", minimum=0,
+        hint="0 on cpu, 1 or more on cuda; leave it out for 1 on cuda, 0 on cpu")
     custom_resources: tuple[tuple[str, float], ...] = setting(
         (), "Custom Ray resources of each worker, name -> amount (what `ray start "
         "--resources` gives the nodes, e.g. `{TPU: 1}`).", written=(dict,))

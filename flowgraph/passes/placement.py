@@ -36,7 +36,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from flowgraph.diagnostics import Diagnostic, error, warning
+from flowgraph.checker.resources import gpu_problems
+from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.document import did_you_mean
 from flowgraph.ir import Graph, ModelSpec, PoolSpec
 from flowgraph.passes.program import NodePlacement, Placement, Program
@@ -259,24 +260,11 @@ def _rollout_pool_name(program: Program) -> list[Diagnostic]:
 
 
 def _gpu_problems(program: Program) -> list[Diagnostic]:
-    """A declared pool's `gpus` against the plan's device on ray (FG406): workers that run
-    on cuda need a GPU each; GPUs asked for by workers that run on cpu sit idle."""
-    if program.target != "ray":
+    """FG406 on ray for a graph whose `resources.device` is `auto`, against the device
+    the compiler chose (the checker has reported it for a device written down)."""
+    if program.target != "ray" or program.graph.resources.device != "auto":
         return []
-    out = []
-    for p in program.graph.resources.pools:
-        where = f"resources.pools.{p.name}.gpus"
-        if p.gpus == 0 and program.device == "cuda":
-            out.append(error("FG406", f"pool `{p.name}`'s workers run on cuda and {where} is "
-                             "0: a worker without a GPU cannot run them", p.pos,
-                             hint=f"remove {where} (one GPU each), or set "
-                                  "`resources.device: cpu`"))
-        elif p.gpus and program.device == "cpu":
-            out.append(warning("FG406", f"pool `{p.name}` asks {p.gpus} GPU(s) per worker but "
-                               "the plan runs on cpu: Ray reserves them and nothing uses "
-                               "them", p.pos,
-                               hint=f"set `resources.device: cuda`, or remove {where}"))
-    return out
+    return gpu_problems(program.graph, program.device)
 
 
 def _check_pool(graph: Graph, pool: PoolSpec) -> list[Diagnostic]:
