@@ -1,7 +1,8 @@
-"""What a plan's pools ask of a Ray cluster, checked before any worker starts (issue #29,
-point 2): each pool's bundles against the alive nodes (`check_fits`, on plain node lists
-here), and a real run asking for GPUs the embedded CPU cluster lacks, which stops at once
-with the shortfall instead of waiting on a placement group.
+"""What a plan's workers ask of the machines, checked before any of them starts (issue
+#29, point 2). Ray: each pool's bundles against the alive nodes (`check_fits`, on plain
+node lists here), and a real run asking for GPUs the embedded CPU cluster lacks, which
+stops at once with the shortfall instead of waiting on a placement group. fsdp: the ranks
+a machine runs on cuda against the CUDA devices it sees.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ from typing import Any
 import pytest
 import yaml
 
+from flowgraph.compilers import RunOptions
 from flowgraph.compilers.ray_cluster import ClusterShort, Node, check_fits
+from flowgraph.errors import FlowgraphError
 from flowgraph.passes import compile_graph
 from flowgraph.plan import ExecutionPlan
 
@@ -126,3 +129,29 @@ def test_a_plan_asking_more_gpus_than_the_cluster_has_stops_at_once(tmp_path: Pa
     assert "lower resources.pools.trainer.gpus or add GPU nodes" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert took < 120, f"took {took:.0f} s"  # Ray's start-up; no placement wait
+
+
+@pytest.mark.parametrize(("nnodes", "message"), [
+    (1, "the plan runs 4 rank(s) on this machine on cuda, 4 GPU(s) in all, and it sees 1 "
+        "CUDA device(s); lower --nproc N (or spread the ranks over more machines with "
+        "--nnodes M), or compile for cpu (`resources.device: cpu`)"),
+    (2, "the plan runs 2 rank(s) on this machine on cuda, 2 GPU(s) in all, and it sees 1 "
+        "CUDA device(s)"),
+])
+def test_fsdp_ranks_on_cuda_need_as_many_visible_devices(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nnodes: int, message: str) -> None:
+    """Before, each rank took `cuda:LOCAL_RANK` and the third failed deep in torch."""
+    import torch
+
+    from flowgraph.compilers.fsdp import launch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # the machine
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    plan = compile_graph(DPO, target="fsdp", nproc=4, device="cuda",
+                         overrides=[f"trainer.run_dir={tmp_path / 'run'}"]).plan
+    assert plan is not None
+    opts = RunOptions(nnodes=nnodes, node_rank=0, rdzv_endpoint="127.0.0.1:1")
+    with pytest.raises(FlowgraphError) as info:
+        launch(plan, opts)
+    assert str(info.value).startswith(message)
+    assert not (tmp_path / "run").exists()  # before the run dir, before any rank
