@@ -70,7 +70,7 @@ def _line_of(text: str, needle: str) -> int:
 def test_a_bad_pool_setting_is_fg004_at_its_line(settings: str, needle: str,
                                                  message: str) -> None:
     text = _dpo(settings)
-    graph, diags = load_graph("g.yaml", text=text)
+    _, diags = load_graph("g.yaml", text=text)
     assert [(d.code, d.message) for d in diags] == [("FG004", message)]
     assert diags[0].pos is not None and diags[0].pos.line == _line_of(text, needle)
 
