@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +156,38 @@ def test_fsdp_ranks_on_cuda_need_as_many_visible_devices(
         launch(plan, opts)
     assert str(info.value).startswith(message)
     assert not (tmp_path / "run").exists()  # before the run dir, before any rank
+
+
+@pytest.mark.multiprocess
+def test_a_pool_s_resources_strategy_and_labels_reach_ray(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`reserve` on a real cluster: the placement group has the pool's bundles (custom
+    resources too) and strategy, the actors take them; a label selector no node matches
+    leaves it unplaced (`placed` gives up after its bounded wait), one that matches the
+    node's id places it."""
+    ray = pytest.importorskip("ray")
+    from ray.util import placement_group_table, remove_placement_group
+
+    from flowgraph.compilers import ray_cluster
+    from flowgraph.compilers.ray import reserve
+    from flowgraph.plan import Label
+
+    plan = _plan(tmp_path, strategy="spread", custom_resources={"flowgraph_test": 0.5})
+    pool = plan.pool("trainer")
+    ray.init(num_cpus=2, resources={"flowgraph_test": 1}, include_dashboard=False,
+             configure_logging=False)
+    try:
+        node = ray.get_runtime_context().get_node_id()
+        pg, places = reserve(replace(pool, label_selector=(Label("ray.io/node-id", node),)))
+        table = placement_group_table(pg)
+        assert (table["strategy"], table["state"]) == ("SPREAD", "CREATED")
+        assert table["bundles"] == {0: {"CPU": 1.0, "flowgraph_test": 0.5},
+                                    1: {"CPU": 1.0, "flowgraph_test": 0.5}}
+        assert [(p["num_cpus"], p["num_gpus"], p["resources"]) for p in places] == [
+            (1, 0, {"flowgraph_test": 0.5})] * 2
+        remove_placement_group(pg)
+        monkeypatch.setattr(ray_cluster, "PLACE_TIMEOUT_S", 3.0)
+        with pytest.raises(ray_cluster.ClusterLost, match="could not be placed within 3 s"):
+            reserve(replace(pool, label_selector=(Label("ray.io/node-id", f"!{node}"),)))
+    finally:
+        ray.shutdown()
