@@ -111,8 +111,9 @@ def placed(pg: Any, pool: str, bundles: list[dict[str, Any]]) -> None:
             "plan asks for more than the cluster has") from None
 
 
-class ClusterShort(FlowgraphError):
-    """The Ray cluster has less than the plan's pools ask for; the message lists what."""
+class ClusterShort(ClusterLost):
+    """The Ray cluster has less than the plan's pools ask for; the message lists what.
+    A `ClusterLost`: after a lost node, the restart's check says how to go on."""
 
 
 Node = tuple[str, dict[str, float], dict[str, str]]
