@@ -112,6 +112,7 @@ def test_pools_that_fit_alone_but_not_together_are_told_in_all(tmp_path: Path) -
         check_fits(plan, [_node("a", CPU=4), _node("b", CPU=4)])
 
 
+@pytest.mark.cluster
 @pytest.mark.multiprocess
 def test_a_plan_asking_more_gpus_than_the_cluster_has_stops_at_once(tmp_path: Path) -> None:
     """4 GPUs a worker on the embedded CPU cluster: one message before any worker starts
@@ -158,6 +159,7 @@ def test_fsdp_ranks_on_cuda_need_as_many_visible_devices(
     assert not (tmp_path / "run").exists()  # before the run dir, before any rank
 
 
+@pytest.mark.cluster
 @pytest.mark.multiprocess
 def test_a_pool_s_resources_strategy_and_labels_reach_ray(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
