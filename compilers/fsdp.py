@@ -289,6 +289,23 @@ def world_size(plan: ExecutionPlan) -> int:
     return pool.size
 
 
+def _check_gpus(plan: ExecutionPlan, per_machine: int) -> None:
+    """On cuda every rank of this machine takes a GPU of its own (`LOCAL_RANK`): stop
+    before any rank starts when the machine sees fewer CUDA devices than it runs ranks."""
+    (pool,) = [p for p in plan.pools if p.bundles]
+    gpus = pool.bundles[0].gpu * per_machine
+    seen = torch.cuda.device_count() if plan.device == "cuda" else gpus
+    if seen >= gpus:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    raise FlowgraphError(
+        f"the plan runs {per_machine} rank(s) on this machine on cuda, {gpus} GPU(s) in all, "
+        f"and it sees {seen} CUDA device(s)"
+        + (f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else "")
+        + f"; lower {option('nproc', Word('N'))} (or spread the ranks over more machines "
+        f"with {option('nnodes', Word('M'))}), or compile for cpu (`resources.device: cpu`)")
+
+
 def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> Path:
     """Run `plan` on its pool's processes, `opts.nnodes` machines sharing them evenly;
     the run dir when it finished."""
@@ -305,6 +322,7 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
         raise UsageError(f"{option('nnodes', opts.nnodes)} needs "
                          f"{option('rdzv_endpoint', Word('HOST:PORT'))}: node 0's address and "
                          "a free port, the same on every machine")
+    _check_gpus(plan, world // opts.nnodes)
     first = opts.node_rank == 0  # node 0 prepares the run dir: the others share it
     run_dir = prepare_run(plan, resume=opts.resume, overwrite=opts.overwrite,
                           check_only=not first)

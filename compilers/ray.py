@@ -63,7 +63,7 @@ from flowgraph.compilers.integrity import DISK_FULL
 from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.options import RunOptions
-from flowgraph.compilers.ray_cluster import placed, watched
+from flowgraph.compilers.ray_cluster import check_fits, cluster_nodes, placed, watched
 from flowgraph.compilers.ray_worker import RayWorker, worker_log
 from flowgraph.compilers.signals import child_pids, reap_with_parent, run_guard
 from flowgraph.compilers.target import Report
@@ -148,12 +148,15 @@ def reserve(pool: PoolPlan, name: str = "") -> tuple[Any, list[dict[str, Any]]]:
     """A placement group of one bundle per worker of `pool`, named `name` (`ray_name`),
     ready (`placed`: within a bounded time, else a message); and each worker's
     actor options, which place it in its bundle."""
-    bundles = [{"CPU": b.cpu, **({"GPU": b.gpu} if b.gpu else {})} for b in pool.bundles]
-    pg = placement_group(bundles, strategy="PACK", name=name)
+    bundles = [b.asks() for b in pool.bundles]
+    labels = {lb.name: lb.selector for lb in pool.label_selector}
+    pg = placement_group(bundles, strategy=pool.strategy.upper(), name=name,
+                         bundle_label_selector=[labels] * len(bundles) if labels else None)
     placed(pg, pool.name, bundles)
-    return pg, [{"num_cpus": b["CPU"], "num_gpus": b.get("GPU", 0),
+    return pg, [{"num_cpus": b.cpu, "num_gpus": b.gpu,
+                 "resources": {a.name: a.amount for a in b.custom},
                  "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                     pg, placement_group_bundle_index=i)} for i, b in enumerate(bundles)]
+                     pg, placement_group_bundle_index=i)} for i, b in enumerate(pool.bundles)]
 
 
 # --- the driver ------------------------------------------------------------------------------
@@ -194,6 +197,7 @@ class RayTarget:
     def start(self, checkpoint: Path | None = None) -> None:
         """A placement group and a group of `RayWorker`s per pool, set up (their models
         loaded, from `checkpoint` when given)."""
+        check_fits(self.plan, cluster_nodes())  # a shortfall is a message, not a wait
         sent = (self.plan.to_json(), self.plan.pickled_objects())
         cwd, path = os.getcwd(), [p for p in sys.path if p]
         for pool in self.plan.pools:

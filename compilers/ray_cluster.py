@@ -6,6 +6,9 @@
   GCS address every second; when it has not answered for `LOST_MARGIN_S` less than
   that, it says what was lost, the last checkpoint and the command that resumes the
   run (`lost`), and ends the driver itself (exit 1).
+* Too small a cluster: before any worker starts, `check_fits` compares what the plan's
+  pools ask with the alive nodes (a bundle fits on one node, with the labels its pool
+  selects; the whole plan within the cluster's total) and stops with the shortfall.
 * A node: its workers die (`WorkerLost`) and the driver restarts the worker groups,
   which must be placed again on what the cluster has left; `placed` waits for a
   placement group `PLACE_TIMEOUT_S` at most, then stops with what was asked and what
@@ -28,7 +31,7 @@ from flowgraph.errors import FlowgraphError
 
 if TYPE_CHECKING:
     from flowgraph.compilers.options import RunOptions
-    from flowgraph.plan import ExecutionPlan
+    from flowgraph.plan import ExecutionPlan, PoolPlan
 
 LOST_MARGIN_S = 5.0
 """The head counts as lost this long before Ray would end the driver."""
@@ -106,6 +109,145 @@ def placed(pg: Any, pool: str, bundles: list[dict[str, Any]]) -> None:
             f"free ({len(ray.nodes())} node(s) known, "
             f"{sum(n['Alive'] for n in ray.nodes())} alive); a node may be lost, or the "
             "plan asks for more than the cluster has") from None
+
+
+class ClusterShort(ClusterLost):
+    """The Ray cluster has less than the plan's pools ask for; the message lists what.
+    A `ClusterLost`: after a lost node, the restart's check says how to go on."""
+
+
+Node = tuple[str, dict[str, float], dict[str, str]]
+"""A node of the cluster: its address, its resources (`{"CPU": 8, "GPU": 1}`), its labels."""
+_NOT_SHOWN = ("memory", "object_store_memory")
+
+
+def cluster_nodes() -> list[Node]:
+    """The alive nodes of the cluster this process joined (`ray.nodes()`)."""
+    import ray
+
+    return [(str(n.get("NodeManagerAddress", "?")), dict(n.get("Resources") or {}),
+             dict(n.get("Labels") or {})) for n in ray.nodes() if n.get("Alive")]
+
+
+def check_fits(plan: ExecutionPlan, nodes: list[Node]) -> None:
+    """Raise `ClusterShort` listing every pool of `plan` (its rollout pool too) that
+    `nodes` cannot hold, and what the whole plan asks beyond the cluster's total: before
+    any worker starts, instead of a placement group that waits (Ray's autoscaler line
+    every 35 s) for resources no node has."""
+    rollout = plan.asynchronous.pool if plan.asynchronous is not None else None
+    pools = [p for p in (*plan.pools, *([rollout] if rollout else [])) if p.bundles]
+    problems = [m for p in pools if (m := _pool_short(p, nodes, plan)) is not None]
+    asked: dict[str, float] = {}
+    for p in pools:
+        for b in p.bundles:
+            for k, v in b.asks().items():
+                asked[k] = asked.get(k, 0) + v
+    total = {k: sum(res.get(k, 0.0) for _, res, _ in nodes) for k in asked}
+    over = [k for k in asked if asked[k] > total[k]]
+    if over and not problems:
+        problems.append(f"the pools ask {_amounts({k: asked[k] for k in over})} in all and "
+                        f"the cluster has {_amounts({k: total[k] for k in over})} "
+                        f"({_nodes(nodes, over)}); make the pools smaller (their `size`, "
+                        "`cpus`, `gpus`) or add nodes")
+    if problems:
+        raise ClusterShort("the Ray cluster cannot hold the plan's workers: "
+                           + "; ".join(problems))
+
+
+def _pool_short(pool: PoolPlan, nodes: list[Node], plan: ExecutionPlan) -> str | None:
+    """What `nodes` lack for `pool` (a bundle must fit on one node; STRICT_PACK puts
+    all of them on one, STRICT_SPREAD each on its own), or None."""
+    ask = pool.bundles[0].asks()
+    labels = {lb.name: lb.selector for lb in pool.label_selector}
+    eligible = [n for n in nodes if all(_matches(sel, n[2].get(name))
+                                        for name, sel in labels.items())]
+    held = _workers_held(pool, ask, [res for _, res, _ in eligible])
+    if held >= pool.size:
+        return None
+    head = f"pool `{pool.name}` asks {pool.size} worker(s) × {_amounts(ask)}"
+    if labels and not eligible:
+        return (f"{head} on nodes labelled {_amounts(labels)}: no node is ({_nodes(nodes, ())}, "
+                f"labels {[n[2] for n in nodes]}); fix resources.pools.{pool.name}."
+                "label_selector or start nodes with `ray start --labels`")
+    most = {k: max((res.get(k, 0.0) for _, res, _ in eligible), default=0.0) for k in ask}
+    short = [k for k in ask if most[k] < ask[k]]
+    if short:
+        have = f"the largest node has {_amounts({k: most[k] for k in short})}"
+    else:  # each resource alone, then: which ones run out first
+        short = [k for k in ask if _workers_held(pool, {k: ask[k]},
+                                                 [res for _, res, _ in eligible]) < pool.size]
+        short = short or list(ask)
+        have = {"strict_pack": "all on one node, which none can hold",
+                "strict_spread": f"each on its own node, and {held} can hold one"}.get(
+            pool.strategy, f"the nodes hold {held} such worker(s)")
+    return f"{head}: {have} ({_nodes(eligible, short)}); {_fix(pool, short, plan)}"
+
+
+def _workers_held(pool: PoolPlan, ask: dict[str, float], nodes: list[dict[str, float]]
+                  ) -> int:
+    """How many of `pool`'s workers (each asking `ask`) the nodes' resources hold under
+    its strategy (STRICT_PACK: on the one node that holds most)."""
+    each = [min(int(res.get(k, 0.0) // v) for k, v in ask.items()) for res in nodes]
+    if pool.strategy == "strict_pack":
+        return max(each, default=0)
+    if pool.strategy == "strict_spread":
+        return sum(h > 0 for h in each)
+    return sum(each)
+
+
+def _fix(pool: PoolPlan, short: list[str], plan: ExecutionPlan) -> str:
+    """What to change in the graph, or the cluster, for `short` resources of `pool`."""
+    from flowgraph.plan import ROLLOUT_POOL
+
+    key = ("resources.rollout_cpus" if pool.name == ROLLOUT_POOL
+           else f"resources.pools.{pool.name}.cpus")
+    declared = pool.name in {p.name for p in plan.graph.resources.pools}
+    fixes = []
+    if "CPU" in short:
+        fixes.append(f"lower {key} or add nodes with more cores")
+    if "GPU" in short:
+        fixes.append((f"lower resources.pools.{pool.name}.gpus" if declared else
+                      "run on cpu (`resources.device: cpu`)") + " or add GPU nodes")
+    custom = {k: pool.bundles[0].asks()[k] for k in short if k not in ("CPU", "GPU")}
+    if custom:
+        fixes.append(f"start nodes with `ray start --resources '{_json(custom)}'` or "
+                     f"change resources.pools.{pool.name}.custom_resources")
+    if pool.strategy.startswith("strict") and len(short) == len(pool.bundles[0].asks()):
+        fixes.append(f"or set resources.pools.{pool.name}.strategy to `pack` or `spread`")
+    return "; ".join(fixes) or "add nodes"
+
+
+def _matches(selector: str, value: str | None) -> bool:
+    """Whether a node label's `value` (None: the node has no such label) passes Ray's
+    label `selector`: `v`, `!v`, `in(a, b)`, `!in(a, b)`."""
+    negated = selector.startswith("!")
+    body = selector.removeprefix("!")
+    inside = body[3:-1] if body.startswith("in(") else body.strip("()")
+    wanted = {v.strip() for v in inside.split(",")}
+    return (value not in wanted) if negated else (value in wanted)
+
+
+def _amounts(values: dict[str, Any]) -> str:
+    return "{" + ", ".join(f"{k}: {v:g}" if isinstance(v, (int, float)) else f"{k}: {v}"
+                           for k, v in values.items()) + "}"
+
+
+def _json(values: dict[str, float]) -> str:
+    return "{" + ", ".join(f'"{k}": {v:g}' for k, v in values.items()) + "}"
+
+
+def _nodes(nodes: list[Node], keys: list[str] | tuple[str, ...]) -> str:
+    """`nodes: 10.0.0.1 {CPU: 8, GPU: 0}, ...`, each with the resources `keys` (or all but
+    memory and Ray's per-node ones)."""
+    if not nodes:
+        return "no node"
+    shown = [
+        f"{addr} " + _amounts({k: res.get(k, 0.0) for k in keys} if keys else
+                              {k: v for k, v in res.items()
+                               if k not in _NOT_SHOWN and not k.startswith("node:")})
+        for addr, res, _ in nodes[:8]]
+    more = f" and {len(nodes) - 8} more" if len(nodes) > 8 else ""
+    return f"{len(nodes)} node(s): " + ", ".join(shown) + more
 
 
 def how_to_go_on(plan: ExecutionPlan, opts: RunOptions) -> str:

@@ -16,6 +16,9 @@ DEVICES = ("cpu", "cuda")
 """Devices a plan runs on."""
 RESOURCE_DEVICES = ("auto", *DEVICES)
 """A graph's `resources.device`: `auto` is cuda when available."""
+PLACEMENT_STRATEGIES = ("pack", "spread", "strict_pack", "strict_spread")
+"""How a pool's workers spread over the cluster's nodes (`resources.pools.<p>.strategy`):
+Ray's placement-group strategies PACK, SPREAD, STRICT_PACK, STRICT_SPREAD."""
 TENSOR_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 """Bytes per element of the torch dtypes a model's tensors are held in (vLLM's names too)."""
 

@@ -415,8 +415,9 @@ def _describe_section(name: str, record: type) -> str:
     written = written_types(record)
     for f, s in declared(record):
         types = "|".join(_WORDS[t] for t in written[f.name])
+        default = {} if written[f.name] == (dict,) and f.default == () else f.default
         value = ("required" if f.default is dataclasses.MISSING
-                 else f"default {json.dumps(to_python(f.default))}")
+                 else f"default {json.dumps(to_python(default))}")
         facts = [f" one of {', '.join(s.choices)};"] if s.choices else []
         facts += [f" {op} {bound};" for op, bound in
                   ((">=", s.minimum), (">", s.above), ("<", s.below)) if bound is not None]

@@ -68,6 +68,7 @@ CODES: dict[str, str] = {
     "FG403": "invalid resource pools",
     "FG404": "one model run both as a causal LM and with a scalar head",
     "FG405": "CPU offload of a model that is not sharded, or of a frozen model's optimizer",
+    "FG406": "a pool's GPUs that do not fit its device (none on cuda, idle on cpu)",
     # data and model folders (check --data)
     "FG501": "a dataset that cannot be read or lacks a column its kind reads",
     "FG502": "a dataset without the ground truth a node reads, or rows where it is null/NaN",

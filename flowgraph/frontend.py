@@ -448,14 +448,70 @@ def _read_resources(r: _Reader, node: YNode | None) -> ResourceSpec:
     f = r.checked(node, ResourceSpec, "resources")
     pools = []
     for key, value in r.named_entries(f.pop("pools", None), "resources.pools"):
-        p = r.section(value, POOL, f"resources.pools.{key.value}")
-        models = plain(p["models"]) if "models" in p else []
+        where = f"resources.pools.{key.value}"
+        p = r.checked(value, PoolSpec, where)
+        models = plain(p.pop("models")) if "models" in p else []
         if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
-            r.err("FG004", f"`resources.pools.{key.value}.models` must be a list of model "
-                  "names", value.pos)
+            r.err("FG004", f"`{where}.models` must be a list of model names", value.pos)
             continue
-        pools.append(PoolSpec(str(key.value), p.get("size", 1), tuple(models), key.pos))
+        custom = _read_amounts(r, p.pop("custom_resources", None), f"{where}.custom_resources")
+        labels = _read_selector(r, p.pop("label_selector", None), f"{where}.label_selector")
+        pools.append(PoolSpec(str(key.value), **{"size": 1, **p}, models=tuple(models),
+                              custom_resources=custom, label_selector=labels, pos=key.pos))
     return ResourceSpec(**f, pools=tuple(pools), pos=node.pos)
+
+
+RAY_OWN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
+"""Resources Ray accounts itself: a pool asks for CPUs and GPUs with `cpus` and `gpus`."""
+_LABEL = r"[a-zA-Z0-9]([a-zA-Z0-9_.-]{0,61}[a-zA-Z0-9])?"
+LABEL_SELECTOR_RE = re.compile(rf"!?(in)?\({_LABEL}(, ?{_LABEL})*\)|!?{_LABEL}")
+"""A value of a Ray label selector (Ray 2.60's `ray._private.label_utils`): a label value,
+`!value`, `in(a, b)` or `!in(a, b)`."""
+LABEL_KEY_RE = re.compile(rf"(([a-zA-Z0-9.-]+)/)?{_LABEL}")
+"""A node label's name: an optional DNS-like prefix and `/`, then a label (`ray.io/node-id`)."""
+
+
+def _read_amounts(r: _Reader, node: YNode | None, where: str) -> tuple[tuple[str, float], ...]:
+    """`custom_resources`: resource name -> a number >= 0; each other entry an error at its
+    line (Ray's own CPU and GPU are asked for with `cpus` and `gpus`)."""
+    if not isinstance(node, YMap):
+        return ()
+    out = []
+    for key, value in node.items:
+        name, amount = str(key.value), plain(value)
+        if name in RAY_OWN_RESOURCES:
+            r.err("FG004", f"`{where}` names `{name}`, a resource Ray accounts itself", key.pos,
+                  hint="ask for CPUs and GPUs with the pool's `cpus` and `gpus`" if name in
+                  ("CPU", "GPU") else f"leave `{name}` out; Ray gives each worker what its "
+                  "node has")
+        elif not _is_a(amount, (float,)) or not 0 < float(amount) < math.inf:  # type: ignore[arg-type]
+            r.err("FG004", f"`{where}.{name}` must be a number > 0, got "
+                  f"{_describe(amount)}", value.pos,
+                  hint="the amount of the resource each worker takes, e.g. `1` or `0.5`")
+        else:
+            out.append((name, float(amount)))  # type: ignore[arg-type]
+    return tuple(out)
+
+
+def _read_selector(r: _Reader, node: YNode | None, where: str) -> tuple[tuple[str, str], ...]:
+    """`label_selector`: node label -> Ray's selector value; each other entry an error at
+    its line."""
+    if not isinstance(node, YMap):
+        return ()
+    out = []
+    for key, value in node.items:
+        name, selector = str(key.value), plain(value)
+        if not LABEL_KEY_RE.fullmatch(name):
+            r.err("FG004", f"`{where}` names `{name}`, which is not a node label's name",
+                  key.pos, hint="a label is letters, digits, `-`, `_` and `.`, after an "
+                  "optional prefix and `/` (`ray.io/node-id`)")
+        elif not isinstance(selector, str) or not LABEL_SELECTOR_RE.fullmatch(selector):
+            r.err("FG004", f"`{where}.{name}` is {_describe(selector)}, not a Ray label "
+                  "selector", value.pos,
+                  hint="write a label value (`a100`), `!value`, `in(a, b)` or `!in(a, b)`")
+        else:
+            out.append((name, selector))
+    return tuple(out)
 
 
 def _read_plugins(r: _Reader, node: YNode | None) -> tuple[Plugin, ...]:
@@ -574,12 +630,22 @@ def graph_to_document(graph: Graph) -> dict[str, object]:
     _put_non_default(doc, "trainer", graph.trainer, TrainerSpec())
     res = _non_default(graph.resources, ResourceSpec(), skip=("pools",))
     if graph.resources.pools:
-        res["pools"] = {p.name: {"size": p.size, "models": list(p.models)}
-                        for p in graph.resources.pools}
+        res["pools"] = {p.name: _pool_doc(p) for p in graph.resources.pools}
     if res:
         doc["resources"] = res
     if graph.plugins:
         doc["plugins"] = [p.module for p in graph.plugins]
+    return doc
+
+
+def _pool_doc(pool: PoolSpec) -> dict[str, object]:
+    doc: dict[str, object] = {"size": pool.size, "models": list(pool.models)}
+    doc |= _non_default(pool, PoolSpec(pool.name, pool.size, pool.models),
+                        skip=("name", "size", "models", "custom_resources", "label_selector"))
+    if pool.custom_resources:
+        doc["custom_resources"] = dict(pool.custom_resources)
+    if pool.label_selector:
+        doc["label_selector"] = dict(pool.label_selector)
     return doc
 
 

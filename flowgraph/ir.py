@@ -27,6 +27,7 @@ from flowgraph.choices import (
     OLD_LOG_PROBS,
     ON_NONFINITE,
     OPTIMIZERS,
+    PLACEMENT_STRATEGIES,
     RESOURCE_DEVICES,
     SCHEDULES,
     Precision,
@@ -406,7 +407,27 @@ class PoolSpec:
     name: str
     size: int = setting(doc="Workers in the pool.")
     models: tuple[str, ...] = setting(doc="Models hosted together in the pool.")
+    cpus: int = setting(1, "CPU cores of each worker (target ray: its bundle's CPU).",
+                        minimum=1, hint="a worker takes one core at least, e.g. `cpus: 4`")
+    gpus: int | None = setting(
+        None, "GPUs of each worker (target ray: its bundle's GPU); null: 1 with device "
+        "cuda, 0 on cpu.", minimum=0,
+        hint="0 on cpu, 1 or more on cuda; leave it out for 1 on cuda, 0 on cpu")
+    custom_resources: tuple[tuple[str, float], ...] = setting(
+        (), "Custom Ray resources of each worker, name -> amount (what `ray start "
+        "--resources` gives the nodes, e.g. `{TPU: 1}`).", written=(dict,))
+    strategy: str = setting(
+        "pack", "How the workers spread over the cluster's nodes: Ray's placement-group "
+        "strategy PACK, SPREAD, STRICT_PACK (all on one node) or STRICT_SPREAD (each on "
+        "its own node).", choices=PLACEMENT_STRATEGIES)
+    label_selector: tuple[tuple[str, str], ...] = setting(
+        (), "Node affinity: the node labels a worker's node must have, label -> Ray's "
+        "selector (`a100`, `!spot`, `in(a, b)`, `!in(a, b)`), e.g. `{ray.io/node-id: "
+        "ID}` or a label given by `ray start --labels`.", written=(dict,))
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
+
+    def __post_init__(self) -> None:
+        check_settings(self, f"resources.pools.{self.name}")
 
 
 @dataclass(frozen=True, slots=True)

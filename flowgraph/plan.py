@@ -59,7 +59,7 @@ from dataclasses import dataclass, fields, is_dataclass, replace
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
-from flowgraph.choices import ADMISSIONS, DEVICES, TARGETS
+from flowgraph.choices import ADMISSIONS, DEVICES, PLACEMENT_STRATEGIES, TARGETS
 from flowgraph.contracts import TensorSpec
 from flowgraph.document import MAX_DEPTH, YMap, YNode, YScalar, YSeq
 from flowgraph.errors import FlowgraphError, PlanError, PlanFileError
@@ -256,14 +256,43 @@ class NodePlan:
 
 
 @dataclass(frozen=True, slots=True)
+class Amount:
+    """How much of a custom Ray resource a worker takes (`resources.pools.<p>.
+    custom_resources`)."""
+
+    name: str
+    amount: float
+
+    def __post_init__(self) -> None:
+        _require([] if self.amount > 0 else [f"amount must be > 0, got {self.amount}"],
+                 f"resource `{self.name}`")
+
+
+@dataclass(frozen=True, slots=True)
+class Label:
+    """A node label a pool's workers select their nodes by, and Ray's selector of its value
+    (`a100`, `!spot`, `in(a, b)`)."""
+
+    name: str
+    selector: str
+
+
+@dataclass(frozen=True, slots=True)
 class Bundle:
     """Resources of one worker: a Ray placement-group bundle, or one fsdp rank."""
 
     cpu: int = 1
     gpu: int = 0
+    custom: tuple[Amount, ...] = ()
+    """Custom Ray resources (what `ray start --resources` gives nodes)."""
 
     def __post_init__(self) -> None:
         _require(["cpu and gpu must be >= 0"] if min(self.cpu, self.gpu) < 0 else [], "bundle")
+
+    def asks(self) -> dict[str, float]:
+        """The bundle as Ray writes one: resource -> amount (`{"CPU": 1, "GPU": 1}`)."""
+        return {"CPU": self.cpu, **({"GPU": self.gpu} if self.gpu else {}),
+                **{a.name: a.amount for a in self.custom}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -301,9 +330,15 @@ class PoolPlan:
     models: tuple[ModelPlacement, ...]
     bundles: tuple[Bundle, ...]
     """One per worker; empty for the driver, which runs in the launching process."""
+    strategy: str = "pack"
+    """How the bundles spread over Ray's nodes (`PLACEMENT_STRATEGIES`)."""
+    label_selector: tuple[Label, ...] = ()
+    """The node labels every worker's node must match (Ray's `bundle_label_selector`)."""
 
     def __post_init__(self) -> None:
         problems = []
+        if self.strategy not in PLACEMENT_STRATEGIES:
+            problems.append(f"strategy `{self.strategy}` is not one of {PLACEMENT_STRATEGIES}")
         if self.size < 1:
             problems.append(f"size must be >= 1, got {self.size}")
         if self.bundles and len(self.bundles) != self.size:
@@ -1241,6 +1276,8 @@ def _decode(tp: Any, data: object, where: str, source: str) -> object:
 
 
 def _expect(data: object, tp: type, where: str) -> Any:
+    if tp is float and isinstance(data, int) and not isinstance(data, bool):
+        return float(data)  # `1` where a number is meant
     # bool is an int in Python; a plan field typed int must not read `true`.
     if not isinstance(data, tp) or (tp is int and isinstance(data, bool)):
         raise PlanError(f"`{where}` must be {tp.__name__}, got {type(data).__name__} {data!r:.40}")
@@ -1320,14 +1357,14 @@ def _summary_lines(plan: ExecutionPlan) -> list[str]:
     rollout = plan.asynchronous.pool if plan.asynchronous is not None else None
     width = max(len(p.name) for p in (*plan.pools, *([rollout] if rollout else [])))
     for p in plan.pools:
-        lines.append(f"  {p.name:<{width}}  {_workers(p)}")
+        lines.append(f"  {p.name:<{width}}  {_workers(p, plan.target)}")
         lines += [f"  {'':<{width}}    model {m.name} ({_role(plan, m)}, {_sharding(m, p)})"
                   for m in p.models]
         lines.append(f"  {'':<{width}}    nodes: "
                      + ", ".join(n.name for n in plan.nodes if n.pool == p.name))
     if rollout is not None and plan.asynchronous is not None:
-        lines.append(f"  {rollout.name:<{width}}  {_workers(rollout)}, beside the trainer's "
-                     "pools")
+        lines.append(f"  {rollout.name:<{width}}  {_workers(rollout, plan.target)}, beside "
+                     "the trainer's pools")
         for m in rollout.models:
             what = "a copy, the trained weights sent after every update" if m.trainable \
                 else "a copy"
@@ -1375,12 +1412,14 @@ def _object_lines(plan: ExecutionPlan) -> list[str]:
     return lines
 
 
-def _workers(p: PoolPlan) -> str:
+def _workers(p: PoolPlan, target: str) -> str:
     if not p.bundles:
         return "1 process (the single controller)"
-    b = p.bundles[0]
-    res = f"CPU: {b.cpu}" + (f", GPU: {b.gpu}" if b.gpu else "")
-    return f"{p.size} worker(s) on {p.device}, each {{{res}}}"
+    res = ", ".join(f"{k}: {v:g}" for k, v in p.bundles[0].asks().items())
+    where = f", placed {p.strategy.upper()}" if target == "ray" else ""
+    labels = ", ".join(f"{lb.name}: {lb.selector}" for lb in p.label_selector)
+    return (f"{p.size} worker(s) on {p.device}, each {{{res}}}{where}"
+            + (f" on nodes labelled {{{labels}}}" if labels else ""))
 
 
 def _sharding(m: ModelPlacement, p: PoolPlan) -> str:

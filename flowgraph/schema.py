@@ -200,8 +200,11 @@ def _model() -> Schema:
 
 
 def _resources() -> Schema:
-    pool = _record(PoolSpec, {"models": {"type": "array",
-                                         "items": {"type": "string", "pattern": NAME}}})
+    pool = _record(PoolSpec, {
+        "models": {"type": "array", "items": {"type": "string", "pattern": NAME}},
+        "custom_resources": {"type": "object", "additionalProperties": {
+            "type": "number", "exclusiveMinimum": 0}},
+        "label_selector": {"type": "object", "additionalProperties": {"type": "string"}}})
     return _record(ResourceSpec, {"pools": _named({**pool, "required": ["size", "models"]})})
 
 

@@ -14,6 +14,7 @@ from flowgraph.checker.agents import SCHEMA_HINT, check_agents
 from flowgraph.checker.batch import check_batches, ranks_of
 from flowgraph.checker.filters import check_filters
 from flowgraph.checker.functions import check_functions
+from flowgraph.checker.resources import check_pool_gpus
 from flowgraph.checker.sampling import check_temperatures, check_val_sampling
 from flowgraph.checker.shapes import DimEnv, EdgeInfo, PortShape, ShapeResult, infer_shapes
 from flowgraph.checker.staleness import check_staleness
@@ -128,6 +129,7 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     check_filters(graph, table, shapes, out)
     check_staleness(graph, table, shapes, out)
     check_agents(graph, table, shapes.env, out)
+    check_pool_gpus(graph, target, out)
     diags = tuple(sorted(dict.fromkeys(out), key=sort_key))
     return CheckResult(graph, diags, table, shapes, registry, dp)
 

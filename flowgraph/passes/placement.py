@@ -24,8 +24,11 @@ pool) is placed as its base (`ModelPlacement.base_of`): it loads no weights and 
 the LoRA model with its adapters off.
 
 Declared pools are checked on every target: each model a node runs is in exactly one
-pool, sizes are >= 1, model names exist (FG403). A model's `offload` needs it sharded
-over two or more workers (FG405).
+pool, sizes are >= 1, model names exist (FG403). On ray each worker of a declared pool
+asks for its `cpus`, `gpus` (by default one on cuda) and `custom_resources`, placed by its
+`strategy` on nodes matching its `label_selector`; `gpus: 0` on cuda is an error, GPUs on
+cpu a warning (FG406). A model's `offload` needs it sharded over two or more workers
+(FG405).
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
+from flowgraph.checker.resources import gpu_problems
 from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.document import did_you_mean
 from flowgraph.ir import Graph, ModelSpec, PoolSpec
 from flowgraph.passes.program import NodePlacement, Placement, Program
-from flowgraph.plan import DRIVER, ROLLOUT_POOL, Bundle, ModelPlacement, PoolPlan
+from flowgraph.plan import DRIVER, ROLLOUT_POOL, Amount, Bundle, Label, ModelPlacement, PoolPlan
 from flowgraph.registry import KindSpec
 from flowgraph.voice import option
 
@@ -61,6 +65,10 @@ class PlaceNodes:
         problems += _rollout_pool_name(program)
         if problems:
             return program.add(*problems)
+        gpus = _gpu_problems(program)
+        if any(d.is_error for d in gpus):
+            return program.add(*gpus)
+        program = program.add(*gpus)
         pools = self._pools(program, runs, _heads(program, runs))
         offload = _offload_problems(program, pools)
         if offload:
@@ -86,12 +94,19 @@ class PlaceNodes:
             return (PoolPlan("main", 1, device, models, (bundle,)),)
         if program.target == "fsdp":
             return (self._pool("spmd", program.nproc, program.device, used, bundle, heads),)
-        groups = _declared(graph) or _inferred(program, runs, used, program.nproc)
         driver = PoolPlan(DRIVER, 1, "cpu", (), ())
+        if graph.resources.pools:
+            return (driver, *(replace(
+                self._pool(p.name, p.size, program.device,
+                           [m for m in graph.models if m.name in p.models], _bundle(p, program),
+                           heads),
+                strategy=p.strategy, label_selector=tuple(Label(*lb) for lb in p.label_selector))
+                for p in graph.resources.pools))
         return (driver, *(self._pool(name, size, program.device,
                                      [m for m in graph.models if m.name in names], bundle,
                                      heads)
-                          for name, size, names in groups))
+                          for name, size, names in _inferred(program, runs, used,
+                                                             program.nproc)))
 
     def _pool(self, name: str, size: int, device: str, models: list[ModelSpec],
               bundle: Bundle, heads: dict[str, str]) -> PoolPlan:
@@ -181,8 +196,12 @@ def _head_problems(program: Program, runs: dict[str, str]) -> list[Diagnostic]:
 _HEAD_WORDS = {"lm": "causal LM", "scalar": "backbone with a scalar head (critic, reward model)"}
 
 
-def _declared(graph: Graph) -> list[Group]:
-    return [(p.name, p.size, p.models) for p in graph.resources.pools]
+def _bundle(pool: PoolSpec, program: Program) -> Bundle:
+    """What each worker of a declared pool asks Ray for: its `cpus`, its `gpus` (by
+    default one on cuda), its custom resources."""
+    gpus = pool.gpus if pool.gpus is not None else int(program.device == "cuda")
+    return Bundle(cpu=pool.cpus, gpu=gpus,
+                  custom=tuple(Amount(name, amount) for name, amount in pool.custom_resources))
 
 
 def _inferred(program: Program, runs: dict[str, str], used: list[ModelSpec], size: int
@@ -238,6 +257,14 @@ def _rollout_pool_name(program: Program) -> list[Diagnostic]:
                   "asynchronous rollouts (trainer.max_staleness > 0) on ray", p.pos,
                   hint="rename the pool, e.g. `workers`")
             for p in program.graph.resources.pools if p.name == ROLLOUT_POOL]
+
+
+def _gpu_problems(program: Program) -> list[Diagnostic]:
+    """FG406 on ray for a graph whose `resources.device` is `auto`, against the device
+    the compiler chose (the checker has reported it for a device written down)."""
+    if program.target != "ray" or program.graph.resources.device != "auto":
+        return []
+    return gpu_problems(program.graph, program.device)
 
 
 def _check_pool(graph: Graph, pool: PoolSpec) -> list[Diagnostic]:

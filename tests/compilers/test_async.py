@@ -74,8 +74,8 @@ def test_on_ray_the_producer_gets_a_rollout_pool_of_its_own() -> None:
         ("actor", True, "none"), ("ref", False, "none")]
     assert ExecutionPlan.from_json(plan.to_json()) == plan
     summary = plan.summary()
-    assert "  rollouts           1 worker(s) on cpu, each {CPU: 3}, beside the trainer's " \
-           "pools" in summary, summary
+    assert "  rollouts           1 worker(s) on cpu, each {CPU: 3}, placed PACK, beside the " \
+           "trainer's pools" in summary, summary
     assert "runs the asynchronous producer: train, gen, ref_logprob, reward, adv" in summary
     # its memory: a copy's weights (no gradients, no optimizer) and the working memory
     # of the producer's model nodes on the whole batch; FG401 when it does not fit

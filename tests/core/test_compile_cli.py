@@ -19,7 +19,7 @@ def test_compile_prints_the_summary(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compile", PPO, "--target", "ray", "--nproc", "2"]) == 0
     out = capsys.readouterr().out
     assert out.startswith(f"plan for `ppo` ({PPO}): target ray, nproc 2, device cpu\n")
-    assert "  critic             2 worker(s) on cpu, each {CPU: 1}\n" in out
+    assert "  critic             2 worker(s) on cpu, each {CPU: 1}, placed PACK\n" in out
     assert "  step.6     update_actor, update_critic\n" in out
     assert "memory per device (estimate):\n  actor_rollout_ref: " in out
 

@@ -77,7 +77,8 @@ def test_json_layout() -> None:
                     "base_of": None},
                    {"name": "ref", "trainable": False, "sharding": "none", "head": "lm",
                     "base_of": None}],
-        "bundles": [{"cpu": 1, "gpu": 0}]}]
+        "bundles": [{"cpu": 1, "gpu": 0, "custom": []}], "strategy": "pack",
+        "label_selector": []}]
     assert data["nodes"][1]["inputs"][2] == {
         "port": "responses", "src": "pairs.chosen", "shape": "(Bp, T) = (8, 8)", "dims": "Bp T",
         "spec": {"dims": "b T", "dtype": "int", "constraints": []},
@@ -291,7 +292,8 @@ def test_summary_on_ray_names_pools_workers_and_dispatch() -> None:
     text = plan_of(GRAPHS / "grpo.yaml", target="ray", nproc=2, device="cuda", overrides=[
         "dims.Bp=4", "dims.N=4", "nodes.update_actor.params.mini_batch_size=8"]).summary()
     assert "  driver             1 process (the single controller)\n" in text
-    assert "  actor_rollout_ref  2 worker(s) on cuda, each {CPU: 1, GPU: 1}\n" in text
+    assert ("  actor_rollout_ref  2 worker(s) on cuda, each {CPU: 1, GPU: 1}, placed PACK\n"
+            in text)
     assert "model ref (frozen, FSDP-sharded 2 ways)" in text
     # the update takes the whole batch on every worker (`broadcast` from the driver,
     # `gather` from the pool's data-parallel nodes); between data-parallel nodes every
