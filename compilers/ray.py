@@ -43,7 +43,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import secrets
 import socket
 import sys
@@ -59,16 +58,16 @@ from flowgraph.compilers.checkpoint import (
     intact_checkpoint,
     publish_checkpoint,
 )
-from flowgraph.compilers.integrity import DISK_FULL
 from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.options import RunOptions
-from flowgraph.compilers.ray_cluster import check_fits, cluster_nodes, placed, watched
-from flowgraph.compilers.ray_worker import RayWorker, worker_log
+from flowgraph.compilers.ray_calls import answers, namespace, ray_name, reserve, run_name
+from flowgraph.compilers.ray_cluster import check_fits, cluster_nodes, watched
+from flowgraph.compilers.ray_worker import RayWorker
 from flowgraph.compilers.signals import child_pids, reap_with_parent, run_guard
 from flowgraph.compilers.target import Report
 from flowgraph.compilers.worker import ExecOptions, Worker
-from flowgraph.errors import DEBUG_ENV, FlowgraphError, NodeError, WorkerLost
+from flowgraph.errors import DEBUG_ENV, FlowgraphError, WorkerLost
 from flowgraph.plan import DRIVER, ExecutionPlan, PoolPlan
 from flowgraph.registry import plugin_source
 from flowgraph.runtime.metrics import serving
@@ -81,82 +80,10 @@ NAMESPACE_WAIT_S = 5.0
 
 try:
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from ray.util.placement_group import remove_placement_group
 except ImportError as exc:  # pragma: no cover - depends on the machine
     raise FlowgraphError(f"{option('target', 'ray')} needs Ray: pip install 'ray>=2.40' "
                          f"({exc})") from exc
-
-
-def _where(where: tuple[str, int] | str | None) -> str:
-    if isinstance(where, str):
-        return f" {where}"
-    return f" in node `{where[0]}` at step {where[1]}" if where else ""
-
-
-def answers(refs: Any, timeout: float | None, where: tuple[str, int] | str | None = None
-            ) -> Any:
-    """ray.get with `timeout` (the step timeout; None: no limit); a dead or silent worker
-    raises WorkerLost, a node's own error comes back as it was raised in the worker.
-    `where`: the node and step waited for, or what the worker was doing."""
-    try:
-        return ray.get(refs, timeout=timeout)
-    except RayTaskError as exc:
-        cause = exc.cause
-        if isinstance(cause, FlowgraphError) or (  # a full disk: the loop says it
-                isinstance(cause, OSError) and cause.errno in DISK_FULL):
-            raise cause from None
-        raise NodeError(f"{type(cause).__name__}: {cause}") from None
-    except RayActorError as exc:
-        raise WorkerLost(f"a worker died{_where(where)} ({_died(exc)})") from None
-    except GetTimeoutError:
-        raise WorkerLost(f"a worker gave no answer for trainer.step_timeout_s = "
-                         f"{timeout} s{_where(where)}; it is taken for dead") from None
-
-
-def run_name(plan: ExecutionPlan) -> str:
-    """The run's name on the cluster: its run dir's (as MLflow names the run)."""
-    return Path(plan.trainer.run_dir).resolve().name
-
-
-def namespace(plan: ExecutionPlan) -> str:
-    """The run's Ray namespace, `flowgraph/<run name>`: what an operator filters by."""
-    return f"flowgraph/{run_name(plan)}"
-
-
-def ray_name(plan: ExecutionPlan, pool: str, index: int | None = None) -> str:
-    """`flowgraph/<run name>/<pool>`, a pool's placement group; with `index`,
-    `flowgraph/<run name>/<pool>/<index>`, that worker's actor."""
-    return f"{namespace(plan)}/{pool}" + (f"/{index}" if index is not None else "")
-
-
-def _died(exc: Exception) -> str:
-    """Why a worker died, from Ray's error: its first line, and for a flowgraph worker
-    (Ray's message names the actor) which one and where its output is."""
-    text = str(exc).strip()
-    reason = text.splitlines()[0] if text else "actor died"
-    named = re.search(r"^\s*name: flowgraph/[^\n]*/([^/\n]+)/(\d+)$", text, re.MULTILINE)
-    if named is None:
-        return reason
-    pool, rank = named[1], int(named[2])
-    return (f"{named[0].split(': ', 1)[1]}: {reason} Its output: "
-            f"{worker_log(Path(), pool, rank)} in the run dir")
-
-
-def reserve(pool: PoolPlan, name: str = "") -> tuple[Any, list[dict[str, Any]]]:
-    """A placement group of one bundle per worker of `pool`, named `name` (`ray_name`),
-    ready (`placed`: within a bounded time, else a message); and each worker's
-    actor options, which place it in its bundle."""
-    bundles = [b.asks() for b in pool.bundles]
-    labels = {lb.name: lb.selector for lb in pool.label_selector}
-    pg = placement_group(bundles, strategy=pool.strategy.upper(), name=name,
-                         bundle_label_selector=[labels] * len(bundles) if labels else None)
-    placed(pg, pool.name, bundles)
-    return pg, [{"num_cpus": b.cpu, "num_gpus": b.gpu,
-                 "resources": {a.name: a.amount for a in b.custom},
-                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                     pg, placement_group_bundle_index=i)} for i, b in enumerate(pool.bundles)]
 
 
 # --- the driver ------------------------------------------------------------------------------

@@ -180,7 +180,7 @@ def _pool_short(pool: PoolPlan, nodes: list[Node], plan: ExecutionPlan) -> str |
         have = {"strict_pack": "all on one node, which none can hold",
                 "strict_spread": f"each on its own node, and {held} can hold one"}.get(
             pool.strategy, f"the nodes hold {held} such worker(s)")
-    return f"{head}: {have} ({_nodes(eligible, short)}); {_fix(pool, short, plan)}"
+    return f"{head}: {have} ({_nodes(eligible, short)}); {_fix(pool, short)}"
 
 
 def _workers_held(pool: PoolPlan, ask: dict[str, float], nodes: list[dict[str, float]]
@@ -195,19 +195,18 @@ def _workers_held(pool: PoolPlan, ask: dict[str, float], nodes: list[dict[str, f
     return sum(each)
 
 
-def _fix(pool: PoolPlan, short: list[str], plan: ExecutionPlan) -> str:
+def _fix(pool: PoolPlan, short: list[str]) -> str:
     """What to change in the graph, or the cluster, for `short` resources of `pool`."""
     from flowgraph.plan import ROLLOUT_POOL
 
     key = ("resources.rollout_cpus" if pool.name == ROLLOUT_POOL
            else f"resources.pools.{pool.name}.cpus")
-    declared = pool.name in {p.name for p in plan.graph.resources.pools}
     fixes = []
     if "CPU" in short:
         fixes.append(f"lower {key} or add nodes with more cores")
-    if "GPU" in short:
-        fixes.append((f"lower resources.pools.{pool.name}.gpus" if declared else
-                      "run on cpu (`resources.device: cpu`)") + " or add GPU nodes")
+    if "GPU" in short:  # GPUs a pool takes by default (on cuda) or by its `gpus`
+        fixes.append(f"lower resources.pools.{pool.name}.gpus (declaring the pool), run on "
+                     "cpu (`resources.device: cpu`) or add GPU nodes")
     custom = {k: pool.bundles[0].asks()[k] for k in short if k not in ("CPU", "GPU")}
     if custom:
         fixes.append(f"start nodes with `ray start --resources '{_json(custom)}'` or "

@@ -33,14 +33,14 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from flowgraph.compilers.batches import Batches
 from flowgraph.compilers.checkpoint import Rollout
 from flowgraph.compilers.producer import producer
-from flowgraph.compilers.ray import RayTarget, answers, ray_name, reserve
+from flowgraph.compilers.ray_calls import answers, ray_name, reserve
 from flowgraph.compilers.ray_worker import log_to, worker_log
 from flowgraph.compilers.rollouts import Rollouts
 from flowgraph.compilers.target import Target
@@ -53,6 +53,13 @@ try:
     from ray.util.placement_group import remove_placement_group
 except ImportError as exc:  # pragma: no cover - depends on the machine
     raise FlowgraphError(f"the rollout pool needs Ray: pip install 'ray>=2.40' ({exc})") from exc
+
+
+@runtime_checkable
+class TrainerPools(Protocol):
+    """What the rollout pool asks of the trainer's target (`RayTarget`)."""
+
+    def trained_weights(self, models: list[str], *, changed: bool) -> list[Any]: ...
 
 
 @dataclass
@@ -79,12 +86,12 @@ class PoolRollouts(Rollouts):
     def __init__(self, plan: ExecutionPlan, batches: Batches, worker: Worker,
                  names: list[str], opts: ExecOptions, *, trainer: Target) -> None:
         super().__init__(plan, batches, worker, names, opts)
-        if not isinstance(trainer, RayTarget):
+        if not isinstance(trainer, TrainerPools):
             raise FlowgraphError(f"plan `{plan.name}` has a rollout pool, which runs on target "
                                  f"ray only; this run's target is {plan.target}")
         assert plan.asynchronous is not None and plan.asynchronous.pool is not None
         self.pool: PoolPlan = plan.asynchronous.pool
-        self.trainer = trainer
+        self.trainer: TrainerPools = trainer
         self.trained = sorted(m.name for m in self.pool.models
                               if m.trainable and m.base_of is None)
         """The trained models the producer runs: their weights follow every update."""

@@ -29,7 +29,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, TextIO, cast
 
 from flowgraph.choices import TARGETS
 from flowgraph.compilers.options import RDZV_TIMEOUT_S
@@ -41,7 +41,7 @@ from flowgraph.errors import (
     Stopped,
     UsageError,
 )
-from flowgraph.ir import to_python
+from flowgraph.ir import ParamValue, to_python
 
 if TYPE_CHECKING:
     from flowgraph.plan import ExecutionPlan
@@ -415,7 +415,8 @@ def _describe_section(name: str, record: type) -> str:
     written = written_types(record)
     for f, s in declared(record):
         types = "|".join(_WORDS[t] for t in written[f.name])
-        default = {} if written[f.name] == (dict,) and f.default == () else f.default
+        default = cast(ParamValue, {} if written[f.name] == (dict,) and f.default == ()
+                       else f.default)  # an empty mapping is written `{}`, not `[]`
         value = ("required" if f.default is dataclasses.MISSING
                  else f"default {json.dumps(to_python(default))}")
         facts = [f" one of {', '.join(s.choices)};"] if s.choices else []

@@ -57,10 +57,10 @@ from typing import Any, ClassVar
 from flowgraph.agent.env import Message
 from flowgraph.agent.episodes import (
     FAILED,
+    AgentLoop,
     Limits,
     Run,
     ToolTimeout,
-    _Loop,
     apply_on_error,
     cut_message,
     describe,
@@ -133,7 +133,7 @@ class Session:
 
 class Server:
     """The process's endpoint: FastAPI served by uvicorn on 127.0.0.1, on the agents'
-    event loop (`_Loop`), started on first use. Sessions come and go with episodes."""
+    event loop (`AgentLoop`), started on first use. Sessions come and go with episodes."""
 
     _lock: ClassVar[threading.Lock] = threading.Lock()
     _one: ClassVar[Server | None] = None
@@ -151,7 +151,7 @@ class Server:
         config = uvicorn.Config(_app(self), log_level="warning", lifespan="off",
                                 access_log=False)
         self.server = uvicorn.Server(config)
-        self.serving = _Loop.submit(self.server.serve(sockets=[self.sock]))
+        self.serving = AgentLoop.submit(self.server.serve(sockets=[self.sock]))
 
     def http(self) -> Any:
         """The HTTP client every episode's `AsyncOpenAI` sends through (one connection
@@ -371,7 +371,7 @@ class Sessions:
               seeds: Sequence[int]) -> list[list[int]]:
         """Start every episode's program; returns once each waits for its first turn or
         has ended. The first prompts are known only then (the programs' requests)."""
-        _Loop.run(self._start(tasks, rows, seeds))
+        AgentLoop.run(self._start(tasks, rows, seeds))
         self.wait()
         return [s.run.prompt for s in self.sessions]
 
@@ -391,20 +391,20 @@ class Sessions:
         run.episode.turns += 1
         run.episode.turn_rewards.append(0.0)
         session.stopped = stopped
-        assert _Loop.loop is not None
-        _Loop.loop.call_soon_threadsafe(self._answer, session, list(ids), list(log_probs),
+        assert AgentLoop.loop is not None
+        AgentLoop.loop.call_soon_threadsafe(self._answer, session, list(ids), list(log_probs),
                                         stopped)
 
     def wait(self) -> None:
         """Until every program waits for a completion or has ended; a program busy past
         its turn's (or episode's) time left is cancelled (status `timeout`)."""
-        _Loop.run(self._all_quiet())
+        AgentLoop.run(self._all_quiet())
 
     def finish(self) -> list[Run]:
         """Each program's return value as its episode's reward; `on_error` applied."""
         for session in self.sessions:  # past the last turn: answered without tokens
             if session.pending is not None and not session.pending.done():
-                _Loop.loop.call_soon_threadsafe(  # type: ignore[union-attr]
+                AgentLoop.loop.call_soon_threadsafe(  # type: ignore[union-attr]
                     self._answer, session, [], [], False)
         self.wait()
         for session in self.sessions:

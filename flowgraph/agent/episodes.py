@@ -37,7 +37,8 @@ from flowgraph.agent.render import ChatRenderer
 from flowgraph.agent.tools import Tool, tools_of
 from flowgraph.errors import FlowgraphError
 
-__all__ = ["FAILED", "AgentError", "Episodes", "Limits", "Run", "apply_on_error", "cut_message",
+__all__ = ["FAILED", "AgentError", "AgentLoop", "Episodes", "Limits", "Run", "apply_on_error",
+           "cut_message",
            "own_frame", "score_of"]
 
 FAILED = ("timeout", "error")
@@ -137,7 +138,7 @@ def describe(exc: BaseException) -> str:
     return text + (f" at {frame.filename}:{frame.lineno} in {frame.name}" if frame else "")
 
 
-class _Loop:
+class AgentLoop:
     """One event loop in a daemon thread for every rollout of the process: an async env
     keeps its loop from turn to turn."""
 
@@ -211,7 +212,7 @@ class Episodes:
         self.runs = [Run(task, row=i if rows is None else rows[i],
                          seed=i if seeds is None else seeds[i])
                      for i, task in enumerate(tasks)]
-        _Loop.run(self._all(self._reset, range(len(self.runs))))
+        AgentLoop.run(self._all(self._reset, range(len(self.runs))))
         return [run.prompt for run in self.runs]
 
     def requests(self) -> list[tuple[int, list[int], int]]:
@@ -241,7 +242,7 @@ class Episodes:
         run.log_probs += list(log_probs)
         run.ends.append(len(run.ids) - 1)
         run.episode.turns += 1
-        self.started.append(_Loop.submit(self._one(i, self._turn, i, stopped)))
+        self.started.append(AgentLoop.submit(self._one(i, self._turn, i, stopped)))
 
     def wait(self) -> None:
         """Until every turn `begin` started is done (each ends within its timeouts)."""
@@ -251,7 +252,7 @@ class Episodes:
 
     def finish(self) -> list[Run]:
         """Each episode's reward (`Env.reward`), its env closed; `on_error` applied."""
-        _Loop.run(self._all(self._finish, range(len(self.runs))))
+        AgentLoop.run(self._all(self._finish, range(len(self.runs))))
         return apply_on_error(self.runs, self.limits.on_error)
 
     # -- per episode -------------------------------------------------------------------------

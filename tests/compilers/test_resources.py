@@ -128,7 +128,8 @@ def test_a_plan_asking_more_gpus_than_the_cluster_has_stops_at_once(tmp_path: Pa
     assert ("flowgraph: error: the Ray cluster cannot hold the plan's workers: pool `trainer` "
             "asks 1 worker(s) × {CPU: 1, GPU: 4}: the largest node has {GPU: 0}"
             in proc.stderr), proc.stderr
-    assert "lower resources.pools.trainer.gpus or add GPU nodes" in proc.stderr
+    assert ("lower resources.pools.trainer.gpus (declaring the pool), run on cpu "
+            "(`resources.device: cpu`) or add GPU nodes") in proc.stderr
     assert "Traceback" not in proc.stderr
     assert took < 120, f"took {took:.0f} s"  # Ray's start-up; no placement wait
 

@@ -5,7 +5,9 @@ checkpoints on the way). The local target runs every case here; fsdp(2) and ray(
 run them under the `slow` marker (the default suite compares those targets with the
 local run in test_fsdp.py and test_ray.py). On the machine that recorded them the
 numbers are equal bit for bit (`python scripts/record_target_metrics.py --check`);
-the tolerance is for other CPUs, whose kernels round differently."""
+the tolerance is for other CPUs, whose kernels round differently: on an AMD EPYC the
+gradient norms of ppo, grpo_lora, grpo and trl_format/grpo differ by up to 2.0e-5
+relative (every other number by under 1e-6), so the targets' usual 1e-4 holds here."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def test_the_local_target_gives_the_recorded_numbers(case: str, tmp_path: Path) 
         rows = flowgraph.run(ROOT / "graphs" / f"{graph}.yaml", overrides=[
             *record.COMMON, *overrides, f"trainer.run_dir={tmp_path / 'run'}"],
             out=out, tensorboard=False).rows
-    assert_same_numbers(rows, FIXTURE[case]["local"], rel=1e-5)
+    assert_same_numbers(rows, FIXTURE[case]["local"])
 
 
 @pytest.mark.slow
@@ -52,5 +54,4 @@ def test_the_local_target_gives_the_recorded_numbers(case: str, tmp_path: Path) 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fsdp_and_ray_give_the_recorded_numbers(case: str, target: str) -> None:
     graph, overrides = CASES[case]
-    assert_same_numbers(record.run_case(graph, target, overrides), FIXTURE[case][target],
-                        rel=1e-5)
+    assert_same_numbers(record.run_case(graph, target, overrides), FIXTURE[case][target])
