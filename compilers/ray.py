@@ -146,7 +146,7 @@ class RayTarget:
             pending += [w.setup.remote(addr, port, str(self.opts.run_dir),
                                        str(checkpoint) if checkpoint else None)
                         for w in group.workers]
-        self._get(pending, timed=False)  # loading models is not a step
+        self._get(pending, "while setting up", timed=False)  # loading models is not a step
         # Who is who, for operators (and tests) that want to signal a worker.
         (self.opts.run_dir / ".ranks").mkdir(parents=True, exist_ok=True)
         (self.opts.run_dir / ".ranks" / "workers.json").write_text(
@@ -160,10 +160,10 @@ class RayTarget:
         self.groups.clear()
 
     def worker_pids(self) -> dict[str, list[int]]:
-        return {name: self._get([w.pid.remote() for w in g.workers])
+        return {name: self._get([w.pid.remote() for w in g.workers], "while listing its pid")
                 for name, g in self.groups.items()}
 
-    def _get(self, refs: Any, where: tuple[str, int] | None = None, *,
+    def _get(self, refs: Any, where: tuple[str, int] | str | None = None, *,
              timed: bool = True) -> Any:
         return answers(refs, (self.plan.trainer.step_timeout_s or None) if timed else None,
                        where)
@@ -236,7 +236,8 @@ class RayTarget:
             return []
         out = []
         for name, group in self.groups.items():
-            usage = self._get([w.memory.remote() for w in group.workers])
+            usage = self._get([w.memory.remote() for w in group.workers],
+                              "while reporting its memory")
             out += [(f"{name}/{rank}", times.get(f"{name}/{rank}", {}), memory)
                     for rank, memory in enumerate(usage)]
         return out
@@ -249,14 +250,15 @@ class RayTarget:
     def save(self, step: int, state: dict[str, Any], rollouts: list[Rollout] | None
              ) -> None:
         tmp = begin_checkpoint(self.opts.run_dir, step, "tmp-ray")
-        self._get([w.save.remote(str(tmp)) for g in self.groups.values() for w in g.workers])
+        self._get([w.save.remote(str(tmp)) for g in self.groups.values() for w in g.workers],
+                  f"while saving the checkpoint of step {step}")
         publish_checkpoint(tmp, state, keep=self.plan.trainer.max_checkpoints,
                            rollouts=rollouts)
 
     def load(self, folder: Path) -> None:
         """Every worker loads its pool's part of the checkpoint."""
         self._get([w.load.remote(str(folder)) for g in self.groups.values()
-                   for w in g.workers], timed=False)
+                   for w in g.workers], f"while loading {folder.name}", timed=False)
 
     # -- restarts ---------------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -242,7 +243,9 @@ def test_a_dead_and_a_hung_worker_are_restarted_from_the_last_checkpoint(tmp_pat
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, out
-    assert "a worker died in node `" in out and "restarting the worker groups" in out, out
+    # where the driver noticed depends on timing: in a node, or saving, or reporting
+    assert re.search(r"a worker died (in node `|while )", out), out
+    assert "restarting the worker groups" in out, out
     # Ray's error names the worker (point 5 of issue #29); flowgraph says where its log is.
     assert ("(flowgraph/run/actor_rollout_ref/1: The actor died unexpectedly before "
             "finishing this task. Its output: logs/actor_rollout_ref-1.log in the run dir)"

@@ -68,7 +68,8 @@ def test_a_plan_the_cluster_holds_passes(tmp_path: Path, pool: dict[str, Any],
     ({"gpus": 2}, TWO_CPU_NODES,
      "pool `trainer` asks 2 worker(s) × {CPU: 1, GPU: 2}: the largest node has {GPU: 0} "
      "(2 node(s): 10.0.0.1 {GPU: 0}, 10.0.0.2 {GPU: 0}); lower "
-     "resources.pools.trainer.gpus or add GPU nodes"),
+     "resources.pools.trainer.gpus (declaring the pool), run on cpu (`resources.device: "
+     "cpu`) or add GPU nodes"),
     ({"cpus": 6}, TWO_CPU_NODES,
      "pool `trainer` asks 2 worker(s) × {CPU: 6}: the largest node has {CPU: 4} (2 node(s): "
      "10.0.0.1 {CPU: 4}, 10.0.0.2 {CPU: 4}); lower resources.pools.trainer.cpus or add "
