@@ -5,7 +5,11 @@ official `openai.AsyncOpenAI` client, a tool loop, and a reward at the end. flow
 serves the endpoint its `client` points at (`flowgraph.agent.endpoint`): each
 completion is a turn of the policy, sampled in the rollout's batch, its tokens and
 log-probs recorded. It plays the game `CalculatorEnv` plays in
-graphs/agent_calculator.yaml, and the rollout's rows are the same to the token.
+graphs/agent_calculator.yaml: while the model's calls are well formed, the rollout's
+rows are the same to the token. Where they are not, the two part: the native rollout
+tells the model what was wrong in a tool message of its own; here a call the parser
+cannot read comes back as text (and the episode ends), and arguments the calculator
+does not take are answered with this program's own error message.
 """
 
 from __future__ import annotations
@@ -34,7 +38,10 @@ async def run(task: dict[str, Any], client: Any) -> dict[str, float]:
             break
         messages.append(message.model_dump(exclude_none=True))
         for call in message.tool_calls:
-            result = calculator(**json.loads(call.function.arguments))
+            try:  # the model's arguments: maybe not the calculator's
+                result = calculator(**json.loads(call.function.arguments))
+            except (json.JSONDecodeError, TypeError) as exc:
+                result = f"error: {exc}"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     right = float((message.content or "").strip() == ground_truth(task))
     return {"score": right, "acc": right}
