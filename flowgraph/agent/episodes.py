@@ -38,8 +38,7 @@ from flowgraph.agent.tools import Tool, tools_of
 from flowgraph.errors import FlowgraphError
 
 __all__ = ["FAILED", "AgentError", "AgentLoop", "Episodes", "Limits", "Run", "apply_on_error",
-           "cut_message",
-           "own_frame", "score_of"]
+           "cut_message", "own_frame", "score_of"]
 
 FAILED = ("timeout", "error")
 """Statuses `on_error` applies to."""
