@@ -42,7 +42,7 @@ from flowgraph.compilers.checkpoint import Rollout
 from flowgraph.compilers.producer import producer
 from flowgraph.compilers.ray_calls import answers, ray_name, reserve
 from flowgraph.compilers.ray_worker import log_to, worker_log
-from flowgraph.compilers.rollouts import Rollouts
+from flowgraph.compilers.rollouts import Rollouts, SentRollouts
 from flowgraph.compilers.target import Target
 from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
 from flowgraph.errors import FlowgraphError
@@ -77,11 +77,11 @@ class _Call:
     """(began, ended), once known."""
 
 
-class PoolRollouts(Rollouts):
+class PoolRollouts(SentRollouts):
     """The producer runs on the rollout pool (target ray), overlapping the trainer's
     pools; the trained weights go to it after every update."""
 
-    overlaps = True
+    sender = "the rollout pool"
 
     def __init__(self, plan: ExecutionPlan, batches: Batches, worker: Worker,
                  names: list[str], opts: ExecOptions, *, trainer: Target) -> None:
@@ -107,7 +107,6 @@ class PoolRollouts(Rollouts):
         (object-store references)."""
         self.sent = -1
         """The version of the weights the worker was sent last (-1: none yet)."""
-        self.last_index = -1
         self.busy = 0.0
         """The worker's seconds producing the rollouts whose span is known."""
         self.free_at = 0.0
@@ -136,27 +135,15 @@ class PoolRollouts(Rollouts):
         self._ask()
 
     def next_rollout(self, step: int, metrics: dict[str, float]) -> tuple[Rollout, float]:
-        t0 = time.perf_counter()
         if not self.pending and not self.calls:
             self._ask()  # drop: everything asked for was dropped
-        item = self.pending.popleft() if self.pending else self._receive(step)
-        waited = time.perf_counter() - t0
-        if self.block and item.index != step:
-            raise FlowgraphError(f"internal: the rollout pool sent step {item.index}'s batch "
-                                 f"where step {step}'s was due")
-        return item, waited
+        return super().next_rollout(step, metrics)
 
     def advance(self, step: int) -> None:
         """Version step + 1 is out: ask for the rollouts it generates."""
         if step + 1 < self.steps:
             self.version = step + 1
             self._ask()
-
-    def buffered(self, step: int) -> list[Rollout]:
-        if self.block:
-            while self.last_index < min(step + self.S, self.steps - 1):
-                self.pending.append(self._receive(step))
-        return list(self.pending)
 
     def generating_s(self) -> float:
         self._spans()
@@ -215,7 +202,7 @@ class PoolRollouts(Rollouts):
                             self.trainer.trained_weights(self.trained, changed=changed))
         return self.weights[2]
 
-    def _receive(self, step: int) -> Rollout:
+    def arrival(self, step: int) -> Rollout:
         """The oldest rollout asked for, when it is ready."""
         timeout = self.plan.trainer.step_timeout_s or None
         call = self.calls[0]
@@ -223,11 +210,6 @@ class PoolRollouts(Rollouts):
                                 f"in the rollout pool, producing the rollout for step {step}")
         self._spans()
         self.calls.popleft()
-        self.last_index = item.index
-        if item.error is None:
-            self.cursors = item.cursors
-            for name, state in item.node_state.items():  # what a checkpoint saves of them
-                self.worker.node_state[name] = state
         return item
 
     def _spans(self) -> None:
@@ -240,7 +222,7 @@ class PoolRollouts(Rollouts):
                 return
             try:
                 call.took = ray.get(call.span)
-            except Exception:  # the call failed: its rollout's `_receive` says why
+            except Exception:  # the call failed: its rollout's `arrival` says why
                 return
             self.busy += call.took[1] - call.took[0]
             self.free_at = call.took[1]

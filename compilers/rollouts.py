@@ -161,6 +161,50 @@ class Rollouts:
         return Rollout(index, version, env, {}, self.batches.cursors(), state)
 
 
+class SentRollouts(Rollouts):
+    """A producer elsewhere (a process of its own, a rollout pool's worker) that sends
+    the rollouts in order: what the trainer does with each one it receives."""
+
+    overlaps = True
+    sender = "the rollout producer"
+    """Who sends the rollouts, for messages."""
+
+    def __init__(self, plan: ExecutionPlan, batches: Batches, worker: Worker,
+                 names: list[str], opts: ExecOptions) -> None:
+        super().__init__(plan, batches, worker, names, opts)
+        self.last_index = -1
+        """The index of the last rollout received."""
+
+    def next_rollout(self, step: int, metrics: dict[str, float]) -> tuple[Rollout, float]:
+        t0 = time.perf_counter()
+        item = self.pending.popleft() if self.pending else self._receive(step)
+        waited = time.perf_counter() - t0
+        if self.block and item.index != step:
+            raise FlowgraphError(f"internal: {self.sender} sent step {item.index}'s batch "
+                                 f"where step {step}'s was due")
+        return item, waited
+
+    def buffered(self, step: int) -> list[Rollout]:
+        if self.block:
+            while self.last_index < min(step + self.S, self.steps - 1):
+                self.pending.append(self._receive(step))
+        return list(self.pending)
+
+    def _receive(self, step: int) -> Rollout:
+        """The next rollout sent; its cursors and node state are what a checkpoint holds."""
+        item = self.arrival(step)
+        self.last_index = item.index
+        if item.error is None:
+            self.cursors = item.cursors
+            for name, state in item.node_state.items():  # what a checkpoint saves of them
+                self.worker.node_state[name] = state
+        return item
+
+    def arrival(self, step: int) -> Rollout:
+        """The producer's next rollout (waiting for it), or the error that stopped it."""
+        raise NotImplementedError
+
+
 class InlineRollouts(Rollouts):
     """The producer runs in the executor's loop (fsdp, ray): at step k, the rollouts of
     steps up to k + S that are missing, with the weights of step k."""
