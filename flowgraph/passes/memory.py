@@ -368,16 +368,24 @@ def _estimate_pool(inp: _Inputs, pool: PoolPlan) -> PoolMemory:
     for mp in pool.models:
         if mp.name in inp.configs:
             items += _state_items(inp, pool, mp)
-    for node in inp.graph.nodes:
-        if not _runs_in(inp, node, pool) or node.model not in inp.configs:
+    _add_nodes(inp, pool, [n for n in inp.graph.nodes if _runs_in(inp, n, pool)], items,
+               missing)
+    return PoolMemory.of(pool.name, items + _producer_items(inp, pool, items),
+                         tuple(missing))
+
+
+def _add_nodes(inp: _Inputs, pool: PoolPlan, nodes: list[NodeSpec], items: list[MemoryItem],
+               missing: list[str]) -> None:
+    """The working memory of `nodes` (those whose model is known) on `pool`, into
+    `items`; a node whose memory cannot be told, into `missing`."""
+    for node in nodes:
+        if node.model not in inp.configs:
             continue
         node_items = _node_items(inp, pool, node)
         if node_items is None:
             missing.append(node.name)
         else:
             items += node_items
-    return PoolMemory.of(pool.name, items + _producer_items(inp, pool, items),
-                         tuple(missing))
 
 
 def _producer_items(inp: _Inputs, pool: PoolPlan, items: list[MemoryItem]
@@ -418,14 +426,7 @@ def _rollout_pool_memory(inp: _Inputs, program: Program) -> tuple[PoolMemory, ..
     items = [i for m in pool.models if m.name in inp.configs
              for i in _state_items(inp, pool, m) if i.what == "weights"]
     missing = [m.name for m in pool.models if m.name not in inp.configs]
-    for node in nodes:
-        if node.model not in inp.configs:
-            continue
-        node_items = _node_items(inp, pool, node)
-        if node_items is None:
-            missing.append(node.name)
-        else:
-            items += node_items
+    _add_nodes(inp, pool, nodes, items, missing)
     return (PoolMemory.of(pool.name, items, tuple(missing)),)
 
 
