@@ -384,11 +384,7 @@ class Sessions:
         """Session i's sampled turn: recorded on its row, handed to its waiting request."""
         session = self.sessions[i]
         run = session.run
-        run.ids += list(ids)
-        run.sampled += [1] * len(ids)
-        run.log_probs += list(log_probs)
-        run.ends.append(len(run.ids) - 1)
-        run.episode.turns += 1
+        run.add_turn(ids, log_probs)
         run.episode.turn_rewards.append(0.0)
         session.stopped = stopped
         assert AgentLoop.loop is not None
@@ -571,9 +567,7 @@ class Sessions:
         if len(run.ids) + len(delta) >= limits.budget:  # no room for a sampled token
             run.end("context_exhausted")
             return True
-        run.ids += delta
-        run.sampled += [0] * len(delta)
-        run.log_probs += [0.0] * len(delta)
+        run.add_delta(delta)
         return False
 
     def _start_row(self, session: Session, prompt: list[int]) -> bool:

@@ -108,6 +108,20 @@ class Run:
     def __post_init__(self) -> None:
         self.episode = Episode(task=self.task)
 
+    def add_turn(self, ids: Sequence[int], log_probs: Sequence[float]) -> None:
+        """A turn the policy sampled: on the row, trained (mask 1)."""
+        self.ids += ids
+        self.sampled += [1] * len(ids)
+        self.log_probs += log_probs
+        self.ends.append(len(self.ids) - 1)
+        self.episode.turns += 1
+
+    def add_delta(self, delta: Sequence[int]) -> None:
+        """The ids of the messages between two turns: on the row, a hole (mask 0)."""
+        self.ids += delta
+        self.sampled += [0] * len(delta)
+        self.log_probs += [0.0] * len(delta)
+
     def end(self, status: str, failure: BaseException | None = None) -> None:
         self.active, self.episode.status = False, status
         if failure is not None:
@@ -236,11 +250,7 @@ class Episodes:
         background, while other episodes may still be sampling theirs (`wait` for all)."""
         run = self.runs[i]
         run.turn = list(ids)
-        run.ids += run.turn
-        run.sampled += [1] * len(ids)
-        run.log_probs += list(log_probs)
-        run.ends.append(len(run.ids) - 1)
-        run.episode.turns += 1
+        run.add_turn(ids, log_probs)
         self.started.append(AgentLoop.submit(self._one(i, self._turn, i, stopped)))
 
     def wait(self) -> None:
@@ -337,9 +347,7 @@ class Episodes:
         delta = run.renderer.delta(new, stopped)
         if len(run.ids) + len(delta) >= self.limits.budget:  # no room for a sampled token
             return run.end("context_exhausted")
-        run.ids += delta
-        run.sampled += [0] * len(delta)
-        run.log_probs += [0.0] * len(delta)
+        run.add_delta(delta)
         return None
 
     async def _tool(self, run: Run, call: ToolCall) -> ToolResult:
