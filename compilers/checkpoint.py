@@ -391,7 +391,8 @@ class Rollout:
     index: int
     """The step whose batch this is (block); the production count (drop)."""
     version: int
-    """Updates applied to the weights that generated it: the policy version."""
+    """Updates applied to the weights that generated it: the policy version (with partial
+    rollouts, that it began with: its tokens record their own, `AsyncPlan.versions`)."""
     env: dict[tuple[str, str], Any] = field(default_factory=dict)
     """Every producer output, `(node, port)` -> tensor or list."""
     metrics: dict[str, float] = field(default_factory=dict)

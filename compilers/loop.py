@@ -41,7 +41,7 @@ from flowgraph.compilers.checkpoint import (
 from flowgraph.compilers.evaluation import evaluate
 from flowgraph.compilers.integrity import disk_full
 from flowgraph.compilers.interpreter import Env, Interpreter
-from flowgraph.compilers.metrics import phase_seconds, step_metrics
+from flowgraph.compilers.metrics import data_positions, phase_seconds, step_metrics
 from flowgraph.compilers.producer import ProcessRollouts
 from flowgraph.compilers.resume import check_settings, recorded_settings
 from flowgraph.compilers.rollouts import InlineRollouts, Rollouts
@@ -276,6 +276,7 @@ class TrainingLoop:
         metrics: dict[str, float] = {}
         if self.rollouts is None:
             self.batches.produce(env, step, strict, metrics, self.order)
+            metrics.update(data_positions(self.batches.cursors()))
         else:  # the producer's outputs from the buffer, then the consumer's nodes
             env = self.rollouts.take(step, metrics)
             t1, generated = time.perf_counter(), self.rollouts.generating_s()

@@ -64,6 +64,15 @@ batch; and the rest of the step, outside any node (the executor's own work)."""
 _PHASE_OF_CATEGORY = {"rollout": "generation", "update": "update", "data": "data"}
 
 
+def data_positions(cursors: dict[str, dict[str, Any]]) -> dict[str, float]:
+    """`data/<source>/epoch` and `data/<source>/position`: where each data source's
+    training cursor stands after the batch a step trains on. Every prompt is drawn once,
+    so they grow by the prompts a step draws: a resumed run's are the uninterrupted
+    run's, and a rollout that `drop` admission dropped skips its prompts."""
+    return {f"data/{source}/{key}": float(value) for source, cursor in cursors.items()
+            for key, value in cursor.items() if isinstance(value, numbers.Real)}
+
+
 def phase_seconds(plan: ExecutionPlan, seconds: dict[str, float], wall: float,
                   waited: float = 0.0) -> dict[str, float]:
     """`phase_s/<phase>` from each node's (and data source's) seconds in one step of

@@ -49,9 +49,12 @@ import time
 from collections import deque
 from typing import Any
 
+import torch
+
 from flowgraph.compilers.batches import Batches
 from flowgraph.compilers.checkpoint import Rollout
 from flowgraph.compilers.interpreter import Env
+from flowgraph.compilers.metrics import data_positions
 from flowgraph.compilers.worker import ExecOptions, Worker
 from flowgraph.errors import FlowgraphError, NonFiniteError
 from flowgraph.plan import ExecutionPlan
@@ -73,6 +76,7 @@ class Rollouts:
         """The producer's nodes run on `batches` by `worker`'s interpreter, in this order."""
         self.S, self.steps = cut.staleness, plan.trainer.steps
         self.block = cut.admission == "block"
+        self.partial = cut.partial
         self.pending: deque[Rollout] = deque()
         self.cursors: dict[str, dict[str, Any]] | None = None
         """The data cursors after the last rollout received (None: the datasets')."""
@@ -93,18 +97,35 @@ class Rollouts:
         while True:
             item, seconds = self.next_rollout(step, metrics)
             waited += seconds
-            if self.block or step - item.version <= self.S:
+            versions = self.trained_versions(item)
+            if self.block or step - int(versions.min()) <= self.S:
                 break
             dropped += 1
         metrics["perf/rollout_wait_s"] = waited
         if item.error is not None:
             raise item.error
         metrics.update(item.metrics)
-        # every token of the rollout was sampled by its one version: mean = max
-        metrics["async/staleness"] = metrics["async/staleness_max"] = float(step - item.version)
+        metrics.update(data_positions(item.cursors))
+        staleness = step - versions.double()
+        metrics["async/staleness"] = float(staleness.mean())
+        metrics["async/staleness_max"] = float(staleness.max())
         if not self.block:
             metrics["async/dropped"] = float(dropped)
         return dict(item.env)
+
+    def trained_versions(self, item: Rollout) -> torch.Tensor:
+        """The policy versions that sampled the tokens `item` trains on: per token where
+        its rollout records them and partial rollouts may mix them (`AsyncPlan.versions`),
+        else the one version that generated it."""
+        cut = self.plan.asynchronous
+        assert cut is not None
+        if cut.partial and item.error is None:
+            trained = [item.env[(node, "policy_version")][
+                item.env[(node, "response_mask")].bool()] for node in cut.versions]
+            versions = torch.cat([v.flatten().cpu() for v in trained])
+            if versions.numel():
+                return versions
+        return torch.tensor([item.version])
 
     def advance(self, step: int) -> None:
         """Step `step`'s update is done: its weights are version step + 1."""
@@ -152,10 +173,13 @@ class Rollouts:
         rollout, to be raised at its step."""
         env: Env = {}
         strict = self.plan.trainer.strict or self.opts.strict or index == self.origin
+        self.worker.version = version
         try:
             self.batches.produce(env, index, strict, metrics, self.names)
         except NonFiniteError as exc:
             return Rollout(index, version, error=exc)
+        finally:
+            self.worker.version = None
         state = {n: dict(self.worker.node_state[n]) for n in self.names
                  if n in self.worker.node_state}
         return Rollout(index, version, env, {}, self.batches.cursors(), state)

@@ -115,6 +115,12 @@ class Worker:
         """Models placed as a LoRA model's base: nodes run that model, adapters off."""
         self.node_state: dict[str, dict[str, Any]] = {n: {} for n in self.nodes}
         self.dims = {d.name: d.value for d in plan.dims}
+        self.version: int | None = None
+        """The policy version the models hold while a producer runs an asynchronous
+        rollout (`Rollouts.produce`); None: the step's."""
+        self.refresh: Callable[[], int] | None = None
+        """Partial rollouts: what takes the newest published weights into the models (a
+        producer process's, a rollout pool's; `NodeContext.refresh`)."""
 
     def prepare(self) -> None:
         """What fails cheaply, before any model loads: model paths, implementations
@@ -171,7 +177,7 @@ class Worker:
             state=self.node_state[name], dims=dict(self.dims),
             strict=self.opts.strict or self.plan.trainer.strict,
             engines=partial(rollout_engine, verify_every=self.plan.trainer.verify_sync_every),
-            **dp)
+            version=self.version, refresh=self.refresh, **dp)
 
     def dispatch(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
                  metrics: dict[str, float], *, evaluation: bool = False

@@ -48,6 +48,8 @@ CODES: dict[str, str] = {
     "FG121": "staleness that compounds: several optimizer steps per asynchronous rollout",
     "FG122": "old log-probs taken from a rollout that reports none (trainer.old_log_prob)",
     "FG123": "a dataset file or model folder that is not on this machine",
+    "FG124": "partial rollouts (trainer.partial_rollouts) where no rollout runs ahead or "
+             "none can take new weights between turns",
     # contracts
     "FG201": "rank mismatch along an edge",
     "FG202": "dim mismatch along an edge",

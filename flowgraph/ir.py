@@ -384,6 +384,12 @@ class TrainerSpec:
         "recompute", "With max_staleness > 0, where the update's pi_old comes from: "
         "`recompute` (the actor's log-probs when the rollout is consumed) or `rollout` (the "
         "rollout's own rollout_log_prob: the policy that sampled it).", choices=OLD_LOG_PROBS)
+    partial_rollouts: bool = setting(
+        False, "With max_staleness > 0 and an agent_rollout: episodes that outlast an update "
+        "continue on the new weights from their next turn (the producer takes the newest "
+        "published weights between turns); each sampled token records the version that "
+        "sampled it (`policy_version`), staleness and admission count the oldest trained "
+        "token. Numbers then depend on timing, under either admission.")
     metrics_port: int | None = setting(None, "Serve Prometheus metrics on this port; null: "
                                              "off.")
     loggers: tuple[str, ...] = setting(

@@ -256,6 +256,10 @@ _KINDS = (
                doc="1 exactly on the tokens the policy sampled (tool and user tokens are "
                    "holes): what losses and advantages read"),
             _p("rollout_log_prob", "b*n T", "float", "nonpositive", optional=True),
+            _p("policy_version", "b*n T", "int", optional=True,
+               doc="the policy version (updates applied) of the weights that sampled each "
+                   "token, -1 on the tokens it did not sample; with trainer.partial_rollouts "
+                   "an episode's turns may come from several versions"),
             _p("index", "b*n", "int", doc="group id: the prompt's position in the batch"),
             _p("scores", "b*n", "float", "finite", optional=True,
                doc="the episode's reward (`Env.reward`) plus its turns' rewards"),

@@ -499,6 +499,14 @@ class AsyncPlan:
     """The rollout pool (`rollout_pool`: target ray): a worker of its own, hosting its own
     copy of the models the producer runs, that produces the rollouts while the trainer's
     pools train; None: `own_process`, or in the loop."""
+    partial: bool = False
+    """Partial rollouts (`trainer.partial_rollouts`): the producer takes the newest
+    published weights between an episode's turns, so episodes that outlast an update
+    continue on the new weights; the producer waits for a version no older than
+    admission allows (`block`), not for that very version."""
+    versions: tuple[str, ...] = ()
+    """The producer's rollout nodes that record each sampled token's policy version (a
+    `policy_version` output): staleness is counted from their oldest trained token."""
 
 
 ROLLOUT_POOL = "rollouts"
@@ -855,6 +863,9 @@ def _async_problems(plan: ExecutionPlan) -> list[str]:
         problems.append(f"the asynchronous plan's staleness is {cut.staleness}, not >= 1")
     if cut.admission not in ADMISSIONS:
         problems.append(f"admission `{cut.admission}` is not one of {ADMISSIONS}")
+    if cut.partial and not cut.versions:
+        problems.append("the asynchronous plan has partial rollouts but no rollout node that "
+                        "records its tokens' policy versions (`versions`)")
     nodes = {n.name: n for n in plan.nodes}
     side = set(cut.producer)
     for name in cut.producer:
@@ -1388,7 +1399,9 @@ def _summary_lines(plan: ExecutionPlan) -> list[str]:
                     if n not in cut.producer]
         lines.append(f"  async      producer {', '.join(cut.producer)} runs up "
                      f"to {cut.staleness} step(s) ahead of consumer {', '.join(consumer)} "
-                     f"(admission {cut.admission}, old log-probs: {cut.old_log_prob})")
+                     f"(admission {cut.admission}, old log-probs: {cut.old_log_prob}"
+                     + (", partial rollouts: new weights between turns" if cut.partial else "")
+                     + ")")
     lines += ["", "edges: " + _edge_counts(plan)]
     if plan.dropped:
         lines.append(f"dropped (dead): {', '.join(plan.dropped)}")

@@ -186,15 +186,19 @@ def agent_rollout(
     first = episodes.reset(tasks, [r for r in rows for _ in range(n)], seeds)
     _check_prompts(first, P, rows, n)
     width = P + T - 1  # an active episode's history is shorter: one width every turn
+    version = ctx.policy_version()
     # until no episode asks for a turn: each takes max_turns at most (a black-box
     # program waiting for a `concurrency` slot starts its turns later than the others)
     while not ctx.workers.all(not (asks := episodes.requests())):
+        for run in episodes.runs:
+            run.version = version
         # every worker samples turn_tokens (a sharded model's workers decode in step);
         # an episode keeps what fits its budget; turn k draws from turn_seed(seed, k)
         _sample(ctx, model, tokenizer, backend, asks,
                 [turn_seed(seeds[i], episodes.runs[i].episode.turns) for i, _, _ in asks],
                 spec, width, gpu_memory_utilization, episodes.begin)
         episodes.wait()
+        version = ctx.newest_weights()  # partial rollouts: an update may have landed
     runs = episodes.finish()
     out: dict[str, Any] = dict(_tensors(runs, P, T, max_turns, spec.pad_id))
     if (ctx.node, id(model)) not in _CHECKED or ctx.strict:
@@ -203,7 +207,7 @@ def agent_rollout(
             check_rows(ctx, model, out, runs, temperature if do_sample else 0.0,
                        atol=1e-3 if backend == "hf" else 5e-2)
     out |= _objects(runs, n, ground_truth, data_source, extra_info, row)
-    _metrics(ctx, runs)
+    _metrics(ctx, runs, out)
     _failures(ctx, runs, on_error)
     out["index"] = torch.tensor(rows).repeat_interleave(n)
     device = next(model.parameters()).device
@@ -244,6 +248,7 @@ def _tensors(runs: list[Run], P: int, T: int, K: int, pad: int) -> dict[str, Ten
         "responses": torch.full((r, T), pad, dtype=torch.int64),
         "response_mask": torch.zeros((r, T), dtype=torch.int64),
         "rollout_log_prob": torch.zeros((r, T), dtype=torch.float32),
+        "policy_version": torch.full((r, T), -1, dtype=torch.int64),
         "token_level_rewards": torch.zeros((r, T), dtype=torch.float32),
         "turn_rewards": torch.zeros((r, K), dtype=torch.float32),
         "turn_mask": torch.zeros((r, K), dtype=torch.int64),
@@ -257,6 +262,7 @@ def _tensors(runs: list[Run], P: int, T: int, K: int, pad: int) -> dict[str, Ten
             out["responses"][k, :m] = torch.tensor(run.ids)
             out["response_mask"][k, :m] = torch.tensor(run.sampled)
             out["rollout_log_prob"][k, :m] = torch.tensor(run.log_probs)
+            out["policy_version"][k, :m] = torch.tensor(run.versions)
         turns = run.episode.turn_rewards
         out["turn_rewards"][k, : len(turns)] = torch.tensor(turns, dtype=torch.float32)
         out["turn_mask"][k, : len(turns)] = 1
@@ -313,9 +319,11 @@ def _failures(ctx: NodeContext, runs: list[Run], on_error: str) -> None:
           f"{new[0].row}: {new[0].episode.error}", file=sys.stderr, flush=True)
 
 
-def _metrics(ctx: NodeContext, runs: list[Run]) -> None:
+def _metrics(ctx: NodeContext, runs: list[Run], out: Mapping[str, Tensor]) -> None:
     """`agent/turns`, `agent/tool_calls`, `agent/tool_time_s`, `agent/forks` (a black-box
-    agent's histories that did not extend its session's; means per episode) and
+    agent's histories that did not extend its session's), `agent/versions_per_episode`
+    (the policy versions that sampled an episode's trained tokens, over the episodes that
+    have some: more than 1 only with partial rollouts; the others are means per episode) and
     `agent/status/<status>` (fractions), over every worker's episodes."""
     sums = {"n": float(len(runs)),
             "turns": float(sum(r.episode.turns for r in runs)),
@@ -323,10 +331,16 @@ def _metrics(ctx: NodeContext, runs: list[Run]) -> None:
             "tool_time_s": sum(r.episode.tool_time_s for r in runs),
             "forks": float(sum(r.extra.get("forks", 0) for r in runs))}
     sums |= {f"status/{s}": float(sum(r.episode.status == s for r in runs)) for s in STATUSES}
+    # the versions that sampled an episode's trained tokens, over the episodes with some
+    versions = [row[mask.bool()].unique().numel() for row, mask
+                in zip(out["policy_version"], out["response_mask"], strict=True)]
+    sums |= {"trained": float(sum(v > 0 for v in versions)), "versions": float(sum(versions))}
     total = ctx.workers.sum(sums)
+    trained, versions_sum = total.pop("trained"), total.pop("versions")
     for key, value in total.items():
         if key != "n":
             ctx.metrics[f"agent/{key}"] = value / max(total["n"], 1.0)
+    ctx.metrics["agent/versions_per_episode"] = versions_sum / max(trained, 1.0)
 
 
 def check_rows(ctx: NodeContext, model: PreTrainedModel, out: Mapping[str, Tensor],
@@ -348,7 +362,9 @@ def check_rows(ctx: NodeContext, model: PreTrainedModel, out: Mapping[str, Tenso
         mine = logprob(model, out["prompts"].to(device), out["prompt_mask"].to(device),
                        out["responses"].to(device), mask.to(device),
                        temperature=temperature, ctx=ctx)
-    diff = (mine["log_prob"].float().cpu() - out["rollout_log_prob"]).abs() * mask
+    # partial rollouts: the tokens earlier weights sampled have other log-probs
+    mine_too = mask * (out["policy_version"] == ctx.policy_version())
+    diff = (mine["log_prob"].float().cpu() - out["rollout_log_prob"]).abs() * mine_too
     worst = float(diff.max())
     if worst > atol:
         k, t = divmod(int(diff.argmax()), mask.shape[1])

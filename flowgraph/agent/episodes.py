@@ -93,6 +93,11 @@ class Run:
     sampled: list[int] = field(default_factory=list)
     """1 where the policy sampled the token (the response mask)."""
     log_probs: list[float] = field(default_factory=list)
+    version: int = 0
+    """The policy version of the weights sampling the episode's next turn (partial
+    rollouts: it may change between turns)."""
+    versions: list[int] = field(default_factory=list)
+    """The version that sampled each token of `ids` (-1 on the tokens it did not sample)."""
     ends: list[int] = field(default_factory=list)
     """Where each turn's last sampled token is in `ids`."""
     turn: list[int] = field(default_factory=list)
@@ -113,6 +118,7 @@ class Run:
         self.ids += ids
         self.sampled += [1] * len(ids)
         self.log_probs += log_probs
+        self.versions += [self.version] * len(ids)
         self.ends.append(len(self.ids) - 1)
         self.episode.turns += 1
 
@@ -121,6 +127,7 @@ class Run:
         self.ids += delta
         self.sampled += [0] * len(delta)
         self.log_probs += [0.0] * len(delta)
+        self.versions += [-1] * len(delta)
 
     def end(self, status: str, failure: BaseException | None = None) -> None:
         self.active, self.episode.status = False, status

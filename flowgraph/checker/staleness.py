@@ -9,7 +9,10 @@ that trains on it. The checker holds the graph to what that needs:
   batch): every extra step moves the policy further from the one that sampled, so
   staleness compounds (AReaL and verl's fully-async recipe take one step per rollout);
 - FG122 (error): `trainer.old_log_prob: rollout` where no update reads old log-probs,
-  or where the rollout (or filter) its responses come from has no `rollout_log_prob`.
+  or where the rollout (or filter) its responses come from has no `rollout_log_prob`;
+- FG124 (error): `trainer.partial_rollouts` without S > 0 (no update lands during a
+  rollout), or with a rollout that cannot take new weights mid-rollout (a kind without
+  a `policy_version` output: `generate` samples each response in one go).
 """
 
 from __future__ import annotations
@@ -24,11 +27,13 @@ from flowgraph.runtime.update import one_optimizer_step
 def check_staleness(graph: Graph, table: dict[str, Resolved], shapes: ShapeResult,
                     out: list[Diagnostic]) -> None:
     trainer = graph.trainer
-    if trainer.max_staleness < 1:
-        return
     rollouts = {name: r for name, r in table.items()
                 if r.kind is not None and r.kind.category == "rollout"
                 and isinstance(r.spec, NodeSpec)}
+    if trainer.partial_rollouts:
+        _check_partial(graph, rollouts, out)
+    if trainer.max_staleness < 1:
+        return
     if not rollouts:
         out.append(error(
             "FG120", f"trainer.max_staleness is {trainer.max_staleness}, but the graph has no "
@@ -81,3 +86,22 @@ def _check_rollout_log_prob(graph: Graph, table: dict[str, Resolved], readers: l
                 r.pos, node=r.name,
                 hint="wire the update's responses from a generate node (or a filter after "
                      "one), or use trainer.old_log_prob: recompute"))
+
+
+def _check_partial(graph: Graph, rollouts: dict[str, Resolved], out: list[Diagnostic]) -> None:
+    trainer = graph.trainer
+    if trainer.max_staleness < 1:
+        out.append(error(
+            "FG124", "trainer.partial_rollouts is true, but trainer.max_staleness is 0: no "
+            "update lands while a rollout runs, so no episode outlasts one", trainer.pos,
+            hint="partial rollouts go with asynchronous ones: set trainer.max_staleness: 1 "
+                 "(or more), or leave partial_rollouts out"))
+    for name, r in rollouts.items():
+        assert r.kind is not None
+        if r.kind.output("policy_version") is None:
+            out.append(error(
+                "FG124", f"trainer.partial_rollouts is true, but `{name}` (kind "
+                f"{r.kind.name}) samples each response in one go: it cannot take new "
+                "weights mid-rollout nor say which version sampled a token", r.pos, node=name,
+                hint="partial rollouts continue multi-turn episodes between turns: use an "
+                     "agent_rollout, or leave partial_rollouts out"))

@@ -214,7 +214,10 @@ class Program:
         return AsyncPlan(producer, t.max_staleness, t.admission, t.old_log_prob,
                          producer_process(self.target),
                          rollout_pool(self.target, self.placement.pools, runs, self.device,
-                                      self.graph.resources.rollout_cpus))
+                                      self.graph.resources.rollout_cpus),
+                         t.partial_rollouts,
+                         tuple(n for n in producer if n in kinds
+                               and kinds[n].output("policy_version") is not None))
 
     def _resample(self) -> ResamplePlan | None:
         """The refill loop of the graph's filter node (the checker allows one, and only

@@ -85,6 +85,13 @@ class NodeContext:
     where it would otherwise on its first (an agent rollout's rows against its samples)."""
     engines: Callable[[str], Any] | None = None
     """Set by an executor: the rollout engine of a backend; nodes call `rollout_engine`."""
+    version: int | None = None
+    """The policy version of the weights the node's model holds: the updates applied to
+    them (an asynchronous rollout's may be behind `step`); None: `step`'s."""
+    refresh: Callable[[], int] | None = None
+    """Set by an executor running partial rollouts (`trainer.partial_rollouts`): takes the
+    newest published weights into the models when newer than those held, and returns
+    their version; nodes call `newest_weights`."""
 
     def optimizer_step(self) -> float:
         """One step of `optimizer` on the gradients the workers' backward passes left,
@@ -98,6 +105,17 @@ class NodeContext:
         self.optimizer.step()
         self.model.zero_grad(set_to_none=True)
         return norm
+
+    def policy_version(self) -> int:
+        """The version of the weights the node's model holds (`version`)."""
+        return self.step if self.version is None else self.version
+
+    def newest_weights(self) -> int:
+        """Between two turns of a rollout: the newest weights the executor has published
+        into the models (partial rollouts; otherwise nothing changes), and their version."""
+        if self.refresh is not None:
+            self.version = self.refresh()
+        return self.policy_version()
 
     def rollout_engine(self, backend: str) -> Any:
         """The executor's engine for `backend` (e.g. "vllm"): `.rollout(model, tokenizer,

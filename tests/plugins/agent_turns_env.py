@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import os
 import signal
+import time
 from typing import Any
 
 from flowgraph.agent import Env, Step
@@ -48,8 +49,22 @@ class Turns(Env):
     FG_TEST_KILL_AT_RESET=k set, the k-th start kills the process (SIGKILL, in the middle
     of a rollout: the resume test)."""
 
-    def __init__(self, one_turn_from: int | None = None) -> None:
-        self.one_turn_from = one_turn_from
+    middles = itertools.count(1)
+    """Tool calls and env replies this process ran (between two turns of an episode):
+    with FG_TEST_SIGNAL_PARENT_AT=k:SIGNAME set, the k-th sends the signal to the process
+    that started this one (the trainer, when episodes run in a producer process: the
+    partial-rollout tests' kill and stop in the middle of an episode)."""
+
+    def __init__(self, one_turn_from: int | None = None, slow_s: float = 0.0) -> None:
+        """`slow_s`: the seconds each tool call and env reply takes (episodes that
+        outlast an update)."""
+        self.one_turn_from, self.slow_s = one_turn_from, slow_s
+
+    def _between_turns(self) -> None:
+        at, _, name = os.environ.get("FG_TEST_SIGNAL_PARENT_AT", "").partition(":")
+        if str(next(Turns.middles)) == at:
+            os.kill(os.getppid(), getattr(signal, name))
+        time.sleep(self.slow_s)
 
     def reset(self, task: Any) -> Any:
         if str(next(Turns.resets)) == os.environ.get("FG_TEST_KILL_AT_RESET"):
@@ -65,12 +80,14 @@ class Turns(Env):
         Args:
             text: the text to count in
         """
+        self._between_turns()
         if self.one_turn:
             raise RuntimeError("this episode has one turn")
         letters, digits = sum(c.isalpha() for c in text), sum(c.isdigit() for c in text)
         return f"{letters} letters, {digits} digits"
 
     def step(self, message: Any) -> Step:
+        self._between_turns()
         self.replies += 1
         return Step(messages=[f"again {self.replies}"], reward=0.1,
                     done=self.one_turn or self.replies >= 2)
