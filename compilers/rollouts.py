@@ -34,13 +34,24 @@ Where the producer runs:
 A checkpoint after step k holds the buffer (`rollouts.pt`: for `block`, the rollouts
 of steps k+1 … k+S, waited for) and the data cursors after the last of them, so a
 resumed run neither loses nor repeats a rollout, and repeats the numbers of a run that
-never stopped (`block`). Metrics: `async/staleness` and `async/staleness_max` (the
-versions between the policy that sampled a trained token and the update that trains on
-it: mean and max over the step's trained tokens; every token of a rollout is sampled by
-its one version today, so the two agree), `async/overlap_frac` (the share of the
-trainer's work, its step less the wait for a rollout, during which the producer was
-producing: 0 in the loop), `perf/rollout_wait_s` (the consumer waiting for a rollout)
-and, with `drop`, `async/dropped`.
+never stopped (`block`).
+
+Partial rollouts (`AsyncPlan.partial`): a producer elsewhere (a process of its own, the
+rollout pool) sets `Worker.refresh`, with which a multi-turn rollout takes the newest
+published weights between two turns (`NodeContext.newest_weights`), so an episode that
+outlasts an update goes on with the new policy; each token records the version that
+sampled it (`AsyncPlan.versions` names the rollouts' `policy_version` outputs). Under
+`block` a rollout then starts with version max(j − S, v0) or a newer one; staleness and
+`drop` count the oldest trained token (`trained_versions`). A checkpoint drains as
+above: the rollouts it holds were finished first, on whatever weights were out.
+
+Metrics: `async/staleness` and `async/staleness_max` (the versions between the policy
+that sampled a trained token and the update that trains on it: mean and max over the
+step's trained tokens; they differ with partial rollouts only), `async/overlap_frac`
+(the share of the trainer's work, its step less the wait for a rollout, during which
+the producer was producing: 0 in the loop), `perf/rollout_wait_s` (the consumer waiting
+for a rollout) and, with `drop`, `async/dropped`; `data/<source>/position` and `epoch`
+(where the data cursor stands after the batch a step trains on, `data_positions`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,12 @@ batch it is sampled in, nor on how episodes are split across workers. A sharded 
 runs each turn's forwards on every worker: a worker with no active episode samples a
 placeholder row while others still have some.
 
+Each token records the policy version that sampled it (`policy_version`: the
+executor's `NodeContext.version`, -1 on the holes). With partial rollouts
+(`trainer.partial_rollouts`) the rollout asks for the newest published weights between
+two turns (`NodeContext.newest_weights`), so an episode's turns may come from several
+versions.
+
 On its first call in a process, and on every call in strict mode, the rollout checks
 itself: every trained token is the one sampled, the mask is 1 exactly on them, and the
 model's own log-probs of the assembled rows (the trainer's view) equal the sampler's
@@ -348,8 +354,9 @@ def check_rows(ctx: NodeContext, model: PreTrainedModel, out: Mapping[str, Tenso
     """The rollout's own rows against what was sampled: the response holds each
     episode's ids, the mask is 1 exactly on the sampled ones (masked episodes aside),
     and the model's log-probs of the rows (as a trainer computes them: one forward over
-    prompt and response) equal the sampler's within `atol`. FlowgraphError naming the
-    episode and the first token that differs."""
+    prompt and response) equal the sampler's within `atol` on the tokens its present
+    weights sampled (partial rollouts: earlier turns may be older versions').
+    FlowgraphError naming the episode and the first token that differs."""
     for k, run in enumerate(runs):
         m = len(run.ids)
         if out["responses"][k, :m].tolist() != run.ids or \

@@ -586,9 +586,7 @@ class Sessions:
             else:  # a fork's history no longer fits: the row keeps its chain
                 run.end("context_exhausted")
             return True
-        run.prompt = prompt
-        run.ids, run.sampled, run.log_probs, run.ends = [], [], [], []
-        run.episode.turn_rewards = []
+        run.restart(prompt)
         return False
 
     def _renderer(self, tools: list[Any]) -> ChatRenderer:

@@ -129,6 +129,13 @@ class Run:
         self.log_probs += [0.0] * len(delta)
         self.versions += [-1] * len(delta)
 
+    def restart(self, prompt: list[int]) -> None:
+        """The row starts again from `prompt`, its turns so far not trained (a black-box
+        agent's fork)."""
+        self.prompt = prompt
+        self.ids, self.sampled, self.log_probs, self.versions, self.ends = [], [], [], [], []
+        self.episode.turn_rewards = []
+
     def end(self, status: str, failure: BaseException | None = None) -> None:
         self.active, self.episode.status = False, status
         if failure is not None:

@@ -179,3 +179,57 @@ def test_an_env_knows_its_row_and_seed_however_rows_are_split():
     assert info == [(e["row"], e["seed"]) for e in
                     first["reward_extra_info"] + rest["reward_extra_info"]]
     assert [r for r, _ in info] == [0, 0, 1, 1, 2, 2] and len({s for _, s in info}) == 6
+
+
+def test_partial_rollouts_take_new_weights_between_turns_and_record_their_versions(
+        monkeypatch):
+    """An executor's `refresh` (partial rollouts) publishes new weights after the first
+    turn: every later turn samples with them. Each token records the version that sampled
+    it (-1 on the env's replies and padding); the episode spans two versions; the rollout's
+    own check holds the new weights to their own tokens only (the first turn's log-probs
+    are the old weights', which the new ones no longer give)."""
+    model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+
+    def refresh():  # the update lands during the first turn's env replies
+        if not calls:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.05 * torch.randn_like(p))
+        calls.append(1)
+        return 5
+
+    monkeypatch.setattr(agent_node, "_CHECKED", set())
+    ctx = NodeContext("partial", "agent_rollout", step=6, seed=7, dims={"P": 16, "T": 40},
+                      version=4, refresh=refresh)
+    out = agent_rollout(ctx, model, tok, row=ROWS, env=Again, max_turns=4, max_turn_tokens=8,
+                        n=2)  # checks its rows: the new weights on the new tokens
+    versions, mask = out["policy_version"], out["response_mask"].bool()
+    assert versions.shape == mask.shape == (6, 40)
+    assert (versions[~mask] == -1).all() and set(versions[mask].tolist()) == {4, 5}
+    for row, m, turns in zip(versions, mask, out["num_turns"].tolist(), strict=True):
+        sampled = row[m].tolist()  # the first turn by version 4, the rest by 5
+        assert sampled == sorted(sampled) and sampled[0] == 4
+        assert (5 in sampled) == (turns > 1)
+    assert ctx.metrics["agent/versions_per_episode"] == pytest.approx(
+        sum(len(set(r[m].tolist())) for r, m in zip(versions, mask, strict=True)) / 6)
+    assert ctx.metrics["agent/versions_per_episode"] > 1.0
+    # the first turn's tokens were sampled by the old weights: the new ones differ there
+    first = (versions == 4) & mask
+    mine = logprob(model, out["prompts"], out["prompt_mask"], out["responses"],
+                   out["response_mask"])["log_prob"]
+    assert (mine - out["rollout_log_prob"]).abs()[first].max() > 1e-3
+    model.load_state_dict(old)
+    before = logprob(model, out["prompts"], out["prompt_mask"], out["responses"],
+                     out["response_mask"])["log_prob"]
+    assert torch.allclose(before[first], out["rollout_log_prob"][first], atol=1e-4)
+
+
+def test_without_partial_rollouts_every_token_is_the_version_of_the_step(model_and_tok):
+    """No executor hook: the rollout of step 3 is sampled by the weights of 3 updates."""
+    model, tok = model_and_tok
+    out, ctx = run(model, tok)
+    mask = out["response_mask"].bool()
+    assert (out["policy_version"][mask] == 3).all() and (out["policy_version"][~mask] == -1).all()
+    assert ctx.metrics["agent/versions_per_episode"] == 1.0
