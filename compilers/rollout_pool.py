@@ -20,6 +20,19 @@ rollout worker fetches them from the trainer's worker, not through the driver, c
 them into its models, and a vLLM rollout engine takes them from there as it does from a
 trained model (`flowgraph.compilers.vllm_engine`, the weight-sync probe included).
 
+With partial rollouts (`AsyncPlan.partial`) the weights do not wait for a call that
+needs them: every new version is published to the worker after its update (`publish`,
+in a concurrency group of its own, so it runs beside the rollout being produced, while
+`produce` calls still run one at a time in the order they were made: Ray's ordered
+actor queue hands each group's calls to its thread in submission order, and nothing
+orders calls across groups, so a rollout's call waits for the last `publish` call's
+result, as Ray waits for any argument). The worker
+keeps what it was published, and an episode takes the newest between its turns (the
+worker's `refresh`, `NodeContext.newest_weights`); a rollout begins with the newest
+version sent, any as new as admission asks (`block`: max(j − S, v0) or newer), never
+older weights than the models hold. A `publish` that failed (its weights lost with a
+trainer's worker) fails the rollouts asked for after it, whose error the driver raises.
+
 A dead or silent rollout worker is a lost worker (`WorkerLost`): the loop recovers as for
 any pool, and `start` sets up a fresh one at the checkpoint's buffer and cursors.
 """
@@ -29,6 +42,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -53,6 +67,10 @@ try:
     from ray.util.placement_group import remove_placement_group
 except ImportError as exc:  # pragma: no cover - depends on the machine
     raise FlowgraphError(f"the rollout pool needs Ray: pip install 'ray>=2.40' ({exc})") from exc
+
+
+WEIGHTS = "weights"
+"""The rollout worker's concurrency group of `publish` (one thread): beside `produce`."""
 
 
 @runtime_checkable
@@ -111,6 +129,9 @@ class PoolRollouts(SentRollouts):
         """The worker's seconds producing the rollouts whose span is known."""
         self.free_at = 0.0
         """When the worker finished its last call whose span is known."""
+        self.publishing: Any = None
+        """Partial rollouts: the ObjectRef of the last `publish` call, which the rollouts
+        asked for after it wait for (a failed one fails them: never a silent wait)."""
 
     # -- what the loop calls -----------------------------------------------------------
 
@@ -122,7 +143,9 @@ class PoolRollouts(SentRollouts):
         cursors = self.pending[-1].cursors if self.pending else self.data_cursors()
         state = {n: s for n, s in self.worker.node_state.items() if n in self.names}
         self.pg, places = reserve(self.pool, name=ray_name(self.plan, self.pool.name))
-        self.actor = ray.remote(RolloutWorker).options(
+        # (Ray's typed overloads of `remote` omit concurrency_groups, which it takes)
+        self.actor = ray.remote(  # type: ignore[call-overload]
+            concurrency_groups={WEIGHTS: 1})(RolloutWorker).options(
             name=ray_name(self.plan, self.pool.name, 0), **places[0]).remote(
             (self.plan.to_json(), self.plan.pickled_objects()), os.getcwd(),
             [p for p in sys.path if p], str(self.opts.run_dir))
@@ -132,6 +155,8 @@ class PoolRollouts(SentRollouts):
         self._list_worker()
         self.free_at, self.weights = time.time(), None
         self.next, self.last_index, self.version, self.sent = first, first - 1, step, -1
+        if self.partial:
+            self._publish()
         self._ask()
 
     def next_rollout(self, step: int, metrics: dict[str, float]) -> tuple[Rollout, float]:
@@ -140,9 +165,12 @@ class PoolRollouts(SentRollouts):
         return super().next_rollout(step, metrics)
 
     def advance(self, step: int) -> None:
-        """Version step + 1 is out: ask for the rollouts it generates."""
+        """Version step + 1 is out: ask for the rollouts it generates; with partial
+        rollouts, first send it to the worker, which may be in the middle of an episode."""
         if step + 1 < self.steps:
             self.version = step + 1
+            if self.partial:
+                self._publish()
             self._ask()
 
     def generating_s(self) -> float:
@@ -161,21 +189,32 @@ class PoolRollouts(SentRollouts):
             remove_placement_group(self.pg)
             self.pg = None
         self.calls.clear()
+        self.publishing = None
 
     # -- the worker --------------------------------------------------------------------
 
     def _ask(self) -> None:
         """Ask for every rollout admission allows now: `block`, those whose version is
-        out (`need`); `drop`, up to S + 1 in the buffer."""
+        out (`need`); `drop`, up to S + 1 in the buffer. With partial rollouts the
+        weights went ahead (`publish`) and a call names the oldest version that may
+        begin it (`block`: `need`; `drop`: the newest)."""
         while self._admits():
             weights = []
-            if self.sent != self.version:  # with the first call that needs them
-                weights = self._weights()
+            if not self.partial and self.sent != self.version:  # with the first call
+                weights = self._weights()                        # that needs them
                 self.sent = self.version
+            version = self.need(self.next) if self.partial and self.block else self.version
             span, rollout = self.actor.produce.options(num_returns=2).remote(
-                self.next, self.version, *weights)
+                self.next, version, self.publishing, *weights)
             self.calls.append(_Call(self.next, span, rollout, time.time()))
             self.next += 1
+
+    def _publish(self) -> None:
+        """Partial rollouts: the newest version's weights to the worker now, beside the
+        rollout it may be producing."""
+        weights = self._weights()
+        self.sent = self.version
+        self.publishing = self.actor.publish.remote(self.version, *weights)
 
     def _list_worker(self) -> None:
         """The worker's pid beside the trainer's workers' (`run_dir/.ranks/workers.json`,
@@ -242,9 +281,19 @@ class RolloutWorker:
         self.plan = ExecutionPlan.from_json(sent[0]).with_pickled(sent[1])
         assert self.plan.asynchronous is not None and self.plan.asynchronous.pool is not None
         self.pool = self.plan.asynchronous.pool
+        self.partial = self.plan.asynchronous.partial
         self.rollouts: Rollouts | None = None
         self.devnull = open(os.devnull, "w")  # noqa: SIM115 - the actor's life long
         """Where the producer's worker prints (the trainer's console is the driver's)."""
+        self.held = -1
+        """The version of the weights the models hold (-1: those loaded at setup)."""
+        self.published = -1
+        """The newest version sent (with a `produce` call, or published)."""
+        self.fresh: dict[str, dict[str, torch.Tensor]] = {}
+        """The entries sent since the models took them (model -> name -> tensor): the
+        newest of each; the first version sent is whole, later ones what updates change."""
+        self.cond = threading.Condition()
+        """Guards the three above: `publish` runs in a thread of its own."""
 
     def __repr__(self) -> str:
         """The prefix of this worker's lines on the driver's console (Ray's)."""
@@ -264,22 +313,60 @@ class RolloutWorker:
                            step_timeout_s=self.plan.trainer.step_timeout_s)
         self.rollouts = producer(self.plan, names, opts, cursors, node_state, self.pool.models)
         self.rollouts.origin = origin
+        if self.partial:  # episodes take the newest weights between turns
+            self.rollouts.worker.refresh = self.refresh
 
-    def produce(self, index: int, version: int, *weights: dict[str, Any]
+    @ray.method(concurrency_group=WEIGHTS)
+    def publish(self, version: int, *weights: dict[str, Any]) -> None:
+        """Partial rollouts: `version`'s weights (as `produce` takes them), kept for the
+        models to take between two turns of an episode (`refresh`) or when the next
+        rollout begins. Runs in its own concurrency group, beside a running `produce`."""
+        with self.cond:
+            self._keep(version, weights)
+
+    def refresh(self) -> int:
+        """The newest weights sent into the models, when newer than those they hold
+        (an episode's turns in between: `NodeContext.newest_weights`); their version."""
+        with self.cond:
+            if self.published > self.held:
+                assert self.rollouts is not None
+                with torch.no_grad():
+                    for m, state in self.fresh.items():
+                        held = self.rollouts.worker.models[m].state_dict()
+                        for k, v in state.items():
+                            held[k].copy_(v)
+                self.fresh, self.held = {}, self.published
+            return self.held
+
+    def produce(self, index: int, version: int, after: None, *weights: dict[str, Any]
                 ) -> tuple[tuple[float, float], Rollout]:
         """The rollout of `index` generated by `version`, whose weights (model -> name ->
         tensor, one dict per trainer pool) come with the first call that needs them;
-        (when it began and ended, the rollout)."""
+        (when it began and ended, the rollout). With partial rollouts they were
+        published ahead: `after` is the last `publish` call's result, so Ray starts this
+        call once that one is done (calls of two concurrency groups are not ordered),
+        and the rollout begins with the newest version sent, `version` or newer."""
         rollouts = self.rollouts
         if rollouts is None:
             raise FlowgraphError("the rollout worker was used before setup")
+        with self.cond:
+            self._keep(version, weights)
+            if self.published < version:
+                raise FlowgraphError(f"internal: the rollout pool was asked for step {index}'s "
+                                     f"rollout with version {version}, and sent version "
+                                     f"{self.published} at most")
         began = time.time()
-        with torch.no_grad():
-            for m, state in (item for part in weights for item in part.items()):
-                held = rollouts.worker.models[m].state_dict()
-                for k, v in state.items():
-                    held[k].copy_(v)
         metrics: dict[str, float] = {}
-        item = rollouts.produce(index, version, metrics)
+        item = rollouts.produce(index, self.refresh(), metrics)
         item.metrics = metrics
         return (began, time.time()), item
+
+    def _keep(self, version: int, weights: tuple[dict[str, Any], ...]) -> None:
+        """Keep `version`'s weights for the models to take (`cond` held), unless a newer
+        version was sent: the driver sends versions in order, the whole weights first."""
+        if not weights or version <= self.published:
+            return
+        for m, state in (item for part in weights for item in part.items()):
+            self.fresh.setdefault(m, {}).update(state)
+        self.published = version
+        self.cond.notify_all()

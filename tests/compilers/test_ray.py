@@ -174,6 +174,34 @@ def test_async_rollouts_on_a_rollout_pool_equal_a_local_producer_process_and_res
     assert_same_numbers(read_metrics(tmp_path / "resumed"), rows)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("admission", ["block", "drop"])
+def test_partial_rollouts_on_the_rollout_pool_take_each_update_between_turns(
+        admission: str, cluster: Any, tmp_path: Path, devnull: Any, graph_path: Any) -> None:
+    """`trainer.partial_rollouts` on ray(2): the agent graph's episodes (each tool call
+    and env reply 0.2 s: a rollout outlasts the trainer's update) are produced on the
+    rollout pool, which is sent every new version while it produces: a step's episodes
+    were sampled by two versions, so its staleness is below its max, and no token is
+    more than one update old. Under `block` every rollout is trained once, in order:
+    the data cursor moves by the batch (4 prompts) every step; under `drop` by the
+    batches of the rollouts dropped too."""
+    from flowgraph.compilers.ray import run_ray
+
+    overrides = ("trainer.max_staleness=1", "trainer.partial_rollouts=true",
+                 f"trainer.admission={admission}", "nodes.agent.params.env_params.slow_s=0.2")
+    plan = _plan("agent", tmp_path / "ray", overrides, graph_path("agent"))
+    assert plan.asynchronous.pool is not None and plan.asynchronous.partial
+    run_ray(plan, RunOptions(out=devnull, shutdown=False))
+    rows = read_metrics(tmp_path / "ray")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["async/staleness_max"] <= 1.0 for r in rows), rows
+    assert any(r["agent/versions_per_episode"] > 1.0
+               and r["async/staleness"] < r["async/staleness_max"] for r in rows), rows
+    drawn = [r["data/train/position"] for r in rows]
+    dropped = [r.get("async/dropped", 0.0) for r in rows]
+    assert drawn == [4.0 * (k + 1 + sum(dropped[:k + 1])) for k in range(3)], (drawn, dropped)
+
+
 def test_a_node_error_in_a_worker_names_the_node_and_step(
         cluster: Any, tmp_path: Path, devnull: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     from flowgraph.compilers.ray import run_ray
