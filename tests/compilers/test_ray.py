@@ -175,7 +175,7 @@ def test_async_rollouts_on_a_rollout_pool_equal_a_local_producer_process_and_res
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("admission", ["block", "drop"])
+@pytest.mark.parametrize("admission", ["block", pytest.param("drop", marks=pytest.mark.slow)])
 def test_partial_rollouts_on_the_rollout_pool_take_each_update_between_turns(
         admission: str, cluster: Any, tmp_path: Path, devnull: Any, graph_path: Any) -> None:
     """`trainer.partial_rollouts` on ray(2): the agent graph's episodes (each tool call
