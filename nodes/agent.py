@@ -192,10 +192,10 @@ def agent_rollout(
     first = episodes.reset(tasks, [r for r in rows for _ in range(n)], seeds)
     _check_prompts(first, P, rows, n)
     width = P + T - 1  # an active episode's history is shorter: one width every turn
-    version = ctx.policy_version()
     # until no episode asks for a turn: each takes max_turns at most (a black-box
     # program waiting for a `concurrency` slot starts its turns later than the others)
     while not ctx.workers.all(not (asks := episodes.requests())):
+        version = ctx.newest_weights()  # partial rollouts: an update may have landed
         for run in episodes.runs:
             run.version = version
         # every worker samples turn_tokens (a sharded model's workers decode in step);
@@ -204,7 +204,6 @@ def agent_rollout(
                 [turn_seed(seeds[i], episodes.runs[i].episode.turns) for i, _, _ in asks],
                 spec, width, gpu_memory_utilization, episodes.begin)
         episodes.wait()
-        version = ctx.newest_weights()  # partial rollouts: an update may have landed
     runs = episodes.finish()
     out: dict[str, Any] = dict(_tensors(runs, P, T, max_turns, spec.pad_id))
     if (ctx.node, id(model)) not in _CHECKED or ctx.strict:

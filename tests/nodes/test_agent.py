@@ -192,12 +192,14 @@ def test_partial_rollouts_take_new_weights_between_turns_and_record_their_versio
     old = {k: v.clone() for k, v in model.state_dict().items()}
     calls = []
 
-    def refresh():  # the update lands during the first turn's env replies
-        if not calls:
+    def refresh():  # asked before each turn; the update lands during the first one
+        calls.append(1)
+        if len(calls) == 1:
+            return 4
+        if len(calls) == 2:
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(0.05 * torch.randn_like(p))
-        calls.append(1)
         return 5
 
     monkeypatch.setattr(agent_node, "_CHECKED", set())
@@ -215,6 +217,7 @@ def test_partial_rollouts_take_new_weights_between_turns_and_record_their_versio
     assert ctx.metrics["agent/versions_per_episode"] == pytest.approx(
         sum(len(set(r[m].tolist())) for r, m in zip(versions, mask, strict=True)) / 6)
     assert ctx.metrics["agent/versions_per_episode"] > 1.0
+    assert len(calls) == int(out["num_turns"].max())  # before each turn, not after the last
     # the first turn's tokens were sampled by the old weights: the new ones differ there
     first = (versions == 4) & mask
     mine = logprob(model, out["prompts"], out["prompt_mask"], out["responses"],
