@@ -23,7 +23,11 @@ with a `RayTarget`:
   these groups; the trained weights go to it after every update (`trained_weights`).
 * checkpoints: every worker writes its shards with DCP into the same folder as the
   fsdp target (`step_N/dcp/<model>`); the driver publishes it atomically, with the
-  data cursors and node state. A checkpoint of the local target resumes here too.
+  data cursors and node state. A checkpoint of the local target resumes here too. So
+  the driver and every worker must see one run dir: before any model loads, each
+  worker reads a marker the driver wrote into `run_dir/.ranks` and writes its own, which
+  the driver reads back; a worker on a node without the run dir stops the run, named
+  with its node (`flowgraph.compilers.machines`: fsdp's machines prove it alike).
 * names: the run is `flowgraph/<run name>` on the cluster (the run dir's name): its Ray
   namespace, the prefix of its placement groups' names (`flowgraph/<run name>/<pool>`)
   and of its actors' (`flowgraph/<run name>/<pool>/<index>`), so that `ray list actors`
@@ -60,10 +64,11 @@ from flowgraph.compilers.checkpoint import (
 )
 from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
+from flowgraph.compilers.machines import draw_token, mark, marked, not_one_run_dir
 from flowgraph.compilers.options import RunOptions
 from flowgraph.compilers.ray_calls import answers, namespace, ray_name, reserve, run_name
 from flowgraph.compilers.ray_cluster import check_fits, cluster_nodes, watched
-from flowgraph.compilers.ray_worker import RayWorker
+from flowgraph.compilers.ray_worker import DRIVER_MARKER, RayWorker, worker_marker
 from flowgraph.compilers.signals import child_pids, reap_with_parent, run_guard
 from flowgraph.compilers.target import Report
 from flowgraph.compilers.worker import ExecOptions, Worker
@@ -137,6 +142,7 @@ class RayTarget:
                                                str(self.opts.run_dir))
                        for i in range(pool.size)]
             self.groups[pool.name] = Group(pool, workers, pg)
+        self._prove_shared_run_dir()  # before any model loads
         # Set up every group at once: workers of a group rendezvous with each other.
         pending = []
         for group in self.groups.values():
@@ -151,6 +157,21 @@ class RayTarget:
         (self.opts.run_dir / ".ranks").mkdir(parents=True, exist_ok=True)
         (self.opts.run_dir / ".ranks" / "workers.json").write_text(
             json.dumps(self.worker_pids(), indent=2))
+
+    def _prove_shared_run_dir(self) -> None:
+        """The driver writes a marker holding a fresh token into `run_dir/.ranks`; every
+        worker reads it and writes its own (`RayWorker.sees`), which the driver reads
+        back. A worker on a node that does not mount the run dir would write its
+        checkpoint shards to a disk of its own, and the driver publish checkpoints
+        without them: such a worker stops the run, named with its node."""
+        token = draw_token()
+        mark(self.opts.run_dir, DRIVER_MARKER, token)
+        workers = [(g.pool.name, i, w) for g in self.groups.values()
+                   for i, w in enumerate(g.workers)]
+        seen = self._get([w.sees.remote(str(self.opts.run_dir), token) for *_, w in workers],
+                         "while looking for the run dir", timed=False)
+        check_shared_run_dir(self.opts.run_dir, token, {
+            (pool, i): answer for (pool, i, _), answer in zip(workers, seen, strict=True)})
 
     def stop(self) -> None:
         for group in self.groups.values():
@@ -285,6 +306,24 @@ class RayTarget:
     def stop_requested(self) -> int | None:
         """The driver's signal (the workers, in a process group of their own, get none)."""
         return self.opts.stop.signum if self.opts.stop is not None else None
+
+
+def check_shared_run_dir(run_dir: Path, token: str,
+                         seen: dict[tuple[str, int], tuple[str, bool]]) -> None:
+    """Stop unless every worker saw the driver's marker in `run_dir` holding `token` and
+    wrote its own, which the driver sees. `seen`: (pool, index) -> (the worker's node
+    address, whether it saw the driver's marker), its answer to `RayWorker.sees`."""
+    blind = []
+    for (pool, index), (address, saw) in seen.items():
+        missed = [] if saw else ["does not see the driver's files"]
+        if not marked(run_dir, worker_marker(pool, index), token):
+            missed.append("writes files the driver does not see")
+        if missed:
+            blind.append(f"worker {index} of pool `{pool}` (node {address}) "
+                         + " and ".join(missed))
+    if blind:
+        raise not_one_run_dir(f"the driver (run dir `{run_dir}`) and its Ray workers",
+                              "; ".join(blind), "a Ray run on several nodes", "every worker")
 
 
 # --- entry point ------------------------------------------------------------------------------
