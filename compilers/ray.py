@@ -2,8 +2,9 @@
 
 `flowgraph run FILE --target ray [--address ADDR]` runs this driver in the launching
 process. With no address it starts an embedded Ray cluster on this machine (as many
-logical CPUs as the plan's bundles need, at least the machine's cores); with one, it
-joins that cluster. The driver runs the training loop (`flowgraph.compilers.loop`)
+logical CPUs as the plan's bundles need, at least the machine's cores; its node at
+127.0.0.1, so that Ray's own servers listen on loopback alone); with one, it joins that
+cluster. The driver runs the training loop (`flowgraph.compilers.loop`)
 with a `RayTarget`:
 
 * placement: each pool of the plan (e.g. `actor_rollout_ref`: actor, rollout and
@@ -51,6 +52,8 @@ import secrets
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,6 +88,7 @@ NAMESPACE_WAIT_S = 5.0
 
 try:
     import ray
+    import ray._private.ray_constants as ray_constants
     from ray.util.placement_group import remove_placement_group
 except ImportError as exc:  # pragma: no cover - depends on the machine
     raise FlowgraphError(f"{option('target', 'ray')} needs Ray: pip install 'ray>=2.40' "
@@ -356,9 +360,29 @@ def start_ray(plan: ExecutionPlan, address: str | None) -> None:
         return
     _private_token()
     before = child_pids()
-    ray.init(num_cpus=cluster_cpus(plan), include_dashboard=False, log_to_driver=True,
-             configure_logging=False, runtime_env=env, namespace=namespace(plan))
+    with _loopback_node():
+        ray.init(num_cpus=cluster_cpus(plan), include_dashboard=False, log_to_driver=True,
+                 configure_logging=False, runtime_env=env, namespace=namespace(plan),
+                 _node_ip_address="127.0.0.1")
     reap_with_parent(child_pids() - before)  # a killed driver takes the cluster along
+
+
+@contextmanager
+def _loopback_node() -> Iterator[None]:
+    """The embedded cluster's node at 127.0.0.1, so that every server of Ray's (GCS,
+    raylet and object manager, dashboard and runtime-env agents, metrics, each worker's
+    gRPC server) listens there alone, as Ray does when its node's address is 127.0.0.1.
+    `ray.init` replaces a loopback `_node_ip_address` with the machine's outward address
+    unless Ray runs no cluster of several machines (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`,
+    which Ray reads once, when imported): that setting is off while `ray.init` starts the
+    node, and as it was afterwards (a later `--address` run in this process joins as
+    usual). The node's processes take their address from their command line."""
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def _namespace_free(plan: ExecutionPlan, address: str) -> None:
