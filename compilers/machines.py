@@ -23,7 +23,9 @@ rank) that rank 0 publishes whole; on disks of their own, node 1's shards would 
 an orphaned temporary folder beside a checkpoint that misses them. So each machine
 writes a marker holding a token node 0 drew into `run_dir/.ranks/machine_R`, then
 reads every machine's: one that misses any stops them all, each with the same
-message, before any model loads.
+message, before any model loads. The ray target proves the same of its workers with
+the same markers and message (`mark`, `marked`, `not_one_run_dir`;
+`flowgraph.compilers.ray.RayTarget.start`).
 
 Failures. The launcher of each machine knows only its own ranks; a rank that dies on
 node 1 shows on node 0 as its ranks' broken connections. Each launcher writes what
@@ -164,7 +166,7 @@ def meet(opts: RunOptions, run_dir: Path, out: TextIO, served: Any) -> Machines:
     try:
         if opts.node_rank == 0:  # node 0 serves the store, and draws the token
             store = served
-            store.set(f"{_KEY}token", uuid.uuid4().hex)
+            store.set(f"{_KEY}token", draw_token())
         else:
             store = _joined(host, port, opts, deadline, out)
         return _meet(store, opts, run_dir, deadline, out)
@@ -259,13 +261,11 @@ def _prove_shared_run_dir(here: Machines, opts: RunOptions) -> None:
     """Each machine writes node 0's token into its marker and reads every machine's;
     one that misses any stops them all, with the same message on each."""
     store, token = here.store, here.store.get(f"{_KEY}token").decode()
-    ranks = here.run_dir / ".ranks"
-    ranks.mkdir(parents=True, exist_ok=True)
-    (ranks / f"machine_{here.rank}").write_text(token)
+    mark(here.run_dir, f"machine_{here.rank}", token)
     deadline = time.monotonic() + max(opts.rdzv_timeout, 60.0)
     store.set(f"{_KEY}wrote/{here.rank}", "1")
     _wait_for_all(store, "wrote", opts, deadline)
-    unseen = [r for r in range(here.nnodes) if _marker(ranks / f"machine_{r}") != token]
+    unseen = [r for r in range(here.nnodes) if not marked(here.run_dir, f"machine_{r}", token)]
     store.set(f"{_KEY}seen/{here.rank}", json.dumps(unseen))
     _wait_for_all(store, "seen", opts, deadline)
     seen = {r: json.loads(store.get(f"{_KEY}seen/{r}")) for r in range(here.nnodes)}
@@ -278,11 +278,38 @@ def _prove_shared_run_dir(here: Machines, opts: RunOptions) -> None:
     blind = "; ".join(f"node {r} (host {where[r][0]}, run dir `{where[r][1]}`) does not "
                       f"see the files of {_nodes(missed)}"
                       for r, missed in seen.items() if missed)
-    raise FlowgraphError(
-        f"the {here.nnodes} nodes do not share one run dir: {blind}. A multi-node fsdp "
-        "run writes each checkpoint from every rank into one folder: put "
-        "trainer.run_dir on a filesystem every node mounts at the same path (NFS, "
-        f"Lustre, ...), e.g. {option('run_dir', '/shared/runs/NAME')} on every node")
+    raise not_one_run_dir(f"the {here.nnodes} nodes", blind, "a multi-node fsdp run",
+                          "every rank", " on every node")
+
+
+def draw_token() -> str:
+    """A token no earlier run's marker holds."""
+    return uuid.uuid4().hex
+
+
+def mark(run_dir: Path, name: str, token: str) -> None:
+    """Write marker `name` (`run_dir/.ranks/<name>`) holding `token`."""
+    ranks = run_dir / ".ranks"
+    ranks.mkdir(parents=True, exist_ok=True)
+    (ranks / name).write_text(token)
+
+
+def marked(run_dir: Path, name: str, token: str) -> bool:
+    """Whether marker `name`, as this machine sees it, holds `token`."""
+    return _marker(run_dir / ".ranks" / name) == token
+
+
+def not_one_run_dir(who: str, blind: str, run: str, writers: str, where: str = ""
+                    ) -> FlowgraphError:
+    """The error of a run whose processes do not see each other's markers: `who`
+    (`the 2 nodes`) do not share one run dir, `blind` says which misses what; `run`
+    (`a multi-node fsdp run`) writes each checkpoint from `writers` (`every rank`);
+    `where` the run dir is to be given (` on every node`)."""
+    return FlowgraphError(
+        f"{who} do not share one run dir: {blind}. {run[:1].upper()}{run[1:]} writes each "
+        f"checkpoint from {writers} into one folder: put trainer.run_dir on a filesystem "
+        "every node mounts at the same path (NFS, Lustre, ...), e.g. "
+        f"{option('run_dir', '/shared/runs/NAME')}{where}")
 
 
 def _parent(pid: int) -> int | None:

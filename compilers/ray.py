@@ -2,8 +2,9 @@
 
 `flowgraph run FILE --target ray [--address ADDR]` runs this driver in the launching
 process. With no address it starts an embedded Ray cluster on this machine (as many
-logical CPUs as the plan's bundles need, at least the machine's cores); with one, it
-joins that cluster. The driver runs the training loop (`flowgraph.compilers.loop`)
+logical CPUs as the plan's bundles need, at least the machine's cores; its node at
+127.0.0.1, so that Ray's own servers listen on loopback alone); with one, it joins that
+cluster. The driver runs the training loop (`flowgraph.compilers.loop`)
 with a `RayTarget`:
 
 * placement: each pool of the plan (e.g. `actor_rollout_ref`: actor, rollout and
@@ -23,7 +24,11 @@ with a `RayTarget`:
   these groups; the trained weights go to it after every update (`trained_weights`).
 * checkpoints: every worker writes its shards with DCP into the same folder as the
   fsdp target (`step_N/dcp/<model>`); the driver publishes it atomically, with the
-  data cursors and node state. A checkpoint of the local target resumes here too.
+  data cursors and node state. A checkpoint of the local target resumes here too. So
+  the driver and every worker must see one run dir: before any model loads, each
+  worker reads a marker the driver wrote into `run_dir/.ranks` and writes its own, which
+  the driver reads back; a worker on a node without the run dir stops the run, named
+  with its node (`flowgraph.compilers.machines`: fsdp's machines prove it alike).
 * names: the run is `flowgraph/<run name>` on the cluster (the run dir's name): its Ray
   namespace, the prefix of its placement groups' names (`flowgraph/<run name>/<pool>`)
   and of its actors' (`flowgraph/<run name>/<pool>/<index>`), so that `ray list actors`
@@ -47,6 +52,8 @@ import secrets
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,10 +67,11 @@ from flowgraph.compilers.checkpoint import (
 )
 from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.loop import TrainingLoop
+from flowgraph.compilers.machines import draw_token, mark, marked, not_one_run_dir
 from flowgraph.compilers.options import RunOptions
 from flowgraph.compilers.ray_calls import answers, namespace, ray_name, reserve, run_name
 from flowgraph.compilers.ray_cluster import check_fits, cluster_nodes, watched
-from flowgraph.compilers.ray_worker import RayWorker
+from flowgraph.compilers.ray_worker import DRIVER_MARKER, RayWorker, worker_marker
 from flowgraph.compilers.signals import child_pids, reap_with_parent, run_guard
 from flowgraph.compilers.target import Report
 from flowgraph.compilers.worker import ExecOptions, Worker
@@ -80,6 +88,7 @@ NAMESPACE_WAIT_S = 5.0
 
 try:
     import ray
+    import ray._private.ray_constants as ray_constants
     from ray.util.placement_group import remove_placement_group
 except ImportError as exc:  # pragma: no cover - depends on the machine
     raise FlowgraphError(f"{option('target', 'ray')} needs Ray: pip install 'ray>=2.40' "
@@ -137,6 +146,7 @@ class RayTarget:
                                                str(self.opts.run_dir))
                        for i in range(pool.size)]
             self.groups[pool.name] = Group(pool, workers, pg)
+        self._prove_shared_run_dir()  # before any model loads
         # Set up every group at once: workers of a group rendezvous with each other.
         pending = []
         for group in self.groups.values():
@@ -151,6 +161,21 @@ class RayTarget:
         (self.opts.run_dir / ".ranks").mkdir(parents=True, exist_ok=True)
         (self.opts.run_dir / ".ranks" / "workers.json").write_text(
             json.dumps(self.worker_pids(), indent=2))
+
+    def _prove_shared_run_dir(self) -> None:
+        """The driver writes a marker holding a fresh token into `run_dir/.ranks`; every
+        worker reads it and writes its own (`RayWorker.sees`), which the driver reads
+        back. A worker on a node that does not mount the run dir would write its
+        checkpoint shards to a disk of its own, and the driver publish checkpoints
+        without them: such a worker stops the run, named with its node."""
+        token = draw_token()
+        mark(self.opts.run_dir, DRIVER_MARKER, token)
+        workers = [(g.pool.name, i, w) for g in self.groups.values()
+                   for i, w in enumerate(g.workers)]
+        seen = self._get([w.sees.remote(str(self.opts.run_dir), token) for *_, w in workers],
+                         "while looking for the run dir", timed=False)
+        check_shared_run_dir(self.opts.run_dir, token, {
+            (pool, i): answer for (pool, i, _), answer in zip(workers, seen, strict=True)})
 
     def stop(self) -> None:
         for group in self.groups.values():
@@ -287,6 +312,24 @@ class RayTarget:
         return self.opts.stop.signum if self.opts.stop is not None else None
 
 
+def check_shared_run_dir(run_dir: Path, token: str,
+                         seen: dict[tuple[str, int], tuple[str, bool]]) -> None:
+    """Stop unless every worker saw the driver's marker in `run_dir` holding `token` and
+    wrote its own, which the driver sees. `seen`: (pool, index) -> (the worker's node
+    address, whether it saw the driver's marker), its answer to `RayWorker.sees`."""
+    blind = []
+    for (pool, index), (address, saw) in seen.items():
+        missed = [] if saw else ["does not see the driver's files"]
+        if not marked(run_dir, worker_marker(pool, index), token):
+            missed.append("writes files the driver does not see")
+        if missed:
+            blind.append(f"worker {index} of pool `{pool}` (node {address}) "
+                         + " and ".join(missed))
+    if blind:
+        raise not_one_run_dir(f"the driver (run dir `{run_dir}`) and its Ray workers",
+                              "; ".join(blind), "a Ray run on several nodes", "every worker")
+
+
 # --- entry point ------------------------------------------------------------------------------
 
 
@@ -317,9 +360,29 @@ def start_ray(plan: ExecutionPlan, address: str | None) -> None:
         return
     _private_token()
     before = child_pids()
-    ray.init(num_cpus=cluster_cpus(plan), include_dashboard=False, log_to_driver=True,
-             configure_logging=False, runtime_env=env, namespace=namespace(plan))
+    with _loopback_node():
+        ray.init(num_cpus=cluster_cpus(plan), include_dashboard=False, log_to_driver=True,
+                 configure_logging=False, runtime_env=env, namespace=namespace(plan),
+                 _node_ip_address="127.0.0.1")
     reap_with_parent(child_pids() - before)  # a killed driver takes the cluster along
+
+
+@contextmanager
+def _loopback_node() -> Iterator[None]:
+    """The embedded cluster's node at 127.0.0.1, so that every server of Ray's (GCS,
+    raylet and object manager, dashboard and runtime-env agents, metrics, each worker's
+    gRPC server) listens there alone, as Ray does when its node's address is 127.0.0.1.
+    `ray.init` replaces a loopback `_node_ip_address` with the machine's outward address
+    unless Ray runs no cluster of several machines (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`,
+    which Ray reads once, when imported): that setting is off while `ray.init` starts the
+    node, and as it was afterwards (a later `--address` run in this process joins as
+    usual). The node's processes take their address from their command line."""
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
 
 
 def _namespace_free(plan: ExecutionPlan, address: str) -> None:

@@ -19,6 +19,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ import torch
 
 from flowgraph.compilers import _dist
 from flowgraph.compilers.checkpoint import load_weights, save_shards
+from flowgraph.compilers.machines import mark, marked
 from flowgraph.compilers.weight_sync import reshard, whole
 from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
 from flowgraph.errors import FlowgraphError
@@ -78,6 +80,13 @@ class RayWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def sees(self, run_dir: str, token: str) -> tuple[str, bool]:
+        """This worker's part in proving that the driver and its workers share the run
+        dir (`RayTarget.start`): (its node's address, whether it sees the driver's
+        marker holding `token`); it writes its own marker for the driver to read."""
+        return ray.util.get_node_ip_address(), sees_run_dir(Path(run_dir), self.pool.name,
+                                                            self.rank, token)
 
     def memory(self) -> list[tuple[str, int]]:
         from flowgraph.runtime.prometheus import process_memory
@@ -148,6 +157,25 @@ class RayWorker:
         if self.worker is None:
             raise FlowgraphError("worker used before setup")
         return self.worker
+
+
+DRIVER_MARKER = "driver"
+"""The driver's marker in `run_dir/.ranks` (`flowgraph.compilers.machines.mark`)."""
+
+
+def worker_marker(pool: str, rank: int) -> str:
+    """The marker of worker `rank` of `pool` in `run_dir/.ranks`."""
+    return f"worker_{pool}-{rank}"
+
+
+def sees_run_dir(run_dir: Path, pool: str, rank: int, token: str) -> bool:
+    """Whether the driver's marker in `run_dir` holds `token`, as worker `rank` of `pool`
+    sees it; writes the worker's own marker (one it cannot write, the driver will not
+    see)."""
+    seen = marked(run_dir, DRIVER_MARKER, token)
+    with suppress(OSError):  # the driver's read says so
+        mark(run_dir, worker_marker(pool, rank), token)
+    return seen
 
 
 def worker_log(run_dir: Path, pool: str, rank: int) -> Path:

@@ -2,7 +2,8 @@
 fsdp --nnodes 2 --node-rank R --rdzv-endpoint 127.0.0.1:PORT` launches.
 
 * run dirs that are not one folder are refused on both nodes, before any model loads,
-  with one message (never a checkpoint published without node 1's shards);
+  with one message (never a checkpoint published without node 1's shards); a Ray
+  worker that does not see the driver's run dir is named with its node;
 * a node that never comes is named after `--rdzv-timeout`, with a progress line meanwhile;
 * a rank killed on one node is named on both, each with the command that resumes it,
   every launch flag in it; resumed, the run has the local run's numbers;
@@ -149,6 +150,40 @@ def test_run_dirs_that_are_not_one_folder_are_refused_on_every_node(tmp_path: Pa
     for node in (0, 1):  # no rank started: nothing written but each node's marker
         ranks = tmp_path / f"node{node}" / ".ranks"
         assert [p.name for p in ranks.iterdir()] == [f"machine_{node}"]
+
+
+@pytest.mark.parametrize(("elsewhere", "told"), [
+    ("empty", "does not see the driver's files and writes files the driver does not see"),
+    ("copied", "writes files the driver does not see"),
+], ids=["own-disk", "copied-run-dir"])
+def test_a_ray_worker_without_the_driver_s_run_dir_is_named_with_its_node(
+        tmp_path: Path, elsewhere: str, told: str) -> None:
+    """The driver's side of the ray proof, in-process: worker 1 answers from a run dir
+    on a disk of its own (empty, or holding a copy of the driver's marker, as a synced
+    folder would); the driver names it with its node, worker 0 (the driver's own run
+    dir) passes. With every worker on the driver's run dir, the proof passes."""
+    pytest.importorskip("ray", reason="the ray target needs Ray (the dev extra has it)")
+    from flowgraph.compilers.machines import draw_token, mark
+    from flowgraph.compilers.ray import check_shared_run_dir
+    from flowgraph.compilers.ray_worker import DRIVER_MARKER, sees_run_dir
+    from flowgraph.errors import FlowgraphError
+
+    run_dir, own = tmp_path / "run", tmp_path / "node1" / "run"
+    token = draw_token()
+    mark(run_dir, DRIVER_MARKER, token)
+    if elsewhere == "copied":
+        shutil.copytree(run_dir, own)
+    shared = {("critic", 0): ("10.0.0.1", sees_run_dir(run_dir, "critic", 0, token))}
+    check_shared_run_dir(run_dir, token, shared)
+    seen = {**shared, ("critic", 1): ("10.0.0.2", sees_run_dir(own, "critic", 1, token))}
+    with pytest.raises(FlowgraphError) as exc:
+        check_shared_run_dir(run_dir, token, seen)
+    assert str(exc.value) == (
+        f"the driver (run dir `{run_dir}`) and its Ray workers do not share one run dir: "
+        f"worker 1 of pool `critic` (node 10.0.0.2) {told}. A Ray run on several nodes "
+        "writes each checkpoint from every worker into one folder: put trainer.run_dir on "
+        "a filesystem every node mounts at the same path (NFS, Lustre, ...), e.g. "
+        "trainer.run_dir=/shared/runs/NAME")
 
 
 @pytest.mark.cluster

@@ -90,6 +90,17 @@ def _plan(graph: str, run_dir: Path, overrides: tuple[str, ...],
     return load_plan(file)
 
 
+def _proved_one_run_dir(run_dir: Path) -> None:
+    """The driver and every worker proved they share the run dir before the models
+    loaded: each worker's marker holds the token of the driver's."""
+    ranks = run_dir / ".ranks"
+    token = (ranks / "driver").read_text()
+    workers = json.loads((ranks / "workers.json").read_text())
+    assert {p.name: p.read_text() for p in ranks.glob("worker_*")} == {
+        f"worker_{pool}-{i}": token for pool, pids in workers.items()
+        for i in range(len(pids))}, workers
+
+
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
 @pytest.mark.parametrize("graph", ["ppo", "grpo", "dpo",
                                    pytest.param("agent", marks=pytest.mark.slow)])
@@ -109,6 +120,7 @@ def test_ray_gives_the_numbers_of_the_local_run(
         out=out, shutdown=False, metrics_port=0, metrics_hold=0.1 if graph == "grpo" else 0))
     rows = read_metrics(tmp_path / "ray")
     assert_same_numbers(rows, local_reference(graph, tied=tied))
+    _proved_one_run_dir(tmp_path / "ray")
     # The step-3 checkpoint (DCP shards) resumed by the local target: the same step 4.
     shutil.rmtree(tmp_path / "ray" / "checkpoints" / "step_4")
     assert_same_numbers(local_run(graph_path(graph), tmp_path / "ray", *overrides,
