@@ -43,6 +43,7 @@ from flowgraph.ir import (
     OptimizerSpec,
     Params,
     Plugin,
+    PoolSpec,
     PortRef,
     ResourceSpec,
     TrainerSpec,
@@ -157,9 +158,13 @@ class GraphBuilder:
         return self
 
     def resources(self, **kw: Any) -> GraphBuilder:
+        """`resources:` of a graph file: `pools` maps a pool's name to its settings, as
+        there (`pools={"actor": {"size": 2, "models": ["actor"], "cpus": 4}}`)."""
         pos = _caller()
-        self._resources = replace(self._resources, **_known(ResourceSpec, kw, "resources", pos),
-                                  pos=pos)
+        known = dict(_known(ResourceSpec, kw, "resources", pos))
+        if "pools" in known:
+            known["pools"] = _pools(known["pools"], pos)
+        self._resources = replace(self._resources, **known, pos=pos)
         return self
 
     def plugin(self, module: str) -> GraphBuilder:
@@ -172,6 +177,32 @@ class GraphBuilder:
             data=tuple(self._data), dims=tuple(self._dims), trainer=self._trainer,
             resources=self._resources, plugins=tuple(self._plugins), source="<python>",
         )
+
+
+def _pools(pools: Any, pos: SourcePos) -> tuple[PoolSpec, ...]:
+    """`resources(pools=...)`: pool name -> its settings (a mapping, or a `PoolSpec`)."""
+    if not isinstance(pools, Mapping):
+        raise GraphError((error("FG004", "`resources.pools` must map each pool's name to "
+                                "its settings", pos,
+                                hint='e.g. pools={"actor": {"size": 2, "models": '
+                                     '["actor"]}}'),))
+    out = []
+    for name, spec in pools.items():
+        if isinstance(spec, PoolSpec):
+            out.append(replace(spec, name=str(name)))
+            continue
+        where = f"resources.pools.{name}"
+        if not isinstance(spec, Mapping):
+            raise GraphError((error("FG004", f"`{where}` must be a mapping of settings "
+                                    f"(size, models, cpus, ...), not {type(spec).__name__}",
+                                    pos),))
+        values = dict(_known(PoolSpec, {k: v for k, v in spec.items() if k != "name"},
+                             where, pos))
+        for key in ("custom_resources", "label_selector"):  # written as mappings
+            if isinstance(values.get(key), Mapping):
+                values[key] = tuple(values[key].items())
+        out.append(PoolSpec(str(name), **{"size": 1, **values}, pos=pos))
+    return tuple(out)
 
 
 def _known(record: type, values: Mapping[str, Any], where: str, pos: SourcePos

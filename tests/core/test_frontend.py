@@ -9,6 +9,7 @@ import flowgraph.document as document
 from flowgraph.builder import GraphBuilder
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.document import YMap, YScalar, YSeq, plain, read_document
+from flowgraph.errors import GraphError
 from flowgraph.frontend import graph_from_yaml, graph_to_yaml, load_graph
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -196,3 +197,30 @@ def test_python_builder_and_yaml_give_the_same_ir() -> None:
     # The builder remembers the Python line that made each element.
     assert built.nodes[0].pos.file == __file__
     assert built.nodes[0].input("prompts") is not None
+
+
+def test_the_builder_takes_resource_pools_as_a_graph_file_writes_them() -> None:
+    """`resources(pools=...)` gives the pools of the same `resources:` in YAML (mappings
+    of custom resources and labels included); a misspelt pool setting is FG003 at the
+    caller's line, as any other builder key."""
+    pools = {"actor_pool": {"size": 2, "models": ["actor"], "cpus": 2,
+                            "custom_resources": {"TPU": 1}, "strategy": "spread",
+                            "label_selector": {"zone": "a"}}}
+    g = GraphBuilder("small")
+    g.dims(Bp=2, N=2, P=4, T=4)
+    g.model("actor", "builtin:tiny-lm", trainable=True,
+            optimizer={"lr": 1e-5, "betas": [0.9, 0.95]})
+    train = g.data("train", "prompts", "builtin:arith", shuffle=False)
+    g.node("gen", "generate", model="actor", params={"n": 2, "temperature": 0.7},
+           prompts=train.input_ids, prompt_mask=train.attention_mask)
+    g.trainer(steps=3, seed=7)
+    g.resources(nproc=2, pools=pools)
+    loaded, diags = load_graph("g.yaml", text=SMALL + "resources:\n  nproc: 2\n  pools:\n"
+                               "    actor_pool: {size: 2, models: [actor], cpus: 2, "
+                               "custom_resources: {TPU: 1}, strategy: spread, "
+                               "label_selector: {zone: a}}\n")
+    assert not diags and g.build().resources == loaded.resources
+    with pytest.raises(GraphError) as exc:
+        g.resources(pools={"actor_pool": {"size": 2, "modles": ["actor"]}})
+    assert "unknown key `modles` in resources.pools.actor_pool" in str(exc.value)
+    assert f"{__file__}:" in str(exc.value) and "did you mean `models`?" in str(exc.value)
