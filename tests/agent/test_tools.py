@@ -186,8 +186,9 @@ FUNCTIONS = [basic, optionals, unions, containers, literals, choices, multiline,
 
 @pytest.fixture(scope="module")
 def get_json_schema() -> Any:
-    transformers = pytest.importorskip("transformers.utils")
-    return transformers.get_json_schema
+    from transformers.utils import get_json_schema
+
+    return get_json_schema
 
 
 @pytest.mark.parametrize("fn", FUNCTIONS, ids=lambda f: f.__qualname__)

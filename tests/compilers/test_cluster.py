@@ -162,7 +162,6 @@ def test_a_ray_worker_without_the_driver_s_run_dir_is_named_with_its_node(
     on a disk of its own (empty, or holding a copy of the driver's marker, as a synced
     folder would); the driver names it with its node, worker 0 (the driver's own run
     dir) passes. With every worker on the driver's run dir, the proof passes."""
-    pytest.importorskip("ray", reason="the ray target needs Ray (the dev extra has it)")
     from flowgraph.compilers.machines import draw_token, mark
     from flowgraph.compilers.ray import check_shared_run_dir
     from flowgraph.compilers.ray_worker import DRIVER_MARKER, sees_run_dir

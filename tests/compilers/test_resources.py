@@ -169,7 +169,7 @@ def test_a_pool_s_resources_strategy_and_labels_reach_ray(
     resources too) and strategy, the actors take them; a label selector no node matches
     leaves it unplaced (`placed` gives up after its bounded wait), one that matches the
     node's id places it."""
-    ray = pytest.importorskip("ray")
+    import ray
     from ray.util import placement_group_table, remove_placement_group
 
     from flowgraph.compilers import ray_cluster

@@ -87,7 +87,8 @@ def test_fsdp_needs_fully_shard() -> None:
 
 
 def test_requirements_match_pyproject() -> None:
-    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    import tomllib
+
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
         "optional-dependencies"]
     declared = {r.replace("[default]", "") for deps in extras.values() for r in deps}
