@@ -21,9 +21,10 @@ its ranks. Every rank runs the training loop (`flowgraph.compilers.loop`) with a
   the local target, whose own checkpoints resume here too), rank 0 publishes the
   folder atomically.
 
-Rank 0 alone writes metrics, TensorBoard and the console line. A rank that fails
-leaves its step and node in `run_dir/.ranks/rank_R`; the launching process names them
-and how to resume.
+Rank 0 alone writes metrics, TensorBoard and the console line. Every rank's stdout and
+stderr are also in `run_dir/logs/rank-<R>.log` (`flowgraph.compilers.logs`). A rank that
+fails leaves its step and node in `run_dir/.ranks/rank_R`; the launching process names
+them, the failed ranks' logs and how to resume.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from flowgraph.compilers.checkpoint import (
 )
 from flowgraph.compilers.integrity import load_plain
 from flowgraph.compilers.local import prepare_run
+from flowgraph.compilers.logs import tee
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.machines import Failure, Machines, meet
 from flowgraph.compilers.options import RunOptions
@@ -220,26 +222,38 @@ def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | No
     `launch` (pid `launcher`; no `stop` given), the rank ends with it, handles SIGTERM and
     SIGINT itself and, stopped by one, returns after rank 0 has written
     `.ranks/stopped` (the launcher reports it); started by torchrun, `run_fsdp` handles
-    them and the rank raises `Stopped`."""
-    launched = stop is None
-    if stop is None:
-        die_with_parent(launcher, signal.SIGTERM)  # a killed launcher: stop, saving
-        stop = Preemption(0.0, open(os.devnull, "w"))  # noqa: SIM115 - the launcher says it
-    with stop.installed():
-        try:
-            _rank(plan_json, strict, resume, metrics_port, metrics_host, metrics_hold, stop,
-                  allow_changed)
-        except Stopped:
-            if not launched:
+    them and the rank raises `Stopped`. From its start the rank's stdout and stderr also
+    go to `run_dir/logs/rank-<R>.log` (`tee`); a failure's traceback, to that log alone."""
+    plan = read_run_plan(Path(plan_json))
+    rank = int(os.environ["RANK"])
+    with tee(rank_log(Path(plan.trainer.run_dir), rank)) as output:
+        launched = stop is None
+        if stop is None:
+            die_with_parent(launcher, signal.SIGTERM)  # a killed launcher: stop, saving
+            stop = Preemption(0.0, open(os.devnull, "w"))  # noqa: SIM115 - launcher says it
+        with stop.installed():
+            try:
+                _rank(plan, rank, strict, resume, metrics_port, metrics_host, metrics_hold,
+                      stop, allow_changed)
+            except Stopped:
+                if not launched:
+                    raise
+            except Exception:
+                output.close()  # the log in order; the console names the failure already
+                output.note(traceback.format_exc())
                 raise
 
 
-def _rank(plan_json: str, strict: bool, resume: bool, metrics_port: int | None,
-          metrics_host: str, metrics_hold: float, stop: Preemption,
-          allow_changed: tuple[str, ...]) -> None:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+def rank_log(run_dir: Path, rank: int) -> Path:
+    """Where rank `rank` (global) writes its stdout and stderr (`flowgraph.compilers.logs`)."""
+    return run_dir / "logs" / f"rank-{rank}.log"
+
+
+def _rank(plan: ExecutionPlan, rank: int, strict: bool, resume: bool,
+          metrics_port: int | None, metrics_host: str, metrics_hold: float,
+          stop: Preemption, allow_changed: tuple[str, ...]) -> None:
+    world = int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    plan = read_run_plan(Path(plan_json))
     run_dir = Path(plan.trainer.run_dir)
     device = "cpu"
     if plan.resources.device != "cpu" and torch.cuda.is_available():
@@ -445,6 +459,11 @@ def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan, opts: RunOpti
             else f"no checkpoint was written; start again from step 0 with: {again}")
     if traces:
         tail += f"\n(the full traceback: {', '.join(traces)})"
+    logs = [str(rank_log(run_dir, f.rank)) for f in causes
+            if rank_log(run_dir, f.rank).exists()]
+    if logs:
+        tail += f"\n(the output of the failed rank{'s' if len(logs) > 1 else ''}: " \
+                f"{', '.join(logs)})"
     return "the fsdp run stopped: " + "; ".join(lines) + f"\n{tail}"
 
 

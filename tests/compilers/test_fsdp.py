@@ -189,9 +189,16 @@ def test_grpo_through_the_cli_equals_local(tmp_path: Path, local_reference: Any,
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"run finished: {run_dir}/metrics.jsonl" in proc.stdout
-    assert [line.split("/")[0] for line in proc.stdout.splitlines()
-            if line.startswith("step ")] == [f"step {s}" for s in range(5)], "rank 0 prints"
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split("/")[0] for line in steps] == [f"step {s}" for s in range(5)], \
+        "rank 0 prints"
     assert_same_numbers(read_metrics(run_dir), local)
+    # every rank's stdout and stderr also in its log: rank 0's step lines, as shown
+    logs = run_dir / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == ["rank-0.log", "rank-1.log"]
+    assert [line for line in (logs / "rank-0.log").read_text().splitlines()
+            if line.startswith("step ")] == steps
+    assert "step " not in (logs / "rank-1.log").read_text()
 
 
 def _kill_rank(run_dir: Path, rank: int, at_step: int, done: threading.Event,
@@ -236,6 +243,7 @@ def test_dpo_rank_killed_then_resumed_equals_local(tmp_path: Path,
     assert f"the last checkpoint is step {found[0]}; continue with: flowgraph run " \
            f"{graph} --target fsdp --nproc 2 --resume {' '.join(SHORT)} " \
            f"trainer.run_dir={run_dir}" in message  # the run's overrides repeated
+    assert f"(the output of the failed rank: {run_dir / 'logs' / 'rank-1.log'})" in message
     assert "Traceback" not in capfd.readouterr().err
 
     fsdp = _fsdp(graph, run_dir, *SHORT, resume=True)
@@ -264,7 +272,16 @@ def test_a_failing_rank_names_node_and_step_without_tracebacks(
            f"trainer.run_dir={tmp_path / 'run'}" in message
     trace = re.search(r"the full traceback: (\S+)\)", message)
     assert trace and "NonFiniteError" in Path(trace[1]).read_text()
-    err = capfd.readouterr().err
+    # each rank's output and the traceback of its failure in its log; the console shows
+    # rank 0's step line, and no traceback
+    logs = tmp_path / "run" / "logs"
+    assert "the output of the failed rank" in message and str(logs / "rank-") in message
+    for rank in (0, 1):
+        log = (logs / f"rank-{rank}.log").read_text()
+        assert re.search(r"Traceback(.|\n)*NonFiniteError: non-finite output `scores`", log)
+        assert bool(re.search(r"^step 0/3 ", log, re.M)) == (rank == 0), log
+    out, err = capfd.readouterr()
+    assert re.search(r"^step 0/3 ", out, re.M), out
     assert "Traceback" not in err and "Terminating process" not in err, err
     assert list(temp.iterdir()) == []
 
