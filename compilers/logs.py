@@ -21,8 +21,8 @@ traceback — is still in the pipe, and the copier, alive, takes it to the log a
 console; it ends when every writer of the pipes is gone. It ignores SIGINT, SIGTERM and
 SIGHUP: a Ctrl-C on the terminal reaches the whole process group, and the rank still
 has lines to say while it saves. Merged, one pipe takes both streams, in the order
-they were written; else one a stream, and the log interleaves them by line (both
-streams are line-buffered here).
+they were written; else one a stream, and the log interleaves them by line (Python's
+streams write a line at a time here).
 """
 
 from __future__ import annotations
@@ -135,9 +135,12 @@ def tee(log: Path, *, merged: bool = False) -> Tee:
     os.dup2(writes[-1], 2)
     for write in writes:
         os.close(write)
-    for stream in (sys.stdout, sys.stderr):  # a killed process's last lines are written
+    # a line a write, at its end: a killed process's last lines are out, and the lines of
+    # processes sharing a console (fsdp ranks) do not break into each other's (under
+    # PYTHONUNBUFFERED a print is two writes: the text, then its newline)
+    for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
-            stream.reconfigure(line_buffering=True)
+            stream.reconfigure(line_buffering=True, write_through=False)
     faulthandler.enable(file=sys.stderr)
     _KEPT.append(output := Tee(log, copier, saved))
     return output
