@@ -21,9 +21,10 @@ its ranks. Every rank runs the training loop (`flowgraph.compilers.loop`) with a
   the local target, whose own checkpoints resume here too), rank 0 publishes the
   folder atomically.
 
-Rank 0 alone writes metrics, TensorBoard and the console line. A rank that fails
-leaves its step and node in `run_dir/.ranks/rank_R`; the launching process names them
-and how to resume.
+Rank 0 alone writes metrics, TensorBoard and the console line. Every rank's stdout and
+stderr are also in `run_dir/logs/rank-<R>.log` (`flowgraph.compilers.logs`). A rank that
+fails leaves its step and node in `run_dir/.ranks/rank_R`; the launching process names
+them, the failed ranks' logs and how to resume.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import traceback
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from datetime import datetime, timezone
 from functools import partial
 from pathlib import Path
 from typing import Any, TextIO
@@ -59,6 +61,7 @@ from flowgraph.compilers.checkpoint import (
 )
 from flowgraph.compilers.integrity import load_plain
 from flowgraph.compilers.local import prepare_run
+from flowgraph.compilers.logs import tee
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.machines import Failure, Machines, meet
 from flowgraph.compilers.options import RunOptions
@@ -211,27 +214,43 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def rank_main(plan_json: str, strict: bool, resume: bool, metrics_port: int | None = None,
-              metrics_host: str = "127.0.0.1", metrics_hold: float = 0.0,
-              launcher: int = 0, allow_changed: tuple[str, ...] = (),
-              stop: Preemption | None = None) -> None:
+def rank_main(plan_json: str, run_dir: str, strict: bool, resume: bool,
+              metrics_port: int | None = None, metrics_host: str = "127.0.0.1",
+              metrics_hold: float = 0.0, launcher: int = 0,
+              allow_changed: tuple[str, ...] = (), stop: Preemption | None = None) -> None:
     """The body of one rank (under torch's launcher: RANK, WORLD_SIZE, LOCAL_RANK set).
     Rank 0 serves Prometheus metrics on `metrics_port` when it is given. Started by
     `launch` (pid `launcher`; no `stop` given), the rank ends with it, handles SIGTERM and
     SIGINT itself and, stopped by one, returns after rank 0 has written
     `.ranks/stopped` (the launcher reports it); started by torchrun, `run_fsdp` handles
-    them and the rank raises `Stopped`."""
-    launched = stop is None
-    if stop is None:
-        die_with_parent(launcher, signal.SIGTERM)  # a killed launcher: stop, saving
-        stop = Preemption(0.0, open(os.devnull, "w"))  # noqa: SIM115 - the launcher says it
-    with stop.installed():
-        try:
-            _rank(plan_json, strict, resume, metrics_port, metrics_host, metrics_hold, stop,
-                  allow_changed)
-        except Stopped:
-            if not launched:
+    them and the rank raises `Stopped`. From its start (before the plan's plugins load)
+    the rank's stdout and stderr also go to `run_dir/logs/rank-<R>.log` (`tee`), after a
+    line saying who started when; a failure's traceback, to that log alone."""
+    rank = int(os.environ["RANK"])
+    with tee(rank_log(Path(run_dir), rank)) as output:
+        output.note(f"flowgraph: rank {rank} of {os.environ['WORLD_SIZE']} started (host "
+                    f"{socket.gethostname()}, pid {os.getpid()}, "
+                    f"{datetime.now(timezone.utc).isoformat(timespec='seconds')})")
+        launched = stop is None
+        if stop is None:
+            die_with_parent(launcher, signal.SIGTERM)  # a killed launcher: stop, saving
+            stop = Preemption(0.0, open(os.devnull, "w"))  # noqa: SIM115 - launcher says it
+        with stop.installed():
+            try:
+                _rank(plan_json, strict, resume, metrics_port, metrics_host, metrics_hold,
+                      stop, allow_changed)
+            except Stopped:
+                if not launched:
+                    raise
+            except Exception:
+                output.close()  # the log in order; the console names the failure already
+                output.note(traceback.format_exc())
                 raise
+
+
+def rank_log(run_dir: Path, rank: int) -> Path:
+    """Where rank `rank` (global) writes its stdout and stderr (`flowgraph.compilers.logs`)."""
+    return run_dir / "logs" / f"rank-{rank}.log"
 
 
 def _rank(plan_json: str, strict: bool, resume: bool, metrics_port: int | None,
@@ -361,10 +380,10 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
             with _quiet_launcher(), _contained(), (
                     machines.watching(partial(_position, run_dir)) if machines
                     else nullcontext()):
-                elastic_launch(config, rank_main)(str(plan_json), opts.strict, opts.resume,
-                                                  opts.metrics_port, opts.metrics_host,
-                                                  opts.metrics_hold, os.getpid(),
-                                                  opts.allow_changed)
+                elastic_launch(config, rank_main)(str(plan_json), str(run_dir), opts.strict,
+                                                  opts.resume, opts.metrics_port,
+                                                  opts.metrics_host, opts.metrics_hold,
+                                                  os.getpid(), opts.allow_changed)
         except ChildFailedError as exc:
             if stop.signum is not None:  # a rank stopped at once (a second signal)
                 raise Interrupted(stop.signum) from None
@@ -445,6 +464,11 @@ def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan, opts: RunOpti
             else f"no checkpoint was written; start again from step 0 with: {again}")
     if traces:
         tail += f"\n(the full traceback: {', '.join(traces)})"
+    logs = [str(rank_log(run_dir, f.rank)) for f in causes
+            if rank_log(run_dir, f.rank).exists()]
+    if logs:
+        tail += f"\n(the output of the failed rank{'s' if len(logs) > 1 else ''}: " \
+                f"{', '.join(logs)})"
     return "the fsdp run stopped: " + "; ".join(lines) + f"\n{tail}"
 
 
@@ -498,8 +522,8 @@ def run_fsdp(plan: ExecutionPlan, opts: RunOptions) -> None:
             (run_dir / STOP_FILE).unlink(missing_ok=True)
         write_run_plan(plan, plan_json)
         with run_guard(plan, opts, lock=first) as stop:
-            rank_main(str(plan_json), opts.strict, opts.resume, opts.metrics_port,
-                      opts.metrics_host, opts.metrics_hold, stop=stop,
+            rank_main(str(plan_json), str(run_dir), opts.strict, opts.resume,
+                      opts.metrics_port, opts.metrics_host, opts.metrics_hold, stop=stop,
                       allow_changed=opts.allow_changed)
         return
     launch(plan, opts)

@@ -7,18 +7,15 @@ target does; a data-parallel call carries this worker's rank, the pool's size an
 row its slice starts at. Tensors arrive by value or as object-store references.
 
 A worker's stdout and stderr (Python's prints and warnings, C libraries' output, a
-crash's last words) go to `run_dir/logs/<pool>-<rank>.log` (`log_to`), and from there on
-to Ray's own files of the worker, which Ray forwards to the driver's console with the
+crash's last words) go to `run_dir/logs/<pool>-<rank>.log` (`log_to`), and on to Ray's
+own files of the worker, which Ray forwards to the driver's console with the
 worker's name as prefix (`(actor_rollout_ref-0 pid=...)`).
 """
 
 from __future__ import annotations
 
-import faulthandler
 import os
 import sys
-import threading
-import time
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -27,6 +24,7 @@ import torch
 
 from flowgraph.compilers import _dist
 from flowgraph.compilers.checkpoint import load_weights, save_shards
+from flowgraph.compilers.logs import tee
 from flowgraph.compilers.machines import mark, marked
 from flowgraph.compilers.weight_sync import reshard, whole
 from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
@@ -184,37 +182,11 @@ def worker_log(run_dir: Path, pool: str, rank: int) -> Path:
 
 
 def log_to(log: Path) -> None:
-    """This process's stdout and stderr appended to `log`, at the file descriptors (so
-    C libraries' output and a crash's traceback, `faulthandler`, land there too, and
-    stay there whatever kills the process); a thread copies what lands there on to the
-    stderr Ray gave the process, which Ray forwards to the driver's console."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    ray_fd = os.dup(2)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    start = os.fstat(fd).st_size
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    for stream in (sys.stdout, sys.stderr):  # a killed worker's last lines are written
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(line_buffering=True)
-    faulthandler.enable(file=sys.stderr)
-    threading.Thread(target=_forward, args=(log, start, ray_fd), daemon=True,
-                     name="flowgraph-log-forward").start()
-
-
-def _forward(log: Path, start: int, fd: int) -> None:
-    """Copy what `log` gains after byte `start` to `fd`, for the worker's life."""
-    with open(log, "rb") as f:
-        f.seek(start)
-        while True:
-            chunk = f.read(1 << 16)
-            if chunk:
-                os.write(fd, chunk)
-            else:
-                time.sleep(0.2)
+    """This worker's stdout and stderr appended to `log`, at the file descriptors (so C
+    libraries' output and a crash's traceback land there too), and copied on to the
+    stderr Ray gave the process, which Ray forwards to the driver's console
+    (`flowgraph.compilers.logs.tee`, merged)."""
+    tee(log, merged=True)
 
 
 def _values(inputs: dict[str, Any]) -> dict[str, Any]:

@@ -249,7 +249,15 @@ def _killed_on_one_node(tmp_path: Path) -> list[list[str]]:
                    "trainer.run_dir=run")
         assert f"the last checkpoint is step {found[0]}; continue with: {command}\n" in err
         assert "gloo" not in err and "Traceback" not in err, err
+        assert re.search(r"\(the output of the failed rank: \S*run/logs/rank-1\.log\)", err)
         again.append(command.split()[2:])
+    # every rank of both nodes logs into the shared run dir; node 0 shows rank 0's lines
+    logs = run_dir / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == ["rank-0.log", "rank-1.log"]
+    steps = [line for line in results[0][1].splitlines() if line.startswith("step ")]
+    assert steps, results[0][1]
+    assert [line for line in (logs / "rank-0.log").read_text().splitlines()
+            if line.startswith("step ")] == steps
     return again
 
 

@@ -189,9 +189,17 @@ def test_grpo_through_the_cli_equals_local(tmp_path: Path, local_reference: Any,
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"run finished: {run_dir}/metrics.jsonl" in proc.stdout
-    assert [line.split("/")[0] for line in proc.stdout.splitlines()
-            if line.startswith("step ")] == [f"step {s}" for s in range(5)], "rank 0 prints"
+    steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split("/")[0] for line in steps] == [f"step {s}" for s in range(5)], \
+        "rank 0 prints"
     assert_same_numbers(read_metrics(run_dir), local)
+    # every rank's stdout and stderr also in its log: rank 0's step lines, as shown
+    logs = run_dir / "logs"
+    assert sorted(p.name for p in logs.iterdir()) == ["rank-0.log", "rank-1.log"]
+    assert [line for line in (logs / "rank-0.log").read_text().splitlines()
+            if line.startswith("step ")] == steps
+    assert (logs / "rank-1.log").read_text().startswith("flowgraph: rank 1 of 2 started")
+    assert "step " not in (logs / "rank-1.log").read_text()  # rank 1 prints no step line
 
 
 def _kill_rank(run_dir: Path, rank: int, at_step: int, done: threading.Event,
@@ -236,6 +244,7 @@ def test_dpo_rank_killed_then_resumed_equals_local(tmp_path: Path,
     assert f"the last checkpoint is step {found[0]}; continue with: flowgraph run " \
            f"{graph} --target fsdp --nproc 2 --resume {' '.join(SHORT)} " \
            f"trainer.run_dir={run_dir}" in message  # the run's overrides repeated
+    assert f"(the output of the failed rank: {run_dir / 'logs' / 'rank-1.log'})" in message
     assert "Traceback" not in capfd.readouterr().err
 
     fsdp = _fsdp(graph, run_dir, *SHORT, resume=True)
@@ -248,23 +257,40 @@ def test_a_failing_rank_names_node_and_step_without_tracebacks(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A NaN from a plugin node stops the ranks: one message naming node and step, the
     traceback kept in run_dir/.ranks, none of the launcher's per-rank logs, nothing
-    left in the temp folder (torch's `pytorch-errorfile-*.pickle` of a failed rank)."""
+    left in the temp folder (torch's `pytorch-errorfile-*.pickle` of a failed rank).
+    Each rank's stdout and stderr are in `run_dir/logs/rank-<R>.log` and, as before, on
+    the console's stdout and stderr; its traceback in its log alone."""
     graph = tmp_path / "faults.yaml"
     graph.write_text((PLUGINS / "faults.yaml").read_text())
     temp = tmp_path / "tmp"
     temp.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(temp))  # the launcher's, this process
     with pytest.raises(RankFailed) as exc:
-        _fsdp(graph, tmp_path / "run", "trainer.steps=3", "nodes.score.params.nan_at=1")
+        _fsdp(graph, tmp_path / "run", "trainer.steps=3", "nodes.score.params.nan_at=1",
+              "nodes.score.params.say=said")
     message = str(exc.value)
     assert re.search(r"rank [01] failed: non-finite output `scores` in node `score` at "
                      r"step 1\n", message), message
     assert f"no checkpoint was written; start again from step 0 with: flowgraph run {graph} " \
            f"--target fsdp --nproc 2 --resume trainer.steps=3 nodes.score.params.nan_at=1 " \
-           f"trainer.run_dir={tmp_path / 'run'}" in message
+           f"nodes.score.params.say=said trainer.run_dir={tmp_path / 'run'}" in message
     trace = re.search(r"the full traceback: (\S+)\)", message)
     assert trace and "NonFiniteError" in Path(trace[1]).read_text()
-    err = capfd.readouterr().err
+    logs = tmp_path / "run" / "logs"
+    assert "the output of the failed rank" in message and str(logs / "rank-") in message
+    out, err = capfd.readouterr()
+    for rank in (0, 1):
+        said = [f"said on stdout, rank {rank}, step {s}" for s in (0, 1)]
+        written = [f"said on fd 2, rank {rank}, step {s}" for s in (0, 1)]
+        log = (logs / f"rank-{rank}.log").read_text()
+        assert log.startswith(f"flowgraph: rank {rank} of 2 started (host "), log
+        assert all(f"\n{line}\n" in log for line in said + written), log
+        assert re.search(r"Traceback(.|\n)*NonFiniteError: non-finite output `scores`", log)
+        assert bool(re.search(r"^step 0/3 ", log, re.M)) == (rank == 0), log
+        assert all(line in out.splitlines() for line in said), out
+        assert all(line in err.splitlines() for line in written), err
+    assert re.search(r"^step 0/3 ", out, re.M), out
+    assert "said on fd 2" not in out and "said on stdout" not in err
     assert "Traceback" not in err and "Terminating process" not in err, err
     assert list(temp.iterdir()) == []
 

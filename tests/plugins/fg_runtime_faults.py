@@ -1,5 +1,7 @@
 """Plugin kinds that misbehave on purpose, for the executor's fault tests."""
 
+import os
+
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
@@ -11,8 +13,15 @@ from flowgraph.registry import node_kind
 
 
 @node_kind("prompt_score", outputs=["scores"], category="custom")
-def prompt_score(ctx, input_ids: Int[Tensor, "b P"], nan_at: int = -1) -> Float[Tensor, " b"]:
-    """Mean token id per prompt; NaN for the whole batch at step `nan_at`."""
+def prompt_score(ctx, input_ids: Int[Tensor, "b P"], nan_at: int = -1,
+                 say: str = "") -> Float[Tensor, " b"]:
+    """Mean token id per prompt; NaN for the whole batch at step `nan_at`. `say`: each
+    step, a line on stdout (a print) and one on stderr at the file descriptor (as C code
+    writes), naming the process's rank (`RANK`)."""
+    if say:
+        rank = os.environ.get("RANK", "-")
+        print(f"{say} on stdout, rank {rank}, step {ctx.step}", flush=True)
+        os.write(2, f"{say} on fd 2, rank {rank}, step {ctx.step}\n".encode())
     scores = input_ids.float().mean(-1)
     return scores * float("nan") if ctx.step == nan_at else scores
 
