@@ -469,7 +469,7 @@ def _wait_for(log: Path, text: str, proc: subprocess.Popen[str], timeout: float)
     while text not in (out := log.read_text()):
         assert proc.poll() is None, f"the driver ended before `{text}`:\n{out}"
         assert time.monotonic() < deadline, f"no `{text}` within {timeout:g} s:\n{out}"
-        time.sleep(0.2)
+        time.sleep(0.05)  # a step of the small runs takes ~0.3 s
     return out
 
 
@@ -520,10 +520,16 @@ def test_a_lost_ray_node_is_named_and_the_run_goes_on_to_the_local_numbers(
         lost = _ray_node_id(second)
         proc = flowgraph("run", str(graph), "--target", "ray", "--nproc", "2", "--address",
                          address, *overrides, "trainer.run_dir=run")
-        _wait_for(log, "step 1/5", proc, 300)
+        _wait_for(log, "step 0/5", proc, 300)
         (pids,) = json.loads((run_dir / ".ranks" / "workers.json").read_text()).values()
+        deadline = time.monotonic() + 60
+        while latest_checkpoint(run_dir) is None:  # step 1's, published
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)  # a step takes ~0.3 s: the kill comes before step 3 or 4
         killed = _kill_ray_node(second)
         (worker,) = [i for i, pid in enumerate(pids) if pid in killed]
+        found = latest_checkpoint(run_dir)  # the one the run goes on from
+        assert found is not None
         _wait_for(log, f"; lost: node {lost} (", proc, 120)
         if back == "after-it-stops":
             proc.wait(timeout=120)
@@ -531,10 +537,8 @@ def test_a_lost_ray_node_is_named_and_the_run_goes_on_to_the_local_numbers(
             assert proc.returncode == 1, stopped
             command = (f"flowgraph run {graph} --target ray --nproc 2 --address {address} "
                        f"--resume {' '.join(overrides)} trainer.run_dir=run")
-            found = latest_checkpoint(run_dir)  # none when killed while saving step 1's
             go_on = (f"the last checkpoint is step {found[0]}; once the cluster is whole "
-                     "again, continue with: " if found else "no checkpoint was written; once "
-                     "the cluster is whole again, start again with: ")
+                     "again, continue with: ")
             assert re.search(
                 r"flowgraph: error: pool `actor_rollout_ref`'s 2 workers \(\{CPU: 1\} each\) "
                 r"could not be placed within 60 s: the cluster has \{CPU: 1\} free \(1 of 2 "
@@ -566,6 +570,10 @@ def test_a_lost_ray_node_is_named_and_the_run_goes_on_to_the_local_numbers(
     assert "Traceback" not in out, out
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4], "every step exactly once"
+    if back == "while-it-waits":  # the restart went on from the checkpoint
+        assert [r["step"] for r in rows if "perf/recovery_s" in r] == [found[0] + 1], rows
+    else:
+        assert (f"resuming from checkpoint `{found[1]}` (after step {found[0]})") in out, out
     assert_same_numbers(rows, local_reference("grpo"))
 
 
