@@ -35,9 +35,11 @@ with a `RayTarget`:
   and the dashboard tell two runs on one cluster apart. Each worker writes its stdout and
   stderr to `run_dir/logs/<pool>-<index>.log`, which Ray also forwards to the driver's
   console (`flowgraph.compilers.ray_worker.log_to`).
-* faults: a worker that dies (its actor is gone) or hangs (no answer within
-  `trainer.step_timeout_s`) is noticed at the driver's next wait; the driver kills
-  every worker group, starts them afresh, reloads the last checkpoint and goes on from
+* faults: a worker that dies (its actor is gone, or its peers' process group broke:
+  a node lost whole), or hangs (no answer within `trainer.step_timeout_s`) is noticed
+  at the driver's next wait; the driver kills every worker group, starts them afresh
+  (their placement groups wait, bounded, for a lost node to come back or be replaced:
+  `flowgraph.compilers.ray_cluster`), reloads the last checkpoint and goes on from
   the step after it. metrics.jsonl is cut back to that step first, so it ends with
   every step exactly once. After `MAX_RESTARTS` restarts in a row without a completed
   checkpoint the run stops with the last error.
@@ -127,19 +129,25 @@ class RayTarget:
         """This step's node seconds per worker (`pool/rank`), for Prometheus."""
         self.tries = 0
         """Restarts since the last checkpoint."""
+        self.held: dict[str, list[str]] = {}
+        """Ray node id -> the workers it runs (e.g. worker 1 of pool `critic`)."""
 
     # -- worker groups --------------------------------------------------------------------
 
-    def start(self, checkpoint: Path | None = None) -> None:
+    def start(self, checkpoint: Path | None = None, *, again: bool = False) -> None:
         """A placement group and a group of `RayWorker`s per pool, set up (their models
-        loaded, from `checkpoint` when given)."""
-        check_fits(self.plan, cluster_nodes())  # a shortfall is a message, not a wait
+        loaded, from `checkpoint` when given). `again`: a restart after a lost worker,
+        whose placement groups wait (`placed`, bounded) for a lost node to come back or
+        be replaced, naming it, instead of the first start's check of the cluster."""
+        if not again:
+            check_fits(self.plan, cluster_nodes())  # a shortfall is a message, not a wait
+        held, self.held = self.held, {}
         sent = (self.plan.to_json(), self.plan.pickled_objects())
         cwd, path = os.getcwd(), [p for p in sys.path if p]
         for pool in self.plan.pools:
             if pool.name == DRIVER or not pool.bundles:
                 continue
-            pg, places = reserve(pool, name=ray_name(self.plan, pool.name))
+            pg, places = reserve(pool, name=ray_name(self.plan, pool.name), held=held)
             remote = ray.remote(RayWorker)
             workers = [remote.options(name=ray_name(self.plan, pool.name, i), **places[i]
                                       ).remote(sent, pool.name, i, cwd, path,
@@ -151,6 +159,8 @@ class RayTarget:
         pending = []
         for group in self.groups.values():
             nodes = self._get([w.node.remote() for w in group.workers], timed=False)
+            for i, node in enumerate(nodes):
+                self.held.setdefault(node, []).append(f"worker {i} of pool `{group.pool.name}`")
             addr, port = self._get(group.workers[0].endpoint.remote(len(set(nodes)) == 1),
                                    timed=False)
             pending += [w.setup.remote(addr, port, str(self.opts.run_dir),
@@ -301,7 +311,7 @@ class RayTarget:
         self.stop()
         found = intact_checkpoint(self.opts.run_dir, lambda line: print(
             line, file=self.opts.out or sys.stdout, flush=True))
-        self.start(found[1] if found else None)
+        self.start(found[1] if found else None, again=True)
         return found[1] if found else None
 
     def completed(self, saved: bool) -> None:

@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from flowgraph.compilers._dist import lost_peer
 from flowgraph.compilers.integrity import DISK_FULL
 from flowgraph.compilers.ray_cluster import placed
 from flowgraph.compilers.ray_worker import worker_log
@@ -18,7 +19,7 @@ from flowgraph.voice import option
 
 try:
     import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+    from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskError
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 except ImportError as exc:  # pragma: no cover - depends on the machine
@@ -34,24 +35,59 @@ def _where(where: tuple[str, int] | str | None) -> str:
     return f" in node `{where[0]}` at step {where[1]}" if where else ""
 
 
+PEER_WAIT_S = 2.0
+"""After a worker's broken process group, how long Ray may take to report the peer
+that died, so that the message names it."""
+_STEP = re.compile(r"^while executing node .*? at step -?\d+: ")
+"""The head of a worker's node error, which `_where` says again."""
+
+
 def answers(refs: Any, timeout: float | None, where: tuple[str, int] | str | None = None
             ) -> Any:
     """ray.get with `timeout` (the step timeout; None: no limit); a dead or silent worker
     raises WorkerLost, a node's own error comes back as it was raised in the worker.
-    `where`: the node and step waited for, or what the worker was doing."""
+    A worker whose collective broke because a peer died (`_dist.lost_peer`: gloo's
+    closed connection) is a lost worker too: when a whole node goes, the survivors'
+    errors reach the driver before Ray (which needs its health checks, ~15 s) reports
+    that node's actors dead. `where`: the node and step waited for, or what the worker
+    was doing."""
     try:
         return ray.get(refs, timeout=timeout)
     except RayTaskError as exc:
         cause = exc.cause
+        error = (str(cause) if isinstance(cause, FlowgraphError)
+                 else f"{type(cause).__name__}: {cause}")
+        first = error.split("\n", 1)[0]
+        if lost_peer(first):  # a peer died: a worker lost, not a node's error
+            _dead_among(refs, where)  # the one that died, when Ray says so soon
+            raise WorkerLost(f"a worker lost a peer of its process group{_where(where)} "
+                             f"({_STEP.sub('', first)})") from None
         if isinstance(cause, FlowgraphError) or (  # a full disk: the loop says it
                 isinstance(cause, OSError) and cause.errno in DISK_FULL):
             raise cause from None
-        raise NodeError(f"{type(cause).__name__}: {cause}") from None
+        raise NodeError(error) from None
     except RayActorError as exc:
         raise WorkerLost(f"a worker died{_where(where)} ({_died(exc)})") from None
     except GetTimeoutError:
         raise WorkerLost(f"a worker gave no answer for trainer.step_timeout_s = "
                          f"{timeout} s{_where(where)}; it is taken for dead") from None
+
+
+def _dead_among(refs: Any, where: tuple[str, int] | str | None) -> None:
+    """Raise WorkerLost naming the worker that died, when Ray reports one of `refs`'
+    actors dead within `PEER_WAIT_S` (on a node still up, at once; a node lost whole
+    takes Ray's health checks longer)."""
+    refs = refs if isinstance(refs, list) else [refs]
+    if not refs:
+        return
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=PEER_WAIT_S)
+    for ref in done:
+        try:
+            ray.get(ref, timeout=0)
+        except RayActorError as exc:
+            raise WorkerLost(f"a worker died{_where(where)} ({_died(exc)})") from None
+        except RayError:  # a survivor's broken process group, as the first one
+            continue
 
 
 def run_name(plan: ExecutionPlan) -> str:
@@ -83,15 +119,17 @@ def _died(exc: Exception) -> str:
             f"{worker_log(Path(), pool, rank)} in the run dir")
 
 
-def reserve(pool: PoolPlan, name: str = "") -> tuple[Any, list[dict[str, Any]]]:
+def reserve(pool: PoolPlan, name: str = "", held: dict[str, list[str]] | None = None
+            ) -> tuple[Any, list[dict[str, Any]]]:
     """A placement group of one bundle per worker of `pool`, named `name` (`ray_name`),
-    ready (`placed`: within a bounded time, else a message); and each worker's
-    actor options, which place it in its bundle."""
+    ready (`placed`: within a bounded time, else a message; `held`: the nodes that ran
+    the run's workers before a restart); and each worker's actor options, which place
+    it in its bundle."""
     bundles = [b.asks() for b in pool.bundles]
     labels = {lb.name: lb.selector for lb in pool.label_selector}
     pg = placement_group(bundles, strategy=pool.strategy.upper(), name=name,
                          bundle_label_selector=[labels] * len(bundles) if labels else None)
-    placed(pg, pool.name, bundles)
+    placed(pg, pool.name, bundles, held)
     return pg, [{"num_cpus": b.cpu, "num_gpus": b.gpu,
                  "resources": {a.name: a.amount for a in b.custom},
                  "scheduling_strategy": PlacementGroupSchedulingStrategy(

@@ -9,10 +9,12 @@
 * Too small a cluster: before any worker starts, `check_fits` compares what the plan's
   pools ask with the alive nodes (a bundle fits on one node, with the labels its pool
   selects; the whole plan within the cluster's total) and stops with the shortfall.
-* A node: its workers die (`WorkerLost`) and the driver restarts the worker groups,
-  which must be placed again on what the cluster has left; `placed` waits for a
-  placement group `PLACE_TIMEOUT_S` at most, then stops with what was asked and what
-  the cluster has.
+* A node: its workers die (`WorkerLost`; their peers on other nodes first see their
+  process group broken) and the driver restarts the worker groups, which must be
+  placed again: not checked against the cluster first (a lost node may come back, or
+  be replaced), `placed` waits for a placement group `PLACE_TIMEOUT_S` at most, every
+  `PLACE_NOTICE_S` a line with what the cluster has free and the run's lost nodes,
+  then stops with the same, the last checkpoint and the resume command.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ LOST_MARGIN_S = 5.0
 """The head counts as lost this long before Ray would end the driver."""
 PLACE_TIMEOUT_S = 300.0
 """The longest wait for a pool's placement group (its bundles) to be placed."""
+PLACE_NOTICE_S = 10.0
+"""How often a placement group not placed yet says what it waits for."""
 RECONNECT_ENV = "RAY_gcs_rpc_server_reconnect_timeout_s"
 
 
@@ -93,27 +97,54 @@ class HeadWatch:
                 os._exit(1)  # the main thread waits inside Ray, which would end us anyway
 
 
-def placed(pg: Any, pool: str, bundles: list[dict[str, Any]]) -> None:
-    """Wait for placement group `pg` (pool `pool`'s `bundles`) `PLACE_TIMEOUT_S` at most."""
+def placed(pg: Any, pool: str, bundles: list[dict[str, Any]],
+           held: dict[str, list[str]] | None = None) -> None:
+    """Wait for placement group `pg` (pool `pool`'s `bundles`) `PLACE_TIMEOUT_S` at most,
+    saying every `PLACE_NOTICE_S` what it waits for; then remove it and stop. `held`:
+    before a restart, the nodes (id -> what of the run each ran) that held the run's
+    workers; one the cluster knows dead is named as lost."""
     import ray
     from ray.exceptions import GetTimeoutError
+    from ray.util.placement_group import remove_placement_group
 
-    try:
-        ray.get(pg.ready(), timeout=PLACE_TIMEOUT_S)
-    except GetTimeoutError:
-        have = {k: v for k, v in ray.available_resources().items()
-                if k in ("CPU", "GPU") or k.startswith("accelerator")}
-        raise ClusterLost(
-            f"pool `{pool}`'s {len(bundles)} workers ({bundles[0]} each) could not be "
-            f"placed within {PLACE_TIMEOUT_S:g} s: the cluster has {have or 'nothing'} "
-            f"free ({len(ray.nodes())} node(s) known, "
-            f"{sum(n['Alive'] for n in ray.nodes())} alive); a node may be lost, or the "
-            "plan asks for more than the cluster has") from None
+    ready, deadline = pg.ready(), time.monotonic() + PLACE_TIMEOUT_S
+    waiting = f"pool `{pool}`'s {len(bundles)} workers ({_amounts(bundles[0])} each)"
+    while True:
+        try:
+            ray.get(ready, timeout=max(0.0, min(PLACE_NOTICE_S, deadline - time.monotonic())))
+            return
+        except GetTimeoutError:
+            pass
+        free, lost = _free(held)
+        if time.monotonic() >= deadline:
+            remove_placement_group(pg)
+            raise ClusterLost(
+                f"{waiting} could not be placed within {PLACE_TIMEOUT_S:g} s: {free}" + (
+                    "" if lost else "; a node may be lost, or the plan asks for more than "
+                    "the cluster has")) from None
+        print(f"flowgraph: waiting for the Ray cluster to place {waiting}: {free}; "
+              f"up to {deadline - time.monotonic():.0f} s more", file=sys.stderr, flush=True)
+
+
+def _free(held: dict[str, list[str]] | None) -> tuple[str, bool]:
+    """What the cluster has free, how many of its nodes are alive, and which of the nodes
+    in `held` (id -> what of the run it ran) it knows dead; whether there are such."""
+    import ray
+
+    have = {k: v for k, v in ray.available_resources().items()
+            if k in ("CPU", "GPU") or k.startswith("accelerator")}
+    nodes, held = ray.nodes(), held or {}
+    text = (f"the cluster has {_amounts(have) if have else 'nothing'} free "
+            f"({sum(n['Alive'] for n in nodes)} of {len(nodes)} known node(s) alive)")
+    lost = [f"node {n['NodeID']} ({n.get('NodeManagerAddress', '?')}), which ran "
+            + ", ".join(held[n["NodeID"]])
+            for n in nodes if not n["Alive"] and n["NodeID"] in held]
+    return text + (f"; lost: {'; '.join(lost)}" if lost else ""), bool(lost)
 
 
 class ClusterShort(ClusterLost):
-    """The Ray cluster has less than the plan's pools ask for; the message lists what.
-    A `ClusterLost`: after a lost node, the restart's check says how to go on."""
+    """The Ray cluster has less than the plan's pools ask for; the message lists what
+    (a `ClusterLost`: it says how to go on)."""
 
 
 Node = tuple[str, dict[str, float], dict[str, str]]

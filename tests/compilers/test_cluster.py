@@ -8,7 +8,9 @@ fsdp --nnodes 2 --node-rank R --rdzv-endpoint 127.0.0.1:PORT` launches.
 * a rank killed on one node is named on both, each with the command that resumes it,
   every launch flag in it; resumed, the run has the local run's numbers;
 * a Ray head lost under a driver that joined it (`--address`) is one flowgraph message
-  with the last checkpoint and the resume command, not Ray's own exit;
+  with the last checkpoint and the resume command, not Ray's own exit; a second Ray node
+  killed whole is waited for, named, and the run goes on (the node started again) or
+  stops with the resume command: the local run's numbers either way;
 * two runs on one Ray cluster (issue #29, point 5) are told apart by their actors' and
   placement groups' names and namespaces; each worker's output is in its run's
   `logs/<pool>-<index>.log` and on the driver's console; a run dir name in use on the
@@ -108,6 +110,51 @@ def test_a_ray_resume_command_joins_the_same_cluster() -> None:
 def test_a_peer_s_broken_connection_is_told_from_a_rank_s_own_error(error: str, lost: bool
                                                                     ) -> None:
     assert _dist.lost_peer(error) is lost
+
+
+GLOO_BROKEN = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] "
+               "Read error [127.0.0.1]:20122: Connection reset by peer.")
+AT_GEN = "while executing node `gen` (kind generate, model actor, grpo.yaml:20:3) at step 2: "
+
+
+@pytest.mark.parametrize(("cause", "reported", "told"), [
+    (f"{AT_GEN}{GLOO_BROKEN}\n  at _dist.py:118 in all: dist.all_reduce(t)", False,
+     f"a worker lost a peer of its process group in node `gen` at step 2 ({GLOO_BROKEN})"),
+    (f"{AT_GEN}{GLOO_BROKEN}", True,
+     "a worker died in node `gen` at step 2 (The actor died unexpectedly before finishing "
+     "this task.)"),
+    (f"{AT_GEN}ValueError: no prompt", False, None)],
+    ids=["node-lost", "worker-died", "own-error"])
+def test_a_ray_worker_whose_peer_died_is_a_lost_worker(
+        monkeypatch: pytest.MonkeyPatch, cause: str, reported: bool, told: str | None
+        ) -> None:
+    """Worker 0's collective broke (gloo) because worker 1 died: when Ray reports worker
+    1's actor dead within `PEER_WAIT_S` (its node is up), that worker is named; when it
+    does not (a node lost whole: Ray's health checks take ~15 s), the broken process
+    group is the lost worker. Either way the driver recovers; a worker's own error stops
+    the run as it was raised."""
+    pytest.importorskip("ray", reason="the ray target needs Ray (the dev extra has it)")
+    from ray.exceptions import ActorDiedError, RayTaskError
+
+    from flowgraph.compilers import ray_calls
+    from flowgraph.errors import NodeError, WorkerLost
+
+    refs = ["worker-0", "worker-1"]
+
+    def get(wanted: Any, timeout: float | None) -> Any:
+        if wanted == "worker-1":
+            raise ActorDiedError()
+        raise RayTaskError("RayWorker.call", "", NodeError(cause))
+
+    def wait(wanted: list[str], num_returns: int, timeout: float) -> tuple[list[str], list[str]]:
+        assert (wanted, num_returns, timeout) == (refs, 2, ray_calls.PEER_WAIT_S)
+        return (refs, []) if reported else (refs[:1], refs[1:])
+
+    monkeypatch.setattr(ray_calls.ray, "get", get)
+    monkeypatch.setattr(ray_calls.ray, "wait", wait)
+    with pytest.raises(WorkerLost if told else NodeError) as exc:
+        ray_calls.answers(refs, 30.0, ("gen", 2))
+    assert str(exc.value) == (told or cause)
 
 
 def test_several_nodes_need_a_rendezvous_endpoint(
@@ -329,30 +376,56 @@ def ray_head() -> Iterator[tuple[str, dict[str, str], Path]]:
     folder = Path(tempfile.mkdtemp(prefix="fgray", dir="/tmp"))  # short: Ray's sockets
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     port = _port()
-    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", "--head",
-                    f"--port={port}", "--num-cpus=4", "--include-dashboard=false",
-                    f"--temp-dir={folder}", "--disable-usage-stats"],
-                   env=env, check=True, capture_output=True, timeout=120)
     try:
+        _ray_start(folder, env, "--head", f"--port={port}", "--num-cpus=4",
+                   "--include-dashboard=false")
         yield f"127.0.0.1:{port}", env, folder
     finally:
-        for pid in _processes_of(folder):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_ray_node(folder)
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _processes_of(folder: Path, name: str = "") -> list[int]:
-    """The pids of the Ray head in `folder` (whose command line names it; Linux)."""
-    found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            line = cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # gone meanwhile
+def _ray_start(folder: Path, env: dict[str, str], *args: str) -> None:
+    """`ray start ARGS` of a node of this machine with its files in `folder` (the node's
+    processes name it) and a dashboard agent port of its own (two nodes of one machine
+    would both take Ray's 52365)."""
+    subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "start", *args,
+                    f"--temp-dir={folder}", f"--dashboard-agent-listen-port={_port()}",
+                    "--disable-usage-stats"], env=env, check=True, capture_output=True,
+                   timeout=120)
+
+
+def _kill_ray_node(folder: Path) -> list[int]:
+    """SIGKILL the Ray node whose files are in `folder`: the processes naming it (raylet,
+    agents, log monitor; the head's GCS) and everything they started (its workers, whose
+    command line is their Ray title); the pids killed. Nothing of another node."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:  # "pid (name) state ppid ...": the name may hold spaces
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
             continue
-        if str(folder) in line and name in line:
-            found.append(int(cmdline.parent.name))
-    return found
+    node = set(_processes_of(folder))
+    while more := {pid for pid, ppid in parents.items() if ppid in node} - node:
+        node |= more
+    for pid in node:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return sorted(node)
+
+
+def _processes_of(folder: Path, name: str = "") -> list[int]:
+    """The pids of the Ray node in `folder` (whose command line names it; Linux)."""
+    return [int(p.name) for p in Path("/proc").glob("[0-9]*")
+            if str(folder) in (line := _cmdline(int(p.name))) and name in line]
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(
+            errors="replace")
+    except OSError:  # ended meanwhile
+        return ""
 
 
 @pytest.mark.cluster
@@ -385,6 +458,130 @@ def test_a_lost_ray_head_is_one_message_with_the_last_checkpoint_and_the_resume_
             f"{DPO} --target ray --nproc 2 --address {address} --resume trainer.steps=2000 "
             "trainer.checkpoint_every=2 trainer.run_dir=run\n") in err, err
     assert "Failed to connect to GCS" not in err and "Traceback" not in err, err
+
+
+def _ray_node_id(folder: Path) -> str:
+    """The node id of the Ray node whose files are in `folder` (its raylet's `--node_id`)."""
+    for pid in _processes_of(folder, "raylet"):
+        found = re.search(r"--node_id=([0-9a-f]+)", _cmdline(pid))
+        if found:
+            return found[1]
+    raise AssertionError(f"no raylet of a Ray node in {folder}")
+
+
+def _wait_for(log: Path, text: str, proc: subprocess.Popen[str], timeout: float) -> str:
+    """The driver's output (`log`) once it holds `text`; fails when the driver ends or
+    `timeout` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while text not in (out := log.read_text()):
+        assert proc.poll() is None, f"the driver ended before `{text}`:\n{out}"
+        assert time.monotonic() < deadline, f"no `{text}` within {timeout:g} s:\n{out}"
+        time.sleep(0.05)  # a step of the small runs takes ~0.3 s
+    return out
+
+
+PLACE_WITHIN_60_S = ("import sys; from flowgraph.compilers import ray_cluster; "
+                     "ray_cluster.PLACE_TIMEOUT_S = 60.0; from flowgraph.cli import main; "
+                     "sys.exit(main(sys.argv[1:]))")
+"""`flowgraph ARGS` whose placement groups wait 60 s at most (instead of 300 s)."""
+
+
+@pytest.mark.cluster
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.parametrize("back", ["while-it-waits", "after-it-stops"])
+def test_a_lost_ray_node_is_named_and_the_run_goes_on_to_the_local_numbers(
+        tmp_path: Path, back: str, equal_overrides: dict[str, tuple[str, ...]],
+        local_reference: Any) -> None:
+    """A head and a second Ray node of 1 CPU each, the pool's two workers one on each;
+    after step 1 the second node is SIGKILLed whole (raylet, agents, its worker). The
+    surviving worker's broken process group is a lost worker: the driver restarts the
+    groups from the last checkpoint and waits for their placement group, which one
+    1-CPU node cannot hold, naming the lost node and its worker once Ray has marked it
+    dead. A node started again (a replaced machine) while it waits takes the worker; or,
+    the wait over (60 s here), the run stops with the lost node, the last checkpoint and
+    the resume command, which goes on once the node is back. Either way: every step
+    once, the local run's numbers."""
+    folder = Path(tempfile.mkdtemp(prefix="fgray", dir="/tmp"))  # short: Ray's sockets
+    head, second, again = folder / "head", folder / "n1", folder / "n2"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    port = _port()
+    address = f"127.0.0.1:{port}"
+    graph, overrides = ROOT / "graphs" / "grpo.yaml", (*equal_overrides["grpo"],
+                                                         "trainer.step_timeout_s=30")
+    run_dir, log = tmp_path / "run", tmp_path / "driver.log"
+    driver = ["-m", "flowgraph"] if back == "while-it-waits" else ["-c", PLACE_WITHIN_60_S]
+    procs: list[subprocess.Popen[str]] = []
+
+    def flowgraph(*args: str) -> subprocess.Popen[str]:
+        with log.open("a") as out:
+            procs.append(subprocess.Popen([sys.executable, *driver, *args], cwd=tmp_path,
+                                          env=env, text=True, stdout=out,
+                                          stderr=subprocess.STDOUT))
+        return procs[-1]
+
+    try:
+        _ray_start(head, env, "--head", f"--port={port}", "--num-cpus=1",
+                   "--include-dashboard=false")
+        _ray_start(second, env, f"--address={address}", "--num-cpus=1")
+        lost = _ray_node_id(second)
+        proc = flowgraph("run", str(graph), "--target", "ray", "--nproc", "2", "--address",
+                         address, *overrides, "trainer.run_dir=run")
+        _wait_for(log, "step 0/5", proc, 300)
+        (pids,) = json.loads((run_dir / ".ranks" / "workers.json").read_text()).values()
+        deadline = time.monotonic() + 60
+        while latest_checkpoint(run_dir) is None:  # step 1's, published
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)  # a step takes ~0.3 s: the kill comes before step 3 or 4
+        killed = _kill_ray_node(second)
+        (worker,) = [i for i, pid in enumerate(pids) if pid in killed]
+        found = latest_checkpoint(run_dir)  # the one the run goes on from
+        assert found is not None
+        _wait_for(log, f"; lost: node {lost} (", proc, 120)
+        if back == "after-it-stops":
+            proc.wait(timeout=120)
+            stopped = log.read_text()
+            assert proc.returncode == 1, stopped
+            command = (f"flowgraph run {graph} --target ray --nproc 2 --address {address} "
+                       f"--resume {' '.join(overrides)} trainer.run_dir=run")
+            go_on = (f"the last checkpoint is step {found[0]}; once the cluster is whole "
+                     "again, continue with: ")
+            assert re.search(
+                r"flowgraph: error: pool `actor_rollout_ref`'s 2 workers \(\{CPU: 1\} each\) "
+                r"could not be placed within 60 s: the cluster has \{CPU: 1\} free \(1 of 2 "
+                rf"known node\(s\) alive\); lost: node {lost} \(\S+\), which ran worker "
+                rf"{worker} of pool `actor_rollout_ref`; {re.escape(go_on + command)}\n",
+                stopped), stopped
+            _ray_start(again, env, f"--address={address}", "--num-cpus=1")
+            proc = flowgraph(*command.split()[1:])
+        else:
+            _ray_start(again, env, f"--address={address}", "--num-cpus=1")
+        proc.wait(timeout=300)
+    finally:
+        for started in procs:
+            if started.poll() is None:
+                started.kill()
+                started.wait()
+        for node in (again, second, head):
+            _kill_ray_node(node)
+        shutil.rmtree(folder, ignore_errors=True)
+    out = log.read_text()
+    assert proc.returncode == 0, out
+    assert re.search(r"step \d+: a worker (lost a peer of its process group|died) .*; "
+                     "restarting the worker groups from the last checkpoint", out), out
+    assert re.search(r"flowgraph: waiting for the Ray cluster to place pool "
+                     r"`actor_rollout_ref`'s 2 workers \(\{CPU: 1\} each\): the cluster has "
+                     r"\{CPU: 1\} free \(1 of 2 known node\(s\) alive\); lost: node "
+                     rf"{lost} \(\S+\), which ran worker {worker} of pool "
+                     r"`actor_rollout_ref`; up to \d+ s more", out), out
+    assert "Traceback" not in out, out
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4], "every step exactly once"
+    if back == "while-it-waits":  # the restart went on from the checkpoint
+        assert [r["step"] for r in rows if "perf/recovery_s" in r] == [found[0] + 1], rows
+    else:
+        assert (f"resuming from checkpoint `{found[1]}` (after step {found[0]})") in out, out
+    assert_same_numbers(rows, local_reference("grpo"))
 
 
 NAMING = ("--target", "ray", "--nproc", "1", "dims.Bp=4", "dims.N=4",
