@@ -1,11 +1,15 @@
-"""What a Ray run does when the cluster it joined (`--address`) loses a part.
+"""What a Ray run does when its cluster (joined with `--address`, or embedded) loses a part.
 
 * The head: Ray's driver waits `RAY_gcs_rpc_server_reconnect_timeout_s` (60 s) for a
   lost GCS, then logs `Failed to connect to GCS ... The program will terminate` and ends
-  the process where it stands, no Python code run. `HeadWatch` knocks at the head's
+  the process where it stands, no Python code run. `head_watch` knocks at the head's
   GCS address every second; when it has not answered for `LOST_MARGIN_S` less than
   that, it says what was lost, the last checkpoint and the command that resumes the
   run (`lost`), and ends the driver itself (exit 1).
+* The embedded cluster's node: when its raylet or GCS dies (killed, the OOM killer),
+  Ray ends the driver, silently, at its next call to the raylet. `NodeWatch` waits for
+  those processes (the driver's children) in threads the kernel wakes at their death,
+  and says first what was lost, the last checkpoint and the resume command (exit 1).
 * Too small a cluster: before any worker starts, `check_fits` compares what the plan's
   pools ask with the alive nodes (a bundle fits on one node, with the labels its pool
   selects; the whole plan within the cluster's total) and stops with the shortfall.
@@ -19,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -56,45 +61,108 @@ def reconnect_timeout() -> float:
         return 60.0
 
 
-class HeadWatch:
-    """A daemon thread that ends the driver with `lost(seconds)`'s message once the
-    head at `gcs` ("host:port") has not answered for that many seconds."""
+class Watch:
+    """A daemon thread that ends the driver with `lost(seconds)`'s message once
+    `missing()` (what the run cannot go on without is gone) has held for `limit`
+    seconds, checked every `every` seconds."""
 
-    def __init__(self, gcs: str, lost: Callable[[float], str]) -> None:
-        host, _, port = gcs.rpartition(":")
-        self.where = (host.strip("[]"), int(port))
-        self.lost = lost
-        self.limit = max(1.0, reconnect_timeout() - LOST_MARGIN_S)
+    def __init__(self, missing: Callable[[], str | None], lost: Callable[[str, float], str],
+                 *, limit: float, every: float) -> None:
+        self.missing, self.lost, self.limit, self.every = missing, lost, limit, every
         self.done = threading.Event()
-        self.thread = threading.Thread(target=self._watch, name="flowgraph-head-watch",
+        self.thread = threading.Thread(target=self._watch, name="flowgraph-cluster-watch",
                                        daemon=True)
 
-    def __enter__(self) -> HeadWatch:
+    def __enter__(self) -> Watch:
         self.thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.done.set()
 
-    def _answers(self) -> bool:
-        try:
-            with socket.create_connection(self.where, timeout=2.0):
-                return True
-        except OSError:
-            return False
-
     def _watch(self) -> None:
-        silent_since: float | None = None
-        while not self.done.wait(1.0):
-            if self._answers():
-                silent_since = None
+        since: float | None = None
+        while not self.done.wait(self.every):
+            what = self.missing()
+            if what is None:
+                since = None
                 continue
             now = time.monotonic()
-            silent_since = silent_since or now
-            if now - silent_since >= self.limit and not self.done.is_set():
-                print(f"flowgraph: error: {self.lost(self.limit)}", file=sys.stderr,
+            since = since or now
+            if now - since >= self.limit and not self.done.is_set():
+                print(f"flowgraph: error: {self.lost(what, self.limit)}", file=sys.stderr,
                       flush=True)
                 os._exit(1)  # the main thread waits inside Ray, which would end us anyway
+
+
+def head_watch(gcs: str, lost: Callable[[str, float], str]) -> Watch:
+    """The head at `gcs` ("host:port") of a cluster joined: lost once its GCS has not
+    answered for `LOST_MARGIN_S` less than Ray's own wait."""
+    host, _, port = gcs.rpartition(":")
+    where = (host.strip("[]"), int(port))
+
+    def missing() -> str | None:
+        try:
+            with socket.create_connection(where, timeout=2.0):
+                return None
+        except OSError:
+            return gcs
+
+    return Watch(missing, lost, limit=max(1.0, reconnect_timeout() - LOST_MARGIN_S),
+                 every=1.0)
+
+
+NODE_PROCESSES = ("raylet", "gcs_server")
+"""The embedded cluster's processes it cannot go on without (its node and head)."""
+
+
+class NodeWatch:
+    """The embedded cluster's raylet and GCS (this process's children), each waited for
+    by a daemon thread of its own: the kernel wakes it the moment the process dies
+    (killed, the OOM killer), and it says what was lost, the last checkpoint and the
+    resume command before Ray, which ends the driver as soon as its next call to the
+    raylet fails, would end it silently (exit 1). A race it mostly wins: Ray's exit
+    comes from its own threads, without the GIL this one needs to print."""
+
+    def __init__(self, lost: Callable[[str, float], str],
+                 names: tuple[str, ...] = NODE_PROCESSES) -> None:
+        self.lost = lost
+        self.done = threading.Event()
+        self.threads = [threading.Thread(target=self._wait, args=(pid, name), daemon=True,
+                                         name=f"flowgraph-{name}-watch")
+                        for pid, name in _children(names).items()]
+
+    def __enter__(self) -> NodeWatch:
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+
+    def _wait(self, pid: int, name: str) -> None:
+        # the child's death, leaving it to be reaped as it would be (reaped already:
+        # ChildProcessError, dead too: it was this process's child when the watch began)
+        with contextlib.suppress(ChildProcessError):
+            os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+        if not self.done.is_set():
+            print(f"flowgraph: error: {self.lost(f'{name} (pid {pid})', 0.0)}",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+
+
+def _children(names: tuple[str, ...]) -> dict[int, str]:
+    """This process's children running one of `names` (Linux /proc; elsewhere none)."""
+    me, found = os.getpid(), {}
+    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else []:
+        try:
+            name = (entry / "comm").read_text().strip()
+            parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == me and name in names:
+            found[int(entry.name)] = name
+    return found
 
 
 def placed(pg: Any, pool: str, bundles: list[dict[str, Any]],
@@ -281,35 +349,41 @@ def _nodes(nodes: list[Node], keys: list[str] | tuple[str, ...]) -> str:
 
 
 def how_to_go_on(plan: ExecutionPlan, opts: RunOptions) -> str:
-    """The last checkpoint and the command that continues the run from it."""
+    """The last checkpoint and the command that continues the run from it (on a cluster
+    joined, once it is whole again; an embedded one is started anew)."""
     from flowgraph.compilers.checkpoint import latest_checkpoint
     from flowgraph.compilers.signals import resume_command
 
     done = latest_checkpoint(Path(plan.trainer.run_dir))
     again = resume_command(plan, opts)
-    return (f"the last checkpoint is step {done[0]}; once the cluster is whole again, "
-            f"continue with: {again}" if done else
-            f"no checkpoint was written; once the cluster is whole again, start again "
-            f"with: {again}")
+    when = "once the cluster is whole again, " if opts.address else ""
+    return (f"the last checkpoint is step {done[0]}; {when}continue with: {again}" if done
+            else f"no checkpoint was written; {when}start again with: {again}")
 
 
 @contextmanager
 def watched(plan: ExecutionPlan, opts: RunOptions) -> Iterator[None]:
-    """The body, the head of the cluster joined at `opts.address` watched (`HeadWatch`);
-    a `ClusterLost` raised in it says how to go on."""
+    """The body, the head of the cluster joined at `opts.address` watched (`head_watch`),
+    or the embedded cluster's node (`NodeWatch`); a `ClusterLost` raised in it says how
+    to go on."""
     import ray
 
-    if not opts.address:  # an embedded cluster lives and dies with this process
-        yield
-        return
-    gcs = ray.get_runtime_context().gcs_address
+    if not opts.address:  # the embedded cluster: its node's processes, here
+        def gone(what: str, seconds: float) -> str:
+            return (f"the embedded Ray cluster lost its {what}: killed, or out of memory? "
+                    f"the run stopped; {how_to_go_on(plan, opts)}")
 
-    def lost(seconds: float) -> str:
-        return (f"lost the Ray head of `{opts.address}`: its GCS at {gcs} gave no answer "
-                f"for {seconds:g} s; the run stopped; {how_to_go_on(plan, opts)}")
+        watch: Watch | NodeWatch = NodeWatch(gone)
+    else:
+        gcs = ray.get_runtime_context().gcs_address
 
+        def lost(what: str, seconds: float) -> str:
+            return (f"lost the Ray head of `{opts.address}`: its GCS at {what} gave no "
+                    f"answer for {seconds:g} s; the run stopped; {how_to_go_on(plan, opts)}")
+
+        watch = head_watch(gcs, lost)
     try:
-        with HeadWatch(gcs, lost):
+        with watch:
             yield
     except ClusterLost as exc:
         raise ClusterLost(f"{exc}; {how_to_go_on(plan, opts)}") from None

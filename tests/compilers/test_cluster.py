@@ -428,6 +428,44 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+WATCHED = """
+import os, signal, subprocess, sys, time
+from flowgraph.compilers.ray_cluster import NodeWatch
+child = subprocess.Popen(["sleep", "60"])
+watch = NodeWatch(lambda what, s: f"lost its {what}; the last checkpoint is step 3",
+                  names=("sleep",))
+with watch:
+    if sys.argv[1] == "killed":
+        os.kill(child.pid, signal.SIGKILL)
+    time.sleep(1.0)
+child.kill()  # the watch is over: a shutdown of its own
+child.wait()
+time.sleep(0.5)
+print("went on")
+"""
+"""An embedded cluster's node process (here `sleep`) under `NodeWatch`, killed during the
+watch (argv[1] `killed`) or stopped after it."""
+
+
+@pytest.mark.parametrize("when", ["killed", "after"])
+def test_the_embedded_cluster_s_node_process_dying_is_said_before_the_driver_ends(
+        when: str) -> None:
+    """The embedded Ray cluster's raylet or GCS killed (the OOM killer) ends the driver
+    with flowgraph's message and exit 1, at once (Ray would end it silently at its next
+    call to the raylet); the same process ended after the watch (ray.shutdown) says
+    nothing."""
+    done = subprocess.run([sys.executable, "-c", WATCHED, when], capture_output=True,
+                          text=True, timeout=60)
+    if when == "killed":
+        assert done.returncode == 1, done.stderr
+        assert re.fullmatch(r"flowgraph: error: lost its sleep \(pid \d+\); the last "
+                            r"checkpoint is step 3\n", done.stderr), done.stderr
+        assert "went on" not in done.stdout
+    else:
+        assert done.returncode == 0 and done.stdout == "went on\n", done.stderr
+        assert done.stderr == ""
+
+
 @pytest.mark.cluster
 @pytest.mark.multiprocess
 @pytest.mark.slow
