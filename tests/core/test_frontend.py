@@ -206,15 +206,7 @@ def test_the_builder_takes_resource_pools_as_a_graph_file_writes_them() -> None:
     pools = {"actor_pool": {"size": 2, "models": ["actor"], "cpus": 2,
                             "custom_resources": {"TPU": 1}, "strategy": "spread",
                             "label_selector": {"zone": "a"}}}
-    g = GraphBuilder("small")
-    g.dims(Bp=2, N=2, P=4, T=4)
-    g.model("actor", "builtin:tiny-lm", trainable=True,
-            optimizer={"lr": 1e-5, "betas": [0.9, 0.95]})
-    train = g.data("train", "prompts", "builtin:arith", shuffle=False)
-    g.node("gen", "generate", model="actor", params={"n": 2, "temperature": 0.7},
-           prompts=train.input_ids, prompt_mask=train.attention_mask)
-    g.trainer(steps=3, seed=7)
-    g.resources(nproc=2, pools=pools)
+    g = GraphBuilder("small").resources(nproc=2, pools=pools)
     loaded, diags = load_graph("g.yaml", text=SMALL + "resources:\n  nproc: 2\n  pools:\n"
                                "    actor_pool: {size: 2, models: [actor], cpus: 2, "
                                "custom_resources: {TPU: 1}, strategy: spread, "
