@@ -35,6 +35,11 @@ def _where(where: tuple[str, int] | str | None) -> str:
     return f" in node `{where[0]}` at step {where[1]}" if where else ""
 
 
+BROKEN_GROUP = re.compile(r"gloo/|NCCL|DistNetworkError|DistBackendError")
+"""A worker's error that names the process group's backend: its collective broke (a
+peer died or hung). Narrower than `_dist.lost_peer`: a node's own network error (a
+reward calling an API: `ConnectionResetError: ... Connection reset by peer`) stays that
+node's error, with the user's line, and is not retried as a lost worker."""
 PEER_WAIT_S = 2.0
 """After a worker's broken process group, how long Ray may take to report the peer
 that died, so that the message names it."""
@@ -58,7 +63,7 @@ def answers(refs: Any, timeout: float | None, where: tuple[str, int] | str | Non
         error = (str(cause) if isinstance(cause, FlowgraphError)
                  else f"{type(cause).__name__}: {cause}")
         first = error.split("\n", 1)[0]
-        if lost_peer(first):  # a peer died: a worker lost, not a node's error
+        if lost_peer(first) and BROKEN_GROUP.search(first):  # a peer died: a worker lost
             _dead_among(refs, where)  # the one that died, when Ray says so soon
             raise WorkerLost(f"a worker lost a peer of its process group{_where(where)} "
                              f"({_STEP.sub('', first)})") from None

@@ -123,8 +123,10 @@ AT_GEN = "while executing node `gen` (kind generate, model actor, grpo.yaml:20:3
     (f"{AT_GEN}{GLOO_BROKEN}", True,
      "a worker died in node `gen` at step 2 (The actor died unexpectedly before finishing "
      "this task.)"),
-    (f"{AT_GEN}ValueError: no prompt", False, None)],
-    ids=["node-lost", "worker-died", "own-error"])
+    (f"{AT_GEN}ValueError: no prompt", False, None),
+    (f"{AT_GEN}ConnectionResetError: [Errno 104] Connection reset by peer\n  at "
+     "rewards.py:5 in score: requests.post(URL)", False, None)],
+    ids=["node-lost", "worker-died", "own-error", "own-network-error"])
 def test_a_ray_worker_whose_peer_died_is_a_lost_worker(
         monkeypatch: pytest.MonkeyPatch, cause: str, reported: bool, told: str | None
         ) -> None:
@@ -132,8 +134,7 @@ def test_a_ray_worker_whose_peer_died_is_a_lost_worker(
     1's actor dead within `PEER_WAIT_S` (its node is up), that worker is named; when it
     does not (a node lost whole: Ray's health checks take ~15 s), the broken process
     group is the lost worker. Either way the driver recovers; a worker's own error stops
-    the run as it was raised."""
-    pytest.importorskip("ray", reason="the ray target needs Ray (the dev extra has it)")
+    the run as it was raised, a network error of its own too (a reward calling an API)."""
     from ray.exceptions import ActorDiedError, RayTaskError
 
     from flowgraph.compilers import ray_calls
