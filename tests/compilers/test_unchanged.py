@@ -15,6 +15,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,9 +33,11 @@ FIXTURE = json.loads(record.FIXTURE.read_text())
 CASES: dict[str, tuple[str, tuple[str, ...]]] = record.cases()
 
 
-def test_every_case_of_the_fixture_is_run() -> None:
-    assert sorted(CASES) == sorted(FIXTURE)
-    assert all(sorted(FIXTURE[c]) == ["fsdp", "local", "ray"] for c in FIXTURE)
+def _recorded(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`rows` as the fixture holds them (`record.as_recorded`: without the metrics added
+    since it was recorded), each of those present."""
+    assert all(any(record.ADDED.fullmatch(k) for k in row) for row in rows), "data positions"
+    return list(record.as_recorded(rows))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -45,7 +48,7 @@ def test_the_local_target_gives_the_recorded_numbers(case: str, tmp_path: Path) 
         rows = flowgraph.run(ROOT / "graphs" / f"{graph}.yaml", overrides=[
             *record.COMMON, *overrides, f"trainer.run_dir={tmp_path / 'run'}"],
             out=out, tensorboard=False).rows
-    assert_same_numbers(rows, FIXTURE[case]["local"])
+    assert_same_numbers(_recorded(rows), FIXTURE[case]["local"])
 
 
 @pytest.mark.slow
@@ -54,4 +57,5 @@ def test_the_local_target_gives_the_recorded_numbers(case: str, tmp_path: Path) 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fsdp_and_ray_give_the_recorded_numbers(case: str, target: str) -> None:
     graph, overrides = CASES[case]
-    assert_same_numbers(record.run_case(graph, target, overrides), FIXTURE[case][target])
+    assert_same_numbers(_recorded(record.run_case(graph, target, overrides)),
+                        FIXTURE[case][target])
