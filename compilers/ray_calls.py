@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from flowgraph.compilers._dist import lost_peer
+from flowgraph.compilers import _dist
 from flowgraph.compilers.integrity import DISK_FULL
 from flowgraph.compilers.ray_cluster import placed
 from flowgraph.compilers.ray_worker import worker_log
@@ -63,7 +63,7 @@ def answers(refs: Any, timeout: float | None, where: tuple[str, int] | str | Non
         error = (str(cause) if isinstance(cause, FlowgraphError)
                  else f"{type(cause).__name__}: {cause}")
         first = error.split("\n", 1)[0]
-        if lost_peer(first) and BROKEN_GROUP.search(first):  # a peer died: a worker lost
+        if _dist.lost_peer(first) and BROKEN_GROUP.search(first):  # a peer died: a worker lost
             _dead_among(refs, where)  # the one that died, when Ray says so soon
             raise WorkerLost(f"a worker lost a peer of its process group{_where(where)} "
                              f"({_STEP.sub('', first)})") from None

@@ -231,9 +231,10 @@ def test_cycles_are_found() -> None:
 
 
 TARGETS = frozenset({"flowgraph.compilers.fsdp", "flowgraph.compilers.ray",
-                     "flowgraph.compilers.ray_worker"})
-"""The distributed targets: the only modules that may import the process-group layer
-(`flowgraph.compilers._dist`)."""
+                     "flowgraph.compilers.ray_calls", "flowgraph.compilers.ray_worker"})
+"""The distributed targets (`ray_calls`: the ray target's waits on its workers, which
+tell a broken process group from a node's error): the only modules that may import
+the process-group layer (`flowgraph.compilers._dist`)."""
 
 
 def private_imports() -> list[str]:
