@@ -2,7 +2,7 @@
 
 * The head: Ray's driver waits `RAY_gcs_rpc_server_reconnect_timeout_s` (60 s) for a
   lost GCS, then logs `Failed to connect to GCS ... The program will terminate` and ends
-  the process where it stands, no Python code run. `head_watch` knocks at the head's
+  the process where it stands, no Python code run. `HeadWatch` knocks at the head's
   GCS address every second; when it has not answered for `LOST_MARGIN_S` less than
   that, it says what was lost, the last checkpoint and the command that resumes the
   run (`lost`), and ends the driver itself (exit 1).
@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flowgraph.compilers.signals import child_pids
 from flowgraph.errors import FlowgraphError
 
 if TYPE_CHECKING:
@@ -61,55 +62,45 @@ def reconnect_timeout() -> float:
         return 60.0
 
 
-class Watch:
-    """A daemon thread that ends the driver with `lost(seconds)`'s message once
-    `missing()` (what the run cannot go on without is gone) has held for `limit`
-    seconds, checked every `every` seconds."""
+class HeadWatch:
+    """A daemon thread that ends the driver with `lost(seconds)`'s message once the
+    head at `gcs` ("host:port") has not answered for that many seconds."""
 
-    def __init__(self, missing: Callable[[], str | None], lost: Callable[[str, float], str],
-                 *, limit: float, every: float) -> None:
-        self.missing, self.lost, self.limit, self.every = missing, lost, limit, every
+    def __init__(self, gcs: str, lost: Callable[[float], str]) -> None:
+        host, _, port = gcs.rpartition(":")
+        self.where = (host.strip("[]"), int(port))
+        self.lost = lost
+        self.limit = max(1.0, reconnect_timeout() - LOST_MARGIN_S)
         self.done = threading.Event()
-        self.thread = threading.Thread(target=self._watch, name="flowgraph-cluster-watch",
+        self.thread = threading.Thread(target=self._watch, name="flowgraph-head-watch",
                                        daemon=True)
 
-    def __enter__(self) -> Watch:
+    def __enter__(self) -> HeadWatch:
         self.thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.done.set()
 
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(self.where, timeout=2.0):
+                return True
+        except OSError:
+            return False
+
     def _watch(self) -> None:
-        since: float | None = None
-        while not self.done.wait(self.every):
-            what = self.missing()
-            if what is None:
-                since = None
+        silent_since: float | None = None
+        while not self.done.wait(1.0):
+            if self._answers():
+                silent_since = None
                 continue
             now = time.monotonic()
-            since = since or now
-            if now - since >= self.limit and not self.done.is_set():
-                print(f"flowgraph: error: {self.lost(what, self.limit)}", file=sys.stderr,
+            silent_since = silent_since or now
+            if now - silent_since >= self.limit and not self.done.is_set():
+                print(f"flowgraph: error: {self.lost(self.limit)}", file=sys.stderr,
                       flush=True)
                 os._exit(1)  # the main thread waits inside Ray, which would end us anyway
-
-
-def head_watch(gcs: str, lost: Callable[[str, float], str]) -> Watch:
-    """The head at `gcs` ("host:port") of a cluster joined: lost once its GCS has not
-    answered for `LOST_MARGIN_S` less than Ray's own wait."""
-    host, _, port = gcs.rpartition(":")
-    where = (host.strip("[]"), int(port))
-
-    def missing() -> str | None:
-        try:
-            with socket.create_connection(where, timeout=2.0):
-                return None
-        except OSError:
-            return gcs
-
-    return Watch(missing, lost, limit=max(1.0, reconnect_timeout() - LOST_MARGIN_S),
-                 every=1.0)
 
 
 NODE_PROCESSES = ("raylet", "gcs_server")
@@ -124,7 +115,7 @@ class NodeWatch:
     raylet fails, would end it silently (exit 1). A race it mostly wins: Ray's exit
     comes from its own threads, without the GIL this one needs to print."""
 
-    def __init__(self, lost: Callable[[str, float], str],
+    def __init__(self, lost: Callable[[str], str],
                  names: tuple[str, ...] = NODE_PROCESSES) -> None:
         self.lost = lost
         self.done = threading.Event()
@@ -146,22 +137,18 @@ class NodeWatch:
         with contextlib.suppress(ChildProcessError):
             os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
         if not self.done.is_set():
-            print(f"flowgraph: error: {self.lost(f'{name} (pid {pid})', 0.0)}",
+            print(f"flowgraph: error: {self.lost(f'{name} (pid {pid})')}",
                   file=sys.stderr, flush=True)
             os._exit(1)
 
 
 def _children(names: tuple[str, ...]) -> dict[int, str]:
     """This process's children running one of `names` (Linux /proc; elsewhere none)."""
-    me, found = os.getpid(), {}
-    for entry in Path("/proc").iterdir() if Path("/proc/self/stat").exists() else []:
-        try:
-            name = (entry / "comm").read_text().strip()
-            parent = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == me and name in names:
-            found[int(entry.name)] = name
+    found = {}
+    for pid in child_pids():
+        with contextlib.suppress(OSError):  # gone meanwhile
+            if (name := Path(f"/proc/{pid}/comm").read_text().strip()) in names:
+                found[pid] = name
     return found
 
 
@@ -363,25 +350,25 @@ def how_to_go_on(plan: ExecutionPlan, opts: RunOptions) -> str:
 
 @contextmanager
 def watched(plan: ExecutionPlan, opts: RunOptions) -> Iterator[None]:
-    """The body, the head of the cluster joined at `opts.address` watched (`head_watch`),
+    """The body, the head of the cluster joined at `opts.address` watched (`HeadWatch`),
     or the embedded cluster's node (`NodeWatch`); a `ClusterLost` raised in it says how
     to go on."""
     import ray
 
     if not opts.address:  # the embedded cluster: its node's processes, here
-        def gone(what: str, seconds: float) -> str:
+        def gone(what: str) -> str:
             return (f"the embedded Ray cluster lost its {what}: killed, or out of memory? "
                     f"the run stopped; {how_to_go_on(plan, opts)}")
 
-        watch: Watch | NodeWatch = NodeWatch(gone)
+        watch: HeadWatch | NodeWatch = NodeWatch(gone)
     else:
         gcs = ray.get_runtime_context().gcs_address
 
-        def lost(what: str, seconds: float) -> str:
-            return (f"lost the Ray head of `{opts.address}`: its GCS at {what} gave no "
+        def lost(seconds: float) -> str:
+            return (f"lost the Ray head of `{opts.address}`: its GCS at {gcs} gave no "
                     f"answer for {seconds:g} s; the run stopped; {how_to_go_on(plan, opts)}")
 
-        watch = head_watch(gcs, lost)
+        watch = HeadWatch(gcs, lost)
     try:
         with watch:
             yield

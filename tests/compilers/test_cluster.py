@@ -434,7 +434,7 @@ WATCHED = """
 import os, signal, subprocess, sys, time
 from flowgraph.compilers.ray_cluster import NodeWatch
 child = subprocess.Popen(["sleep", "60"])
-watch = NodeWatch(lambda what, s: f"lost its {what}; the last checkpoint is step 3",
+watch = NodeWatch(lambda what: f"lost its {what}; the last checkpoint is step 3",
                   names=("sleep",))
 with watch:
     if sys.argv[1] == "killed":
