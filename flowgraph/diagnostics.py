@@ -98,6 +98,8 @@ CODES: dict[str, str] = {
     "FG606": "a chat template an agent rollout cannot render turn by turn (check --data)",
     "FG607": "a black-box agent program that is not `async def run(task, client)`, or "
              "given with an env or tools",
+    "FG608": "an agent rollout whose episodes take several rows (rows_per_episode) where "
+             "a row would count as an episode",
 }
 """Every diagnostic code and what it means; codes are stable across releases."""
 

@@ -63,6 +63,10 @@ SCORE_CALLS = (TRL_CALL, VERL_CALL)
 """Built-in verl-style scoring functions (`flowgraph.nodes.scores`)."""
 SCORES = _p("scores", "b", "float", "finite")
 INDEX = _p("index", "b", "int", doc="group id: samples of one prompt share it")
+EPISODE = _p("episode", "b", "int", optional=True,
+             doc="an agent_rollout's `episode` (rows_per_episode > 1): a group's samples "
+                 "are its episodes, each counted once (its rows share its score and get "
+                 "its advantage); rows of episode -1 are unused: advantage 0")
 TOKEN_REWARDS = _p("token_level_rewards", "b T", "float", "finite")
 MAX_TOKEN_LEN = _i(
     "max_token_len", None, "token budget per forward/backward on one rank instead of "
@@ -248,41 +252,46 @@ _KINDS = (
             _p("extra_info", "b", "object", optional=True),
         ),
         outputs=(
-            _p("prompts", "b*n P", "int", doc="the first prompt, left-padded"),
-            _p("prompt_mask", "b*n P", "int", "binary"),
-            _p("responses", "b*n T", "int", doc="every token after the first prompt: the "
-                                                "policy's turns and the messages between"),
-            _p("response_mask", "b*n T", "int", "binary",
+            _p("prompts", "b*n*c P", "int", doc="the first prompt (a fork's row: the "
+                                                "fork's history, up to P), left-padded"),
+            _p("prompt_mask", "b*n*c P", "int", "binary"),
+            _p("responses", "b*n*c T", "int", doc="every token after the first prompt: "
+                                                  "the policy's turns and the messages "
+                                                  "between"),
+            _p("response_mask", "b*n*c T", "int", "binary",
                doc="1 exactly on the tokens the policy sampled (tool and user tokens are "
                    "holes): what losses and advantages read"),
-            _p("rollout_log_prob", "b*n T", "float", "nonpositive", optional=True),
-            _p("policy_version", "b*n T", "int", optional=True,
+            _p("rollout_log_prob", "b*n*c T", "float", "nonpositive", optional=True),
+            _p("policy_version", "b*n*c T", "int", optional=True,
                doc="the policy version (updates applied) of the weights that sampled each "
                    "token, -1 on the tokens it did not sample; with trainer.partial_rollouts "
                    "an episode's turns may come from several versions"),
-            _p("index", "b*n", "int", doc="group id: the prompt's position in the batch"),
-            _p("scores", "b*n", "float", "finite", optional=True,
+            _p("index", "b*n*c", "int", doc="group id: the prompt's position in the batch"),
+            _p("episode", "b*n*c", "int", optional=True,
+               doc="each row's episode (-1 on an episode's unused rows): with "
+                   "rows_per_episode > 1, what grpo and rloo count one sample by"),
+            _p("scores", "b*n*c", "float", "finite", optional=True,
                doc="the episode's reward (`Env.reward`) plus its turns' rewards"),
-            _p("token_level_rewards", "b*n T", "float", "finite", optional=True,
+            _p("token_level_rewards", "b*n*c T", "float", "finite", optional=True,
                doc="each turn's reward at its last sampled token, the episode's reward at "
                    "the last one (for gae, reinforce_pp: credit per turn)"),
-            _p("turn_rewards", "b*n K", "float", "finite", optional=True,
+            _p("turn_rewards", "b*n*c K", "float", "finite", optional=True,
                doc="one reward per assistant turn (`Step.reward`, tools' rewards)"),
-            _p("turn_mask", "b*n K", "int", "binary", optional=True,
+            _p("turn_mask", "b*n*c K", "int", "binary", optional=True,
                doc="1 on the turns the episode took"),
-            _p("num_turns", "b*n", "int", optional=True),
-            _p("tool_calls", "b*n", "int", optional=True),
-            _p("status", "b*n", "object", optional=True,
+            _p("num_turns", "b*n*c", "int", optional=True),
+            _p("tool_calls", "b*n*c", "int", optional=True),
+            _p("status", "b*n*c", "object", optional=True,
                doc="completed, max_turns, context_exhausted, timeout or error"),
-            _p("messages", "b*n", "object", optional=True,
+            _p("messages", "b*n*c", "object", optional=True,
                doc="each episode's conversation (chat messages), for reward functions"),
-            _p("reward_extra_info", "b*n", "object", optional=True,
+            _p("reward_extra_info", "b*n*c", "object", optional=True,
                doc="each episode's status, turns and tool calls, and the entries of a dict "
                    "`Env.reward` returned: the validation table's columns"),
-            _p("ground_truth", "b*n", "object", optional=True),
-            _p("data_source", "b*n", "object", optional=True),
-            _p("extra_info", "b*n", "object", optional=True),
-            _p("row", "b*n", "object", optional=True, doc=ROW_DOC),
+            _p("ground_truth", "b*n*c", "object", optional=True),
+            _p("data_source", "b*n*c", "object", optional=True),
+            _p("extra_info", "b*n*c", "object", optional=True),
+            _p("row", "b*n*c", "object", optional=True, doc=ROW_DOC),
         ),
         params=(
             ParamSpec("env", ("str", "null"), None, functions=(), agent="env",
@@ -329,6 +338,11 @@ _KINDS = (
                "instead of the tokenizer's"),
             _s("backend", "hf", ("hf", "vllm")),
             _i("n", None, "samples per prompt; null: the global N", dim="n"),
+            _i("rows_per_episode", 1, "rows each episode takes (binds c: b·n·c rows): a "
+               "black-box agent's fork (a history that does not extend the session's) "
+               "closes its row and starts the next; past the last, the chain so far is "
+               "not trained (agent/forks_dropped). Unused rows train nothing; wire "
+               "`episode` into grpo / rloo", dim="c"),
             _f("temperature", 1.0, minimum=0.0),
             _f("top_p", 1.0, minimum=0.0),
             _i("top_k", 0, "0: off", minimum=0),
@@ -341,7 +355,7 @@ _KINDS = (
         ),
         model="required",
         impl="flowgraph.nodes.agent:agent_rollout",
-        dim_defaults=(("n", "N"),),
+        dim_defaults=(("n", "N"), ("c", "1")),
     ),
     KindSpec(
         "logprob", "model", "Per-token log-probs (and entropy) of responses, in chunks.",
@@ -492,7 +506,7 @@ _KINDS = (
                 _p("score_mask", "b", "int", "binary", optional=True,
                    doc="0 for a row no reward function scored (compute_score's "
                        "score_mask): left out of its group's mean and std, advantage 0 "
-                       "(TRL)")),
+                       "(TRL)"), EPISODE),
         outputs=ADV_OUTPUTS,
         params=(_f("epsilon", 1e-6, "added to the group's std before dividing (verl 1e-6; "
                    "TRL 1e-4)", minimum=0.0), _b("norm_by_std", True)),
@@ -501,7 +515,7 @@ _KINDS = (
     ),
     KindSpec(
         "rloo", "advantage", "Leave-one-out baseline (Ahmadian et al. 2024).",
-        inputs=(SCORES, MASK, INDEX),
+        inputs=(SCORES, MASK, INDEX, EPISODE),
         outputs=ADV_OUTPUTS,
         grouped=True,
         impl="flowgraph.nodes.advantage:rloo",

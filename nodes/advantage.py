@@ -191,6 +191,29 @@ def _compact(x: Tensor, slot: Tensor, width: int) -> Tensor:
     return out
 
 
+def _episodes(fn: str, episode: Tensor | None, scores: Tensor) -> Tensor:
+    """(B,) bool: the rows that stand for their episode in a group's statistics, the
+    first row of each (an agent_rollout's `episode`, -1 on unused rows); every row
+    where `episode` is None. ValueError where an episode's rows carry different scores."""
+    batch = scores.shape[0]
+    if episode is None:
+        return torch.ones(batch, dtype=torch.bool, device=scores.device)
+    _check_per_seq(fn, "episode", episode, batch)
+    ids, inverse = torch.unique(episode.long(), return_inverse=True)
+    rows = torch.arange(batch, device=scores.device)
+    first = torch.full((ids.numel(),), batch, dtype=torch.long, device=scores.device)
+    first = first.scatter_reduce_(0, inverse, rows, "amin")[inverse]
+    used = episode >= 0
+    differ = used & (scores != scores[first])
+    if bool(differ.any()):
+        k = int(differ.nonzero()[0])
+        raise ValueError(
+            f"{fn}: rows {int(first[k])} and {k} are one episode ({int(episode[k])}) with "
+            f"scores {float(scores[first[k]])} and {float(scores[k])}: an episode's rows "
+            "share its score (agent_rollout's `scores`); score episodes, not rows")
+    return used & (first == rows)
+
+
 def _group_stats(x: Tensor, inverse: Tensor, groups: int) -> tuple[Tensor, Tensor, Tensor]:
     """Per-group (count, mean, unbiased std); a singleton group gets mean 0, std 1 (verl)."""
     count = torch.zeros(groups, dtype=x.dtype, device=x.device).index_add_(
@@ -282,6 +305,7 @@ def grpo(
     score_mask: Tensor | None = None,
     epsilon: float = 1e-6,
     norm_by_std: bool = True,
+    episode: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Group-relative outcome advantage, broadcast to valid tokens.
 
@@ -295,6 +319,10 @@ def grpo(
     rows of each group (TRL's nanmean / nanstd), an unscored row's advantage is 0, and
     so is every row of a group with fewer than 2 scored rows (TRL's nanstd of one value
     is NaN, its advantage then `nan_to_num`'s 0).
+
+    ``episode`` (B,), an agent_rollout's with rows_per_episode > 1: a group's samples
+    are its episodes, one row standing for each (`_episodes`); each row of an episode
+    gets its advantage, a row of episode -1 (unused) 0.
     """
     # Shao et al. 2024 (GRPO); Liu et al. 2025 (Dr.GRPO);
     # verl core_algos.compute_grpo_outcome_advantage
@@ -311,20 +339,25 @@ def grpo(
         _check_per_seq(fn, "score_mask", score_mask, valid.shape[0])
     with torch.no_grad():
         s = scores.to(torch.float64)
-        keep = torch.ones_like(s, dtype=torch.bool) if score_mask is None else score_mask.bool()
-        count, mean, std = _group_stats(s[keep], inverse[keep], groups)
+        stand = _episodes(fn, episode, s)
+        scored = torch.ones_like(stand) if score_mask is None else score_mask.bool()
+        count, mean, std = _group_stats(s[stand & scored], inverse[stand & scored], groups)
         centred = s - mean[inverse]
         per_seq = centred / (std[inverse] + epsilon) if norm_by_std else centred
         if score_mask is not None:
-            per_seq = torch.where(keep & (count[inverse] >= 2), per_seq, 0.0)
+            per_seq = torch.where(scored & (count[inverse] >= 2), per_seq, 0.0)
+        if episode is not None:
+            per_seq = torch.where(episode >= 0, per_seq, 0.0)
         advantages = _broadcast(per_seq, valid).to(scores.dtype)
     return advantages, advantages.clone()
 
 
-def rloo(scores: Tensor, response_mask: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
+def rloo(scores: Tensor, response_mask: Tensor, index: Tensor, episode: Tensor | None = None
+         ) -> tuple[Tensor, Tensor]:
     """REINFORCE leave-one-out: A_i = s_i − (Σ_{j∈g} s_j − s_i)/(n_g − 1), broadcast to tokens.
 
     A singleton group has no baseline: A_i = s_i (verl). ``returns`` equals ``advantages``.
+    ``episode``: as grpo's (the sums and counts are over episodes).
     """
     # Ahmadian et al. 2024 (RLOO); verl core_algos.compute_rloo_outcome_advantage
     fn = "rloo"
@@ -334,12 +367,15 @@ def rloo(scores: Tensor, response_mask: Tensor, index: Tensor) -> tuple[Tensor, 
     inverse, groups = _group_inverse(fn, index, valid.shape[0])
     with torch.no_grad():
         s = scores.to(torch.float64)
+        stand = _episodes(fn, episode, s).to(s.dtype)
         count = torch.zeros(groups, dtype=s.dtype, device=s.device).index_add_(
-            0, inverse, torch.ones_like(s)
+            0, inverse, stand
         )
-        total = torch.zeros_like(count).index_add_(0, inverse, s)
+        total = torch.zeros_like(count).index_add_(0, inverse, s * stand)
         n, others = count[inverse], total[inverse] - s
         per_seq = torch.where(n > 1, s - others / (n - 1).clamp_min(1), s)
+        if episode is not None:
+            per_seq = torch.where(episode >= 0, per_seq, 0.0)
         advantages = _broadcast(per_seq, valid).to(scores.dtype)
     return advantages, advantages.clone()
 

@@ -31,8 +31,14 @@ itself: every trained token is the one sampled, the mask is 1 exactly on them, a
 model's own log-probs of the assembled rows (the trainer's view) equal the sampler's
 (`check_rows`).
 
+A black-box agent's episode may fork (`flowgraph.agent.endpoint`): with
+`rows_per_episode` c, each episode has c rows, one per chain of turns (unused rows
+train nothing), every per-episode output (score, status, messages, …) on each of them,
+its reward once, at its last trained token, and `episode` naming it (-1 on unused rows)
+for grpo and rloo to count episodes, not rows.
+
 Notation: b rows given, n episodes per row, r = b·n, P prompt length, T response
-length, K = max_turns.
+length, K = max_turns, c = rows_per_episode (b·n·c rows out).
 """
 
 from __future__ import annotations
@@ -153,14 +159,16 @@ def agent_rollout(
     chat_template: str | None = None,
     backend: str = "hf",
     n: int | None = None,
+    rows_per_episode: int = 1,
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
     do_sample: bool = True,
     gpu_memory_utilization: float | None = None,
 ) -> dict[str, Any]:
-    """The `agent_rollout` kind: n episodes per row; episodes of a row are consecutive."""
-    n = n or ctx.dims.get("N")
+    """The `agent_rollout` kind: n episodes per row, `rows_per_episode` rows each;
+    episodes of a row are consecutive, and so are the rows of an episode."""
+    n, rows_each = n or ctx.dims.get("N"), rows_per_episode
     T, P = max_new_tokens or ctx.dims.get("T"), ctx.dims.get("P")
     if n is None or T is None or P is None:
         raise ValueError("agent_rollout: set the params n and max_new_tokens, or bind the "
@@ -175,11 +183,15 @@ def agent_rollout(
     if agent is not None and (env is not None or tools):
         raise FlowgraphError("agent_rollout: `agent` (a black-box program) with `env` or "
                              "`tools`: the program brings its own tools; give one or the other")
+    if agent is None and rows_each != 1:
+        raise FlowgraphError(f"agent_rollout: rows_per_episode {rows_each} holds a black-box "
+                             "agent's forks (`agent`); an env's episode is one row: leave "
+                             "it at 1")
     if agent is not None:  # a black-box program behind the endpoint
         program = cast("Program", load_function(agent, {}, "agent_rollout agent"))
         episodes = Sessions(program, tokenizer, _template(chat_template), spec.stop_ids,
                             get_parser(parser), limits, P, ctx.node, temperature, top_p,
-                            concurrency)
+                            concurrency, rows_each)
     else:
         extra_tools = [as_tool(load_function(t, {}, "agent_rollout tools")) for t in tools]
         renderer = ChatRenderer(tokenizer, _template(chat_template),
@@ -205,16 +217,17 @@ def agent_rollout(
                 spec, width, gpu_memory_utilization, episodes.begin)
         episodes.wait()
     runs = episodes.finish()
-    out: dict[str, Any] = dict(_tensors(runs, P, T, max_turns, spec.pad_id))
+    out: dict[str, Any] = dict(_tensors(runs, P, T, max_turns, spec.pad_id, rows_each))
     if (ctx.node, id(model)) not in _CHECKED or ctx.strict:
         _CHECKED.add((ctx.node, id(model)))
         if not (top_k or top_p < 1.0):  # filtered sampling: log-probs of another distribution
             check_rows(ctx, model, out, runs, temperature if do_sample else 0.0,
                        atol=1e-3 if backend == "hf" else 5e-2)
-    out |= _objects(runs, n, ground_truth, data_source, extra_info, row)
-    _metrics(ctx, runs, out)
+    out |= _objects(runs, n, rows_each, ground_truth, data_source, extra_info, row)
+    _metrics(ctx, runs, out, rows_each)
     _failures(ctx, runs, on_error)
-    out["index"] = torch.tensor(rows).repeat_interleave(n)
+    out["index"] = torch.tensor(rows).repeat_interleave(n * rows_each)
+    out["episode"] = _episode_ids(runs, rows, n, rows_each)
     device = next(model.parameters()).device
     return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in out.items()}
 
@@ -245,8 +258,12 @@ def _check_prompts(first: list[list[int]], P: int, rows: list[int], n: int) -> N
             "messages `Env.reset` returns")
 
 
-def _tensors(runs: list[Run], P: int, T: int, K: int, pad: int) -> dict[str, Tensor]:
-    r = len(runs)
+def _tensors(runs: list[Run], P: int, T: int, K: int, pad: int, rows: int = 1
+             ) -> dict[str, Tensor]:
+    """Each episode's `rows` rows (`Run.rows`, then unused ones): its first prompt or a
+    fork's, and the tokens after it; the episode's reward at the last sampled token of
+    its last row with one, and its values (`scores` included) on each of its rows."""
+    r = len(runs) * rows
     out = {
         "prompts": torch.full((r, P), pad, dtype=torch.int64),
         "prompt_mask": torch.zeros((r, P), dtype=torch.int64),
@@ -258,31 +275,44 @@ def _tensors(runs: list[Run], P: int, T: int, K: int, pad: int) -> dict[str, Ten
         "turn_rewards": torch.zeros((r, K), dtype=torch.float32),
         "turn_mask": torch.zeros((r, K), dtype=torch.int64),
     }
-    for k, run in enumerate(runs):
-        prompt = run.prompt or [pad]  # an episode whose env failed to start: a placeholder
-        out["prompts"][k, P - len(prompt):] = torch.tensor(prompt)
-        out["prompt_mask"][k, P - len(prompt):] = 1
-        m = len(run.ids)
-        if m:
-            out["responses"][k, :m] = torch.tensor(run.ids)
-            out["response_mask"][k, :m] = torch.tensor(run.sampled)
-            out["rollout_log_prob"][k, :m] = torch.tensor(run.log_probs)
-            out["policy_version"][k, :m] = torch.tensor(run.versions)
-        turns = run.episode.turn_rewards
-        out["turn_rewards"][k, : len(turns)] = torch.tensor(turns, dtype=torch.float32)
-        out["turn_mask"][k, : len(turns)] = 1
-        for end, reward in zip(run.ends, turns, strict=False):
-            out["token_level_rewards"][k, end] += reward
-        if run.ends:
-            out["token_level_rewards"][k, run.ends[-1]] += run.score
-    out["scores"] = out["token_level_rewards"].sum(-1)
-    out["num_turns"] = torch.tensor([run.episode.turns for run in runs], dtype=torch.int64)
+    for e, run in enumerate(runs):
+        chains = run.rows()
+        for s in range(rows):
+            k, chain = e * rows + s, chains[s] if s < len(chains) else None
+            # an episode whose env failed to start, an unused row: a placeholder prompt
+            prompt = chain.prompt if chain is not None and chain.prompt else [pad]
+            out["prompts"][k, P - len(prompt):] = torch.tensor(prompt)
+            out["prompt_mask"][k, P - len(prompt):] = 1
+            if chain is None:
+                continue
+            m = len(chain.ids)
+            if m:
+                out["responses"][k, :m] = torch.tensor(chain.ids)
+                out["response_mask"][k, :m] = torch.tensor(chain.sampled)
+                out["rollout_log_prob"][k, :m] = torch.tensor(chain.log_probs)
+                out["policy_version"][k, :m] = torch.tensor(chain.versions)
+            turns = chain.turn_rewards
+            out["turn_rewards"][k, : len(turns)] = torch.tensor(turns, dtype=torch.float32)
+            out["turn_mask"][k, : len(turns)] = 1
+            for end, reward in zip(chain.ends, turns, strict=False):
+                out["token_level_rewards"][k, end] += reward
+        last = max((s for s, chain in enumerate(chains) if chain.ends), default=None)
+        if last is not None:
+            ends = chains[last].ends
+            out["token_level_rewards"][e * rows + last, ends[-1]] += run.score
+    scores = out["token_level_rewards"].sum(-1)
+    out["scores"] = scores.view(-1, rows).sum(-1).repeat_interleave(rows) if rows > 1 \
+        else scores
+    out["num_turns"] = torch.tensor([run.episode.turns for run in runs],
+                                    dtype=torch.int64).repeat_interleave(rows)
     out["tool_calls"] = torch.tensor([run.episode.tool_calls for run in runs],
-                                     dtype=torch.int64)
+                                     dtype=torch.int64).repeat_interleave(rows)
     return out
 
 
-def _objects(runs: list[Run], n: int, *columns: Sequence[Any] | None) -> dict[str, list[Any]]:
+def _objects(runs: list[Run], n: int, rows: int, *columns: Sequence[Any] | None
+             ) -> dict[str, list[Any]]:
+    """The episodes' objects, each on every one of its `rows` rows."""
     out: dict[str, list[Any]] = {
         "status": [run.episode.status for run in runs],
         "messages": [run.episode.messages for run in runs],
@@ -291,10 +321,12 @@ def _objects(runs: list[Run], n: int, *columns: Sequence[Any] | None) -> dict[st
                                **({"error": run.episode.error} if run.episode.error else {})}
                               for run in runs],
     }
+    out = {name: repeat_rows(values, rows) if rows > 1 else values
+           for name, values in out.items()}
     for name, rows_of in zip(("ground_truth", "data_source", "extra_info", "row"), columns,
                              strict=True):
         if rows_of is not None:
-            out[name] = repeat_rows(rows_of, n)
+            out[name] = repeat_rows(rows_of, n * rows)
     return out
 
 
@@ -324,21 +356,28 @@ def _failures(ctx: NodeContext, runs: list[Run], on_error: str) -> None:
           f"{new[0].row}: {new[0].episode.error}", file=sys.stderr, flush=True)
 
 
-def _metrics(ctx: NodeContext, runs: list[Run], out: Mapping[str, Tensor]) -> None:
+def _metrics(ctx: NodeContext, runs: list[Run], out: Mapping[str, Tensor], rows_each: int = 1
+             ) -> None:
     """`agent/turns`, `agent/tool_calls`, `agent/tool_time_s`, `agent/forks` (a black-box
     agent's histories that did not extend its session's), `agent/versions_per_episode`
     (the policy versions that sampled an episode's trained tokens, over the episodes that
     have some: more than 1 only with partial rollouts; the others are means per episode) and
-    `agent/status/<status>` (fractions), over every worker's episodes."""
+    `agent/status/<status>` (fractions), over every worker's episodes. With
+    rows_per_episode > 1, `agent/rows` (rows an episode took) and `agent/forks_dropped`
+    (forks whose chain so far was not trained: the episode had no row left)."""
     sums = {"n": float(len(runs)),
             "turns": float(sum(r.episode.turns for r in runs)),
             "tool_calls": float(sum(r.episode.tool_calls for r in runs)),
             "tool_time_s": sum(r.episode.tool_time_s for r in runs),
             "forks": float(sum(r.extra.get("forks", 0) for r in runs))}
+    if rows_each > 1:
+        sums |= {"rows": float(sum(len(r.rows()) for r in runs)),
+                 "forks_dropped": float(sum(r.dropped for r in runs))}
     sums |= {f"status/{s}": float(sum(r.episode.status == s for r in runs)) for s in STATUSES}
     # the versions that sampled an episode's trained tokens, over the episodes with some
-    versions = [row[mask.bool()].unique().numel() for row, mask
-                in zip(out["policy_version"], out["response_mask"], strict=True)]
+    version, mask = out["policy_version"], out["response_mask"].bool()
+    versions = [version[k: k + rows_each][mask[k: k + rows_each]].unique().numel()
+                for k in range(0, len(runs) * rows_each, rows_each)]
     sums |= {"trained": float(sum(v > 0 for v in versions)), "versions": float(sum(versions))}
     total = ctx.workers.sum(sums)
     trained, versions_sum = total.pop("trained"), total.pop("versions")
@@ -346,6 +385,14 @@ def _metrics(ctx: NodeContext, runs: list[Run], out: Mapping[str, Tensor]) -> No
         if key != "n":
             ctx.metrics[f"agent/{key}"] = value / max(total["n"], 1.0)
     ctx.metrics["agent/versions_per_episode"] = versions_sum / max(trained, 1.0)
+
+
+def _episode_ids(runs: list[Run], rows: list[int], n: int, rows_each: int) -> Tensor:
+    """Each row's episode, unique in the step (global row × n + sample); -1 on an
+    episode's unused rows."""
+    ids = [rows[e // n] * n + e % n if s < len(run.rows()) else -1
+           for e, run in enumerate(runs) for s in range(rows_each)]
+    return torch.tensor(ids, dtype=torch.int64)
 
 
 def check_rows(ctx: NodeContext, model: PreTrainedModel, out: Mapping[str, Tensor],
@@ -356,12 +403,15 @@ def check_rows(ctx: NodeContext, model: PreTrainedModel, out: Mapping[str, Tenso
     prompt and response) equal the sampler's within `atol` on the tokens its present
     weights sampled (partial rollouts: earlier turns may be older versions').
     FlowgraphError naming the episode and the first token that differs."""
-    for k, run in enumerate(runs):
-        m = len(run.ids)
-        if out["responses"][k, :m].tolist() != run.ids or \
-                out["response_mask"][k, :m].tolist() != run.sampled:
-            raise FlowgraphError(f"agent_rollout: episode {k}'s row is not the tokens it "
-                                 "sampled and was given (a bug in flowgraph: please report)")
+    rows_each = out["responses"].shape[0] // max(len(runs), 1)
+    for e, run in enumerate(runs):
+        for s, chain in enumerate(run.rows()):
+            k, m = e * rows_each + s, len(chain.ids)
+            if out["responses"][k, :m].tolist() != chain.ids or \
+                    out["response_mask"][k, :m].tolist() != chain.sampled:
+                raise FlowgraphError(f"agent_rollout: episode {e}'s row {s} is not the "
+                                     "tokens it sampled and was given (a bug in flowgraph: "
+                                     "please report)")
     mask = out["response_mask"]
     device = next(model.parameters()).device
     with ctx.workers.inference(model):

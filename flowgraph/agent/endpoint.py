@@ -20,9 +20,12 @@ each re-sent assistant message matched to the turn that was sampled for it (cont
 tool names and parsed arguments: a client's re-serialisation changes nothing), never
 re-tokenized; only the new messages (tool results, user turns) are rendered, as a delta.
 A history that does not extend the session's (a rewritten or dropped message, other
-tools) is a fork: the episode's row starts again from that request's prompt, the
-earlier chain's turns are not trained (a row holds one chain), and the fork is counted
-(`agent/forks`, the episode's `forks`) — never a silent splice.
+tools, a sub-agent's own) is a fork, counted (`agent/forks`, the episode's `forks`) —
+never a silent splice. A row holds one chain of turns: a fork closes the episode's row
+and starts the next from that request's prompt (P tokens of it; the rest of a longer
+history opens the row's response, a hole), up to the rollout's `rows_per_episode`;
+past the last row, the row starts again and its chain so far is not trained
+(`Run.dropped`).
 
 Sampling parameters come from the graph: a request whose `temperature`, `top_p`, `n`,
 `stop`, penalties, `response_format` or `stream` ask for something else is refused
@@ -345,11 +348,13 @@ class Sessions:
     def __init__(self, program: Program, tokenizer: Any, template: str | None,
                  stop_ids: Sequence[int], parser: ToolCallParser, limits: Limits,
                  prompt_tokens: int, model_name: str, temperature: float, top_p: float,
-                 concurrency: int = 64) -> None:
+                 concurrency: int = 64, rows: int = 1) -> None:
         self.program, self.tokenizer, self.template = program, tokenizer, template
         self.stop_ids, self.parser, self.limits = list(stop_ids), parser, limits
         self.prompt_tokens, self.model_name = prompt_tokens, model_name
         self.temperature, self.top_p, self.concurrency = temperature, top_p, concurrency
+        self.rows = rows
+        """Rows an episode may take: its forks' chains (`rows_per_episode`)."""
         self.base = ChatRenderer(tokenizer, template, (), stop_ids)
         """The chat template, probed (TemplateError here, before any episode starts)."""
         self.sessions: list[Session] = []
@@ -571,22 +576,30 @@ class Sessions:
         return False
 
     def _start_row(self, session: Session, prompt: list[int]) -> bool:
-        """The session's row starts (again) at `prompt`: a first request, or a fork."""
-        run = session.run
+        """The episode's row starts at `prompt`: a first request, or a fork. A fork
+        closes the present row, kept as a row of its own while the episode has rows
+        left (`rows_per_episode`), and starts the next: its prompt fills P, the rest
+        of a longer history goes first in its response, a hole."""
+        run, P = session.run, self.prompt_tokens
         if not run.active:
             return True
         if run.episode.turns >= self.limits.max_turns:
             run.end("max_turns")
             return True
-        if len(prompt) > self.prompt_tokens:
-            if not run.prompt:
+        if not run.prompt:
+            if len(prompt) > P:
                 run.end("error", FlowgraphError(
-                    f"the agent's first request is {len(prompt)} tokens, over P = "
-                    f"{self.prompt_tokens}; raise P (dims.P) or shorten its messages"))
-            else:  # a fork's history no longer fits: the row keeps its chain
-                run.end("context_exhausted")
+                    f"the agent's first request is {len(prompt)} tokens, over P = {P}; "
+                    "raise P (dims.P) or shorten its messages"))
+                return True
+            run.prompt = prompt
+            return False
+        if len(prompt) - P >= self.limits.budget:  # no room for a sampled token
+            run.end("context_exhausted")
             return True
-        run.restart(prompt)
+        run.restart(prompt[:P], keep=len(run.chains) < self.rows - 1)
+        if len(prompt) > P:
+            run.add_delta(prompt[P:])
         return False
 
     def _renderer(self, tools: list[Any]) -> ChatRenderer:
@@ -635,6 +648,8 @@ class Sessions:
     def _score(self, session: Session) -> None:
         run = session.run
         run.extra["forks"] = session.forks
+        if self.rows > 1:
+            run.extra |= {"rows": len(run.rows()), "forks_dropped": run.dropped}
         if run.episode.status in FAILED:
             return
         if not run.prompt:

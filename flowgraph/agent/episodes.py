@@ -28,7 +28,7 @@ import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 from flowgraph.agent.env import Env, Episode, Message, ToolResult, as_messages
@@ -37,8 +37,8 @@ from flowgraph.agent.render import ChatRenderer
 from flowgraph.agent.tools import Tool, tools_of
 from flowgraph.errors import FlowgraphError
 
-__all__ = ["FAILED", "AgentError", "AgentLoop", "Episodes", "Limits", "Run", "apply_on_error",
-           "cut_message", "own_frame", "score_of"]
+__all__ = ["FAILED", "AgentError", "AgentLoop", "Chain", "Episodes", "Limits", "Run",
+           "apply_on_error", "cut_message", "own_frame", "score_of"]
 
 FAILED = ("timeout", "error")
 """Statuses `on_error` applies to."""
@@ -71,9 +71,26 @@ class Limits:
     on_error: str = "mask"
 
 
+@dataclass(frozen=True)
+class Chain:
+    """One row of an episode: a prompt and the tokens after it (`Run`'s row fields)."""
+
+    prompt: list[int]
+    ids: list[int]
+    sampled: list[int]
+    log_probs: list[float]
+    versions: list[int]
+    ends: list[int]
+    turn_rewards: list[float]
+
+
 @dataclass
 class Run:
-    """One episode's state: its env, its ids, and what it has become."""
+    """One episode's state: its env, its ids, and what it has become.
+
+    An episode is one row (one chain of turns), but for a black-box agent whose
+    history forks (`flowgraph.agent.endpoint`): each fork closes the row (`chains`)
+    and starts the next, up to the rollout's `rows_per_episode`."""
 
     task: Mapping[str, Any]
     row: int = 0
@@ -109,6 +126,10 @@ class Run:
     extra: dict[str, Any] = field(default_factory=dict)
     """The entries of a dict `Env.reward` returned, but `score`."""
     failure: BaseException | None = None
+    chains: list[Chain] = field(default_factory=list)
+    """The episode's earlier rows, each closed by a fork."""
+    dropped: int = 0
+    """Forks whose chain so far was not kept (no row left for it)."""
 
     def __post_init__(self) -> None:
         self.episode = Episode(task=self.task)
@@ -129,9 +150,23 @@ class Run:
         self.log_probs += [0.0] * len(delta)
         self.versions += [-1] * len(delta)
 
-    def restart(self, prompt: list[int]) -> None:
-        """The row starts again from `prompt`, its turns so far not trained (a black-box
-        agent's fork)."""
+    def chain(self) -> Chain:
+        """The present row."""
+        return Chain(self.prompt, self.ids, self.sampled, self.log_probs, self.versions,
+                     self.ends, self.episode.turn_rewards)
+
+    def rows(self) -> list[Chain]:
+        """Every row of the episode: the chains forks closed, then the present one."""
+        return [*self.chains, self.chain()]
+
+    def restart(self, prompt: list[int], keep: bool) -> None:
+        """A black-box agent's fork: a new row starts from `prompt`; the present one,
+        if it holds a turn, is kept as a row of its own (`keep`) or not trained
+        (counted in `dropped`)."""
+        if self.ends and keep:
+            self.chains.append(self.chain())
+        elif self.ends:
+            self.dropped += 1
         self.prompt = prompt
         self.ids, self.sampled, self.log_probs, self.versions, self.ends = [], [], [], [], []
         self.episode.turn_rewards = []
@@ -412,6 +447,9 @@ def apply_on_error(runs: list[Run], on_error: str) -> list[Run]:
                 "episodes") from run.failure
         run.score = 0.0
         run.episode.turn_rewards = [0.0] * len(run.episode.turn_rewards)
+        run.chains = [replace(c, turn_rewards=[0.0] * len(c.turn_rewards),
+                              sampled=[0] * len(c.sampled) if on_error == "mask"
+                              else c.sampled) for c in run.chains]
         if on_error == "mask":
             run.sampled = [0] * len(run.sampled)
     return runs

@@ -30,6 +30,16 @@
   `await run(task, client)`: an `async def` taking two arguments. It brings its own
   tools and plays its own episode, so an `env` or `tools` beside it would be ignored:
   an error too.
+- FG608 (episodes of several rows): `rows_per_episode: c > 1` gives each episode c
+  rows, so that a black-box agent's forks each train (the rows of one episode share its
+  score). Errors, each where a row would silently count as an episode: without `agent`
+  (an env's episode never forks: c − 1 of every c rows would be empty); with `n` unset
+  (n defaults to N, so the rollout would give N·c rows per prompt: n·c = N is meant);
+  a grpo or rloo fed by it without its `episode` (each row a sample of the group: an
+  episode of c rows would count c times, an unused row as a score of 0);
+  another advantage estimator (credit flows along a row, so an episode's earlier rows
+  would get none of its reward); and an update averaging each row's token mean
+  (`seq-mean-token-mean`: an episode split in c rows would weigh c times).
 
 The chat template (FG606) needs the tokenizer: `check --data` probes it
 (`flowgraph.nodes.data_check`); otherwise the rollout refuses it when it starts
@@ -77,6 +87,7 @@ def check_agents(graph: Graph, table: dict[str, Resolved], dims: DimEnv,
         _check_program(r, listed, out)
         _check_budget(r, dims, out)
         _check_timeouts(r, offered, out)
+        _check_rows(r, table, out)
     _check_sequence_level(table, out)
 
 
@@ -392,9 +403,16 @@ def _per_sequence(spec: ParamSpec, value: object) -> str | None:
 
 
 def _episodes_of(table: dict[str, Resolved], node: NodeSpec) -> Resolved | None:
-    """The multi-turn rollout (max_turns > 1) whose responses reach `node`: back along
+    """The multi-turn rollout (max_turns > 1) whose responses reach `node`."""
+    producer = _rollout_of(table, node, "responses")
+    turns = param_value(producer, "max_turns") if producer is not None else None
+    return producer if isinstance(turns, int) and turns > 1 else None
+
+
+def _rollout_of(table: dict[str, Resolved], node: NodeSpec, port: str) -> Resolved | None:
+    """The agent rollout whose output `port` reaches `node`'s input `port`: back along
     the wiring, each node passing on its input of the output's name (a filter's)."""
-    ref, seen = node.input("responses"), set()
+    ref, seen = node.input(port), set()
     while ref is not None and (ref.node, ref.port) not in seen:
         seen.add((ref.node, ref.port))
         producer = table.get(ref.node)
@@ -402,7 +420,59 @@ def _episodes_of(table: dict[str, Resolved], node: NodeSpec) -> Resolved | None:
                                                                         NodeSpec):
             return None
         if _is_agent(producer):
-            turns = param_value(producer, "max_turns")
-            return producer if isinstance(turns, int) and turns > 1 else None
+            return producer
         ref = producer.spec.input(ref.port)
     return None
+
+
+# --- FG608: episodes of several rows -------------------------------------------------------
+
+EPISODE_ESTIMATORS = ("grpo", "rloo")
+"""The advantage kinds that count a group's samples by episode (their `episode` input)."""
+
+
+def _check_rows(r: Resolved, table: dict[str, Resolved], out: list[Diagnostic]) -> None:
+    c = param_value(r, "rows_per_episode")
+    if not isinstance(c, int) or isinstance(c, bool) or c <= 1:
+        return
+    at, why = _pos(r, "rows_per_episode"), f"`{r.name}` gives each episode {c} rows"
+    if param_value(r, "agent") is None:
+        out.append(error(
+            "FG608", f"{why}, but its episodes are an env's, which never fork: a row each "
+            f"would be used and {c - 1} of every {c} left empty", at, node=r.name,
+            hint="rows_per_episode holds a black-box agent's (`agent`) forks; leave it at 1"))
+        return
+    if param_value(r, "n") is None:
+        out.append(error(
+            "FG608", f"{why} and leaves `n` to the global N: N·{c} rows per prompt where "
+            "the graph's batch holds N", at, node=r.name,
+            hint=f"set `n` (episodes per prompt) to N / {c}: n·rows_per_episode rows per "
+                 "prompt make the graph's N"))
+    for other in table.values():
+        if other.kind is None or not isinstance(other.spec, NodeSpec):
+            continue
+        kind, spec = other.kind, other.spec
+        if kind.category == "advantage" and _rollout_of(table, spec, "response_mask") is r:
+            if kind.name not in EPISODE_ESTIMATORS:
+                out.append(error(
+                    "FG608", f"`{other.name}` ({kind.name}) takes its credit along each row "
+                    f"of `{r.name}`, whose episodes take up to {c} rows: an episode's "
+                    "earlier rows would get none of its reward", other.pos, node=other.name,
+                    hint=f"an outcome estimator that counts episodes: "
+                         f"{' or '.join(EPISODE_ESTIMATORS)} with `episode: {r.name}.episode`"))
+            elif spec.input("episode") is None:
+                out.append(error(
+                    "FG608", f"`{other.name}` ({kind.name}) counts each row of `{r.name}` as "
+                    f"a sample of its group, but an episode takes up to {c} rows: one "
+                    f"that took {c} would count {c} times, an unused row as a score of 0",
+                    other.pos, node=other.name,
+                    hint=f"wire `episode: {r.name}.episode` into `{other.name}`"))
+        if kind.trains and _rollout_of(table, spec, "responses") is r and \
+                param_value(other, "loss_agg_mode") == "seq-mean-token-mean":
+            out.append(error(
+                "FG608", f"`{other.name}` averages each row's token mean "
+                f"(loss_agg_mode: seq-mean-token-mean), and `{r.name}` splits an episode "
+                f"into up to {c} rows: an episode of {c} rows would weigh {c} times",
+                _pos(other, "loss_agg_mode"), node=other.name,
+                hint="token-mean (or seq-mean-token-sum, seq-mean-token-sum-norm): a "
+                     "token's weight then does not depend on its episode's rows"))

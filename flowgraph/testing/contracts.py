@@ -129,6 +129,10 @@ def _make_input(port: PortSpec, shape: tuple[int, ...], *, vocab: int, group: in
         if shuffle_groups:
             ids = ids[torch.randperm(b, generator=gen)]
         return ids.long()
+    if port.name == "episode" and len(shape) == 1:  # an agent_rollout's: rows of one
+        ids = torch.arange(shape[0])                 # episode share its score, so each
+        unused = torch.rand(shape, generator=gen) < 0.25  # row is its own here; -1 unused
+        return torch.where(unused, -1, ids).long()
     if spec.dtype == "mask" or "binary" in spec.constraints:
         return _mask(shape, prompt=_is_prompt(port), gen=gen)
     if all(d.startswith(("int", "uint")) for d in spec.dtypes):

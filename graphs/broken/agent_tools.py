@@ -50,3 +50,13 @@ class Guess(Env):
 def run_agent(task, client):
     """A black-box agent written as a plain function: the rollout awaits it (FG607)."""
     return 0.0
+
+
+async def sub_agent(task, client):
+    """A black-box agent that hands its task to a sub-agent with a history of its own:
+    each request after the first forks (`rows_per_episode`)."""
+    messages = [{"role": "user", "content": task["prompt"]}]
+    await client.chat.completions.create(model="policy", messages=messages)
+    messages = [{"role": "user", "content": "solve: " + task["prompt"]}]
+    await client.chat.completions.create(model="policy", messages=messages)
+    return 1.0

@@ -125,6 +125,84 @@ def test_a_rewritten_history_forks_the_row(model_and_tok):
     assert int(out["turn_mask"][0].sum()) == 1
 
 
+async def forking(task, client):
+    """A sub-agent's way: after each completion it starts a history of its own (the
+    answer so far summed up), `task["forks"]` times; then it answers from the last."""
+    messages = [{"role": "user", "content": task["prompt"]}]
+    for k in range(task.get("forks", 1) + 1):
+        r = await client.chat.completions.create(model="m", messages=messages)
+        messages = [{"role": "system", "content": task.get("system", "")},
+                    {"role": "user", "content": f"part {k + 1}: {task['prompt']}"}]
+    return 1.0 if r.choices else 0.0
+
+
+def _row_ids(out, k):
+    """Row k as a trainer sees it: the prompt's tokens, then the response's up to its
+    last trained one."""
+    prompt = out["prompts"][k][out["prompt_mask"][k].bool()].tolist()
+    mask = out["response_mask"][k]
+    last = int(mask.nonzero().max()) + 1 if mask.any() else 0
+    return prompt + out["responses"][k][:last].tolist()
+
+
+def test_each_fork_trains_as_a_row_of_its_episode(model_and_tok):
+    model, tok = model_and_tok
+    out, ctx = run(model, tok, rows=ROWS[:1], agent=rewriting, max_turns=4,
+                   rows_per_episode=2)
+    # 2 episodes x 2 rows, an episode's rows one after the other
+    assert out["episode"].tolist() == [0, 0, 1, 1]  # row 0 x n 2 + sample
+    assert out["responses"].shape[0] == 4 and out["index"].tolist() == [0, 0, 0, 0]
+    for e in (0, 2):
+        first, fork = out["response_mask"][e], out["response_mask"][e + 1]
+        assert first.any() and fork.any()  # the chain before the fork is trained too
+        assert "I did it differently." not in tok.decode(_row_ids(out, e))
+        assert "I did it differently." in tok.decode(_row_ids(out, e + 1))
+        assert out["turn_mask"][e].sum() == 1 and out["turn_mask"][e + 1].sum() == 1
+        # the episode's score on each of its rows, its reward once, on its last row
+        assert out["scores"][e] == out["scores"][e + 1] == 1.0
+        assert out["token_level_rewards"][e].sum() == 0.0
+        assert out["token_level_rewards"][e + 1].sum() == 1.0
+        assert out["status"][e] == out["status"][e + 1]
+    assert ctx.metrics["agent/forks"] == 1.0 and ctx.metrics["agent/rows"] == 2.0
+    assert ctx.metrics["agent/forks_dropped"] == 0.0
+    assert [i["rows"] for i in out["reward_extra_info"]] == [2, 2, 2, 2]
+
+
+def test_forks_past_the_last_row_are_counted_and_unused_rows_train_nothing(model_and_tok):
+    model, tok = model_and_tok
+    rows = [{"prompt": "reverse 12", "forks": 3}, {"prompt": "reverse 34", "forks": 0}]
+    out, ctx = run(model, tok, rows=rows, agent=forking, n=1, max_turns=4,
+                   rows_per_episode=2)
+    # episode 0 forked 3 times into 2 rows: its first chain, then its last (the two
+    # between were not trained); episode 1 never forked: its second row is unused
+    assert out["episode"].tolist() == [0, 0, 1, -1]
+    assert "part 3" in tok.decode(_row_ids(out, 1)) and "part" not in tok.decode(
+        _row_ids(out, 0))
+    assert out["response_mask"][3].sum() == 0 and out["response_mask"][2].any()
+    assert out["num_turns"].tolist() == [4, 4, 1, 1]
+    assert ctx.metrics["agent/forks"] == 1.5 and ctx.metrics["agent/forks_dropped"] == 1.0
+    assert ctx.metrics["agent/rows"] == 1.5
+
+
+def test_a_fork_longer_than_P_starts_its_row_with_a_hole(model_and_tok):
+    """A fork's history over P tokens: P of them are the row's prompt, the rest its
+    response's first tokens, never trained; its turn is trained and checked."""
+    model, tok = model_and_tok
+    rows = [{"prompt": "reverse 12", "forks": 1, "system": "x " * 30}]
+    out, _ = run(model, tok, rows=rows, agent=forking, n=1, rows_per_episode=2)
+    fork = out["response_mask"][1]
+    start = int(fork.nonzero().min())
+    assert start > 0 and out["prompt_mask"][1].sum() == 48  # P, whole
+    assert (out["responses"][1][:start] != 0).all()  # the rest of the history: a hole
+    assert out["status"] == ["completed", "completed"]
+
+
+def test_rows_per_episode_is_the_black_box_agents(model_and_tok):
+    model, tok = model_and_tok
+    with pytest.raises(FlowgraphError, match="rows_per_episode 2 holds a black-box agent"):
+        run(model, tok, rows=ROWS[:1], tools=[lookup], rows_per_episode=2)
+
+
 async def hot(task, client):
     await client.chat.completions.create(model="m", temperature=0.7,
                                          messages=[{"role": "user", "content": "hi"}])

@@ -34,6 +34,57 @@ def test_the_black_box_calculator_gives_the_native_graphs_numbers(tmp_path: Path
     assert [r["agent/forks"] for r in black] == [0.0, 0.0]
 
 
+FORKING = [*SMALL, "dims.N=4", "nodes.update.params.mini_batch_size=16"]
+"""SMALL with 2 episodes of 2 rows per prompt."""
+
+
+def _subagent_graph(folder: Path) -> Path:
+    """agent_calculator_openai.yaml with tests/plugins/agent_subagent.py's program, whose
+    episodes fork once: two rows each (n 2, rows_per_episode 2: N = 4 rows per prompt),
+    grpo counting episodes."""
+    text = (ROOT / "graphs" / "agent_calculator_openai.yaml").read_text()
+    for old, new in (
+            ("plugins: [agent_calculator.py, agent_calculator_openai.py]",
+             "plugins: [agent_subagent.py]"),
+            ('agent: "agent_calculator_openai.py:run"',
+             'agent: "agent_subagent.py:run"\n      n: 2\n      rows_per_episode: 2'),
+            ("index: agent.index}", "index: agent.index, episode: agent.episode}")):
+        assert old in text, old
+        text = text.replace(old, new)
+    path = folder / "subagent.yaml"
+    path.write_text(text)
+    (folder / "agent_subagent.py").write_text(
+        (ROOT / "tests" / "plugins" / "agent_subagent.py").read_text())
+    return path
+
+
+def test_a_forking_agents_chains_train_as_rows_of_their_episodes(tmp_path: Path) -> None:
+    graph = _subagent_graph(tmp_path)
+    rows = _run_graph(graph, tmp_path / "run", *FORKING)
+    assert [r["agent/forks"] for r in rows] == [1.0, 1.0]
+    assert [r["agent/rows"] for r in rows] == [2.0, 2.0]
+    assert [r["agent/forks_dropped"] for r in rows] == [0.0, 0.0]
+    # every episode trains both chains: two turns per episode, one per row
+    assert [r["agent/turns"] for r in rows] == [2.0, 2.0]
+    assert all(0.0 < r["critic/score/mean"] < 1.0 for r in rows)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("target", ["fsdp", "ray"])
+def test_forking_episodes_on_two_workers_give_the_local_numbers(tmp_path: Path,
+                                                                target: str) -> None:
+    graph = _subagent_graph(tmp_path)
+    local = _run_graph(graph, tmp_path / "local", *FORKING)
+    other = _run_graph(graph, tmp_path / target, *FORKING, "--target", target, "--nproc", "2")
+    assert_same_numbers(other, local)
+
+
+def _run_graph(graph: Path, run_dir: Path, *overrides: str) -> list[dict[str, Any]]:
+    assert main(["run", str(graph), f"trainer.run_dir={run_dir}", *overrides]) == 0
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("target", ["fsdp", "ray"])

@@ -452,3 +452,49 @@ async def lonely(task):
 def test_an_agent_program_is_awaited_with_task_and_client(
         tmp_path: Path, edits: list[tuple[str, str]], expected: list[str]) -> None:
     assert _lines(_check(tmp_path, *edits, plugin=PROGRAMS), tmp_path) == expected
+
+
+# --- FG608 ------------------------------------------------------------------------------
+
+AGENT = ("      env: envs.py:Guess\n      tools: [envs.py:lookup]\n",
+         "      agent: envs.py:run\n      n: 1\n      rows_per_episode: 2\n")
+EPISODE = ("index: agent.index}", "index: agent.index, episode: agent.episode}")
+
+
+@pytest.mark.parametrize(("edits", "expected"), [
+    ([AGENT, EPISODE], []),
+    ([AGENT, EPISODE, ("kind: grpo", "kind: rloo")], []),
+    ([AGENT], ["error FG608: `adv` (grpo) counts each row of `agent` as a sample of its "
+               "group, but an episode takes up to 2 rows: one that took 2 would count 2 "
+               "times, an unused row as a score of 0"]),
+    ([AGENT, ("kind: grpo\n    inputs: {scores: agent.scores, response_mask: "
+              "agent.response_mask, index: agent.index}",
+              "kind: reinforce_pp\n    inputs: {token_level_rewards: "
+              "agent.token_level_rewards, response_mask: agent.response_mask}")],
+     ["error FG608: `adv` (reinforce_pp) takes its credit along each row of `agent`, whose "
+      "episodes take up to 2 rows: an episode's earlier rows would get none of its "
+      "reward"]),
+    ([AGENT, EPISODE, ("advantages: adv.advantages",
+                       "advantages: adv.advantages\n    params: "
+                       "{loss_agg_mode: seq-mean-token-mean}")],
+     ["error FG608: `update` averages each row's token mean (loss_agg_mode: "
+      "seq-mean-token-mean), and `agent` splits an episode into up to 2 rows: an episode "
+      "of 2 rows would weigh 2 times"]),
+    ([AGENT, EPISODE, ("advantages: adv.advantages",
+                       "advantages: adv.advantages\n    params: "
+                       "{loss_agg_mode: seq-mean-token-sum}")], []),
+    ([(AGENT[0], "      agent: envs.py:run\n      rows_per_episode: 2\n"), EPISODE],
+     ["error FG608: `agent` gives each episode 2 rows and leaves `n` to the global N: N·2 "
+      "rows per prompt where the graph's batch holds N"]),
+    ([("      tools: [envs.py:lookup]\n",
+       "      tools: [envs.py:lookup]\n      n: 1\n      rows_per_episode: 2\n"), EPISODE],
+     ["error FG608: `agent` gives each episode 2 rows, but its episodes are an env's, "
+      "which never fork: a row each would be used and 1 of every 2 left empty"]),
+])
+def test_episodes_of_several_rows_count_as_episodes(
+        tmp_path: Path, edits: list[tuple[str, str]], expected: list[str]) -> None:
+    """rows_per_episode: 2 with n: 1 gives the N = 2 rows per prompt the graph has."""
+    found = _check(tmp_path, *edits, plugin=PROGRAMS, code="FG608")
+    assert _lines(found, tmp_path) == expected
+    if not expected:  # and nothing else, the shapes included
+        assert _check(tmp_path, *edits, plugin=PROGRAMS, code="FG") == []

@@ -380,6 +380,41 @@ def test_rloo_matches_loop(batch: tuple[Tensor, Tensor, Tensor]) -> None:
     torch.testing.assert_close(ret, adv)
 
 
+@HYP
+@given(batch=group_batch(), norm_by_std=st.booleans(), seed=st.integers(0, 2**16))
+def test_episode_rows_count_once(batch: tuple[Tensor, Tensor, Tensor], norm_by_std: bool,
+                                 seed: int) -> None:
+    """An agent_rollout's episodes of several rows (`episode`): grpo and rloo give each
+    row its episode's advantage, as if each episode were one row; unused rows get 0."""
+    scores, mask, index = batch
+    g = torch.Generator().manual_seed(seed)
+    rows_each = torch.randint(1, 4, (scores.shape[0],), generator=g)  # rows it took, of 3
+    slots = torch.arange(3).repeat(scores.shape[0])
+    episode = torch.arange(scores.shape[0]).repeat_interleave(3)
+    used = slots < rows_each.repeat_interleave(3)
+    wide = mask.repeat_interleave(3, dim=0) * used[:, None]
+    ep = torch.where(used, episode, -1)
+    for fn, kw in ((grpo, {"norm_by_std": norm_by_std}), (rloo, {})):
+        one, _ = fn(scores, mask, index, **kw)
+        many, _ = fn(scores.repeat_interleave(3), wide, index.repeat_interleave(3),
+                     episode=ep, **kw)
+        expected = one.repeat_interleave(3, dim=0) * used[:, None]
+        torch.testing.assert_close(many, expected, atol=1e-6, rtol=0)
+
+
+def test_episode_rows_with_other_scores_are_refused() -> None:
+    scores, mask = torch.tensor([1.0, 0.5, 0.0, 0.0]), torch.ones(4, 2)
+    index, episode = torch.tensor([0, 0, 0, 0]), torch.tensor([3, 3, 4, -1])
+    for fn in (grpo, rloo):
+        with pytest.raises(ValueError, match=r"rows 0 and 1 are one episode \(3\) with "
+                                             r"scores 1.0 and 0.5"):
+            fn(scores, mask, index, episode=episode)
+    adv, _ = grpo(torch.tensor([1.0, 1.0, 0.0, 7.0]), mask, index, episode=episode)
+    # two episodes in the group: 1 and 0, the unused row's 7 counts nowhere
+    torch.testing.assert_close(adv[:, 0], torch.tensor([0.7071058, 0.7071058, -0.7071058,
+                                                        0.0]), atol=1e-6, rtol=0)
+
+
 def test_group_estimators_reject_bad_index() -> None:
     scores, mask = torch.zeros(3), torch.ones(3, 2)
     with pytest.raises(ValueError, match="integer tensor of group ids"):
