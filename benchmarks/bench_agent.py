@@ -36,9 +36,10 @@ after a turn's batch is sampled, for the episodes' tool calls, env replies and d
 timed around `Episodes.wait`) and the summed tool seconds per episode
 (`agent/tool_time_s`: 3 x 0.2 s when each call took its 200 ms and no more). The runs
 of a tool are minutes apart at the larger sizes, so other jobs starting or ending on the
-machine change one tool's steps and not another's: the load average after each run is
-printed, with a warning when other jobs shared the cores (the step times then measure
-them; the between-turns seconds do not).
+machine change one tool's steps and not another's: how many cores other jobs wanted
+during each run is printed (`Others`: the load average less this process's CPU use),
+with a warning when they shared the cores (the step times then measure them; the
+between-turns seconds do not).
 
 The actor (`--model`, one or more, measured one after another; each has its default
 runs x steps in `MODELS`, --repeats / --steps override them all):
@@ -222,18 +223,34 @@ KEYS = {"step": "timing_s/step", "rollout": "timing_s/agent", "between": "betwee
 """Table column -> the metric (or `run_once`'s own) it shows."""
 
 
-def busy(loads: list[float]) -> str:
-    """A line on the machine's load average (1 min) before and after each run: a warning
-    when other jobs shared the cores (over cores + 1: this benchmark alone keeps it near
-    the number of cores), since the step times then measure them too."""
-    cores = os.cpu_count() or 1
-    line = (f"load average before and after each run: {' '.join(f'{x:.1f}' for x in loads)}"
-            f" ({cores} cores)")
-    if max(loads) > cores + 1:
-        line += ("; WARNING: other jobs shared the cores, so the step times (and the ratio) "
-                 "measure them too; rerun on an idle machine (the between-turns column "
-                 "does not depend on them)")
-    return line
+class Others:
+    """How busy other jobs kept the machine during each run: the load average (1 min)
+    after the run less the cores this process used over it (its CPU seconds / wall
+    seconds), roughly how many cores' worth of other work wanted to run."""
+
+    WARN = 0.75
+    """Over this (cores), the line warns."""
+
+    def __init__(self) -> None:
+        self.cores: list[float] = []
+        self.start = (time.perf_counter(), time.process_time())
+
+    def lap(self) -> None:
+        """One run ended."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        own = (cpu - self.start[1]) / max(wall - self.start[0], 1e-9)
+        self.cores.append(os.getloadavg()[0] - own)
+        self.start = (wall, cpu)
+
+    def line(self) -> str:
+        """The cores other jobs wanted, run by run; a warning when they were many."""
+        text = (f"other jobs on the {os.cpu_count()} cores (load average less this "
+                f"process's use), run by run: {' '.join(f'{x:.1f}' for x in self.cores)}")
+        if max(self.cores) > self.WARN:
+            text += ("; WARNING: other jobs shared the cores, so the step times (and the "
+                     "ratio) measure them too: rerun on an idle machine (the between-turns "
+                     "column does not depend on them)")
+        return text
 
 
 def measure(name: str, folder: Path, args: argparse.Namespace, between: _BetweenTurns
@@ -242,15 +259,16 @@ def measure(name: str, folder: Path, args: argparse.Namespace, between: _Between
     print its table and return its ratio (sync tool / instant tool, median steps)."""
     repeats, steps = MODELS[name][1:]
     repeats, steps = args.repeats or repeats, args.steps or steps
-    start, loads = time.perf_counter(), [os.getloadavg()[0]]
+    start = time.perf_counter()
     path = MODELS[name][0] or str(build_shape(name, folder))
+    others = Others()
     seen: dict[str, dict[str, list[float]]] = {v: {k: [] for k in KEYS} for v in TOOLS}
     for _ in range(repeats):
         for variant in TOOLS:
             for row in run_once(folder, path, variant, steps, args.episodes, between)[1:]:
                 for k, metric in KEYS.items():
                     seen[variant][k].append(row[metric])
-            loads.append(os.getloadavg()[0])
+            others.lap()
     med = {v: {k: statistics.median(xs) for k, xs in d.items()} for v, d in seen.items()}
     fast = {v: min(d["step"]) for v, d in seen.items()}
     base, floor = med["instant"]["step"], 3 * DELAY_S
@@ -258,7 +276,7 @@ def measure(name: str, folder: Path, args: argparse.Namespace, between: _Between
           f"{args.episodes} episodes x 3 tool calls; medians of "
           f"{len(seen['instant']['step'])} steps per tool ({repeats} runs x {steps - 1} "
           f"steps), and the fastest step; {time.perf_counter() - start:.0f} s in all")
-    print(busy(loads))
+    print(others.line())
     print(f"{'tool':8s} {'step s':>7s} {'fastest':>8s} {'+ s/step':>9s} {'rollout s':>10s} "
           f"{'between turns s':>16s} {'tool s/episode':>15s} {'ratio':>6s} {'fastest':>8s}")
     for v in TOOLS:
