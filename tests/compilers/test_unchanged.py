@@ -33,6 +33,11 @@ FIXTURE = json.loads(record.FIXTURE.read_text())
 CASES: dict[str, tuple[str, tuple[str, ...]]] = record.cases()
 
 
+def test_every_case_of_the_fixture_is_run() -> None:
+    assert sorted(CASES) == sorted(FIXTURE)
+    assert all(sorted(FIXTURE[c]) == ["fsdp", "local", "ray"] for c in FIXTURE)
+
+
 def _recorded(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """`rows` as the fixture holds them (`record.as_recorded`: without the metrics added
     since it was recorded), each of those present."""
