@@ -341,7 +341,8 @@ def grpo(
         s = scores.to(torch.float64)
         stand = _episodes(fn, episode, s)
         scored = torch.ones_like(stand) if score_mask is None else score_mask.bool()
-        count, mean, std = _group_stats(s[stand & scored], inverse[stand & scored], groups)
+        counted = stand & scored
+        count, mean, std = _group_stats(s[counted], inverse[counted], groups)
         centred = s - mean[inverse]
         per_seq = centred / (std[inverse] + epsilon) if norm_by_std else centred
         if score_mask is not None:

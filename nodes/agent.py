@@ -258,7 +258,7 @@ def _check_prompts(first: list[list[int]], P: int, rows: list[int], n: int) -> N
             "messages `Env.reset` returns")
 
 
-def _tensors(runs: list[Run], P: int, T: int, K: int, pad: int, rows: int = 1
+def _tensors(runs: list[Run], P: int, T: int, K: int, pad: int, rows: int
              ) -> dict[str, Tensor]:
     """Each episode's `rows` rows (`Run.rows`, then unused ones): its first prompt or a
     fork's, and the tokens after it; the episode's reward at the last sampled token of
@@ -300,9 +300,8 @@ def _tensors(runs: list[Run], P: int, T: int, K: int, pad: int, rows: int = 1
         if last is not None:
             ends = chains[last].ends
             out["token_level_rewards"][e * rows + last, ends[-1]] += run.score
-    scores = out["token_level_rewards"].sum(-1)
-    out["scores"] = scores.view(-1, rows).sum(-1).repeat_interleave(rows) if rows > 1 \
-        else scores
+    episode_total = out["token_level_rewards"].sum(-1).view(-1, rows).sum(-1)
+    out["scores"] = episode_total.repeat_interleave(rows)
     out["num_turns"] = torch.tensor([run.episode.turns for run in runs],
                                     dtype=torch.int64).repeat_interleave(rows)
     out["tool_calls"] = torch.tensor([run.episode.tool_calls for run in runs],
@@ -356,7 +355,7 @@ def _failures(ctx: NodeContext, runs: list[Run], on_error: str) -> None:
           f"{new[0].row}: {new[0].episode.error}", file=sys.stderr, flush=True)
 
 
-def _metrics(ctx: NodeContext, runs: list[Run], out: Mapping[str, Tensor], rows_each: int = 1
+def _metrics(ctx: NodeContext, runs: list[Run], out: Mapping[str, Tensor], rows_each: int
              ) -> None:
     """`agent/turns`, `agent/tool_calls`, `agent/tool_time_s`, `agent/forks` (a black-box
     agent's histories that did not extend its session's), `agent/versions_per_episode`

@@ -21,10 +21,15 @@ SMALL = ["models.actor.path=builtin:tiny-lm", "dims.Bp=4", "dims.N=2", "trainer.
 """Two steps of 8 episodes on the untrained tiny model (no warm-up to train)."""
 
 
-def _run(graph: str, run_dir: Path, *overrides: str) -> list[dict[str, Any]]:
-    assert main(["run", str(ROOT / "graphs" / graph), f"trainer.run_dir={run_dir}",
-                 *overrides]) == 0
+def _run_graph(graph: Path, run_dir: Path, *overrides: str) -> list[dict[str, Any]]:
+    """The metric rows of the graph file `graph` run with `overrides`."""
+    assert main(["run", str(graph), f"trainer.run_dir={run_dir}", *overrides]) == 0
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+
+
+def _run(graph: str, run_dir: Path, *overrides: str) -> list[dict[str, Any]]:
+    """The metric rows of graphs/`graph` run with `overrides`."""
+    return _run_graph(ROOT / "graphs" / graph, run_dir, *overrides)
 
 
 def test_the_black_box_calculator_gives_the_native_graphs_numbers(tmp_path: Path) -> None:
@@ -78,11 +83,6 @@ def test_forking_episodes_on_two_workers_give_the_local_numbers(tmp_path: Path,
     local = _run_graph(graph, tmp_path / "local", *FORKING)
     other = _run_graph(graph, tmp_path / target, *FORKING, "--target", target, "--nproc", "2")
     assert_same_numbers(other, local)
-
-
-def _run_graph(graph: Path, run_dir: Path, *overrides: str) -> list[dict[str, Any]]:
-    assert main(["run", str(graph), f"trainer.run_dir={run_dir}", *overrides]) == 0
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
 
 
 @pytest.mark.slow
