@@ -92,21 +92,18 @@ DELAY_S = 0.2
 """What the slow `lookup` takes (_agent_bench_env.DELAY_S)."""
 TOOLS = {"instant": "Instant", "sync": "Sync", "async": "Async"}
 """Each variant's env (_agent_bench_env.py), holding its `lookup` tool."""
-SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
-    "smollm2-135m-shape": ("llama", {
+SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "smollm2-135m-shape": ("HuggingFaceTB/SmolLM2-135M", "llama", {
         "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
         "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
         "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True}),
-    "qwen0.5b-shape": ("qwen2", {
+    "qwen0.5b-shape": ("Qwen/Qwen2.5-0.5B", "qwen2", {
         "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
         "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
         "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": True}),
 }
-"""Real models' architectures (their config.json but the vocabulary: `build_shape`)."""
-SHAPE_NOTES = {
-    "smollm2-135m-shape": "HuggingFaceTB/SmolLM2-135M's shape, random weights, vocabulary 512",
-    "qwen0.5b-shape": "Qwen/Qwen2.5-0.5B's shape, random weights, vocabulary 512",
-}
+"""Real models (hub id, architecture, their config.json but the vocabulary:
+`build_shape`)."""
 MODELS: dict[str, tuple[str | None, int, int]] = {
     "tiny": ("builtin:tiny-lm-sft", 3, 4),
     "smollm2-135m-shape": (None, 2, 3),
@@ -181,7 +178,7 @@ def build_shape(name: str, folder: Path) -> Path:
 
     from flowgraph.nodes.models import build_tiny_tokenizer
 
-    arch, fields = SHAPES[name]
+    _, arch, fields = SHAPES[name]
     config_class, model_class = ((Qwen2Config, Qwen2ForCausalLM) if arch == "qwen2"
                                  else (LlamaConfig, LlamaForCausalLM))
     target = folder / name
@@ -272,7 +269,9 @@ def measure(name: str, folder: Path, args: argparse.Namespace, between: _Between
     med = {v: {k: statistics.median(xs) for k, xs in d.items()} for v, d in seen.items()}
     fast = {v: min(d["step"]) for v, d in seen.items()}
     base, floor = med["instant"]["step"], 3 * DELAY_S
-    print(f"\n== {name} ({path if MODELS[name][0] else SHAPE_NOTES[name]}): "
+    about = path if MODELS[name][0] else \
+        f"{SHAPES[name][0]}'s shape, random weights, vocabulary 512"
+    print(f"\n== {name} ({about}): "
           f"{args.episodes} episodes x 3 tool calls; medians of "
           f"{len(seen['instant']['step'])} steps per tool ({repeats} runs x {steps - 1} "
           f"steps), and the fastest step; {time.perf_counter() - start:.0f} s in all")
