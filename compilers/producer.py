@@ -62,6 +62,9 @@ class ProcessRollouts(SentRollouts):
         self.published = self.mp.Value("q", -1, lock=False)
         self.grabbed = self.mp.Value("q", -1, lock=False)
         self.stop = self.mp.Value("b", 0, lock=False)
+        self.started = self.mp.Value("b", 0, lock=False)
+        """Set by the producer's first line: a process that exits before it never ran
+        (Python, starting it, imports the user's script again, which may fail)."""
         self.cond = self.mp.Condition()
         self.queue = self.mp.Queue(maxsize=0 if self.block else self.S + 1)
         self.proc: Any = None
@@ -87,8 +90,8 @@ class ProcessRollouts(SentRollouts):
             target=_producer_main, name="flowgraph-rollouts", daemon=False,
             args=((self.plan.to_json(), self.plan.pickled_objects()), self.names,
                   str(self.opts.run_dir), self.opts.device, self.opts.strict, self.shared,
-                  self.published, self.grabbed, self.stop, self.cond, self.queue, self.busy,
-                  first, step,
+                  self.published, self.grabbed, self.stop, self.started, self.cond,
+                  self.queue, self.busy, first, step,
                   cursors, state,
                   cores[1] if cores is not None and self.own else None, os.getpid()))
         self.proc.start()
@@ -167,6 +170,12 @@ class ProcessRollouts(SentRollouts):
         if self.proc is not None and not self.proc.is_alive():
             code = self.proc.exitcode
             self.proc = None
+            if not self.started.value:
+                raise FlowgraphError(
+                    f"the rollout producer process exited (code {code}) before it started, "
+                    "its error printed above: Python starts it by importing your script "
+                    "again, so a script that starts a run must do so under "
+                    "`if __name__ == \"__main__\":`")
             raise FlowgraphError(
                 f"the rollout producer process exited (code {code}) while the trainer waited "
                 f"for it at {where}, without saying why (killed, or out of memory?)")
@@ -187,13 +196,15 @@ def _halves() -> tuple[set[int], set[int]] | None:
 def _producer_main(sent: tuple[str, bytes | None], names: list[str], run_dir: str,
                    device: str, strict: bool,
                    shared: dict[str, dict[str, torch.Tensor]], published: Any, grabbed: Any,
-                   stop: Any, cond: Any, out: Any, busy: Any, first: int, origin: int,
+                   stop: Any, started: Any, cond: Any, out: Any, busy: Any, first: int,
+                   origin: int,
                    cursors: dict[str, dict[str, Any]], node_state: dict[str, dict[str, Any]],
                    cores: set[int] | None, parent: int) -> None:
     """The producer process: a worker hosting the models the producer's nodes run (no
     optimizer, no prologue: the consumer looks its outputs up), generating the rollouts
     of steps `first`, `first` + 1, … with the versions admission allows (`parent`: the
     trainer's pid; `sent`: the plan's JSON and its Python objects, pickled)."""
+    started.value = 1
     # The trainer decides what a signal means (it stops at a step's end, `close`s this
     # process); a killed trainer kills this one at once (the kernel's parent-death signal)
     for signum in STOP_SIGNALS:

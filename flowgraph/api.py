@@ -207,6 +207,16 @@ def _kinds(plan: ExecutionPlan) -> dict[str, KindSpec]:
     return kinds
 
 
+def not_in_a_worker(caller: dict[str, Any], call: str) -> None:
+    """Refuse `call` made by a script that a worker process of a run (an fsdp rank, the
+    rollout producer) imports again as it starts: the run would start again inside it."""
+    if caller.get("__name__") == "__mp_main__":
+        raise UsageError(f"{call} was called again as a worker process of the run "
+                         "imported your script: start the run under "
+                         "`if __name__ == \"__main__\":` (Python's rule for scripts that "
+                         "start processes)")
+
+
 def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
         nproc: int | None = None, overrides: Sequence[str] = (), disable: Sequence[str] = (),
         run_dir: str | Path | None = None, debug: bool = False, **options: Any) -> Run:
@@ -223,12 +233,7 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
     in its message: `flowgraph.run(..., resume=True)`)."""
     from flowgraph.compilers import RunOptions
 
-    if sys._getframe(1).f_globals.get("__name__") == "__mp_main__":
-        # a worker process (an fsdp rank, the rollout producer) importing the user's script
-        raise UsageError("flowgraph.run was called again as a worker process of the run "
-                         "imported your script: start the run under "
-                         "`if __name__ == \"__main__\":` (Python's rule for scripts that "
-                         "start processes)")
+    not_in_a_worker(sys._getframe(1).f_globals, "flowgraph.run")
     with python_entry():
         _known_options(options)
         options.setdefault("called_with", _called_with(plan))

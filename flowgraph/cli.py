@@ -556,6 +556,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from flowgraph.api import not_in_a_worker
+
+    not_in_a_worker(sys._getframe(1).f_globals, "flowgraph.cli.main")
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # argparse stops taking positionals after an option; `compile FILE --target ray k=v`

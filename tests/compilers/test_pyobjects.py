@@ -245,3 +245,27 @@ def test_stdin_finds_a_plugin_file_in_the_working_directory_and_names_it_when_mi
     assert f"plugin file `nb_rewards.py` not found; looked in {tmp_path}: a plugin file is " \
            "relative to the folder of the graph file that lists it, or to the working " \
            "directory for a graph built in a notebook, stdin or `python -c`" in proc.stderr
+
+
+UNGUARDED = {
+    "flowgraph.run": "import flowgraph\nflowgraph.run('{graph}', overrides={overrides})\n",
+    "flowgraph.cli.main": "import sys\nimport flowgraph.cli\n"
+                          "sys.exit(flowgraph.cli.main(['run', '{graph}', *{overrides}]))\n",
+}
+
+
+@pytest.mark.parametrize("call", sorted(UNGUARDED))
+def test_a_script_without_a_main_guard_is_told_to_add_one(tmp_path: Path, call: str) -> None:
+    """The rollout producer (a process of its own) imports the script again as it starts:
+    the call made there is refused with the fix, and the trainer says the producer never
+    started and where its error is, not "killed, or out of memory?"."""
+    graph = Path(__file__).parents[2] / "graphs" / "grpo.yaml"
+    overrides = ["trainer.max_staleness=1", "trainer.steps=1", f"trainer.run_dir={tmp_path}/r"]
+    (tmp_path / "train.py").write_text(UNGUARDED[call].format(graph=graph, overrides=overrides))
+    proc = _python(tmp_path, "train.py")
+    assert proc.returncode != 0
+    assert f"{call} was called again as a worker process of the run imported your script: " \
+           "start the run under `if __name__ == \"__main__\":`" in proc.stderr
+    assert "the rollout producer process exited (code 1) before it started, its error " \
+           "printed above" in proc.stderr
+    assert "out of memory" not in proc.stderr
