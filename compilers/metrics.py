@@ -23,6 +23,13 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float((x.float() * m).sum() / m.sum().clamp_min(1.0))
 
 
+def _used_rows(env: dict[tuple[str, str], Any], rollout: str) -> torch.Tensor | slice:
+    """The rows of a rollout that hold a sample: an agent rollout with rows_per_episode
+    > 1 leaves an episode's unused rows empty (`episode` -1); every row elsewhere."""
+    episode = env.get((rollout, "episode"))
+    return slice(None) if episode is None else episode >= 0
+
+
 def step_metrics(plan: ExecutionPlan, env: dict[tuple[str, str], Any]) -> dict[str, float]:
     """verl's batch metrics: score, rewards, advantages, returns, values, lengths, tokens."""
     out: dict[str, float] = {}
@@ -30,9 +37,10 @@ def step_metrics(plan: ExecutionPlan, env: dict[tuple[str, str], Any]) -> dict[s
         mask_ref = dict(node.wiring()).get("response_mask")
         mask = env.get(mask_ref) if mask_ref else None
         if node.category == "rollout" and (node.name, "response_mask") in env:
-            resp = env[(node.name, "response_mask")].float()
+            used = _used_rows(env, node.name)
+            resp = env[(node.name, "response_mask")][used].float()
             out.setdefault("response_length/mean", float(resp.sum(-1).mean()))
-            prompt = env[(node.name, "prompt_mask")].float()
+            prompt = env[(node.name, "prompt_mask")][used].float()
             out["perf/tokens"] = out.get("perf/tokens", 0.0) + float(resp.sum() + prompt.sum())
             out["perf/response_tokens"] = out.get("perf/response_tokens", 0.0) + float(resp.sum())
             if (node.name, "scores") in env:  # an agent rollout's episode rewards
@@ -129,6 +137,14 @@ class HeldOut:
             return
         index = [int(i) for i in env[(gen.name, "index")]]
         keep = [r for r, i in enumerate(index) if i >= skip]
+        opens = list(range(len(index)))  # the row holding each row's first prompt
+        if (gen.name, "episode") in env:  # an agent's episode is one response: its last
+            ids = env[(gen.name, "episode")].tolist()  # row, asked by its first row's prompt
+            keep = [r for r in keep
+                    if ids[r] >= 0 and (r + 1 == len(ids) or ids[r + 1] != ids[r])]
+            for r in range(1, len(ids)):
+                if ids[r] == ids[r - 1]:
+                    opens[r] = opens[r - 1]
         tok = tokenizers.get(gen.model or "")
         special = set(getattr(tok, "all_special_ids", ()) or ())
         mask = env[(gen.name, "response_mask")]
@@ -149,7 +165,7 @@ class HeldOut:
         scores = env.get((judge.name, "scores"))
         exact = judge.param_values().get("fn") == "exact_match"
         for r in keep:
-            row = {"prompt_id": first + index[r] - skip, "prompt": prompts[r],
+            row = {"prompt_id": first + index[r] - skip, "prompt": prompts[opens[r]],
                    "response": texts[r], "ground_truth": _plain(truths[r]),
                    "data_source": _plain(sources[r]),
                    "score": None if scores is None else float(scores[r])}

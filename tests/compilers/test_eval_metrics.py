@@ -156,6 +156,37 @@ def test_step_metrics_count_response_tokens() -> None:
     assert got["perf/response_tokens"] == 3.0 and got["perf/tokens"] == 6.0
 
 
+def test_an_agent_episode_of_several_rows_counts_once() -> None:
+    """rows_per_episode 2 (a black-box agent's forks): episode 0 took both its rows (a
+    sub-agent's chain, then the answer), episode 1 one (its second row unused, episode
+    -1, a 1-token placeholder prompt). Lengths and tokens are over the rows that hold a
+    chain; a held-out episode is one response, its last row, to its first row's prompt."""
+    _, plan = _graph("grpo.yaml")
+    tok = load_tokenizer("builtin:tiny-lm")
+    responses, mask = _responses(tok, ["12", "7", "5", "5"])
+    mask[3] = 0  # the unused row
+    episode = torch.tensor([0, 0, 1, -1])
+    prompt_mask = torch.tensor([[1, 1], [1, 1], [1, 1], [0, 1]])
+    env = {("gen", "response_mask"): mask, ("gen", "prompt_mask"): prompt_mask,
+           ("gen", "episode"): episode, ("reward", "scores"): torch.zeros(4),
+           ("adv", "advantages"): torch.zeros(mask.shape),
+           ("adv", "returns"): torch.zeros(mask.shape)}
+    got = step_metrics(plan, env)
+    used = mask[:3].sum(-1).float()
+    assert got["response_length/mean"] == pytest.approx(float(used.mean()))
+    assert got["perf/response_tokens"] == float(used.sum())
+    assert got["perf/tokens"] == float(used.sum()) + 6  # not the placeholder's token
+    held_out = HeldOut()
+    held_out.add(plan, {**env, ("gen", "responses"): responses,
+                        ("gen", "ground_truth"): ["7", "7", "5", "5"],
+                        ("gen", "index"): torch.tensor([0, 0, 1, 1]),
+                        **_prompts(tok, ["3+4=", "draft:", "2+3=", "2+3="])},
+                 {"actor": tok, "ref": tok})
+    assert [(r["prompt_id"], r["prompt"], r["response"], r["correct"])
+            for r in held_out.table] == [(0, "3+4=", "7", True), (1, "2+3=", "5", True)]
+    assert len(held_out.tokens) == 2 and held_out.metrics()["accuracy"] == 1.0
+
+
 def test_every_held_out_row_counts_once_and_val_before_train_is_the_baseline(
         tmp_path: Path) -> None:
     """31 held-out arithmetic rows in batches of Bp=4: the last batch is the last 4 rows
