@@ -217,6 +217,8 @@ def _run(args: argparse.Namespace) -> int:
         allow_changed=tuple(args.allow_changed),
         disabled=() if plan_file else tuple(args.disable_pass)))
     metrics = f"{plan.trainer.run_dir}/metrics.jsonl"
+    if "WORLD_SIZE" in os.environ and int(os.environ.get("RANK", "0")) > 0:
+        return EXIT_OK  # a rank torchrun started: rank 0 says it
     if args.node_rank > 0:  # rank 0 writes the metrics, on node 0
         print(f"run finished: the ranks of node {args.node_rank} are done; node 0 wrote "
               f"{metrics}")

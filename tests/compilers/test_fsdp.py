@@ -177,17 +177,28 @@ def test_parameters_shared_between_shard_units_are_left_replicated() -> None:
     assert {id(p) for p in shared} == {id(base.embed.weight), id(base.layers[1].weight)}
 
 
+LAUNCHERS = {"flowgraph": ([], ["--nproc", "2"]),
+             "torchrun": (["-m", "torch.distributed.run", "--nproc-per-node", "2"], [])}
+"""(before, after `--target fsdp`): `flowgraph run` launches its ranks; torchrun started by
+the user (the README's other way) starts them itself."""
+
+
+@pytest.mark.parametrize("launch", sorted(LAUNCHERS))
 def test_grpo_through_the_cli_equals_local(tmp_path: Path, local_reference: Any,
-                                           equal_overrides: dict[str, tuple[str, ...]]) -> None:
-    """(a) and (e): `python -m flowgraph run … --target fsdp --nproc 2`, end to end."""
+                                           equal_overrides: dict[str, tuple[str, ...]],
+                                           launch: str) -> None:
+    """(a) and (e): `python -m flowgraph run … --target fsdp --nproc 2`, end to end, and
+    `python -m torch.distributed.run --nproc-per-node 2 -m flowgraph run … --target fsdp`."""
     graph = GRAPHS / "grpo.yaml"
     local = local_reference("grpo")
     run_dir = tmp_path / "fsdp"
+    before, after = LAUNCHERS[launch]
     proc = subprocess.run(
-        [sys.executable, "-m", "flowgraph", "run", str(graph), "--target", "fsdp",
-         "--nproc", "2", f"trainer.run_dir={run_dir}", *equal_overrides["grpo"]],
+        [sys.executable, *before, "-m", "flowgraph", "run", str(graph), "--target", "fsdp",
+         *after, f"trainer.run_dir={run_dir}", *equal_overrides["grpo"]],
         capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("run finished") == 1  # rank 0 says it
     assert f"run finished: {run_dir}/metrics.jsonl" in proc.stdout
     steps = [line for line in proc.stdout.splitlines() if line.startswith("step ")]
     assert [line.split("/")[0] for line in steps] == [f"step {s}" for s in range(5)], \
