@@ -77,12 +77,10 @@ def check(graph: Graph | str | Path, *, overrides: Sequence[str] = (),
     `data`: also open the local datasets and model folders (imports torch). A file that
     cannot be read into a graph raises `GraphError` with its diagnostics."""
     from flowgraph.checker import check_graph
-    from flowgraph.frontend import load_graph
+    from flowgraph.frontend import load_graph, no_overrides_for_a_built_graph
 
     with python_entry():
-        if isinstance(graph, Graph) and overrides:
-            raise UsageError("overrides apply to graph files; change a Python-built graph "
-                             "directly")
+        no_overrides_for_a_built_graph(graph, overrides)
         loaded: list[Diagnostic] = []
         if not isinstance(graph, Graph):
             built, loaded = load_graph(graph, overrides)

@@ -45,7 +45,7 @@ from flowgraph.document import (
     plain,
     read_document,
 )
-from flowgraph.errors import FlowgraphError
+from flowgraph.errors import FlowgraphError, UsageError
 from flowgraph.ir import (
     NAME_RE,
     DataSpec,
@@ -551,6 +551,15 @@ def graph_from_document(doc: YNode, file: str) -> tuple[Graph | None, list[Diagn
         source=file,
     )
     return graph, r.diags
+
+
+def no_overrides_for_a_built_graph(graph: object, overrides: Sequence[str]) -> None:
+    """Overrides edit a graph file's text: a graph built in Python is changed in Python."""
+    if isinstance(graph, Graph) and overrides:
+        raise UsageError(
+            f"overrides apply to graph files ({', '.join(overrides)}): give the graph's "
+            "file, or change a graph built in Python in Python (GraphBuilder's "
+            "`trainer(steps=...)`, `dims(...)`, a node's `params`, then `build()` again)")
 
 
 def load_graph(

@@ -24,7 +24,7 @@ from typing import TextIO
 from flowgraph.choices import DEVICES, TARGETS
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.errors import FlowgraphError, UsageError
-from flowgraph.frontend import load_graph
+from flowgraph.frontend import load_graph, no_overrides_for_a_built_graph
 from flowgraph.ir import Graph
 from flowgraph.passes.asynchronous import SplitRollouts
 from flowgraph.passes.dce import EliminateDeadNodes
@@ -187,6 +187,5 @@ def _load(file: str | Path | Graph, overrides: Sequence[str]
           ) -> tuple[Graph | None, list[Diagnostic]]:
     if not isinstance(file, Graph):
         return load_graph(file, overrides)
-    if overrides:
-        raise UsageError("overrides apply to graph files; change a Python-built graph directly")
+    no_overrides_for_a_built_graph(file, overrides)
     return file, []

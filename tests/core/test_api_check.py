@@ -10,6 +10,7 @@ import pytest
 
 import flowgraph
 from flowgraph.checker import CheckResult, Resolved
+from flowgraph.errors import UsageError
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
 
@@ -45,8 +46,12 @@ def test_check_takes_a_python_graph_and_refuses_overrides_for_it() -> None:
     graph = flowgraph.load_graph(GRAPHS / "dpo.yaml")[0]
     assert graph is not None
     assert flowgraph.check(graph).ok
-    with pytest.raises(flowgraph.FlowgraphError, match="overrides apply to graph files"):
-        flowgraph.check(graph, overrides=["trainer.steps=1"])
+    for call in (flowgraph.check, flowgraph.compile, flowgraph.run):
+        with pytest.raises(UsageError) as refused:
+            call(graph, overrides=["trainer.steps=1"])
+        assert str(refused.value).startswith(
+            "overrides apply to graph files (trainer.steps=1): give the graph's file, or "
+            "change a graph built in Python in Python (GraphBuilder's `trainer(steps=...)`")
 
 
 def test_an_unreadable_file_raises_with_its_diagnostics(tmp_path: Path) -> None:
