@@ -510,13 +510,21 @@ def _quiet_launcher() -> Iterator[None]:
             logger.setLevel(level)
 
 
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun started it (WORLD_SIZE and RANK set), else None."""
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
 def run_fsdp(plan: ExecutionPlan, opts: RunOptions) -> None:
     """`flowgraph run --target fsdp`: as a rank when torchrun started us, else launch."""
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        first = int(os.environ["RANK"]) == 0
+    rank = torchrun_rank()
+    if rank is not None:
+        first = rank == 0
         run_dir = prepare_run(plan, resume=opts.resume, overwrite=opts.overwrite,
                               check_only=not first)
-        plan_json = run_dir / ".ranks" / f"plan.{os.environ['RANK']}.json"
+        plan_json = run_dir / ".ranks" / f"plan.{rank}.json"
         plan_json.parent.mkdir(parents=True, exist_ok=True)
         if first:  # a previous launcher's; the others read it after the loop's barrier
             (run_dir / STOP_FILE).unlink(missing_ok=True)

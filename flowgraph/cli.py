@@ -188,6 +188,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from flowgraph.api import load_plan, with_run_settings
     from flowgraph.compilers import RunOptions, run
+    from flowgraph.compilers.fsdp import torchrun_rank
 
     if args.file.endswith(".json"):  # a plan: run as it is, into another run_dir or longer
         plan = load_plan(args.file)
@@ -217,7 +218,7 @@ def _run(args: argparse.Namespace) -> int:
         allow_changed=tuple(args.allow_changed),
         disabled=() if plan_file else tuple(args.disable_pass)))
     metrics = f"{plan.trainer.run_dir}/metrics.jsonl"
-    if "WORLD_SIZE" in os.environ and int(os.environ.get("RANK", "0")) > 0:
+    if (torchrun_rank() or 0) > 0:
         return EXIT_OK  # a rank torchrun started: rank 0 says it
     if args.node_rank > 0:  # rank 0 writes the metrics, on node 0
         print(f"run finished: the ranks of node {args.node_rank} are done; node 0 wrote "
