@@ -154,7 +154,7 @@ def bench_hf_vs_transformers(s: dict[str, Any], repeats: int) -> dict[str, float
 def bench_vllm(s: dict[str, Any], repeats: int, eager: bool) -> dict[str, float]:
     from vllm.inputs import TokensPrompt
 
-    from flowgraph.compilers import vllm_engine as _vllm
+    from flowgraph.compilers.vllm import engine as _vllm
 
     start = time.perf_counter()
     sequences, max_model_len = len(s["seeds"]), s["prompts"].shape[1] + s["spec"].max_new_tokens

@@ -115,8 +115,8 @@ def traced(run_node: Callable[..., Any], mode: LiveBytes) -> Callable[..., Any]:
 
 def measure(graph: Path, overrides: list[str], steps: int) -> dict[str, Any]:
     """In this process: the estimate and the measured peak of live CPU tensor bytes."""
-    from flowgraph.compilers.local import LocalTarget
     from flowgraph.compilers.loop import TrainingLoop
+    from flowgraph.compilers.targets.local import LocalTarget
     from flowgraph.compilers.worker import ExecOptions
     from flowgraph.passes import compile_graph
 

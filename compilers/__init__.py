@@ -28,10 +28,11 @@ def run(plan: ExecutionPlan, options: RunOptions | None = None) -> Run:
     opts = options or RunOptions()
     # the one place `--resume` and `trainer.resume` are merged
     opts = replace(opts, resume=opts.resume or plan.trainer.resume)
-    from flowgraph.compilers.local import prepare_run
+    from flowgraph.compilers.run_dir import prepare_run
 
     # the run dir refused, or cleared (`overwrite`), before anything is written into it
-    prepare_run(plan, resume=opts.resume, overwrite=opts.overwrite)
+    prepare_run(plan, resume=opts.resume, overwrite=opts.overwrite,
+                check_only=not _prepares_run_dir(plan, opts))
     # DataFrames and hub datasets as files in the run dir, before any process reads them
     plan = write_tables(plan, Path(plan.trainer.run_dir))
     from flowgraph.compilers.builtins import ensure_builtins
@@ -40,16 +41,27 @@ def run(plan: ExecutionPlan, options: RunOptions | None = None) -> Run:
     ensure_builtins(plan.models, opts.out)  # before any worker looks for them
     plan = from_run_dirs(plan, opts.out)  # a run dir as a model path: its checkpoint's
     if plan.target == "fsdp":
-        from flowgraph.compilers.fsdp import run_fsdp
+        from flowgraph.compilers.targets.fsdp.launch import run_fsdp
 
         run_fsdp(plan, opts)
     elif plan.target == "ray":
-        from flowgraph.compilers.ray import run_ray
+        from flowgraph.compilers.targets.ray.driver import run_ray
 
         run_ray(plan, opts)
     else:
-        from flowgraph.compilers.local import run_plan
+        from flowgraph.compilers.targets.local import run_plan
 
         run_plan(plan, opts)
     run_dir = Path(plan.trainer.run_dir)
     return Run(run_dir, read_metrics(run_dir))
+
+
+def _prepares_run_dir(plan: ExecutionPlan, opts: RunOptions) -> bool:
+    """Whether this process prepares the run dir: not a node > 0 of a multi-node fsdp
+    launch, nor a rank > 0 that torchrun started (rank 0 and node 0 prepare the run dir
+    all of them share)."""
+    if plan.target != "fsdp":
+        return True
+    from flowgraph.compilers.targets.fsdp.launch import torchrun_rank
+
+    return opts.node_rank == 0 and not torchrun_rank()

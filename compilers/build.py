@@ -88,8 +88,8 @@ def autocast(spec: ModelSpec | None, device: str) -> AbstractContextManager[Any]
     are fp32 as they are; matmuls and attention run in bf16 (each weight cast once per
     node call, kept while it runs), norms and softmax in fp32, and the gradient reaching
     each master is fp32. A sharded model also gets FSDP2's MixedPrecisionPolicy
-    (`flowgraph.compilers._dist.shard_model`: bf16 all-gathered units, fp32 gradient
-    reduction); autocast there still covers the parts FSDP leaves whole (heads, tied
+    (`flowgraph.compilers.targets.process_groups.shard_model`: bf16 all-gathered units,
+    fp32 gradient reduction); autocast there still covers the parts FSDP leaves whole (heads, tied
     embeddings)."""
     if spec is None or not spec.trainable or not spec.precision.mixed:
         return nullcontext()

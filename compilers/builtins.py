@@ -40,8 +40,9 @@ def ensure_builtins(models: tuple[ModelSpec, ...], out: TextIO | None = None) ->
 def ensure_builtin(name: str, out: TextIO | None = None) -> Path:
     """The cached folder of trained built-in `name`, trained by its recipe if absent."""
     from flowgraph.compilers.export import export_model
-    from flowgraph.compilers.local import run_plan
     from flowgraph.compilers.options import RunOptions
+    from flowgraph.compilers.targets.local import run_plan
+    from flowgraph.compilers.worker import quiet_hf
     from flowgraph.errors import CompileError
     from flowgraph.nodes.models import builtin_dir
     from flowgraph.passes import compile_graph
@@ -64,6 +65,7 @@ def ensure_builtin(name: str, out: TextIO | None = None) -> Path:
         plan = compile_graph(graph).plan
         if plan is None:  # the recipe is tested to compile; a broken one must not pass
             raise CompileError(compile_graph(graph).diagnostics)
+        quiet_hf()  # this run's run dir is new: `run` would prepare nothing else
         with open(os.devnull, "w") as quiet:
             run_plan(plan, RunOptions(out=quiet, tensorboard=False))
         model = export_model(run_dir, "policy", tmp / "model")

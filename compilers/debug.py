@@ -23,8 +23,8 @@ from typing import Any, TextIO
 
 from flowgraph.compilers.builtins import ensure_builtins
 from flowgraph.compilers.interpreter import Env
-from flowgraph.compilers.local import LocalTarget
 from flowgraph.compilers.loop import TrainingLoop
+from flowgraph.compilers.targets.local import LocalTarget
 from flowgraph.compilers.worker import ExecOptions, pick_device, quiet_hf
 from flowgraph.document import did_you_mean
 from flowgraph.errors import UsageError

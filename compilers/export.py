@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import TextIO
 
 from flowgraph.compilers.build import lora_config
-from flowgraph.compilers.checkpoint import (
+from flowgraph.compilers.checkpoint.integrity import checkpoint_damage, load_tensors
+from flowgraph.compilers.checkpoint.store import (
     DCP_DIR,
     TrainedPart,
     checkpoint_root,
@@ -37,7 +38,6 @@ from flowgraph.compilers.checkpoint import (
     intact_checkpoint,
     latest_checkpoint,
 )
-from flowgraph.compilers.integrity import checkpoint_damage, load_tensors
 from flowgraph.errors import FlowgraphError, UsageError
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan

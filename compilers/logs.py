@@ -10,9 +10,9 @@
                                         line written so far in the log and shown
     output.note(text)                   `text` in the log alone (after `close`, in order)
 
-Used by each fsdp rank (`run_dir/logs/rank-<R>.log`, `flowgraph.compilers.fsdp`) and by
-each Ray worker (`run_dir/logs/<pool>-<rank>.log`, merged: Ray forwards a worker's
-stderr to the driver's console; `flowgraph.compilers.ray_worker.log_to`).
+Used by each fsdp rank (`run_dir/logs/rank-<R>.log`, `flowgraph.compilers.targets.fsdp.launch`)
+and by each Ray worker (`run_dir/logs/<pool>-<rank>.log`, merged: Ray forwards a worker's
+stderr to the driver's console; `flowgraph.compilers.targets.ray.worker.log_to`).
 
 How. File descriptors 1 and 2 become pipes read by a small copying process of their
 own (`COPIER`), which appends what it reads to the log and writes it on. A process

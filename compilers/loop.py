@@ -30,7 +30,9 @@ from typing import Any
 
 from flowgraph.compilers.batches import Batches
 from flowgraph.compilers.build import load_data
-from flowgraph.compilers.checkpoint import (
+from flowgraph.compilers.checkpoint.integrity import disk_full
+from flowgraph.compilers.checkpoint.resume import check_settings, recorded_settings
+from flowgraph.compilers.checkpoint.store import (
     intact_checkpoint,
     latest_checkpoint,
     load_buffer,
@@ -39,11 +41,9 @@ from flowgraph.compilers.checkpoint import (
     set_rng_state,
 )
 from flowgraph.compilers.evaluation import evaluate
-from flowgraph.compilers.integrity import disk_full
 from flowgraph.compilers.interpreter import Env, Interpreter
 from flowgraph.compilers.metrics import data_positions, phase_seconds, step_metrics
 from flowgraph.compilers.producer import ProcessRollouts
-from flowgraph.compilers.resume import check_settings, recorded_settings
 from flowgraph.compilers.rollouts import InlineRollouts, Rollouts
 from flowgraph.compilers.target import Target
 from flowgraph.compilers.worker import ExecOptions
@@ -338,7 +338,7 @@ class TrainingLoop:
 
     def restore(self) -> int:
         """Load the newest intact checkpoint, after checking that the settings that
-        shaped it are this run's (`flowgraph.compilers.resume`); return the next step
+        shaped it are this run's (`flowgraph.compilers.checkpoint.resume`); return the next step
         to run (0 when none). A checkpoint of any target loads on any other."""
         found = intact_checkpoint(self.opts.run_dir, self.say)
         if found is None:

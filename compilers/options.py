@@ -21,7 +21,7 @@ class RunOptions:
     """Continue the run in the plan's `trainer.run_dir` from its last checkpoint."""
     overwrite: bool = False
     """Start afresh in a run dir that holds an earlier run: its files are removed first
-    (only those of a flowgraph run dir; `flowgraph.compilers.local.clear_run_dir`)."""
+    (only those of a flowgraph run dir; `flowgraph.compilers.run_dir.clear_run_dir`)."""
     allow_changed: tuple[str, ...] = ()
     """With `resume`: settings that may differ from those the checkpoint was written
     with (`--allow-changed KEY`), although they shaped its state."""

@@ -24,7 +24,7 @@ import torch
 
 from flowgraph.compilers.batches import Batches
 from flowgraph.compilers.build import load_data
-from flowgraph.compilers.checkpoint import Rollout
+from flowgraph.compilers.checkpoint.store import Rollout
 from flowgraph.compilers.interpreter import Interpreter
 from flowgraph.compilers.rollouts import Rollouts, SentRollouts
 from flowgraph.compilers.signals import STOP_SIGNALS, die_with_parent

@@ -18,7 +18,7 @@ weights. The trained models' weights are asked of the trainer's pools after an u
 change) and go, as object-store references, with the call that first needs them: the
 rollout worker fetches them from the trainer's worker, not through the driver, copies
 them into its models, and a vLLM rollout engine takes them from there as it does from a
-trained model (`flowgraph.compilers.vllm_engine`, the weight-sync probe included).
+trained model (`flowgraph.compilers.vllm.engine`, the weight-sync probe included).
 
 With partial rollouts (`AsyncPlan.partial`) the weights do not wait for a call that
 needs them: every new version is published to the worker after its update (`publish`,
@@ -52,12 +52,12 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from flowgraph.compilers.batches import Batches
-from flowgraph.compilers.checkpoint import Rollout
+from flowgraph.compilers.checkpoint.store import Rollout
 from flowgraph.compilers.producer import producer
-from flowgraph.compilers.ray_calls import answers, ray_name, reserve
-from flowgraph.compilers.ray_worker import log_to, worker_log
 from flowgraph.compilers.rollouts import Rollouts, SentRollouts
 from flowgraph.compilers.target import Target
+from flowgraph.compilers.targets.ray.calls import answers, ray_name, reserve
+from flowgraph.compilers.targets.ray.worker import log_to, worker_log
 from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
 from flowgraph.errors import FlowgraphError
 from flowgraph.plan import ROLLOUT_POOL, ExecutionPlan, PoolPlan

@@ -63,7 +63,7 @@ from typing import Any
 import torch
 
 from flowgraph.compilers.batches import Batches
-from flowgraph.compilers.checkpoint import Rollout
+from flowgraph.compilers.checkpoint.store import Rollout
 from flowgraph.compilers.interpreter import Env
 from flowgraph.compilers.metrics import data_positions
 from flowgraph.compilers.worker import ExecOptions, Worker

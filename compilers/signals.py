@@ -146,7 +146,7 @@ def stopped(plan: ExecutionPlan, opts: RunOptions, signum: int, *, at_once: bool
             how: str | None = None) -> Stopped:
     """The `Stopped` a signal ends the run with (`how` it stopped, if not by the run's
     own handling): what was saved, how to continue."""
-    from flowgraph.compilers.checkpoint import latest_checkpoint
+    from flowgraph.compilers.checkpoint.store import latest_checkpoint
 
     done = latest_checkpoint(Path(plan.trainer.run_dir))
     how = how or (f"stopped at once by {_name(signum)} (a second signal, or "

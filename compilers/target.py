@@ -32,7 +32,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol
 
-from flowgraph.compilers.checkpoint import Rollout
+from flowgraph.compilers.checkpoint.store import Rollout
 from flowgraph.compilers.worker import Worker
 from flowgraph.errors import WorkerLost
 

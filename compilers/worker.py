@@ -80,7 +80,7 @@ class ExecOptions:
     """This process's stop requests (SIGTERM, SIGINT), which the loop honours."""
     allow_changed: tuple[str, ...] = ()
     """Settings a resumed run may change although they shaped its checkpoint
-    (`--allow-changed KEY`; `flowgraph.compilers.resume`)."""
+    (`--allow-changed KEY`; `flowgraph.compilers.checkpoint.resume`)."""
 
 
 def _whole(placed: ModelPlacement, spec: ModelSpec, model: torch.nn.Module
@@ -292,7 +292,9 @@ def rollout_engine(backend: str, verify_every: int = 0) -> Any:
     (`verify_every`: `trainer.verify_sync_every`)."""
     if backend != "vllm":
         raise FlowgraphError(f"no rollout engine for backend `{backend}` (there is `vllm`)")
-    from flowgraph.compilers import vllm_engine  # vLLM is optional and slow to import
+    from flowgraph.compilers.vllm import (
+        engine as vllm_engine,  # vLLM is optional and slow to import
+    )
 
     return vllm_engine.VllmRollout(verify_every)
 

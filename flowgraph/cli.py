@@ -188,7 +188,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     from flowgraph.api import load_plan, with_run_settings
     from flowgraph.compilers import RunOptions, run
-    from flowgraph.compilers.fsdp import torchrun_rank
+    from flowgraph.compilers.targets.fsdp.launch import torchrun_rank
 
     if args.file.endswith(".json"):  # a plan: run as it is, into another run_dir or longer
         plan = load_plan(args.file)

@@ -1,7 +1,7 @@
 """The execution plan: what runs where, in which order, and how each edge's batch moves.
 
 `flowgraph compile` lowers a graph to an `ExecutionPlan` and writes it as JSON; the
-executors (`flowgraph.compilers.local`, `fsdp`, `ray`) consume only the plan. Every
+executors (`flowgraph.compilers.targets.local`, `fsdp`, `ray`) consume only the plan. Every
 record is frozen and checks itself; `ExecutionPlan.from_json(plan.to_json()) == plan`.
 
 Vocabulary:

@@ -4,7 +4,7 @@ The `hf` backend is a decoding loop over the Hugging Face model written here: on
 prefill of the left-padded prompts (attention mask, position ids counted over real
 tokens, as `logprob` counts them), then one token at a time with the KV cache. The
 `vllm` backend is the executor's engine (`ctx.rollout_engine("vllm")`: vLLM's offline
-engine, one request per (prompt, sample), in `flowgraph.compilers.vllm_engine`).
+engine, one request per (prompt, sample), in `flowgraph.compilers.vllm.engine`).
 
 Every sample draws its randomness from its own seed, a hash of (run seed, step, the
 prompt's row in the global batch, sample j); the hf backend picks each token by

@@ -159,15 +159,15 @@ def test_no_module_imports_a_layer_above_its_own() -> None:
     [
         ("import flowgraph.nodes.reward", "flowgraph.runtime.evaluation",
          "flowgraph.nodes.reward"),
-        ("def f():\n    from flowgraph.compilers.local import Impl", "flowgraph.testing.contracts",
-         "flowgraph.compilers.local"),
+        ("def f():\n    from flowgraph.compilers.targets.local import Impl",
+         "flowgraph.testing.contracts", "flowgraph.compilers.targets.local"),
         ("from ..nodes import data as nd", "flowgraph.checker.data", "flowgraph.nodes.data"),
         ("from . import models", "flowgraph.nodes.data", "flowgraph.nodes.models"),
         ("from flowgraph import nodes", "flowgraph.checker.data", "flowgraph.nodes"),
         ("if TYPE_CHECKING:\n    from flowgraph.compilers import Run", "flowgraph.plan",
          "flowgraph.compilers"),
-        ("importlib.import_module('flowgraph.compilers.ray')", "flowgraph.plan",
-         "flowgraph.compilers.ray"),
+        ("importlib.import_module('flowgraph.compilers.targets.ray.driver')", "flowgraph.plan",
+         "flowgraph.compilers.targets.ray.driver"),
         ("from flowgraph import GraphBuilder", "flowgraph.nodes.data", "flowgraph"),
     ],
 )
@@ -184,7 +184,7 @@ def test_registry_strings_are_data_not_imports() -> None:
     ("module", "expected"),
     [("flowgraph.plan", "core"), ("flowgraph.runtime.context", "core"),
      ("flowgraph.testing.contracts", "core"), ("flowgraph.nodes", "nodes"),
-     ("flowgraph.nodes.update", "nodes"), ("flowgraph.compilers.local", "compilers"),
+     ("flowgraph.nodes.update", "nodes"), ("flowgraph.compilers.targets.local", "compilers"),
      ("flowgraph.cli", "entry"), ("flowgraph.api", "entry"), ("flowgraph", "entry"),
      ("torch.nn", None)],
 )
@@ -230,17 +230,9 @@ def test_cycles_are_found() -> None:
     assert cycles({"a": {"b"}, "b": set()}) == []
 
 
-TARGETS = frozenset({"flowgraph.compilers.fsdp", "flowgraph.compilers.ray",
-                     "flowgraph.compilers.ray_calls", "flowgraph.compilers.ray_worker"})
-"""The distributed targets (`ray_calls`: the ray target's waits on its workers, which
-tell a broken process group from a node's error): the only modules that may import
-the process-group layer (`flowgraph.compilers._dist`)."""
-
-
 def private_imports() -> list[str]:
-    """A private name (`_x`) imported from another module; a private module (`_dist`,
-    `_agg`) may be imported by its own package's modules only, and `_dist` by the
-    distributed targets only."""
+    """A private name (`_x`) imported from another module; a private module (`_agg`) may
+    be imported by its own package's modules only."""
     found = []
     for module, file in sorted(MODULES.items()):
         package = module.rpartition(".")[0]
@@ -252,9 +244,7 @@ def private_imports() -> list[str]:
             private_name = name != owner and leaf.startswith("_") and not leaf.startswith("__")
             private_module = owner.rpartition(".")[2].startswith("_") and \
                 not owner.endswith("__init__")
-            bad = private_name or (private_module and (
-                owner.rpartition(".")[0] != package
-                or (owner == "flowgraph.compilers._dist" and module not in TARGETS)))
+            bad = private_name or (private_module and owner.rpartition(".")[0] != package)
             if bad:
                 found.append(f"{file.relative_to(ROOT)}:{line}: {module} imports {name}")
     return found
@@ -289,3 +279,95 @@ def test_executors_read_the_plan_not_its_graph() -> None:
 
 def test_graph_reads_are_found() -> None:
     assert graph_reads("x = plan.graph.trainer\ny = 1\nz = self.graph") == [1, 3]
+
+
+# --- the rooms of compilers/ ------------------------------------------------------------
+
+TARGET_ROOMS = ("local", "fsdp", "ray")
+"""The targets, each a strategy of its own (`compilers/targets/<room>`)."""
+RUN_ENTRIES = frozenset({"flowgraph.compilers", "flowgraph.compilers.debug",
+                         "flowgraph.compilers.builtins", "flowgraph.compilers.rollout_pool"})
+"""The core modules that start a target: `run` (every target), `debug` and the built-ins'
+training (the local target, one node at a time / on a recipe); and `rollout_pool` until it
+moves into the rollouts room."""
+BELOW_TARGETS = ("flowgraph.compilers.checkpoint.", "flowgraph.compilers.vllm.")
+"""Rooms the targets and the loop build on, which know of no target or rollout strategy."""
+
+
+def room(module: str) -> str | None:
+    """The room of a module under `compilers/`: `core` (its top level), `targets`
+    (`targets/` itself: what the distributed targets share), a target (`local`, `fsdp`,
+    `ray`), `rollouts`, `checkpoint` or `vllm`; None outside `compilers/`."""
+    if not (module + ".").startswith("flowgraph.compilers."):
+        return None
+    parts = module.split(".")[2:]
+    if not parts or (len(parts) == 1 and not (ROOT / "compilers" / parts[0]).is_dir()):
+        return "core"
+    if parts[0] == "targets" and len(parts) > 1:
+        name = parts[1].removesuffix(".py")
+        return name if name in TARGET_ROOMS else "targets"
+    return parts[0]
+
+
+def room_rule(module: str, target: str) -> str | None:
+    """Why `module` may not import `target` (both under `compilers/`), or None."""
+    here, there = room(module), room(target)
+    if here is None or there is None or here == there:
+        return None
+    if here == "rollouts" and there == "ray":
+        return None  # the rollout pool runs on Ray: its workers and calls
+    if here in TARGET_ROOMS and there in TARGET_ROOMS:
+        return "a target imports another target (share it through compilers/targets/)"
+    if here == "core" and there in (*TARGET_ROOMS, "targets") and module not in RUN_ENTRIES:
+        return "the target-agnostic core imports a target"
+    if target == "flowgraph.compilers.targets.process_groups" and here not in TARGET_ROOMS:
+        return "process groups are the distributed targets' own"
+    if module.startswith(BELOW_TARGETS) and there in (*TARGET_ROOMS, "targets", "rollouts"):
+        return "checkpoint/ and vllm/ are below the targets and rollouts"
+    return None
+
+
+def room_violations() -> list[str]:
+    found = []
+    for module, file in sorted(MODULES.items()):
+        for line, name in imports(file.read_text(), module, file.name == "__init__.py"):
+            target = _resolve(name)
+            why = room_rule(module, target)
+            if why:
+                found.append(f"{file.relative_to(ROOT)}:{line}: {module} imports {target}: {why}")
+    return found
+
+
+def test_rooms_of_compilers_hold() -> None:
+    """Targets are strategies: none imports another, and the core that runs them (the
+    interpreter, the loop, the worker) imports none, only the entries that start a run
+    do; process groups belong to the distributed targets; checkpoints and the vLLM
+    engine know of no target."""
+    bad = room_violations()
+    assert not bad, "imports across the rooms of compilers/:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("module", "expected"),
+    [("flowgraph.compilers", "core"), ("flowgraph.compilers.loop", "core"),
+     ("flowgraph.compilers.targets.local", "local"),
+     ("flowgraph.compilers.targets.fsdp.launch", "fsdp"),
+     ("flowgraph.compilers.targets.ray", "ray"),
+     ("flowgraph.compilers.targets.process_groups", "targets"),
+     ("flowgraph.compilers.checkpoint.store", "checkpoint"),
+     ("flowgraph.compilers.checkpoint", "checkpoint"),
+     ("flowgraph.plan", None)],
+)
+def test_rooms(module: str, expected: str | None) -> None:
+    assert room(module) == expected
+
+
+def test_room_rules_are_found() -> None:
+    assert room_rule("flowgraph.compilers.targets.ray.driver",
+                     "flowgraph.compilers.targets.fsdp.multinode")
+    assert room_rule("flowgraph.compilers.loop", "flowgraph.compilers.targets.local")
+    assert room_rule("flowgraph.compilers.worker", "flowgraph.compilers.targets.process_groups")
+    assert room_rule("flowgraph.compilers.checkpoint.store", "flowgraph.compilers.targets.local")
+    assert room_rule("flowgraph.compilers", "flowgraph.compilers.targets.local") is None
+    assert room_rule("flowgraph.compilers.targets.ray.target",
+                     "flowgraph.compilers.targets.shared_run_dir") is None

@@ -49,7 +49,7 @@ node's working memory.
 
 `shards` is the pool's size for FSDP-sharded models, 1 otherwise; `head`, the V x h LM
 head (tied or not) or the h scalar head, stays replicated on every worker as
-compilers/_dist.py keeps it (`replicated_parameters`). Weights, grads and
+compilers/targets/process_groups.py keeps it (`replicated_parameters`). Weights, grads and
 optimizer state stay resident; the other items live while their node runs, and the
 nodes of a pool run one at a time, so a device's peak is the resident memory plus
 the largest node's. When `resources.memory_gib` is declared and a pool's peak exceeds
@@ -207,8 +207,8 @@ def matmul_parameters(cfg: ModelConfig, lm_head: bool = True) -> int:
 
 
 def replicated_parameters(cfg: ModelConfig, lm_head: bool = True) -> int:
-    """Parameters FSDP leaves whole on every worker (compilers/_dist.py): the head, and
-    a tied head's shared embedding, which costs the same V x h."""
+    """Parameters FSDP leaves whole on every worker (compilers/targets/process_groups.py):
+    the head, and a tied head's shared embedding, which costs the same V x h."""
     return cfg.vocab_size * cfg.hidden_size if lm_head else cfg.hidden_size
 
 

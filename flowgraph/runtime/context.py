@@ -21,7 +21,7 @@ need of the processes that run them they ask `NodeContext` for: `ctx.workers` (i
 flag true on every data-parallel worker, a sum of metrics over them),
 `ctx.optimizer_step()` (gradients summed over the workers, their global norm, clipping,
 the step) and `ctx.rollout_engine(backend)` (the vLLM engine). The executors' worker
-layer implements them (`flowgraph.compilers._dist.DataParallel`,
+layer implements them (`flowgraph.compilers.targets.process_groups.DataParallel`,
 `flowgraph.compilers.worker.rollout_engine`); `Workers` below is the one-process case.
 
 `Impl` loads an implementation from its registry path and `named_outputs` reads what it
@@ -131,8 +131,9 @@ class NodeContext:
 class Workers:
     """What a node may ask of the data-parallel workers that run it: here one process.
 
-    A distributed executor passes its own (`flowgraph.compilers._dist.DataParallel`),
-    where each service is a collective: every worker calls it at the same point.
+    A distributed executor passes its own
+    (`flowgraph.compilers.targets.process_groups.DataParallel`), where each service is a
+    collective: every worker calls it at the same point.
     """
 
     def all(self, flag: bool) -> bool:

@@ -148,7 +148,7 @@ def test_vllm_agent_rollouts_have_the_trainers_log_probs_as_hf_ones_do(
     computes of the assembled rows (holes included); so do the HF ones; greedy episodes
     are the same episodes on both. Then the graph runs 2 steps with vLLM rollouts."""
     try:
-        from flowgraph.compilers import vllm_engine as _vllm
+        from flowgraph.compilers.vllm import engine as _vllm
     except ImportError as exc:
         pytest.fail(f"vLLM is not importable: {exc}", pytrace=False)
     model = load_model(MODEL)

@@ -89,7 +89,7 @@ def test_on_ray_the_producer_gets_a_rollout_pool_of_its_own() -> None:
     assert [d.message for d in over.diagnostics if d.code == "FG401"] == [
         f"plan needs {gib(rollouts.total_bytes)} on the device of the rollout pool `rollouts`, "
         f"declared {gib(rollouts.total_bytes * 0.9)}"]
-    from flowgraph.compilers.ray import cluster_cpus
+    from flowgraph.compilers.targets.ray.driver import cluster_cpus
 
     assert cluster_cpus(plan) >= 2 + 3  # the trainer's two workers and the rollout pool's
     data = json.loads(plan.to_json())

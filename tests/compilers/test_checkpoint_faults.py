@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 from flowgraph.compilers import RunOptions, read_metrics, run
-from flowgraph.compilers.checkpoint import load_buffer
-from flowgraph.compilers.integrity import checkpoint_damage, write_manifest
+from flowgraph.compilers.checkpoint.integrity import checkpoint_damage, write_manifest
+from flowgraph.compilers.checkpoint.store import load_buffer
 from flowgraph.errors import FlowgraphError
 from flowgraph.passes import compile_graph
 from flowgraph.testing.targets import numbers
@@ -272,7 +272,7 @@ def test_a_full_disk_writing_tensorboard_is_one_message(
 DCP_SAVE = """
 import errno, resource, signal, sys, torch
 from pathlib import Path
-from flowgraph.compilers.checkpoint import dcp_save
+from flowgraph.compilers.checkpoint.store import dcp_save
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (4000, 4000))
 try:
@@ -295,7 +295,7 @@ def test_the_manifest_covers_every_shard_of_a_sharded_checkpoint(tmp_path: Path)
     """What the fsdp and ray targets publish: DCP shards, each in the manifest."""
     import torch
 
-    from flowgraph.compilers.checkpoint import begin_checkpoint, dcp_save, publish_checkpoint
+    from flowgraph.compilers.checkpoint.store import begin_checkpoint, dcp_save, publish_checkpoint
 
     model = torch.nn.Linear(8, 8)
     tmp = begin_checkpoint(tmp_path, 0, "tmp-fsdp")

@@ -38,9 +38,10 @@ from typing import Any
 
 import pytest
 
-from flowgraph.compilers import RunOptions, _dist, read_metrics
-from flowgraph.compilers.checkpoint import latest_checkpoint
+from flowgraph.compilers import RunOptions, read_metrics
+from flowgraph.compilers.checkpoint.store import latest_checkpoint
 from flowgraph.compilers.signals import resume_command
+from flowgraph.compilers.targets import process_groups
 from flowgraph.ir import TrainerSpec
 from flowgraph.passes import compile_graph
 from flowgraph.testing.targets import assert_same_numbers
@@ -110,7 +111,7 @@ def test_a_ray_resume_command_joins_the_same_cluster() -> None:
     ("non-finite output `scores` in node `score` at step 1", False)])
 def test_a_peer_s_broken_connection_is_told_from_a_rank_s_own_error(error: str, lost: bool
                                                                     ) -> None:
-    assert _dist.lost_peer(error) is lost
+    assert process_groups.lost_peer(error) is lost
 
 
 GLOO_BROKEN = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] "
@@ -138,7 +139,7 @@ def test_a_ray_worker_whose_peer_died_is_a_lost_worker(
     the run as it was raised, a network error of its own too (a reward calling an API)."""
     from ray.exceptions import ActorDiedError, RayTaskError
 
-    from flowgraph.compilers import ray_calls
+    from flowgraph.compilers.targets.ray import calls as ray_calls
     from flowgraph.errors import NodeError, WorkerLost
 
     refs = ["worker-0", "worker-1"]
@@ -211,9 +212,9 @@ def test_a_ray_worker_without_the_driver_s_run_dir_is_named_with_its_node(
     on a disk of its own (empty, or holding a copy of the driver's marker, as a synced
     folder would); the driver names it with its node, worker 0 (the driver's own run
     dir) passes. With every worker on the driver's run dir, the proof passes."""
-    from flowgraph.compilers.machines import draw_token, mark
-    from flowgraph.compilers.ray import check_shared_run_dir
-    from flowgraph.compilers.ray_worker import DRIVER_MARKER, sees_run_dir
+    from flowgraph.compilers.targets.ray.target import check_shared_run_dir
+    from flowgraph.compilers.targets.ray.worker import DRIVER_MARKER, sees_run_dir
+    from flowgraph.compilers.targets.shared_run_dir import draw_token, mark
     from flowgraph.errors import FlowgraphError
 
     run_dir, own = tmp_path / "run", tmp_path / "node1" / "run"
@@ -259,7 +260,7 @@ def test_a_node_that_never_comes_is_named_after_the_rendezvous_timeout(
 def _kill_rank(run_dir: Path, rank: int, at_step: int, done: threading.Event,
                killed: list[tuple[int, str]]) -> None:
     """SIGKILL `rank` once its status file shows `at_step` or later."""
-    status = _dist.status_file(run_dir, rank)
+    status = process_groups.status_file(run_dir, rank)
     while not done.wait(0.01):
         try:
             m = re.match(r"step (\d+) node (\S+) pid (\d+)", status.read_text())
@@ -349,13 +350,13 @@ def test_a_stopped_rank_ends_the_run_on_both_nodes_named_as_the_cause(tmp_path: 
     pid = None
     try:
         while pid is None and all(p.poll() is None for p in procs):
-            where = _dist.read_status(run_dir, 1)
+            where = process_groups.read_status(run_dir, 1)
             if where is not None and where[0] >= 2:
-                pid = _dist.status_pid(run_dir, 1)
+                pid = process_groups.status_pid(run_dir, 1)
             time.sleep(0.01)
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)
-        step, node = _dist.read_status(run_dir, 1) or (-1, "")
+        step, node = process_groups.read_status(run_dir, 1) or (-1, "")
         results = _both(*procs)
     finally:
         for p in procs:
@@ -432,7 +433,7 @@ def _cmdline(pid: int) -> str:
 
 WATCHED = """
 import os, signal, subprocess, sys, time
-from flowgraph.compilers.ray_cluster import NodeWatch
+from flowgraph.compilers.targets.ray.cluster import NodeWatch
 child = subprocess.Popen(["sleep", "60"])
 watch = NodeWatch(lambda what: f"lost its {what}; the last checkpoint is step 3",
                   names=("sleep",))
@@ -519,7 +520,8 @@ def _wait_for(log: Path, text: str, proc: subprocess.Popen[str], timeout: float)
     return out
 
 
-PLACE_WITHIN_60_S = ("import sys; from flowgraph.compilers import ray_cluster; "
+PLACE_WITHIN_60_S = ("import sys; "
+                     "from flowgraph.compilers.targets.ray import cluster as ray_cluster; "
                      "ray_cluster.PLACE_TIMEOUT_S = 60.0; from flowgraph.cli import main; "
                      "sys.exit(main(sys.argv[1:]))")
 """`flowgraph ARGS` whose placement groups wait 60 s at most (instead of 300 s)."""

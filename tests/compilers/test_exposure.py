@@ -80,7 +80,7 @@ def _until(ready: Callable[[], bool], seconds: float, log: Path) -> None:
 def test_a_store_listens_on_its_address_alone() -> None:
     """torch's TCPStore server listens on every interface (`*:port`); ours on the
     address it is given."""
-    from flowgraph.compilers._dist import listening_store
+    from flowgraph.compilers.targets.process_groups import listening_store
 
     port = _free_port()
     store = listening_store("127.0.0.1", port, None, datetime.timedelta(seconds=10))
@@ -93,7 +93,7 @@ def test_a_store_listens_on_its_address_alone() -> None:
 def test_a_rendezvous_endpoint_that_is_not_this_machine_is_named() -> None:
     """Node 0 serves the rendezvous on the endpoint's address: one not of this machine
     (192.0.2.0/24 is TEST-NET-1) is a message naming the flag, not a torch traceback."""
-    from flowgraph.compilers.fsdp import _rendezvous_store
+    from flowgraph.compilers.targets.fsdp.launch import _rendezvous_store
     from flowgraph.errors import FlowgraphError
 
     with pytest.raises(FlowgraphError) as exc:
@@ -106,7 +106,7 @@ def test_a_rendezvous_endpoint_that_is_not_this_machine_is_named() -> None:
 def test_a_node_is_reached_at_its_address_towards_the_rendezvous() -> None:
     """Across machines a node's stores listen on the interface its route to the
     rendezvous endpoint leaves by; towards 127.0.0.1 that is 127.0.0.1."""
-    from flowgraph.compilers.fsdp import address_towards
+    from flowgraph.compilers.targets.fsdp.launch import address_towards
 
     assert address_towards("127.0.0.1:29400") == "127.0.0.1"
     assert address_towards("localhost") in ("127.0.0.1", "::1")

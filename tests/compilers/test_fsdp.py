@@ -24,9 +24,10 @@ from safetensors.torch import load_file
 from torch import nn
 
 from flowgraph.api import load_plan
-from flowgraph.compilers import RunOptions, _dist, read_metrics, run
-from flowgraph.compilers.checkpoint import has_dcp, latest_checkpoint
+from flowgraph.compilers import RunOptions, read_metrics, run
+from flowgraph.compilers.checkpoint.store import has_dcp, latest_checkpoint
 from flowgraph.compilers.export import export_model
+from flowgraph.compilers.targets import process_groups
 from flowgraph.errors import RankFailed
 from flowgraph.nodes.models import load_model
 from flowgraph.passes import compile_graph
@@ -173,7 +174,7 @@ def test_parameters_shared_between_shard_units_are_left_replicated() -> None:
     model = nn.Module()
     model.base_model, model.lm_head, model.value_head = base, nn.Linear(4, 8), nn.Linear(4, 1)
     model.lm_head.weight = base.embed.weight
-    shared = _dist.shared_params(model, [*base.layers, base])
+    shared = process_groups.shared_params(model, [*base.layers, base])
     assert {id(p) for p in shared} == {id(base.embed.weight), id(base.layers[1].weight)}
 
 
@@ -217,7 +218,7 @@ def _kill_rank(run_dir: Path, rank: int, at_step: int, done: threading.Event,
                killed: list[tuple[int, str]]) -> None:
     """SIGKILL `rank` once its status file (`.ranks/rank_R`: step, node, pid) shows
     `at_step` or later; record (step, node)."""
-    status = _dist.status_file(run_dir, rank)
+    status = process_groups.status_file(run_dir, rank)
     while not done.wait(0.01):
         try:  # a status file being rewritten reads empty
             m = re.match(r"step (\d+) node (\S+) pid (\d+)", status.read_text())
@@ -322,7 +323,7 @@ def test_grpo_vllm_rollouts_from_a_sharded_actor_equal_local(
     try:
         local = local_run(graph, tmp_path / "local", *overrides)
     finally:
-        from flowgraph.compilers import vllm_engine as _vllm
+        from flowgraph.compilers.vllm import engine as _vllm
 
         _vllm.close_engines()
     assert_same_numbers(_fsdp(graph, tmp_path / "fsdp", *overrides), local)

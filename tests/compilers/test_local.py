@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowgraph.compilers import RunOptions, read_metrics, run
-from flowgraph.compilers.checkpoint import latest_checkpoint, load_checkpoint, remove_partial
+from flowgraph.compilers.checkpoint.store import latest_checkpoint, load_checkpoint, remove_partial
 from flowgraph.compilers.export import export_model
 from flowgraph.errors import ContractViolation, FlowgraphError, NonFiniteError
 from flowgraph.passes import compile_graph
@@ -288,7 +288,7 @@ def test_dataset_problems_stop_before_any_model_loads(tmp_path: Path,
 KILLER = textwrap.dedent("""
     import sys, time, torch
     from pathlib import Path
-    from flowgraph.compilers.checkpoint import save_checkpoint
+    from flowgraph.compilers.checkpoint.store import save_checkpoint
 
     class Slow:
         def state_dict(self):

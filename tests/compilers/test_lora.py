@@ -78,7 +78,7 @@ def test_export_merged_and_adapter_only(
     from transformers import AutoModelForCausalLM
 
     from flowgraph.compilers.build import add_adapters
-    from flowgraph.compilers.checkpoint import TrainedPart
+    from flowgraph.compilers.checkpoint.store import TrainedPart
     from flowgraph.compilers.export import export_model
     from flowgraph.errors import FlowgraphError
     from flowgraph.ir import LoraSpec

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 import flowgraph
-from flowgraph.compilers.checkpoint import latest_checkpoint
+from flowgraph.compilers.checkpoint.store import latest_checkpoint
 from flowgraph.errors import FlowgraphError, Stopped
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,8 +15,8 @@ import torch
 
 from flowgraph.compilers import RunOptions, read_metrics, run
 from flowgraph.compilers.build import compute_dtype, load_model
-from flowgraph.compilers.local import LocalTarget
 from flowgraph.compilers.loop import TrainingLoop
+from flowgraph.compilers.targets.local import LocalTarget
 from flowgraph.compilers.worker import ExecOptions
 from flowgraph.ir import LoraSpec, ModelSpec
 from flowgraph.passes import compile_graph
@@ -95,7 +95,7 @@ def test_bf16_trains_fp32_masters_computes_in_bf16_and_checkpoints_them(
 
 
 def run_dir_checkpoint(run: Trained) -> Path:
-    from flowgraph.compilers.checkpoint import latest_checkpoint
+    from flowgraph.compilers.checkpoint.store import latest_checkpoint
 
     found = latest_checkpoint(run.target.opts.run_dir)
     assert found is not None
@@ -146,7 +146,7 @@ class _Engine:
                                              ("pure_bf16", "bfloat16"),
                                              ("float32", "float32")])
 def test_the_rollout_engine_gets_the_compute_dtype(dtype: str, sent: str) -> None:
-    from flowgraph.compilers import weight_sync
+    from flowgraph.compilers.vllm import weight_sync
 
     spec = ModelSpec("actor", "builtin:tiny-lm", trainable=True, dtype=dtype)
     model = load_model(spec, ModelPlacement("actor", True, "none"), "cpu")
@@ -175,7 +175,7 @@ def test_fsdp_bf16_with_offload_keeps_fp32_masters_and_learns_as_local(
     and its checkpoint holds fp32 weights and fp32 Adam moments."""
     import torch.distributed.checkpoint as dcp
 
-    from flowgraph.compilers.checkpoint import latest_checkpoint
+    from flowgraph.compilers.checkpoint.store import latest_checkpoint
 
     run_dir = tmp_path / "run"
     overrides = (f"trainer.run_dir={run_dir}", f"trainer.steps={STEPS}",

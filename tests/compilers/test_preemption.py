@@ -19,7 +19,7 @@ import pytest
 
 import flowgraph
 from flowgraph.compilers import RunOptions, read_metrics, run
-from flowgraph.compilers.checkpoint import latest_checkpoint
+from flowgraph.compilers.checkpoint.store import latest_checkpoint
 from flowgraph.compilers.interpreter import Interpreter
 from flowgraph.errors import FlowgraphError, Stopped
 from flowgraph.passes import PassPipeline, compile_graph

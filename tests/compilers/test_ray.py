@@ -37,7 +37,7 @@ def devnull() -> Any:
 
 @pytest.fixture(scope="module")
 def cluster() -> Any:
-    from flowgraph.compilers.ray import start_ray
+    from flowgraph.compilers.targets.ray.driver import start_ray
 
     plan = compile_graph(GRAPHS / "ppo.yaml", target="ray", nproc=2).plan
     assert plan is not None
@@ -111,7 +111,7 @@ def test_ray_gives_the_numbers_of_the_local_run(
     input embedding) models alike; resumed by the local target from a ray checkpoint.
     `agent` (slow): multi-turn episodes calling a tool (tests/plugins/agent_turns.yaml),
     each worker running its half of the episodes, `agent/*` metrics included."""
-    from flowgraph.compilers.ray import run_ray
+    from flowgraph.compilers.targets.ray.driver import run_ray
 
     out = _Scraper(devnull)
     overrides = (*equal_overrides[graph], *(tied_models(graph) if tied else ()))
@@ -141,7 +141,7 @@ def test_a_local_checkpoint_of_a_tied_model_resumes_on_ray(
         equal_overrides: dict[str, tuple[str, ...]], tied_models: Any) -> None:
     """GRPO on `builtin:tiny-tied`: the local run's step-3 checkpoint (whole tensors)
     loads into the two workers' shards; their step 4 is the local run's."""
-    from flowgraph.compilers.ray import run_ray
+    from flowgraph.compilers.targets.ray.driver import run_ray
 
     run_dir = tmp_path / "ray"
     shutil.copytree(local_reference.run_dir("grpo", tied=True), run_dir)
@@ -162,7 +162,7 @@ def test_async_rollouts_on_a_rollout_pool_equal_a_local_producer_process_and_res
     target runs it in a producer process, the tied weights reaching it through shared
     memory: the same numbers. A run resumed from the step-1 checkpoint (its buffer holds
     step 2's rollout) repeats steps 2-4."""
-    from flowgraph.compilers.ray import run_ray
+    from flowgraph.compilers.targets.ray.driver import run_ray
 
     overrides = (*equal_overrides["grpo"], *tied_models("grpo"), "trainer.max_staleness=1")
     plan = _plan("grpo", tmp_path / "ray", overrides)
@@ -196,7 +196,7 @@ def test_partial_rollouts_on_the_rollout_pool_take_each_update_between_turns(
     more than one update old. Under `block` every rollout is trained once, in order:
     the data cursor moves by the batch (4 prompts) every step; under `drop` by the
     batches of the rollouts dropped too."""
-    from flowgraph.compilers.ray import run_ray
+    from flowgraph.compilers.targets.ray.driver import run_ray
 
     overrides = ("trainer.max_staleness=1", "trainer.partial_rollouts=true",
                  f"trainer.admission={admission}", "nodes.agent.params.env_params.slow_s=0.2")
@@ -215,7 +215,7 @@ def test_partial_rollouts_on_the_rollout_pool_take_each_update_between_turns(
 
 def test_a_node_error_in_a_worker_names_the_node_and_step(
         cluster: Any, tmp_path: Path, devnull: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    from flowgraph.compilers.ray import run_ray
+    from flowgraph.compilers.targets.ray.driver import run_ray
     from flowgraph.errors import FlowgraphError
 
     monkeypatch.syspath_prepend(str(ROOT / "tests" / "plugins"))  # workers inherit sys.path
@@ -300,7 +300,7 @@ def test_an_address_where_nothing_listens_is_one_error_at_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Ray itself retries such an address for minutes; nothing listens on port 1. (As if
     # no cluster were up in this process: the module's cluster stays as it is.)
-    from flowgraph.compilers.ray import start_ray
+    from flowgraph.compilers.targets.ray.driver import start_ray
     from flowgraph.errors import FlowgraphError
 
     plan = compile_graph(GRAPHS / "grpo.yaml", target="ray").plan
@@ -320,7 +320,7 @@ def test_a_run_joins_its_own_namespace_and_waits_for_a_dead_run_s_actors_to_leav
     named there are a dead run's (Ray ends them within a second: the run goes on) or a
     live run's whose run dir has the same name (one message with the fix). No cluster:
     Ray's calls are stood in for."""
-    from flowgraph.compilers import ray as target
+    from flowgraph.compilers.targets.ray import driver as target
     from flowgraph.errors import FlowgraphError
 
     plan = compile_graph(GRAPHS / "grpo.yaml", target="ray",

@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from flowgraph.compilers import RunOptions
-from flowgraph.compilers.ray_cluster import ClusterShort, Node, check_fits
+from flowgraph.compilers.targets.ray.cluster import ClusterShort, Node, check_fits
 from flowgraph.errors import FlowgraphError
 from flowgraph.passes import compile_graph
 from flowgraph.plan import ExecutionPlan
@@ -147,7 +147,7 @@ def test_fsdp_ranks_on_cuda_need_as_many_visible_devices(
     """Before, each rank took `cuda:LOCAL_RANK` and the third failed deep in torch."""
     import torch
 
-    from flowgraph.compilers.fsdp import launch
+    from flowgraph.compilers.targets.fsdp.launch import launch
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # the machine
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
@@ -172,8 +172,8 @@ def test_a_pool_s_resources_strategy_and_labels_reach_ray(
     import ray
     from ray.util import placement_group_table, remove_placement_group
 
-    from flowgraph.compilers import ray_cluster
-    from flowgraph.compilers.ray import reserve
+    from flowgraph.compilers.targets.ray import cluster as ray_cluster
+    from flowgraph.compilers.targets.ray.driver import reserve
     from flowgraph.plan import Label
 
     plan = _plan(tmp_path, strategy="spread", custom_resources={"flowgraph_test": 0.5})

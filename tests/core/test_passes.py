@@ -619,8 +619,9 @@ def test_memory_shards_state_over_the_pool() -> None:
     plan = plan_of("ppo.yaml", target="ray", nproc=2)
     weights = {(m.pool, i.owner): i.bytes for m in plan.memory for i in m.items
                if i.what == "weights"}
-    # FSDP shards all but the heads (compilers/_dist.py): tiny-lm's 459,392 parameters less
-    # its V*h = 512*128 = 65,536 LM head are halved, the head is whole on each worker:
+    # FSDP shards all but the heads (compilers/targets/process_groups.py): tiny-lm's 459,392
+    # parameters less its V*h = 512*128 = 65,536 LM head are halved, the head is whole on each
+    # worker:
     # (393,856 / 2 + 65,536) * 4 = 1,049,856; the critic's value head is h = 128:
     # (393,856 / 2 + 128) * 4 = 788,224.
     assert weights == {("actor_rollout_ref", "actor"): 1_049_856,
@@ -689,7 +690,7 @@ def test_vllm_reserves_its_share_of_the_declared_device() -> None:
 
 
 def test_vllm_reserves_a_kv_cache_sized_for_the_rollout() -> None:
-    # The engine's kv_cache_memory_bytes (compilers/vllm_engine.py asks for the same): 16 sequences
+    # The engine's kv_cache_memory_bytes (compilers/vllm/engine.py asks for the same): 16 sequences
     # of P+T = 24 tokens in one 128-token block each, 2048 bytes a token (2 layers × K, V
     # × 2 KV heads × head_dim 64 × 4 bytes), × 1.25: 5 MiB; plus vLLM's copy of the
     # 459,392 fp32 weights.

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from transformers import TopKLogitsWarper, TopPLogitsWarper
 
 import flowgraph.nodes.generate as generate_module
-from flowgraph.compilers import weight_sync
+from flowgraph.compilers.vllm import weight_sync
 from flowgraph.compilers.worker import rollout_engine
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.data import prompt_source
@@ -340,7 +340,7 @@ def test_hf_params_override_dims_and_keep_the_model_mode(model: nn.Module, token
 
 def _memory(sequences: int, max_model_len: int) -> Any:
     """What the node asks of its engine (a KV cache sized for the rollout)."""
-    from flowgraph.compilers import vllm_engine as _vllm
+    from flowgraph.compilers.vllm import engine as _vllm
 
     return _vllm.Memory(max_model_len, _vllm.kv_cache_size(load_model(MODEL), sequences,
                                                            max_model_len))
@@ -350,7 +350,7 @@ def _memory(sequences: int, max_model_len: int) -> Any:
 def vllm_model(tokenizer: Any) -> Iterator[nn.Module]:
     """A model with a running engine (built once: ~40 s on 2 CPU cores)."""
     try:
-        from flowgraph.compilers import vllm_engine as _vllm
+        from flowgraph.compilers.vllm import engine as _vllm
     except ImportError as exc:
         pytest.fail(f"vLLM is not importable: {exc}", pytrace=False)
     model = _eos_prone(load_model(MODEL))
@@ -391,7 +391,7 @@ def test_vllm_backend(vllm_model: nn.Module, tokenizer: Any, batch: dict[str, An
 def test_vllm_sync_weights(vllm_model: nn.Module, tokenizer: Any,
                            batch: dict[str, Any]) -> None:
     """Changed weights reach the running engine: vLLM's log-probs follow the HF model's."""
-    from flowgraph.compilers import vllm_engine as _vllm
+    from flowgraph.compilers.vllm import engine as _vllm
 
     llm = _vllm.engine(vllm_model, tokenizer, _memory(BP * 4, P + 16))
     # A fused AdamW step writes the weights without bumping their version counters.
@@ -425,8 +425,8 @@ def test_vllm_takes_a_lora_model_merged_and_each_sync_is_verified(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A LoRA model's layers reach the engine merged (W + scale*B*A); `verify_sync` finds
     the peers' silent failure, an engine left sampling the base model."""
-    from flowgraph.compilers import vllm_engine as _vllm
     from flowgraph.compilers.build import add_adapters
+    from flowgraph.compilers.vllm import engine as _vllm
     from flowgraph.ir import LoraSpec
 
     llm = _vllm.engine(vllm_model, tokenizer, _memory(BP * 4, P + 16))
@@ -469,7 +469,7 @@ def test_vllm_serves_a_tied_model_with_its_own_head(tokenizer: Any) -> None:
     """A tied LM head is the embedding (sent once): after each sync the engine's head is
     tied to it again. Before that fix the engine kept its random start's head and
     sampled another policy (verify_sync measured a log-prob gap of 0.5-1.1)."""
-    from flowgraph.compilers import vllm_engine as _vllm
+    from flowgraph.compilers.vllm import engine as _vllm
 
     tied = load_model("builtin:tiny-tied")
     assert tied.get_output_embeddings().weight is tied.get_input_embeddings().weight
@@ -502,7 +502,7 @@ def test_vllm_kv_cache_is_sized_for_the_rollout(model: nn.Module) -> None:
     """Per token: 2 layers × (K, V) × 2 KV heads × head_dim 64 × 4 bytes = 2048 bytes; a
     sequence takes whole 128-token blocks; 1.25 margin. 16 sequences of P+T = 28 tokens:
     16 × 128 × 2048 × 1.25 = 5 MiB; of 129 tokens, two blocks each: 10 MiB."""
-    from flowgraph.compilers import vllm_engine as _vllm
+    from flowgraph.compilers.vllm import engine as _vllm
 
     assert _vllm.kv_cache_size(model, 16, 28) == 5 * 2**20
     assert _vllm.kv_cache_size(model, 16, 129) == 10 * 2**20
@@ -514,7 +514,7 @@ def test_vllm_kv_cache_is_sized_for_the_rollout(model: nn.Module) -> None:
 def test_vllm_engine_that_cannot_start_names_what_it_asked_for(tokenizer: Any) -> None:
     """A KV cache no machine has: one error with the size asked for, not vLLM's stack.
     (Last in the module: it replaces the engine the tests above share.)"""
-    from flowgraph.compilers import vllm_engine as _vllm
+    from flowgraph.compilers.vllm import engine as _vllm
     from flowgraph.errors import FlowgraphError
 
     with pytest.raises(FlowgraphError, match=r"did not start with a KV cache of 1048576\.000 "

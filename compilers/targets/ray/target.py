@@ -1,103 +1,44 @@
-"""The ray target: a single controller and one Ray worker group per resource pool.
-
-`flowgraph run FILE --target ray [--address ADDR]` runs this driver in the launching
-process. With no address it starts an embedded Ray cluster on this machine (as many
-logical CPUs as the plan's bundles need, at least the machine's cores; its node at
-127.0.0.1, so that Ray's own servers listen on loopback alone); with one, it joins that
-cluster. The driver runs the training loop (`flowgraph.compilers.loop`)
-with a `RayTarget`:
-
-* placement: each pool of the plan (e.g. `actor_rollout_ref`: actor, rollout and
-  reference colocated; `critic`) becomes a placement group with one bundle per worker
-  and a group of `RayWorker` actors in it. A worker loads only its pool's models; in a
-  group of size > 1 the workers form a torch process group (gloo on CPU, nccl on GPU)
-  and shard their models with FSDP2 (`_dist.shard_model`), as the fsdp target does.
-* dispatch: the driver holds the whole batch of every edge and runs the model-free
-  nodes (data, rewards, advantages) itself. A node placed on a pool is sent there:
-  data-parallel nodes get one slice per worker (`_dist.Slices`, group-aligned where
-  the plan says), broadcast inputs go once into the object store, and the slices
-  come back and are concatenated; update nodes get the whole batch on every worker and
-  the update loop takes the worker's share of each mini-batch
-  (`flowgraph.compilers.update_loop`). Tensors move through Ray's object store.
-* asynchronous rollouts (`trainer.max_staleness` S > 0): the producer runs on a pool of
-  its own, the plan's rollout pool (`flowgraph.compilers.rollout_pool`), overlapping
-  these groups; the trained weights go to it after every update (`trained_weights`).
-* checkpoints: every worker writes its shards with DCP into the same folder as the
-  fsdp target (`step_N/dcp/<model>`); the driver publishes it atomically, with the
-  data cursors and node state. A checkpoint of the local target resumes here too. So
-  the driver and every worker must see one run dir: before any model loads, each
-  worker reads a marker the driver wrote into `run_dir/.ranks` and writes its own, which
-  the driver reads back; a worker on a node without the run dir stops the run, named
-  with its node (`flowgraph.compilers.machines`: fsdp's machines prove it alike).
-* names: the run is `flowgraph/<run name>` on the cluster (the run dir's name): its Ray
-  namespace, the prefix of its placement groups' names (`flowgraph/<run name>/<pool>`)
-  and of its actors' (`flowgraph/<run name>/<pool>/<index>`), so that `ray list actors`
-  and the dashboard tell two runs on one cluster apart. Each worker writes its stdout and
-  stderr to `run_dir/logs/<pool>-<index>.log`, which Ray also forwards to the driver's
-  console (`flowgraph.compilers.ray_worker.log_to`).
-* faults: a worker that dies (its actor is gone, or its peers' process group broke:
-  a node lost whole), or hangs (no answer within `trainer.step_timeout_s`) is noticed
-  at the driver's next wait; the driver kills every worker group, starts them afresh
-  (their placement groups wait, bounded, for a lost node to come back or be replaced:
-  `flowgraph.compilers.ray_cluster`), reloads the last checkpoint and goes on from
-  the step after it. metrics.jsonl is cut back to that step first, so it ends with
-  every step exactly once. After `MAX_RESTARTS` restarts in a row without a completed
-  checkpoint the run stops with the last error.
+"""The ray target: the strategy through which the training loop drives a Ray run's worker
+groups (`flowgraph.compilers.target`); started by `flowgraph.compilers.targets.ray.driver`.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import secrets
-import socket
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flowgraph.compilers import _dist
-from flowgraph.compilers.checkpoint import (
+from flowgraph.compilers.checkpoint.store import (
     Rollout,
     begin_checkpoint,
     intact_checkpoint,
     publish_checkpoint,
 )
-from flowgraph.compilers.local import prepare_run
-from flowgraph.compilers.loop import TrainingLoop
-from flowgraph.compilers.machines import draw_token, mark, marked, not_one_run_dir
-from flowgraph.compilers.options import RunOptions
-from flowgraph.compilers.ray_calls import answers, namespace, ray_name, reserve, run_name
-from flowgraph.compilers.ray_cluster import check_fits, cluster_nodes, watched
-from flowgraph.compilers.ray_worker import DRIVER_MARKER, RayWorker, worker_marker
-from flowgraph.compilers.signals import child_pids, reap_with_parent, run_guard
 from flowgraph.compilers.target import Report
+from flowgraph.compilers.targets import process_groups
+from flowgraph.compilers.targets.ray.calls import answers, ray_name, reserve
+from flowgraph.compilers.targets.ray.cluster import check_fits, cluster_nodes
+from flowgraph.compilers.targets.ray.worker import DRIVER_MARKER, RayWorker, worker_marker
+from flowgraph.compilers.targets.shared_run_dir import draw_token, mark, marked, not_one_run_dir
 from flowgraph.compilers.worker import ExecOptions, Worker
-from flowgraph.errors import DEBUG_ENV, FlowgraphError, WorkerLost
+from flowgraph.errors import FlowgraphError, WorkerLost
 from flowgraph.plan import DRIVER, ExecutionPlan, PoolPlan
-from flowgraph.registry import plugin_source
-from flowgraph.runtime.metrics import serving
-from flowgraph.voice import ENTRY_ENV, Word, option
-
-MAX_RESTARTS = 3
-"""Worker-group restarts allowed without a new checkpoint in between."""
-NAMESPACE_WAIT_S = 5.0
-"""The longest wait for a dead run's actors to leave the run's namespace (`--address`)."""
+from flowgraph.voice import option
 
 try:
     import ray
-    import ray._private.ray_constants as ray_constants
     from ray.util.placement_group import remove_placement_group
 except ImportError as exc:  # pragma: no cover - depends on the machine
     raise FlowgraphError(f"{option('target', 'ray')} needs Ray: pip install 'ray>=2.40' "
                          f"({exc})") from exc
 
 
-# --- the driver ------------------------------------------------------------------------------
+MAX_RESTARTS = 3
+"""Worker-group restarts allowed without a new checkpoint in between."""
 
 
 @dataclass
@@ -233,7 +174,7 @@ class RayTarget:
         group = self.groups[placed.pool]
         world = len(group.workers)
         cut = None if world == 1 or not placed.data_parallel or evaluation \
-            else _dist.cut(self.plan, name, inputs, world)
+            else process_groups.cut(self.plan, name, inputs, world)
         slices = cut.slices if cut is not None else None
         if slices is None:  # the whole batch to every worker
             shared = {port: ray.put(v) for port, v in inputs.items()}
@@ -252,7 +193,7 @@ class RayTarget:
         if not evaluation:
             for w, r in enumerate(results):
                 self.worker_times.setdefault(f"{placed.pool}/{w}", {})[f"timing_s/{name}"] = r[1]
-        outputs = results[0][0] if slices is None else _dist.join_outputs(
+        outputs = results[0][0] if slices is None else process_groups.join_outputs(
             self.plan, name, results[0][0], slices,
             lambda port, _: [r[0][port] for r in results])
         metrics.update(results[0][2])
@@ -338,144 +279,3 @@ def check_shared_run_dir(run_dir: Path, token: str,
     if blind:
         raise not_one_run_dir(f"the driver (run dir `{run_dir}`) and its Ray workers",
                               "; ".join(blind), "a Ray run on several nodes", "every worker")
-
-
-# --- entry point ------------------------------------------------------------------------------
-
-
-def cluster_cpus(plan: ExecutionPlan) -> int:
-    """Logical CPUs the embedded cluster offers: the plan's bundles (its rollout pool's
-    too), at least the cores."""
-    rollout = plan.asynchronous.pool if plan.asynchronous is not None else None
-    need = sum(b.cpu for p in (*plan.pools, *([rollout] if rollout else [])) for b in p.bundles)
-    return max(need, os.cpu_count() or 1)
-
-
-def start_ray(plan: ExecutionPlan, address: str | None) -> None:
-    if ray.is_initialized():
-        return
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    env = _runtime_env(plan)
-    if address:
-        try:
-            _answers(address)
-            ray.init(address=address, log_to_driver=True, runtime_env=env,
-                     namespace=namespace(plan))
-        except (OSError, RuntimeError, ValueError) as exc:  # ConnectionError is an OSError
-            raise FlowgraphError(
-                f"cannot join the Ray cluster at `{address}`: {exc}. Is `ray start --head` "
-                "running there (its address, or `auto` on a machine of the cluster)? Or "
-                f"leave out {option('address', Word('ADDR'))} for a local cluster") from None
-        _namespace_free(plan, address)
-        return
-    _private_token()
-    before = child_pids()
-    with _loopback_node():
-        ray.init(num_cpus=cluster_cpus(plan), include_dashboard=False, log_to_driver=True,
-                 configure_logging=False, runtime_env=env, namespace=namespace(plan),
-                 _node_ip_address="127.0.0.1")
-    reap_with_parent(child_pids() - before)  # a killed driver takes the cluster along
-
-
-@contextmanager
-def _loopback_node() -> Iterator[None]:
-    """The embedded cluster's node at 127.0.0.1, so that every server of Ray's (GCS,
-    raylet and object manager, dashboard and runtime-env agents, metrics, each worker's
-    gRPC server) listens there alone, as Ray does when its node's address is 127.0.0.1.
-    `ray.init` replaces a loopback `_node_ip_address` with the machine's outward address
-    unless Ray runs no cluster of several machines (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`,
-    which Ray reads once, when imported): that setting is off while `ray.init` starts the
-    node, and as it was afterwards (a later `--address` run in this process joins as
-    usual). The node's processes take their address from their command line."""
-    saved = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved
-
-
-def _namespace_free(plan: ExecutionPlan, address: str) -> None:
-    """Stop when the run's namespace on the cluster joined holds live actors: another
-    run's whose run dir has the same name (one run dir is one run: its lock). A dead
-    driver's actors are Ray's to end, which it does within a second (measured 0.1 s);
-    they are waited for `NAMESPACE_WAIT_S` at most."""
-    deadline = time.monotonic() + NAMESPACE_WAIT_S
-    while held := ray.util.list_named_actors():  # this job's namespace
-        if time.monotonic() > deadline:
-            raise FlowgraphError(
-                f"the Ray cluster at `{address}` runs actors of another run in namespace "
-                f"`{namespace(plan)}` ({', '.join(sorted(held)[:3])}): a run's Ray names "
-                f"come from its run dir's name, `{run_name(plan)}`; give this run a run dir "
-                f"of another name, e.g. {option('run_dir', f'runs/{run_name(plan)}-2')}")
-        time.sleep(0.5)
-
-
-def _private_token() -> None:
-    """Ray (2.5x) enables token authentication on a cluster `ray.init` starts and, when
-    it finds no token, writes one to `~/.ray/auth_token` readable by everyone (0644).
-    Write it first, readable by its owner alone (0600); tighten one left readable."""
-    told = os.environ.get("RAY_AUTH_MODE", "token").lower() != "token" or any(
-        k in os.environ for k in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"))
-    if told or importlib.util.find_spec("ray._private.authentication") is None:
-        return  # the user's token, or a Ray without token authentication
-    path = Path.home() / ".ray" / "auth_token"
-    path.parent.mkdir(mode=0o700, exist_ok=True)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        if path.stat().st_mode & 0o077:
-            path.chmod(0o600)
-        return
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))  # as `ray get-auth-token --generate` makes one
-
-
-def _runtime_env(plan: ExecutionPlan) -> dict[str, Any] | None:
-    """What the job's workers need wherever they run: the plugin files and packages
-    next to the graph (`py_modules`, uploaded with the job) and `--debug`."""
-    env: dict[str, Any] = {}
-    told = {k: os.environ[k] for k in (DEBUG_ENV, ENTRY_ENV) if k in os.environ}
-    if told:  # `--debug`; the voice of the workers' messages (`flowgraph.voice`)
-        env["env_vars"] = told
-    sources = [plugin_source(p.module, folder) for p in plan.plugins
-               for folder in plan.plugin_paths]
-    modules = sorted({str(s) for s in sources if s is not None})
-    if modules:
-        env["py_modules"] = modules
-    return env or None
-
-
-def _answers(address: str) -> None:
-    """Raise OSError when nothing listens at a `host:port` address: `ray.init` would
-    retry such an address for minutes before it gives up."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit() or "://" in address:
-        return  # `auto`, `ray://...`: Ray resolves those itself
-    with socket.create_connection((host.strip("[]"), int(port)), timeout=5):  # [::1]:6379
-        pass
-
-
-def run_ray(plan: ExecutionPlan, opts: RunOptions) -> None:
-    """`flowgraph run --target ray`: start or join a cluster (`opts.address`) and drive
-    the plan. Prometheus metrics as `run_plan` serves them, from the driver."""
-    run_dir = prepare_run(plan, resume=opts.resume, overwrite=opts.overwrite).resolve()
-    with serving(plan, opts.metrics_port, opts.metrics_host, hold=opts.metrics_hold,
-                 target="ray", out=opts.out) as exporter, run_guard(plan, opts) as stop:
-        target = None
-        try:
-            start_ray(plan, opts.address)
-            stop.take_signals()  # ray.init's SIGTERM handler would end the driver
-            options = ExecOptions(run_dir, "cpu", opts.strict, opts.resume, opts.out,
-                                  opts.tensorboard, exporter, stop=stop,
-                                  allow_changed=opts.allow_changed)
-            with watched(plan, opts):  # a lost head or node: what to do, not Ray's exit
-                target = RayTarget(plan, options)
-                loop = TrainingLoop(plan, target, options)
-                loop.setup()
-                loop.run()
-        finally:  # workers first: the endpoint is held after this block
-            if target is not None:
-                target.stop()
-            if opts.shutdown and not opts.address and ray.is_initialized():
-                ray.shutdown()

@@ -16,7 +16,7 @@ A data-parallel (FSDP2) actor holds a slice of each parameter per worker (a DTen
 every worker runs its own engine. Nothing gathers the whole model: the sync makes one
 parameter whole at a time, and every worker agrees on whether to sync (how the weights
 travel, and the check of the first sync and every `trainer.verify_sync_every`-th:
-`flowgraph.compilers.weight_sync`).
+`flowgraph.compilers.vllm.weight_sync`).
 
 Requests carry their prompt's tokens without padding (`TokensPrompt`) and their own
 seed, so a sample does not depend on its batch. The engine reports log-probs in
@@ -39,8 +39,8 @@ import torch
 from torch import Tensor, nn
 
 from flowgraph.choices import MODEL_DTYPES, TENSOR_BYTES
-from flowgraph.compilers import weight_sync
 from flowgraph.compilers.build import compute_dtype
+from flowgraph.compilers.vllm import weight_sync
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.generate import SamplingSpec
 from flowgraph.passes.memory import ModelConfig, vllm_kv_cache_bytes

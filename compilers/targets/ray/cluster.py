@@ -338,7 +338,7 @@ def _nodes(nodes: list[Node], keys: list[str] | tuple[str, ...]) -> str:
 def how_to_go_on(plan: ExecutionPlan, opts: RunOptions) -> str:
     """The last checkpoint and the command that continues the run from it (on a cluster
     joined, once it is whole again; an embedded one is started anew)."""
-    from flowgraph.compilers.checkpoint import latest_checkpoint
+    from flowgraph.compilers.checkpoint.store import latest_checkpoint
     from flowgraph.compilers.signals import resume_command
 
     done = latest_checkpoint(Path(plan.trainer.run_dir))

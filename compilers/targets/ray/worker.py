@@ -1,5 +1,5 @@
 """A worker of a Ray pool: a Ray actor holding one `Worker` (its pool's models), which
-the driver (`flowgraph.compilers.ray.RayTarget`) calls one node at a time.
+the driver (`flowgraph.compilers.targets.ray.target.RayTarget`) calls one node at a time.
 
 In a pool of size > 1 the workers form a torch process group (gloo on CPU, nccl on
 GPU) and shard their models with FSDP2 where the plan says `full_shard`, as the fsdp
@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from flowgraph.compilers import _dist
-from flowgraph.compilers.checkpoint import load_weights, save_shards
+from flowgraph.compilers.checkpoint.store import load_weights, save_shards
 from flowgraph.compilers.logs import tee
-from flowgraph.compilers.machines import mark, marked
-from flowgraph.compilers.weight_sync import reshard, whole
+from flowgraph.compilers.targets import process_groups
+from flowgraph.compilers.targets.shared_run_dir import mark, marked
+from flowgraph.compilers.vllm.weight_sync import reshard, whole
 from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
 from flowgraph.errors import FlowgraphError
 from flowgraph.plan import ExecutionPlan
@@ -53,7 +53,7 @@ class RayWorker:
         self.plan = ExecutionPlan.from_json(sent[0]).with_pickled(sent[1])
         self.pool = self.plan.pool(pool)
         self.rank = rank
-        self.group = _dist.DataParallel() if self.pool.size > 1 else None
+        self.group = process_groups.DataParallel() if self.pool.size > 1 else None
         self.worker: Worker | None = None
 
     def __repr__(self) -> str:
@@ -96,9 +96,9 @@ class RayWorker:
         cpus = self.pool.bundles[self.rank].cpu if self.pool.bundles else 1
         torch.set_num_threads(max(cpus, 1))
         if self.pool.size > 1:
-            _dist.init_group(self.rank, self.pool.size, device, addr=addr, port=port)
+            process_groups.init_group(self.rank, self.pool.size, device, addr=addr, port=port)
         self.worker = Worker(self.plan, ExecOptions(Path(run_dir), device), self.pool.models,
-                             place=lambda placed, spec, model: _dist.place(
+                             place=lambda placed, spec, model: process_groups.place(
                                  placed, spec, model, self.pool.size, device))
         self.worker.prepare()
         self.worker.load_models()
@@ -158,7 +158,7 @@ class RayWorker:
 
 
 DRIVER_MARKER = "driver"
-"""The driver's marker in `run_dir/.ranks` (`flowgraph.compilers.machines.mark`)."""
+"""The driver's marker in `run_dir/.ranks` (`flowgraph.compilers.targets.shared_run_dir.mark`)."""
 
 
 def worker_marker(pool: str, rank: int) -> str:

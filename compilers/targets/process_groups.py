@@ -48,7 +48,7 @@ from torch import nn
 from torch._C._distributed_c10d import TCPStore  # torch.distributed's, undeclared there
 
 from flowgraph.compilers.build import torch_dtype
-from flowgraph.compilers.checkpoint import is_sharded
+from flowgraph.compilers.checkpoint.store import is_sharded
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan, ModelPlacement

@@ -1,4 +1,4 @@
-"""Weight sync into a running vLLM engine, and its check (`flowgraph.compilers.vllm_engine`
+"""Weight sync into a running vLLM engine, and its check (`flowgraph.compilers.vllm.engine`
 says when they run).
 
 `load` streams `model.named_parameters()` into the engine, one tensor per RPC, through

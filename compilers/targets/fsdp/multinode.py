@@ -25,7 +25,7 @@ writes a marker holding a token node 0 drew into `run_dir/.ranks/machine_R`, the
 reads every machine's: one that misses any stops them all, each with the same
 message, before any model loads. The ray target proves the same of its workers with
 the same markers and message (`mark`, `marked`, `not_one_run_dir`;
-`flowgraph.compilers.ray.RayTarget.start`).
+`flowgraph.compilers.targets.ray.target.RayTarget.start`).
 
 Failures. The launcher of each machine knows only its own ranks; a rank that dies on
 node 1 shows on node 0 as its ranks' broken connections. Each launcher writes what
@@ -41,7 +41,6 @@ import signal
 import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from flowgraph.compilers.options import RunOptions
+from flowgraph.compilers.targets.shared_run_dir import draw_token, mark, marked, not_one_run_dir
 from flowgraph.errors import FlowgraphError
 from flowgraph.voice import Word, option
 
@@ -282,36 +282,6 @@ def _prove_shared_run_dir(here: Machines, opts: RunOptions) -> None:
                           "every rank", " on every node")
 
 
-def draw_token() -> str:
-    """A token no earlier run's marker holds."""
-    return uuid.uuid4().hex
-
-
-def mark(run_dir: Path, name: str, token: str) -> None:
-    """Write marker `name` (`run_dir/.ranks/<name>`) holding `token`."""
-    ranks = run_dir / ".ranks"
-    ranks.mkdir(parents=True, exist_ok=True)
-    (ranks / name).write_text(token)
-
-
-def marked(run_dir: Path, name: str, token: str) -> bool:
-    """Whether marker `name`, as this machine sees it, holds `token`."""
-    return _marker(run_dir / ".ranks" / name) == token
-
-
-def not_one_run_dir(who: str, blind: str, run: str, writers: str, where: str = ""
-                    ) -> FlowgraphError:
-    """The error of a run whose processes do not see each other's markers: `who`
-    (`the 2 nodes`) do not share one run dir, `blind` says which misses what; `run`
-    (`a multi-node fsdp run`) writes each checkpoint from `writers` (`every rank`);
-    `where` the run dir is to be given (` on every node`)."""
-    return FlowgraphError(
-        f"{who} do not share one run dir: {blind}. {run[:1].upper()}{run[1:]} writes each "
-        f"checkpoint from {writers} into one folder: put trainer.run_dir on a filesystem "
-        "every node mounts at the same path (NFS, Lustre, ...), e.g. "
-        f"{option('run_dir', '/shared/runs/NAME')}{where}")
-
-
 def _parent(pid: int) -> int | None:
     """The parent of process `pid` (Linux), None if it is gone."""
     try:
@@ -325,13 +295,6 @@ def _state(pid: int) -> str | None:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
     except (OSError, IndexError):
-        return None
-
-
-def _marker(path: Path) -> str | None:
-    try:
-        return path.read_text()
-    except OSError:
         return None
 
 

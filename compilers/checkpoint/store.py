@@ -8,7 +8,7 @@ RNG states — everything a resumed run needs to produce the same numbers. A tra
 model's frozen parameters (a LoRA model's base) are not in it: they load from the
 model's source, and only the adapters are saved (`TrainedPart`).
 
-What a checkpoint holds is checked before it is loaded (`flowgraph.compilers.integrity`):
+What a checkpoint holds is checked before it is loaded (`flowgraph.compilers.checkpoint.integrity`):
 weights are safetensors, the rest `torch.save` files read with `weights_only=True`
 (nothing is unpickled as code) and JSON, and `manifest.json` — size and sha256 of every
 file, DCP shards included — is written last, before the rename. `intact_checkpoint`
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flowgraph.compilers.integrity import (
+from flowgraph.compilers.checkpoint.integrity import (
     checkpoint_damage,
     load_plain,
     load_tensors,

@@ -1,5 +1,5 @@
-"""Calls to Ray shared by the trainer's pools (`flowgraph.compilers.ray`) and the rollout
-pool (`flowgraph.compilers.rollout_pool`): the run's names on the cluster, a pool's
+"""Calls to Ray shared by the trainer's pools (`flowgraph.compilers.targets.ray.target`) and the
+rollout pool (`flowgraph.compilers.rollout_pool`): the run's names on the cluster, a pool's
 placement group, and waiting for a worker's answer (a dead or silent worker is
 `WorkerLost`, a node's error comes back as it was raised)."""
 
@@ -9,10 +9,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-from flowgraph.compilers import _dist
-from flowgraph.compilers.integrity import DISK_FULL
-from flowgraph.compilers.ray_cluster import placed
-from flowgraph.compilers.ray_worker import worker_log
+from flowgraph.compilers.checkpoint.integrity import DISK_FULL
+from flowgraph.compilers.targets import process_groups
+from flowgraph.compilers.targets.ray.cluster import placed
+from flowgraph.compilers.targets.ray.worker import worker_log
 from flowgraph.errors import FlowgraphError, NodeError, WorkerLost
 from flowgraph.plan import ExecutionPlan, PoolPlan
 from flowgraph.voice import option
@@ -37,7 +37,7 @@ def _where(where: tuple[str, int] | str | None) -> str:
 
 BROKEN_GROUP = re.compile(r"gloo/|NCCL|DistNetworkError|DistBackendError")
 """A worker's error that names the process group's backend: its collective broke (a
-peer died or hung). Narrower than `_dist.lost_peer`: a node's own network error (a
+peer died or hung). Narrower than `process_groups.lost_peer`: a node's own network error (a
 reward calling an API: `ConnectionResetError: ... Connection reset by peer`) stays that
 node's error, with the user's line, and is not retried as a lost worker."""
 PEER_WAIT_S = 2.0
@@ -51,7 +51,7 @@ def answers(refs: Any, timeout: float | None, where: tuple[str, int] | str | Non
             ) -> Any:
     """ray.get with `timeout` (the step timeout; None: no limit); a dead or silent worker
     raises WorkerLost, a node's own error comes back as it was raised in the worker.
-    A worker whose collective broke because a peer died (`_dist.lost_peer`: gloo's
+    A worker whose collective broke because a peer died (`process_groups.lost_peer`: gloo's
     closed connection) is a lost worker too: when a whole node goes, the survivors'
     errors reach the driver before Ray (which needs its health checks, ~15 s) reports
     that node's actors dead. `where`: the node and step waited for, or what the worker
@@ -63,7 +63,8 @@ def answers(refs: Any, timeout: float | None, where: tuple[str, int] | str | Non
         error = (str(cause) if isinstance(cause, FlowgraphError)
                  else f"{type(cause).__name__}: {cause}")
         first = error.split("\n", 1)[0]
-        if _dist.lost_peer(first) and BROKEN_GROUP.search(first):  # a peer died: a worker lost
+        # a peer died: a worker lost
+        if process_groups.lost_peer(first) and BROKEN_GROUP.search(first):
             _dead_among(refs, where)  # the one that died, when Ray says so soon
             raise WorkerLost(f"a worker lost a peer of its process group{_where(where)} "
                              f"({_STEP.sub('', first)})") from None

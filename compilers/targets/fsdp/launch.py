@@ -1,31 +1,6 @@
-"""The fsdp target: N processes, SPMD, FSDP2; the same numbers as the local executor.
-
-`flowgraph run FILE --target fsdp --nproc N` starts N processes through torch's
-elastic launcher (what `torchrun` runs; `--nnodes/--node-rank/--rdzv-endpoint` for
-several machines), or, started by `torchrun` itself (`WORLD_SIZE` set), runs as one of
-its ranks. Every rank runs the training loop (`flowgraph.compilers.loop`) with an
-`FsdpTarget`:
-
-* placement: models the plan marks `full_shard` are wrapped with FSDP2 per block
-  (`_dist.shard_model`; heads and tied embeddings replicated), gloo on CPU, nccl on
-  GPU; the rest are replicated.
-* dispatch: every rank holds the whole batch of every edge (the data sources draw the
-  same batch everywhere; model-free nodes — rewards, advantages — run on the whole
-  batch on every rank, as the plan's pool says). A data-parallel node takes its slice
-  (`_dist.Slices`, group-aligned where the plan says so), runs, and its outputs are
-  all-gathered back to the whole batch. Update nodes get the whole batch and the
-  update loop takes this rank's share of each mini-batch
-  (`flowgraph.compilers.update_loop`), so each optimizer step sees the mini-batch a
-  one-process run sees.
-* checkpoints: `torch.distributed.checkpoint` (a different N can resume them; so can
-  the local target, whose own checkpoints resume here too), rank 0 publishes the
-  folder atomically.
-
-Rank 0 alone writes metrics, TensorBoard and the console line. Every rank's stdout and
-stderr are also in `run_dir/logs/rank-<R>.log` (`flowgraph.compilers.logs`). A rank that
-fails leaves its step and node in `run_dir/.ranks/rank_R`; the launching process names
-them, the failed ranks' logs and how to resume.
-"""
+"""The fsdp launch: the ranks started through torch's elastic launcher (or by torchrun),
+the body of each rank, and the launcher's report of a failed run (the room's overview:
+`flowgraph.compilers.targets.fsdp`)."""
 
 from __future__ import annotations
 
@@ -47,23 +22,11 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from flowgraph.compilers import _dist
-from flowgraph.compilers.checkpoint import (
-    Rollout,
-    begin_checkpoint,
-    checkpoint_root,
+from flowgraph.compilers.checkpoint.store import (
     latest_checkpoint,
-    load_weights,
-    publish_checkpoint,
-    save_rng,
-    save_shards,
-    set_rng_state,
 )
-from flowgraph.compilers.integrity import load_plain
-from flowgraph.compilers.local import prepare_run
 from flowgraph.compilers.logs import tee
 from flowgraph.compilers.loop import TrainingLoop
-from flowgraph.compilers.machines import Failure, Machines, meet
 from flowgraph.compilers.options import RunOptions
 from flowgraph.compilers.signals import (
     STOP_FILE,
@@ -72,15 +35,16 @@ from flowgraph.compilers.signals import (
     resume_command,
     run_guard,
 )
-from flowgraph.compilers.target import Report
-from flowgraph.compilers.worker import ExecOptions, Worker
+from flowgraph.compilers.targets import process_groups
+from flowgraph.compilers.targets.fsdp.multinode import Failure, Machines, meet
+from flowgraph.compilers.targets.fsdp.target import FsdpTarget
+from flowgraph.compilers.worker import ExecOptions
 from flowgraph.errors import (
     FlowgraphError,
     Interrupted,
     RankFailed,
     Stopped,
     UsageError,
-    WorkerLost,
 )
 from flowgraph.plan import ExecutionPlan, read_run_plan, write_run_plan
 from flowgraph.runtime.metrics import serving
@@ -90,119 +54,6 @@ STOPPED = ".ranks/stopped"
 """Written by rank 0 when the ranks stopped on a signal, their checkpoint saved."""
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 """Set to 1 while launching: torch's agent then shares no store with the ranks."""
-
-
-class FsdpTarget:
-    """One rank of an fsdp run."""
-
-    label = "rank0"
-
-    def __init__(self, plan: ExecutionPlan, opts: ExecOptions, rank: int, world: int, *,
-                 exporting: bool = False) -> None:
-        self.plan, self.opts, self.rank, self.world = plan, opts, rank, world
-        self.writes = rank == 0
-        self.exporting = exporting
-        """Prometheus is on (rank 0 serves it): every rank reports to rank 0 each step."""
-        self.group = _dist.DataParallel()
-        self.worker = Worker(plan, opts, tuple(m for p in plan.pools for m in p.models),
-                             place=lambda placed, spec, model: _dist.place(
-                                 placed, spec, model, world, opts.device))
-
-    def start(self) -> None:
-        self.worker.load_models()
-
-    # -- dispatch -------------------------------------------------------------------------
-
-    def dispatch(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
-                 metrics: dict[str, float], *, evaluation: bool = False
-                 ) -> tuple[dict[str, Any], float]:
-        """A data-parallel node as the plan dispatches its inputs: on this rank's slice,
-        its outputs all-gathered; on the whole batch shared out by rank (`broadcast`: an
-        update takes its share of each mini-batch); else whole. The rest whole, here."""
-        node = self.plan.node(name)
-        if not evaluation:
-            _dist.write_status(self.opts.run_dir, self.rank, step, name)
-        if evaluation or self.world == 1 or not node.data_parallel:
-            return self.worker.dispatch(name, inputs, step, params, metrics,
-                                        evaluation=evaluation)
-        cut = _dist.cut(self.plan, name, inputs, self.world)
-        dp = {"dp_rank": self.rank, "dp_size": self.world, "workers": self.group}
-        if cut.slices is None:  # every rank holds the whole batch
-            return self.worker.call(name, inputs, step, params, metrics,
-                                    **(dp if cut.shared else {}))
-        outputs, seconds = self.worker.call(
-            name, {**inputs, **cut.parts(self.rank)}, step, params, metrics,
-            row_offset=cut.slices.bounds[self.rank][0], **dp)
-        return _dist.join_outputs(self.plan, name, outputs, cut.slices,
-                                  lambda _, value: _dist.all_gather(value, self.world)), seconds
-
-    # -- checkpoints ----------------------------------------------------------------------
-
-    def save(self, step: int, state: dict[str, Any], rollouts: list[Rollout] | None
-             ) -> None:
-        run_dir = self.opts.run_dir
-        tmp = checkpoint_root(run_dir) / f"step_{step}.tmp-fsdp"
-        if self.rank == 0:
-            begin_checkpoint(run_dir, step, "tmp-fsdp")
-        dist.barrier()
-        w = self.worker
-        save_shards(tmp, w.saved_models(), w.optimizers, w.schedulers, self.rank)
-        save_rng(tmp / f"rng.rank{self.rank}.pt")
-        dist.barrier()
-        if self.rank == 0:
-            publish_checkpoint(tmp, state, keep=self.plan.trainer.max_checkpoints,
-                               rollouts=rollouts)
-        dist.barrier()
-
-    def load(self, folder: Path) -> None:
-        w = self.worker
-        load_weights(folder, w.saved_models(), w.optimizers, w.schedulers)
-        rng = folder / f"rng.rank{self.rank}.pt"
-        if rng.exists():  # absent: more ranks than wrote it, or another target wrote it
-            set_rng_state(load_plain(rng))
-
-    # -- the run ----------------------------------------------------------------------------
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-    def report(self, step: int, metrics: dict[str, float]) -> list[Report]:
-        """Every rank's node seconds and memory, gathered on rank 0 for its endpoint (a
-        `worker="rank<R>"` label each; the step row is rank 0's, through its MetricsLog)."""
-        if not self.exporting or self.world == 1:
-            return []
-        from flowgraph.runtime.prometheus import process_memory
-
-        mine = ({k: v for k, v in metrics.items() if k.startswith("timing_s/")},
-                process_memory())
-        every: list[Any] = [None] * self.world
-        dist.all_gather_object(every, mine)
-        if self.rank:
-            return []
-        return [(f"rank{rank}", timings, memory)
-                for rank, (timings, memory) in enumerate(every)]
-
-    def recover(self, exc: WorkerLost, step: int) -> Path | None:
-        raise exc  # a lost rank ends the job; the launcher says how to resume
-
-    def stop_requested(self) -> int | None:
-        """A stop every rank agrees on: this rank's signal, the launcher's (its stop
-        file), or another rank's (a MAX all-reduce, so all stop at the same node)."""
-        stop = self.opts.stop
-        mine = stop.signum if stop is not None and stop.signum is not None else 0
-        told = self.opts.run_dir / STOP_FILE
-        if not mine and told.exists():
-            mine = int(told.read_text().strip() or signal.SIGTERM)
-        agreed = torch.tensor([mine], device=self.opts.device)
-        if self.world > 1:
-            dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
-        signum = int(agreed.item())
-        if signum and stop is not None and stop.signum is None:
-            stop.request(signum, note=False)  # a signal after this one stops at once
-        return signum or None
-
-    def completed(self, saved: bool) -> None:
-        pass
 
 
 # --- processes -----------------------------------------------------------------------------
@@ -274,7 +125,7 @@ def _rank(plan_json: str, strict: bool, resume: bool, metrics_port: int | None,
                      target="fsdp", out=sys.stdout, here=rank == 0) as exporter:
             # A rank silent for trainer.step_timeout_s fails its peers' next collective:
             # the hang ends the job like a death (and names the ranks' positions).
-            _dist.init_group(rank, world, device,
+            process_groups.init_group(rank, world, device,
                              timeout_s=plan.trainer.step_timeout_s or 1800.0)
             options = ExecOptions(run_dir, device, strict, resume, out=sys.stdout,
                                   exporter=exporter, stop=stop,
@@ -288,7 +139,7 @@ def _rank(plan_json: str, strict: bool, resume: bool, metrics_port: int | None,
             (run_dir / STOPPED).write_text(str(stop.signum))
         raise
     except BaseException as exc:
-        where = _dist.read_status(run_dir, rank)
+        where = process_groups.read_status(run_dir, rank)
         text = f"{type(exc).__name__}: {exc}" if not isinstance(exc, FlowgraphError) else str(exc)
         (run_dir / ".ranks").mkdir(parents=True, exist_ok=True)
         named = where is None or f"node `{where[1]}`" in text
@@ -342,9 +193,8 @@ def launch(plan: ExecutionPlan, opts: RunOptions, out: TextIO | None = None) -> 
                          f"{option('rdzv_endpoint', Word('HOST:PORT'))}: node 0's address and "
                          "a free port, the same on every machine")
     _check_gpus(plan, world // opts.nnodes)
-    first = opts.node_rank == 0  # node 0 prepares the run dir: the others share it
-    run_dir = prepare_run(plan, resume=opts.resume, overwrite=opts.overwrite,
-                          check_only=not first)
+    first = opts.node_rank == 0  # node 0 prepared the run dir: the others share it
+    run_dir = Path(plan.trainer.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     ranks = run_dir / ".ranks"
     for stale in ranks.glob("*") if first and ranks.is_dir() else []:
@@ -401,7 +251,7 @@ def _rendezvous_store(endpoint: str, timeout_s: float) -> Any:
 
     host, port = _host_port(endpoint)
     try:
-        return _dist.listening_store(host, port, None,
+        return process_groups.listening_store(host, port, None,
                                      timedelta(seconds=max(timeout_s, 60.0)))
     except FlowgraphError as exc:
         raise FlowgraphError(f"{option('rdzv_endpoint', endpoint)}: {exc}; node 0 serves "
@@ -433,7 +283,7 @@ def _contained() -> Iterator[None]:
     traceback files of failed ranks (`pytorch-errorfile-*.pickle`) go to a temp folder
     removed after the launch, and its agent shares no store with the ranks (that one
     would listen on every interface): rank 0 serves theirs on MASTER_ADDR alone
-    (`_dist.init_group`), the agent's `local_addr`."""
+    (`process_groups.init_group`), the agent's `local_addr`."""
     saved = tempfile.tempdir
     with tempfile.TemporaryDirectory(prefix="flowgraph-launch-") as scratch, \
             inherited(SHARE_STORE_ENV, "1"):
@@ -474,7 +324,7 @@ def _failure_message(exc: Any, run_dir: Path, plan: ExecutionPlan, opts: RunOpti
 
 def _position(run_dir: Path, rank: int) -> tuple[int, str, int] | None:
     """Rank `rank`'s step, node and pid (its status file), None before its first node."""
-    where, pid = _dist.read_status(run_dir, rank), _dist.status_pid(run_dir, rank)
+    where, pid = process_groups.read_status(run_dir, rank), process_groups.status_pid(run_dir, rank)
     return None if where is None or pid is None else (*where, pid)
 
 
@@ -484,8 +334,8 @@ def _failure(run_dir: Path, rank: int, failure: Any) -> Failure:
     if error.exists():
         text = error.read_text().strip()
         return Failure(rank, f"rank {rank} failed: {text}", failure.timestamp,
-                       _dist.lost_peer(text))
-    where = _dist.read_status(run_dir, rank)
+                       process_groups.lost_peer(text))
+    where = process_groups.read_status(run_dir, rank)
     code = failure.exitcode
     how = (f"was killed by {signal.Signals(-code).name}" if code < 0
            else f"exited with code {code}")
@@ -522,8 +372,7 @@ def run_fsdp(plan: ExecutionPlan, opts: RunOptions) -> None:
     rank = torchrun_rank()
     if rank is not None:
         first = rank == 0
-        run_dir = prepare_run(plan, resume=opts.resume, overwrite=opts.overwrite,
-                              check_only=not first)
+        run_dir = Path(plan.trainer.run_dir)
         plan_json = run_dir / ".ranks" / f"plan.{rank}.json"
         plan_json.parent.mkdir(parents=True, exist_ok=True)
         if first:  # a previous launcher's; the others read it after the loop's barrier

@@ -1,0 +1,2 @@
+"""flowgraph.compilers.vllm — the vLLM rollout engine (`engine`) and the weight sync into it
+(`weight_sync`)."""
