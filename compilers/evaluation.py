@@ -10,7 +10,7 @@ at `val_temperature`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -19,12 +19,20 @@ from flowgraph.compilers.interpreter import Interpreter
 from flowgraph.compilers.metrics import HeldOut, log_ratio_to_reference, step_metrics
 
 
+class UpdateEval(Protocol):
+    """The target's `evaluate`: an update's metrics on held-out inputs, into `metrics`."""
+
+    def __call__(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
+                 metrics: dict[str, float]) -> None: ...
+
+
 def evaluate(batches: Batches, names: list[str], step: int, tokenizers: dict[str, Any],
-             strict: bool) -> tuple[dict[str, float], list[dict[str, Any]]]:
+             strict: bool, updates: UpdateEval) -> tuple[dict[str, float], list[dict[str, Any]]]:
     """The `val/...` metrics of the model after `step` (none without held-out data), by
     `names` (the prologue's and the step's nodes) on every held-out batch; and the
     responses, for the `validation` table. `strict`: every held-out prologue batch held
-    to its contracts (else the first)."""
+    to its contracts (else the first). `updates`: the target's `evaluate`, which the
+    updates run instead of a step."""
     out: dict[str, float] = {}
     ip = batches.interpreter
     if not all(batches.data[d.name].eval is not None for d in ip.plan.data):
@@ -43,7 +51,7 @@ def evaluate(batches: Batches, names: list[str], step: int, tokenizers: dict[str
                     ev.load_state_dict({"epoch": 0, "position": rows - size})
             env: dict[tuple[str, str], Any] = {}
             batches.draw(env, {}, split="eval")
-            scratch = _eval_nodes(ip, names, env, step)
+            scratch = _eval_nodes(ip, updates, names, env, step)
             scratch.update(step_metrics(ip.plan, env))
             scratch.update(log_ratio_to_reference(ip.plan, env))
             held_out.add(ip.plan, env, tokenizers, skip=size - fresh)
@@ -56,15 +64,15 @@ def evaluate(batches: Batches, names: list[str], step: int, tokenizers: dict[str
     return out, held_out.rows()
 
 
-def _eval_nodes(ip: Interpreter, names: list[str], env: dict[tuple[str, str], Any],
-                step: int) -> dict[str, float]:
+def _eval_nodes(ip: Interpreter, updates: UpdateEval, names: list[str],
+                env: dict[tuple[str, str], Any], step: int) -> dict[str, float]:
     """Every node on one held-out batch, the updates' evaluation taking their place."""
     scratch: dict[str, float] = {}
     for name in names:
         if not ip.placed[name].trains:
             ip.run_node(name, env, step, strict=False, metrics=scratch, split="eval")
         else:
-            ip.call_node(name, env, step, ip.params(name), scratch, evaluation=True)
+            updates(name, ip.inputs(name, env), step, ip.params(name), scratch)
     return scratch
 
 

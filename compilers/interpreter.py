@@ -39,8 +39,7 @@ class Dispatch(Protocol):
     """A target's way of running one node: `(outputs, seconds inside the node)`."""
 
     def __call__(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
-                 metrics: dict[str, float], *, evaluation: bool = False
-                 ) -> tuple[dict[str, Any], float]: ...
+                 metrics: dict[str, float]) -> tuple[dict[str, Any], float]: ...
 
 
 class Interpreter:
@@ -97,11 +96,13 @@ class Interpreter:
         return seconds
 
     def call_node(self, name: str, env: Env, step: int, params: dict[str, Any],
-                  metrics: dict[str, float], *, evaluation: bool = False
-                  ) -> tuple[dict[str, Any], float]:
+                  metrics: dict[str, float]) -> tuple[dict[str, Any], float]:
         """The target runs node `name` on its inputs in `env`; nothing is stored."""
-        inputs = {i.port: env[i.ref] for i in self.placed[name].inputs}
-        return self.dispatch(name, inputs, step, params, metrics, evaluation=evaluation)
+        return self.dispatch(name, self.inputs(name, env), step, params, metrics)
+
+    def inputs(self, name: str, env: Env) -> dict[str, Any]:
+        """Node `name`'s inputs in `env`, by port."""
+        return {i.port: env[i.ref] for i in self.placed[name].inputs}
 
     def check_inputs(self, name: str, env: Env, step: int) -> None:
         """Every input of `name` against its port's contract (strict mode)."""

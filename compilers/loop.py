@@ -312,7 +312,8 @@ class TrainingLoop:
     def evaluate(self, step: int) -> dict[str, float]:
         """`val/...` metrics on the held-out data (`flowgraph.compilers.evaluation`)."""
         metrics, self.generations = evaluate(self.batches, self.prologue + self.order, step,
-                                             self.target.worker.tokenizers, self.strict)
+                                             self.target.worker.tokenizers, self.strict,
+                                             self.target.evaluate)
         return metrics
 
     # -- checkpoints --------------------------------------------------------------------

@@ -311,7 +311,7 @@ def producer(plan: ExecutionPlan, names: list[str], opts: ExecOptions,
     interpreter and batches at the trainer's cursors, the nodes' state restored."""
     worker = Worker(plan, opts, hosted, trained=frozenset())
     worker.prepare()
-    batches = Batches(Interpreter(plan, worker.dispatch), load_data(plan, worker.tokenizers), [])
+    batches = Batches(Interpreter(plan, worker.call), load_data(plan, worker.tokenizers), [])
     worker.load_models()
     for d, cursor in cursors.items():
         batches.data[d].train.load_state_dict(cursor)

@@ -1,6 +1,6 @@
 """What a target is: the strategy the training loop runs a plan through.
 
-A target (`local.py`, `fsdp.py`, `ray.py`) decides where models live and how a node's
+A target (`targets/`: local, fsdp, ray) decides where models live and how a node's
 batch reaches them; the interpreter and the training loop are the same on all three.
 Its verbs, and nothing else:
 
@@ -8,9 +8,10 @@ Its verbs, and nothing else:
                       and state; the Ray driver's hosts no model)
     start()           place the models: here whole (local), sharded over the ranks
                       (fsdp), or on Ray worker groups started per pool (ray)
-    dispatch(...)     run one node on its inputs, or an update's held-out metrics
-                      (`evaluation=True`): in this process, on this rank's slice with the
-                      outputs gathered, or on a pool's workers
+    dispatch(...)     run one node on its inputs: in this process, on this rank's slice
+                      with the outputs gathered, or on a pool's workers
+    evaluate(...)     an update's metrics on held-out inputs, no step (its loss's
+                      `held_out`): where the update's model is, on the whole batch
     save(step, ...)   write a checkpoint: whole files, or every worker's DCP shards,
                       published atomically with the loop's state and rollout buffer
     load(folder)      this target's models, optimizers, schedulers (and RNG) from a
@@ -48,8 +49,10 @@ class Target(Protocol):
     def start(self) -> None: ...
 
     def dispatch(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
-                 metrics: dict[str, float], *, evaluation: bool = False
-                 ) -> tuple[dict[str, Any], float]: ...
+                 metrics: dict[str, float]) -> tuple[dict[str, Any], float]: ...
+
+    def evaluate(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
+                 metrics: dict[str, float]) -> None: ...
 
     def save(self, step: int, state: dict[str, Any], rollouts: list[Rollout] | None
              ) -> None: ...

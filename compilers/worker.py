@@ -179,16 +179,6 @@ class Worker:
             engines=partial(rollout_engine, verify_every=self.plan.trainer.verify_sync_every),
             version=self.version, refresh=self.refresh, **dp)
 
-    def dispatch(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
-                 metrics: dict[str, float], *, evaluation: bool = False
-                 ) -> tuple[dict[str, Any], float]:
-        """`Interpreter`'s dispatch in one process: the node, or at evaluation an
-        update's held-out metrics, here on the whole batch."""
-        if evaluation:
-            self.evaluate_update(name, inputs, step, params, metrics)
-            return {}, 0.0
-        return self.call(name, inputs, step, params, metrics)
-
     def call(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
              metrics: dict[str, float], **dp: Any) -> tuple[dict[str, Any], float]:
         """Call one node's implementation on `inputs` (port -> value); (outputs, seconds

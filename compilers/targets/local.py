@@ -40,7 +40,8 @@ class LocalTarget:
     def __init__(self, plan: ExecutionPlan, opts: ExecOptions) -> None:
         self.opts, self.keep = opts, plan.trainer.max_checkpoints
         self.worker = Worker(plan, opts, tuple(m for p in plan.pools for m in p.models))
-        self.dispatch = self.worker.dispatch
+        self.dispatch = self.worker.call
+        self.evaluate = self.worker.evaluate_update
 
     def start(self) -> None:
         self.worker.load_models()

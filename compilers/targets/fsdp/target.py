@@ -49,6 +49,8 @@ class FsdpTarget:
         self.worker = Worker(plan, opts, tuple(m for p in plan.pools for m in p.models),
                              place=lambda placed, spec, model: process_groups.place(
                                  placed, spec, model, world, opts.device))
+        self.evaluate = self.worker.evaluate_update
+        """An update's held-out metrics: every rank holds the whole batch."""
 
     def start(self) -> None:
         self.worker.load_models()
@@ -56,17 +58,14 @@ class FsdpTarget:
     # -- dispatch -------------------------------------------------------------------------
 
     def dispatch(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
-                 metrics: dict[str, float], *, evaluation: bool = False
-                 ) -> tuple[dict[str, Any], float]:
+                 metrics: dict[str, float]) -> tuple[dict[str, Any], float]:
         """A data-parallel node as the plan dispatches its inputs: on this rank's slice,
         its outputs all-gathered; on the whole batch shared out by rank (`broadcast`: an
         update takes its share of each mini-batch); else whole. The rest whole, here."""
         node = self.plan.node(name)
-        if not evaluation:
-            process_groups.write_status(self.opts.run_dir, self.rank, step, name)
-        if evaluation or self.world == 1 or not node.data_parallel:
-            return self.worker.dispatch(name, inputs, step, params, metrics,
-                                        evaluation=evaluation)
+        process_groups.write_status(self.opts.run_dir, self.rank, step, name)
+        if self.world == 1 or not node.data_parallel:
+            return self.worker.call(name, inputs, step, params, metrics)
         cut = process_groups.cut(self.plan, name, inputs, self.world)
         dp = {"dp_rank": self.rank, "dp_size": self.world, "workers": self.group}
         if cut.slices is None:  # every rank holds the whole batch

@@ -161,26 +161,24 @@ class RayTarget:
     # -- dispatch ---------------------------------------------------------------------------
 
     def dispatch(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
-                 metrics: dict[str, float], *, evaluation: bool = False
-                 ) -> tuple[dict[str, Any], float]:
+                 metrics: dict[str, float]) -> tuple[dict[str, Any], float]:
         """A node of a pool on its workers, as the plan dispatches its inputs: sliced where
         it splits them (the slices come back and are concatenated), else the whole batch
         to every worker (`broadcast`: an update takes its share of each mini-batch); a
         model-free node here."""
         placed = self.plan.node(name)
         if placed.pool not in self.groups:
-            return self.worker.dispatch(name, inputs, step, params, metrics,
-                                        evaluation=evaluation)
+            return self.worker.call(name, inputs, step, params, metrics)
         group = self.groups[placed.pool]
         world = len(group.workers)
-        cut = None if world == 1 or not placed.data_parallel or evaluation \
+        cut = None if world == 1 or not placed.data_parallel \
             else process_groups.cut(self.plan, name, inputs, world)
         slices = cut.slices if cut is not None else None
         if slices is None:  # the whole batch to every worker
             shared = {port: ray.put(v) for port, v in inputs.items()}
             dp = [{"dp_rank": w, "dp_size": world} if cut is not None and cut.shared else {}
                   for w in range(world)]  # broadcast: an update takes its share
-            results = self._get([wk.call.remote(name, shared, step, params, dp[w], evaluation)
+            results = self._get([wk.call.remote(name, shared, step, params, dp[w])
                                  for w, wk in enumerate(group.workers)], (name, step))
         else:
             assert cut is not None
@@ -190,14 +188,26 @@ class RayTarget:
                                                 {"dp_rank": w, "dp_size": world,
                                                  "row_offset": slices.bounds[w][0]})
                                  for w, wk in enumerate(group.workers)], (name, step))
-        if not evaluation:
-            for w, r in enumerate(results):
-                self.worker_times.setdefault(f"{placed.pool}/{w}", {})[f"timing_s/{name}"] = r[1]
+        for w, r in enumerate(results):
+            self.worker_times.setdefault(f"{placed.pool}/{w}", {})[f"timing_s/{name}"] = r[1]
         outputs = results[0][0] if slices is None else process_groups.join_outputs(
             self.plan, name, results[0][0], slices,
             lambda port, _: [r[0][port] for r in results])
         metrics.update(results[0][2])
         return outputs, max(r[1] for r in results)
+
+    def evaluate(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
+                 metrics: dict[str, float]) -> None:
+        """An update's held-out metrics on its pool's workers, each on the whole batch
+        (rank 0's are the run's); a model-free one here."""
+        placed = self.plan.node(name)
+        if placed.pool not in self.groups:
+            self.worker.evaluate_update(name, inputs, step, params, metrics)
+            return
+        shared = {port: ray.put(v) for port, v in inputs.items()}
+        results = self._get([wk.evaluate.remote(name, shared, step, params)
+                             for wk in self.groups[placed.pool].workers], (name, step))
+        metrics.update(results[0])
 
     def report(self, step: int, metrics: dict[str, float]) -> list[Report]:
         """The first step completed after a restart says how long recovering took

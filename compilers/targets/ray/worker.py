@@ -133,23 +133,23 @@ class RayWorker:
         return out if self.rank == 0 else None
 
     def call(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any],
-             dp: dict[str, Any], evaluation: bool = False
-             ) -> tuple[dict[str, Any], float, dict[str, float]]:
+             dp: dict[str, Any]) -> tuple[dict[str, Any], float, dict[str, float]]:
         """Run node `name` on `inputs` (port -> value, or the object-store reference of a
-        value every worker shares), or at evaluation an update's held-out metrics;
-        (outputs, seconds, metrics)."""
+        value every worker shares); (outputs, seconds, metrics)."""
         w = self._ready()
         inputs = _values(inputs)
         metrics: dict[str, float] = {}
-        if evaluation:
-            with torch.no_grad():
-                outputs, seconds = w.dispatch(name, inputs, step, params, metrics,
-                                              evaluation=True)
-            return outputs, seconds, metrics
         if self.group is not None and "dp_size" in dp:
             dp = {**dp, "workers": self.group}
         outputs, seconds = w.call(name, inputs, step, params, metrics, **dp)
         return outputs, seconds, metrics
+
+    def evaluate(self, name: str, inputs: dict[str, Any], step: int, params: dict[str, Any]
+                 ) -> dict[str, float]:
+        """Update `name`'s metrics on held-out `inputs` (as `call` takes them), no step."""
+        metrics: dict[str, float] = {}
+        self._ready().evaluate_update(name, _values(inputs), step, params, metrics)
+        return metrics
 
     def _ready(self) -> Worker:
         if self.worker is None:
