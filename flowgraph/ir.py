@@ -10,6 +10,10 @@ The records of the graph file's sections (models, optimizer, lora, offload, trai
 resources, pools) declare each setting once with `setting(default, doc, choices=, minimum=, ...)`:
 the YAML reader's checks, the JSON Schema and its docs are derived from those
 declarations (`flowgraph.settings`), and each record checks its own values with them.
+
+One module past ~450 lines, on purpose: the records of every section of a graph file
+refer to one another (`Graph` holds them all) and each declares its settings in place;
+split by section, a setting's record and the graph that holds it would sit apart.
 """
 
 from __future__ import annotations

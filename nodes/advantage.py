@@ -19,6 +19,9 @@ Notation:
     G  number of distinct prompt groups in ``index``
     m  response_mask (B, T): 1 for response tokens that count, 0 for padding
        or for tokens to skip (e.g. tool observations in the middle)
+
+One module past ~450 lines, on purpose: the estimators share their vectorised helpers
+(group statistics, discount matrices), as verl's `core_algos` holds them together.
 """
 
 from __future__ import annotations

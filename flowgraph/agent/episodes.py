@@ -16,6 +16,9 @@ episode then counts for. A hung sync call's thread cannot be killed: it is aband
 exit); the Python sandbox tool runs code in a process group it kills.
 
 Torch-free; the caller does the sampling.
+
+One module past ~450 lines, on purpose: one state machine (`Chain`, `Run`,
+`Episodes`) and the limits, statuses and errors it moves through.
 """
 
 from __future__ import annotations

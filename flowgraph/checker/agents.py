@@ -44,6 +44,9 @@
 The chat template (FG606) needs the tokenizer: `check --data` probes it
 (`flowgraph.nodes.data_check`); otherwise the rollout refuses it when it starts
 (`flowgraph.agent.render.ChatRenderer`).
+
+One module past ~450 lines, on purpose: one family of diagnostics (FG601-FG608) over the
+same rollout and update pairs, sharing the helpers that find them.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ first edge (in port order) that reaches it, or by a param (`generate.n`), or by 
 kind's default (`n` -> N). Nodes are visited in topological order, so a mismatch is
 reported on the edge where two bindings first disagree, with the chain of bindings
 that led there.
+
+One module past ~450 lines, on purpose: one algorithm, binding and unifying dims along
+the edges, with the explanations of its mismatches.
 """
 
 from __future__ import annotations

@@ -55,6 +55,10 @@ nodes of a pool run one at a time, so a device's peak is the resident memory plu
 the largest node's. When `resources.memory_gib` is declared and a pool's peak exceeds
 it, FG401 says by how much and what each fix would save, by estimating the changed
 plan again.
+
+One module past ~450 lines, on purpose: one pass, its memory model's formulas
+(parameters, activations, KV cache) beside the pass that applies them; they are tested
+through it and used nowhere else.
 """
 
 from __future__ import annotations

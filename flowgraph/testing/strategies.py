@@ -28,6 +28,9 @@ Only this module of flowgraph imports hypothesis.
 
 Notation: B = Bp*N sequences, Bp prompts, N samples per prompt, P prompt length,
 T response length; dp is the data-parallel size (`resources.nproc`).
+
+One module past ~450 lines, on purpose: the graph generators and the mutations
+that break them share the drafts (`_Draft`) and sizes they are built from.
 """
 
 from __future__ import annotations
