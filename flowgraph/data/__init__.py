@@ -9,6 +9,6 @@
   and written into the run dir as parquet files.
 
 `held` and the tasks import nothing heavy (the graph builder and the structural checker
-import `held`); `readers`, `rows` and `rendering` import pyarrow, so they are imported
-only by the data sources and `check --data`.
+import `held`); `readers`, `rows` and `rendering` import pyarrow (and numpy), so they are
+imported only by the data sources and `check --data`.
 """
