@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flowgraph.compilers.options import Run, RunOptions, read_metrics
-from flowgraph.tables import write_tables
+from flowgraph.data.held import write_tables
 
 if TYPE_CHECKING:
     from flowgraph.plan import ExecutionPlan

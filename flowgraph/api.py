@@ -90,9 +90,10 @@ def check(graph: Graph | str | Path, *, overrides: Sequence[str] = (),
         result = check_graph(graph, dp=nproc, target=target)
         found = [*loaded, *result.diagnostics]
         if data and result.ok and not any(d.is_error for d in loaded):
-            from flowgraph.nodes.data_check import check_data  # imports torch
+            from flowgraph.checker.data import check_data
+            from flowgraph.nodes.models import load_tokenizer  # imports torch
 
-            found += check_data(graph)
+            found += check_data(graph, load_tokenizer)
         return replace(result, diagnostics=tuple(found))
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from flowgraph.data.held import hold
 from flowgraph.diagnostics import error
 from flowgraph.errors import FlowgraphError, GraphError, IRError
 from flowgraph.frontend import unknown_key
@@ -52,7 +53,6 @@ from flowgraph.lora import lora_spec
 from flowgraph.paths import resolve_data_path, resolve_path
 from flowgraph.settings import declared
 from flowgraph.source import SourcePos
-from flowgraph.tables import hold
 
 
 def _caller() -> SourcePos:
@@ -125,7 +125,7 @@ class GraphBuilder:
     def data(self, name: str, kind: str, path: Any, **params: Any) -> Handle:
         """Declare a data source: `path` (and `eval_path`) a file, a hub id, or a pyarrow
         Table, pandas DataFrame, `datasets.Dataset` or `DatasetDict` (its `test` split the
-        held-out rows), copied now (`flowgraph.tables`)."""
+        held-out rows), copied now (`flowgraph.data.held`)."""
         pos = _caller()
         what_for = f"data source `{name}` ({pos})"
         try:
@@ -219,7 +219,7 @@ def _known(record: type, values: Mapping[str, Any], where: str, pos: SourcePos
 
 def _data_path(path: Any, what_for: str) -> tuple[str, str | None]:
     """(the path a graph holds, the held-out rows' path or None) of a dataset given as a
-    path or as a Python object (`flowgraph.tables.hold`)."""
+    path or as a Python object (`flowgraph.data.held.hold`)."""
     if isinstance(path, (str, Path)):
         return resolve_data_path(str(path), Path.cwd()), None
     return hold(path, what_for)

@@ -98,9 +98,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         if graph is not None:
             diags += list(check_graph(graph, dp=args.nproc).diagnostics)
         if graph is not None and args.data and not any(d.is_error for d in diags):
-            from flowgraph.nodes.data_check import check_data  # imports torch: only with --data
+            from flowgraph.checker.data import check_data  # pyarrow: only with --data
+            from flowgraph.nodes.models import load_tokenizer  # torch
 
-            diags += check_data(graph)
+            diags += check_data(graph, load_tokenizer)
         all_diags += diags
         if graph is None and _unreadable(diags):
             status = max(status, EXIT_USAGE)

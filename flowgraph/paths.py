@@ -22,7 +22,7 @@ from flowgraph.source import SourcePos
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 """A hub id is `name` or `org/name`; anything else (./x, /x, a/b/c, ~/x) is a local path."""
 MEMORY_PREFIX = "memory:"
-"""A dataset path so prefixed names a table given in Python (`flowgraph.tables`)."""
+"""A dataset path so prefixed names a table given in Python (`flowgraph.data.held`)."""
 DATA_SUFFIXES = (".parquet", ".pq", ".jsonl", ".json", ".csv", ".arrow")
 """A dataset path ending so is a file, never a hub id."""
 RULE = ("a relative path in a graph file is relative to that file's folder; on the command "
@@ -66,7 +66,7 @@ def resolve_path(path: str, folder: Path, *, hub: bool = False) -> str:
 def resolve_data_path(path: str, folder: Path) -> str:
     """A dataset's path resolved as `resolve_path` does, except that an in-memory table's
     key (`memory:…`) and a hub dataset id (`org/name`, no such local file or folder, no
-    file suffix: `flowgraph.tables.is_hub_dataset`) are kept as written."""
+    file suffix: `is_hub_dataset`) are kept as written."""
     if path.startswith(MEMORY_PREFIX) or is_hub_dataset(path, folder):
         return path
     return resolve_path(path, folder)

@@ -21,7 +21,7 @@ template that strips earlier turns' reasoning (verl #6854, prime-rl #1334), one 
 writes a BOS before every message, one whose pieces tokenize differently from the
 whole — saying why and what to do.
 
-Multi-turn SFT (`flowgraph.nodes.data.conversation_spans`) marks its assistant turns
+Multi-turn SFT (`flowgraph.nodes.data.sft.conversation_spans`) marks its assistant turns
 with the same renderer (`ChatRenderer.spans`). Torch-free: only the tokenizer.
 """
 

@@ -42,7 +42,7 @@
   (`seq-mean-token-mean`: an episode split in c rows would weigh c times).
 
 The chat template (FG606) needs the tokenizer: `check --data` probes it
-(`flowgraph.nodes.data_check`); otherwise the rollout refuses it when it starts
+(`flowgraph.checker.data`); otherwise the rollout refuses it when it starts
 (`flowgraph.agent.render.ChatRenderer`).
 
 One module past ~450 lines, on purpose: one family of diagnostics (FG601-FG608) over the

@@ -5,7 +5,7 @@ or an entry of a registry (`ParamSpec.names`: `policy_loss`) with its own params
 there, a function the node cannot call (by the style its signature picks, `ParamSpec.
 calls`), or a loss param it does not take, is found before launch. `called_functions`
 gives the functions found to `check --data`, which holds them against the datasets'
-columns (`flowgraph.nodes.data_check`)."""
+columns (`flowgraph.checker.data`)."""
 
 from __future__ import annotations
 

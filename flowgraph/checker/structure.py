@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flowgraph.builtin_models import BUILTIN_PREFIX, held_out_path
+from flowgraph.data.held import is_memory
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.document import did_you_mean
 from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec, Params, ParamValue, PortRef
@@ -18,7 +19,6 @@ from flowgraph.objects import PyObject
 from flowgraph.paths import RULE, is_hub_dataset
 from flowgraph.registry import KindSpec, ParamSpec, PortSpec, Registry
 from flowgraph.source import SourcePos
-from flowgraph.tables import is_memory
 from flowgraph.trl_names import trl_hint
 
 Producer = NodeSpec | DataSpec

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from flowgraph.nodes.data import arith_problems
+from flowgraph.data.tasks import arith_problems
 
 HERE = Path(__file__).resolve().parent
 

@@ -11,12 +11,12 @@ import pandas as pd
 import pytest
 
 import flowgraph
-import flowgraph.tables as tables
 from flowgraph import GraphBuilder
 from flowgraph.cli import main
 from flowgraph.compilers import read_metrics
+from flowgraph.data import held
+from flowgraph.data.tasks import arith_problems
 from flowgraph.errors import FlowgraphError
-from flowgraph.nodes.data import arith_problems
 from flowgraph.testing.targets import assert_same_numbers
 
 # builtin:arith as a user holds it: string prompts (raw text: TRL's standard format)
@@ -66,7 +66,7 @@ def test_a_dataframe_run_resumed_from_the_command_line_and_refused_when_changed(
     plan = (run_dir / "plan.json").read_text()
     assert all(str(w) in plan for w in written)
     # another process (no DataFrame held): the run dir's plan names the written file
-    monkeypatch.setattr(tables, "_HELD", {})
+    monkeypatch.setattr(held, "_HELD", {})
     assert main(["run", str(run_dir / "plan.json"), "--resume", "trainer.steps=3"]) == 0
     assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2]
     changed = ARITH.copy()

@@ -354,7 +354,8 @@ THINKING = (  # Qwen3's way: an earlier assistant turn keeps only what follows <
 ], ids=["the_tokenizers", "thinking"])
 def test_check_data_probes_the_chat_template(template: str | None, expected: list[str],
                                              tmp_path: Path) -> None:
-    from flowgraph.nodes.data_check import check_data
+    from flowgraph.checker.data import check_data
+    from flowgraph.nodes.models import load_tokenizer
 
     (tmp_path / "think.jinja").write_text(THINKING)
     edit = ("      max_tool_tokens: 8\n",
@@ -365,7 +366,8 @@ def test_check_data_probes_the_chat_template(template: str | None, expected: lis
     path.write_text(GRAPH.replace(*edit))
     graph, _ = load_graph(path)
     assert graph is not None
-    found = [f"{d.code}: {d.message}" for d in check_data(graph) if d.code == "FG606"]
+    found = [f"{d.code}: {d.message}" for d in check_data(graph, load_tokenizer)
+             if d.code == "FG606"]
     assert [f[:len(e)] for f, e in zip(found, expected, strict=True)] == expected
 
 

@@ -14,8 +14,9 @@ import pytest
 
 from flowgraph import GraphBuilder
 from flowgraph.checker import check_graph
+from flowgraph.checker.data import check_data, row_source
 from flowgraph.cli import main
-from flowgraph.nodes.data_check import check_data, row_source
+from flowgraph.nodes.models import load_tokenizer
 from flowgraph.runtime.reward_call import unmet_parameters
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,7 +100,7 @@ def test_a_function_given_as_itself_on_a_dataframe_without_its_column() -> None:
     graph = _python_graph(pd.DataFrame(rows))
     assert row_source(graph, graph.node("reward")) == "train"
     assert not [d for d in check_graph(graph).diagnostics if d.is_error]
-    found = [d for d in check_data(graph) if d.code == "FG512"]
+    found = [d for d in check_data(graph, load_tokenizer) if d.code == "FG512"]
     assert len(found) == 1 and found[0].severity == "error"
     here = Path(__file__)
     assert (found[0].pos.file, found[0].pos.line) == (str(here), _def_line(here, "correct"))
@@ -108,7 +109,7 @@ def test_a_function_given_as_itself_on_a_dataframe_without_its_column() -> None:
     assert found[0].hint is not None and "(solution)" in found[0].hint
 
     fixed = _python_graph(pd.DataFrame([{**r, "answer": r["solution"]} for r in rows]))
-    assert not [d for d in check_data(fixed) if d.code == "FG512"]
+    assert not [d for d in check_data(fixed, load_tokenizer) if d.code == "FG512"]
 
 
 def test_the_parameters_trl_leaves_without_a_value() -> None:
@@ -130,7 +131,7 @@ def test_the_prompt_column_is_not_a_keyword(tmp_path: Path) -> None:
 
     rows = pd.DataFrame([{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(4)])
     graph = _python_graph(rows, by_prompt)
-    found = [d for d in check_data(graph) if d.code == "FG512"]
+    found = [d for d in check_data(graph, load_tokenizer) if d.code == "FG512"]
     assert len(found) == 1
     assert "needs `prompt`, a column of dataset" in found[0].message
     assert "reaches a reward function as `prompts`" in found[0].message

@@ -198,9 +198,9 @@ def test_ground_truth_read_under_another_input_name_is_required(
 ) -> None:
     """A plugin reward reading gen.ground_truth as `answers` needs the column too (a
     run stopped with KeyError: ('train', 'ground_truth') at step 0 when it was missing)."""
+    from flowgraph.checker.data import ground_truth_readers
     from flowgraph.compilers import RunOptions, run
     from flowgraph.frontend import load_graph
-    from flowgraph.nodes.data_check import ground_truth_readers
     from flowgraph.passes import compile_graph
 
     (tmp_path / "fg_answer_reward.py").write_text(ANSWERS_PLUGIN)

@@ -1,5 +1,5 @@
 """Datasets given as Python objects (pyarrow Table, pandas DataFrame, datasets.Dataset,
-DatasetDict) or hub ids, wherever a data path goes (`flowgraph.tables`): held at the
+DatasetDict) or hub ids, wherever a data path goes (`flowgraph.data.held`): held at the
 builder's call, checked like files, a plan that cannot have them says so."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 
 import flowgraph
-import flowgraph.tables as tables
 from flowgraph import GraphBuilder
 from flowgraph.checker import check_graph
 from flowgraph.cli import main
+from flowgraph.data import held
 from flowgraph.errors import IRError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,7 +64,7 @@ def test_an_object_is_held_compiled_and_named_by_what_it_is(what: str) -> None:
     path = graph.data[0].path
     assert path.startswith("memory:")
     assert path.endswith(f"({what}, 8 rows × 2 columns)")
-    assert tables.held_table(path).to_pylist() == ROWS
+    assert held.held_table(path).to_pylist() == ROWS
     plan = flowgraph.compile(graph)  # no FG123 "file does not exist" on the way
     assert plan.data[0].path == path
 
@@ -83,19 +83,19 @@ def test_a_dataset_dict_gives_train_and_its_test_split_as_held_out_rows() -> Non
     source = _graph(splits).data[0]
     held_out = source.params.to_python()["eval_path"]
     assert isinstance(held_out, str)
-    assert tables.held_table(source.path).num_rows == 8
-    assert tables.held_table(held_out).num_rows == 4
+    assert held.held_table(source.path).num_rows == 8
+    assert held.held_table(held_out).num_rows == 4
     assert "(datasets.Dataset, 4 rows × 2 columns)" in held_out
     # an eval_path given beside it wins; a DataFrame is one too
     given = _graph(splits, eval_path=pd.DataFrame(ROWS[:2])).data[0]
-    assert tables.held_table(str(given.params.to_python()["eval_path"])).num_rows == 2
+    assert held.held_table(str(given.params.to_python()["eval_path"])).num_rows == 2
 
 
 def test_a_dataframe_changed_after_the_call_is_not_what_runs() -> None:
     df = pd.DataFrame(ROWS)
     path = _graph(df).data[0].path
     df.loc[0, "ground_truth"] = "changed"
-    assert tables.held_table(path).to_pylist() == ROWS
+    assert held.held_table(path).to_pylist() == ROWS
     assert _graph(df).data[0].path != path  # the changed rows are other rows
 
 
@@ -115,23 +115,24 @@ def test_what_cannot_be_a_dataset_names_the_users_line(obj: Any, needle: str) ->
 
 def test_check_data_opens_an_object_like_a_file_at_the_users_line() -> None:
     """Columns, malformed rows, ground truth and lengths, before any model loads."""
-    from flowgraph.nodes.data_check import check_data
+    from flowgraph.checker.data import check_data
+    from flowgraph.nodes.models import load_tokenizer
 
     long = [{"prompt": "1234567890+1234567890=", "answer": "0"}] * 4 + [
         {"prompt": None, "answer": "1"}]
     graph = _graph(pd.DataFrame(long))
     line = graph.data[0].pos.line
-    diags = check_data(graph)
+    diags = check_data(graph, load_tokenizer)
     errors = {d.code: d for d in diags if d.is_error}
     assert sorted(errors) == ["FG510"]  # a null prompt: nothing more is measured
     assert "row 4 (0-based), column `prompt`: null" in errors["FG510"].message
     assert (errors["FG510"].pos.file, errors["FG510"].pos.line) == (__file__, line)
-    diags = check_data(_graph(pd.DataFrame(long[:4])))
+    diags = check_data(_graph(pd.DataFrame(long[:4])), load_tokenizer)
     assert {d.code for d in diags if d.is_error} == {"FG502", "FG503"}  # no ground truth;
     # 22 tokens of raw text (a string prompt, TRL's standard format) over P = 16
     assert any("the prompt is 22 tokens, over max_prompt_length 16" in d.message
                for d in diags)
-    missing = check_data(_graph(pd.DataFrame([{"question": "1+1="}] * 4)))
+    missing = check_data(_graph(pd.DataFrame([{"question": "1+1="}] * 4)), load_tokenizer)
     assert any(d.code == "FG501" and "has no column `prompt`" in d.message for d in missing)
 
 
@@ -142,7 +143,7 @@ def test_a_plan_file_naming_an_unwritten_table_says_so(
     plan.write_text(flowgraph.compile(_graph(pd.DataFrame(ROWS), tmp_path / "run")).to_json())
     path = json.loads(plan.read_text())["graph"]["data"]["train"]["path"]
     assert path.endswith("(pandas DataFrame, 8 rows × 2 columns)")
-    monkeypatch.setattr(tables, "_HELD", {})  # another process: the CLI's
+    monkeypatch.setattr(held, "_HELD", {})  # another process: the CLI's
     assert main(["run", str(plan)]) == 1
     err = capsys.readouterr().err
     assert "was an in-memory table of the Python session that compiled this plan" in err
@@ -154,9 +155,10 @@ def test_a_hub_id_is_kept_and_offline_is_one_message(tmp_path: Path) -> None:
     graph = _graph("trl-lib/tldr")
     assert graph.data[0].path == "trl-lib/tldr"  # not a file of the working directory
     assert not [d for d in check_graph(graph).diagnostics if d.code == "FG123"]
-    from flowgraph.nodes.data_check import check_data
+    from flowgraph.checker.data import check_data
+    from flowgraph.nodes.models import load_tokenizer
 
-    notes = [d for d in check_data(graph) if d.code == "FG509"]
+    notes = [d for d in check_data(graph, load_tokenizer) if d.code == "FG509"]
     assert any("hub dataset `trl-lib/tldr` is not a local path" in d.message for d in notes)
     # no network here: HF's offline mode answers at once instead of a timeout
     yaml = (ROOT / "graphs" / "grpo.yaml").read_text().replace(
@@ -189,7 +191,7 @@ def test_a_hub_dataset_is_loaded_and_written_with_its_test_split(
                                      "test": datasets.Dataset.from_list(ROWS[:4])})
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    plan = tables.write_tables(flowgraph.compile(_graph("org/name")), tmp_path)
+    plan = held.write_tables(flowgraph.compile(_graph("org/name")), tmp_path)
     source = plan.data[0]
     held_out = str(source.params.to_python()["eval_path"])
     assert asked == ["org/name"]

@@ -1,4 +1,4 @@
-"""The built-in agent tasks (`flowgraph.nodes.agent_tasks`): multiplications for the
+"""The built-in agent tasks (`flowgraph.data.agent_tasks`): multiplications for the
 calculator example, guess the number, and their warm-up conversations as the `sft`
 kind reads them."""
 
@@ -9,14 +9,14 @@ import re
 
 import pytest
 
-from flowgraph.errors import FlowgraphError
-from flowgraph.nodes.agent_tasks import (
+from flowgraph.data.agent_tasks import (
     GUESS_PROMPT,
     guess_games,
     guess_problems,
     mul_problems,
     mul_transcripts,
 )
+from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.data import prompt_source, sft_source
 from flowgraph.nodes.models import build_tiny_tokenizer
 

@@ -12,14 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from flowgraph.data.tasks import arith_problems, reverse_problems
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.data import (
     PreferenceDataset,
     PromptDataset,
-    arith_problems,
     preference_source,
     prompt_source,
-    reverse_problems,
     sft_source,
 )
 from flowgraph.nodes.models import build_tiny_tokenizer

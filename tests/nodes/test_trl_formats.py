@@ -14,10 +14,11 @@ import pyarrow as pa
 import pytest
 import torch
 
+from flowgraph.data.held import hold
+from flowgraph.data.readers import shared_prompt, with_prompt
 from flowgraph.errors import FlowgraphError
-from flowgraph.nodes.data import PreferenceDataset, PromptDataset, shared_prompt, with_prompt
+from flowgraph.nodes.data import PreferenceDataset, PromptDataset
 from flowgraph.nodes.models import build_tiny_tokenizer
-from flowgraph.tables import hold
 
 TOK = build_tiny_tokenizer()
 FIXTURE = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "trl"

@@ -17,7 +17,7 @@
   on average, at most 5), half one up or down at a time (5 on average, up to 9):
   plausible, and slow enough that RL has turns to save.
 
-No torch here; `flowgraph.nodes.data` builds the tables.
+Plain Python: `flowgraph.data.tasks` names them, `flowgraph.data.readers` builds the tables.
 """
 
 from __future__ import annotations

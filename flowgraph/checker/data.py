@@ -12,15 +12,18 @@ A missing local file or folder is an error naming the path it resolved to
 (`flowgraph.paths`); hub ids are skipped with a note. Diagnostics sit on the
 data source's (or model's) `path` line.
 
-The datasets are read by the data sources' own readers (`flowgraph.nodes.data`), so
-this module imports torch, pyarrow and transformers; the CLI imports it only for
-`--data`, and `check` without it stays as fast as it was.
+The datasets are read, checked and tokenized by what the data sources themselves use
+(`flowgraph.data`: readers, rows, rendering), so this module imports pyarrow; the
+tokenizers are loaded by the caller's `load_tokenizer` (the entry points pass
+`flowgraph.nodes.models.load_tokenizer`, which builds a built-in model's cache on first
+use: torch). The CLI imports it only for `--data`, and `check` without it stays as fast
+as it was.
 """
 
 from __future__ import annotations
 
 import difflib
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -28,20 +31,27 @@ from typing import Any
 from flowgraph.agent.render import ChatRenderer, TemplateError
 from flowgraph.builtin_models import BUILTIN_PREFIX, builtin_config
 from flowgraph.checker.functions import called_functions
+from flowgraph.data.held import is_memory
+from flowgraph.data.readers import open_table, with_prompt
+from flowgraph.data.rendering import check_rendering, overlong, render_prompts, render_responses
+from flowgraph.data.rows import (
+    has_ground_truth,
+    missing_ground_truth,
+    missing_ground_truth_rows,
+    row_problems,
+    same_pairs,
+)
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.document import did_you_mean
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec
-from flowgraph.nodes import data as nd
-from flowgraph.nodes.models import load_tokenizer
 from flowgraph.paths import RULE, folder_of, is_hub_dataset
 from flowgraph.registry import KindSpec, Registry
 from flowgraph.runs import is_run_dir, trained_lm
 from flowgraph.runtime.reward_call import TRL_NOT_COLUMNS, TRL_PASSES, unmet_parameters
 from flowgraph.source import SourcePos
-from flowgraph.tables import is_memory
 
-__all__ = ["check_data", "ground_truth_readers", "row_source"]
+__all__ = ["LoadTokenizer", "check_data", "ground_truth_readers", "row_source"]
 
 
 def ground_truth_readers(graph: Graph, data: str) -> tuple[str, ...]:
@@ -80,12 +90,18 @@ def _skipped(what: str, path: str, pos: SourcePos) -> Diagnostic:
                       f"not on this machine): not checked", pos)
 
 
-def check_data(graph: Graph) -> list[Diagnostic]:
-    """Every problem in the graph's local datasets and model folders."""
+LoadTokenizer = Callable[[str], Any]
+"""A model path's tokenizer (`flowgraph.nodes.models.load_tokenizer`); a FlowgraphError
+saying why when it cannot be loaded."""
+
+
+def check_data(graph: Graph, load_tokenizer: LoadTokenizer) -> list[Diagnostic]:
+    """Every problem in the graph's local datasets and model folders; the tokenizers
+    that measure the datasets are loaded by `load_tokenizer`."""
     diags: list[Diagnostic] = []
     tokenizers: dict[str, Any] = {}
     for m in graph.models:
-        diags += _check_model(m, tokenizers)
+        diags += _check_model(m, tokenizers, load_tokenizer)
     for d in graph.data:
         diags += _check_source(graph, d, tokenizers)
     for node in graph.nodes:
@@ -123,10 +139,11 @@ def _check_agent_template(node: NodeSpec, tokenizers: dict[str, Any]) -> list[Di
     return []
 
 
-def _check_model(m: ModelSpec, tokenizers: dict[str, Any]) -> list[Diagnostic]:
+def _check_model(m: ModelSpec, tokenizers: dict[str, Any], load_tokenizer: LoadTokenizer
+                 ) -> list[Diagnostic]:
     pos = _path_pos(m.pos)
     if is_run_dir(m.path):
-        return _check_run_dir(m, tokenizers, pos)
+        return _check_run_dir(m, tokenizers, load_tokenizer, pos)
     tok_path = m.tokenizer or m.path
     missing = next((p for p in (m.path, tok_path) if Path(p).is_absolute() and not _local(p)),
                    None)
@@ -159,8 +176,8 @@ def _check_model(m: ModelSpec, tokenizers: dict[str, Any]) -> list[Diagnostic]:
     return diags
 
 
-def _check_run_dir(m: ModelSpec, tokenizers: dict[str, Any], pos: SourcePos
-                   ) -> list[Diagnostic]:
+def _check_run_dir(m: ModelSpec, tokenizers: dict[str, Any], load_tokenizer: LoadTokenizer,
+                   pos: SourcePos) -> list[Diagnostic]:
     """A run dir as the model path: its trained causal LM is loaded from its newest
     checkpoint, whose config and tokenizer are those of the model it was trained from."""
     try:
@@ -171,7 +188,7 @@ def _check_run_dir(m: ModelSpec, tokenizers: dict[str, Any], pos: SourcePos
     note = Diagnostic("FG513", "note", f"model `{m.name}`: `{m.path}` is a flowgraph run dir: "
                       f"its model `{trained.name}` loads from its newest checkpoint (trained "
                       f"from `{trained.path}`, checked here)", pos, node=m.name)
-    return [note, *_check_model(base, tokenizers)]
+    return [note, *_check_model(base, tokenizers, load_tokenizer)]
 
 
 def _read_config(path: str) -> dict[str, Any] | str:
@@ -241,7 +258,7 @@ def _column_problems(graph: Graph, d: DataSpec, path: str) -> list[Diagnostic]:
         return []
     params = d.params.to_python()
     try:
-        table = nd.open_table(path, str(params.get("format", "auto")), [])
+        table = open_table(path, str(params.get("format", "auto")), [])
     except FlowgraphError:
         return []  # the dataset's own check says why
     prompt_key = str(params.get("prompt_key", "prompt"))
@@ -317,26 +334,26 @@ def _dataset_problems(graph: Graph, d: DataSpec, path: str, tok: Any) -> Iterato
     pairs = len(responses) > 1  # TRL's implicit prompt: the pair's shared messages
     required = [c for c in limits if not (pairs and c == prompt_key)]
     try:
-        table = nd.open_table(path, str(params.get("format", "auto")), required)
-        table = nd.with_prompt(path, table) if pairs else table
+        table = open_table(path, str(params.get("format", "auto")), required)
+        table = with_prompt(path, table) if pairs else table
     except FlowgraphError as exc:
         yield "FG501", "error", str(exc), None
         return
-    malformed = nd.row_problems(path, table, prompt_key, responses)
+    malformed = row_problems(path, table, prompt_key, responses)
     for message in malformed:
         yield "FG510", "error", message, "fix or drop the row in the file"
     if malformed:
         return  # rendering such a row would fail: nothing more to measure
     gives_truth = any(p.name == "ground_truth" for p in kind.outputs)
     readers = ground_truth_readers(graph, d.name) if gives_truth else ()
-    if readers and not nd.has_ground_truth(table):
-        yield "FG502", "error", nd.missing_ground_truth(path, table.column_names, readers), None
-    gap = nd.missing_ground_truth_rows(path, table, readers)
+    if readers and not has_ground_truth(table):
+        yield "FG502", "error", missing_ground_truth(path, table.column_names, readers), None
+    gap = missing_ground_truth_rows(path, table, readers)
     if gap is not None:
         yield "FG502", "error", gap, None
     yield from _pair_problems(path, table, responses)
     try:
-        nd.check_rendering(tok, chat, table, prompt_key, path)
+        check_rendering(tok, chat, table, prompt_key, path)
     except FlowgraphError as exc:
         yield "FG504", "error", str(exc), None
         return
@@ -354,7 +371,7 @@ def _pair_problems(path: str, table: Any, responses: list[str]) -> Iterator[Prob
     """FG511 for preference pairs DPO learns nothing from: equal or empty responses."""
     if len(responses) < 2:
         return
-    same, empty = nd.same_pairs(table, responses)
+    same, empty = same_pairs(table, responses)
     for rows, what in ((same, "identical responses (chosen == rejected)"),
                        (empty, "an empty response")):
         if rows:
@@ -374,9 +391,9 @@ def _length_problems(path: str, table: Any, limits: dict[str, tuple[str, int | N
         if limit is None:
             continue
         values = table.column(column).to_pylist()
-        seqs = (nd.render_prompts(tok, values, chat, special_tokens)
-                if column == prompt_key else nd.render_responses(tok, values))
-        over = nd.overlong("prompt" if column == prompt_key else column, name, limit, seqs)
+        seqs = (render_prompts(tok, values, chat, special_tokens)
+                if column == prompt_key else render_responses(tok, values))
+        over = overlong("prompt" if column == prompt_key else column, name, limit, seqs)
         if over is not None:
             found.append(over)
     if not found:
