@@ -37,7 +37,7 @@ from flowgraph.errors import FlowgraphError, WorkerLost
 from flowgraph.plan import ExecutionPlan
 from flowgraph.runtime.metrics import serving
 from flowgraph.runtime.trackers import check_trackers
-from flowgraph.voice import option
+from flowgraph.spelling import option
 
 
 class LocalTarget:

@@ -81,7 +81,7 @@ from flowgraph.errors import DEBUG_ENV, FlowgraphError, WorkerLost
 from flowgraph.plan import DRIVER, ExecutionPlan, PoolPlan
 from flowgraph.registry import plugin_source
 from flowgraph.runtime.metrics import serving
-from flowgraph.voice import ENTRY_ENV, Word, option
+from flowgraph.spelling import ENTRY_ENV, Word, option
 
 MAX_RESTARTS = 3
 """Worker-group restarts allowed without a new checkpoint in between."""
@@ -436,7 +436,7 @@ def _runtime_env(plan: ExecutionPlan) -> dict[str, Any] | None:
     next to the graph (`py_modules`, uploaded with the job) and `--debug`."""
     env: dict[str, Any] = {}
     told = {k: os.environ[k] for k in (DEBUG_ENV, ENTRY_ENV) if k in os.environ}
-    if told:  # `--debug`; the voice of the workers' messages (`flowgraph.voice`)
+    if told:  # `--debug`; the voice of the workers' messages (`flowgraph.spelling`)
         env["env_vars"] = told
     sources = [plugin_source(p.module, folder) for p in plan.plugins
                for folder in plan.plugin_paths]

@@ -76,8 +76,8 @@ from flowgraph.agent.render import ChatRenderer
 from flowgraph.builtin_models import BUILTIN_PREFIX, held_out_path
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.agent_tasks import guess_games, guess_problems, mul_problems, mul_transcripts
+from flowgraph.spelling import Word, command
 from flowgraph.tables import held_table, is_memory
-from flowgraph.voice import Word, command
 
 __all__ = [
     "Overlong",

@@ -43,8 +43,8 @@ from flowgraph.compilers.checkpoint import latest_checkpoint
 from flowgraph.compilers.signals import resume_command
 from flowgraph.ir import TrainerSpec
 from flowgraph.passes import compile_graph
+from flowgraph.spelling import python_entry
 from flowgraph.testing.targets import assert_same_numbers
-from flowgraph.voice import python_entry
 
 ROOT = Path(__file__).resolve().parents[2]
 DPO = ROOT / "graphs" / "dpo.yaml"
