@@ -42,7 +42,7 @@ from flowgraph.errors import FlowgraphError, UsageError
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan
 from flowgraph.runs import export_command, is_run_dir, trained_lm
-from flowgraph.voice import Word, option
+from flowgraph.spelling import Word, option
 
 
 def export_model(run_dir: Path, model: str, out: Path, *, step: int | None = None,

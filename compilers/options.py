@@ -54,7 +54,7 @@ class RunOptions:
     command names it instead of the graph and its overrides."""
     called_with: str | None = None
     """From Python: what `flowgraph.run` was given, as the call that resumes the run names
-    it (`plan`, `graph` (`flowgraph.voice.Word`), or a file's path); None: the command's."""
+    it (`plan`, `graph` (`flowgraph.spelling.Word`), or a file's path); None: the command's."""
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from flowgraph.compilers.worker import TRACEBACK, quiet_hf
 from flowgraph.errors import FlowgraphError
 from flowgraph.plan import ExecutionPlan
 from flowgraph.runtime.trackers import check_trackers
-from flowgraph.voice import option
+from flowgraph.spelling import option
 
 
 def prepare_run(plan: ExecutionPlan, *, resume: bool, overwrite: bool = False,

@@ -36,7 +36,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
 from flowgraph.errors import FlowgraphError, Interrupted, NodeTimeout, Stopped
-from flowgraph.voice import Word, command, option
+from flowgraph.spelling import Word, command, option
 
 if TYPE_CHECKING:
     from flowgraph.compilers.options import RunOptions

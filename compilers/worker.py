@@ -51,7 +51,7 @@ from flowgraph.errors import (
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan, ModelPlacement
 from flowgraph.runtime.context import RESOURCE_ARGS, Impl, NodeContext, named_outputs
-from flowgraph.voice import option
+from flowgraph.spelling import option
 
 if TYPE_CHECKING:
     from flowgraph.compilers.signals import Preemption

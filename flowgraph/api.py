@@ -12,7 +12,7 @@
 instead of returning a plan with errors; `run` runs a plan as it is, or compiles a
 graph first, and returns the run's folder and metric rows (`flowgraph.compilers.Run`);
 stopped by a signal it raises `Stopped`. Messages raised here name these functions'
-arguments, not the command line's flags (`flowgraph.voice`). With the CLI, this module
+arguments, not the command line's flags (`flowgraph.spelling`). With the CLI, this module
 is an entry point: the layer above the executors, the only one that starts them
 (`tests/test_boundaries.py`).
 """
@@ -43,7 +43,7 @@ from flowgraph.errors import (
 from flowgraph.ir import Graph, TrainerSpec
 from flowgraph.plan import MAX_PLAN_BYTES, ExecutionPlan, verify_kinds
 from flowgraph.registry import KindSpec, Registry
-from flowgraph.voice import Word, command, inherited, option, python_entry
+from flowgraph.spelling import Word, command, inherited, option, python_entry
 
 if TYPE_CHECKING:
     from flowgraph.checker import CheckResult

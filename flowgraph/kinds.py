@@ -307,7 +307,7 @@ _KINDS = (
                       doc="a black-box agent program instead of an env: `async def "
                           "run(task, client) -> float | dict`, as `file.py:run`, "
                           "`module:run` or the function; `client` is an openai.AsyncOpenAI "
-                          "on the rollout's endpoint (flowgraph.agent.endpoint)"),
+                          "on the rollout's endpoint (flowgraph.agent.sessions)"),
             ParamSpec("env_params", ("mapping", "null"), None,
                       doc="keyword arguments the env is made with, once per episode"),
             ParamSpec("tools", ("list",), (), functions=(), agent="tools",

@@ -14,7 +14,7 @@ from pathlib import Path
 from flowgraph.errors import FlowgraphError, PlanError
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan
-from flowgraph.voice import command
+from flowgraph.spelling import command
 
 
 def is_run_dir(path: str) -> bool:

@@ -2,7 +2,7 @@
 
 `run` is an agent program as users write them for any OpenAI-compatible server: the
 official `openai.AsyncOpenAI` client, a tool loop, and a reward at the end. flowgraph
-serves the endpoint its `client` points at (`flowgraph.agent.endpoint`): each
+serves the endpoint its `client` points at (`flowgraph.agent.sessions`): each
 completion is a turn of the policy, sampled in the rollout's batch, its tokens and
 log-probs recorded. It plays the game `CalculatorEnv` plays in
 graphs/agent_calculator.yaml: while the model's calls are well formed, the rollout's

@@ -31,7 +31,7 @@ itself: every trained token is the one sampled, the mask is 1 exactly on them, a
 model's own log-probs of the assembled rows (the trainer's view) equal the sampler's
 (`check_rows`).
 
-A black-box agent's episode may fork (`flowgraph.agent.endpoint`): with
+A black-box agent's episode may fork (`flowgraph.agent.sessions`): with
 `rows_per_episode` c, each episode has c rows, one per chain of turns (unused rows
 train nothing), every per-episode output (score, status, messages, …) on each of them,
 its reward once, at its last trained token, and `episode` naming it (-1 on unused rows)
@@ -52,11 +52,11 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch import Tensor
 
-from flowgraph.agent.endpoint import Program, Sessions
 from flowgraph.agent.env import STATUSES
 from flowgraph.agent.episodes import FAILED, AgentError, Episodes, Limits, Run
 from flowgraph.agent.parsers import get_parser
 from flowgraph.agent.render import ChatRenderer
+from flowgraph.agent.sessions import Program, Sessions
 from flowgraph.agent.tools import as_tool
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.generate import SamplingSpec, decode, eval_mode, pad_id, sample_seed, stop_ids

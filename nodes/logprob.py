@@ -28,6 +28,7 @@ n valid response tokens in the batch (n ≤ B·T), τ temperature.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +46,7 @@ __all__ = [
     "forward_hidden",
     "head_logprob",
     "logprob",
+    "micro_batched",
     "micro_batches",
     "response_span",
     "sequence_lengths",
@@ -338,6 +340,26 @@ def micro_batches(
     return [torch.tensor(rows, dtype=torch.long) for rows in out]
 
 
+def micro_batched(
+    forward: Callable[[Tensor], dict[str, Tensor]],
+    prompt_mask: Tensor,
+    response_mask: Tensor,
+    micro_batch_size: int | None = None,
+    max_token_len: int | None = None,
+    packing: bool = False,
+    ctx: NodeContext | None = None,
+) -> dict[str, Tensor]:
+    """A forward node's rows, a micro-batch at a time: `forward(rows)` on each
+    micro-batch's row indices (`micro_batches`, cut by the rows' lengths; with
+    `ctx.workers`, as many micro-batches as the worker with the most), each output
+    (b, ...) concatenated back to (B, ...), in row order."""
+    lengths = sequence_lengths(prompt_mask, response_mask)
+    workers = ctx.workers if ctx is not None else None
+    parts = [forward(rows) for rows in micro_batches(lengths, micro_batch_size, max_token_len,
+                                                     workers=workers, packing=packing)]
+    return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+
+
 def sequence_lengths(prompt_mask: Tensor, *response_masks: Tensor) -> Tensor:
     """(B, 2): each row's valid prompt tokens and the most tokens of its responses (up to
     the last valid one: `response_span`)."""
@@ -360,25 +382,15 @@ def logprob(
     ctx: NodeContext | None = None,
 ) -> dict[str, Tensor]:
     """log_prob (B, T) of each response token (0 where masked); entropy (B, T) if asked."""
-    parts = []
-    lengths = sequence_lengths(prompt_mask, response_mask)
-    workers = ctx.workers if ctx is not None else None
-    for rows in micro_batches(lengths, micro_batch_size, max_token_len, workers=workers,
-                              packing=packing):
+
+    def forward(rows: Tensor) -> dict[str, Tensor]:
         hidden = forward_hidden(model, prompts[rows], prompt_mask[rows], responses[rows],
                                 response_mask[rows], packing=packing)
-        parts.append(
-            head_logprob(
-                model.get_output_embeddings(),
-                hidden,
-                responses[rows],
-                response_mask[rows],
-                chunk_size,
-                temperature,
-                with_entropy,
-            )
-        )
-    return {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+        return head_logprob(model.get_output_embeddings(), hidden, responses[rows],
+                            response_mask[rows], chunk_size, temperature, with_entropy)
+
+    return micro_batched(forward, prompt_mask, response_mask, micro_batch_size,
+                         max_token_len, packing, ctx)
 
 
 def sequence_logprob(

@@ -48,12 +48,7 @@ from torch import Tensor, nn
 
 from flowgraph.agent.env import completion
 from flowgraph.errors import RewardFnError
-from flowgraph.nodes.logprob import (
-    forward_hidden,
-    micro_batches,
-    response_span,
-    sequence_lengths,
-)
+from flowgraph.nodes.logprob import forward_hidden, micro_batched, response_span
 from flowgraph.nodes.scores import BUILTIN_SCORES
 from flowgraph.runtime import NodeContext
 from flowgraph.runtime.answers import extract_answer, has_marked_answer, normalise_answer
@@ -452,11 +447,8 @@ def reward_model(
 ) -> dict[str, Tensor]:
     """scores (B,) float32: r(x, y) read at the last valid response token (0 if none)."""
     backbone, head = _score_head(model)
-    parts = []
-    lengths = sequence_lengths(prompt_mask, response_mask)
-    workers = ctx.workers if ctx is not None else None
-    for rows in micro_batches(lengths, micro_batch_size, max_token_len, workers=workers,
-                              packing=packing):
+
+    def forward(rows: Tensor) -> dict[str, Tensor]:
         hidden = forward_hidden(backbone, prompts[rows], prompt_mask[rows], responses[rows],
                                 response_mask[rows], on_tokens=True, packing=packing)
         r = head(hidden)  # (b, T, 1)
@@ -466,8 +458,11 @@ def reward_model(
                 f"a reward model needs num_labels=1"
             )
         last, valid = _last_valid(response_mask[rows])
-        parts.append(r.squeeze(-1).float().gather(-1, last.unsqueeze(-1)).squeeze(-1) * valid)
-    return {"scores": torch.cat(parts)}
+        return {"scores": r.squeeze(-1).float().gather(-1, last.unsqueeze(-1)).squeeze(-1)
+                * valid}
+
+    return micro_batched(forward, prompt_mask, response_mask, micro_batch_size,
+                         max_token_len, packing, ctx)
 
 
 def _last_valid(response_mask: Tensor) -> tuple[Tensor, Tensor]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from flowgraph.nodes.logprob import forward_hidden, micro_batches, sequence_lengths
+from flowgraph.nodes.logprob import forward_hidden, micro_batched
 from flowgraph.nodes.models import load_model
 from flowgraph.runtime import NodeContext
 
@@ -83,11 +83,8 @@ def values(
     ctx: NodeContext | None = None,
 ) -> dict[str, Tensor]:
     """values (B, T) float32: V_t for each response token, 0 where masked."""
-    parts = []
-    lengths = sequence_lengths(prompt_mask, response_mask)
-    workers = ctx.workers if ctx is not None else None
-    for rows in micro_batches(lengths, micro_batch_size, max_token_len, workers=workers,
-                              packing=packing):
+
+    def forward(rows: Tensor) -> dict[str, Tensor]:
         v = critic(prompts[rows], prompt_mask[rows], responses[rows], response_mask[rows],
                    packing=packing)
         if v.shape[-1] != 1:
@@ -95,5 +92,7 @@ def values(
                 f"the value head returned shape {tuple(v.shape)}; a critic needs one value per "
                 f"token, (B, T, 1). Give the head out_features=1 (num_labels=1)."
             )
-        parts.append(torch.where(response_mask[rows].bool(), v.squeeze(-1).float(), 0.0))
-    return {"values": torch.cat(parts)}
+        return {"values": torch.where(response_mask[rows].bool(), v.squeeze(-1).float(), 0.0)}
+
+    return micro_batched(forward, prompt_mask, response_mask, micro_batch_size,
+                         max_token_len, packing, ctx)

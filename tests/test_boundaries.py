@@ -196,13 +196,37 @@ def test_layers(module: str, expected: str | None) -> None:
 
 
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the flowgraph modules it imports (every form of import, as above)."""
+    """Module -> the flowgraph modules it imports (every form of import, as above), and
+    the packages whose `__init__` those imports run (`with_packages`)."""
     graph: dict[str, set[str]] = {}
     for module, file in MODULES.items():
         seen = {_resolve(name)
                 for _, name in imports(file.read_text(), module, file.name == "__init__.py")}
         graph[module] = {m for m in seen if m in MODULES and m != module}
-    return graph
+    return with_packages(graph)
+
+
+def with_packages(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """`graph` (module -> the modules it imports) with the package `__init__`s each import
+    runs: importing `a.b.c` runs `a/__init__` and `a/b/__init__` first, so a module that
+    imports `flowgraph.runtime.update` depends on `flowgraph.runtime` (and on all that
+    its `__init__` imports) too.
+
+    Except the packages the importer is itself inside: Python began their `__init__`
+    before the importer's first line, so importing a sibling runs nothing new. That is
+    how the top-level package is treated, with no rule of its own: every module here is
+    inside `flowgraph` (`flowgraph.nodes` and `flowgraph.compilers` too), and whichever
+    is imported first, `flowgraph/__init__` (the entry layer: it imports the API) has
+    already started; a module that imports `flowgraph` itself (`from flowgraph import
+    GraphBuilder`) depends on it as on any module, through its own import."""
+    out = {}
+    for module, targets in graph.items():
+        parts = module.split(".")
+        inside = {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+        run = {".".join(t.split(".")[:i]) for t in targets
+               for i in range(1, t.count(".") + 1)}
+        out[module] = targets | {p for p in run if p in graph and p not in inside}
+    return out
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -228,6 +252,25 @@ def test_no_import_cycles() -> None:
 def test_cycles_are_found() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_a_cycle_through_a_package_init_is_found() -> None:
+    """`f.spec` imports `f.run.update`, which runs `f/run/__init__`, which imports
+    `f.run.context`, which imports `f.spec`: no import names `f.run` itself."""
+    graph = {"f": {"f.spec"}, "f.spec": {"f.run.update"}, "f.run": {"f.run.context"},
+             "f.run.update": set(), "f.run.context": {"f.spec"}}
+    assert cycles(graph) == []
+    assert cycles(with_packages(graph)) == [["f.spec", "f.run", "f.run.context", "f.spec"]]
+
+
+def test_a_package_own_modules_and_the_top_package_run_no_init_again() -> None:
+    """A package's `__init__` importing its modules, and they each other, is no cycle:
+    the package's `__init__` began before any of them; nor is the top package's
+    `__init__` importing a module that imports a sibling."""
+    graph = {"f": {"f.api"}, "f.api": {"f.run.context"}, "f.run": {"f.run.context"},
+             "f.run.context": {"f.run.update"}, "f.run.update": set()}
+    assert cycles(with_packages(graph)) == []
+    assert with_packages(graph)["f.api"] == {"f.run", "f.run.context"}
 
 
 def private_imports() -> list[str]:

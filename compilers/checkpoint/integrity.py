@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from flowgraph.errors import FlowgraphError
-from flowgraph.voice import option
+from flowgraph.spelling import option
 
 MANIFEST = "manifest.json"
 """The last file of every checkpoint: `{"files": {relative path: {size, sha256}}}`."""

@@ -21,7 +21,7 @@ from typing import Any
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import Params
 from flowgraph.plan import ExecutionPlan
-from flowgraph.voice import Word, option
+from flowgraph.spelling import Word, option
 
 TRAINER = ("seed", "max_staleness", "admission")
 """The trainer settings that shape a checkpoint: the seed (data order, sampling), and

@@ -43,7 +43,7 @@ from flowgraph.compilers.checkpoint.integrity import (
     write_manifest,
 )
 from flowgraph.errors import FlowgraphError, NonFiniteError
-from flowgraph.voice import Word, option
+from flowgraph.spelling import Word, option
 
 _STEP = re.compile(r"^step_(\d+)$")
 DCP_DIR = "dcp"

@@ -9,7 +9,7 @@ import uuid
 from pathlib import Path
 
 from flowgraph.errors import FlowgraphError
-from flowgraph.voice import option
+from flowgraph.spelling import option
 
 
 def draw_token() -> str:

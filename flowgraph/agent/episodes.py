@@ -92,7 +92,7 @@ class Run:
     """One episode's state: its env, its ids, and what it has become.
 
     An episode is one row (one chain of turns), but for a black-box agent whose
-    history forks (`flowgraph.agent.endpoint`): each fork closes the row (`chains`)
+    history forks (`flowgraph.agent.sessions`): each fork closes the row (`chains`)
     and starts the next, up to the rollout's `rows_per_episode`."""
 
     task: Mapping[str, Any]

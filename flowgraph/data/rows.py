@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from flowgraph.errors import FlowgraphError
-from flowgraph.voice import Word, command
+from flowgraph.spelling import Word, command
 
 __all__ = [
     "check_columns",

@@ -90,7 +90,7 @@ from flowgraph.plan import (
     rollout_pool,
 )
 from flowgraph.registry import KindSpec
-from flowgraph.voice import Word, option
+from flowgraph.spelling import Word, option
 
 HEAD_CHUNK = 1024
 """Tokens an update projects onto the vocabulary at once (`head_logprob`'s chunk_size)."""

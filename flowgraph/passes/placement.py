@@ -43,7 +43,7 @@ from flowgraph.ir import Graph, ModelSpec, PoolSpec
 from flowgraph.passes.program import NodePlacement, Placement, Program
 from flowgraph.plan import DRIVER, ROLLOUT_POOL, Amount, Bundle, Label, ModelPlacement, PoolPlan
 from flowgraph.registry import KindSpec
-from flowgraph.voice import option
+from flowgraph.spelling import option
 
 INFERRED_POOLS = ("actor_rollout_ref", "critic", "reward")
 """Pool names inferred for target ray, in plan order."""

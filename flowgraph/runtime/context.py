@@ -36,17 +36,20 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flowgraph.errors import FlowgraphError, NonFiniteError
 from flowgraph.runtime.update import LOOP_PARAMS
 
-if TYPE_CHECKING:
-    from flowgraph.ir import NodeSpec
-    from flowgraph.kindspec import KindSpec
-
 RESOURCE_ARGS = ("ctx", "model", "critic", "tokenizer")
 """Parameter names through which an implementation receives executor resources."""
+
+EXECUTOR_PARAMS = ("timeout_s",)
+"""Params every kind takes that the executor reads around the node's call (a call's time
+limit), passed to the implementation only where it declares them. Their specs (type,
+default, doc) are `flowgraph.kindspec.NODE_PARAMS`, which names these (a test holds the
+two to one list): the calling convention sits below the kinds' records, which import the
+update loop's params from this package."""
 
 
 @dataclass
@@ -180,10 +183,6 @@ class Impl:
     """It takes `**kwargs` too (`weighted_sum`'s terms, one per wired input)."""
 
     @staticmethod
-    def load(kind: KindSpec) -> Impl:
-        return Impl.at(kind.impl, f"kind `{kind.name}`")
-
-    @staticmethod
     def at(path: str, owner: str) -> Impl:
         """The implementation at registry path `path` (`module:function`); `owner` names
         whose it is in the error ("kind `gae`", "node `adv`")."""
@@ -212,22 +211,13 @@ class Impl:
             raise FlowgraphError(f"implementation `{path}` cannot be imported: {exc}") from exc
         return fn  # type: ignore[return-value]
 
-    def verify(self, node: NodeSpec, kind: KindSpec) -> None:
-        """Every declared input and param must be accepted, before any step runs (the
-        compiler's evaluation-only params are never passed)."""
-        self.verify_names(node.name, kind.name, kind.impl, [p.name for p in kind.inputs],
-                          [p.name for p in kind.params if not p.evaluation], kind.trains)
-
     def verify_names(self, node: str, kind: str, path: str, inputs: Iterable[str],
                      params: Iterable[str], trains: bool) -> None:
         """Every input and param the node is called with must be accepted, before any
         step runs; an update kind's mini-batch params are the update loop's
         (`runtime.update.LOOP_PARAMS`), not its implementation's."""
-        from flowgraph.kindspec import NODE_PARAMS  # (kindspec imports this package)
-
-        executor = {p.name for p in NODE_PARAMS}  # `timeout_s`: read around the call
         names = [*inputs, *(p for p in params if not (trains and p in LOOP_PARAMS)
-                            and p not in executor)]
+                            and p not in EXECUTOR_PARAMS)]
         missing = [] if self.any_keyword else [n for n in names if n not in self.accepts]
         if missing:
             raise FlowgraphError(

@@ -73,7 +73,7 @@ from prometheus_client import (
 )
 
 from flowgraph.errors import FlowgraphError
-from flowgraph.voice import option
+from flowgraph.spelling import option
 
 if TYPE_CHECKING:
     from threading import Thread

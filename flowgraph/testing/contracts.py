@@ -281,7 +281,8 @@ def assert_honours_contract(
         fn = kind  # the decorated function itself, wherever it was defined
     elif fn is None and isinstance(kind, str):
         fn = declared_function(kind)  # None for a built-in: its registry path
-    impl = Impl.load(spec) if fn is None else Impl(fn, frozenset(inspect.signature(fn).parameters))
+    impl = Impl.at(spec.impl, f"kind `{spec.name}`") if fn is None else \
+        Impl(fn, frozenset(inspect.signature(fn).parameters))
     unknown = set(params or {}) - {p.name for p in spec.params}
     if unknown:
         raise ValueError(f"kind `{spec.name}` has no param(s) {sorted(unknown)}")

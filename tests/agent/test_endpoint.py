@@ -1,4 +1,4 @@
-"""Black-box agents through the OpenAI-compatible endpoint (`flowgraph.agent.endpoint`):
+"""Black-box agents through the OpenAI-compatible endpoint (`flowgraph.agent.sessions`):
 a real `openai.AsyncOpenAI` client loop gives the rows the equivalent native env gives,
 re-sent turns are matched (never re-tokenized), rewritten histories fork, and the
 endpoint refuses what the graph decides and sessions it does not hold."""
@@ -11,9 +11,9 @@ import httpx
 import pytest
 import torch
 
-from flowgraph.agent.endpoint import Server
 from flowgraph.agent.episodes import AgentError
 from flowgraph.agent.parsers import PARSERS, ToolCall
+from flowgraph.agent.server import Server
 from flowgraph.agent.tools import as_tool
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.agent import agent_rollout

@@ -44,8 +44,8 @@ from flowgraph.compilers.signals import resume_command
 from flowgraph.compilers.targets import process_groups
 from flowgraph.ir import TrainerSpec
 from flowgraph.passes import compile_graph
+from flowgraph.spelling import python_entry
 from flowgraph.testing.targets import assert_same_numbers
-from flowgraph.voice import python_entry
 
 ROOT = Path(__file__).resolve().parents[2]
 DPO = ROOT / "graphs" / "dpo.yaml"

@@ -11,7 +11,9 @@ from flowgraph.checker import check_graph
 from flowgraph.errors import RegistryError
 from flowgraph.frontend import load_graph
 from flowgraph.kinds import BUILTIN_KINDS
+from flowgraph.kindspec import NODE_PARAMS
 from flowgraph.registry import Registry
+from flowgraph.runtime.context import EXECUTOR_PARAMS
 
 DESIGN_KINDS = [
     "generate", "logprob", "values", "reward", "kl_penalty", "gae", "grpo", "rloo",
@@ -254,3 +256,10 @@ def test_a_plugin_file_is_this_graphs_even_after_anothers_of_its_name(tmp_path: 
     finally:
         sys.modules.pop("rewards_twice", None)
         sys.path[:] = [p for p in sys.path if not p.startswith(str(tmp_path))]
+
+
+def test_the_params_every_kind_takes_are_the_ones_the_executor_reads() -> None:
+    """`NODE_PARAMS` declares them (type, default, doc); the calling convention, below the
+    kinds' records, names them to leave them out of an implementation's call."""
+    assert tuple(p.name for p in NODE_PARAMS) == EXECUTOR_PARAMS
+    assert all(p.executor for p in NODE_PARAMS)

@@ -48,7 +48,7 @@ from flowgraph.errors import (
 )
 from flowgraph.plan import ExecutionPlan, read_run_plan, write_run_plan
 from flowgraph.runtime.metrics import serving
-from flowgraph.voice import Word, inherited, option
+from flowgraph.spelling import Word, inherited, option
 
 STOPPED = ".ranks/stopped"
 """Written by rank 0 when the ranks stopped on a signal, their checkpoint saved."""

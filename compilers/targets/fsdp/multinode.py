@@ -51,7 +51,7 @@ from typing import Any, TextIO
 from flowgraph.compilers.options import RunOptions
 from flowgraph.compilers.targets.shared_run_dir import draw_token, mark, marked, not_one_run_dir
 from flowgraph.errors import FlowgraphError
-from flowgraph.voice import Word, option
+from flowgraph.spelling import Word, option
 
 PROGRESS_S = 10.0
 """Seconds between two lines of a machine waiting for the others."""

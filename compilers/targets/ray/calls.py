@@ -15,7 +15,7 @@ from flowgraph.compilers.targets.ray.cluster import placed
 from flowgraph.compilers.targets.ray.worker import worker_log
 from flowgraph.errors import FlowgraphError, NodeError, WorkerLost
 from flowgraph.plan import ExecutionPlan, PoolPlan
-from flowgraph.voice import option
+from flowgraph.spelling import option
 
 try:
     import ray

@@ -25,7 +25,7 @@ from flowgraph.errors import DEBUG_ENV, FlowgraphError
 from flowgraph.plan import ExecutionPlan
 from flowgraph.registry import plugin_source
 from flowgraph.runtime.metrics import serving
-from flowgraph.voice import ENTRY_ENV, Word, option
+from flowgraph.spelling import ENTRY_ENV, Word, option
 
 NAMESPACE_WAIT_S = 5.0
 """The longest wait for a dead run's actors to leave the run's namespace (`--address`)."""
@@ -137,7 +137,7 @@ def _runtime_env(plan: ExecutionPlan) -> dict[str, Any] | None:
     next to the graph (`py_modules`, uploaded with the job) and `--debug`."""
     env: dict[str, Any] = {}
     told = {k: os.environ[k] for k in (DEBUG_ENV, ENTRY_ENV) if k in os.environ}
-    if told:  # `--debug`; the voice of the workers' messages (`flowgraph.voice`)
+    if told:  # `--debug`; the voice of the workers' messages (`flowgraph.spelling`)
         env["env_vars"] = told
     sources = [plugin_source(p.module, folder) for p in plan.plugins
                for folder in plan.plugin_paths]

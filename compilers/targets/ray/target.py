@@ -27,7 +27,7 @@ from flowgraph.compilers.targets.shared_run_dir import draw_token, mark, marked,
 from flowgraph.compilers.worker import ExecOptions, Worker
 from flowgraph.errors import FlowgraphError, WorkerLost
 from flowgraph.plan import DRIVER, ExecutionPlan, PoolPlan
-from flowgraph.voice import option
+from flowgraph.spelling import option
 
 try:
     import ray

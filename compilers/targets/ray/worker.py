@@ -30,7 +30,7 @@ from flowgraph.compilers.vllm.weight_sync import reshard, whole
 from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
 from flowgraph.errors import FlowgraphError
 from flowgraph.plan import ExecutionPlan
-from flowgraph.voice import option
+from flowgraph.spelling import option
 
 try:
     import ray

@@ -53,7 +53,10 @@ OPTIONS: dict[str, str] = {
     "overrides": "",
 }
 """Each argument of the Python API -> its command-line spelling: a flag (a list value
-repeats it), `trainer.run_dir=` (an override), or `` (the overrides themselves)."""
+repeats it), `trainer.run_dir=` (an override), or `` (the overrides themselves). Not
+read off the parser (`flowgraph.cli.build_parser`, the entry layer, above every module
+that speaks): `tests/core/test_spelling.py` holds each flag to the parser's and each name
+to the API's arguments."""
 
 
 class Word(str):
