@@ -32,6 +32,9 @@ contract without running anything:
         return -scale * response_mask.sum(-1).float()
 
 Notation: B sequences, P prompt length, T response length.
+
+One module past ~450 lines, on purpose: the four outcome-reward kinds share the
+decoding of responses and the placement of a sequence's score on its tokens.
 """
 
 from __future__ import annotations

@@ -414,3 +414,29 @@ def test_room_rules_are_found() -> None:
     assert room_rule("flowgraph.compilers", "flowgraph.compilers.targets.local") is None
     assert room_rule("flowgraph.compilers.targets.ray.target",
                      "flowgraph.compilers.targets.shared_run_dir") is None
+
+
+# --- module size --------------------------------------------------------------------------
+
+LONG = 450
+"""Lines past which a module says at its top why it is one (STYLE 20)."""
+SAYS_WHY = "past ~450 lines"
+
+
+def long_modules() -> list[str]:
+    """Modules past `LONG` lines whose docstring does not say why they are one."""
+    found = []
+    for _, file in sorted(MODULES.items()):
+        source = file.read_text()
+        lines = source.count("\n")
+        doc = ast.get_docstring(ast.parse(source)) or ""
+        if lines > LONG and SAYS_WHY not in " ".join(doc.split()):
+            found.append(f"{file.relative_to(ROOT)}: {lines} lines")
+    return found
+
+
+def test_a_long_module_says_why_it_is_one() -> None:
+    """A module past ~450 lines holds one job that does not split well, and says so at
+    its top ("One module past ~450 lines, on purpose: ..."); else it is split."""
+    bad = long_modules()
+    assert not bad, "long modules without a reason at their top:\n" + "\n".join(bad)
