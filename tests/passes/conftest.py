@@ -49,12 +49,6 @@ def compile_plan(file: str | Graph, **kw: Any) -> ExecutionPlan:
 
 
 @pytest.fixture(scope="session")
-def graphs() -> Path:
-    """The shipped graphs' folder, graphs/."""
-    return GRAPHS
-
-
-@pytest.fixture(scope="session")
 def doc_of() -> Callable[[str], dict[str, Any]]:
     """`doc_of("ppo")`: graphs/ppo.yaml as a dict to edit."""
     return read_doc
