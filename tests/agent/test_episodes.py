@@ -196,15 +196,32 @@ def test_on_error_raise_names_the_episode_and_the_cause(tok):
 
 
 def test_a_hanging_tool_times_out_and_sync_tools_run_at_once(tok):
+    """Each call of `slow` notes when it started and ended: the eight 0.3 s calls all
+    overlap (one thread each, not one after another), and the rollout returns while the
+    3 s one still sleeps (cut at its 1 s timeout, not waited for)."""
+    spans: dict[float, list[list[float | None]]] = {}  # seconds -> [start, end] a call
+
+    def slow(seconds: float) -> str:
+        """Sleep, then answer.
+
+        Args:
+            seconds: How long to sleep.
+        """
+        span: list[float | None] = [time.perf_counter(), None]
+        spans.setdefault(seconds, []).append(span)
+        time.sleep(seconds)
+        span[1] = time.perf_counter()
+        return "slept"
+
     call = '<tool_call>{"name": "slow", "arguments": {"seconds": 0.3}}</tool_call>'
     hang = '<tool_call>{"name": "slow", "arguments": {"seconds": 3}}</tool_call>'
-    start = time.perf_counter()
     _, runs = play(make(tok, tools=(slow,), tool_timeout_s=1.0), tok,
                    [[call, "42"]] * 8 + [[hang]], n=9)
-    took = time.perf_counter() - start
+    assert [end for _, end in spans[3]] == [None]  # started, not ended: abandoned
     assert [r.episode.status for r in runs] == ["completed"] * 8 + ["timeout"]
     assert "ran past its timeout of 1.0 s" in runs[-1].episode.error
-    assert took < 2.5  # 8 × 0.3 s at once, the hung one cut at 1 s (not 2.4 + 3 s)
+    starts, ends = zip(*spans[0.3], strict=True)
+    assert len(starts) == 8 and max(starts) < min(ends)  # all 8 at once
     assert all(r.episode.tool_time_s >= 0.3 for r in runs[:8])
 
 

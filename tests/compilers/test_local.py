@@ -1,4 +1,5 @@
-"""The local executor: runs, resume, checkpoints, strict mode, faults, export."""
+"""The local executor: runs, checkpoints, faults, export (the loop's steps, resume and
+non-finite batches: test_loop.py; strict mode: test_interpreter.py)."""
 
 import functools
 import inspect
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 from flowgraph.compilers import RunOptions, read_metrics, run
 from flowgraph.compilers.checkpoint.store import latest_checkpoint, load_checkpoint, remove_partial
 from flowgraph.compilers.export import export_model
-from flowgraph.errors import ContractViolation, FlowgraphError, NonFiniteError
+from flowgraph.errors import FlowgraphError
 from flowgraph.passes import compile_graph
 from flowgraph.testing.targets import assert_same_numbers, numbers
 
@@ -201,46 +202,10 @@ def test_fused_forwards_keep_the_numbers_of_separate_ones(
     assert_same_numbers(runs[0], runs[1])
 
 
-def test_resumed_run_reproduces_the_uninterrupted_one(tmp_path: Path) -> None:
-    full = _run(ROOT / "graphs" / "dpo.yaml", tmp_path / "a", "trainer.steps=4",
-                "trainer.checkpoint_every=2")
-    _run(ROOT / "graphs" / "dpo.yaml", tmp_path / "b", "trainer.steps=2",
-         "trainer.checkpoint_every=2")
-    later = _run(ROOT / "graphs" / "dpo.yaml", tmp_path / "b", "trainer.steps=4",
-                 "trainer.checkpoint_every=2", resume=True)
-    # the resumed run's metrics.jsonl: steps 0-1 from before, 2-3 from now, each once
-    assert [r["step"] for r in later] == [0, 1, 2, 3]
-    assert _numbers(later) == _numbers(full)
-
-
 def test_an_existing_run_is_never_overwritten(tmp_path: Path) -> None:
     _run(tmp_path, tmp_path, "trainer.steps=1", text=FAULTS)
     with pytest.raises(FlowgraphError, match="already holds a run; continue it with --resume"):
         _run(tmp_path, tmp_path, "trainer.steps=1", text=FAULTS)
-
-
-def test_nan_stops_the_run_naming_node_and_step(tmp_path: Path) -> None:
-    message = "non-finite output `scores` in node `score` at step 1"
-    with pytest.raises(NonFiniteError, match=message):
-        _run(tmp_path, tmp_path, "trainer.steps=3", "nodes.score.params.nan_at=1", text=FAULTS)
-    # the step before the fault was logged; nothing after it
-    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0]
-
-
-def test_nan_batch_is_skipped_when_asked(tmp_path: Path) -> None:
-    rows = _run(tmp_path, tmp_path, "trainer.steps=3", "nodes.score.params.nan_at=1",
-                "trainer.on_nonfinite=skip", text=FAULTS)
-    assert [r.get("skipped", 0.0) for r in rows] == [0.0, 1.0, 0.0]
-
-
-def test_strict_mode_catches_a_wrong_output_shape(tmp_path: Path) -> None:
-    text = FAULTS.replace("kind: prompt_score", "kind: wide_score")
-    with pytest.raises(ContractViolation) as exc:
-        _run(tmp_path, tmp_path, "trainer.steps=1", text=text)
-    message = str(exc.value)
-    assert "output `score.scores`" in message and "at step 0" in message
-    assert "shape is (4, 2), expected 1 axes (Bp,) = (4,)" in message
-    assert f"{tmp_path / 'g.yaml'}:9:3" in message  # the node's line
 
 
 def test_missing_model_path_fails_before_anything_loads(tmp_path: Path) -> None:

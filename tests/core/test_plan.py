@@ -253,9 +253,9 @@ def test_pool_memory_counts_only_the_largest_nodes_transient_memory() -> None:
 def test_summary() -> None:
     # Memory, fp32: policy 459,392 params * (4 + 4 + 8) bytes, ref 459,392 * 4; the update
     # runs 8 pairs = 16 sequences of P+T = 24 tokens: 2 layers of 24*16*9,728 (SDPA, a
-    # token: test_passes.test_activation_formulas) = 7,471,104 bytes of activations, and
-    # its 128 response tokens' logits in one chunk, with their gradient: 2*128*512*4 =
-    # 524,288.
+    # token: tests/passes/test_memory.py::test_activation_formulas) = 7,471,104 bytes of
+    # activations, and its 128 response tokens' logits in one chunk, with their gradient:
+    # 2*128*512*4 = 524,288.
     assert plan_of(GRAPHS / "dpo.yaml").summary() == f"""\
 plan for `dpo` ({GRAPHS / "dpo.yaml"}): target local, nproc 1, device cpu
 dims: Bp=8 P=16 T=8
