@@ -42,7 +42,9 @@ from flowgraph.compilers.integrity import disk_full
 from flowgraph.compilers.interpreter import Env, Interpreter
 from flowgraph.compilers.metrics import data_positions, phase_seconds, step_metrics
 from flowgraph.compilers.resume import check_settings, recorded_settings
-from flowgraph.compilers.rollouts import InlineProducer, ProcessProducer, Rollouts
+from flowgraph.compilers.rollouts.buffer import Rollouts
+from flowgraph.compilers.rollouts.inline import InlineProducer
+from flowgraph.compilers.rollouts.process import ProcessProducer
 from flowgraph.compilers.target import Target
 from flowgraph.compilers.worker import ExecOptions
 from flowgraph.errors import FlowgraphError, NonFiniteError, Stopped, WorkerLost

@@ -58,11 +58,7 @@ the producer was producing: 0 in the loop), `perf/rollout_wait_s` (the consumer 
 for a rollout) and, with `drop`, `async/dropped`; `data/<source>/position` and `epoch`
 (where the data cursor stands after the batch a step trains on, `data_positions`).
 
-The rollout pool (`pool.py`) imports Ray: import it from there, where a plan has one.
+The package imports nothing itself (its modules are imported where they are used, the
+rollout pool's only where a plan has one: it imports Ray), so that no import of one of
+its modules runs through this file back to another.
 """
-
-from flowgraph.compilers.rollouts.buffer import Producer, Rollouts
-from flowgraph.compilers.rollouts.inline import InlineProducer
-from flowgraph.compilers.rollouts.process import ProcessProducer
-
-__all__ = ["InlineProducer", "ProcessProducer", "Producer", "Rollouts"]
