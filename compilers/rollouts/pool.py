@@ -276,7 +276,7 @@ class PoolProducer:
                 return
             try:
                 call.took = ray.get(call.span)
-            except Exception:  # the call failed: its rollout's `arrival` says why
+            except Exception:  # the call failed: its rollout's `_arrival` says why
                 return
             self.busy += call.took[1] - call.took[0]
             self.free_at = call.took[1]
