@@ -13,9 +13,8 @@ target (`flowgraph.compilers.target.Target`: local, fsdp, ray) dispatches each o
 writes and reads checkpoints and recovers from a lost worker. The batches and the
 resample loop: `flowgraph.compilers.batches`; metrics of a step:
 `flowgraph.compilers.metrics`; evaluation: `flowgraph.compilers.evaluation`; the buffer
-of asynchronous rollouts: `flowgraph.compilers.rollouts` (in the loop),
-`flowgraph.compilers.producer` (a process of its own) and
-`flowgraph.compilers.rollout_pool` (ray's rollout pool).
+of asynchronous rollouts and the producer that fills it (in the loop, a process of its
+own, ray's rollout pool): `flowgraph.compilers.rollouts`.
 """
 
 from __future__ import annotations
@@ -43,8 +42,9 @@ from flowgraph.compilers.checkpoint.store import (
 from flowgraph.compilers.evaluation import evaluate
 from flowgraph.compilers.interpreter import Env, Interpreter
 from flowgraph.compilers.metrics import data_positions, phase_seconds, step_metrics
-from flowgraph.compilers.producer import ProcessRollouts
-from flowgraph.compilers.rollouts import InlineRollouts, Rollouts
+from flowgraph.compilers.rollouts.buffer import Rollouts
+from flowgraph.compilers.rollouts.inline import InlineProducer
+from flowgraph.compilers.rollouts.process import ProcessProducer
 from flowgraph.compilers.target import Target
 from flowgraph.compilers.worker import ExecOptions
 from flowgraph.errors import FlowgraphError, NonFiniteError, Stopped, WorkerLost
@@ -162,10 +162,11 @@ class TrainingLoop:
         assert cut is not None
         args = (self.plan, self.batches, self.target.worker, self.producer, self.opts)
         if cut.pool is not None:
-            from flowgraph.compilers.rollout_pool import PoolRollouts  # imports Ray
+            from flowgraph.compilers.rollouts.pool import PoolProducer  # imports Ray
 
-            return PoolRollouts(*args, trainer=self.target)
-        return ProcessRollouts(*args) if cut.own_process else InlineRollouts(*args)
+            return Rollouts(self.plan, PoolProducer(*args, trainer=self.target))
+        return Rollouts(self.plan, ProcessProducer(*args) if cut.own_process
+                        else InlineProducer(*args))
 
     # -- preemption ---------------------------------------------------------------------
 

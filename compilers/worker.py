@@ -117,7 +117,7 @@ class Worker:
         self.dims = {d.name: d.value for d in plan.dims}
         self.version: int | None = None
         """The policy version the models hold while a producer runs an asynchronous
-        rollout (`Rollouts.produce`); None: the step's."""
+        rollout (`ProducerNodes.produce`); None: the step's."""
         self.refresh: Callable[[], int] | None = None
         """Partial rollouts: what takes the newest published weights into the models (a
         producer process's, a rollout pool's; `NodeContext.refresh`)."""

@@ -430,6 +430,6 @@ def load_buffer(folder: Path) -> list[Rollout]:
 def _error_fields(error: BaseException | None) -> dict[str, Any] | None:
     if error is None:
         return None
-    if not isinstance(error, NonFiniteError):  # what `Rollouts.produce` keeps
+    if not isinstance(error, NonFiniteError):  # what `ProducerNodes.produce` keeps
         raise TypeError(f"a rollout keeps a NonFiniteError, not {type(error).__name__}")
     return {"node": error.node, "step": error.step, "what": error.what}

@@ -21,7 +21,7 @@ with a `RayTarget`:
   the update loop takes the worker's share of each mini-batch
   (`flowgraph.compilers.update_loop`). Tensors move through Ray's object store.
 * asynchronous rollouts (`trainer.max_staleness` S > 0): the producer runs on a pool of
-  its own, the plan's rollout pool (`flowgraph.compilers.rollout_pool`), overlapping
+  its own, the plan's rollout pool (`flowgraph.compilers.rollouts.pool`), overlapping
   these groups; the trained weights go to it after every update (`trained_weights`).
 * checkpoints: every worker writes its shards with DCP into the same folder as the
   fsdp target (`step_N/dcp/<model>`); the driver publishes it atomically, with the

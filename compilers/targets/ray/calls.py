@@ -1,5 +1,5 @@
 """Calls to Ray shared by the trainer's pools (`flowgraph.compilers.targets.ray.target`) and the
-rollout pool (`flowgraph.compilers.rollout_pool`): the run's names on the cluster, a pool's
+rollout pool (`flowgraph.compilers.rollouts.pool`): the run's names on the cluster, a pool's
 placement group, and waiting for a worker's answer (a dead or silent worker is
 `WorkerLost`, a node's error comes back as it was raised)."""
 

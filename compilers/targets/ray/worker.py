@@ -117,7 +117,7 @@ class RayWorker:
     def weights(self, models: list[str], changed: bool
                 ) -> dict[str, dict[str, torch.Tensor]] | None:
         """The whole weights of `models` (hosted and trained here) on CPU, for the rollout
-        pool of an asynchronous run (`flowgraph.compilers.rollout_pool`); `changed`: only
+        pool of an asynchronous run (`flowgraph.compilers.rollouts.pool`); `changed`: only
         the entries an update changes (a LoRA model's adapters; both names of a tied
         embedding). Every worker of the pool runs it (a sharded entry is made whole by a
         collective); worker 0 answers, the others None."""

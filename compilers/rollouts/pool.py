@@ -1,8 +1,8 @@
 """Asynchronous rollouts on a pool of their own (`AsyncPlan.pool`: target ray).
 
-`PoolRollouts` starts the rollout pool: a placement group of one bundle
+`PoolProducer` starts the rollout pool: a placement group of one bundle
 (`resources.rollout_cpus`, a GPU on cuda) and in it a `RolloutWorker`, a Ray actor
-running the producer process's code (`flowgraph.compilers.producer.producer`): its own
+running the producer process's code (`producer.producer_elsewhere`): its own
 copy of the models the producer's nodes run, the data at the trainer's cursors, the
 producer's nodes in the trainer's order. It generates the rollouts of later steps while
 the trainer's pools train (`flowgraph.compilers.rollouts` says what the buffer holds and
@@ -53,8 +53,9 @@ import torch
 
 from flowgraph.compilers.batches import Batches
 from flowgraph.compilers.checkpoint.store import Rollout
-from flowgraph.compilers.producer import producer
-from flowgraph.compilers.rollouts import Rollouts, SentRollouts
+from flowgraph.compilers.rollouts.buffer import Cursors, need
+from flowgraph.compilers.rollouts.inbox import Inbox
+from flowgraph.compilers.rollouts.producer import ProducerNodes, producer_elsewhere
 from flowgraph.compilers.target import Target
 from flowgraph.compilers.targets.ray.calls import answers, ray_name, reserve
 from flowgraph.compilers.targets.ray.worker import log_to, worker_log
@@ -95,20 +96,27 @@ class _Call:
     """(began, ended), once known."""
 
 
-class PoolRollouts(SentRollouts):
+class PoolProducer:
     """The producer runs on the rollout pool (target ray), overlapping the trainer's
     pools; the trained weights go to it after every update."""
 
-    sender = "the rollout pool"
+    overlaps = True
+    ahead = 0
 
     def __init__(self, plan: ExecutionPlan, batches: Batches, worker: Worker,
                  names: list[str], opts: ExecOptions, *, trainer: Target) -> None:
-        super().__init__(plan, batches, worker, names, opts)
         if not isinstance(trainer, TrainerPools):
             raise FlowgraphError(f"plan `{plan.name}` has a rollout pool, which runs on target "
                                  f"ray only; this run's target is {plan.target}")
-        assert plan.asynchronous is not None and plan.asynchronous.pool is not None
-        self.pool: PoolPlan = plan.asynchronous.pool
+        cut = plan.asynchronous
+        assert cut is not None and cut.pool is not None
+        self.plan, self.worker, self.names, self.opts = plan, worker, names, opts
+        self.S, self.steps = cut.staleness, plan.trainer.steps
+        self.block, self.partial = cut.admission == "block", cut.partial
+        self.inbox = Inbox(batches, worker)
+        self.origin = 0
+        """The version the run started (or resumed) from."""
+        self.pool: PoolPlan = cut.pool
         self.trainer: TrainerPools = trainer
         self.trained = sorted(m.name for m in self.pool.models
                               if m.trainable and m.base_of is None)
@@ -116,7 +124,7 @@ class PoolRollouts(SentRollouts):
         self.actor: Any = None
         self.pg: Any = None
         self.calls: deque[_Call] = deque()
-        self.next = 0
+        self.next_index = 0
         """The index of the next rollout to ask for."""
         self.version = 0
         """The newest published version: the trainer's weights after that many updates."""
@@ -133,14 +141,12 @@ class PoolRollouts(SentRollouts):
         """Partial rollouts: the ObjectRef of the last `publish` call, which the rollouts
         asked for after it wait for (a failed one fails them: never a silent wait)."""
 
-    # -- what the loop calls -----------------------------------------------------------
+    # -- what the buffer calls ---------------------------------------------------------
 
-    def start(self, step: int) -> None:
-        """A fresh worker at the buffer's end (`load`), holding the weights of `step`."""
-        super().start(step)
+    def start(self, step: int, first: int, cursors: Cursors) -> None:
+        """A fresh worker at the buffer's end (`first`), holding the weights of `step`."""
+        self.origin = step
         self.close()
-        first = step + len(self.pending)
-        cursors = self.pending[-1].cursors if self.pending else self.data_cursors()
         state = {n: s for n, s in self.worker.node_state.items() if n in self.names}
         self.pg, places = reserve(self.pool, name=ray_name(self.plan, self.pool.name))
         # (Ray's typed overloads of `remote` omit concurrency_groups, which it takes)
@@ -154,24 +160,31 @@ class PoolRollouts(SentRollouts):
                 "while the rollout pool's worker set up")
         self._list_worker()
         self.free_at, self.weights = time.time(), None
-        self.next, self.last_index, self.version, self.sent = first, first - 1, step, -1
+        self.next_index, self.version, self.sent = first, step, -1
         if self.partial:
             self._publish()
-        self._ask()
+        self._ask(first - step)
 
-    def next_rollout(self, step: int, metrics: dict[str, float]) -> tuple[Rollout, float]:
-        if not self.pending and not self.calls:
-            self._ask()  # drop: everything asked for was dropped
-        return super().next_rollout(step, metrics)
+    def next_rollout(self, step: int, metrics: dict[str, float]) -> Rollout:
+        """The oldest rollout asked for, waited for."""
+        if not self.calls:  # drop: everything asked for was dropped, the buffer is empty
+            self._ask(0)
+        return self.inbox.receive(self._arrival(step))
 
-    def advance(self, step: int) -> None:
+    def advance(self, step: int, held: int) -> None:
         """Version step + 1 is out: ask for the rollouts it generates; with partial
         rollouts, first send it to the worker, which may be in the middle of an episode."""
         if step + 1 < self.steps:
             self.version = step + 1
             if self.partial:
                 self._publish()
-            self._ask()
+            self._ask(held)
+
+    def cursors(self) -> Cursors:
+        return self.inbox.data_cursors()
+
+    def load(self, cursors: Cursors | None) -> None:
+        self.inbox.cursors = cursors
 
     def generating_s(self) -> float:
         self._spans()
@@ -193,21 +206,22 @@ class PoolRollouts(SentRollouts):
 
     # -- the worker --------------------------------------------------------------------
 
-    def _ask(self) -> None:
+    def _ask(self, held: int) -> None:
         """Ask for every rollout admission allows now: `block`, those whose version is
-        out (`need`); `drop`, up to S + 1 in the buffer. With partial rollouts the
-        weights went ahead (`publish`) and a call names the oldest version that may
-        begin it (`block`: `need`; `drop`: the newest)."""
-        while self._admits():
+        out (`need`); `drop`, up to S + 1 in the buffer (`held`: those received). With
+        partial rollouts the weights went ahead (`publish`) and a call names the oldest
+        version that may begin it (`block`: `need`; `drop`: the newest)."""
+        while self._admits(held):
             weights = []
             if not self.partial and self.sent != self.version:  # with the first call
                 weights = self._weights()                        # that needs them
                 self.sent = self.version
-            version = self.need(self.next) if self.partial and self.block else self.version
+            version = need(self.next_index, self.S, self.origin) if self.partial and self.block \
+                else self.version
             span, rollout = self.actor.produce.options(num_returns=2).remote(
-                self.next, version, self.publishing, *weights)
-            self.calls.append(_Call(self.next, span, rollout, time.time()))
-            self.next += 1
+                self.next_index, version, self.publishing, *weights)
+            self.calls.append(_Call(self.next_index, span, rollout, time.time()))
+            self.next_index += 1
 
     def _publish(self) -> None:
         """Partial rollouts: the newest version's weights to the worker now, beside the
@@ -226,10 +240,11 @@ class PoolRollouts(SentRollouts):
         listed.parent.mkdir(parents=True, exist_ok=True)
         listed.write_text(json.dumps(workers, indent=2))
 
-    def _admits(self) -> bool:
+    def _admits(self, held: int) -> bool:
         if self.block:
-            return self.next < self.steps and self.need(self.next) <= self.version
-        return len(self.calls) + len(self.pending) <= self.S
+            return self.next_index < self.steps and \
+                need(self.next_index, self.S, self.origin) <= self.version
+        return len(self.calls) + held <= self.S
 
     def _weights(self) -> list[Any]:
         """The trainer's weights of the newest version: whole the first time, then what
@@ -241,7 +256,7 @@ class PoolRollouts(SentRollouts):
                             self.trainer.trained_weights(self.trained, changed=changed))
         return self.weights[2]
 
-    def arrival(self, step: int) -> Rollout:
+    def _arrival(self, step: int) -> Rollout:
         """The oldest rollout asked for, when it is ready."""
         timeout = self.plan.trainer.step_timeout_s or None
         call = self.calls[0]
@@ -261,7 +276,7 @@ class PoolRollouts(SentRollouts):
                 return
             try:
                 call.took = ray.get(call.span)
-            except Exception:  # the call failed: its rollout's `arrival` says why
+            except Exception:  # the call failed: its rollout's `_arrival` says why
                 return
             self.busy += call.took[1] - call.took[0]
             self.free_at = call.took[1]
@@ -282,7 +297,7 @@ class RolloutWorker:
         assert self.plan.asynchronous is not None and self.plan.asynchronous.pool is not None
         self.pool = self.plan.asynchronous.pool
         self.partial = self.plan.asynchronous.partial
-        self.rollouts: Rollouts | None = None
+        self.nodes: ProducerNodes | None = None
         self.devnull = open(os.devnull, "w")  # noqa: SIM115 - the actor's life long
         """Where the producer's worker prints (the trainer's console is the driver's)."""
         self.held = -1
@@ -311,10 +326,10 @@ class RolloutWorker:
         device = pick_device(self.pool.device.split(":")[0])
         opts = ExecOptions(Path(run_dir), device, strict, out=self.devnull, tensorboard=False,
                            step_timeout_s=self.plan.trainer.step_timeout_s)
-        self.rollouts = producer(self.plan, names, opts, cursors, node_state, self.pool.models)
-        self.rollouts.origin = origin
+        self.nodes = producer_elsewhere(self.plan, names, opts, cursors, node_state,
+                                        self.pool.models, origin)
         if self.partial:  # episodes take the newest weights between turns
-            self.rollouts.worker.refresh = self.refresh
+            self.nodes.worker.refresh = self.refresh
 
     @ray.method(concurrency_group=WEIGHTS)
     def publish(self, version: int, *weights: dict[str, Any]) -> None:
@@ -329,10 +344,10 @@ class RolloutWorker:
         (an episode's turns in between: `NodeContext.newest_weights`); their version."""
         with self.cond:
             if self.published > self.held:
-                assert self.rollouts is not None
+                assert self.nodes is not None
                 with torch.no_grad():
                     for m, state in self.fresh.items():
-                        held = self.rollouts.worker.models[m].state_dict()
+                        held = self.nodes.worker.models[m].state_dict()
                         for k, v in state.items():
                             held[k].copy_(v)
                 self.fresh, self.held = {}, self.published
@@ -346,8 +361,8 @@ class RolloutWorker:
         published ahead: `after` is the last `publish` call's result, so Ray starts this
         call once that one is done (calls of two concurrency groups are not ordered),
         and the rollout begins with the newest version sent, `version` or newer."""
-        rollouts = self.rollouts
-        if rollouts is None:
+        nodes = self.nodes
+        if nodes is None:
             raise FlowgraphError("the rollout worker was used before setup")
         with self.cond:
             self._keep(version, weights)
@@ -357,7 +372,7 @@ class RolloutWorker:
                                      f"{self.published} at most")
         began = time.time()
         metrics: dict[str, float] = {}
-        item = rollouts.produce(index, self.refresh(), metrics)
+        item = nodes.produce(index, self.refresh(), metrics)
         item.metrics = metrics
         return (began, time.time()), item
 
