@@ -78,7 +78,7 @@ from flowgraph.compilers.signals import child_pids, reap_with_parent, run_guard
 from flowgraph.compilers.target import Report
 from flowgraph.compilers.worker import ExecOptions, Worker
 from flowgraph.errors import DEBUG_ENV, FlowgraphError, WorkerLost
-from flowgraph.plan import DRIVER, ExecutionPlan, PoolPlan
+from flowgraph.plan import DRIVER, ExecutionPlan, PoolPlan, plan_to_json
 from flowgraph.registry import plugin_source
 from flowgraph.runtime.metrics import serving
 from flowgraph.voice import ENTRY_ENV, Word, option
@@ -142,7 +142,7 @@ class RayTarget:
         if not again:
             check_fits(self.plan, cluster_nodes())  # a shortfall is a message, not a wait
         held, self.held = self.held, {}
-        sent = (self.plan.to_json(), self.plan.pickled_objects())
+        sent = (plan_to_json(self.plan), self.plan.pickled_objects())
         cwd, path = os.getcwd(), [p for p in sys.path if p]
         for pool in self.plan.pools:
             if pool.name == DRIVER or not pool.bundles:

@@ -60,7 +60,7 @@ from flowgraph.compilers.rollouts import Rollouts, SentRollouts
 from flowgraph.compilers.target import Target
 from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
 from flowgraph.errors import FlowgraphError
-from flowgraph.plan import ROLLOUT_POOL, ExecutionPlan, PoolPlan
+from flowgraph.plan import ROLLOUT_POOL, ExecutionPlan, PoolPlan, plan_from_json, plan_to_json
 
 try:
     import ray
@@ -147,7 +147,7 @@ class PoolRollouts(SentRollouts):
         self.actor = ray.remote(  # type: ignore[call-overload]
             concurrency_groups={WEIGHTS: 1})(RolloutWorker).options(
             name=ray_name(self.plan, self.pool.name, 0), **places[0]).remote(
-            (self.plan.to_json(), self.plan.pickled_objects()), os.getcwd(),
+            (plan_to_json(self.plan), self.plan.pickled_objects()), os.getcwd(),
             [p for p in sys.path if p], str(self.opts.run_dir))
         answers(self.actor.setup.remote(self.names, str(self.opts.run_dir), self.opts.strict,
                                         cursors, state, step), None,
@@ -278,7 +278,7 @@ class RolloutWorker:
         log_to(worker_log(Path(run_dir), ROLLOUT_POOL, 0))
         quiet_hf()
         sys.path[:0] = [p for p in path if p not in sys.path]
-        self.plan = ExecutionPlan.from_json(sent[0]).with_pickled(sent[1])
+        self.plan = plan_from_json(sent[0]).with_pickled(sent[1])
         assert self.plan.asynchronous is not None and self.plan.asynchronous.pool is not None
         self.pool = self.plan.asynchronous.pool
         self.partial = self.plan.asynchronous.partial

@@ -25,7 +25,7 @@ from flowgraph.passes.memory import (
     training_activation_bytes,
 )
 from flowgraph.passes.placement import PlaceNodes
-from flowgraph.plan import GIB, Bundle, ExecutionPlan, verify_kinds
+from flowgraph.plan import GIB, Bundle, ExecutionPlan, plan_summary, verify_kinds
 from flowgraph.registry import _DECLARED
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
@@ -128,7 +128,7 @@ def test_on_policy_elides_the_old_log_prob_forward_of_one_step_updates(
     assert ("old_logprob" in plan.dropped) == elided
     assert [r.split(":")[0] for r in plan.rewrites] == (["on_policy"] if elided else [])
     if elided:
-        assert "rewritten: on_policy: `update_actor` takes one optimizer step" in plan.summary()
+        assert "rewritten: on_policy: `update_actor` takes one optimizer step" in plan_summary(plan)
 
 
 def test_on_policy_keeps_a_forward_another_node_reads() -> None:
@@ -583,7 +583,7 @@ def test_fusion_groups_forwards_of_one_model_over_one_batch(
     assert rewritten == ([] if not fused else [
         "fusion: `ref_chosen`, `ref_rejected` run as one forward of model `ref` (kind "
         "sequence_logprob), their rows stacked"])
-    summary = result.plan.summary()
+    summary = plan_summary(result.plan)
     assert ("fused      ref_chosen + ref_rejected: one forward" in summary) == bool(fused)
     # the estimate counts the fused forward's 2 x Bp rows
     ref = next(i.bytes for m in result.plan.memory for i in m.items

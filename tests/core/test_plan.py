@@ -20,6 +20,9 @@ from flowgraph.plan import (
     MemoryItem,
     PoolMemory,
     PoolPlan,
+    plan_from_json,
+    plan_summary,
+    plan_to_json,
 )
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
@@ -41,21 +44,21 @@ def test_every_example_graph_is_covered() -> None:
 @pytest.mark.parametrize("file", GOOD_GRAPHS, ids=lambda p: p.stem)
 def test_json_round_trip(file: Path, target: str) -> None:
     plan = plan_of(file, target=target)
-    text = plan.to_json()
-    again = ExecutionPlan.from_json(text)
+    text = plan_to_json(plan)
+    again = plan_from_json(text)
     assert again == plan
-    assert again.to_json() == text
+    assert plan_to_json(again) == text
     assert again.graph.source == again.source == str(file)
 
 
 def test_json_round_trip_on_gpus_with_two_workers() -> None:
     plan = plan_of(GRAPHS / "grpo.yaml", target="ray", nproc=2, device="cuda")
-    assert ExecutionPlan.from_json(plan.to_json()) == plan
+    assert plan_from_json(plan_to_json(plan)) == plan
 
 
 def test_the_plan_graph_rebuilds_the_compiled_ir() -> None:
     """Executors rebuild the graph from the plan: hoisting marks survive JSON."""
-    plan = ExecutionPlan.from_json(plan_of(GRAPHS / "dpo.yaml").to_json())
+    plan = plan_from_json(plan_to_json(plan_of(GRAPHS / "dpo.yaml")))
     original, _ = load_graph(GRAPHS / "dpo.yaml")
     assert original is not None
     assert [n.name for n in plan.graph.nodes] == [n.name for n in original.nodes]
@@ -64,7 +67,7 @@ def test_the_plan_graph_rebuilds_the_compiled_ir() -> None:
 
 
 def test_json_layout() -> None:
-    data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
+    data = json.loads(plan_to_json(plan_of(GRAPHS / "dpo.yaml")))
     assert list(data) == ["graph", "target", "nproc", "device", "dims", "nodes", "pools",
                           "stages", "edges", "memory", "dropped", "rewrites",
                           "plugin_paths", "source", "version", "resample", "asynchronous",
@@ -173,18 +176,18 @@ def _all(*edits: Edit) -> Edit:
      "with batched: false; the two must agree (edit both alike)"),
 ])
 def test_from_json_rejects_a_broken_plan(edit: Edit, message: str) -> None:
-    data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
+    data = json.loads(plan_to_json(plan_of(GRAPHS / "dpo.yaml")))
     edit(data)
     with pytest.raises(PlanError) as exc:
-        ExecutionPlan.from_json(json.dumps(data))
+        plan_from_json(json.dumps(data))
     assert str(exc.value).startswith(message)
 
 
 def test_an_invalid_plan_graph_names_the_problem() -> None:
-    data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
+    data = json.loads(plan_to_json(plan_of(GRAPHS / "dpo.yaml")))
     data["graph"]["nodes"]["update"]["inputs"] = 5
     with pytest.raises(PlanError) as exc:
-        ExecutionPlan.from_json(json.dumps(data))
+        plan_from_json(json.dumps(data))
     assert "error[FG004]: `nodes.update.inputs` must be a mapping, got an integer 5" in str(
         exc.value)
 
@@ -216,14 +219,14 @@ def test_an_unreadable_plan_file_is_one_message_and_exit_2(
 
 def test_from_json_rejects_text_that_is_not_json() -> None:
     with pytest.raises(PlanError, match="the plan is not valid JSON"):
-        ExecutionPlan.from_json("{nope")
+        plan_from_json("{nope")
 
 
 def test_from_json_rejects_a_missing_field() -> None:
-    data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
+    data = json.loads(plan_to_json(plan_of(GRAPHS / "dpo.yaml")))
     del data["stages"]
     with pytest.raises(PlanError, match="missing 1 required positional argument: 'stages'"):
-        ExecutionPlan.from_json(json.dumps(data))
+        plan_from_json(json.dumps(data))
 
 
 @pytest.mark.parametrize(("build", "message"), [
@@ -256,7 +259,7 @@ def test_summary() -> None:
     # token: test_passes.test_activation_formulas) = 7,471,104 bytes of activations, and
     # its 128 response tokens' logits in one chunk, with their gradient: 2*128*512*4 =
     # 524,288.
-    assert plan_of(GRAPHS / "dpo.yaml").summary() == f"""\
+    assert plan_summary(plan_of(GRAPHS / "dpo.yaml")) == f"""\
 plan for `dpo` ({GRAPHS / "dpo.yaml"}): target local, nproc 1, device cpu
 dims: Bp=8 P=16 T=8
 
@@ -289,8 +292,9 @@ memory per device (estimate):
 def test_summary_on_ray_names_pools_workers_and_dispatch() -> None:
     # at 4 prompts x 4 samples and mini-batches of 8 (two optimizer steps: the old log-prob
     # forward runs; the shipped one-step graph elides it)
-    text = plan_of(GRAPHS / "grpo.yaml", target="ray", nproc=2, device="cuda", overrides=[
-        "dims.Bp=4", "dims.N=4", "nodes.update_actor.params.mini_batch_size=8"]).summary()
+    text = plan_summary(plan_of(GRAPHS / "grpo.yaml", target="ray", nproc=2, device="cuda",
+                                overrides=["dims.Bp=4", "dims.N=4",
+                                           "nodes.update_actor.params.mini_batch_size=8"]))
     assert "  driver             1 process (the single controller)\n" in text
     assert ("  actor_rollout_ref  2 worker(s) on cuda, each {CPU: 1, GPU: 1}, placed PACK\n"
             in text)
