@@ -113,8 +113,8 @@ def test_on_ray_the_producer_gets_a_rollout_pool_of_its_own() -> None:
 
 def test_old_log_probs_from_the_rollout_rewire_the_update() -> None:
     plan = _plan(*ASYNC, "trainer.old_log_prob=rollout")
-    update = plan.graph.node("update_actor")
-    assert update is not None and str(update.input("old_log_prob")) == "gen.rollout_log_prob"
+    update = plan.node("update_actor")
+    assert dict(update.wiring())["old_log_prob"] == ("gen", "rollout_log_prob")
     assert "old_logprob" in plan.dropped
     assert plan_from_json(plan_to_json(plan)) == plan  # no other node rewired
     assert any("`update_actor` takes its old log-probs from `gen.rollout_log_prob`" in r

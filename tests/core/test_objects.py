@@ -18,8 +18,9 @@ from flowgraph.errors import IRError, PlanError, PlanFileError, UsageError
 from flowgraph.frontend import graph_from_yaml, graph_to_yaml
 from flowgraph.ir import Params, from_python
 from flowgraph.objects import PyObject, rebuilt
+from flowgraph.passes.program import plan_objects
 from flowgraph.paths import folder_of, interactive
-from flowgraph.plan import plan_from_json, plan_objects, plan_summary, plan_to_json
+from flowgraph.plan import plan_from_json, plan_summary, plan_to_json
 from flowgraph.source import SourcePos
 
 

@@ -50,13 +50,13 @@ def test_a_plan_records_absolute_paths_and_runs_from_anywhere(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compile", str(VERL), "-o", "plan.json"]) == 0
     text = (elsewhere / "plan.json").read_text()
-    data = json.loads(text)["graph"]["data"]["train"]
+    data = json.loads(text)["run"]["data"]["train"]
     assert (data["path"], data["eval_path"]) == (str(VERL.parent / "train.parquet"),
                                                  str(VERL.parent / "test.parquet"))
     (elsewhere / "other").mkdir()
     monkeypatch.chdir(elsewhere / "other")
     plan = plan_from_json(text)
-    assert plan.graph.data[0].path == str(VERL.parent / "train.parquet")
+    assert plan.data[0].path == str(VERL.parent / "train.parquet")
     assert plan.plugin_paths == (str(VERL.parent),)
 
 

@@ -102,7 +102,7 @@ def test_declared_resources_reach_the_plan_its_json_and_the_summary() -> None:
     assert (pool.strategy, pool.label_selector) == (
         "strict_spread", (Label("ray.io/node-id", "abc123"), Label("zone", "!in(a, b)")))
     again = plan_from_json(plan_to_json(plan))
-    assert (again.pools, again.graph.resources) == (plan.pools, plan.graph.resources)
+    assert (again.pools, again.resources) == (plan.pools, plan.resources)
     assert ("  trainer  2 worker(s) on cuda, each {CPU: 4, GPU: 1, TPU: 1, fast_disk: 0.5}, "
             "placed STRICT_SPREAD on nodes labelled {ray.io/node-id: abc123, zone: !in(a, b)}\n"
             in plan_summary(plan))
