@@ -9,6 +9,7 @@ by one pass and read by later ones; `to_plan` lowers the finished program to the
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Protocol
@@ -20,7 +21,7 @@ from flowgraph.dims import resolved_text
 from flowgraph.errors import PlanError
 from flowgraph.frontend import graph_to_yaml
 from flowgraph.ir import Graph, PortRef
-from flowgraph.objects import PyObject, by_value
+from flowgraph.objects import TAG, PyObject, by_value
 from flowgraph.plan import (
     ROLLOUT_POOL,
     AsyncPlan,
@@ -43,7 +44,14 @@ from flowgraph.plan import (
     repeated,
     verify,
 )
-from flowgraph.registry import KindSpec, PortSpec, declared_function, plugin_folder
+from flowgraph.registry import (
+    KindSpec,
+    PortSpec,
+    declared_function,
+    plugin_folder,
+    session_losses,
+    with_loss_implementations,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,7 +213,8 @@ class Program:
             plugin_paths=plugin_paths(self.graph), source=self.graph.source,
             resample=self._resample(), asynchronous=self._async_plan(nodes),
             objects=plan_objects(self.graph, {
-                n.impl: declared_function(n.kind) for n in nodes if by_value(n.impl)})))
+                n.impl: declared_function(n.kind) for n in nodes if by_value(n.impl)}
+                | _session_losses(nodes))))
 
     def _async_plan(self, nodes: tuple[NodePlan, ...]) -> AsyncPlan | None:
         """The producer / consumer cut when pass `asynchronous` ran (None: synchronous),
@@ -262,13 +271,13 @@ class Program:
         hosted = {m.name for p in self.placement.pools for m in p.models}
         loads = model in hosted and kind.model != "none" and kind.head != "tokenizer"
         given = node.params.to_python() if node is not None else {}
+        call = with_loss_implementations(kind, kind.call_values(given))
+        held_out = with_loss_implementations(kind, kind.eval_values(given, self._eval_dims()))
         return NodePlan(name, kind.name, kind.impl, model, place.pool, place.data_parallel,
                         stage, bool(node and node.hoisted), inputs, outputs, loads,
                         kind.trains, category=kind.category, head=kind.head,
-                        params=ParamPlan.of(kind.call_values(given)) if node else (),
-                        given=tuple(given),
-                        eval_params=ParamPlan.of(kind.eval_values(given, self._eval_dims()))
-                        if node else (),
+                        params=ParamPlan.of(call) if node else (), given=ParamPlan.of(given),
+                        eval_params=ParamPlan.of(held_out) if node else (),
                         where=str(spot.pos) if (spot := node or self.graph.data_source(name))
                         else "")
 
@@ -330,6 +339,13 @@ def graph_producer_side(graph: Graph, stages: tuple[StagePlan, ...],
     return producer_side(stages, graph_reads(graph), (d.name for d in graph.data), kinds,
                          {n.name: n.model for n in graph.nodes},
                          {m.name for m in graph.models if m.trainable})
+
+
+def _session_losses(nodes: tuple[NodePlan, ...]) -> dict[str, Any]:
+    """The session's policy losses the nodes' params name (`with_loss_implementations`)."""
+    named = {json.loads(p.value).get(TAG) for n in nodes for p in (*n.params, *n.eval_params)
+             if p.value.startswith("{")}
+    return {ref: fn for ref, fn in session_losses().items() if ref in named}
 
 
 def producer_process(target: str) -> bool:

@@ -24,6 +24,7 @@ from flowgraph.ir import Graph
 from flowgraph.objects import PyObject, rebuilt
 from flowgraph.plan.records import PLAN_VERSION, ExecutionPlan, NodePlan, RunSpec, require
 from flowgraph.plan.verify import repeated_edges, verify
+from flowgraph.registry import KindSpec, Registry, with_loss_implementations
 from flowgraph.source import SourcePos
 
 MAX_PLAN_BYTES = 64 << 20
@@ -78,21 +79,51 @@ def plan_from_json(text: str) -> ExecutionPlan:
 
 def _from_version_6(data: dict[str, Any]) -> dict[str, Any]:
     """A version 6 plan's data as this version's: of its `graph`, the run's sections
-    become `run`, and each node's params the graph sets its record's `given`; the nodes,
-    dims and wiring the graph held twice are the node records' already."""
+    become `run`, and the params the graph sets each node's record's `given`; the nodes,
+    dims and wiring the graph held twice are the node records' already. A policy loss
+    the node records name becomes its implementation, as the compiler now writes it."""
     graph = data.get("graph")
     if not isinstance(graph, dict):
         raise PlanError("`plan.graph` of a version 6 plan must be a mapping")
     specs = graph.get("nodes") if isinstance(graph.get("nodes"), dict) else {}
     nodes = data.get("nodes") if isinstance(data.get("nodes"), list) else []
-    for node in nodes:
-        spec = specs.get(node.get("name")) if isinstance(node, dict) else None
+    registry = Registry.default()
+    registry.load_plugins(graph.get("plugins") or (), data.get("plugin_paths") or ())
+    for node in (n for n in nodes if isinstance(n, dict)):
+        spec = specs.get(node.get("name"))
         params = spec.get("params") if isinstance(spec, dict) else None
         if isinstance(params, dict):
-            node["given"] = list(params)
+            node["given"] = [{"name": k, "value": json.dumps(v, sort_keys=True)}
+                             for k, v in params.items()]
+        kind = registry.get(str(node.get("kind")))
+        for key in ("params", "eval_params"):
+            if kind is not None and _param_records(node.get(key)):
+                node[key] = _with_losses(kind, node[key])
     run = {k: graph[k] for k in RUN_SECTIONS if k in graph}
     rest = {k: v for k, v in data.items() if k != "graph"}
     return {"run": run, **rest, "version": PLAN_VERSION}
+
+
+def _param_records(value: object) -> bool:
+    """`value` is a list of `ParamPlan`s as JSON (else the decoder says what it is)."""
+    if not isinstance(value, list) or not all(
+            isinstance(p, dict) and isinstance(p.get("name"), str)
+            and isinstance(p.get("value"), str) for p in value):
+        return False
+    try:
+        for p in value:
+            json.loads(p["value"])
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+def _with_losses(kind: KindSpec, params: list[dict[str, str]]) -> list[dict[str, str]]:
+    """A node record's params (`ParamPlan`s as JSON) with the policy losses they name as
+    their implementations (`with_loss_implementations`)."""
+    values = with_loss_implementations(kind, {p["name"]: json.loads(p["value"])
+                                              for p in params})
+    return [{"name": k, "value": json.dumps(v, sort_keys=True)} for k, v in values.items()]
 
 
 def write_run_plan(plan: ExecutionPlan, path: Path) -> None:
@@ -136,9 +167,8 @@ def _node_document(node: NodePlan) -> dict[str, object]:
         out["model"] = node.model
     if node.inputs:
         out["inputs"] = {i.port: i.src for i in node.inputs}
-    values = node.param_values()
     if node.given:
-        out["params"] = {k: values[k] for k in node.given}
+        out["params"] = {p.name: json.loads(p.value) for p in node.given}
     if node.hoisted:
         out["hoisted"] = True
     return out

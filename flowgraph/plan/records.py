@@ -220,8 +220,9 @@ class NodePlan:
     """What the node uses its model as (`KindSpec.head`): `lm`, `scalar`, `tokenizer`."""
     params: tuple[ParamPlan, ...] = ()
     """Every param of the kind, resolved; what the implementation is called with."""
-    given: tuple[str, ...] = ()
-    """The params the graph sets (the rest are its kind's defaults): what the graph's
+    given: tuple[ParamPlan, ...] = ()
+    """The params the graph sets, as it sets them (a policy loss by its name, where
+    `params` holds the implementation the compiler resolved it to): what the graph's
     document records (`flowgraph.plan.codec.plan_document`)."""
     eval_params: tuple[ParamPlan, ...] = ()
     """The params at evaluation on held-out data (a rollout: `val_n` responses, greedy
