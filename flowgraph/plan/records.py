@@ -6,6 +6,10 @@ executors (`flowgraph.compilers.local`, `fsdp`, `ray`) consume only the plan. Ev
 record is frozen and checks itself; the plan holds the run's settings (`RunSpec`) and
 its node records, never a second copy of the graph.
 
+One module past ~450 lines: it is the plan file's schema, every record with a docstring
+under each field, and the vocabulary below that the fields use; what acts on the records
+is in `verify`, `codec` and `summary`.
+
 Vocabulary:
 
 * a **pool** is a group of `size` identical workers (processes) that host some models
