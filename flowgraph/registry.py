@@ -192,8 +192,8 @@ def with_loss_implementations(kind: KindSpec, values: Mapping[str, object]
     (the checker reports it)."""
     out = dict(values)
     for p in kind.params:
-        spec = loss_spec(out[p.name]) if p.names == "policy_loss" and \
-            isinstance(out.get(p.name), str) else None
+        name = out.get(p.name)
+        spec = loss_spec(name) if p.names == "policy_loss" and isinstance(name, str) else None
         if spec is not None:
             out[p.name] = {TAG: spec.impl} if by_value(spec.impl) else spec.impl
     return out

@@ -85,8 +85,8 @@ def _from_version_6(data: dict[str, Any]) -> dict[str, Any]:
     graph = data.get("graph")
     if not isinstance(graph, dict):
         raise PlanError("`plan.graph` of a version 6 plan must be a mapping")
-    specs = graph.get("nodes") if isinstance(graph.get("nodes"), dict) else {}
-    nodes = data.get("nodes") if isinstance(data.get("nodes"), list) else []
+    specs = graph["nodes"] if isinstance(graph.get("nodes"), dict) else {}
+    nodes = data["nodes"] if isinstance(data.get("nodes"), list) else []
     registry = Registry.default()
     registry.load_plugins(graph.get("plugins") or (), data.get("plugin_paths") or ())
     for node in (n for n in nodes if isinstance(n, dict)):

@@ -301,8 +301,8 @@ def _order_problems(plan: ExecutionPlan) -> list[str]:
     problems += [f"data source `{d}` is in the prologue; data is drawn at every step"
                  for d in data & once]
     for node in plan.nodes:
-        for i in node.inputs:
-            src = i.ref[0]
+        for wire in node.inputs:
+            src = wire.ref[0]
             if src in data:
                 continue
             if node.name in once:
@@ -311,7 +311,7 @@ def _order_problems(plan: ExecutionPlan) -> list[str]:
                 ready = src in once or rank[src] < rank[node.name]
             if not ready:
                 problems.append(f"node `{node.name}` (stage `{plan.node(node.name).stage}`) "
-                                f"reads `{i.src}`, which stage `{plan.node(src).stage}` only "
+                                f"reads `{wire.src}`, which stage `{plan.node(src).stage}` only "
                                 "computes at the same time or later")
     return problems
 
