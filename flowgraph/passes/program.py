@@ -373,9 +373,10 @@ def rollout_pool(target: str, pools: tuple[PoolPlan, ...], runs: set[str], devic
 
 def plan_objects(graph: Graph, functions: Mapping[str, Any]) -> tuple[PyObject, ...]:
     """The table of a plan: the objects the graph's params hold, and the session kinds'
-    implementations (`functions`: impl path -> function), in that order. Two different
-    objects with one reference (two lambdas, a function defined again under its old name
-    in another scope) are an error: a worker could not tell them apart."""
+    and policy losses' implementations (`functions`: impl path -> function), in that
+    order. Two different objects with one reference (two lambdas, a function defined
+    again under its old name in another scope) are an error: a worker could not tell
+    them apart."""
     found: dict[str, PyObject] = {}
     held = [o for n in graph.nodes for o in n.params.objects()]
     held += [PyObject(ref, "function").with_object(fn) for ref, fn in functions.items()]
