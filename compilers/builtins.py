@@ -8,10 +8,13 @@ published by an atomic rename (as `flowgraph.nodes.models` publishes the random
 built-ins): two processes training at once both succeed and a reader never sees half
 a model. The recipe's `metrics.jsonl` is kept next to the weights (`sft_metrics.jsonl`).
 CPU float32 training is deterministic, so one machine always builds the same weights.
+A recipe is compiled once per process, when a model first needs training, and its plan
+kept (`recipe_plan`); each training gives it only its own run dir.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -22,10 +25,12 @@ from pathlib import Path
 from typing import TextIO
 
 from flowgraph.builtin_models import BUILTIN_PREFIX, TRAINED_BUILTINS
+from flowgraph.errors import CompileError
 from flowgraph.frontend import graph_from_yaml
 from flowgraph.ir import ModelSpec
+from flowgraph.plan import ExecutionPlan
 
-__all__ = ["ensure_builtin", "ensure_builtins"]
+__all__ = ["ensure_builtin", "ensure_builtins", "recipe_plan"]
 
 
 def ensure_builtins(models: tuple[ModelSpec, ...], out: TextIO | None = None) -> None:
@@ -43,31 +48,25 @@ def ensure_builtin(name: str, out: TextIO | None = None) -> Path:
     from flowgraph.compilers.options import RunOptions
     from flowgraph.compilers.targets.local import run_plan
     from flowgraph.compilers.worker import quiet_hf
-    from flowgraph.errors import CompileError
     from flowgraph.nodes.models import builtin_dir
-    from flowgraph.passes import compile_graph
 
     final = builtin_dir(name)
     if (final / "config.json").exists():
         return final
     out = out or sys.stdout
-    base, recipe = TRAINED_BUILTINS[name]
-    graph = graph_from_yaml(recipe, file=f"<recipe of {BUILTIN_PREFIX}{name}>")
-    print(f"{BUILTIN_PREFIX}{name}: training it once from {BUILTIN_PREFIX}{base} "
-          f"({graph.trainer.steps} steps of its SFT recipe); cached in "
-          f"{final}", file=out, flush=True)
+    plan = recipe_plan(name)
+    print(f"{BUILTIN_PREFIX}{name}: training it once from "
+          f"{BUILTIN_PREFIX}{TRAINED_BUILTINS[name][0]} ({plan.trainer.steps} steps of its "
+          f"SFT recipe); cached in {final}", file=out, flush=True)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
     try:
         t0 = time.perf_counter()
         run_dir = tmp / "run"
-        graph = replace(graph, trainer=replace(graph.trainer, run_dir=str(run_dir)))
-        plan = compile_graph(graph).plan
-        if plan is None:  # the recipe is tested to compile; a broken one must not pass
-            raise CompileError(compile_graph(graph).diagnostics)
+        trained = plan.with_trainer(replace(plan.trainer, run_dir=str(run_dir)))
         quiet_hf()  # this run's run dir is new: `run` would prepare nothing else
         with open(os.devnull, "w") as quiet:
-            run_plan(plan, RunOptions(out=quiet, tensorboard=False))
+            run_plan(trained, RunOptions(out=quiet, tensorboard=False))
         model = export_model(run_dir, "policy", tmp / "model")
         shutil.copy(run_dir / "metrics.jsonl", model / "sft_metrics.jsonl")
         try:
@@ -80,3 +79,15 @@ def ensure_builtin(name: str, out: TextIO | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+@functools.cache
+def recipe_plan(name: str) -> ExecutionPlan:
+    """The plan of trained built-in `name`'s recipe graph, compiled once per process."""
+    from flowgraph.passes import compile_graph
+
+    recipe = TRAINED_BUILTINS[name][1]
+    result = compile_graph(graph_from_yaml(recipe, file=f"<recipe of {BUILTIN_PREFIX}{name}>"))
+    if result.plan is None:  # the recipe is tested to compile; a broken one must not pass
+        raise CompileError(result.diagnostics)
+    return result.plan

@@ -40,7 +40,7 @@ from flowgraph.compilers.checkpoint.store import (
 )
 from flowgraph.errors import FlowgraphError, UsageError
 from flowgraph.ir import ModelSpec
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import ExecutionPlan, plan_document, plan_from_json
 from flowgraph.runs import export_command, is_run_dir, trained_lm
 from flowgraph.spelling import Word, option
 
@@ -99,7 +99,7 @@ def model_card(plan: ExecutionPlan, spec: ModelSpec, run_dir: Path, step: int, *
     lines += ["", f"## Metrics at step {step}", "", *_metrics_table(run_dir, step)]
     lines += ["", "## Load it", "", "```python", _LOAD_ADAPTER.format(base=spec.path)
               if adapter_only else _LOAD, "```", ""]
-    lines += ["## The graph", "", "```yaml", _yaml(plan.document()), "```", ""]
+    lines += ["## The graph", "", "```yaml", _yaml(plan_document(plan)), "```", ""]
     return "\n".join(lines)
 
 
@@ -189,7 +189,7 @@ def _trained_lm(run_dir: Path, model: str, adapter_only: bool
     plan_file = run_dir / "plan.json"
     if not plan_file.exists():
         raise UsageError(f"`{run_dir}` is not a flowgraph run dir (no plan.json)")
-    plan = ExecutionPlan.from_json(plan_file.read_text())
+    plan = plan_from_json(plan_file.read_text())
     spec = next((m for m in plan.models if m.name == model), None)
     if spec is None:
         names = ", ".join(m.name for m in plan.models)

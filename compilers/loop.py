@@ -48,7 +48,7 @@ from flowgraph.compilers.rollouts.process import ProcessProducer
 from flowgraph.compilers.target import Target
 from flowgraph.compilers.worker import ExecOptions
 from flowgraph.errors import FlowgraphError, NonFiniteError, Stopped, WorkerLost
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import ExecutionPlan, plan_to_json
 from flowgraph.runtime.metrics import MetricsLog
 from flowgraph.runtime.trackers import open_trackers, writing
 
@@ -400,7 +400,7 @@ class TrainingLoop:
             run_dir.mkdir(parents=True, exist_ok=True)
             remove_partial(run_dir)
             with writing(run_dir / "plan.json"):
-                (run_dir / "plan.json").write_text(self.plan.to_json())
+                (run_dir / "plan.json").write_text(plan_to_json(self.plan))
         self.target.barrier()
 
     def open_log(self) -> MetricsLog:

@@ -41,7 +41,7 @@ from flowgraph.errors import (
     UsageError,
 )
 from flowgraph.ir import Graph, TrainerSpec
-from flowgraph.plan import MAX_PLAN_BYTES, ExecutionPlan, verify_kinds
+from flowgraph.plan import MAX_PLAN_BYTES, ExecutionPlan, plan_from_json, verify_kinds
 from flowgraph.registry import KindSpec, Registry
 from flowgraph.spelling import Word, command, inherited, option, python_entry
 
@@ -141,7 +141,7 @@ def load_plan(path: str | Path) -> ExecutionPlan:
                             f"{exc.object[exc.start:exc.start + 1]!r}); write it as "
                             "`flowgraph compile -o` does") from exc
     try:
-        plan = ExecutionPlan.from_json(text)
+        plan = plan_from_json(text)
     except PlanFileError as exc:
         raise PlanFileError(f"`{path}`: {exc}") from exc
     missing = plan.unresolved()  # a plan file holds references to Python objects, no code
@@ -161,7 +161,7 @@ compiled again with it."""
 def with_run_settings(plan: ExecutionPlan, overrides: Sequence[str]) -> ExecutionPlan:
     """`plan` with the `trainer.run_dir=` and `trainer.steps=` overrides applied; any other
     override is a `UsageError` naming it (it would change the plan)."""
-    trainer, refused = plan.graph.trainer, []
+    trainer, refused = plan.trainer, []
     for i, text in enumerate(overrides):
         parsed = parse_override(text, i)
         if not isinstance(parsed, tuple):
@@ -186,16 +186,16 @@ def with_run_settings(plan: ExecutionPlan, overrides: Sequence[str]) -> Executio
             "compile the graph again with them "
             f"(`{command('compile', Word('GRAPH'), [('overrides', [Word('KEY=VALUE')])])}`), "
             "or edit the plan")
-    if trainer is plan.graph.trainer:
+    if trainer is plan.trainer:
         return plan
-    return replace(plan, graph=replace(plan.graph, trainer=trainer))
+    return plan.with_trainer(trainer)
 
 
 def _kinds(plan: ExecutionPlan) -> dict[str, KindSpec]:
     """Each node's and data source's kind, from the registry after the graph's plugins
     are imported."""
     registry = Registry.default()
-    registry.load_plugins([p.module for p in plan.graph.plugins], plan.plugin_paths)
+    registry.load_plugins([p.module for p in plan.plugins], plan.plugin_paths)
     kinds = {}
     for n in plan.nodes:
         kind = registry.get(n.kind)
@@ -327,8 +327,7 @@ def _with_run_dir(plan: ExecutionPlan, run_dir: str | Path | None, *, fresh: boo
         stamp = time.strftime(DATED.format(name=plan.name))
         run_dir = next(d for i in itertools.count(1)
                        if not Path(d := stamp if i == 1 else f"{stamp}-{i}").exists())
-    trainer = replace(plan.graph.trainer, run_dir=str(run_dir))
-    return replace(plan, graph=replace(plan.graph, trainer=trainer))
+    return plan.with_trainer(replace(plan.trainer, run_dir=str(run_dir)))
 
 
 def _debugging(debug: bool) -> AbstractContextManager[None]:

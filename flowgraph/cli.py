@@ -45,6 +45,7 @@ from flowgraph.errors import (
     UsageError,
 )
 from flowgraph.ir import ParamValue, to_python
+from flowgraph.plan import plan_summary, plan_to_json
 
 if TYPE_CHECKING:
     from flowgraph.plan import ExecutionPlan
@@ -165,10 +166,10 @@ def _finish_compile(result: object, args: argparse.Namespace) -> int:
         return EXIT_USAGE if _unreadable(result.diagnostics) else EXIT_ERRORS
     if args.output:
         try:
-            Path(args.output).write_text(result.plan.to_json(), encoding="utf-8")
+            Path(args.output).write_text(plan_to_json(result.plan), encoding="utf-8")
         except OSError as exc:
             raise FlowgraphError(f"cannot write `{args.output}`: {exc.strerror or exc}") from exc
-    print(result.plan.summary())
+    print(plan_summary(result.plan))
     if args.output:
         print(f"plan written to {args.output}")
     return EXIT_OK

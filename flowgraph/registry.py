@@ -15,7 +15,7 @@ import importlib
 import inspect
 import sys
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,7 +31,7 @@ from flowgraph.kindspec import KindSpec as KindSpec
 from flowgraph.kindspec import LossSpec as LossSpec
 from flowgraph.kindspec import ParamSpec as ParamSpec
 from flowgraph.kindspec import PortSpec as PortSpec
-from flowgraph.objects import by_value
+from flowgraph.objects import TAG, by_value
 from flowgraph.runtime.context import RESOURCE_ARGS
 
 ENTRY_POINT_GROUP = "flowgraph.nodes"
@@ -180,6 +180,30 @@ def loss_names() -> list[str]:
 def loss_function(name: str) -> Callable[..., Any] | None:
     """The function a plugin declared `name` from in this process, if any."""
     return _LOSS_FUNCTIONS.get(name)
+
+
+def with_loss_implementations(kind: KindSpec, values: Mapping[str, object]
+                              ) -> dict[str, object]:
+    """A node's params with each policy loss they name (`ParamSpec.names`) replaced by the
+    loss's implementation, which the compiler writes into the plan so that no node looks
+    a name up when it runs: its `module:function`, or, for a function only this process
+    reaches (declared in `__main__`, a notebook cell, a function), the tagged reference
+    `{"$python": ref}` the plan carries by value (`session_losses`). An unknown name stays
+    (the checker reports it)."""
+    out = dict(values)
+    for p in kind.params:
+        name = out.get(p.name)
+        spec = loss_spec(name) if p.names == "policy_loss" and isinstance(name, str) else None
+        if spec is not None:
+            out[p.name] = {TAG: spec.impl} if by_value(spec.impl) else spec.impl
+    return out
+
+
+def session_losses() -> dict[str, Callable[..., Any]]:
+    """Implementation reference -> function of the policy losses declared by code of this
+    session, which no worker could import by name (see `with_loss_implementations`)."""
+    return {spec.impl: _LOSS_FUNCTIONS[name] for name, spec in _LOSSES.items()
+            if name in _LOSS_FUNCTIONS and by_value(spec.impl)}
 
 
 _FUNCTIONS: dict[str, Callable[..., Any]] = {}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from flowgraph.errors import FlowgraphError, PlanError
 from flowgraph.ir import ModelSpec
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import plan_from_json
 from flowgraph.spelling import command
 
 
@@ -26,7 +26,7 @@ def trained_lm(path: str) -> ModelSpec:
     """The spec of the run's one trained causal LM, as the run had it; a
     `FlowgraphError` saying how to export one when it has none or several."""
     try:
-        plan = ExecutionPlan.from_json((Path(path).expanduser() / "plan.json").read_text())
+        plan = plan_from_json((Path(path).expanduser() / "plan.json").read_text())
     except (OSError, PlanError) as exc:
         raise FlowgraphError(f"`{path}` holds a plan.json that cannot be read ({exc}); give "
                              "a model folder (one `flowgraph export` wrote)") from exc

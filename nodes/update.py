@@ -28,10 +28,9 @@ from torch import Tensor
 from flowgraph.nodes._agg import agg_loss, masked_mean
 from flowgraph.nodes.logprob import forward_hidden, head_logprob, logprob, sequence_logprob
 from flowgraph.nodes.losses import dpo_loss, kl_penalty, value_loss
-from flowgraph.nodes.policy_losses import rollout_is_weights
+from flowgraph.nodes.policy_losses import rollout_is_weights, vanilla
 from flowgraph.nodes.values import ValueModel
 from flowgraph.nodes.values import values as predict_values
-from flowgraph.registry import loss_function, loss_names, loss_spec
 from flowgraph.runtime.context import Impl
 from flowgraph.runtime.update import Batch, Update
 
@@ -42,6 +41,8 @@ __all__ = ["ActorLoss", "CriticLoss", "DPOLoss", "SFTLoss", "dpo_update", "ppo_a
            "ppo_critic_update", "sft_update"]
 
 SEQUENCES = ("prompts", "prompt_mask", "responses", "response_mask")
+LossFunction = Callable[..., tuple[Tensor, dict[str, float]]]
+"""A policy loss (`flowgraph.nodes.policy_losses`): per-token loss (B, T) and metrics."""
 
 
 def _agg_size(mode: str, mask: Tensor) -> float:
@@ -58,20 +59,19 @@ def _agg_size(mode: str, mask: Tensor) -> float:
 class PolicyLoss:
     """The policy loss an update uses, with its params; rollout correction, if on."""
 
-    fn: Callable[..., tuple[Tensor, dict[str, float]]]
+    fn: LossFunction
     params: dict[str, object]
     rollout_is: str | None = None
     threshold: float = 2.0
     threshold_lower: float | None = None
 
     @staticmethod
-    def of(name: str, own: Mapping[str, object], shared: Mapping[str, float]) -> PolicyLoss:
-        """`name` (built in, or a plugin's `@policy_loss`) with its own params and the
-        update's clip ratios it takes."""
-        spec = loss_spec(name)
-        if spec is None:
-            raise ValueError(f"unknown policy_loss `{name}`; known: {', '.join(loss_names())}")
-        fn = loss_function(name) or Impl.load_function(spec.impl)
+    def of(loss: LossFunction | str, own: Mapping[str, object], shared: Mapping[str, float]
+           ) -> PolicyLoss:
+        """`loss` (its function, or its implementation's `module:function`, as the
+        compiler writes the one a graph names) with its own params and the update's clip
+        ratios it takes."""
+        fn = loss if callable(loss) else Impl.load_function(loss)
         accepts = inspect.signature(fn).parameters
         return PolicyLoss(fn, {**{k: v for k, v in shared.items() if k in accepts}, **own})
 
@@ -150,7 +150,7 @@ def ppo_actor_update(
     old_log_prob: Tensor | None = None,
     ref_log_prob: Tensor | None = None,
     rollout_log_prob: Tensor | None = None,
-    policy_loss: str = "vanilla",
+    policy_loss: LossFunction | str = vanilla,
     policy_loss_params: Mapping[str, object] | None = None,
     clip_ratio_low: float = 0.2,
     clip_ratio_high: float = 0.2,

@@ -311,8 +311,14 @@ def graph_reads(source: str) -> list[int]:
 def test_executors_read_the_plan_not_its_graph() -> None:
     """An executor runs what the plan holds: the nodes' wiring, params and kind facts
     from `NodePlan`, the run's settings from `ExecutionPlan.trainer` / `models` / `data`
-    / `plugins` / `resources`; `plan.graph` is the compiler's and the verifier's. (The
-    built-ins' recipe, `compilers/builtins.py`, compiles a graph of its own.)"""
+    / `plugins` / `resources`. The plan holds no copy of the graph, and no executor
+    reaches for one (an attribute `graph` anywhere under `compilers/`)."""
+    from dataclasses import fields
+
+    from flowgraph.plan import ExecutionPlan
+
+    assert "graph" not in {f.name for f in fields(ExecutionPlan)}
+    assert not hasattr(ExecutionPlan, "graph")
     bad = [f"{file.relative_to(ROOT)}:{line}"
            for module, file in sorted(MODULES.items())
            if module.startswith("flowgraph.compilers.")

@@ -61,7 +61,7 @@ from flowgraph.compilers.targets.ray.calls import answers, ray_name, reserve
 from flowgraph.compilers.targets.ray.worker import log_to, worker_log
 from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
 from flowgraph.errors import FlowgraphError
-from flowgraph.plan import ROLLOUT_POOL, ExecutionPlan, PoolPlan
+from flowgraph.plan import ROLLOUT_POOL, ExecutionPlan, PoolPlan, plan_from_json, plan_to_json
 
 try:
     import ray
@@ -153,7 +153,7 @@ class PoolProducer:
         self.actor = ray.remote(  # type: ignore[call-overload]
             concurrency_groups={WEIGHTS: 1})(RolloutWorker).options(
             name=ray_name(self.plan, self.pool.name, 0), **places[0]).remote(
-            (self.plan.to_json(), self.plan.pickled_objects()), os.getcwd(),
+            (plan_to_json(self.plan), self.plan.pickled_objects()), os.getcwd(),
             [p for p in sys.path if p], str(self.opts.run_dir))
         answers(self.actor.setup.remote(self.names, str(self.opts.run_dir), self.opts.strict,
                                         cursors, state, step), None,
@@ -293,7 +293,7 @@ class RolloutWorker:
         log_to(worker_log(Path(run_dir), ROLLOUT_POOL, 0))
         quiet_hf()
         sys.path[:0] = [p for p in path if p not in sys.path]
-        self.plan = ExecutionPlan.from_json(sent[0]).with_pickled(sent[1])
+        self.plan = plan_from_json(sent[0]).with_pickled(sent[1])
         assert self.plan.asynchronous is not None and self.plan.asynchronous.pool is not None
         self.pool = self.plan.asynchronous.pool
         self.partial = self.plan.asynchronous.partial

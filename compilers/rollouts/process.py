@@ -30,7 +30,7 @@ from flowgraph.compilers.rollouts.producer import producer_elsewhere
 from flowgraph.compilers.signals import STOP_SIGNALS, die_with_parent
 from flowgraph.compilers.worker import ExecOptions, Worker, quiet_hf
 from flowgraph.errors import FlowgraphError
-from flowgraph.plan import ExecutionPlan, ModelPlacement
+from flowgraph.plan import ExecutionPlan, ModelPlacement, plan_from_json, plan_to_json
 
 POLL_S = 1.0
 """How often a wait checks that the producer process is still alive."""
@@ -95,7 +95,7 @@ class ProcessProducer:
             # not a daemon: a vLLM engine starts processes of its own; it stops when
             # told (`close`) or when this process is gone
             target=_producer_main, name="flowgraph-rollouts", daemon=False,
-            args=((self.plan.to_json(), self.plan.pickled_objects()), self.names,
+            args=((plan_to_json(self.plan), self.plan.pickled_objects()), self.names,
                   str(self.opts.run_dir), self.opts.device, self.opts.strict, self.shared,
                   self.published, self.grabbed, self.stop, self.started, self.cond,
                   self.queue, self.busy, first, step,
@@ -233,7 +233,7 @@ def _producer_main(sent: tuple[str, bytes | None], names: list[str], run_dir: st
             os.sched_setaffinity(0, cores)
             torch.set_num_threads(len(cores))
         quiet_hf()
-        plan = ExecutionPlan.from_json(sent[0]).with_pickled(sent[1])
+        plan = plan_from_json(sent[0]).with_pickled(sent[1])
         assert plan.asynchronous is not None
         with open(os.devnull, "w") as devnull:
             nodes = producer_elsewhere(plan, names, ExecOptions(

@@ -23,7 +23,7 @@ from flowgraph.checker.shapes import ShapeResult, group_size
 from flowgraph.checker.structure import Resolved
 from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.ir import Graph, NodeSpec
-from flowgraph.plan import upstream_of
+from flowgraph.plan.verify import upstream_of
 
 
 def check_filters(graph: Graph, table: dict[str, Resolved], shapes: ShapeResult,
@@ -75,7 +75,8 @@ def _check_groups(node: NodeSpec, table: dict[str, Resolved], shapes: ShapeResul
 def _check_readers(graph: Graph, node: NodeSpec, out: list[Diagnostic]) -> None:
     """A node outside the loop (not a producer the filter reads) reads, of the loop's
     producers, the filter only."""
-    before = upstream_of(graph, node.name) | {d.name for d in graph.data}
+    reads = {n.name: tuple(ref.node for _, ref in n.inputs) for n in graph.nodes}
+    before = upstream_of(reads, node.name) | {d.name for d in graph.data}
     for reader in graph.nodes:
         if reader.name in before or reader.name == node.name:
             continue

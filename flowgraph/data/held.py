@@ -227,4 +227,4 @@ def write_tables(plan: ExecutionPlan, run_dir: Path) -> ExecutionPlan:
     data = tuple(_written(d, run_dir) for d in plan.data)
     if data == plan.data:
         return plan
-    return replace(plan, graph=replace(plan.graph, data=data))
+    return replace(plan, run=replace(plan.run, data=data))

@@ -10,7 +10,7 @@ passes, dumps the graph after a pass, and names the pass (and those before it) w
 one fails. `compile_graph` is the one entry point:
 
     result = compile_graph("graphs/grpo.yaml", target="ray", nproc=2)
-    result.plan.to_json() if result.plan else result.diagnostics
+    plan_to_json(result.plan) if result.plan else result.diagnostics
 """
 
 from __future__ import annotations

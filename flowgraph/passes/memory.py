@@ -77,18 +77,14 @@ from flowgraph.choices import OPTIMIZERS, TENSOR_BYTES
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.frontend import with_params
 from flowgraph.ir import Graph, LoraSpec, ModelSpec, NodeSpec, OptimizerSpec
-from flowgraph.passes.program import Placement, Program
-from flowgraph.plan import (
-    GIB,
-    MemoryItem,
-    ModelPlacement,
-    PoolMemory,
-    PoolPlan,
-    gib,
+from flowgraph.passes.program import (
+    Placement,
+    Program,
+    graph_producer_side,
     producer_process,
-    producer_side,
     rollout_pool,
 )
+from flowgraph.plan import GIB, MemoryItem, ModelPlacement, PoolMemory, PoolPlan, gib
 from flowgraph.registry import KindSpec
 from flowgraph.spelling import Word, option
 
@@ -351,7 +347,7 @@ def _inputs(program: Program, placement: Placement, check: CheckResult,
     producer: tuple[str, ...] = ()
     if program.asynchronous and producer_process(program.target) \
             and program.schedule is not None:
-        producer = producer_side(graph, program.schedule.stages, kinds)
+        producer = graph_producer_side(graph, program.schedule.stages, kinds)
     return _Inputs(graph, placement, kinds, rows, configs, lm_head, seq, producer)
 
 
@@ -414,12 +410,12 @@ def _producer_items(inp: _Inputs, pool: PoolPlan, items: list[MemoryItem]
 
 
 def _rollout_pool_memory(inp: _Inputs, program: Program) -> tuple[PoolMemory, ...]:
-    """The rollout pool of an asynchronous plan on ray (`flowgraph.plan.rollout_pool`): its
+    """The rollout pool of an asynchronous plan on ray (`program.rollout_pool`): its
     whole copy of each model the producer runs (weights only: no optimizer), and the
     working memory of the producer's model nodes on the whole batch."""
     if not program.asynchronous or program.schedule is None or program.placement is None:
         return ()
-    producer = producer_side(inp.graph, program.schedule.stages, inp.kinds)
+    producer = graph_producer_side(inp.graph, program.schedule.stages, inp.kinds)
     nodes = [n for n in inp.graph.nodes if n.name in producer and n.model is not None
              and inp.kinds[n.name].model != "none" and inp.kinds[n.name].head != "tokenizer"]
     pool = rollout_pool(program.target, program.placement.pools, {n.model for n in nodes

@@ -250,7 +250,7 @@ def check_pools(graph: Graph, runs: dict[str, str]) -> list[Diagnostic]:
 
 def _rollout_pool_name(program: Program) -> list[Diagnostic]:
     """On ray an asynchronous plan's producer gets a pool named `ROLLOUT_POOL`
-    (`flowgraph.plan.rollout_pool`): a declared pool cannot have that name (FG403)."""
+    (`flowgraph.passes.program.rollout_pool`): a declared pool cannot have that name (FG403)."""
     if program.target != "ray" or program.graph.trainer.max_staleness < 1:
         return []
     return [error("FG403", f"pool name `{ROLLOUT_POOL}` is reserved for the rollout pool of "

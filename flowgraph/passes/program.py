@@ -9,18 +9,23 @@ by one pass and read by later ones; `to_plan` lowers the finished program to the
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 from flowgraph.checker import CheckResult
 from flowgraph.checker.shapes import has_batch_axis
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.dims import resolved_text
+from flowgraph.errors import PlanError
 from flowgraph.frontend import graph_to_yaml
 from flowgraph.ir import Graph, PortRef
-from flowgraph.objects import by_value
+from flowgraph.objects import TAG, PyObject, by_value
 from flowgraph.plan import (
+    ROLLOUT_POOL,
     AsyncPlan,
+    Bundle,
     DimValue,
     EdgePlan,
     ExecutionPlan,
@@ -31,16 +36,22 @@ from flowgraph.plan import (
     PoolMemory,
     PoolPlan,
     ResamplePlan,
+    RunSpec,
     SpecPlan,
     StagePlan,
     gib,
-    plan_objects,
-    producer_process,
     producer_side,
     repeated,
-    rollout_pool,
+    verify,
 )
-from flowgraph.registry import KindSpec, PortSpec, declared_function, plugin_folder
+from flowgraph.registry import (
+    KindSpec,
+    PortSpec,
+    declared_function,
+    plugin_folder,
+    session_losses,
+    with_loss_implementations,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,15 +203,18 @@ class Program:
             first, *rest = sorted(group, key=order.index)
             leads[first] = tuple(rest)
         nodes = tuple(replace(n, fused=leads.get(n.name, ())) for n in nodes)
-        return ExecutionPlan(
-            graph=self.graph, target=self.target, nproc=self.nproc, device=self.device,
+        g = self.graph
+        return verify(ExecutionPlan(
+            run=RunSpec(g.name, g.trainer, g.resources, g.models, g.data, g.plugins),
+            target=self.target, nproc=self.nproc, device=self.device,
             dims=self.dims, nodes=nodes, pools=self.placement.pools,
             stages=self.schedule.stages, edges=self.schedule.edges, memory=self.memory or (),
             dropped=self.dropped, rewrites=self.rewrites,
             plugin_paths=plugin_paths(self.graph), source=self.graph.source,
             resample=self._resample(), asynchronous=self._async_plan(nodes),
             objects=plan_objects(self.graph, {
-                n.impl: declared_function(n.kind) for n in nodes if by_value(n.impl)}))
+                n.impl: declared_function(n.kind) for n in nodes if by_value(n.impl)}
+                | _session_losses(nodes))))
 
     def _async_plan(self, nodes: tuple[NodePlan, ...]) -> AsyncPlan | None:
         """The producer / consumer cut when pass `asynchronous` ran (None: synchronous),
@@ -209,7 +223,7 @@ class Program:
             return None
         kinds = {n.name: self.kind(n.name) for n in self.graph.nodes}
         t = self.graph.trainer
-        producer = producer_side(self.graph, self.schedule.stages, kinds)
+        producer = graph_producer_side(self.graph, self.schedule.stages, kinds)
         runs = {n.model for n in nodes if n.name in producer and n.loads_model and n.model}
         return AsyncPlan(producer, t.max_staleness, t.admission, t.old_log_prob,
                          producer_process(self.target),
@@ -230,7 +244,8 @@ class Program:
         groups, size = (env.value(env.locals_.get(f"{name}.{d}")) for d in ("g", "n"))
         if groups is None or size is None:
             raise RuntimeError(f"filter `{name}`: its dims g and n are not bound")
-        repeat = repeated(self.graph, self.schedule.stages, name)
+        repeat = repeated(self.schedule.stages, graph_reads(self.graph),
+                          (d.name for d in self.graph.data), name)
         node = self.graph.node(name)
         assert node is not None
         tries = self.kind(name).param_values(node.params.to_python())["max_tries"]
@@ -256,12 +271,13 @@ class Program:
         hosted = {m.name for p in self.placement.pools for m in p.models}
         loads = model in hosted and kind.model != "none" and kind.head != "tokenizer"
         given = node.params.to_python() if node is not None else {}
+        call = with_loss_implementations(kind, kind.call_values(given))
+        held_out = with_loss_implementations(kind, kind.eval_values(given, self._eval_dims()))
         return NodePlan(name, kind.name, kind.impl, model, place.pool, place.data_parallel,
                         stage, bool(node and node.hoisted), inputs, outputs, loads,
                         kind.trains, category=kind.category, head=kind.head,
-                        params=ParamPlan.of(kind.call_values(given)) if node else (),
-                        eval_params=ParamPlan.of(kind.eval_values(given, self._eval_dims()))
-                        if node else (),
+                        params=ParamPlan.of(call) if node else (), given=ParamPlan.of(given),
+                        eval_params=ParamPlan.of(held_out) if node else (),
                         where=str(spot.pos) if (spot := node or self.graph.data_source(name))
                         else "")
 
@@ -309,3 +325,65 @@ def plugin_paths(graph: Graph) -> tuple[str, ...]:
     """The absolute folders of the graph's plugins that lie next to the file listing them."""
     found = [plugin_folder(p.module, p.folder()) for p in graph.plugins]
     return tuple(dict.fromkeys(f for f in found if f is not None))
+
+
+def graph_reads(graph: Graph) -> dict[str, tuple[str, ...]]:
+    """Each node of `graph` -> the producers it reads: its wiring as the plan's rules take
+    it (`flowgraph.plan.verify`)."""
+    return {n.name: tuple(ref.node for _, ref in n.inputs) for n in graph.nodes}
+
+
+def graph_producer_side(graph: Graph, stages: tuple[StagePlan, ...],
+                        kinds: Mapping[str, KindSpec]) -> tuple[str, ...]:
+    """The asynchronous producer of `graph` (`flowgraph.plan.producer_side`)."""
+    return producer_side(stages, graph_reads(graph), (d.name for d in graph.data), kinds,
+                         {n.name: n.model for n in graph.nodes},
+                         {m.name for m in graph.models if m.trainable})
+
+
+def _session_losses(nodes: tuple[NodePlan, ...]) -> dict[str, Any]:
+    """The session's policy losses the nodes' params name (`with_loss_implementations`)."""
+    named = {json.loads(p.value).get(TAG) for n in nodes for p in (*n.params, *n.eval_params)
+             if p.value.startswith("{")}
+    return {ref: fn for ref, fn in session_losses().items() if ref in named}
+
+
+def producer_process(target: str) -> bool:
+    """Whether an asynchronous plan's producer gets a process of its own on `target`:
+    on `local`, where it overlaps the update; the fsdp ranks produce in their loop (same
+    numbers, no overlap); ray gives it a pool of its own (`rollout_pool`)."""
+    return target == "local"
+
+
+def rollout_pool(target: str, pools: tuple[PoolPlan, ...], runs: set[str], device: str,
+                 cpus: int) -> PoolPlan | None:
+    """The pool an asynchronous plan's producer runs on, on `target`: on ray one worker
+    of `cpus` cores (and a GPU on cuda) hosting a whole copy of each model the producer's
+    nodes run (`runs`, with the LoRA models whose base they run), which it loads itself
+    and then takes the trained weights into after every update; None elsewhere (the
+    producer runs in a process of its own, or in the loop)."""
+    if target != "ray":
+        return None
+    bases = {m.base_of for p in pools for m in p.models if m.name in runs and m.base_of}
+    models = tuple(replace(m, sharding="none") for p in pools for m in p.models
+                   if m.name in runs or m.name in bases)
+    return PoolPlan(ROLLOUT_POOL, 1, device, models,
+                    (Bundle(cpu=cpus, gpu=1 if device == "cuda" else 0),))
+
+
+def plan_objects(graph: Graph, functions: Mapping[str, Any]) -> tuple[PyObject, ...]:
+    """The table of a plan: the objects the graph's params hold, and the session kinds'
+    and policy losses' implementations (`functions`: impl path -> function), in that
+    order. Two different objects with one reference (two lambdas, a function defined
+    again under its old name in another scope) are an error: a worker could not tell
+    them apart."""
+    found: dict[str, PyObject] = {}
+    held = [o for n in graph.nodes for o in n.params.objects()]
+    held += [PyObject(ref, "function").with_object(fn) for ref, fn in functions.items()]
+    for o in held:
+        first = found.setdefault(o.ref, o)
+        if first.obj is not o.obj:
+            raise PlanError(f"two different Python objects are both `{o.ref}` (defined at "
+                            f"{first.where or '?'} and {o.where or '?'}): give each its own "
+                            "name at module level")
+    return tuple(found.values())

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from flowgraph.errors import FlowgraphError
+from flowgraph.plan import plan_document
 
 if TYPE_CHECKING:
     from flowgraph.ir import TrainerSpec
@@ -174,7 +175,7 @@ class Wandb:
         run_id = _stored_id(folder, resume)
         # None leaves a setting to wandb, which reads WANDB_MODE and WANDB_PROJECT
         run = wandb.init(
-            dir=str(run_dir), name=run_dir.resolve().name, config=plan.document(),
+            dir=str(run_dir), name=run_dir.resolve().name, config=plan_document(plan),
             mode=None if "WANDB_MODE" in os.environ else "offline",
             project=None if "WANDB_PROJECT" in os.environ else plan.name,
             id=run_id, resume="allow" if run_id else None)
@@ -225,7 +226,7 @@ class Mlflow:
         run_id = client.create_run(experiment, run_name=run_dir.resolve().name).info.run_id
         _store_id(folder, run_id)
         tracker = cls(client, run_id)
-        tracker.log_params(plan.document())
+        tracker.log_params(plan_document(plan))
         return tracker
 
     def log_params(self, document: Mapping[str, Any]) -> None:

@@ -31,7 +31,7 @@ from flowgraph.compilers.targets import process_groups
 from flowgraph.errors import RankFailed
 from flowgraph.nodes.models import load_model
 from flowgraph.passes import compile_graph
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import ExecutionPlan, plan_to_json
 from flowgraph.testing.targets import assert_same_numbers
 
 pytestmark = pytest.mark.multiprocess
@@ -56,7 +56,7 @@ def _compile(graph: Path, run_dir: Path, overrides: tuple[str, ...], target: str
                            overrides=[f"trainer.run_dir={run_dir}", *overrides])
     assert result.plan is not None, [d.one_line() for d in result.diagnostics]
     file = run_dir.parent / f"{run_dir.name}.plan.json"
-    file.write_text(result.plan.to_json())
+    file.write_text(plan_to_json(result.plan))
     return load_plan(file)
 
 

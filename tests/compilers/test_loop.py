@@ -21,7 +21,7 @@ from flowgraph.compilers.interpreter import Interpreter
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.errors import NonFiniteError
 from flowgraph.passes import compile_graph
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import plan_from_json
 from flowgraph.testing.targets import numbers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -74,7 +74,7 @@ def test_each_step_is_one_row_numbered_from_zero_with_its_timing(tmp_path: Path)
         assert row["timing_s/step"] >= row["timing_s/score"] >= 0.0
     # the data cursor: Bp = 4 prompts a step
     assert [r["data/train/position"] for r in rows] == [4.0, 8.0, 12.0]
-    plan = ExecutionPlan.from_json((tmp_path / "run" / "plan.json").read_text())
+    plan = plan_from_json((tmp_path / "run" / "plan.json").read_text())
     assert (plan.name, plan.trainer.steps) == ("faults", 3)  # the plan the run dir ran
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flowgraph.plan import plan_summary
 from flowgraph.testing.targets import assert_same_numbers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,7 +39,7 @@ def test_the_reference_is_the_actors_base_and_memory_counts_adapters(
     plan = compile_plan(GRAPH, tmp_path, target=target)
     placed = {m.name: (p.name, m) for p in plan.pools for m in p.models}
     assert placed["ref"][1].base_of == "actor" and placed["ref"][0] == placed["actor"][0]
-    assert "the base of `actor`, its adapters off" in plan.summary()
+    assert "the base of `actor`, its adapters off" in plan_summary(plan)
     items = {(i.what, i.owner): i.bytes for p in plan.memory for i in p.items}
     assert ("weights", "ref") not in items  # no second copy
     # rank 8 on the 7 linear layers of 2 blocks (h 128, intermediate 256, 2 heads of 64,

@@ -108,7 +108,7 @@ def test_a_plan_reruns_into_another_run_dir_for_other_steps(
     assert main(["run", str(plan), f"trainer.run_dir={again}", "trainer.steps=2"]) == 0
     assert [r["step"] for r in read_metrics(again)] == [0, 1]
     assert not (tmp_path / "compiled").exists()
-    recorded = json.loads((again / "plan.json").read_text())["graph"]["trainer"]
+    recorded = json.loads((again / "plan.json").read_text())["run"]["trainer"]
     assert (recorded["run_dir"], recorded["steps"]) == (str(again), 2)
     capsys.readouterr()
     for bad, words in (("trainer.steps=-1", "trainer.steps is -1; it must be >= 0"),

@@ -27,6 +27,7 @@ from torch import Tensor
 
 import flowgraph
 from flowgraph import GraphBuilder, node_kind
+from flowgraph.plan import plan_summary, plan_to_json
 
 
 def even_share(rows):
@@ -71,11 +72,11 @@ def main(target, out):
     plan = flowgraph.compile(graph(staleness), target=target,
                              nproc=2 if target != "local" else None)
     result = flowgraph.run(plan, overrides=["trainer.steps=2", f"trainer.run_dir={out}/run"])
-    report = {"errors": [d.one_line() for d in checked.errors], "summary": plan.summary(),
+    report = {"errors": [d.one_line() for d in checked.errors], "summary": plan_summary(plan),
               "scores": [r["critic/score/mean"] for r in result.rows]}
     if target == "local" and not staleness:  # a plan file, run again in the defining session
         with open(f"{out}/plan.json", "w") as f:
-            f.write(plan.to_json())
+            f.write(plan_to_json(plan))
         again = flowgraph.run(f"{out}/plan.json", overrides=[
             "trainer.steps=1", f"trainer.run_dir={out}/again"])
         report["again"] = [r["critic/score/mean"] for r in again.rows]

@@ -23,6 +23,7 @@ import ray
 from flowgraph.api import load_plan
 from flowgraph.compilers import RunOptions, read_metrics
 from flowgraph.passes import compile_graph
+from flowgraph.plan import plan_to_json
 from flowgraph.testing.targets import assert_same_numbers
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -85,7 +86,7 @@ def _plan(graph: str, run_dir: Path, overrides: tuple[str, ...],
                            overrides=[f"trainer.run_dir={run_dir}", *overrides])
     assert result.plan is not None, result.diagnostics
     file = run_dir.parent / f"{graph}.plan.json"
-    file.write_text(result.plan.to_json())
+    file.write_text(plan_to_json(result.plan))
     return load_plan(file)
 
 
@@ -358,7 +359,7 @@ def test_a_plan_file_runs_as_edited_a_pool_of_another_size(
 
     run_dir = tmp_path / "ray"
     file = tmp_path / "plan.json"
-    data = json.loads(_plan("grpo", run_dir, equal_overrides["grpo"]).to_json())
+    data = json.loads(plan_to_json(_plan("grpo", run_dir, equal_overrides["grpo"])))
     pool = next(p for p in data["pools"] if p["name"] == "actor_rollout_ref")
     pool["size"], pool["bundles"] = 1, pool["bundles"][:1]
     file.write_text(json.dumps(data))

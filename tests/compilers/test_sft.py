@@ -76,3 +76,15 @@ def test_fsdp_gives_the_numbers_of_the_local_run(
 def test_ray_gives_the_numbers_of_the_local_run(
         local: list[dict[str, Any]], tmp_path: Path, local_run: Any) -> None:
     assert_same_numbers(local_run(SFT, tmp_path / "ray", *SHORT, target="ray"), local)
+
+
+def test_a_trained_built_in_s_recipe_is_compiled_once_and_its_plan_kept() -> None:
+    """`builtin:tiny-lm-sft` trains from its recipe's plan, compiled on first need and held
+    for the process; each training sets only its own run dir."""
+    from flowgraph.builtin_models import SFT_RECIPE
+    from flowgraph.compilers.builtins import recipe_plan
+    from flowgraph.frontend import graph_from_yaml
+
+    plan = recipe_plan("tiny-lm-sft")
+    assert recipe_plan("tiny-lm-sft") is plan
+    assert plan.trainer == graph_from_yaml(SFT_RECIPE).trainer and plan.target == "local"

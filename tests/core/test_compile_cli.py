@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from flowgraph.cli import main
-from flowgraph.plan import PLAN_VERSION, ExecutionPlan
+from flowgraph.plan import PLAN_VERSION, plan_from_json
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
 PPO = str(GRAPHS / "ppo.yaml")
@@ -32,7 +32,7 @@ def test_output_file_holds_the_plan_as_json(tmp_path: Path,
     assert capsys.readouterr().out.endswith(f"plan written to {out}\n")
     data = json.loads(out.read_text())
     assert (data["target"], data["nproc"], data["version"]) == ("fsdp", 2, PLAN_VERSION)
-    plan = ExecutionPlan.from_json(out.read_text())
+    plan = plan_from_json(out.read_text())
     # one optimizer step per rollout: no old log-prob forward; the update reads the groups
     assert plan.edge("gen.responses", "ref_logprob.responses").group_aligned
 

@@ -23,6 +23,7 @@ from flowgraph.checker import check_graph
 from flowgraph.cli import main
 from flowgraph.data import held
 from flowgraph.errors import IRError
+from flowgraph.plan import plan_to_json
 
 ROOT = Path(__file__).resolve().parents[2]
 ROWS = [{"prompt": [{"role": "user", "content": f"{a}+{a}="}], "ground_truth": str(2 * a)}
@@ -140,8 +141,8 @@ def test_a_plan_file_naming_an_unwritten_table_says_so(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     plan = tmp_path / "plan.json"
-    plan.write_text(flowgraph.compile(_graph(pd.DataFrame(ROWS), tmp_path / "run")).to_json())
-    path = json.loads(plan.read_text())["graph"]["data"]["train"]["path"]
+    plan.write_text(plan_to_json(flowgraph.compile(_graph(pd.DataFrame(ROWS), tmp_path / "run"))))
+    path = json.loads(plan.read_text())["run"]["data"]["train"]["path"]
     assert path.endswith("(pandas DataFrame, 8 rows × 2 columns)")
     monkeypatch.setattr(held, "_HELD", {})  # another process: the CLI's
     assert main(["run", str(plan)]) == 1

@@ -18,8 +18,9 @@ from flowgraph.errors import IRError, PlanError, PlanFileError, UsageError
 from flowgraph.frontend import graph_from_yaml, graph_to_yaml
 from flowgraph.ir import Params, from_python
 from flowgraph.objects import PyObject, rebuilt
+from flowgraph.passes.program import plan_objects
 from flowgraph.paths import folder_of, interactive
-from flowgraph.plan import ExecutionPlan, plan_objects
+from flowgraph.plan import plan_from_json, plan_summary, plan_to_json
 from flowgraph.source import SourcePos
 
 
@@ -105,15 +106,15 @@ def test_the_plan_lists_local_objects_ships_them_pickled_and_its_file_refuses_th
     (held,) = plan.objects
     assert (held.ref, held.obj, held.by_value) == (ref, verl_score, True)
     assert plan.live_params("reward")["fn"] is verl_score
-    summary = plan.summary()
+    summary = plan_summary(plan)
     assert f"python objects:\n  {ref}  function, defined at {held.where}: node `reward` " \
            "param `fn`; shipped by value (cloudpickle)" in summary
-    text = plan.to_json()
+    text = plan_to_json(plan)
     data = json.loads(text)
     assert data["objects"] == [{"ref": ref, "what": "function", "defined_at": held.where,
                                 "shipped": "by value"}]
     assert "verl_score" not in text.replace(ref, "")  # references only, no code
-    read = ExecutionPlan.from_json(text)
+    read = plan_from_json(text)
     assert read == plan and read.objects[0].obj is None
     with pytest.raises(PlanError, match=r"cannot rebuild the Python function .*verl_score` "
                                         r"\(node `reward` param `fn`"):
@@ -138,7 +139,7 @@ def test_an_importable_function_survives_the_plan_file() -> None:
     plan = flowgraph.compile(_grpo(length_penalty))
     (held,) = plan.objects
     assert held.shipped == "by reference"
-    read = ExecutionPlan.from_json(plan.to_json())
+    read = plan_from_json(plan_to_json(plan))
     assert read.unresolved() is None
     assert read.live_params("reward")["fn"] is length_penalty
 
@@ -194,7 +195,7 @@ def test_a_reference_that_imports_nothing_is_found_before_launch(tmp_path: Path)
                              f"`{__name__}:gone`, which cannot be imported here")
     assert found.pos.line == next(i for i, line in enumerate(text.splitlines(), 1)
                                   if "$python" in line)
-    plan_text = flowgraph.compile(_grpo(length_penalty)).to_json().replace(
+    plan_text = plan_to_json(flowgraph.compile(_grpo(length_penalty))).replace(
         f"{__name__}:length_penalty", f"{__name__}:gone")
     (tmp_path / "plan.json").write_text(plan_text)
     with pytest.raises(PlanFileError, match=rf"cannot rebuild the Python function "
@@ -203,4 +204,4 @@ def test_a_reference_that_imports_nothing_is_found_before_launch(tmp_path: Path)
                                             r"has no `gone`"):
         flowgraph.load_plan(tmp_path / "plan.json")
     with pytest.raises(PlanError, match="cannot rebuild the Python function"):
-        flowgraph.run(ExecutionPlan.from_json(plan_text))
+        flowgraph.run(plan_from_json(plan_text))

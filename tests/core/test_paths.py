@@ -12,7 +12,7 @@ from flowgraph import GraphBuilder
 from flowgraph.checker import check_graph
 from flowgraph.cli import main
 from flowgraph.frontend import graph_from_yaml, load_graph
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import plan_from_json
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
 VERL = GRAPHS / "verl_format" / "grpo.yaml"
@@ -50,13 +50,13 @@ def test_a_plan_records_absolute_paths_and_runs_from_anywhere(
         capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["compile", str(VERL), "-o", "plan.json"]) == 0
     text = (elsewhere / "plan.json").read_text()
-    data = json.loads(text)["graph"]["data"]["train"]
+    data = json.loads(text)["run"]["data"]["train"]
     assert (data["path"], data["eval_path"]) == (str(VERL.parent / "train.parquet"),
                                                  str(VERL.parent / "test.parquet"))
     (elsewhere / "other").mkdir()
     monkeypatch.chdir(elsewhere / "other")
-    plan = ExecutionPlan.from_json(text)
-    assert plan.graph.data[0].path == str(VERL.parent / "train.parquet")
+    plan = plan_from_json(text)
+    assert plan.data[0].path == str(VERL.parent / "train.parquet")
     assert plan.plugin_paths == (str(VERL.parent),)
 
 

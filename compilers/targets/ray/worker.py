@@ -29,7 +29,7 @@ from flowgraph.compilers.targets.shared_run_dir import mark, marked
 from flowgraph.compilers.vllm.weight_sync import reshard, whole
 from flowgraph.compilers.worker import ExecOptions, Worker, pick_device, quiet_hf
 from flowgraph.errors import FlowgraphError
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import plan_from_json
 from flowgraph.spelling import option
 
 try:
@@ -50,7 +50,7 @@ class RayWorker:
         log_to(worker_log(Path(run_dir), pool, rank))
         quiet_hf()
         sys.path[:0] = [p for p in path if p not in sys.path]
-        self.plan = ExecutionPlan.from_json(sent[0]).with_pickled(sent[1])
+        self.plan = plan_from_json(sent[0]).with_pickled(sent[1])
         self.pool = self.plan.pool(pool)
         self.rank = rank
         self.group = process_groups.DataParallel() if self.pool.size > 1 else None
