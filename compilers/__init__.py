@@ -35,7 +35,7 @@ def run(plan: ExecutionPlan, options: RunOptions | None = None) -> Run:
                 check_only=not _prepares_run_dir(plan, opts))
     # DataFrames and hub datasets as files in the run dir, before any process reads them
     plan = write_tables(plan, Path(plan.trainer.run_dir))
-    from flowgraph.compilers.builtins import ensure_builtins
+    from flowgraph.compilers.builtin_training import ensure_builtins
     from flowgraph.compilers.export import from_run_dirs
 
     ensure_builtins(plan.models, opts.out)  # before any worker looks for them

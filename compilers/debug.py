@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, TextIO
 
-from flowgraph.compilers.builtins import ensure_builtins
+from flowgraph.compilers.builtin_training import ensure_builtins
 from flowgraph.compilers.interpreter import Env
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.targets.local import LocalTarget

@@ -12,7 +12,7 @@ and Gemma): one parameter used twice, which every target keeps one parameter.
 
 `tiny-lm-sft` is what real RL starts from: `tiny-lm` after supervised fine-tuning by the
 project's own SFT graph (`SFT_RECIPE`, the same graph as graphs/sft.yaml), trained on
-first use by the executors (`flowgraph.compilers.builtins`) and cached under a name
+first use by the executors (`flowgraph.compilers.builtin_training`) and cached under a name
 that carries the recipe's hash, so a changed recipe trains a new model. The recipe is
 short on purpose: the model learns the answer format and reverses ~15% of the held-out
 strings, which leaves the RL graphs something to improve.

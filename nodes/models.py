@@ -174,7 +174,7 @@ def _build_builtin(name: str, target: Path) -> None:
 def _ensure_builtin(name: str, cache_dir: str | Path | None, build: bool = True) -> Path:
     """Return the cached folder of `builtin:<name>`, building it once if needed. A
     trained built-in is trained by the executors before a run
-    (`flowgraph.compilers.builtins`), not here: without `build`, the path it will have."""
+    (`flowgraph.compilers.builtin_training`), not here: without `build`, the path it will have."""
     if name not in BUILTIN_MODELS and name not in TRAINED_BUILTINS:
         known = ", ".join(BUILTIN_PREFIX + n for n in (*BUILTIN_MODELS, *TRAINED_BUILTINS))
         raise FlowgraphError(f"unknown built-in model `{BUILTIN_PREFIX}{name}`; known: {known}")
@@ -186,7 +186,7 @@ def _ensure_builtin(name: str, cache_dir: str | Path | None, build: bool = True)
             f"`{BUILTIN_PREFIX}{name}` is trained on first use by `flowgraph run` (the SFT "
             f"graph of flowgraph.builtin_models.SFT_RECIPE) and is not in {final.parent} "
             f"yet: run a graph that uses it, or call "
-            f"flowgraph.compilers.builtins.ensure_builtin({name!r})")
+            f"flowgraph.compilers.builtin_training.ensure_builtin({name!r})")
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
     try:

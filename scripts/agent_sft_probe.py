@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from flowgraph.builtin_models import BUILTIN_PREFIX, TRAINED_BUILTINS
-from flowgraph.compilers.builtins import ensure_builtin
+from flowgraph.compilers.builtin_training import ensure_builtin
 from flowgraph.data.agent_tasks import GUESS_PROMPT, guess_problems, mul_problems
 from flowgraph.nodes.generate import SamplingSpec, decode
 from flowgraph.nodes.models import load_model, load_tokenizer

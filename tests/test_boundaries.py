@@ -335,7 +335,7 @@ def test_graph_reads_are_found() -> None:
 TARGET_ROOMS = ("local", "fsdp", "ray")
 """The targets, each a strategy of its own (`compilers/targets/<room>`)."""
 RUN_ENTRIES = frozenset({"flowgraph.compilers", "flowgraph.compilers.debug",
-                         "flowgraph.compilers.builtins"})
+                         "flowgraph.compilers.builtin_training"})
 """The core modules that start a target: `run` (every target), `debug` and the built-ins'
 training (the local target, one node at a time / on a recipe)."""
 BELOW_TARGETS = ("flowgraph.compilers.checkpoint.", "flowgraph.compilers.vllm.")

@@ -5,7 +5,8 @@ settings. Not a flowgraph dependency; run it where TRL is installed:
     python graphs/trl_format/notebook_trl.py MODEL     # in a venv with trl==1.16
 
 MODEL is the folder of builtin:tiny-lm-sft, which this prints where flowgraph is installed:
-    python -c "import flowgraph.compilers.builtins as b; print(b.ensure_builtin('tiny-lm-sft'))"
+    python -c "from flowgraph.compilers import builtin_training as b; \
+        print(b.ensure_builtin('tiny-lm-sft'))"
 """
 
 import random

@@ -151,12 +151,12 @@ def test_a_keyboard_interrupt_outside_the_runs_handling_is_a_stop_too(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while the run starts (before its handlers are in place): the same
     `Stopped`, with the call that starts it again, not a KeyboardInterrupt's frames."""
-    from flowgraph.compilers import builtins
+    from flowgraph.compilers import builtin_training
 
     def interrupted(*args: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(builtins, "ensure_builtins", interrupted)
+    monkeypatch.setattr(builtin_training, "ensure_builtins", interrupted)
     with pytest.raises(Stopped) as exc:
         _run("g.yaml", run_dir="runs/k")
     assert str(exc.value) == (

@@ -31,7 +31,7 @@ def test_the_shipped_run_learns_and_is_the_embedded_sft_model(tmp_path: Path,
     import torch
 
     from flowgraph.builtin_models import SFT_RECIPE
-    from flowgraph.compilers.builtins import ensure_builtin
+    from flowgraph.compilers.builtin_training import ensure_builtin
     from flowgraph.compilers.export import export_model
     from flowgraph.nodes.models import load_model
 
@@ -82,7 +82,7 @@ def test_a_trained_built_in_s_recipe_is_compiled_once_and_its_plan_kept() -> Non
     """`builtin:tiny-lm-sft` trains from its recipe's plan, compiled on first need and held
     for the process; each training sets only its own run dir."""
     from flowgraph.builtin_models import SFT_RECIPE
-    from flowgraph.compilers.builtins import recipe_plan
+    from flowgraph.compilers.builtin_training import recipe_plan
     from flowgraph.frontend import graph_from_yaml
 
     plan = recipe_plan("tiny-lm-sft")

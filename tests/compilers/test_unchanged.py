@@ -7,7 +7,12 @@ local run in test_fsdp.py and test_ray.py). On the machine that recorded them th
 numbers are equal bit for bit (`python scripts/record_target_metrics.py --check`);
 the tolerance is for other CPUs, whose kernels round differently: on an AMD EPYC the
 gradient norms of ppo, grpo_lora, grpo and trl_format/grpo differ by up to 2.0e-5
-relative (every other number by under 1e-6), so the targets' usual 1e-4 holds here."""
+relative (every other number by under 1e-6), so the targets' usual 1e-4 holds here. On
+another EPYC (2026-12-07) ppo's `actor/reward_kl_penalty` at step 2, a mean of -4.8e-3
+over differences of log-probs near -5, differs by 1.1e-6 absolutely (2.2e-4 relative), on
+the code the fixture was recorded from as on today's: a value that small from terms that
+large carries their float32 rounding, so its floor is `FLOOR`, not the targets' 1e-6."""
+
 
 from __future__ import annotations
 
@@ -31,6 +36,8 @@ _spec.loader.exec_module(record)
 """The script that recorded the fixture: its cases and commands are the ones run here."""
 FIXTURE = json.loads(record.FIXTURE.read_text())
 CASES: dict[str, tuple[str, tuple[str, ...]]] = record.cases()
+FLOOR = 2e-6
+"""The absolute floor of a comparison with the fixture (recorded on another CPU)."""
 
 
 def test_every_case_of_the_fixture_is_run() -> None:
@@ -53,7 +60,7 @@ def test_the_local_target_gives_the_recorded_numbers(case: str, tmp_path: Path) 
         rows = flowgraph.run(ROOT / "graphs" / f"{graph}.yaml", overrides=[
             *record.COMMON, *overrides, f"trainer.run_dir={tmp_path / 'run'}"],
             out=out, tensorboard=False).rows
-    assert_same_numbers(_recorded(rows), FIXTURE[case]["local"])
+    assert_same_numbers(_recorded(rows), FIXTURE[case]["local"], abs_floor=FLOOR)
 
 
 @pytest.mark.slow
@@ -63,4 +70,4 @@ def test_the_local_target_gives_the_recorded_numbers(case: str, tmp_path: Path) 
 def test_fsdp_and_ray_give_the_recorded_numbers(case: str, target: str) -> None:
     graph, overrides = CASES[case]
     assert_same_numbers(_recorded(record.run_case(graph, target, overrides)),
-                        FIXTURE[case][target])
+                        FIXTURE[case][target], abs_floor=FLOOR)

@@ -410,7 +410,7 @@ def test_a_run_stops_at_load_before_any_model(
 ) -> None:
     import flowgraph.nodes.models as models
     from flowgraph.compilers import RunOptions, run
-    from flowgraph.compilers.builtins import ensure_builtin
+    from flowgraph.compilers.builtin_training import ensure_builtin
     from flowgraph.passes import compile_graph
 
     ensure_builtin("tiny-lm-sft")  # trained (loading models) on a fresh cache; not the point
