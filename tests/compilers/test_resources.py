@@ -173,7 +173,7 @@ def test_a_pool_s_resources_strategy_and_labels_reach_ray(
     from ray.util import placement_group_table, remove_placement_group
 
     from flowgraph.compilers.targets.ray import cluster as ray_cluster
-    from flowgraph.compilers.targets.ray.driver import reserve
+    from flowgraph.compilers.targets.ray.calls import reserve
     from flowgraph.plan import Label
 
     plan = _plan(tmp_path, strategy="spread", custom_resources={"flowgraph_test": 0.5})
