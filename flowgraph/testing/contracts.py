@@ -38,12 +38,15 @@ from typing import Any
 
 from flowgraph.contracts import TensorSpec
 from flowgraph.dims import Poly
+from flowgraph.objects import TAG
 from flowgraph.registry import (
     KindSpec,
     PortSpec,
     Registry,
     declared_function,
     declared_kind,
+    session_losses,
+    with_loss_implementations,
 )
 from flowgraph.runtime.context import Impl, NodeContext, named_outputs
 from flowgraph.runtime.update import LOOP_PARAMS, Update
@@ -286,7 +289,13 @@ def assert_honours_contract(
     unknown = set(params or {}) - {p.name for p in spec.params}
     if unknown:
         raise ValueError(f"kind `{spec.name}` has no param(s) {sorted(unknown)}")
-    call_params = spec.call_values(params or {})
+    # as the compiler writes them into a plan: a policy loss named by its implementation
+    # (a session's own loss, by value: the function itself here), so the node looks no
+    # name up
+    losses = session_losses()
+    call_params = {k: losses.get(v[TAG], v) if isinstance(v, dict) and TAG in v else v
+                   for k, v in with_loss_implementations(
+                       spec, spec.call_values(params or {})).items()}
     executor = {p.name for p in spec.params if p.executor}  # `timeout_s`: the executor's
     vocab = _vocab(model)
     grouped = spec.input("index") is not None
