@@ -299,10 +299,12 @@ _KINDS = (
         ),
         params=(
             ParamSpec("env", ("str", "null"), None, functions=(), agent="env",
+                      files=(".yaml", ".yml"),
                       doc="the environment: a `flowgraph.Env` subclass, a TRL "
                           "environment_factory class or a verl BaseTool, as `file.py:Name` "
                           "(the file listed under plugins:), `module:Name` or the class "
-                          "itself; null: a plain env over `tools`"),
+                          "itself, or a verl tool-config .yaml; null: a plain env over "
+                          "`tools`"),
             ParamSpec("agent", ("str", "null"), None, functions=(), agent="program",
                       doc="a black-box agent program instead of an env: `async def "
                           "run(task, client) -> float | dict`, as `file.py:run`, "
@@ -338,8 +340,8 @@ _KINDS = (
                "zero (trained with score 0) or raise (stop the run, naming the row)"),
             _i("concurrency", 64, "episodes whose tools and env run at once (a sync call "
                "in a thread of its own)"),
-            _s("chat_template", None, (), "a Jinja chat template (text or a .jinja file) "
-               "instead of the tokenizer's"),
+            replace(_s("chat_template", None, (), "a Jinja chat template (text or a .jinja "
+                       "file) instead of the tokenizer's"), files=(".jinja",)),
             _s("backend", "hf", ("hf", "vllm")),
             _i("n", None, "samples per prompt; null: the global N", dim="n"),
             _i("rows_per_episode", 1, "rows each episode takes (binds c: b·n·c rows): a "

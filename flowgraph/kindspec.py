@@ -84,6 +84,11 @@ class ParamSpec:
     or tools, which `flowgraph check` finds in the plugins the graph lists and whose tools'
     schemas it builds (`flowgraph.checker.agents`: FG603, FG605) instead of holding them
     to a function's call style."""
+    files: tuple[str, ...] = ()
+    """Endings of a value that names a file (`env`: `.yaml`, a verl tool config;
+    `chat_template`: `.jinja`): relative as a dataset path is (`flowgraph.paths.written_file`),
+    looked for there by the checker and written absolute into the plan by the compiler, so
+    that the run opens the file the check found from any working directory."""
     per_sequence: tuple[str, ...] = ()
     """Values of this param that weigh a whole sequence by one number (`rollout_is:
     sequence`, TIS of the sequence's ratio): on multi-turn episodes the sequence is the

@@ -63,6 +63,15 @@ def resolve_path(path: str, folder: Path, *, hub: bool = False) -> str:
     return os.path.normpath(local)
 
 
+def written_file(path: str, pos: SourcePos) -> str:
+    """The absolute path of a file a node's param names (`env: tools.yaml`,
+    `chat_template: chat.jinja`, `ParamSpec.files`), written at `pos`: relative to the graph
+    file's folder when written in one; on the command line, in a graph built in Python and
+    in a notebook, to the working directory, as a dataset path is."""
+    in_python = pos.file.endswith(".py")  # a GraphBuilder call: a file opened as open() does
+    return resolve_path(path, Path.cwd() if in_python else folder_of(pos))
+
+
 def resolve_data_path(path: str, folder: Path) -> str:
     """A dataset's path resolved as `resolve_path` does, except that an in-memory table's
     key (`memory:…`) and a hub dataset id (`org/name`, no such local file or folder, no

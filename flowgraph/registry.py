@@ -60,7 +60,9 @@ def plugin_module(entry: str, folders: Iterable[str]) -> str:
     """The module name to import for plugin `entry`, with the folder that holds it (if
     one of `folders` does) first on `sys.path`: found there before an installed module of
     the same name, in this process and in every worker that calls it. A `.py` file
-    must be in one of `folders`."""
+    must be in one of `folders`, or given by its absolute path (as a plan records it)."""
+    if entry.endswith(".py") and Path(entry).is_absolute():
+        folders = (str(Path(entry).parent), *folders)
     for folder in folders:
         source = plugin_source(entry, folder)
         if source is None:

@@ -233,19 +233,15 @@ def agent_rollout(
 
 
 def _template(chat_template: str | None) -> str | None:
-    """The template's text: `chat_template` itself, or the `.jinja` file it names, next
-    to the graph (found as its plugin files are: the plugins' folders are on sys.path)
-    or in the working directory."""
+    """The template's text: `chat_template` itself, or the `.jinja` file it names (in a
+    plan, by the absolute path the checker found it at: `flowgraph.paths.written_file`)."""
     if chat_template is None or not chat_template.endswith(".jinja"):
         return chat_template
-    path = Path(chat_template)
-    places = [path] if path.is_absolute() else \
-        [Path(folder) / path for folder in sys.path if folder] + [Path.cwd() / path]
-    found = next((p for p in places if p.is_file()), None)
-    if found is None:
-        raise FlowgraphError(f"agent_rollout: the chat template `{chat_template}` is not a "
-                             "file next to the graph's plugins nor in the working directory")
-    return found.read_text()
+    try:
+        return Path(chat_template).read_text()
+    except OSError as exc:
+        raise FlowgraphError(f"agent_rollout: the chat template `{chat_template}` cannot be "
+                             f"read: {exc}") from exc
 
 
 def _check_prompts(first: list[list[int]], P: int, rows: list[int], n: int) -> None:

@@ -49,7 +49,9 @@ from flowgraph.agent.env import Env, Episode, Message, Step, ToolResult, as_mess
 from flowgraph.agent.tools import Tool, as_tool
 from flowgraph.errors import EnvError
 from flowgraph.objects import defined_at
+from flowgraph.registry import plugin_module
 from flowgraph.runtime.reward_call import load_function
+from flowgraph.source import SourcePos
 
 __all__ = ["SHAPES", "EnvFactory", "SkyRLEnv", "TRLEnv", "VerlAgentData", "VerlToolEnv",
            "load_env"]
@@ -322,17 +324,23 @@ class VerlTools:
         """The tools of verl's tool-config YAML (a path, or the mapping it holds):
         `tools: - class_name: module.Class, config: {type: native, ...}, tool_schema:`."""
         source = str(config) if isinstance(config, Path) else where
+        places: list[SourcePos] = []
+        folder = None
         if isinstance(config, Path):
             try:
-                config = yaml.safe_load(config.read_text())
+                text = config.read_text()
+                config, places = yaml.safe_load(text), _class_name_places(text, source)
             except (OSError, yaml.YAMLError) as exc:
                 raise EnvError(f"{where + ': ' if where else ''}verl tool config `{source}` "
                                f"cannot be read: {exc}") from exc
+            folder = str(Path(source).resolve().parent)
         entries = config.get("tools") if isinstance(config, Mapping) else None
         if not isinstance(entries, list) or not entries:
             raise EnvError(f"verl tool config `{source}`: expected `tools:`, a list of "
                            "{class_name, config, tool_schema} entries")
-        return cls([_verl_class(e, source, i) for i, e in enumerate(entries)], where,
+        at = places if len(places) == len(entries) else \
+            [SourcePos(source, 0, 0) for _ in entries]
+        return cls([_verl_class(e, at[i], i, folder) for i, e in enumerate(entries)], where,
                    entries)
 
     def __call__(self, **env_params: Any) -> VerlToolEnv:
@@ -366,20 +374,55 @@ class VerlTools:
         self.__init__(state["given"], state["where"], state["configs"])  # type: ignore[misc]
 
 
-def _verl_class(entry: object, source: str, i: int) -> type:
-    """The class an entry's `class_name` (`module.Class`) names."""
+class ToolConfigError(EnvError):
+    """A verl tool config's entry whose class cannot be loaded; `pos` is its `class_name`
+    line (the checker's FG605 points there)."""
+
+    def __init__(self, message: str, pos: SourcePos | None = None) -> None:
+        super().__init__(message)
+        self.pos = pos
+
+
+def _class_name_places(text: str, source: str) -> list[SourcePos]:
+    """Where each entry's `class_name` value is written in a tool config's YAML `text`
+    (empty when the file is not shaped as verl's: the reader says why)."""
+    root = yaml.compose(text)
+    if not isinstance(root, yaml.MappingNode):
+        return []
+    tools = next((v for k, v in root.value if k.value == "tools"), None)
+    if not isinstance(tools, yaml.SequenceNode):
+        return []
+    places = []
+    for entry in tools.value:
+        pairs = entry.value if isinstance(entry, yaml.MappingNode) else []
+        node = next((v for k, v in pairs if k.value == "class_name"), entry)
+        places.append(SourcePos(source, node.start_mark.line + 1, node.start_mark.column + 1))
+    return places
+
+
+def _verl_class(entry: object, pos: SourcePos, i: int, folder: str | None) -> type:
+    """The class an entry's `class_name` (`module.Class`) names, imported as a plugin is:
+    a module next to the tool config (`folder`) first, then the installed ones."""
     name = entry.get("class_name") if isinstance(entry, Mapping) else None
     if not isinstance(name, str) or "." not in name:
-        raise EnvError(f"verl tool config `{source}`, tool {i}: `class_name` must be "
-                       f"`module.Class`, got {name!r}")
+        raise ToolConfigError(f"verl tool config `{pos}`, tool {i}: `class_name` must be "
+                              f"`module.Class`, got {name!r}", pos)
     module, _, qualname = name.rpartition(".")
     try:
-        found = getattr(importlib.import_module(module), qualname)
+        found = getattr(importlib.import_module(
+            plugin_module(module, [folder] if folder else [])), qualname)
     except (ImportError, AttributeError) as exc:
-        raise EnvError(f"verl tool config `{source}`, tool {i}: `{name}` cannot be "
-                       f"imported: {type(exc).__name__}: {exc}") from exc
+        raise ToolConfigError(
+            f"verl tool config `{pos}`, tool {i}: `{name}` cannot be imported: "
+            f"{type(exc).__name__}: {exc} (a module next to the tool config, or an installed "
+            "one)", pos) from exc
+    except Exception as exc:  # the module's own code raised on import: the user's error
+        raise ToolConfigError(
+            f"verl tool config `{pos}`, tool {i}: importing `{module}` raised "
+            f"{type(exc).__name__}: {exc}", pos) from exc
     if not inspect.isclass(found):
-        raise EnvError(f"verl tool config `{source}`, tool {i}: `{name}` is not a class")
+        raise ToolConfigError(f"verl tool config `{pos}`, tool {i}: `{name}` is not a class",
+                              pos)
     return found
 
 

@@ -8,7 +8,9 @@ plus what unification inferred, which `viz` and the compiler reuse.
 from __future__ import annotations
 
 import html
+import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 from flowgraph.checker.agents import SCHEMA_HINT, check_agents
 from flowgraph.checker.batch import check_batches, ranks_of
@@ -31,8 +33,9 @@ from flowgraph.checker.structure import (
 )
 from flowgraph.diagnostics import Diagnostic, error, sort_key
 from flowgraph.errors import PluginError, ToolSchemaError
-from flowgraph.ir import Graph
-from flowgraph.registry import Registry
+from flowgraph.ir import Graph, Plugin
+from flowgraph.registry import Registry, plugin_source
+from flowgraph.source import SourcePos
 
 __all__ = ["CheckResult", "DimEnv", "EdgeInfo", "PortShape", "Resolved", "check_graph"]
 
@@ -98,9 +101,28 @@ def _load_plugins(graph: Graph, registry: Registry, out: list[Diagnostic]) -> No
                                  f"cannot be offered to the policy: {exc.__cause__}",
                                  plugin.pos, hint=SCHEMA_HINT))
                 continue
-            out.append(error("FG113", str(exc), plugin.pos,
-                             hint="a file or module next to the graph file, or an installed "
-                                  "package: is the name spelt as you would `import` it?"))
+            at = _failed_at(plugin, exc)
+            out.append(error("FG113", str(exc), at or plugin.pos,
+                             notes=(f"listed under plugins: at {plugin.pos}",) if at else (),
+                             hint="the plugin's own line above failed on import" if at else
+                             "a file or module next to the graph file, or an installed "
+                             "package: is the name spelt as you would `import` it?"))
+
+
+def _failed_at(plugin: Plugin, exc: PluginError) -> SourcePos | None:
+    """The plugin's own line that failed to import (a `SyntaxError`'s, or the deepest
+    frame of the import's traceback in the plugin's folder), where a CI annotation and the
+    snippet belong; None when the plugin itself was not found or not reached."""
+    cause = exc.__cause__
+    if isinstance(cause, SyntaxError) and cause.filename and cause.lineno:
+        return SourcePos(cause.filename, cause.lineno, cause.offset or 1)
+    source = plugin_source(plugin.module, plugin.folder())
+    if cause is None or source is None:
+        return None
+    folder = source if source.is_dir() else source.parent
+    mine = [f for f in traceback.extract_tb(cause.__traceback__)
+            if Path(f.filename).is_relative_to(folder)]
+    return SourcePos(mine[-1].filename, mine[-1].lineno or 0, 1) if mine else None
 
 
 def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None = None,

@@ -56,6 +56,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
+from flowgraph.agent.adapters import ToolConfigError, VerlTools
 from flowgraph.agent.env import Env
 from flowgraph.agent.tools import Tool, as_tool, tools_of
 from flowgraph.checker.functions import plugin_module
@@ -63,9 +64,10 @@ from flowgraph.checker.shapes import DimEnv
 from flowgraph.checker.structure import Resolved, param_value
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.document import did_you_mean
+from flowgraph.errors import EnvError
 from flowgraph.ir import Graph, NodeSpec, Param
 from flowgraph.objects import PyObject, defined_at
-from flowgraph.paths import folder_of
+from flowgraph.paths import RULE, written_file
 from flowgraph.registry import ParamSpec, loss_spec
 from flowgraph.source import SourcePos
 
@@ -244,8 +246,7 @@ def _check_program(r: Resolved, listed: set[str], out: list[Diagnostic]) -> None
             node=r.name, hint="keep `agent` (its tools are what it passes as `tools=` to "
             "the client) or the env and tools, not both"))
     ref = given.value
-    program = ref.obj if isinstance(ref, PyObject) else _lookup(ref, "agent program",
-                                                                given.pos, listed)[0]
+    program = ref.obj if isinstance(ref, PyObject) else _lookup(ref, "agent program", listed)[0]
     if program is None or _runs_as_agent(program):
         return
     where = defined_at(program)
@@ -299,31 +300,48 @@ def _found(r: Resolved, spec: ParamSpec, given: Param, ref: object, listed: set[
         held: object | None = ref.obj
         return held  # None: FG113, from the structure check
     what = {"env": "env", "tools": "tool"}.get(spec.agent or "", "agent program")
-    obj, problem = _lookup(ref, what, given.pos, listed)
+    if what == "env" and isinstance(ref, str) and ref.endswith(spec.files):
+        _tool_config(r, spec, given, ref, out)
+        return None  # a verl tool config: its adapter reads its tools when it is made
+    obj, problem = _lookup(ref, what, listed)
     if problem is not None:
         out.append(error("FG605", f"parameter `{spec.name}` of `{r.name}` {problem[0]}",
                          given.pos, node=r.name, hint=problem[1]))
     return obj
 
 
+def _tool_config(r: Resolved, spec: ParamSpec, given: Param, ref: str,
+                 out: list[Diagnostic]) -> None:
+    """FG605 for a verl tool config that is not there, or whose classes cannot be
+    imported as the run will import them (`VerlTools.from_config`: a module next to the
+    config, then the installed ones), at the config's `class_name` line."""
+    path = Path(written_file(ref, given.pos))
+    where = f"parameter `{spec.name}` of `{r.name}`"
+    if not path.is_file():
+        out.append(error("FG605", f"{where} names the verl tool config `{ref}`, which is not "
+                         f"there ({path})", given.pos, node=r.name, hint=RULE))
+        return
+    try:
+        VerlTools.from_config(path)
+    except EnvError as exc:
+        pos = exc.pos if isinstance(exc, ToolConfigError) and exc.pos else given.pos
+        out.append(error("FG605", f"{where} ({given.pos}): {exc}", pos,
+                         node=r.name, hint="a module next to the tool config (or an installed "
+                         "one) that defines the class, as verl imports `class_name`"))
+
+
 Problem = tuple[str, str]
 """What is wrong, and the fix."""
 
 
-def _lookup(ref: object, what: str, pos: SourcePos, listed: set[str]
-            ) -> tuple[object | None, Problem | None]:
+def _lookup(ref: object, what: str, listed: set[str]) -> tuple[object | None, Problem | None]:
     """(the object `ref` names, None), or (None, the problem); (None, None) where it is not
-    known here (a plugin that failed to import: FG113; a verl tool config: the adapter's)."""
+    known here (a plugin that failed to import: FG113)."""
     if not isinstance(ref, str):
         if callable(ref):
             return ref, None
         return None, (f"holds {ref!r}, not a {what}", f"`file.py:Name` or `module:Name` of "
                       f"a plugin listed under plugins:, or the {what} itself")
-    if what == "env" and ref.endswith((".yaml", ".yml")):  # a verl tool config (adapters)
-        path = Path(ref) if Path(ref).is_absolute() else folder_of(pos) / ref
-        return None, None if path.exists() else (
-            f"names the verl tool config `{ref}`, which is not there ({path})",
-            "a path relative to the graph file's folder")
     module, colon, name = ref.partition(":")
     if not colon or not module or not name:
         return None, (f"names `{ref}`, not a {what} (`file.py:Name` or `module:Name`)",

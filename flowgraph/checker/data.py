@@ -45,7 +45,7 @@ from flowgraph.diagnostics import Diagnostic
 from flowgraph.document import did_you_mean
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec
-from flowgraph.paths import RULE, folder_of, is_hub_dataset
+from flowgraph.paths import RULE, is_hub_dataset, written_file
 from flowgraph.registry import KindSpec, Registry
 from flowgraph.runs import is_run_dir, trained_lm
 from flowgraph.runtime.reward_call import TRL_NOT_COLUMNS, TRL_PASSES, unmet_parameters
@@ -121,14 +121,13 @@ def _check_agent_template(node: NodeSpec, tokenizers: dict[str, Any]) -> list[Di
     template = given.value if given is not None else None
     where = given.pos if given is not None else node.pos
     if isinstance(template, str) and template.endswith(".jinja"):
-        path = Path(template) if Path(template).is_absolute() else folder_of(where) / template
+        path = Path(written_file(template, where))  # as the compiler writes it in the plan
         try:
             template = path.read_text()
         except OSError as exc:
             return [Diagnostic("FG606", "error", f"`{node.name}`: the chat template "
                                f"`{template}` cannot be read: {exc}", where, node=node.name,
-                               hint="a .jinja file relative to the graph file's folder, or "
-                                    "the template's text")]
+                               hint=f"{RULE}; or give the template's text")]
     try:
         ChatRenderer(tok, template if isinstance(template, str) else None)
     except TemplateError as exc:

@@ -20,8 +20,9 @@ from flowgraph.diagnostics import Diagnostic
 from flowgraph.dims import resolved_text
 from flowgraph.errors import PlanError
 from flowgraph.frontend import graph_to_yaml
-from flowgraph.ir import Graph, PortRef
+from flowgraph.ir import Graph, NodeSpec, Plugin, PortRef
 from flowgraph.objects import TAG, PyObject, by_value
+from flowgraph.paths import written_file
 from flowgraph.plan import (
     ROLLOUT_POOL,
     AsyncPlan,
@@ -49,6 +50,7 @@ from flowgraph.registry import (
     PortSpec,
     declared_function,
     plugin_folder,
+    plugin_source,
     session_losses,
     with_loss_implementations,
 )
@@ -205,7 +207,8 @@ class Program:
         nodes = tuple(replace(n, fused=leads.get(n.name, ())) for n in nodes)
         g = self.graph
         return verify(ExecutionPlan(
-            run=RunSpec(g.name, g.trainer, g.resources, g.models, g.data, g.plugins),
+            run=RunSpec(g.name, g.trainer, g.resources, g.models, g.data,
+                        resolved_plugins(g)),
             target=self.target, nproc=self.nproc, device=self.device,
             dims=self.dims, nodes=nodes, pools=self.placement.pools,
             stages=self.schedule.stages, edges=self.schedule.edges, memory=self.memory or (),
@@ -270,7 +273,7 @@ class Program:
         model = self.model_of(name)
         hosted = {m.name for p in self.placement.pools for m in p.models}
         loads = model in hosted and kind.model != "none" and kind.head != "tokenizer"
-        given = node.params.to_python() if node is not None else {}
+        given = files_resolved(kind, node) if node is not None else {}
         call = with_loss_implementations(kind, kind.call_values(given))
         held_out = with_loss_implementations(kind, kind.eval_values(given, self._eval_dims()))
         return NodePlan(name, kind.name, kind.impl, model, place.pool, place.data_parallel,
@@ -319,6 +322,31 @@ class Pass(Protocol):
     """Passes whose results `apply` reads; they cannot be disabled while this one runs."""
 
     def apply(self, program: Program) -> Program: ...
+
+
+def resolved_plugins(graph: Graph) -> tuple[Plugin, ...]:
+    """The graph's plugins as every process of the run finds them: a `.py` file by the
+    absolute path `check` found it at (`Plugin.folder`: `plug/rewards.py` next to the
+    graph file, or in the working directory for one given on the command line), so that
+    no process resolves it again from its own working directory; a module name, or a
+    file not found (the checker's FG113), as written."""
+    found = [(p, plugin_source(p.module, p.folder()) if p.module.endswith(".py") else None)
+             for p in graph.plugins]
+    return tuple(replace(p, module=str(source)) if source is not None else p
+                 for p, source in found)
+
+
+def files_resolved(kind: KindSpec, node: NodeSpec) -> dict[str, Any]:
+    """The params `node` sets, each file one names (`ParamSpec.files`: a verl tool config,
+    a `.jinja` chat template) made absolute by the rule the checker finds it by
+    (`written_file`): the run opens that file, from whatever folder it starts in."""
+    given = node.params.to_python()
+    for spec in kind.params:
+        param = node.params.find(spec.name) if spec.files else None
+        if param is not None and isinstance(param.value, str) and \
+                param.value.endswith(spec.files):
+            given[spec.name] = written_file(param.value, param.pos)
+    return given
 
 
 def plugin_paths(graph: Graph) -> tuple[str, ...]:
