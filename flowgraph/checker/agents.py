@@ -52,6 +52,7 @@ same rollout and update pairs, sharing the helpers that find them.
 from __future__ import annotations
 
 import inspect
+import importlib
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -346,11 +347,16 @@ def _lookup(ref: object, what: str, listed: set[str]) -> tuple[object | None, Pr
     if not colon or not module or not name:
         return None, (f"names `{ref}`, not a {what} (`file.py:Name` or `module:Name`)",
                       f"write the {what} as `file.py:Name` (the file listed under plugins:)")
-    if module not in listed:
+    own = module.startswith("flowgraph.")  # flowgraph's own tools: installed where it runs
+    if module not in listed and not own:
         return None, (f"names `{ref}`, but `{module}` is not listed under plugins:, so it "
                       "cannot be imported", f"add it: `plugins: [{module}]` (every file or "
                       "module a graph runs is listed there)")
-    loaded = plugin_module(module)
+    try:
+        loaded = importlib.import_module(module) if own else plugin_module(module)
+    except ImportError as exc:
+        return None, (f"names `{ref}`, which cannot be imported: {exc}",
+                      "a module of flowgraph's, as `flowgraph.agent.sandbox:python`")
     obj: object | None = getattr(loaded, name, None)
     if loaded is None or obj is not None:
         return obj, None
