@@ -240,9 +240,11 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
             options.setdefault("plan_file", Path(plan))
             plan = load_plan(plan)
         if not isinstance(plan, ExecutionPlan):
+            graph = plan
             plan = compile(plan, target=target or "local", nproc=nproc, overrides=overrides,
                            disable=disable)
             options.setdefault("disabled", tuple(disable))
+            _columns_before_models(graph, overrides)
         elif disable or nproc is not None or target not in (None, plan.target):
             raise UsageError(
                 f"a plan runs as compiled (target {plan.target}, {plan.nproc} per pool): edit "
@@ -261,6 +263,18 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
         opts = RunOptions(overrides=tuple(overrides), **options)
         with _debugging(debug):
             return _run(plan, opts)
+
+
+def _columns_before_models(graph: Graph | str | Path, overrides: Sequence[str]) -> None:
+    """A reward function that needs a column its dataset lacks (FG512, as `check(data=
+    True)` reports it) stops the run here, before the models load, not at the first batch."""
+    from flowgraph.checker.data import unmet_columns
+    from flowgraph.frontend import load_graph
+
+    built = graph if isinstance(graph, Graph) else load_graph(graph, overrides)[0]
+    unmet = [d for d in unmet_columns(built) if d.is_error] if built is not None else []
+    if unmet:
+        raise CompileError(tuple(unmet))
 
 
 def _known_options(options: dict[str, Any]) -> None:

@@ -249,6 +249,13 @@ def _compile_for_run(args: argparse.Namespace) -> ExecutionPlan | int:
               file=sys.stderr)
     if result.plan is None:
         return EXIT_USAGE if _unreadable(result.diagnostics) else EXIT_ERRORS
+    from flowgraph.checker.data import unmet_columns  # before the models load (FG512)
+
+    assert result.program is not None
+    unmet = [d for d in unmet_columns(result.program.graph) if d.is_error]
+    if unmet:
+        print(render_text(unmet, _lines_of({}), color=_use_color(sys.stderr)), file=sys.stderr)
+        return EXIT_ERRORS
     return result.plan
 
 

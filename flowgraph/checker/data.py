@@ -51,7 +51,8 @@ from flowgraph.runs import is_run_dir, trained_lm
 from flowgraph.runtime.reward_call import TRL_NOT_COLUMNS, TRL_PASSES, unmet_parameters
 from flowgraph.source import SourcePos
 
-__all__ = ["LoadTokenizer", "check_data", "ground_truth_readers", "row_source"]
+__all__ = ["LoadTokenizer", "check_data", "ground_truth_readers", "row_source",
+           "unmet_columns"]
 
 
 def ground_truth_readers(graph: Graph, data: str) -> tuple[str, ...]:
@@ -231,6 +232,19 @@ def _check_source(graph: Graph, d: DataSpec, tokenizers: dict[str, Any]) -> list
               for path in paths
               for code, sev, msg, hint in _dataset_problems(graph, d, path, tokenizers[model])),
             *columns]
+
+
+def unmet_columns(graph: Graph) -> list[Diagnostic]:
+    """FG512 alone, on every local dataset (what `check --data` says of the columns a
+    reward function called as TRL calls one needs): `flowgraph run` checks it before the
+    models load, so that it is never the first batch's TypeError. No tokenizer, no torch."""
+    found = []
+    for d in graph.data:
+        params = d.params.to_python()
+        paths = [d.path] + ([str(params["eval_path"])] if params.get("eval_path") else [])
+        found += [diag for path in paths if is_memory(path) or _local(path)
+                  for diag in _column_problems(graph, d, path)]
+    return found
 
 
 def row_source(graph: Graph, node: NodeSpec, port: str = "row") -> str | None:

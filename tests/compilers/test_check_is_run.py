@@ -262,3 +262,46 @@ def test_every_graph_checks_then_runs_from_another_folder(
         assert flowgraph.check(graph, overrides=SMALL).ok
         flowgraph.run(graph, overrides=overrides)
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1]
+
+
+# --- issue 40, 6: a reward function's missing column, before the models load -------------
+
+
+@pytest.fixture
+def missing_column(tmp_path: Path) -> Path:
+    """graphs/trl_format with `correct` reading `answer`, which train.jsonl lacks."""
+    for name in ("grpo.yaml", "rewards.py", "train.jsonl"):
+        (tmp_path / name).write_text((ROOT / "graphs" / "trl_format" / name).read_text())
+    rewards = tmp_path / "rewards.py"
+    text = rewards.read_text()
+    assert "def correct(completions, solution, **kwargs):" in text
+    rewards.write_text(text.replace("def correct(completions, solution, **kwargs):",
+                                    "def correct(completions, answer, **kwargs):\n"
+                                    "    solution = answer"))
+    return tmp_path / "grpo.yaml"
+
+
+def test_flowgraph_run_refuses_a_missing_column_before_the_models_load(
+        missing_column: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before: the run loaded the models and failed at the first batch (a TypeError)."""
+    import flowgraph.compilers
+
+    def never(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr(flowgraph.compilers, "run", never)
+    with pytest.raises(flowgraph.CompileError) as raised:
+        flowgraph.run(missing_column, overrides=["trainer.steps=1"])
+    (error,) = raised.value.diagnostics
+    assert error.code == "FG512" and "needs `answer`" in error.message
+    assert (error.pos.file, error.pos.line) == (str(missing_column.parent / "rewards.py"), 15)
+
+
+def test_the_cli_run_refuses_a_missing_column_before_the_models_load(
+        missing_column: Path, tmp_path: Path) -> None:
+    ran = _flowgraph(tmp_path, "run", str(missing_column), "trainer.steps=1",
+                     f"trainer.run_dir={tmp_path / 'run'}")
+    assert ran.returncode == 1
+    assert "error[FG512]: reward fn `rewards.py:correct` of `reward` needs `answer`" in \
+        ran.stderr
+    assert not (tmp_path / "run").exists()
