@@ -51,8 +51,8 @@ same rollout and update pairs, sharing the helpers that find them.
 
 from __future__ import annotations
 
-import inspect
 import importlib
+import inspect
 import math
 from collections.abc import Callable
 from pathlib import Path
