@@ -466,7 +466,8 @@ class ResourceSpec:
 @dataclass(frozen=True, slots=True)
 class Plugin:
     """A module the graph may import to register custom kinds: a module name, or a `.py`
-    file relative to the folder of the file that lists it (`flowgraph.paths`)."""
+    file relative to the folder of the file that lists it (`flowgraph.paths`); in a
+    compiled plan, the file's absolute path (`flowgraph.passes.program.resolved_plugins`)."""
 
     module: str
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)

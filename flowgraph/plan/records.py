@@ -553,8 +553,9 @@ class ExecutionPlan:
     """What the optimising passes changed in the graph, one line each; the changes
     themselves are in `nodes` (an input unwired, a node dropped)."""
     plugin_paths: tuple[str, ...] = ()
-    """Absolute folders holding the graph's plugins (the graph file's folder when a
-    plugin lies there): every process that runs the plan imports them from there."""
+    """Absolute folders holding the graph's plugins (a plugin file's own folder, the
+    graph file's for a module beside it): every process that runs the plan imports them
+    from there; a plugin file itself is recorded by its absolute path (`run.plugins`)."""
     source: str = "<python>"
     """The graph file."""
     version: int = PLAN_VERSION
