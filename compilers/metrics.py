@@ -19,7 +19,6 @@ from flowgraph.nodes.logprob import response_span
 from flowgraph.plan import ExecutionPlan, NodePlan, ScorePlan
 from flowgraph.runtime.evaluation import diversity_metrics, exact_match, pass_at_n
 
-
 STEP_METRICS = (
     ("critic/score/mean", "the scores the advantage node trains on, after every shaping "
      "node, penalty, filter and weighted sum before it (`ExecutionPlan.score`): its `scores` "
@@ -92,7 +91,7 @@ def _score_metrics(score: ScorePlan | None, env: dict[tuple[str, str], Any]
     if score is None or scores is None:
         return {}
     out = {"critic/score/mean": float(scores.mean())}
-    rewards, mask = env.get(_ref(score.rewards)), env.get(_ref(score.mask))
+    rewards, mask = _value(env, score.rewards), _value(env, score.mask)
     if rewards is not None and mask is not None:
         out["critic/rewards/mean"] = float((rewards * mask).sum(-1).mean())
     else:
@@ -104,19 +103,19 @@ def sequence_scores(score: ScorePlan, env: dict[tuple[str, str], Any], *,
                     rows: bool = False) -> torch.Tensor | None:
     """The reported score of each sequence (with `rows`: of each rollout sample, before a
     filter); None when the step holds none (a node that did not run)."""
-    values = env.get(_ref(score.rows if rows else score.scores))
+    values: torch.Tensor | None = _value(env, score.rows if rows else score.scores)
     if values is None or not score.per_token:
         return values
-    mask = env.get(_ref(score.mask))
+    mask = _value(env, score.mask)
     return None if mask is None else (values * mask).sum(-1)
 
 
-def _ref(text: str | None) -> tuple[str, str] | None:
-    """`node.port` as the env's key."""
-    if text is None:
+def _value(env: dict[tuple[str, str], Any], ref: str | None) -> Any:
+    """The step's value of output `node.port`; None when it holds none."""
+    if ref is None:
         return None
-    node, _, port = text.partition(".")
-    return node, port
+    node, _, port = ref.partition(".")
+    return env.get((node, port))
 
 
 PHASES = ("generation", "scoring", "update", "data", "orchestration")
@@ -179,7 +178,8 @@ class HeldOut:
     table: list[dict[str, Any]] = field(default_factory=list)
     """One row per response: prompt_id (its prompt's number in the held-out set), prompt,
     response, ground_truth, data_source, score (what the advantage trains on:
-    `flowgraph.plan.score`), correct (where the reward reports it) and each entry of a `compute_score` dict result (`reward_extra_info`)."""
+    `flowgraph.plan.score`), correct (where the reward reports it) and each entry of a
+    `compute_score` dict result (`reward_extra_info`)."""
     prompts: int = 0
     """Held-out prompts counted so far."""
 

@@ -115,7 +115,8 @@ def plan_drawing(plan: ExecutionPlan) -> Drawing:
     """What to draw of a compiled plan: its nodes where they run, its edges as they move."""
     nodes = tuple(VizNode(n.name, n.kind, n.model,
                           "data" if n.category == "data" else "update" if n.trains else "node",
-                          f"pool {n.pool}, {n.stage}{' (data-parallel)' if n.data_parallel else ''}")
+                          f"pool {n.pool}, {n.stage}" + (" (data-parallel)" if n.data_parallel
+                                                          else ""))
                   for n in plan.nodes)
     moves = {(e.src, e.dst): e.dispatch for e in plan.edges}
     edges = tuple(VizEdge(PortRef(*i.ref), n.name, i.port, i.shape or None, False,

@@ -62,7 +62,8 @@ __all__ = [
     "DRIVER", "GIB", "MAX_PLAN_BYTES", "PLAN_VERSION", "ROLLOUT_POOL", "Amount", "AsyncPlan",
     "Bundle", "DimValue", "EdgePlan", "ExecutionPlan", "InputPlan", "Label", "MemoryItem",
     "ModelPlacement", "NodePlan", "OutputPlan", "ParamPlan", "PoolMemory", "PoolPlan",
-    "ResamplePlan", "RunSpec", "ScorePlan", "SpecPlan", "StagePlan", "dispatch_of", "gib", "peak_of",
+    "ResamplePlan", "RunSpec", "ScorePlan", "SpecPlan", "StagePlan", "dispatch_of", "gib",
+    "peak_of",
     "plan_document", "plan_from_json", "plan_summary", "plan_to_json", "producer_side",
     "read_run_plan", "repeated", "upstream_of", "verify", "verify_kinds", "write_run_plan",
 ]

@@ -12,7 +12,8 @@ naming the node, the port and the field, instead of running on the contradiction
 
 from __future__ import annotations
 
-from flowgraph.dims import DimError, Poly, parse_expr
+from flowgraph.dims import Poly, parse_expr
+from flowgraph.errors import DimError
 from flowgraph.plan.records import ExecutionPlan, InputPlan, NodePlan, OutputPlan
 
 FIX = "edit both alike, or compile the graph again"
@@ -64,7 +65,7 @@ def _output_problems(node: NodePlan, out: OutputPlan) -> list[str]:
     if out.batched == want:
         return problems
     has = "has a batch axis" if want else "has no batch axis (Bp prompts or Bp*N samples first)"
-    return problems + [f"{where}: `batched` is {str(out.batched).lower()}, but its `dims` "
+    return [*problems, f"{where}: `batched` is {str(out.batched).lower()}, but its `dims` "
                        f"`{out.dims}` {has}: {FIX}"]
 
 

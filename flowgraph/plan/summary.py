@@ -1,5 +1,6 @@
 """The plan as `flowgraph compile` prints it: pools and their models, stages, the score
-it reports, edges, what the passes rewrote, the Python objects it carries and the memory estimate."""
+it reports, edges, what the passes rewrote, the Python objects it carries and the memory
+estimate."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowgraph.compilers.metrics import HeldOut, step_metrics
+from flowgraph.compilers.metrics import STEP_METRICS, HeldOut, step_metrics
 from flowgraph.frontend import load_graph
 from flowgraph.nodes.models import load_tokenizer
 from flowgraph.passes import compile_graph
@@ -96,6 +96,7 @@ def test_with_verls_wiring_the_score_is_compute_scores_not_the_tool_rewards(
     metrics = step_metrics(plan, env)
     assert metrics["critic/score/mean"] == pytest.approx(0.25)
     assert metrics["critic/rewards/mean"] == pytest.approx(0.25)
+    assert set(metrics) <= {name for name, _ in STEP_METRICS}  # the README's table says each
 
 
 def test_dapos_score_is_the_penalised_one_the_advantage_saw() -> None:
@@ -241,8 +242,6 @@ def test_a_plugin_advantage_without_returns_runs_and_reports_its_score(
 
 def test_the_readme_says_where_each_step_metric_comes_from() -> None:
     """Its table is `STEP_METRICS`, row for row."""
-    from flowgraph.compilers.metrics import STEP_METRICS
-
     readme = (ROOT / "README.md").read_text()
     rows = [f"| `{name}` | {source} |" for name, source in STEP_METRICS]
     start = readme.index(rows[0])
