@@ -36,7 +36,7 @@ from flowgraph.diagnostics import Diagnostic
 from flowgraph.errors import FlowgraphError
 from flowgraph.frontend import load_graph
 from flowgraph.ir import DataSpec, NodeSpec, PortRef
-from flowgraph.plan import ExecutionPlan
+from flowgraph.plan import ExecutionPlan, plan_from_json
 
 __all__ = ["Drawing", "VizEdge", "VizNode", "drawing", "plan_drawing", "to_dot", "to_mermaid",
            "write_viz"]
@@ -285,18 +285,17 @@ def write_viz(file: str | Path, output: str | Path, *, overrides: Sequence[str] 
 
 def _write_plan_viz(file: str | Path, output: str | Path, chosen: str, dot_exe: str | None,
                     overrides: Sequence[str]) -> int:
-    """Draw the plan file `file` (read and verified as `flowgraph run` reads it)."""
-    from flowgraph.api import load_plan
-
+    """Draw the plan file `file` (read and verified as `flowgraph run` reads it; its kinds
+    and Python objects are not needed to draw it)."""
     if overrides:
         print(f"flowgraph viz: error: a compiled plan is drawn as it is: "
               f"{', '.join(overrides)} would change it; compile the graph again with them",
               file=sys.stderr)
         return EXIT_USAGE
     try:
-        plan = load_plan(file)
-    except FlowgraphError as exc:
-        print(f"flowgraph: error: {exc}", file=sys.stderr)
+        plan = plan_from_json(Path(file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, FlowgraphError) as exc:
+        print(f"flowgraph: error: cannot draw the plan `{file}`: {exc}", file=sys.stderr)
         return EXIT_USAGE
     d = plan_drawing(plan)
     if not _render(d, output, chosen, dot_exe):

@@ -235,7 +235,6 @@ def _rollout_pool_problems(plan: ExecutionPlan, cut: AsyncPlan) -> list[str]:
     return problems
 
 
-
 def _resample_problems(plan: ExecutionPlan) -> list[str]:
     """The loop repeats exactly the data and the step nodes before its filter, and no
     node after it reads a tensor of a single try (anything but the filter's outputs)."""
@@ -414,7 +413,6 @@ def _category_problems(plan: ExecutionPlan) -> list[str]:
                             "is not the same at every step (it samples, trains, reads a "
                             "trained model or batch statistics): move it to a step stage")
     return problems
-
 
 
 def verify_kinds(plan: ExecutionPlan, kinds: Mapping[str, KindSpec]) -> None:
