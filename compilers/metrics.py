@@ -1,7 +1,9 @@
 """Metrics an executor computes from a step's values: verl's batch metrics
 (`step_metrics`) and, on held-out data, the log-ratio to the reference and the text
 metrics of the responses (`HeldOut`). Which node is which is read from the kind facts
-its plan carries (`NodePlan.category`, `head`), never from its name."""
+its plan carries (`NodePlan.category`, `head`), never from its name; the score is the one
+the plan says the advantage trains on (`ExecutionPlan.score`), never the first node's
+that has scores."""
 
 from __future__ import annotations
 
@@ -14,8 +16,30 @@ from typing import Any
 import torch
 
 from flowgraph.nodes.logprob import response_span
-from flowgraph.plan import ExecutionPlan, NodePlan
+from flowgraph.plan import ExecutionPlan, NodePlan, ScorePlan
 from flowgraph.runtime.evaluation import diversity_metrics, exact_match, pass_at_n
+
+STEP_METRICS = (
+    ("critic/score/mean", "the scores the advantage node trains on, after every shaping "
+     "node, penalty, filter and weighted sum before it (`ExecutionPlan.score`): its `scores` "
+     "input, or the scores a `token_reward` puts on the tokens its `token_level_rewards` "
+     "come from (verl's score, before the KL penalty), or an agent's token rewards summed "
+     "per sequence; none without an advantage node (DPO, SFT). Also the console's `score`, "
+     "`val/score/mean` and Prometheus' `flowgraph_reward_mean`"),
+    ("critic/rewards/mean", "the advantage's `token_level_rewards` summed per sequence "
+     "(after `kl_penalty`); the score when it reads `scores`"),
+    ("critic/advantages/mean", "the advantage node's `advantages`, over valid tokens"),
+    ("critic/returns/mean", "the advantage node's `returns`, over valid tokens (a kind "
+     "that declares none reports none)"),
+    ("critic/values/mean", "a node with a scalar head's `values` (`values`), over valid "
+     "tokens"),
+    ("response_length/mean", "valid response tokens per sequence of the first rollout; "
+     "of the filter's kept batch when there is a filter"),
+    ("perf/tokens", "prompt and response tokens of every rollout"),
+    ("perf/response_tokens", "valid response tokens of every rollout"),
+)
+"""Each step metric `step_metrics` computes and the node it comes from: the README's
+table of them is this one (a test compares)."""
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -31,7 +55,10 @@ def _used_rows(env: dict[tuple[str, str], Any], rollout: str) -> torch.Tensor | 
 
 
 def step_metrics(plan: ExecutionPlan, env: dict[tuple[str, str], Any]) -> dict[str, float]:
-    """verl's batch metrics: score, rewards, advantages, returns, values, lengths, tokens."""
+    """verl's batch metrics: score, rewards, advantages, returns, values, lengths, tokens.
+    The score is what the advantage trains on (`plan.score`, `flowgraph.plan.score`); an
+    output a kind does not declare is not reported (a custom advantage without
+    `returns`)."""
     out: dict[str, float] = {}
     for node in plan.nodes:
         mask_ref = dict(node.wiring()).get("response_mask")
@@ -43,26 +70,52 @@ def step_metrics(plan: ExecutionPlan, env: dict[tuple[str, str], Any]) -> dict[s
             prompt = env[(node.name, "prompt_mask")][used].float()
             out["perf/tokens"] = out.get("perf/tokens", 0.0) + float(resp.sum() + prompt.sum())
             out["perf/response_tokens"] = out.get("perf/response_tokens", 0.0) + float(resp.sum())
-            if (node.name, "scores") in env:  # an agent rollout's episode rewards
-                out.setdefault("critic/score/mean", float(env[(node.name, "scores")].mean()))
-        elif node.category == "reward" and (node.name, "scores") in env:
-            out.setdefault("critic/score/mean", float(env[(node.name, "scores")].mean()))
-        elif node.category == "filter" and (node.name, "scores") in env:
+        elif node.category == "filter" and (node.name, "response_mask") in env:
             # The batch trained on is the filter's (the last try's rollout is one part).
-            out["critic/score/mean"] = float(env[(node.name, "scores")].mean())
             kept = env[(node.name, "response_mask")].float()
             out["response_length/mean"] = float(kept.sum(-1).mean())
-        elif (node.name, "token_level_rewards") in env and mask is not None:  # kl_penalty
-            rewards = env[(node.name, "token_level_rewards")]
-            out["critic/rewards/mean"] = float((rewards * mask).sum(-1).mean())
         elif node.category == "advantage" and mask is not None:
-            out["critic/advantages/mean"] = _masked_mean(env[(node.name, "advantages")], mask)
-            out["critic/returns/mean"] = _masked_mean(env[(node.name, "returns")], mask)
+            for port in ("advantages", "returns"):
+                if (node.name, port) in env:
+                    out[f"critic/{port}/mean"] = _masked_mean(env[(node.name, port)], mask)
         elif node.head == "scalar" and (node.name, "values") in env and mask is not None:
             out["critic/values/mean"] = _masked_mean(env[(node.name, "values")], mask)
-    if "critic/score/mean" in out:
-        out.setdefault("critic/rewards/mean", out["critic/score/mean"])
+    return out | _score_metrics(plan.score, env)
+
+
+def _score_metrics(score: ScorePlan | None, env: dict[tuple[str, str], Any]
+                   ) -> dict[str, float]:
+    """`critic/score/mean` (what the advantage trains on) and `critic/rewards/mean` (its
+    token-level rewards summed per sequence; the score when it reads scores)."""
+    scores = sequence_scores(score, env) if score is not None else None
+    if score is None or scores is None:
+        return {}
+    out = {"critic/score/mean": float(scores.mean())}
+    rewards, mask = _value(env, score.rewards), _value(env, score.mask)
+    if rewards is not None and mask is not None:
+        out["critic/rewards/mean"] = float((rewards * mask).sum(-1).mean())
+    else:
+        out["critic/rewards/mean"] = out["critic/score/mean"]
     return out
+
+
+def sequence_scores(score: ScorePlan, env: dict[tuple[str, str], Any], *,
+                    rows: bool = False) -> torch.Tensor | None:
+    """The reported score of each sequence (with `rows`: of each rollout sample, before a
+    filter); None when the step holds none (a node that did not run)."""
+    values: torch.Tensor | None = _value(env, score.rows if rows else score.scores)
+    if values is None or not score.per_token:
+        return values
+    mask = _value(env, score.mask)
+    return None if mask is None else (values * mask).sum(-1)
+
+
+def _value(env: dict[tuple[str, str], Any], ref: str | None) -> Any:
+    """The step's value of output `node.port`; None when it holds none."""
+    if ref is None:
+        return None
+    node, _, port = ref.partition(".")
+    return env.get((node, port))
 
 
 PHASES = ("generation", "scoring", "update", "data", "orchestration")
@@ -124,8 +177,9 @@ class HeldOut:
     """Valid tokens of each response of the first `generate` node, special tokens dropped."""
     table: list[dict[str, Any]] = field(default_factory=list)
     """One row per response: prompt_id (its prompt's number in the held-out set), prompt,
-    response, ground_truth, data_source, score, correct (where the reward reports it)
-    and each entry of a `compute_score` dict result (`reward_extra_info`)."""
+    response, ground_truth, data_source, score (what the advantage trains on:
+    `flowgraph.plan.score`), correct (where the reward reports it) and each entry of a
+    `compute_score` dict result (`reward_extra_info`)."""
     prompts: int = 0
     """Held-out prompts counted so far."""
 
@@ -162,7 +216,7 @@ class HeldOut:
         column = partial(_per_sample, env, judge, gen, index)
         truths, sources = column("ground_truth"), column("data_source")
         extras = env.get((judge.name, "reward_extra_info")) or [{}] * len(texts)
-        scores = env.get((judge.name, "scores"))
+        scores = sequence_scores(plan.score, env, rows=True) if plan.score else None
         exact = judge.param_values().get("fn") == "exact_match"
         for r in keep:
             row = {"prompt_id": first + index[r] - skip, "prompt": prompts[opens[r]],

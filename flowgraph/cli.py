@@ -8,7 +8,7 @@
     flowgraph plot RUN_DIR [RUN_DIR...] [-o curves.png]
     flowgraph env [--target local|fsdp|ray] [--gpu]
     flowgraph export RUN_DIR --model NAME -o DIR [--adapter-only]
-    flowgraph viz FILE -o out.mmd|out.dot|out.svg
+    flowgraph viz FILE|PLAN.json -o out.mmd|out.dot|out.svg
     flowgraph schema [-o FILE] [--plugin MODULE]
 
 Exit codes: 0 success (warnings allowed); 1 failure: a graph or plan with errors, a run
@@ -535,8 +535,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and adapter_model.safetensors) instead of the merged weights")
     e.set_defaults(func=cmd_export)
 
-    v = sub.add_parser("viz", help="draw a graph: Mermaid, Graphviz DOT or SVG")
-    v.add_argument("file", metavar="FILE")
+    v = sub.add_parser("viz", help="draw a graph or a compiled plan: Mermaid, Graphviz DOT "
+                                    "or SVG")
+    v.add_argument("file", metavar="FILE", help="a graph file, or a plan (PLAN.json)")
     v.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     v.add_argument("-o", "--output", required=True, metavar="OUT.{mmd,dot,svg}")
     v.add_argument("--format", choices=("mmd", "dot", "svg"), default=None,

@@ -11,8 +11,15 @@ is red. A graph with errors is still drawn — every edge whose two ends exist �
     flowgraph viz graphs/ppo.yaml -o ppo.dot      # dot -Tpng ppo.dot > ppo.png
     flowgraph viz graphs/ppo.yaml -o ppo.svg      # needs Graphviz's `dot` on PATH
 
-The output depends only on the graph: nodes in file order (data sources first),
-edges in the order the inputs are written.
+A compiled plan (`flowgraph compile -o plan.json`) is drawn as it will run: its nodes
+and data sources, each labelled with its pool and stage as well, and one edge per wired
+input with the shape the plan records and how the tensor moves when it is not `local`
+(`split`, `gather`, ...):
+
+    flowgraph viz plan.json -o plan.mmd
+
+The output depends only on the graph (or the plan): nodes in file order (data sources
+first), edges in the order the inputs are written.
 """
 
 from __future__ import annotations
@@ -26,10 +33,13 @@ from pathlib import Path
 
 from flowgraph.checker import CheckResult, check_graph
 from flowgraph.diagnostics import Diagnostic
+from flowgraph.errors import FlowgraphError
 from flowgraph.frontend import load_graph
 from flowgraph.ir import DataSpec, NodeSpec, PortRef
+from flowgraph.plan import ExecutionPlan, plan_from_json
 
-__all__ = ["Drawing", "VizEdge", "VizNode", "drawing", "to_dot", "to_mermaid", "write_viz"]
+__all__ = ["Drawing", "VizEdge", "VizNode", "drawing", "plan_drawing", "to_dot", "to_mermaid",
+           "write_viz"]
 
 EXIT_OK, EXIT_ERRORS, EXIT_USAGE = 0, 1, 2
 FORMATS = ("mmd", "dot", "svg")
@@ -50,6 +60,8 @@ class VizNode:
     model: str | None
     role: str
     """`data`, `node`, `update`, or `unknown` (a kind the registry does not know here)."""
+    where: str = ""
+    """Where a plan runs it (`pool main, step.2`); empty for a graph."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +75,8 @@ class VizEdge:
     """The checker's label for the tensor on the edge; None when it inferred none."""
     failing: bool
     """The edge breaks its contract or is named by an error."""
+    dispatch: str = ""
+    """How a plan moves the tensor when not `local` (`split`, `gather`, ...)."""
 
     @property
     def text(self) -> str:
@@ -97,6 +111,20 @@ def drawing(result: CheckResult) -> Drawing:
     return Drawing(result.graph.name, nodes, tuple(edges))
 
 
+def plan_drawing(plan: ExecutionPlan) -> Drawing:
+    """What to draw of a compiled plan: its nodes where they run, its edges as they move."""
+    nodes = tuple(VizNode(n.name, n.kind, n.model,
+                          "data" if n.category == "data" else "update" if n.trains else "node",
+                          f"pool {n.pool}, {n.stage}" + (" (data-parallel)" if n.data_parallel
+                                                          else ""))
+                  for n in plan.nodes)
+    moves = {(e.src, e.dst): e.dispatch for e in plan.edges}
+    edges = tuple(VizEdge(PortRef(*i.ref), n.name, i.port, i.shape or None, False,
+                          moves.get((i.src, f"{n.name}.{i.port}"), "").replace("local", ""))
+                  for n in plan.nodes for i in n.inputs)
+    return Drawing(f"{plan.name} (plan, target {plan.target})", nodes, edges)
+
+
 def _viz_node(spec: NodeSpec | DataSpec, unknown: bool, trains: bool) -> VizNode:
     if unknown:
         role = "unknown"
@@ -112,11 +140,12 @@ def _label_lines(n: VizNode) -> list[str]:
     lines = [n.name, n.kind if n.role != "unknown" else f"{n.kind} (unknown kind)"]
     if n.model is not None:
         lines.append(f"{'trains' if n.role == 'update' else 'model'}: {n.model}")
-    return lines
+    return lines + ([n.where] if n.where else [])
 
 
 def _edge_lines(e: VizEdge) -> list[str]:
-    return [f"{e.src.port} → {e.port}", *([e.shape] if e.shape else [])]
+    return [f"{e.src.port} → {e.port}", *([e.shape] if e.shape else []),
+            *([e.dispatch] if e.dispatch else [])]
 
 
 # --- Mermaid ---------------------------------------------------------------------------
@@ -237,26 +266,55 @@ def write_viz(file: str | Path, output: str | Path, *, overrides: Sequence[str] 
     if chosen == "svg" and dot_exe is None:
         print(NO_GRAPHVIZ, file=sys.stderr)
         return EXIT_ERRORS
+    if str(file).endswith(".json"):  # a compiled plan, as `flowgraph run` tells one
+        return _write_plan_viz(file, output, chosen, dot_exe, overrides)
     graph, diags = load_graph(file, overrides)
     if graph is None:
         _print_errors(diags)
         return EXIT_USAGE
     result = check_graph(graph)
     d = drawing(result)
-    try:
-        content = to_mermaid(d).encode() if chosen == "mmd" else to_dot(d).encode()
-        if dot_exe is not None:
-            content = _svg(content, dot_exe)
-    except _GraphvizFailed as exc:
-        print(f"flowgraph: error: {exc}", file=sys.stderr)
-        return EXIT_ERRORS
-    if not _write(output, content):
+    if not _render(d, output, chosen, dot_exe):
         return EXIT_ERRORS
     failing = sum(e.failing for e in d.edges)
     print(f"{output}: {len(d.nodes)} nodes, {len(d.edges)} edges, {failing} failing")
     errors = [x for x in (*diags, *result.diagnostics) if x.is_error]
     _print_errors(errors)
     return EXIT_ERRORS if errors else EXIT_OK
+
+
+def _write_plan_viz(file: str | Path, output: str | Path, chosen: str, dot_exe: str | None,
+                    overrides: Sequence[str]) -> int:
+    """Draw the plan file `file` (read and verified as `flowgraph run` reads it; its kinds
+    and Python objects are not needed to draw it)."""
+    if overrides:
+        print(f"flowgraph viz: error: a compiled plan is drawn as it is: "
+              f"{', '.join(overrides)} would change it; compile the graph again with them",
+              file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        plan = plan_from_json(Path(file).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, FlowgraphError) as exc:
+        print(f"flowgraph: error: cannot draw the plan `{file}`: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    d = plan_drawing(plan)
+    if not _render(d, output, chosen, dot_exe):
+        return EXIT_ERRORS
+    print(f"{output}: {len(d.nodes)} nodes, {len(d.edges)} edges (the plan for target "
+          f"{plan.target})")
+    return EXIT_OK
+
+
+def _render(d: Drawing, output: str | Path, chosen: str, dot_exe: str | None) -> bool:
+    """`d` written to `output` in the format `chosen`; False (said on stderr) when not."""
+    try:
+        content = to_mermaid(d).encode() if chosen == "mmd" else to_dot(d).encode()
+        if dot_exe is not None:
+            content = _svg(content, dot_exe)
+    except _GraphvizFailed as exc:
+        print(f"flowgraph: error: {exc}", file=sys.stderr)
+        return False
+    return _write(output, content)
 
 
 class _GraphvizFailed(Exception):

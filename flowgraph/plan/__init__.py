@@ -10,6 +10,7 @@ executors consume only the plan. Its rooms:
              `repeated`);
 * `codec`    the plan as JSON (`plan_from_json(plan_to_json(plan)) == plan`), the run's
              copy of it, and the graph's document for experiment trackers;
+* `score`    which scores the run reports: those the advantage node trains on;
 * `summary`  the plan as `flowgraph compile` prints it.
 """
 
@@ -42,6 +43,7 @@ from flowgraph.plan.records import (
     PoolPlan,
     ResamplePlan,
     RunSpec,
+    ScorePlan,
     SpecPlan,
     StagePlan,
     peak_of,
@@ -60,7 +62,8 @@ __all__ = [
     "DRIVER", "GIB", "MAX_PLAN_BYTES", "PLAN_VERSION", "ROLLOUT_POOL", "Amount", "AsyncPlan",
     "Bundle", "DimValue", "EdgePlan", "ExecutionPlan", "InputPlan", "Label", "MemoryItem",
     "ModelPlacement", "NodePlan", "OutputPlan", "ParamPlan", "PoolMemory", "PoolPlan",
-    "ResamplePlan", "RunSpec", "SpecPlan", "StagePlan", "dispatch_of", "gib", "peak_of",
+    "ResamplePlan", "RunSpec", "ScorePlan", "SpecPlan", "StagePlan", "dispatch_of", "gib",
+    "peak_of",
     "plan_document", "plan_from_json", "plan_summary", "plan_to_json", "producer_side",
     "read_run_plan", "repeated", "upstream_of", "verify", "verify_kinds", "write_run_plan",
 ]

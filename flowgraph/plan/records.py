@@ -509,6 +509,39 @@ ROLLOUT_POOL = "rollouts"
 """The name of an asynchronous plan's rollout pool (target ray)."""
 
 
+@dataclass(frozen=True, slots=True)
+class ScorePlan:
+    """Where the score a run reports comes from (`critic/score/mean`, the console's
+    score, `val/score/mean`, the validation table's `score`, Prometheus'
+    `flowgraph_reward_mean`): the scores the advantage node trains on, after every
+    shaping node, penalty and weighted sum before it. `flowgraph.plan.score.score_plan`
+    is the rule; the compiler writes it and the verifier holds a plan to it."""
+
+    advantage: str
+    """The advantage node (the first in the plan)."""
+    scores: str
+    """`node.port` of the per-sequence scores the advantage reads (its `scores`, or those a
+    `token_reward` places on the tokens its `token_level_rewards` come from: verl's score,
+    before the KL penalty); with `per_token`, a token-level reward with no per-sequence
+    scores upstream (an agent's `token_level_rewards`)."""
+    rows: str
+    """`scores` one per sample of the rollout: through a filter to the scores it keeps
+    from (the validation table's `score`, a row of each response); `scores` without one."""
+    per_token: bool = False
+    """`scores` is per token: a sequence's score is its sum over `mask`."""
+    mask: str | None = None
+    """`node.port` of the response mask the advantage reads."""
+    rewards: str | None = None
+    """`node.port` of the token-level rewards the advantage reads (after the KL penalty:
+    `critic/rewards/mean` is their sum per sequence); None: it reads `scores`, which are
+    the rewards then."""
+
+    def __post_init__(self) -> None:
+        refs = (self.scores, self.rows, self.mask or "a.b", self.rewards or "a.b")
+        require([f"`{r}` is not `node.port`" for r in refs if r.count(".") != 1],
+                 f"score of `{self.advantage}`")
+
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -566,6 +599,9 @@ class ExecutionPlan:
     objects: tuple[PyObject, ...] = ()
     """The Python functions and classes its params and kinds name (`flowgraph.objects`):
     in JSON their references; in a process that holds them, the objects themselves."""
+    score: ScorePlan | None = None
+    """Where the reported score comes from; None: the graph has no advantage node (DPO,
+    SFT), and reports no score."""
 
     def __post_init__(self) -> None:
         problems = []

@@ -1,5 +1,6 @@
-"""The plan as `flowgraph compile` prints it: pools and their models, stages, edges, what
-the passes rewrote, the Python objects it carries and the memory estimate."""
+"""The plan as `flowgraph compile` prints it: pools and their models, stages, the score
+it reports, edges, what the passes rewrote, the Python objects it carries and the memory
+estimate."""
 
 from __future__ import annotations
 
@@ -75,11 +76,23 @@ def _summary_lines(plan: ExecutionPlan) -> list[str]:
                      f"(admission {cut.admission}, old log-probs: {cut.old_log_prob}"
                      + (", partial rollouts: new weights between turns" if cut.partial else "")
                      + ")")
-    lines += ["", "edges: " + _edge_counts(plan)]
+    lines += ["", _score_line(plan), "edges: " + _edge_counts(plan)]
     if plan.dropped:
         lines.append(f"dropped (dead): {', '.join(plan.dropped)}")
     lines += [f"rewritten: {r}" for r in plan.rewrites]
     return lines + _object_lines(plan) + _memory_lines(plan)
+
+
+def _score_line(plan: ExecutionPlan) -> str:
+    """Which scores the run reports as its score (`flowgraph.plan.score`)."""
+    score = plan.score
+    if score is None:
+        return "score: none reported (no advantage node reads scores)"
+    what = f"the sum per sequence of `{score.scores}`" if score.per_token \
+        else f"`{score.scores}`"
+    rewards = f"; rewards: `{score.rewards}` summed per sequence" \
+        if score.rewards and not score.per_token else ""
+    return f"score: {what}, the scores advantage `{score.advantage}` is computed from{rewards}"
 
 
 def _object_lines(plan: ExecutionPlan) -> list[str]:

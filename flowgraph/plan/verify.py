@@ -2,7 +2,8 @@
 
 `verify` holds a plan to its invariants (every reference resolves, pools host the models
 their nodes run, stages respect every dependency, each edge's dispatch follows the rule,
-the resample loop and the asynchronous cut are the compiler's); the compiler runs it on
+the resample loop, the asynchronous cut and the reported score are the compiler's, the
+dims agree with themselves: `flowgraph.plan.shapes`); the compiler runs it on
 what it lowers and `flowgraph.plan.codec` on every plan it reads. `verify_kinds` holds a
 plan read from a file to the registry's kinds as well.
 
@@ -28,6 +29,8 @@ from flowgraph.plan.records import (
     object_users,
     require,
 )
+from flowgraph.plan.score import score_problems
+from flowgraph.plan.shapes import shape_problems
 from flowgraph.registry import HOISTABLE_CATEGORIES, KindSpec
 
 Reads = Mapping[str, Collection[str]]
@@ -41,7 +44,8 @@ def verify(plan: ExecutionPlan) -> ExecutionPlan:
         problems = (_placement_problems(plan) + _order_problems(plan) + _edge_problems(plan)
                     + _resample_problems(plan) + _async_problems(plan)
                     + _fusion_problems(plan) + _category_problems(plan)
-                    + _object_problems(plan))
+                    + _object_problems(plan) + score_problems(plan)
+                    + shape_problems(plan))
     require(problems, "execution plan")
     return plan
 
@@ -231,7 +235,6 @@ def _rollout_pool_problems(plan: ExecutionPlan, cut: AsyncPlan) -> list[str]:
     return problems
 
 
-
 def _resample_problems(plan: ExecutionPlan) -> list[str]:
     """The loop repeats exactly the data and the step nodes before its filter, and no
     node after it reads a tensor of a single try (anything but the filter's outputs)."""
@@ -410,7 +413,6 @@ def _category_problems(plan: ExecutionPlan) -> list[str]:
                             "is not the same at every step (it samples, trains, reads a "
                             "trained model or batch statistics): move it to a step stage")
     return problems
-
 
 
 def verify_kinds(plan: ExecutionPlan, kinds: Mapping[str, KindSpec]) -> None:

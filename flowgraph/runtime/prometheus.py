@@ -20,8 +20,9 @@ Series (every one carries a `worker` label):
     flowgraph_step_seconds                histogram  `timing_s/step`, one whole step
     flowgraph_generated_tokens_total      counter    `perf/response_tokens`: valid response tokens
     flowgraph_tokens_total                counter    `perf/tokens`: prompt + response tokens
-    flowgraph_reward_mean                 gauge      `critic/score/mean` (the reward nodes'
-                                                     mean score), else `critic/rewards/mean`
+    flowgraph_reward_mean                 gauge      `critic/score/mean` (the mean score the
+                                                     advantage trains on), else
+                                                     `critic/rewards/mean`
     flowgraph_kl                          gauge      KL(π ‖ π_ref) of the step, see below
     flowgraph_ppo_kl                      gauge      `actor/ppo_kl`: rollout vs updated policy
     flowgraph_step_metric{name}           gauge      every other number of the row, by verl

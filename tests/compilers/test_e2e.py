@@ -95,7 +95,9 @@ def test_remax_with_n_samples_and_shaped_rewards_runs_strict(tmp_path: Path) -> 
     # penalty is -(mean length)/8 whatever the samples.
     assert rows[0]["reward/overlong/mean"] == pytest.approx(-rows[0]["response_length/mean"] / 8)
     assert rows[0]["reward/overlong/mean"] < 0
-    assert rows[0]["reward/acc/mean"] == rows[0]["critic/score/mean"]
+    # the score is what the advantage trains on, the weighted sum (it was the reward's)
+    assert rows[0]["critic/score/mean"] == pytest.approx(
+        rows[0]["reward/acc/mean"] + rows[0]["reward/overlong/mean"])
 
 
 def test_same_seed_same_numbers(tmp_path: Path) -> None:

@@ -90,7 +90,8 @@ def test_json_layout() -> None:
     assert list(data) == ["run", "target", "nproc", "device", "dims", "nodes", "pools",
                           "stages", "edges", "memory", "dropped", "rewrites",
                           "plugin_paths", "source", "version", "resample", "asynchronous",
-                          "objects"]
+                          "objects", "score"]
+    assert data["score"] is None  # DPO has no advantage node: no score is reported
     assert data["version"] == PLAN_VERSION
     assert data["run"] == {"name": "dpo", "models": data["run"]["models"],
                            "data": data["run"]["data"], "trainer": data["run"]["trainer"]}
@@ -201,6 +202,45 @@ def test_from_json_rejects_a_broken_plan(edit: Edit, message: str) -> None:
     assert str(exc.value).startswith(message)
 
 
+def _output(data: dict[str, Any], ref: str) -> dict[str, Any]:
+    node, port = ref.split(".")
+    record = next(n for n in data["nodes"] if n["name"] == node)
+    return next(o for o in record["outputs"] if o["port"] == port)
+
+
+@pytest.mark.parametrize(("edit", "messages"), [
+    # an output's dims edited from "Bp P" to "P", `batched: true` left (it ran)
+    (lambda d: _output(d, "train.input_ids").update(dims="P"), [
+        "node `train` output `input_ids`: `dims` is `P` (1 axis), but its kind's contract "
+        "`spec.dims` is `Bp P` (2 axes): edit both alike, or compile the graph again",
+        "node `train` output `input_ids`: `batched` is true, but its `dims` `P` has no batch "
+        "axis (Bp prompts or Bp*N samples first)",
+        "node `gen` input `prompts`: `dims` is `Bp P`, but the output it reads, "
+        "`train.input_ids`, has `dims` `P`"]),
+    # `dims.B` set to 7 (it ran)
+    (lambda d: next(x for x in d["dims"] if x["name"] == "B").update(value=7), [
+        "`dims.B` is 7, but B is Bp*N = 16*8 = 128: set Bp or N instead"]),
+    # `dims.Bp` set to 7: the shapes compiled at 16 say otherwise
+    (lambda d: next(x for x in d["dims"] if x["name"] == "Bp").update(value=7), [
+        "node `gen` input `prompts`: `shape` is `(Bp, P) = (16, 16)`, but Bp is 7 at the "
+        "plan's `dims`"]),
+], ids=["output-dims", "dims-B", "dims-Bp"])
+def test_a_plan_file_that_contradicts_itself_is_refused_by_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: Edit,
+        messages: list[str]) -> None:
+    from flowgraph.cli import main
+
+    data = json.loads(plan_to_json(plan_of(GRAPHS / "grpo.yaml")))
+    edit(data)
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(data))
+    assert main(["run", str(plan)]) == 1  # before any model loads
+    err = capsys.readouterr().err
+    assert err.startswith("flowgraph: error: invalid execution plan: ") \
+        and "Traceback" not in err, err
+    assert all(m in err for m in messages), err
+
+
 def test_invalid_run_settings_name_the_problem() -> None:
     data = json.loads(plan_to_json(plan_of(GRAPHS / "dpo.yaml")))
     data["run"]["trainer"]["steps"] = -1
@@ -292,6 +332,7 @@ stages:
   step.1     update
   fused      ref_chosen + ref_rejected: one forward, rows stacked
 
+score: none reported (no advantage node reads scores)
 edges: 16 local
 rewritten: fusion: `ref_chosen`, `ref_rejected` run as one forward of model `ref` (kind \
 sequence_logprob), their rows stacked

@@ -385,3 +385,43 @@ def test_unwritable_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     out = tmp_path / "missing" / "dir" / "g.mmd"
     assert main(["viz", str(PPO), "-o", str(out)]) == 1  # the command ran and failed
     assert "cannot write" in capsys.readouterr().err
+
+
+# --- a compiled plan ---------------------------------------------------------------------
+
+
+def test_a_compiled_plan_is_drawn_as_it_runs(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`flowgraph viz plan.json` (it printed 18 errors and wrote an empty file): the plan's
+    nodes with their pool and stage, one edge per wired input with the shape the plan
+    records and, on fsdp, how the tensor moves."""
+    plan = tmp_path / "plan.json"
+    assert main(["compile", str(PPO), "--target", "fsdp", "--nproc", "2", "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["viz", str(plan), "-o", str(tmp_path / "plan.mmd")]) == 0
+    out = capsys.readouterr()
+    assert out.err == "" and "11 nodes, 39 edges (the plan for target fsdp)" in out.out
+    text = (tmp_path / "plan.mmd").read_text()
+    assert text.startswith("%% flowgraph: ppo (plan, target fsdp)\nflowchart LR\n")
+    assert '  n_train[("train<br/>prompts<br/>pool spmd, step.0")]:::source\n' in text
+    assert '  n_update_actor[["update_actor<br/>ppo_actor_update<br/>trains: actor<br/>' \
+        'pool spmd, step.6 (data-parallel)"]]:::update\n' in text
+    edges = MERMAID_EDGE.findall(text)
+    assert len(edges) == _wired_inputs(PPO) == 39
+    assert ("train", "input_ids → prompts<br/>(Bp, P) = (64, 16)<br/>split", "gen") in edges
+    code, dot = _viz(plan, tmp_path / "plan.dot")
+    assert code == 0 and len(DOT_EDGE.findall(dot)) == 39
+
+
+def test_a_plan_is_drawn_as_compiled_and_a_broken_one_is_named(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan = tmp_path / "plan.json"
+    assert main(["compile", str(PPO), "-o", str(plan)]) == 0
+    capsys.readouterr()
+    assert main(["viz", str(plan), "dims.Bp=3", "-o", str(tmp_path / "a.mmd")]) == 2
+    assert "a compiled plan is drawn as it is: dims.Bp=3" in capsys.readouterr().err
+    plan.write_text("{nope")
+    assert main(["viz", str(plan), "-o", str(tmp_path / "b.mmd")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flowgraph: error: ") and "not valid JSON" in err
+    assert "Traceback" not in err and not (tmp_path / "b.mmd").exists()
