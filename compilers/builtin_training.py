@@ -21,9 +21,9 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import json
+import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -47,7 +48,7 @@ from flowgraph.compilers.rollouts.inline import InlineProducer
 from flowgraph.compilers.rollouts.process import ProcessProducer
 from flowgraph.compilers.target import Target
 from flowgraph.compilers.worker import ExecOptions
-from flowgraph.errors import FlowgraphError, NonFiniteError, Stopped, WorkerLost
+from flowgraph.errors import FlowgraphError, NonFiniteError, Stopped, StopUnsaved, WorkerLost
 from flowgraph.plan import ExecutionPlan, plan_to_json
 from flowgraph.runtime.metrics import MetricsLog
 from flowgraph.runtime.trackers import open_trackers, writing
@@ -138,6 +139,8 @@ class TrainingLoop:
                 try:
                     metrics, saved = self.train_step(step, log)
                 except WorkerLost as exc:
+                    if self.target.stop_requested() is not None:
+                        raise  # no restart for a run that stops: said below
                     step = self.start_step = self.recover(exc, step)
                     log.truncate_after(step - 1)
                     continue
@@ -149,6 +152,9 @@ class TrainingLoop:
                 self.saved_step = step if saved else self.saved_step
                 step += 1
                 self.stop_check(save=step - 1)
+        except WorkerLost as exc:
+            self.unsaved(exc, step)
+            raise
         finally:
             if self.rollouts is not None:
                 self.rollouts.close()
@@ -180,6 +186,21 @@ class TrainingLoop:
             self.save(save)
             self.saved_step = save
         raise Stopped(signum, "stopped")
+
+    def unsaved(self, exc: WorkerLost, step: int) -> None:
+        """A worker lost while the run stops (in its step, or saving): no checkpoint can
+        be written. Raise `StopUnsaved` saying so and what is lost (the steps after the last
+        checkpoint, up to `step`), instead of the stop's promise of a checkpoint."""
+        signum = self.target.stop_requested()
+        if signum is None:
+            return
+        done = step - 1 if step - 1 > self.saved_step else None
+        lost = ("" if done is None else f"; steps {self.saved_step + 1} to {done} were "
+                f"trained and are lost" if done > self.saved_step + 1
+                else f"; step {done} was trained and is lost")
+        raise StopUnsaved(signum, f"stopped by {signal.Signals(signum).name}, but no "
+                          f"checkpoint could be written: the workers holding the weights "
+                          f"were gone ({exc}){lost}") from None
 
     def begin_step(self) -> None:
         """What a step dropped before it changed any weights must restore to be run again
