@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import json
-import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -140,7 +139,7 @@ class TrainingLoop:
                     metrics, saved = self.train_step(step, log)
                 except WorkerLost as exc:
                     if self.target.stop_requested() is not None:
-                        raise  # no restart for a run that stops: said below
+                        raise  # a run that stops is not restarted: `unsaved`
                     step = self.start_step = self.recover(exc, step)
                     log.truncate_after(step - 1)
                     continue
@@ -153,8 +152,7 @@ class TrainingLoop:
                 step += 1
                 self.stop_check(save=step - 1)
         except WorkerLost as exc:
-            self.unsaved(exc, step)
-            raise
+            raise self.unsaved(exc, step) from None
         finally:
             if self.rollouts is not None:
                 self.rollouts.close()
@@ -187,20 +185,14 @@ class TrainingLoop:
             self.saved_step = save
         raise Stopped(signum, "stopped")
 
-    def unsaved(self, exc: WorkerLost, step: int) -> None:
-        """A worker lost while the run stops (in its step, or saving): no checkpoint can
-        be written. Raise `StopUnsaved` saying so and what is lost (the steps after the last
-        checkpoint, up to `step`), instead of the stop's promise of a checkpoint."""
-        signum = self.target.stop_requested()
-        if signum is None:
-            return
-        done = step - 1 if step - 1 > self.saved_step else None
-        lost = ("" if done is None else f"; steps {self.saved_step + 1} to {done} were "
-                f"trained and are lost" if done > self.saved_step + 1
-                else f"; step {done} was trained and is lost")
-        raise StopUnsaved(signum, f"stopped by {signal.Signals(signum).name}, but no "
-                          f"checkpoint could be written: the workers holding the weights "
-                          f"were gone ({exc}){lost}") from None
+    def unsaved(self, exc: WorkerLost, step: int) -> FlowgraphError:
+        """`exc`, or when the run stops, `StopUnsaved`: the steps lost since the last save."""
+        if (signum := self.target.stop_requested()) is None:
+            return exc
+        lost = range(self.saved_step + 1, step)  # completed, not saved
+        said = "" if not lost else f"; step {lost[0]} was trained and is lost" if len(
+            lost) == 1 else f"; steps {lost[0]} to {lost[-1]} were trained and are lost"
+        return StopUnsaved(signum, f"the workers holding the weights were gone ({exc}){said}")
 
     def begin_step(self) -> None:
         """What a step dropped before it changed any weights must restore to be run again

@@ -187,8 +187,10 @@ def run_guard(plan: ExecutionPlan, opts: RunOptions, *, lock: bool = True,
     try:
         with stop.installed():
             yield stop
-    except StopUnsaved as exc:  # it says how it stopped: nothing saved
-        raise stopped(plan, opts, exc.signum, at_once=False, how=str(exc)) from None
+    except StopUnsaved as exc:  # the workers were gone: nothing saved
+        raise stopped(plan, opts, exc.signum, at_once=False, how=(
+            f"stopped by {_name(exc.signum)}, but no checkpoint could be written: {exc}")
+        ) from None
     except Stopped as exc:
         raise stopped(plan, opts, exc.signum, at_once=False) from None
     except Interrupted as exc:
