@@ -33,8 +33,7 @@ class ToolCall:
     arguments: dict[str, Any] = field(hash=False)
     """Its arguments, decoded ({} for a call with an error)."""
     id: str
-    """`call_0`, `call_1`, ... in the order of the turn: the tool message's `tool_call_id`
-    (the rollout renumbers them across the episode's turns: `episodes.numbered`)."""
+    """`call_0`, `call_1`, ... in the order of the turn: the tool message's `tool_call_id`."""
     error: str | None = None
     """Why the call could not be read, for the model (None: a well-formed call)."""
 
