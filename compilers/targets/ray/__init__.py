@@ -40,8 +40,9 @@ with a `RayTarget`:
   (`flowgraph.compilers.targets.ray.worker.log_to`).
 * faults: a worker that dies (its actor is gone, or its peers' process group broke:
   a node lost whole), or hangs (no answer within `trainer.step_timeout_s`: named with
-  its node, pid and log) is noticed at the driver's next wait; the driver kills every worker group, starts them afresh
-  (their placement groups wait, bounded, for a lost node to come back or be replaced:
+  its node, pid and log) is noticed at the driver's next wait; the driver kills every
+  worker group, starts them afresh (their placement groups wait, bounded, for a lost
+  node to come back or be replaced:
   `flowgraph.compilers.targets.ray.cluster`), reloads the last checkpoint and goes on from
   the step after it. metrics.jsonl is cut back to that step first, so it ends with
   every step exactly once. After `MAX_RESTARTS` restarts in a row without a completed
