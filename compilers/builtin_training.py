@@ -14,12 +14,15 @@ kept (`recipe_plan`); each training gives it only its own run dir.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import os
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import TextIO
@@ -44,21 +47,50 @@ def ensure_builtins(models: tuple[ModelSpec, ...], out: TextIO | None = None) ->
 
 def ensure_builtin(name: str, out: TextIO | None = None) -> Path:
     """The cached folder of trained built-in `name`, trained by its recipe if absent."""
-    from flowgraph.compilers.export import export_model
-    from flowgraph.compilers.options import RunOptions
-    from flowgraph.compilers.targets.local import run_plan
-    from flowgraph.compilers.worker import quiet_hf
     from flowgraph.nodes.models import builtin_dir
 
     final = builtin_dir(name)
     if (final / "config.json").exists():
         return final
     out = out or sys.stdout
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _alone(final, name, out):
+        if (final / "config.json").exists():  # trained by the process we waited for
+            return final
+        _train(name, final, out)
+    return final
+
+
+@contextmanager
+def _alone(final: Path, name: str, out: TextIO) -> Iterator[None]:
+    """The body alone among the processes of this machine building `final` (an
+    exclusive `flock` on `.<entry>.lock` beside it, released when the body ends or the
+    process dies); a process that has to wait says for what."""
+    lock = final.parent / f".{final.name}.lock"
+    with open(lock, "a") as held:
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"{BUILTIN_PREFIX}{name}: another process is training it (`{lock}` is "
+                  "locked); waiting for it", file=out, flush=True)
+            fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
+def _train(name: str, final: Path, out: TextIO) -> None:
+    """Train built-in `name` by its recipe and publish it at `final`."""
+    from flowgraph.compilers.export import export_model
+    from flowgraph.compilers.options import RunOptions
+    from flowgraph.compilers.targets.local import run_plan
+    from flowgraph.compilers.worker import quiet_hf
+
     plan = recipe_plan(name)
     print(f"{BUILTIN_PREFIX}{name}: training it once from "
           f"{BUILTIN_PREFIX}{TRAINED_BUILTINS[name][0]} ({plan.trainer.steps} steps of its "
           f"SFT recipe); cached in {final}", file=out, flush=True)
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
     try:
         t0 = time.perf_counter()
@@ -78,7 +110,6 @@ def ensure_builtin(name: str, out: TextIO | None = None) -> Path:
               file=out, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 @functools.cache

@@ -47,7 +47,7 @@ from flowgraph.compilers.rollouts.inline import InlineProducer
 from flowgraph.compilers.rollouts.process import ProcessProducer
 from flowgraph.compilers.target import Target
 from flowgraph.compilers.worker import ExecOptions
-from flowgraph.errors import FlowgraphError, NonFiniteError, Stopped, WorkerLost
+from flowgraph.errors import FlowgraphError, NonFiniteError, Stopped, StopUnsaved, WorkerLost
 from flowgraph.plan import ExecutionPlan, plan_to_json
 from flowgraph.runtime.metrics import MetricsLog
 from flowgraph.runtime.trackers import open_trackers, writing
@@ -138,6 +138,8 @@ class TrainingLoop:
                 try:
                     metrics, saved = self.train_step(step, log)
                 except WorkerLost as exc:
+                    if self.target.stop_requested() is not None:
+                        raise  # a run that stops is not restarted: `unsaved`
                     step = self.start_step = self.recover(exc, step)
                     log.truncate_after(step - 1)
                     continue
@@ -149,6 +151,8 @@ class TrainingLoop:
                 self.saved_step = step if saved else self.saved_step
                 step += 1
                 self.stop_check(save=step - 1)
+        except WorkerLost as exc:
+            raise self.unsaved(exc, step) from None
         finally:
             if self.rollouts is not None:
                 self.rollouts.close()
@@ -180,6 +184,15 @@ class TrainingLoop:
             self.save(save)
             self.saved_step = save
         raise Stopped(signum, "stopped")
+
+    def unsaved(self, exc: WorkerLost, step: int) -> FlowgraphError:
+        """`exc`, or when the run stops, `StopUnsaved`: the steps lost since the last save."""
+        if (signum := self.target.stop_requested()) is None:
+            return exc
+        lost = range(self.saved_step + 1, step)  # completed, not saved
+        said = "" if not lost else f"; step {lost[0]} was trained and is lost" if len(
+            lost) == 1 else f"; steps {lost[0]} to {lost[-1]} were trained and are lost"
+        return StopUnsaved(signum, f"the workers holding the weights were gone ({exc}){said}")
 
     def begin_step(self) -> None:
         """What a step dropped before it changed any weights must restore to be run again

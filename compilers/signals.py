@@ -35,7 +35,7 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
-from flowgraph.errors import FlowgraphError, Interrupted, NodeTimeout, Stopped
+from flowgraph.errors import FlowgraphError, Interrupted, NodeTimeout, Stopped, StopUnsaved
 from flowgraph.spelling import Word, command, option
 
 if TYPE_CHECKING:
@@ -112,9 +112,26 @@ class Preemption:
                 self.timer.cancel()
 
 
+RESUME_WITH_ENV = "FLOWGRAPH_RESUME_WITH"
+"""Set by the launch recipes (deploy/): how their job is continued, in their words
+(`RESUME=1 ... sbatch deploy/slurm/ray.sbatch`), which a stopped run prints first."""
+LAUNCHER_JOB_ENV = ("SLURM_JOB_ID", "RAY_JOB_ID", "RAY_JOB_CONFIG_JSON_ENV_VAR")
+"""Set inside a SLURM job, or a Ray job's driver (`ray job submit`)."""
+
+
 def resume_command(plan: ExecutionPlan, opts: RunOptions) -> str:
     """The command (or, from Python, the call) that continues this run: its target, size,
-    passes, overrides, run dir and the settings it was allowed to change."""
+    passes, overrides, run dir and the settings it was allowed to change. Inside a job of
+    a launch recipe (`RESUME_WITH_ENV`, in a SLURM or Ray job), the recipe's command
+    first: the flowgraph command is what it runs."""
+    again = _flowgraph_resume(plan, opts)
+    words = os.environ.get(RESUME_WITH_ENV, "").strip()
+    if words and any(os.environ.get(k) for k in LAUNCHER_JOB_ENV):
+        return f"{words} (a new job; it runs {again})"
+    return again
+
+
+def _flowgraph_resume(plan: ExecutionPlan, opts: RunOptions) -> str:
     planned = opts.plan_file is not None or opts.called_with == "plan"
     subject = opts.called_with or str(opts.plan_file or plan.source)
     sized = [] if planned or plan.target == "local" else [
@@ -170,6 +187,10 @@ def run_guard(plan: ExecutionPlan, opts: RunOptions, *, lock: bool = True,
     try:
         with stop.installed():
             yield stop
+    except StopUnsaved as exc:  # the workers were gone: nothing saved
+        raise stopped(plan, opts, exc.signum, at_once=False, how=(
+            f"stopped by {_name(exc.signum)}, but no checkpoint could be written: {exc}")
+        ) from None
     except Stopped as exc:
         raise stopped(plan, opts, exc.signum, at_once=False) from None
     except Interrupted as exc:

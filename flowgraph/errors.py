@@ -151,6 +151,12 @@ class Stopped(FlowgraphError):
         super().__init__(message)
 
 
+class StopUnsaved(Stopped):
+    """A stop (SIGTERM, SIGINT) whose checkpoint could not be written: the workers that
+    hold the weights were gone (on SLURM, a signal to every process of the job); the
+    message says what was lost, the run's stop message the last checkpoint."""
+
+
 class Interrupted(BaseException):
     """A second SIGTERM/SIGINT, or the end of `trainer.stop_grace_s`: stop at once. A
     BaseException, so that no `except Exception` in a node's code swallows it."""

@@ -290,7 +290,7 @@ class RolloutWorker:
                  run_dir: str) -> None:
         """`sent`: the plan's JSON and its Python objects, pickled (`pickled_objects`)."""
         os.chdir(cwd)  # model and data paths are relative to where the run started
-        log_to(worker_log(Path(run_dir), ROLLOUT_POOL, 0))
+        log_to(worker_log(Path(run_dir), ROLLOUT_POOL, 0), f"worker 0 of pool `{ROLLOUT_POOL}`")
         quiet_hf()
         sys.path[:0] = [p for p in path if p not in sys.path]
         self.plan = plan_from_json(sent[0]).with_pickled(sent[1])

@@ -40,5 +40,12 @@ args=(run "$GRAPH" --target ray --address auto --nproc "$NPROC"
 if [[ $RESUME == 1 ]]; then
     args+=(--resume)
 fi
+# How the run continues, in this script's words: the job's driver prints it when it
+# stops (FLOWGRAPH_RESUME_WITH, in the job's environment).
+resume="RESUME=1 RAY_API=$RAY_API GRAPH=$GRAPH WORKING_DIR=$WORKING_DIR RUN_DIR=$RUN_DIR"
+resume+=" NPROC=$NPROC${OVERRIDES:+ OVERRIDES='$OVERRIDES'} $0"
+runtime_env=$(python -c 'import json, sys
+print(json.dumps({"env_vars": {"FLOWGRAPH_RESUME_WITH": sys.argv[1]}}))' "$resume")
 # Exits 1 when the job fails.
-ray job submit --address "$RAY_API" --working-dir "$WORKING_DIR" -- flowgraph "${args[@]}"
+ray job submit --address "$RAY_API" --working-dir "$WORKING_DIR" \
+    --runtime-env-json "$runtime_env" -- flowgraph "${args[@]}"

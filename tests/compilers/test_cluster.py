@@ -100,6 +100,28 @@ def test_a_ray_resume_command_joins_the_same_cluster() -> None:
         "trainer.run_dir=run")
 
 
+@pytest.mark.parametrize("job", ["SLURM_JOB_ID", "RAY_JOB_CONFIG_JSON_ENV_VAR", None])
+def test_inside_a_recipe_s_job_the_resume_command_is_the_recipe_s(
+        monkeypatch: pytest.MonkeyPatch, job: str | None) -> None:
+    """deploy/'s recipes say how their job continues (FLOWGRAPH_RESUME_WITH); inside a
+    SLURM job or a Ray job's driver that comes first, the flowgraph command it runs after.
+    Outside a job the variable (left in a shell) is not believed."""
+    from flowgraph.compilers.signals import LAUNCHER_JOB_ENV
+
+    plan = compile_graph(DPO, target="ray", nproc=2, overrides=["trainer.run_dir=run"]).plan
+    assert plan is not None
+    for name in LAUNCHER_JOB_ENV:
+        monkeypatch.delenv(name, raising=False)
+    words = "RESUME=1 GRAPH=g.yaml RUN_DIR=/shared/run NPROC=2 sbatch deploy/slurm/ray.sbatch"
+    monkeypatch.setenv("FLOWGRAPH_RESUME_WITH", words)
+    if job:
+        monkeypatch.setenv(job, "1234")
+    again = (f"flowgraph run {DPO} --target ray --nproc 2 --address 10.0.0.1:6379 --resume "
+             "trainer.run_dir=run")
+    assert resume_command(plan, RunOptions(address="10.0.0.1:6379")) == (
+        f"{words} (a new job; it runs {again})" if job else again)
+
+
 @pytest.mark.parametrize(("error", "lost"), [
     ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
      "[127.0.0.1]:14216: Connection reset by peer.", True),

@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,9 @@ from flowgraph.testing.targets import assert_same_numbers
 
 ROOT = Path(__file__).resolve().parents[2]
 GRAPHS = ROOT / "graphs"
+SMALL = ("dims.Bp=4", "dims.N=4", "nodes.update_actor.params.mini_batch_size=8",
+         "trainer.val_before_train=false")
+"""GRPO at small batches (tests/compilers/conftest.py's SMALL["grpo"])."""
 
 
 @pytest.fixture
@@ -277,7 +281,8 @@ def test_a_dead_and_a_hung_worker_are_restarted_from_the_last_checkpoint(tmp_pat
         # The groups restart (new pids) and pass step 5.
         _wait(lambda: _workers(run_dir) != first and max(
             (r["step"] for r in _rows(run_dir)), default=-1) >= 5, proc, "the restart")
-        os.kill(_workers(run_dir)["actor_rollout_ref"][0], signal.SIGSTOP)
+        hung = _workers(run_dir)["actor_rollout_ref"][0]
+        os.kill(hung, signal.SIGSTOP)
         out, _ = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
@@ -290,7 +295,12 @@ def test_a_dead_and_a_hung_worker_are_restarted_from_the_last_checkpoint(tmp_pat
     assert ("(flowgraph/run/actor_rollout_ref/1: The actor died unexpectedly before "
             "finishing this task. Its output: logs/actor_rollout_ref-1.log in the run dir)"
             ) in out, out
-    assert "gave no answer for trainer.step_timeout_s = 10" in out, out
+    # the silent worker named, with its node, pid and log (and its peer, when it waits
+    # for it in a collective: saving)
+    assert re.search(r"worker 0 of pool `actor_rollout_ref` \(node [\d.]+, pid "
+                     rf"{hung}; its output: logs/actor_rollout_ref-0.log in the run dir\)"
+                     r"( and worker 1 of pool `actor_rollout_ref` \([^)]*\))? gave no "
+                     r"answer for trainer.step_timeout_s = 10", out), out
     rows = _rows(run_dir)
     assert [r["step"] for r in rows] == list(range(9)), "every step exactly once"
     recovered = [r["perf/recovery_s"] for r in rows if "perf/recovery_s" in r]
@@ -435,3 +445,59 @@ def test_partial_rollouts_on_the_rollout_pool_resume_after_the_driver_is_killed(
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4]
     assert [r["data/train/position"] for r in rows] == [4.0, 8.0, 12.0, 16.0, 20.0]
     assert all(r["async/staleness_max"] <= 1.0 for r in rows)
+
+
+def test_a_stale_cluster_address_is_not_joined_and_a_stop_without_workers_says_so(
+        tmp_path: Path) -> None:
+    """A `ray_current_cluster` file left by a `ray start` that died, and RAY_ADDRESS, both
+    naming a dead address: the run starts its own cluster (a note says RAY_ADDRESS is not
+    joined). Each worker's log begins with who it is, where and when. SIGTERM while the
+    workers hang, then the workers killed (on SLURM, a signal to every process of the
+    job): the driver cannot save and says so, with the last checkpoint, and exits 143."""
+    temp = tempfile.mkdtemp(prefix="fg-ray-")  # short: a node's socket paths
+    (Path(temp) / "ray").mkdir()
+    (Path(temp) / "ray" / "ray_current_cluster").write_text("127.0.0.1:1\n")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flowgraph", "run", str(GRAPHS / "grpo.yaml"), "--target",
+         "ray", "--nproc", "2", *SMALL, "trainer.steps=20", "trainer.checkpoint_every=2",
+         f"trainer.run_dir={run_dir}"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, cwd=tmp_path, env={**os.environ, "RAY_TMPDIR": temp,
+                                      "RAY_ADDRESS": "127.0.0.1:1", "RAY_DEDUP_LOGS": "0"})
+    try:
+        assert proc.stdout is not None
+        seen = []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("step 2/"):
+                break
+        workers = [pid for pids in _workers(run_dir).values() for pid in pids]
+        for pid in workers:  # hung, so that the stop is asked for while they live
+            os.kill(pid, signal.SIGSTOP)
+        proc.send_signal(signal.SIGTERM)
+        for line in proc.stdout:
+            seen.append(line)
+            if "finishing the running node" in line:
+                break
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        out = "".join(seen) + proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(temp, ignore_errors=True)
+    assert proc.returncode == 143, out
+    assert ("flowgraph: note: RAY_ADDRESS=127.0.0.1:1 is set and --address ADDR is not: this "
+            "run starts a Ray cluster of its own") in out, out
+    from flowgraph.compilers.checkpoint.store import latest_checkpoint
+
+    last = latest_checkpoint(run_dir)
+    assert last is not None
+    assert re.search(r"stopped by SIGTERM, but no checkpoint could be written: the workers "
+                     r"holding the weights were gone \(a worker died .*\)(; steps? [\d to]+ "
+                     rf"(was|were) trained and (is|are) lost)?; the last checkpoint is step "
+                     rf"{last[0]}; continue with: flowgraph run ", out), out
+    header = (run_dir / "logs" / "actor_rollout_ref-1.log").read_text().splitlines()
+    assert re.fullmatch(r"flowgraph: worker 1 of pool `actor_rollout_ref` started \(host "
+                        rf"\S+, node [\d.]+, pid {workers[1]}, \d{{4}}-.*\)",
+                        next(h for h in header if h.startswith("flowgraph:"))), header

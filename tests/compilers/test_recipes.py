@@ -58,14 +58,18 @@ def _free_port() -> int:
 
 
 def _environment(tmp_path: Path, **values: str) -> dict[str, str]:
-    """This environment with the fake SLURM commands and this Python's scripts (flowgraph,
-    ray) first on PATH, and the recipe's variables `values`."""
+    """This environment with the fake SLURM commands, `ray` run by this Python (a node's
+    workers run the Python that started it: this flowgraph, not another installed one)
+    and this Python's scripts first on PATH, and the recipe's variables `values`."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for tool in ("sbatch", "srun", "scontrol"):
         wrapper = bin_dir / tool
         wrapper.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{FAKE_SLURM}" {tool} "$@"\n')
         wrapper.chmod(0o755)
+    (bin_dir / "ray").write_text(f'#!/bin/sh\nexec "{sys.executable}" -c "import sys; from '
+                                 f'ray.scripts.scripts import main; sys.exit(main())" "$@"\n')
+    (bin_dir / "ray").chmod(0o755)
     path = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "RAY_"))}
     return {**env, "PATH": path, **values}
@@ -135,6 +139,8 @@ def test_ray_sbatch_starts_a_two_node_cluster_runs_and_stops_it(
         RAY_PORT=str(port), RAY_DASHBOARD_PORT=str(_free_port()), RAY_TOKEN_FILE=str(token),
         RAY_START_ARGS=start_args, OVERRIDES=" ".join(TWO_STEPS)))
     assert "Ray nodes joined: 2 of 2" in proc.stdout, proc.stdout
+    assert "SLURM KillWait is 30 s; trainer.stop_grace_s=25" in proc.stdout, proc.stdout
+    assert "srun: error" not in proc.stderr, proc.stderr  # the nodes stopped as asked
     assert_same_numbers(read_metrics(tmp_path / "run"), local_rows)
     assert not token.exists()
     assert not _processes_naming(temp), "the cluster's processes outlived the job"
@@ -191,10 +197,12 @@ def _cmdline(pid: int) -> str:
 @pytest.mark.parametrize("target", ["fsdp", "ray"])
 def test_sbatch_stopped_by_sigterm_saves_and_a_new_job_continues_with_resume(
         target: str, tmp_path: Path, ray_temp: str, local_run: Any) -> None:
-    """What `#SBATCH --signal` sends before the time limit: SIGTERM to the job's srun
-    steps (fsdp: every node's launcher), or to the batch script alone (ray, `B:`: it
-    passes it to the driver). The run checkpoints after its step and exits 143 (ray:
-    the cluster stopped); a new job with RESUME=1 continues: one local run's rows."""
+    """fsdp: what `#SBATCH --signal` sends before the time limit, SIGTERM to the job's
+    srun steps (every node's launcher); ray: a plain `scancel`, SIGTERM to the batch
+    script and every srun step: the Ray nodes hold out until the driver has saved. The
+    run checkpoints after its step, prints the recipe's resume command and exits 143
+    (ray: the cluster stopped, its steps without `srun: error`); a new job with
+    RESUME=1 continues: one local run's rows."""
     overrides, temp = (*SMALL, "trainer.steps=8"), ray_temp
     recipe = {"fsdp": {"PROCS_PER_NODE": "1"}, "ray": {
         "NPROC": "2", "RAY_DASHBOARD_PORT": str(_free_port()),
@@ -214,12 +222,16 @@ def test_sbatch_stopped_by_sigterm_saves_and_a_new_job_continues_with_resume(
     for line in first.stdout:
         seen.append(line)
         if line.startswith("step 2/"):
-            steps = _srun_steps(first.pid) if target == "fsdp" else [first.pid]
-            assert steps, "no srun step found"
+            steps = _srun_steps(first.pid) + ([first.pid] if target == "ray" else [])
+            assert len(steps) >= 2, "no srun step found"
             for pid in steps:
                 os.kill(pid, signal.SIGTERM)
     assert first.wait(timeout=120) == 143, "".join(seen[-40:])
     assert any("stopped by SIGTERM; the last checkpoint is step" in s for s in seen), seen
+    assert any(f"continue with: RESUME=1 GRAPH={GRAPH} RUN_DIR={tmp_path / 'run'} " in s
+               and f"sbatch {ROOT / 'deploy' / 'slurm' / target}.sbatch (a new job; it runs "
+               "flowgraph run " in s for s in seen), seen
+    assert not any(s.startswith("srun: error") for s in seen), seen
     assert not _processes_naming(temp), "the cluster's processes outlived the job"
 
     again = job(RESUME="1")

@@ -88,3 +88,66 @@ def test_a_trained_built_in_s_recipe_is_compiled_once_and_its_plan_kept() -> Non
     plan = recipe_plan("tiny-lm-sft")
     assert recipe_plan("tiny-lm-sft") is plan
     assert plan.trainer == graph_from_yaml(SFT_RECIPE).trainer and plan.target == "local"
+
+
+
+TRAIN_WHEN_TOLD = """
+import sys, time
+from pathlib import Path
+from flowgraph.compilers import export
+from flowgraph.compilers.targets import local
+
+def run_plan(plan, opts):  # the recipe's run, 1 s long: what matters is who runs it
+    time.sleep(1.0)
+    Path(plan.trainer.run_dir).mkdir(parents=True)
+    (Path(plan.trainer.run_dir) / "metrics.jsonl").write_text("")
+
+def export_model(run_dir, name, dest):
+    dest.mkdir()
+    (dest / "config.json").write_text("{}")
+    return dest
+
+local.run_plan, export.export_model = run_plan, export_model
+from flowgraph.compilers.builtin_training import ensure_builtin
+ready, go = Path(sys.argv[1]), Path(sys.argv[2])
+ready.touch()
+while not go.exists():
+    time.sleep(0.05)
+print("folder", ensure_builtin("tiny-lm-sft"), flush=True)
+"""
+"""A process that needs `builtin:tiny-lm-sft` once `argv[2]` exists (`argv[1]`: it is
+imported and waits); its recipe's training is a stand-in of 1 s (the real one is ~60 s
+of CPU)."""
+
+
+@pytest.mark.multiprocess
+def test_processes_that_need_a_trained_built_in_at_once_train_it_once(tmp_path: Path
+                                                                      ) -> None:
+    """Three processes (three runs started together) in an empty cache: one trains
+    `builtin:tiny-lm-sft`, the others say they wait, then all load the same folder."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "FLOWGRAPH_CACHE": str(tmp_path / "cache")}
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", TRAIN_WHEN_TOLD,
+                               str(tmp_path / f"ready-{i}"), str(go)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for i in range(3)]
+    try:
+        while not all((tmp_path / f"ready-{i}").exists() for i in range(3)):
+            assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+            time.sleep(0.1)
+        go.touch()
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    text = "".join(outs)
+    assert text.count("builtin:tiny-lm-sft: training it once") == 1, text
+    assert text.count("builtin:tiny-lm-sft: another process is training it") == 2, text
+    assert len({line for line in text.splitlines() if line.startswith("folder ")}) == 1, text

@@ -4,7 +4,8 @@ group per resource pool.
 `flowgraph run FILE --target ray [--address ADDR]` runs this driver in the launching
 process. With no address it starts an embedded Ray cluster on this machine (as many
 logical CPUs as the plan's bundles need, at least the machine's cores; its node at
-127.0.0.1, so that Ray's own servers listen on loopback alone); with one, it joins that
+127.0.0.1, so that Ray's own servers listen on loopback alone), as its own: never the
+cluster `RAY_ADDRESS` or Ray's `ray_current_cluster` file names; with one, it joins that
 cluster. The driver runs the training loop (`flowgraph.compilers.loop`)
 with a `RayTarget`:
 
@@ -34,16 +35,20 @@ with a `RayTarget`:
   namespace, the prefix of its placement groups' names (`flowgraph/<run name>/<pool>`)
   and of its actors' (`flowgraph/<run name>/<pool>/<index>`), so that `ray list actors`
   and the dashboard tell two runs on one cluster apart. Each worker writes its stdout and
-  stderr to `run_dir/logs/<pool>-<index>.log`, which Ray also forwards to the driver's
-  console (`flowgraph.compilers.targets.ray.worker.log_to`).
+  stderr to `run_dir/logs/<pool>-<index>.log`, after a line naming it, its host, node
+  and pid and when it started; Ray also forwards it to the driver's console
+  (`flowgraph.compilers.targets.ray.worker.log_to`).
 * faults: a worker that dies (its actor is gone, or its peers' process group broke:
-  a node lost whole), or hangs (no answer within `trainer.step_timeout_s`) is noticed
-  at the driver's next wait; the driver kills every worker group, starts them afresh
-  (their placement groups wait, bounded, for a lost node to come back or be replaced:
+  a node lost whole), or hangs (no answer within `trainer.step_timeout_s`: named with
+  its node, pid and log) is noticed at the driver's next wait; the driver kills every
+  worker group, starts them afresh (their placement groups wait, bounded, for a lost
+  node to come back or be replaced:
   `flowgraph.compilers.targets.ray.cluster`), reloads the last checkpoint and goes on from
   the step after it. metrics.jsonl is cut back to that step first, so it ends with
   every step exactly once. After `MAX_RESTARTS` restarts in a row without a completed
-  checkpoint the run stops with the last error.
+  checkpoint the run stops with the last error. A worker lost while the run stops
+  (SIGTERM) is not restarted: the run says that no checkpoint could be written and
+  which steps are lost (`StopUnsaved`).
 
 The room: `driver` (start or join the cluster, run the loop), `target` (`RayTarget`,
 the strategy), `worker` (a pool's Ray actor), `calls` (waiting on workers, placement

@@ -47,15 +47,16 @@ _STEP = re.compile(r"^while executing node .*? at step -?\d+: ")
 """The head of a worker's node error, which `_where` says again."""
 
 
-def answers(refs: Any, timeout: float | None, where: tuple[str, int] | str | None = None
-            ) -> Any:
+def answers(refs: Any, timeout: float | None, where: tuple[str, int] | str | None = None,
+            names: list[str] | None = None) -> Any:
     """ray.get with `timeout` (the step timeout; None: no limit); a dead or silent worker
     raises WorkerLost, a node's own error comes back as it was raised in the worker.
     A worker whose collective broke because a peer died (`process_groups.lost_peer`: gloo's
     closed connection) is a lost worker too: when a whole node goes, the survivors'
     errors reach the driver before Ray (which needs its health checks, ~15 s) reports
     that node's actors dead. `where`: the node and step waited for, or what the worker
-    was doing."""
+    was doing; `names`: who answers each of `refs` (a list), for the message of a
+    timeout, which names those that gave no answer."""
     try:
         return ray.get(refs, timeout=timeout)
     except RayTaskError as exc:
@@ -75,8 +76,20 @@ def answers(refs: Any, timeout: float | None, where: tuple[str, int] | str | Non
     except RayActorError as exc:
         raise WorkerLost(f"a worker died{_where(where)} ({_died(exc)})") from None
     except GetTimeoutError:
-        raise WorkerLost(f"a worker gave no answer for trainer.step_timeout_s = "
-                         f"{timeout} s{_where(where)}; it is taken for dead") from None
+        silent = _silent(refs, names)
+        raise WorkerLost(f"{silent or 'a worker'} gave no answer for trainer.step_timeout_s "
+                         f"= {timeout} s{_where(where)}; "
+                         f"{'they are' if ' and ' in silent else 'it is'} taken for dead"
+                         ) from None
+
+
+def _silent(refs: Any, names: list[str] | None) -> str:
+    """Who of `names` (one for each of `refs`) has not answered yet ("" when unknown)."""
+    if not names or not isinstance(refs, list) or len(refs) != len(names):
+        return ""
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    done = set(ready)
+    return " and ".join(n for ref, n in zip(refs, names, strict=True) if ref not in done)
 
 
 def _dead_among(refs: Any, where: tuple[str, int] | str | None) -> None:

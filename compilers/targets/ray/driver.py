@@ -8,6 +8,7 @@ import importlib.util
 import os
 import secrets
 import socket
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -69,13 +70,29 @@ def start_ray(plan: ExecutionPlan, address: str | None) -> None:
                 f"leave out {option('address', Word('ADDR'))} for a local cluster") from None
         _namespace_free(plan, address)
         return
+    _unjoined_address()
     _private_token()
     before = child_pids()
     with _loopback_node():
-        ray.init(num_cpus=cluster_cpus(plan), include_dashboard=False, log_to_driver=True,
-                 configure_logging=False, runtime_env=env, namespace=namespace(plan),
-                 _node_ip_address="127.0.0.1")
+        # `local`: a cluster of its own, whatever `RAY_ADDRESS` or the `ray_current_cluster`
+        # file in Ray's temp dir (left by a `ray start` that died) says; with no address
+        # Ray would join what they name and refuse this call's `num_cpus`
+        ray.init(address="local", num_cpus=cluster_cpus(plan), include_dashboard=False,
+                 log_to_driver=True, configure_logging=False, runtime_env=env,
+                 namespace=namespace(plan), _node_ip_address="127.0.0.1")
     reap_with_parent(child_pids() - before)  # a killed driver takes the cluster along
+
+
+def _unjoined_address() -> None:
+    """A note when `RAY_ADDRESS` names a cluster and no `--address` was given: the run
+    starts its own cluster (one is joined only with `--address`; `--address auto` joins
+    the one `RAY_ADDRESS` names, as in a `ray job submit` job, which Ray gives it)."""
+    named = os.environ.get("RAY_ADDRESS", "").strip()
+    if not named or named == "local":
+        return
+    print(f"flowgraph: note: RAY_ADDRESS={named} is set and {option('address', Word('ADDR'))} "
+          f"is not: this run starts a Ray cluster of its own on this machine; to join that "
+          f"cluster, add {option('address', 'auto')}", file=sys.stderr, flush=True)
 
 
 @contextmanager

@@ -22,7 +22,12 @@ from flowgraph.compilers.target import Report
 from flowgraph.compilers.targets import process_groups
 from flowgraph.compilers.targets.ray.calls import answers, ray_name, reserve
 from flowgraph.compilers.targets.ray.cluster import check_fits, cluster_nodes
-from flowgraph.compilers.targets.ray.worker import DRIVER_MARKER, RayWorker, worker_marker
+from flowgraph.compilers.targets.ray.worker import (
+    DRIVER_MARKER,
+    RayWorker,
+    worker_log,
+    worker_marker,
+)
 from flowgraph.compilers.targets.shared_run_dir import draw_token, mark, marked, not_one_run_dir
 from flowgraph.compilers.worker import ExecOptions, Worker
 from flowgraph.errors import FlowgraphError, WorkerLost
@@ -48,6 +53,8 @@ class Group:
     pool: PoolPlan
     workers: list[Any]
     pg: Any
+    names: list[str] | None = None
+    """Each worker as a message names it: its pool and rank, Ray node and pid, its log."""
 
 
 class RayTarget:
@@ -99,11 +106,15 @@ class RayTarget:
         # Set up every group at once: workers of a group rendezvous with each other.
         pending = []
         for group in self.groups.values():
-            nodes = self._get([w.node.remote() for w in group.workers], timed=False)
-            for i, node in enumerate(nodes):
-                self.held.setdefault(node, []).append(f"worker {i} of pool `{group.pool.name}`")
-            addr, port = self._get(group.workers[0].endpoint.remote(len(set(nodes)) == 1),
-                                   timed=False)
+            placed = self._get([w.node.remote() for w in group.workers], timed=False)
+            name = group.pool.name
+            for i, (node, *_) in enumerate(placed):
+                self.held.setdefault(node, []).append(f"worker {i} of pool `{name}`")
+            group.names = [f"worker {i} of pool `{name}` (node {address}, pid {pid}; its "
+                           f"output: {worker_log(Path(), name, i)} in the run dir)"
+                           for i, (_, address, pid) in enumerate(placed)]
+            one_node = len({node for node, *_ in placed}) == 1
+            addr, port = self._get(group.workers[0].endpoint.remote(one_node), timed=False)
             pending += [w.setup.remote(addr, port, str(self.opts.run_dir),
                                        str(checkpoint) if checkpoint else None)
                         for w in group.workers]
@@ -140,9 +151,9 @@ class RayTarget:
                 for name, g in self.groups.items()}
 
     def _get(self, refs: Any, where: tuple[str, int] | str | None = None, *,
-             timed: bool = True) -> Any:
+             timed: bool = True, names: list[str] | None = None) -> Any:
         return answers(refs, (self.plan.trainer.step_timeout_s or None) if timed else None,
-                       where)
+                       where, names)
 
     def trained_weights(self, models: list[str], *, changed: bool) -> list[Any]:
         """The current weights of trained `models`, whole (model -> name -> tensor, on
@@ -179,7 +190,8 @@ class RayTarget:
             dp = [{"dp_rank": w, "dp_size": world} if cut is not None and cut.shared else {}
                   for w in range(world)]  # broadcast: an update takes its share
             results = self._get([wk.call.remote(name, shared, step, params, dp[w])
-                                 for w, wk in enumerate(group.workers)], (name, step))
+                                 for w, wk in enumerate(group.workers)], (name, step),
+                                names=group.names)
         else:
             assert cut is not None
             parts = [cut.parts(w) for w in range(world)]
@@ -187,7 +199,8 @@ class RayTarget:
             results = self._get([wk.call.remote(name, {**shared, **parts[w]}, step, params,
                                                 {"dp_rank": w, "dp_size": world,
                                                  "row_offset": slices.bounds[w][0]})
-                                 for w, wk in enumerate(group.workers)], (name, step))
+                                 for w, wk in enumerate(group.workers)], (name, step),
+                                names=group.names)
         for w, r in enumerate(results):
             self.worker_times.setdefault(f"{placed.pool}/{w}", {})[f"timing_s/{name}"] = r[1]
         outputs = results[0][0] if slices is None else process_groups.join_outputs(
@@ -205,8 +218,9 @@ class RayTarget:
             self.worker.evaluate_update(name, inputs, step, params, metrics)
             return
         shared = {port: ray.put(v) for port, v in inputs.items()}
+        group = self.groups[placed.pool]
         results = self._get([wk.evaluate.remote(name, shared, step, params)
-                             for wk in self.groups[placed.pool].workers], (name, step))
+                             for wk in group.workers], (name, step), names=group.names)
         metrics.update(results[0])
 
     def report(self, step: int, metrics: dict[str, float]) -> list[Report]:
@@ -236,8 +250,10 @@ class RayTarget:
     def save(self, step: int, state: dict[str, Any], rollouts: list[Rollout] | None
              ) -> None:
         tmp = begin_checkpoint(self.opts.run_dir, step, "tmp-ray")
-        self._get([w.save.remote(str(tmp)) for g in self.groups.values() for w in g.workers],
-                  f"while saving the checkpoint of step {step}")
+        groups = self.groups.values()
+        self._get([w.save.remote(str(tmp)) for g in groups for w in g.workers],
+                  f"while saving the checkpoint of step {step}",
+                  names=[n for g in groups for n in g.names or ()] or None)
         publish_checkpoint(tmp, state, keep=self.plan.trainer.max_checkpoints,
                            rollouts=rollouts)
 

@@ -9,14 +9,17 @@ row its slice starts at. Tensors arrive by value or as object-store references.
 A worker's stdout and stderr (Python's prints and warnings, C libraries' output, a
 crash's last words) go to `run_dir/logs/<pool>-<rank>.log` (`log_to`), and on to Ray's
 own files of the worker, which Ray forwards to the driver's console with the
-worker's name as prefix (`(actor_rollout_ref-0 pid=...)`).
+worker's name as prefix (`(actor_rollout_ref-0 pid=...)`); the log begins with a line
+naming the worker, its host and node, its pid and when it started, as an fsdp rank's.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from contextlib import suppress
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +50,7 @@ class RayWorker:
         """`sent`: the plan's JSON and its Python objects, pickled (`pickled_objects`)."""
         self.label = f"{pool}-{rank}"
         os.chdir(cwd)  # model and data paths are relative to where the run started
-        log_to(worker_log(Path(run_dir), pool, rank))
+        log_to(worker_log(Path(run_dir), pool, rank), f"worker {rank} of pool `{pool}`")
         quiet_hf()
         sys.path[:0] = [p for p in path if p not in sys.path]
         self.plan = plan_from_json(sent[0]).with_pickled(sent[1])
@@ -60,16 +63,15 @@ class RayWorker:
         """The prefix of this worker's lines on the driver's console (Ray's)."""
         return self.label
 
-    def node(self) -> str:
-        """The Ray node this worker runs on."""
-        return str(ray.get_runtime_context().get_node_id())
+    def node(self) -> tuple[str, str, int]:
+        """The Ray node this worker runs on (its id, its address) and this worker's pid."""
+        return (str(ray.get_runtime_context().get_node_id()), ray.util.get_node_ip_address(),
+                os.getpid())
 
     def endpoint(self, one_node: bool) -> tuple[str, int]:
         """(address, free port) of the pool's process-group store, which this worker (0)
         serves on that address alone: 127.0.0.1 when the whole group is on this node, else
         the node's address in the cluster (`ray start --node-ip-address`)."""
-        import socket
-
         addr = "127.0.0.1" if one_node else ray.util.get_node_ip_address()
         with socket.socket(socket.AF_INET6 if ":" in addr else socket.AF_INET) as s:
             s.bind((addr, 0))
@@ -181,12 +183,16 @@ def worker_log(run_dir: Path, pool: str, rank: int) -> Path:
     return run_dir / "logs" / f"{pool}-{rank}.log"
 
 
-def log_to(log: Path) -> None:
+def log_to(log: Path, who: str) -> None:
     """This worker's stdout and stderr appended to `log`, at the file descriptors (so C
     libraries' output and a crash's traceback land there too), and copied on to the
     stderr Ray gave the process, which Ray forwards to the driver's console
-    (`flowgraph.compilers.logs.tee`, merged)."""
-    tee(log, merged=True)
+    (`flowgraph.compilers.logs.tee`, merged); first a line saying `who` started where
+    and when (as an fsdp rank's log begins)."""
+    tee(log, merged=True).note(
+        f"flowgraph: {who} started (host {socket.gethostname()}, node "
+        f"{ray.util.get_node_ip_address()}, pid {os.getpid()}, "
+        f"{datetime.now(timezone.utc).isoformat(timespec='seconds')})")
 
 
 def _values(inputs: dict[str, Any]) -> dict[str, Any]:
