@@ -55,6 +55,7 @@ from flowgraph.agent.episodes import (
     ToolTimeout,
     apply_on_error,
     cut_message,
+    numbered,
     score_of,
 )
 from flowgraph.agent.parsers import ToolCallParser
@@ -260,7 +261,8 @@ class Session:
         native episodes hold them) and as the client gets it (arguments as JSON text).
         A turn with a call the parser cannot read is all content, as vLLM answers it."""
         text = self.decode(ids, stopped)
-        content, calls = self.owner.parser.parse(text)
+        content, parsed = self.owner.parser.parse(text)
+        calls = numbered(parsed, self.run.episode.tool_calls)
         if not calls or any(c.error is not None for c in calls):
             turn: Message = {"role": "assistant", "content": text if calls else content}
             return turn, dict(turn)
