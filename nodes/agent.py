@@ -342,7 +342,7 @@ def _failures(ctx: NodeContext, runs: list[Run], on_error: str) -> None:
         first = failed[0] if failed else None
         raise AgentError(
             f"every episode of step {ctx.step} ended `timeout` or `error`: nothing to train "
-            "on (a bug in the env or its tools rather than a flaky call)"
+            "on (a bug in the env, its tools or the agent program rather than a flaky call)"
             + (f"; row {first.row}: {first.episode.error}" if first else "")) \
             from (first.failure if first else None)
     new = [r for r in failed if r.episode.error not in _SAID]

@@ -4,6 +4,8 @@ depend on how rows are split across workers."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -164,6 +166,40 @@ def test_failed_episodes_are_said_once_and_all_failed_stops_the_run(capsys):
     assert capsys.readouterr().err == ""  # said once
     with pytest.raises(AgentError, match="every episode of step 3 ended"):
         run(model, tok, rows=ROWS[:1], env=Flaky, max_turns=1)
+
+
+class Sleepy(Env):
+    """Sleeps past the turn's timeout in `reset`: every episode times out."""
+
+    def reset(self, task):
+        time.sleep(2.0)
+        return task["prompt"]
+
+
+async def never_asks(task, client):
+    """A black-box agent that never calls the endpoint."""
+    return 1.0
+
+
+@pytest.mark.parametrize("fails", [
+    {"env": Sleepy, "turn_timeout_s": 0.2},
+    {"agent": never_asks, "env": None},
+], ids=["timeout", "never_calls_the_endpoint"])
+def test_when_every_episode_fails_the_report_is_one_clear_message(fails):
+    # the reporter crashed: an episode's failure is made, never raised, so the
+    # AgentError's cause has no traceback (IndexError in worker.user_frame)
+    from flowgraph.agent.episodes import AgentError
+    from flowgraph.compilers.worker import user_frame
+
+    model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
+    with pytest.raises(AgentError) as info:
+        run(model, tok, rows=ROWS[:1], **{"max_turns": 1} | fails)
+    assert str(info.value).startswith("every episode of step 3 ended `timeout` or `error`")
+    assert ("ran past turn_timeout_s = 0.2 s" if fails["env"] else
+            "returned without asking the endpoint") in str(info.value)
+    assert info.value.__cause__ is not None and info.value.__cause__.__traceback__ is None
+    frame = user_frame(info.value)  # where the AgentError was raised
+    assert frame.filename.endswith("agent.py") and "AgentError" in (frame.line or "")
 
 
 def test_an_env_knows_its_row_and_seed_however_rows_are_split():
