@@ -62,6 +62,7 @@ from flowgraph.agent.parsers import ToolCallParser
 from flowgraph.agent.render import ChatRenderer
 from flowgraph.agent.server import Server
 from flowgraph.agent.wire import (
+    EndpointError,
     answer_message,
     chat_choice,
     check_sampling,
@@ -129,7 +130,22 @@ class Session:
     def fail(self, exc: Exception) -> None:
         self.run.end("error", exc)
 
+    def one_at_a_time(self) -> None:
+        """Refuse a request while the session's previous one waits for its turn (two
+        branches of a LangGraph graph, an `asyncio.gather`): a row holds one chain of
+        turns, and both would extend it. The episode ends `error`, so it trains on
+        nothing, and the request is answered at once (409) instead of waiting until
+        turn_timeout_s."""
+        if self.pending is None or self.pending.done():
+            return
+        message = ("two completions at once on one episode's session (parallel branches, "
+                   "asyncio.gather): concurrent completions on one session are not "
+                   "supported yet; await each completion before asking for the next")
+        self.run.end("error", FlowgraphError(message))
+        raise EndpointError(409, message)
+
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.one_at_a_time()
         owner = self.owner
         room = check_sampling(body, owner.temperature, owner.top_p, owner.limits.turn_tokens)
         messages = request_messages(body)
@@ -146,6 +162,7 @@ class Session:
         return self.reply("chat.completion", chat_choice(message, stopped, pieces), len(ids))
 
     async def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.one_at_a_time()
         owner = self.owner
         room = check_sampling(body, owner.temperature, owner.top_p, owner.limits.turn_tokens)
         ended = self.text_prompt(request_prompt(body))

@@ -287,6 +287,39 @@ def test_programs_past_the_concurrency_start_later_with_the_same_rows(model_and_
     assert all_at_once["status"] == two_at_a_time["status"]
 
 
+ANSWERS: list[object] = []
+
+
+async def branching(task, client):
+    """Two branches at once on one session (LangGraph's parallel branches); the second
+    row's program is a plain loop."""
+    import asyncio
+
+    if task["prompt"] != ROWS[0]["prompt"]:
+        return await program(task, client)
+    ask = [{"role": "user", "content": task["prompt"]}]
+    ANSWERS.extend(await asyncio.gather(
+        client.chat.completions.create(model="m", messages=ask),
+        client.chat.completions.create(model="m", messages=ask), return_exceptions=True))
+    return 1.0
+
+
+def test_two_completions_at_once_on_a_session_are_refused_at_once(model_and_tok):
+    # they hung until turn_timeout_s, reported as "the agent program worked past" it
+    import openai
+
+    model, tok = model_and_tok
+    ANSWERS.clear()
+    out, _ = run(model, tok, rows=ROWS[:2], agent=branching, n=1, turn_timeout_s=8.0)
+    refused = [a for a in ANSWERS if isinstance(a, openai.APIStatusError)]
+    assert len(ANSWERS) == 2 and len(refused) == 1 and refused[0].status_code == 409
+    assert "concurrent completions on one session are not supported yet" in str(refused[0])
+    assert out["status"][0] == "error" and out["status"][1] != "error"
+    error = out["reward_extra_info"][0]["error"]
+    assert "concurrent completions on one session are not supported yet" in error
+    assert not out["response_mask"][0].any()  # on_error mask: nothing trained
+
+
 def test_a_missing_endpoint_package_names_the_extra(model_and_tok, monkeypatch):
     import importlib.util
 
