@@ -225,6 +225,7 @@ def agent_rollout(
                        atol=1e-3 if backend == "hf" else 5e-2)
     out |= _objects(runs, n, rows_each, ground_truth, data_source, extra_info, row)
     _metrics(ctx, runs, out, rows_each)
+    _cut_calls(ctx, runs, turn_tokens)
     _failures(ctx, runs, on_error)
     out["index"] = torch.tensor(rows).repeat_interleave(n * rows_each)
     out["episode"] = _episode_ids(runs, rows, n, rows_each)
@@ -355,10 +356,28 @@ def _failures(ctx: NodeContext, runs: list[Run], on_error: str) -> None:
           f"{new[0].row}: {new[0].episode.error}", file=sys.stderr, flush=True)
 
 
+def _cut_calls(ctx: NodeContext, runs: list[Run], turn_tokens: int) -> None:
+    """Once per node and process, on stderr: turns cut by their token limit inside a tool
+    call (`agent/finish/length` counts every cut turn each step). Such a call cannot be
+    read, so it trains as a turn without a call: an agent whose every call is cut trains
+    on nothing it meant to do."""
+    cut = sum(r.cut_calls for r in runs)
+    if not cut or f"cut:{ctx.node}" in _SAID:
+        return
+    _SAID.add(f"cut:{ctx.node}")
+    turns = sum(r.episode.turns for r in runs)
+    print(f"flowgraph: node `{ctx.node}` step {ctx.step}: {cut} of {turns} turns were cut "
+          f"inside a tool call by their token limit (a black-box agent's own `max_tokens`, "
+          f"or max_turn_tokens = {turn_tokens}): the call cannot be read, so the turn is "
+          "answered and trained as text without a call. Raise the limit (said once; "
+          "agent/finish/length counts cut turns every step)", file=sys.stderr, flush=True)
+
+
 def _metrics(ctx: NodeContext, runs: list[Run], out: Mapping[str, Tensor], rows_each: int
              ) -> None:
     """`agent/turns`, `agent/tool_calls`, `agent/tool_time_s`, `agent/forks` (a black-box
-    agent's histories that did not extend its session's), `agent/versions_per_episode`
+    agent's histories that did not extend its session's), `agent/finish/length` (turns
+    cut by a token limit before their stop token), `agent/versions_per_episode`
     (the policy versions that sampled an episode's trained tokens, over the episodes that
     have some: more than 1 only with partial rollouts; the others are means per episode) and
     `agent/status/<status>` (fractions), over every worker's episodes. With
@@ -368,7 +387,8 @@ def _metrics(ctx: NodeContext, runs: list[Run], out: Mapping[str, Tensor], rows_
             "turns": float(sum(r.episode.turns for r in runs)),
             "tool_calls": float(sum(r.episode.tool_calls for r in runs)),
             "tool_time_s": sum(r.episode.tool_time_s for r in runs),
-            "forks": float(sum(r.extra.get("forks", 0) for r in runs))}
+            "forks": float(sum(r.extra.get("forks", 0) for r in runs)),
+            "finish/length": float(sum(r.cut for r in runs))}
     if rows_each > 1:
         sums |= {"rows": float(sum(len(r.rows()) for r in runs)),
                  "forks_dropped": float(sum(r.dropped for r in runs))}

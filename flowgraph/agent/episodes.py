@@ -133,6 +133,17 @@ class Run:
     """The episode's earlier rows, each closed by a fork."""
     dropped: int = 0
     """Forks whose chain so far was not kept (no row left for it)."""
+    cut: int = 0
+    """Turns that ended without their stop token: cut by a token limit (`max_turn_tokens`,
+    a black-box agent's own `max_tokens`), finish_reason `length`."""
+    cut_calls: int = 0
+    """Of those, the turns cut inside a tool call: a call the parser cannot read."""
+
+    def count_cut(self, stopped: bool, calls: Sequence[ToolCall]) -> None:
+        """A sampled turn's finish: cut by a limit (inside a tool call) or stopped."""
+        if not stopped:
+            self.cut += 1
+            self.cut_calls += any(c.error is not None for c in calls)
 
     def __post_init__(self) -> None:
         self.episode = Episode(task=self.task)
@@ -366,6 +377,7 @@ class Episodes:
         text = self.renderer.tokenizer.decode(ids[:-1] if stopped else ids)
         content, parsed = self.parser.parse(text)
         calls = numbered(parsed, run.episode.tool_calls)
+        run.count_cut(stopped, calls)
         message: Message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {

@@ -280,6 +280,7 @@ class Session:
         text = self.decode(ids, stopped)
         content, parsed = self.owner.parser.parse(text)
         calls = numbered(parsed, self.run.episode.tool_calls)
+        self.run.count_cut(stopped, calls)
         if not calls or any(c.error is not None for c in calls):
             turn: Message = {"role": "assistant", "content": text if calls else content}
             return turn, dict(turn)

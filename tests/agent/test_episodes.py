@@ -233,6 +233,12 @@ def test_a_raising_tool_is_an_error_status_and_the_others_go_on(tok, on_error):
     assert failed.episode.tool_calls == fine.episode.tool_calls == 1
 
 
+def test_a_turn_cut_inside_a_tool_call_is_counted(tok):
+    _, (run,) = play(make(tok, turn_tokens=8), tok, [[CALL, "42"]])
+    assert run.cut == run.cut_calls == 1  # the call, cut at 8 tokens; "42" stopped
+    assert run.episode.status == "completed"
+
+
 def test_tool_call_ids_are_unique_in_their_episode(tok):
     # every turn's first call was `call_0`: a client keying results by id mixed them up
     two = CALL + CALL
