@@ -93,8 +93,19 @@ def test_the_first_rollout_catches_rows_a_trainer_would_read_otherwise(monkeypat
     model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
     monkeypatch.setattr(logprob_mod, "response_span", lambda mask: mask)
     monkeypatch.setattr(agent_node, "_CHECKED", set())
-    with pytest.raises(FlowgraphError, match="differ from the sampler's"):
+    with pytest.raises(FlowgraphError, match="differ from the sampler's") as info:
         run(model, tok, node="fresh")
+    assert "(over 0.001, the tolerance for float32 compute)" in str(info.value)
+    assert "or the precision rounds more than that" in str(info.value)
+
+
+def test_the_self_checks_tolerance_follows_the_compute_dtype():
+    model = load_model("builtin:tiny-lm")
+    assert agent_node.sampler_tolerance(model, "hf") == 1e-3
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # `dtype: bfloat16`'s node calls
+        assert agent_node.sampler_tolerance(model, "hf") == 0.25
+    assert agent_node.sampler_tolerance(model.to(torch.bfloat16), "hf") == 0.25
+    assert agent_node.sampler_tolerance(model.float(), "vllm") == 5e-2
 
 
 def test_reward_functions_read_whole_episodes():
