@@ -37,6 +37,9 @@ train nothing), every per-episode output (score, status, messages, …) on each 
 its reward once, at its last trained token, and `episode` naming it (-1 on unused rows)
 for grpo and rloo to count episodes, not rows.
 
+One module past ~450 lines, on purpose: one kind, its turn loop with the tensors,
+metrics, failures and self-check (`check_rows`, its `TOLERANCE`) of what the loop made.
+
 Notation: b rows given, n episodes per row, r = b·n, P prompt length, T response
 length, K = max_turns, c = rows_per_episode (b·n·c rows out).
 """

@@ -540,7 +540,8 @@ def _kept(tokenizer: Any, tokens: list[list[int]], room: int, side: str,
         half = room // 2
         front, back = front[:half], front[half:][-(room - half):]
     # a character whose bytes the cut split decodes as U+FFFD: not shown
-    head, tail = tokenizer.decode(front).rstrip("\ufffd"), tokenizer.decode(back).lstrip("\ufffd")
+    head: str = tokenizer.decode(front).rstrip("\ufffd")
+    tail: str = tokenizer.decode(back).lstrip("\ufffd")
     if content is None:
         return head + tail
     return head + _marker(len(content) - len(head) - len(tail)) + tail

@@ -34,6 +34,9 @@ tokens and `finish_reason: length` (status `max_turns` / `context_exhausted`): t
 program ends as a client would, and its return value is the episode's reward.
 
 Torch-free; the caller samples (`Sessions` has `Episodes`' interface).
+
+One module past ~450 lines, on purpose: one state machine, a session's row as its
+requests extend or fork it (`Session`) and the rollout's phases over them (`Sessions`).
 """
 
 from __future__ import annotations
