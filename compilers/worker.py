@@ -302,8 +302,10 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary:
     """The innermost frame of the node's own code: below the executor's call, outside
     the standard library and installed packages (torch, transformers...); the innermost
     frame of all when every frame is a library's (a node installed as a package)."""
-    while exc.__cause__ is not None:  # re-raised with context (a reward fn's row): the
-        exc = exc.__cause__          # frame is the original error's
+    # re-raised with context (a reward fn's row): the frame is the original error's; a
+    # cause never raised (an episode's timeout, made and recorded) has no frame of its own
+    while exc.__cause__ is not None and exc.__cause__.__traceback__ is not None:
+        exc = exc.__cause__
     frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0]: the executor's call
     if isinstance(exc, NodeTimeout):  # the last: the alarm's handler, not the node's line
         frames = frames[:-1]

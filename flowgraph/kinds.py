@@ -325,7 +325,7 @@ _KINDS = (
             _i("max_turn_tokens", None, "tokens one assistant turn may sample; null: what is "
                "left of T"),
             _i("max_tool_tokens", 256, "tokens one tool result (or env message) may take; "
-               "longer ones are cut"),
+               "longer ones are cut, the `...(N chars cut)` marker counted in them"),
             _s("truncate_side", "middle", ("left", "middle", "right"),
                "which part of a long tool result is cut: left keeps its end, right its "
                "start, middle both ends (verl's tool_response_truncate_side)"),

@@ -41,7 +41,7 @@ from flowgraph.agent.tools import Tool, tools_of
 from flowgraph.errors import FlowgraphError
 
 __all__ = ["FAILED", "AgentError", "AgentLoop", "Chain", "Episodes", "Limits", "Run",
-           "apply_on_error", "cut_message", "own_frame", "score_of"]
+           "apply_on_error", "cut_message", "numbered", "own_frame", "score_of"]
 
 FAILED = ("timeout", "error")
 """Statuses `on_error` applies to."""
@@ -133,6 +133,17 @@ class Run:
     """The episode's earlier rows, each closed by a fork."""
     dropped: int = 0
     """Forks whose chain so far was not kept (no row left for it)."""
+    cut: int = 0
+    """Turns that ended without their stop token: cut by a token limit (`max_turn_tokens`,
+    a black-box agent's own `max_tokens`), finish_reason `length`."""
+    cut_calls: int = 0
+    """Of those, the turns cut inside a tool call: a call the parser cannot read."""
+
+    def count_cut(self, stopped: bool, calls: Sequence[ToolCall]) -> None:
+        """A sampled turn's finish: cut by a limit (inside a tool call) or stopped."""
+        if not stopped:
+            self.cut += 1
+            self.cut_calls += any(c.error is not None for c in calls)
 
     def __post_init__(self) -> None:
         self.episode = Episode(task=self.task)
@@ -364,12 +375,16 @@ class Episodes:
         run = self.runs[i]
         ids = run.turn
         text = self.renderer.tokenizer.decode(ids[:-1] if stopped else ids)
-        content, calls = self.parser.parse(text)
+        content, parsed = self.parser.parse(text)
+        calls = numbered(parsed, run.episode.tool_calls)
+        run.count_cut(stopped, calls)
         message: Message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
                 "name": c.name, "arguments": c.arguments}} for c in calls]
         run.episode.messages.append(message)
+        # counted before they run: a call that raises or times out was still made
+        run.episode.tool_calls += len(calls)
         reward, done, new = 0.0, False, []
         if calls:
             for call in calls:
@@ -377,7 +392,6 @@ class Episodes:
                 reward += result.reward
                 new.append({"role": "tool", "name": call.name, "tool_call_id": call.id,
                             "content": result.content})
-            run.episode.tool_calls += len(calls)
         else:
             env = run.env
             step = await _call(env.step, message)
@@ -437,6 +451,14 @@ class Episodes:
             await _call(env.close)
 
 
+def numbered(calls: Sequence[ToolCall], made: int) -> list[ToolCall]:
+    """A turn's calls with ids unique in their episode, `call_<made>` on (`made`: the
+    calls of its earlier turns): a parser numbers the calls of one turn, and a client
+    that keys tool results by id (an OpenAI agent's dict of them) would mix up two
+    turns' `call_0`."""
+    return [replace(c, id=f"call_{made + k}") for k, c in enumerate(calls)]
+
+
 def apply_on_error(runs: list[Run], on_error: str) -> list[Run]:
     """`runs` with `on_error` applied to the failed ones (`FAILED`): raise AgentError
     naming the first, or score 0 (and no token trained, for `mask`)."""
@@ -458,24 +480,75 @@ def apply_on_error(runs: list[Run], on_error: str) -> list[Run]:
     return runs
 
 
+CHARS_PER_TOKEN = 32
+"""Characters of a long message tokenized per token it may keep: a token of the
+tokenizers met spans a few characters (a long whitespace run in code up to ~16), so
+32 of them hold the kept tokens, and a 1 MB tool result costs the tokenizer
+`32 × max_tool_tokens` characters, not a megabyte."""
+
+
 def cut_message(message: Message, tokenizer: Any, limits: Limits) -> Message:
-    """`message` with its content cut to `limits.tool_tokens` tokens on `truncate_side`
-    (a tool result or env message the policy reads)."""
+    """`message` with its content cut to `limits.tool_tokens` tokens on `truncate_side`,
+    the `...(N chars cut)` marker counted in them (a tool result or env message the
+    policy reads). A content longer than `CHARS_PER_TOKEN` characters a token is cut by
+    characters first, so a flood is never tokenized whole. A limit the marker does not
+    fit in keeps `tool_tokens` tokens of the content alone."""
     content = message.get("content")
     if not isinstance(content, str):
         return message
-    limit = limits.tool_tokens
-    ids = tokenizer(content, add_special_tokens=False).input_ids
-    if len(ids) <= limit:
+    limit, side = limits.tool_tokens, limits.truncate_side
+    front, back = _by_characters(content, CHARS_PER_TOKEN * limit, side)
+    tokens = tokenizer([front, back], add_special_tokens=False).input_ids
+    if front + back == content and len(tokens[0]) + len(tokens[1]) <= limit:
         return message
-    side, half = limits.truncate_side, limit // 2
-    kept = (ids[-limit:] if side == "left" else ids[:limit] if side == "right"
-            else ids[:half] + ids[len(ids) - (limit - half):])
-    cut = f"...({len(ids) - limit} tokens cut)"
-    text = tokenizer.decode(kept)
-    text = (cut + text if side == "left" else text + cut if side == "right"
-            else tokenizer.decode(kept[:half]) + cut + tokenizer.decode(kept[half:]))
-    return {**message, "content": text}
+    marker = len(tokenizer(_marker(len(content)), add_special_tokens=False).input_ids)
+    for said in (content, None):  # with the marker; without, where it does not fit
+        room = limit - (marker if said is not None else 0)
+        while room > 0:  # decoded pieces can tokenize longer than their ids: shrink
+            text = _kept(tokenizer, tokens, room, side, said)  # until the whole fits
+            over = len(tokenizer(text, add_special_tokens=False).input_ids) - limit
+            if over <= 0:
+                return {**message, "content": text}
+            room -= over
+    return {**message, "content": ""}
+
+
+def _by_characters(content: str, bound: int, side: str) -> tuple[str, str]:
+    """The text kept at the front and at the back of `content`, `bound` characters in all."""
+    if len(content) <= bound:
+        return content, ""
+    if side == "left":
+        return "", content[-bound:]
+    if side == "right":
+        return content[:bound], ""
+    return content[:bound // 2], content[len(content) - (bound - bound // 2):]
+
+
+def _kept(tokenizer: Any, tokens: list[list[int]], room: int, side: str,
+          content: str | None) -> str:
+    """`room` tokens of the front and back pieces on `side`, with the marker saying how
+    many characters of `content` were cut (None: no marker)."""
+    front, back = tokens
+    if side == "left":
+        front, back = [], (front + back)[-room:]
+    elif side == "right":
+        front, back = (front + back)[:room], []
+    elif back:  # cut by characters in the middle already: each piece gives its half
+        half = room // 2
+        front, back = front[:half], back[-(room - half):]
+    else:
+        half = room // 2
+        front, back = front[:half], front[half:][-(room - half):]
+    # a character whose bytes the cut split decodes as U+FFFD: not shown
+    head: str = tokenizer.decode(front).rstrip("\ufffd")
+    tail: str = tokenizer.decode(back).lstrip("\ufffd")
+    if content is None:
+        return head + tail
+    return head + _marker(len(content) - len(head) - len(tail)) + tail
+
+
+def _marker(cut: int) -> str:
+    return f"...({cut} chars cut)"
 
 
 def score_of(value: Any, who: str) -> tuple[float, dict[str, Any]]:

@@ -33,7 +33,8 @@ class ToolCall:
     arguments: dict[str, Any] = field(hash=False)
     """Its arguments, decoded ({} for a call with an error)."""
     id: str
-    """`call_0`, `call_1`, ... in the order of the turn: the tool message's `tool_call_id`."""
+    """`call_0`, `call_1`, ... in the order of the turn: the tool message's `tool_call_id`
+    (the rollout renumbers them across the episode's turns: `episodes.numbered`)."""
     error: str | None = None
     """Why the call could not be read, for the model (None: a well-formed call)."""
 

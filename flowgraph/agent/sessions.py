@@ -34,6 +34,9 @@ tokens and `finish_reason: length` (status `max_turns` / `context_exhausted`): t
 program ends as a client would, and its return value is the episode's reward.
 
 Torch-free; the caller samples (`Sessions` has `Episodes`' interface).
+
+One module past ~450 lines, on purpose: one state machine, a session's row as its
+requests extend or fork it (`Session`) and the rollout's phases over them (`Sessions`).
 """
 
 from __future__ import annotations
@@ -55,12 +58,14 @@ from flowgraph.agent.episodes import (
     ToolTimeout,
     apply_on_error,
     cut_message,
+    numbered,
     score_of,
 )
 from flowgraph.agent.parsers import ToolCallParser
 from flowgraph.agent.render import ChatRenderer
 from flowgraph.agent.server import Server
 from flowgraph.agent.wire import (
+    EndpointError,
     answer_message,
     chat_choice,
     check_sampling,
@@ -128,7 +133,22 @@ class Session:
     def fail(self, exc: Exception) -> None:
         self.run.end("error", exc)
 
+    def one_at_a_time(self) -> None:
+        """Refuse a request while the session's previous one waits for its turn (two
+        branches of a LangGraph graph, an `asyncio.gather`): a row holds one chain of
+        turns, and both would extend it. The episode ends `error`, so it trains on
+        nothing, and the request is answered at once (409) instead of waiting until
+        turn_timeout_s."""
+        if self.pending is None or self.pending.done():
+            return
+        message = ("two completions at once on one episode's session (parallel branches, "
+                   "asyncio.gather): concurrent completions on one session are not "
+                   "supported yet; await each completion before asking for the next")
+        self.run.end("error", FlowgraphError(message))
+        raise EndpointError(409, message)
+
     async def chat(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.one_at_a_time()
         owner = self.owner
         room = check_sampling(body, owner.temperature, owner.top_p, owner.limits.turn_tokens)
         messages = request_messages(body)
@@ -145,6 +165,7 @@ class Session:
         return self.reply("chat.completion", chat_choice(message, stopped, pieces), len(ids))
 
     async def completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        self.one_at_a_time()
         owner = self.owner
         room = check_sampling(body, owner.temperature, owner.top_p, owner.limits.turn_tokens)
         ended = self.text_prompt(request_prompt(body))
@@ -260,7 +281,9 @@ class Session:
         native episodes hold them) and as the client gets it (arguments as JSON text).
         A turn with a call the parser cannot read is all content, as vLLM answers it."""
         text = self.decode(ids, stopped)
-        content, calls = self.owner.parser.parse(text)
+        content, parsed = self.owner.parser.parse(text)
+        calls = numbered(parsed, self.run.episode.tool_calls)
+        self.run.count_cut(stopped, calls)
         if not calls or any(c.error is not None for c in calls):
             turn: Message = {"role": "assistant", "content": text if calls else content}
             return turn, dict(turn)

@@ -13,7 +13,8 @@
 - FG602 (timeouts): a timeout of 0 is no timeout; a hung tool must end its episode,
   never the run (`episodes.py` would even time every call out at once), so 0 is an
   error naming the tools that would take it. A tool's timeout over the turn's, or the
-  turn's over the episode's, can never fire: a warning.
+  turn's over the episode's, can never fire: a warning. A black-box agent (`agent`)
+  calls its own tools, so `tool_timeout_s` is not checked for it.
 - FG603 (schemas): every tool the rollout offers has its JSON schema built here, as the
   policy will be shown it (`flowgraph.agent.tools`): the `tools` param's and an `Env`
   subclass's (`tools_of` on the class). A `@tool` whose schema fails raises when its
@@ -185,10 +186,12 @@ def _check_timeouts(r: Resolved, offered: list[Offered], out: list[Diagnostic]) 
                for v in limits.values()):
         return  # a wrong type, or an infinite one: FG112's
     tool_s, turn_s, episode_s = (float(limits[k]) for k in TIMEOUTS)  # type: ignore[arg-type]
+    # a black-box agent calls its own tools: the rollout times none, tool_timeout_s unused
+    program = param_value(r, "agent") is not None
     for name, seconds in zip(TIMEOUTS, (tool_s, turn_s, episode_s), strict=True):
-        if seconds == 0:
+        if seconds == 0 and not (program and name == "tool_timeout_s"):
             _no_timeout(r, name, offered, out)
-    if 0 < turn_s < tool_s:
+    if 0 < turn_s < tool_s and not program:
         out.append(_never_fires(r, "tool_timeout_s", tool_s, "turn_timeout_s", turn_s,
                                 "a hung tool call"))
     if 0 < episode_s < turn_s:

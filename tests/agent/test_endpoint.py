@@ -287,6 +287,71 @@ def test_programs_past_the_concurrency_start_later_with_the_same_rows(model_and_
     assert all_at_once["status"] == two_at_a_time["status"]
 
 
+ANSWERS: list[object] = []
+
+
+async def branching(task, client):
+    """Two branches at once on one session (LangGraph's parallel branches); the second
+    row's program is a plain loop."""
+    import asyncio
+
+    if task["prompt"] != ROWS[0]["prompt"]:
+        return await program(task, client)
+    ask = [{"role": "user", "content": task["prompt"]}]
+    ANSWERS.extend(await asyncio.gather(
+        client.chat.completions.create(model="m", messages=ask),
+        client.chat.completions.create(model="m", messages=ask), return_exceptions=True))
+    return 1.0
+
+
+def test_two_completions_at_once_on_a_session_are_refused_at_once(model_and_tok):
+    # they hung until turn_timeout_s, reported as "the agent program worked past" it
+    import openai
+
+    model, tok = model_and_tok
+    ANSWERS.clear()
+    out, _ = run(model, tok, rows=ROWS[:2], agent=branching, n=1, turn_timeout_s=8.0)
+    refused = [a for a in ANSWERS if isinstance(a, openai.APIStatusError)]
+    assert len(ANSWERS) == 2 and len(refused) == 1 and refused[0].status_code == 409
+    assert "concurrent completions on one session are not supported yet" in str(refused[0])
+    assert out["status"][0] == "error" and out["status"][1] != "error"
+    error = out["reward_extra_info"][0]["error"]
+    assert "concurrent completions on one session are not supported yet" in error
+    assert not out["response_mask"][0].any()  # on_error mask: nothing trained
+
+
+class EveryTurnAnOpenCall:
+    """Reads every turn as a tool call left open, as hermes reads one cut by its limit."""
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall]]:
+        return "", [ToolCall("", {}, "call_0", "this tool call is not closed")]
+
+
+async def short(task, client):
+    """An agent whose own max_tokens cuts every turn."""
+    r = await client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": task["prompt"]}], max_tokens=2,
+        tools=[SCHEMA])
+    return {"score": 0.0, "finish": r.choices[0].finish_reason}
+
+
+def test_turns_cut_inside_a_tool_call_are_counted_and_said_once(model_and_tok, monkeypatch,
+                                                                capsys):
+    # an agent whose every call was cut by its own max_tokens trained on nothing, silently
+    import flowgraph.nodes.agent as agent_node
+
+    monkeypatch.setitem(PARSERS, "test_open_call", EveryTurnAnOpenCall())
+    monkeypatch.setattr(agent_node, "_SAID", set())
+    model, tok = model_and_tok
+    out, ctx = run(model, tok, agent=short, parser="test_open_call")
+    assert {i["finish"] for i in out["reward_extra_info"]} == {"length"}
+    assert ctx.metrics["agent/finish/length"] == 1.0  # one cut turn per episode
+    said = capsys.readouterr().err
+    assert "6 of 6 turns were cut inside a tool call by their token limit" in said
+    run(model, tok, agent=short, parser="test_open_call")
+    assert "cut inside a tool call" not in capsys.readouterr().err  # said once
+
+
 def test_a_missing_endpoint_package_names_the_extra(model_and_tok, monkeypatch):
     import importlib.util
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import pytest
 
 from flowgraph.agent import Env, Episode, Step
-from flowgraph.agent.episodes import AgentError, Episodes, Limits
+from flowgraph.agent.episodes import CHARS_PER_TOKEN, AgentError, Episodes, Limits, cut_message
 from flowgraph.agent.parsers import get_parser
 from flowgraph.agent.render import ChatRenderer
 from flowgraph.agent.tools import tool
@@ -168,11 +168,52 @@ def test_a_long_tool_result_is_cut_to_its_token_budget(tok):
         return "9" * 50
 
     call = '<tool_call>{"name": "echo", "arguments": {"text": "x"}}</tool_call>'
-    _, (run,) = play(make(tok, tools=(echo,), tool_tokens=8, budget=300, truncate_side="right"),
-                     tok, [[call, "42"]])
-    assert run.episode.messages[2]["content"] == "9" * 8 + "...(42 tokens cut)"
-    _, (run,) = play(make(tok, tools=(echo,), tool_tokens=8, budget=300), tok, [[call, "42"]])
-    assert run.episode.messages[2]["content"] == "9" * 4 + "...(42 tokens cut)" + "9" * 4
+    # 24 tokens in all, the marker's 13 among them (`...(`, two digits, ` chars cut)`)
+    _, (run,) = play(make(tok, tools=(echo,), tool_tokens=24, budget=300,
+                          truncate_side="right"), tok, [[call, "42"]])
+    assert run.episode.messages[2]["content"] == "9" * 11 + "...(39 chars cut)"
+    _, (run,) = play(make(tok, tools=(echo,), tool_tokens=24, budget=300), tok,
+                     [[call, "42"]])
+    assert run.episode.messages[2]["content"] == "9" * 5 + "...(39 chars cut)" + "9" * 6
+
+
+@pytest.mark.parametrize("side", ["left", "middle", "right"])
+@pytest.mark.parametrize("limit", [1, 6, 12, 20, 40])
+def test_max_tool_tokens_is_a_hard_cap_the_marker_included(tok, side, limit):
+    # a limit of 6 gave 14 tokens of marker alone; a limit the marker's 13-14 tokens do
+    # not fit in cuts the content without one (and never shows half a character)
+    for content in ("9" * 50, "the number is 12345 and more " * 9, "é" * 80, "日本語" * 30):
+        cut = cut_message({"role": "tool", "content": content}, tok,
+                          limits(tool_tokens=limit, truncate_side=side))["content"]
+        assert len(tok(cut, add_special_tokens=False).input_ids) <= limit, (content, cut)
+        assert ("chars cut)" in cut) == (limit >= 20) and "\ufffd" not in cut
+
+
+class Counting:
+    """The tiny tokenizer, counting the characters it is asked to tokenize."""
+
+    def __init__(self, tok):
+        self.tok, self.chars = tok, 0
+
+    def __call__(self, text, **kw):
+        self.chars += sum(map(len, text)) if isinstance(text, list) else len(text)
+        return self.tok(text, **kw)
+
+    def decode(self, ids):
+        return self.tok.decode(ids)
+
+
+def test_a_flood_is_cut_by_characters_before_it_is_tokenized(tok):
+    # a 1 MB tool result made each step's generation 13-19 s instead of ~3 s: it was
+    # tokenized whole before being cut to its 256 tokens
+    counting = Counting(tok)
+    flood = "the number is 12345 and more " * 36_000
+    cut = cut_message({"role": "tool", "content": flood}, counting,
+                      limits(tool_tokens=256))["content"]
+    assert counting.chars <= 4 * CHARS_PER_TOKEN * 256
+    assert cut.startswith("the number is 12345") and cut.endswith("and more ")
+    assert f"...({len(flood) - len(cut) + len('...(1035523 chars cut)')} chars cut)" in cut
+    assert len(tok(cut, add_special_tokens=False).input_ids) <= 256
 
 
 @pytest.mark.parametrize("on_error", ["mask", "zero"])
@@ -187,6 +228,24 @@ def test_a_raising_tool_is_an_error_status_and_the_others_go_on(tok, on_error):
     assert failed.score == 0.0
     assert any(failed.sampled) == (on_error == "zero")
     assert fine.episode.status == "completed" and fine.score == 1.0
+    # the call that raised was made: agent/tool_calls read 0.0 where 5 of 8 episodes
+    # called a raising tool
+    assert failed.episode.tool_calls == fine.episode.tool_calls == 1
+
+
+def test_a_turn_cut_inside_a_tool_call_is_counted(tok):
+    _, (run,) = play(make(tok, turn_tokens=8), tok, [[CALL, "42"]])
+    assert run.cut == run.cut_calls == 1  # the call, cut at 8 tokens; "42" stopped
+    assert run.episode.status == "completed"
+
+
+def test_tool_call_ids_are_unique_in_their_episode(tok):
+    # every turn's first call was `call_0`: a client keying results by id mixed them up
+    two = CALL + CALL
+    _, (run,) = play(make(tok, budget=300, turn_tokens=120), tok, [[CALL, two, "42"]])
+    ids = [c["id"] for m in run.episode.messages for c in m.get("tool_calls", [])]
+    answered = [m["tool_call_id"] for m in run.episode.messages if m["role"] == "tool"]
+    assert ids == answered == ["call_0", "call_1", "call_2"]
 
 
 def test_on_error_raise_names_the_episode_and_the_cause(tok):
@@ -220,6 +279,7 @@ def test_a_hanging_tool_times_out_and_sync_tools_run_at_once(tok):
     assert [end for _, end in spans[3]] == [None]  # started, not ended: abandoned
     assert [r.episode.status for r in runs] == ["completed"] * 8 + ["timeout"]
     assert "ran past its timeout of 1.0 s" in runs[-1].episode.error
+    assert runs[-1].episode.tool_calls == 1  # a call that timed out was made
     starts, ends = zip(*spans[0.3], strict=True)
     assert len(starts) == 8 and max(starts) < min(ends)  # all 8 at once
     assert all(r.episode.tool_time_s >= 0.3 for r in runs[:8])

@@ -128,3 +128,20 @@ def test_an_agent_rollout_feeds_the_algorithms_unchanged(tmp_path: Path, name: s
         assert row["agent/status/completed"] + row["agent/status/context_exhausted"] == 1.0
     if name == "ppo":
         assert "critic/vf_loss" in rows[0] and "critic/values/mean" in rows[0]
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("graph", ["tests/plugins/agent_turns.yaml", "graphs/grpo.yaml"],
+                         ids=["agent", "single_turn"])
+def test_bf16_runs_two_steps(tmp_path: Path, graph: str) -> None:
+    # an agent run stopped at step 0: its self-check held bf16 log-probs to fp32's 1e-3
+    # (2.46e-2 on tiny-lm-sft; `nodes.agent.TOLERANCE`)
+    with open(os.devnull, "w") as out:
+        flowgraph.run(ROOT / graph, out=out, tensorboard=False, overrides=[
+            "models.actor.dtype=bfloat16", "trainer.steps=2", "trainer.eval_every=0",
+            "trainer.val_before_train=false", "trainer.checkpoint_every=0",
+            f"trainer.run_dir={tmp_path / 'run'}"])
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert len(rows) == 2 and all("actor/pg_loss" in row for row in rows)

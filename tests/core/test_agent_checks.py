@@ -435,6 +435,10 @@ async def lonely(task):
 @pytest.mark.parametrize(("edits", "expected"), [
     ([("      env: envs.py:Guess\n      tools: [envs.py:lookup]\n",
        "      agent: envs.py:run\n")], []),
+    # it calls its own tools: no FG602 about tool_timeout_s (the rollout times none)
+    ([("      env: envs.py:Guess\n      tools: [envs.py:lookup]\n",
+       "      agent: envs.py:run\n      turn_timeout_s: 10\n      tool_timeout_s: 0\n")],
+     []),
     ([("      env: envs.py:Guess\n", "      agent: envs.py:run\n")],
      ["error FG607: `agent` names the agent program `envs.py:run` and `tools`: a black-box "
       "agent brings its own tools and plays its own episodes, so they would be ignored"]),

@@ -4,6 +4,8 @@ depend on how rows are split across workers."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -91,8 +93,19 @@ def test_the_first_rollout_catches_rows_a_trainer_would_read_otherwise(monkeypat
     model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
     monkeypatch.setattr(logprob_mod, "response_span", lambda mask: mask)
     monkeypatch.setattr(agent_node, "_CHECKED", set())
-    with pytest.raises(FlowgraphError, match="differ from the sampler's"):
+    with pytest.raises(FlowgraphError, match="differ from the sampler's") as info:
         run(model, tok, node="fresh")
+    assert "(over 0.001, the tolerance for float32 compute)" in str(info.value)
+    assert "or the precision rounds more than that" in str(info.value)
+
+
+def test_the_self_checks_tolerance_follows_the_compute_dtype():
+    model = load_model("builtin:tiny-lm")
+    assert agent_node.sampler_tolerance(model, "hf") == 1e-3
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # `dtype: bfloat16`'s node calls
+        assert agent_node.sampler_tolerance(model, "hf") == 0.25
+    assert agent_node.sampler_tolerance(model.to(torch.bfloat16), "hf") == 0.25
+    assert agent_node.sampler_tolerance(model.float(), "vllm") == 5e-2
 
 
 def test_reward_functions_read_whole_episodes():
@@ -164,6 +177,40 @@ def test_failed_episodes_are_said_once_and_all_failed_stops_the_run(capsys):
     assert capsys.readouterr().err == ""  # said once
     with pytest.raises(AgentError, match="every episode of step 3 ended"):
         run(model, tok, rows=ROWS[:1], env=Flaky, max_turns=1)
+
+
+class Sleepy(Env):
+    """Sleeps past the turn's timeout in `reset`: every episode times out."""
+
+    def reset(self, task):
+        time.sleep(2.0)
+        return task["prompt"]
+
+
+async def never_asks(task, client):
+    """A black-box agent that never calls the endpoint."""
+    return 1.0
+
+
+@pytest.mark.parametrize("fails", [
+    {"env": Sleepy, "turn_timeout_s": 0.2},
+    {"agent": never_asks, "env": None},
+], ids=["timeout", "never_calls_the_endpoint"])
+def test_when_every_episode_fails_the_report_is_one_clear_message(fails):
+    # the reporter crashed: an episode's failure is made, never raised, so the
+    # AgentError's cause has no traceback (IndexError in worker.user_frame)
+    from flowgraph.agent.episodes import AgentError
+    from flowgraph.compilers.worker import user_frame
+
+    model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
+    with pytest.raises(AgentError) as info:
+        run(model, tok, rows=ROWS[:1], **{"max_turns": 1} | fails)
+    assert str(info.value).startswith("every episode of step 3 ended `timeout` or `error`")
+    assert ("ran past turn_timeout_s = 0.2 s" if fails["env"] else
+            "returned without asking the endpoint") in str(info.value)
+    assert info.value.__cause__ is not None and info.value.__cause__.__traceback__ is None
+    frame = user_frame(info.value)  # where the AgentError was raised
+    assert frame.filename.endswith("agent.py") and "AgentError" in (frame.line or "")
 
 
 def test_an_env_knows_its_row_and_seed_however_rows_are_split():
