@@ -356,18 +356,14 @@ class TrainingLoop:
                                    self.opts.allow_changed):
             self.say(f"resuming with a changed setting: {line}")
         steps, cut = self.plan.trainer.steps, self.plan.asynchronous
-        if step + 1 >= steps:
-            self.say(f"resuming from checkpoint `{folder}` (after step {step}): nothing to "
-                     f"train: the run finished at step {step}" + (
-                         "" if step + 1 == steps else f", past trainer.steps = {steps}")
-                     + f"; give trainer.steps above {step + 1} to train on")
-        else:
-            self.say(f"resuming from checkpoint `{folder}` (after step {step}): the next "
-                     f"step is {step + 1}")
-        if cut is not None and cut.admission == "block":
-            note = fresher_rollouts(step, steps, cut.staleness, int(state.get("buffered", 0)))
-            if note is not None:
-                self.say(note)
+        past = "" if step + 1 == steps else f", past trainer.steps = {steps}"
+        self.say(f"resuming from checkpoint `{folder}` (after step {step}): " + (
+            f"the next step is {step + 1}" if step + 1 < steps else f"nothing to train: the "
+            f"run finished at step {step}{past}; give trainer.steps above {step + 1} to train on"))
+        note = (fresher_rollouts(step, steps, cut.staleness, int(state.get("buffered", 0)))
+                if cut is not None and cut.admission == "block" else None)
+        if note is not None:
+            self.say(note)
         self.target.load(folder)
         return self.restore_state(folder)
 

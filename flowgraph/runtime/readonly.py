@@ -41,13 +41,13 @@ class ReadOnlyDict(dict[Any, Any]):
     def __delitem__(self, key: Any) -> None:
         _refuse(f"dict (deleting `{key}`)")
 
-    def __ior__(self, other: Any) -> NoReturn:
+    def __ior__(self, other: Any) -> NoReturn:  # type: ignore[misc]
         _refuse("dict (`|=`)")
 
     def _write(self, *args: Any, **kwargs: Any) -> NoReturn:
         _refuse("dict")
 
-    update = setdefault = pop = popitem = clear = _write  # type: ignore[assignment]
+    update = setdefault = pop = popitem = clear = _write
 
     def copy(self) -> dict[Any, Any]:
         return dict(self)
@@ -71,16 +71,16 @@ class ReadOnlyList(list[Any]):
     def __delitem__(self, index: Any) -> None:
         _refuse("list (deleting an item)")
 
-    def __iadd__(self, other: Any) -> NoReturn:
+    def __iadd__(self, other: Any) -> NoReturn:  # type: ignore[misc]
         _refuse("list (`+=`)")
 
-    def __imul__(self, other: Any) -> NoReturn:
+    def __imul__(self, other: Any) -> NoReturn:  # type: ignore[misc]
         _refuse("list (`*=`)")
 
     def _write(self, *args: Any, **kwargs: Any) -> NoReturn:
         _refuse("list")
 
-    append = extend = insert = pop = remove = clear = sort = reverse = _write  # type: ignore[assignment]
+    append = extend = insert = pop = remove = clear = sort = reverse = _write
 
     def copy(self) -> list[Any]:
         return list(self)
