@@ -30,7 +30,11 @@ from typing import Any
 from flowgraph.compilers.batches import Batches
 from flowgraph.compilers.build import load_data
 from flowgraph.compilers.checkpoint.integrity import disk_full
-from flowgraph.compilers.checkpoint.resume import check_settings, recorded_settings
+from flowgraph.compilers.checkpoint.resume import (
+    check_settings,
+    fresher_rollouts,
+    recorded_settings,
+)
 from flowgraph.compilers.checkpoint.store import (
     intact_checkpoint,
     latest_checkpoint,
@@ -131,7 +135,7 @@ class TrainingLoop:
         try:
             self.stop_check()
             self.before_loop()
-            if self.rollouts is not None:
+            if self.rollouts is not None and step < trainer.steps:
                 self.rollouts.start(step)
             while step < trainer.steps:
                 self.stop_check()
@@ -364,8 +368,15 @@ class TrainingLoop:
         for line in check_settings(folder, state, recorded_settings(self.plan),
                                    self.opts.allow_changed):
             self.say(f"resuming with a changed setting: {line}")
-        self.say(f"resuming from checkpoint `{folder}` (after step {step}): the next step "
-                 f"is {step + 1}")
+        steps, cut = self.plan.trainer.steps, self.plan.asynchronous
+        past = "" if step + 1 == steps else f", past trainer.steps = {steps}"
+        self.say(f"resuming from checkpoint `{folder}` (after step {step}): " + (
+            f"the next step is {step + 1}" if step + 1 < steps else f"nothing to train: the "
+            f"run finished at step {step}{past}; give trainer.steps above {step + 1} to train on"))
+        note = (fresher_rollouts(step, steps, cut.staleness, int(state.get("buffered", 0)))
+                if cut is not None and cut.admission == "block" else None)
+        if note is not None:
+            self.say(note)
         self.target.load(folder)
         return self.restore_state(folder)
 

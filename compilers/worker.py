@@ -50,7 +50,9 @@ from flowgraph.errors import (
 )
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan, ModelPlacement
+from flowgraph.runtime import readonly
 from flowgraph.runtime.context import RESOURCE_ARGS, Impl, NodeContext, named_outputs
+from flowgraph.runtime.readonly import freeze, thaw
 from flowgraph.spelling import option
 
 if TYPE_CHECKING:
@@ -186,7 +188,7 @@ class Worker:
         worker's share of every mini-batch in the update loop, which trains the
         `Update` the implementation returns."""
         placed, impl = self.placed[name], self.impls[name]
-        kw: dict[str, Any] = on_device(inputs, self.opts.device)
+        kw: dict[str, Any] = {k: freeze(v) for k, v in on_device(inputs, self.opts.device).items()}
         kw.update({k: v for k, v in params.items() if k in impl.accepts})
         for o in placed.outputs:
             if o.optional and (name, o.port) in self.consumed and f"with_{o.port}" in impl.accepts:
@@ -211,7 +213,8 @@ class Worker:
                 result = {}
         self._unwritten(name, step, inputs, versions)
         metrics.update(ctx.metrics)
-        return named_outputs([o.port for o in placed.outputs], result), time.perf_counter() - t0
+        outputs = named_outputs([o.port for o in placed.outputs], result)
+        return {k: thaw(v) for k, v in outputs.items()}, time.perf_counter() - t0
 
     def evaluate_update(self, name: str, inputs: dict[str, Any], step: int,
                         params: dict[str, Any], metrics: dict[str, float]) -> None:
@@ -309,7 +312,8 @@ def user_frame(exc: BaseException) -> traceback.FrameSummary:
     frames = traceback.extract_tb(exc.__traceback__)[1:]  # [0]: the executor's call
     if isinstance(exc, NodeTimeout):  # the last: the alarm's handler, not the node's line
         frames = frames[:-1]
-    own = [f for f in frames if not f.filename.startswith(_LIBRARIES)]
+    own = [f for f in frames if not f.filename.startswith(_LIBRARIES)
+           and f.filename != readonly.__file__]  # the write refused: the line is the caller's
     return (own or frames or traceback.extract_tb(exc.__traceback__))[-1]
 
 

@@ -112,3 +112,23 @@ def check_settings(folder: Any, state: dict[str, Any], now: dict[str, Any],
 
 def _show(value: Any) -> str:
     return value if value == _ABSENT else json.dumps(value)
+
+
+def fresher_rollouts(step: int, steps: int, staleness: int, buffered: int) -> str | None:
+    """A note, where an asynchronous checkpoint (`block`) after `step` holds fewer of the
+    rollouts ahead of it (`buffered`) than a run of `steps` steps holds there — the last
+    checkpoint of a shorter run, extended, holds none: what the resumed run then trains
+    otherwise than a run of `steps` steps from the start (None: nothing)."""
+    ahead = min(staleness, steps - 1 - step)
+    if buffered >= ahead:
+        return None
+    first, last = step + 1 + buffered, step + ahead
+    which = f"step {first}'s rollout is" if first == last else \
+        f"the rollouts of steps {first}…{last} are"
+    return (f"note: the checkpoint after step {step} holds {buffered} of the {ahead} "
+            f"rollout(s) generated ahead that a run of trainer.steps = {steps} holds there (a "
+            "run generates none past its last step: this one ended a shorter run, or a "
+            f"synchronous one), so {which} generated now by the policy "
+            f"of step {step + 1}, where that run generates step j's by the policy of step "
+            f"j − {staleness} (trainer.max_staleness): from step {first} on, the numbers are "
+            f"not those of a run of {steps} steps from the start")

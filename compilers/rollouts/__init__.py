@@ -46,9 +46,13 @@ rollout pool) sets `Worker.refresh`, with which a multi-turn rollout takes the n
 published weights between two turns (`NodeContext.newest_weights`), so an episode that
 outlasts an update goes on with the new policy; each token records the version that
 sampled it (`AsyncPlan.versions` names the rollouts' `policy_version` outputs). Under
-`block` a rollout then starts with version max(j − S, v0) or a newer one; staleness and
-`drop` count the oldest trained token (`Rollouts.trained_versions`). A checkpoint drains
-as above: the rollouts it holds were finished first, on whatever weights were out.
+`block` a rollout then starts with version max(j − S, v0) (the producer process: that
+very one, as without partial rollouts, and a resumed run's producer begins its first
+rollout as the resumed step begins; the rollout pool: that one or a newer one), so
+where episodes end before an update lands the numbers do not depend on timing;
+staleness and `drop` count the oldest trained token (`Rollouts.trained_versions`). A
+checkpoint drains as above: the rollouts it holds were finished first, on whatever
+weights were out.
 
 Metrics: `async/staleness` and `async/staleness_max` (the versions between the policy
 that sampled a trained token and the update that trains on it: mean and max over the

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from flowgraph.compilers import read_metrics
+from flowgraph.testing.targets import assert_same_numbers
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENT = ROOT / "tests" / "plugins" / "agent_turns.yaml"
@@ -79,7 +80,9 @@ def test_a_run_signalled_in_an_episode_resumes_with_nothing_lost_or_repeated(
     assert state["cursors"] == {"train": {"epoch": 0, "position": 20}}
     mixed = [r for r in rows if r["agent/versions_per_episode"] > 1.0]
     assert mixed, [r["agent/versions_per_episode"] for r in rows]
-    assert all(r["async/staleness_max"] <= 1.0 for r in rows)
+    # every rollout begins with the policy one step behind (`block`), the resumed run's
+    # first one too, though its producer loaded its models while the trainer went on
+    assert [r["async/staleness_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert any(0.0 < r["async/staleness"] < r["async/staleness_max"] for r in mixed), \
         [(r["async/staleness"], r["async/staleness_max"]) for r in mixed]
     # a checkpoint's buffer holds the next rollout, its tokens' versions with it
@@ -89,3 +92,34 @@ def test_a_run_signalled_in_an_episode_resumes_with_nothing_lost_or_repeated(
     mask = buffer[0]["env"][("agent", "response_mask")].bool()
     assert 3 in set(versions[mask].tolist()) <= {3, 4}  # begun by version 3 (4 may land)
     assert set(versions[~mask].tolist()) <= {-1, 3, 4}  # (a masked episode's sampled too)
+
+
+@pytest.mark.slow
+@pytest.mark.faults
+def test_a_run_killed_in_an_episode_resumes_to_the_uninterrupted_numbers(
+        tmp_path: Path) -> None:
+    """Episodes shorter than an update (no `slow_s`): a run's numbers do not depend on
+    timing, and a run SIGKILLed in an episode (the 45th tool call or env reply, in step
+    3's rollout, at some 13 a rollout) and resumed gives them, step after step. (The
+    resumed producer began its first rollout with the newest weights, not one step
+    behind: staleness 0.)"""
+    fast = [a for a in PARTIAL if "slow_s" not in a]
+    again = subprocess.run(
+        [sys.executable, "-m", "flowgraph", "run", str(AGENT), *fast, "trainer.steps=5",
+         f"trainer.run_dir={tmp_path / 'whole'}"], capture_output=True, text=True,
+        timeout=600, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, FG_TEST_SIGNAL_PARENT_AT="45:SIGKILL")
+    killed = subprocess.run(
+        [sys.executable, "-m", "flowgraph", "run", str(AGENT), *fast, "trainer.steps=5",
+         f"trainer.run_dir={run_dir}"], capture_output=True, text=True, timeout=600,
+        env=env, cwd=tmp_path)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert 1 <= len(read_metrics(run_dir)) < 5
+    resumed = subprocess.run(
+        [sys.executable, "-m", "flowgraph", "run", str(AGENT), *fast, "trainer.steps=5",
+         "--resume", f"trainer.run_dir={run_dir}"], capture_output=True, text=True,
+        timeout=600, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_numbers(read_metrics(run_dir), read_metrics(tmp_path / "whole"))

@@ -28,9 +28,9 @@ def _plugins(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(PLUGINS))
 
 
-def _run(tmp_path: Path, kind: str, *overrides: str) -> None:
+def _run(tmp_path: Path, kind: str, *overrides: str, graph: str = GRAPH) -> None:
     file = tmp_path / "g.yaml"
-    file.write_text(GRAPH.replace("kind: prompt_score", f"kind: {kind}"))
+    file.write_text(graph.replace("kind: prompt_score", f"kind: {kind}"))
     result = compile_graph(file, overrides=[f"trainer.run_dir={tmp_path / 'run'}",
                                             "trainer.steps=3", *overrides])
     assert result.plan is not None, [d.one_line() for d in result.diagnostics]
@@ -87,3 +87,19 @@ def test_a_node_writing_into_its_input_in_place_is_an_error(tmp_path: Path) -> N
     message = str(exc.value)
     assert message.startswith("while executing node `score` (kind mask_writer, ")
     assert " at step 1: it wrote into its input(s) `input_ids` in place" in message
+
+
+def test_a_node_writing_into_an_object_input_is_an_error_at_its_line(tmp_path: Path) -> None:
+    """A row's `extra_info` (a dict) is shared with every node that reads it, as a tensor
+    is: a write into it is refused where it is made, naming the node and the line."""
+    graph = GRAPH.replace("inputs: {input_ids: train.input_ids}",
+                          "inputs: {input_ids: train.input_ids, extra_info: train.extra_info}")
+    with pytest.raises(NodeError) as exc:
+        _run(tmp_path, "info_writer", "nodes.score.params.at=1", graph=graph)
+    head = str(exc.value).splitlines()[:2]
+    assert head[0].startswith("while executing node `score` (kind info_writer, "), head
+    assert " at step 1: InputWritten: a node's inputs are read-only, and this dict " \
+        "(setting `hacked`) is one" in head[0], head
+    assert "copy it first (`copy.deepcopy(x)`" in head[0], head
+    marker = "the plugin's in-place write into an object input"
+    assert head[1].startswith(f"  at {PLUGIN}:{_line(marker)} in info_writer"), head

@@ -40,6 +40,15 @@ def mask_writer(ctx, input_ids: Int[Tensor, "b P"], at: int = -1) -> Float[Tenso
     return scores
 
 
+@node_kind("info_writer", outputs=["scores"], category="custom")
+def info_writer(ctx, input_ids: Int[Tensor, "b P"], extra_info: list[dict],
+                at: int = -1) -> Float[Tensor, " b"]:
+    """Mean token id per prompt; at step `at` it writes into a row's `extra_info`."""
+    if ctx.step == at:
+        extra_info[0]["hacked"] = 128  # the plugin's in-place write into an object input
+    return input_ids.float().mean(-1)
+
+
 @node_kind("signalling_score", outputs=["scores"], category="custom")
 def signalling_score(ctx, input_ids: Int[Tensor, "b P"], at: int = -1, signals: str = "SIGTERM",
                      group: bool = False, marker: str = "") -> Float[Tensor, " b"]:

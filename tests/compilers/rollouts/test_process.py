@@ -5,8 +5,13 @@ the producer reported as any node's, the drop admission, and a LoRA actor's adap
 published to the producer."""
 
 import json
+import multiprocessing
 import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,6 +20,9 @@ import pytest
 import torch
 
 import flowgraph
+from flowgraph.compilers import read_metrics
+from flowgraph.compilers.checkpoint.store import latest_checkpoint
+from flowgraph.compilers.rollouts.process import CLOSE_S
 from flowgraph.errors import FlowgraphError
 from flowgraph.passes import compile_graph
 from flowgraph.plan import ExecutionPlan
@@ -105,9 +113,42 @@ def test_an_error_in_the_producer_names_node_step_and_the_users_line(tmp_path: P
 
 
 def test_drop_admission_never_trains_on_a_rollout_staler_than_allowed(tmp_path: Path) -> None:
-    rows = _run(tmp_path / "drop", "trainer.steps=4", "trainer.admission=drop")
+    """Also: the producer, S + 1 rollouts ahead when the run ends, is gone when it returns,
+    though what it sent was never read (rollouts of 64 rows, ~45 kB each: two overfill
+    a pipe, and a process that exits waits for what it queued to be read)."""
+    rows = _run(tmp_path / "drop", "trainer.steps=4", "trainer.admission=drop",
+                "dims.Bp=16", "nodes.update_actor.params.mini_batch_size=64")
     assert len(rows) == 4
     assert all(0 <= r["async/staleness"] <= 1 and "async/dropped" in r for r in rows)
+    assert not [p for p in multiprocessing.active_children() if p.name == "flowgraph-rollouts"]
+
+
+@pytest.mark.slow
+def test_sigterm_to_a_run_whose_producer_ran_ahead_exits_143_with_a_checkpoint(
+        tmp_path: Path) -> None:
+    """`flowgraph run` stopped by SIGTERM after step 1 while its producer process holds
+    rollouts the trainer will not read (`drop`: S + 1 ahead; GRPO's 128 rows, ~88 kB
+    each): it saves, exits 143 within `trainer.stop_grace_s`, and nothing is left
+    running. (It hung: the producer waited at its exit for its queue to be read, the
+    trainer at its own for the producer; partial rollouts meet it the same way.)"""
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flowgraph", "run", str(GRPO), "trainer.steps=20",
+         "trainer.max_staleness=1", "trainer.admission=drop", "trainer.eval_every=0",
+         "trainer.val_before_train=false", "trainer.stop_grace_s=60",
+         f"trainer.run_dir={run_dir}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    try:
+        while len(read_metrics(run_dir)) < 2:
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60 + CLOSE_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert "stopped by SIGTERM; the last checkpoint is step" in err, err[-3000:]
+    assert latest_checkpoint(run_dir) is not None
 
 
 def test_a_lora_actor_publishes_its_adapters_to_the_producer(tmp_path: Path) -> None:
