@@ -97,7 +97,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     for file in files:
         graph, diags = load_graph(file, overrides)
         if graph is not None:
-            diags += list(check_graph(graph, dp=args.nproc).diagnostics)
+            diags += list(check_graph(graph, dp=args.nproc, target=args.target).diagnostics)
         if graph is not None and args.data and not any(d.is_error for d in diags):
             from flowgraph.checker.data import check_data  # pyarrow: only with --data
             from flowgraph.nodes.models import load_tokenizer  # torch
@@ -458,6 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="graph files, then overrides such as trainer.steps=20")
     c.add_argument("--format", choices=("text", "json", "github"), default="text")
     c.add_argument("--nproc", type=int, default=None, help="data-parallel size to check for")
+    c.add_argument("--target", choices=TARGETS, default=None,
+                   help="the target to check for (as `run --target`: ray takes a graph's "
+                        "pools as declared)")
     c.add_argument("--data", action="store_true",
                    help="also open the local datasets and model folders: columns, ground "
                         "truth, lengths against P and T, vocabularies (imports torch)")
