@@ -140,7 +140,8 @@ class WorkerLost(FlowgraphError):
 class Stopped(FlowgraphError):
     """A run stopped on SIGTERM or SIGINT (preemption, Ctrl-C), its work saved where it
     could be; `flowgraph run` exits with 128 + the signal's number (143, 130), and
-    `flowgraph.run` raises it, its message saying how to continue (`resume=True`)."""
+    `flowgraph.run` raises it, its message saying how to continue (`resume=True`) — for
+    Ctrl-C as a `KeyboardInterrupt` that carries the same (`flowgraph.api`)."""
 
     def __init__(self, signum: int, message: str, *, run_dir: Path | None = None) -> None:
         self.signum = signum
