@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import io
 import os
-import subprocess
 import signal
+import subprocess
 import sys
 import traceback
 from pathlib import Path
