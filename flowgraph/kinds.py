@@ -90,6 +90,10 @@ MINI_BATCH = (
     _i("micro_batch_size", None, "sequences per forward/backward on one rank (gradient "
        "accumulation); null: the rank's share of the mini-batch"),
     *BATCHING,
+    _i("start_step", 0, "the first training step this update trains at; before it the "
+       "update is skipped (its model, optimizer and LR schedule stay as they are): value "
+       "warm-up (VAPO, VC-PPO) is the actor's update starting at k while the critic's "
+       "trains from step 0", minimum=0),
 )
 """The update loop's params, which every update kind declares (`flowgraph.runtime.update.
 MiniBatching`; the loop reads them, the kind's implementation only `packing`)."""

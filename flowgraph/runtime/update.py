@@ -97,11 +97,14 @@ class MiniBatching:
     micro_batch_size: int | None
     max_token_len: int | None
     packing: bool
+    start_step: int = 0
+    """Steps before it skip the update (value warm-up); a plan written before there was
+    one has none: 0."""
 
     @staticmethod
     def of(params: Mapping[str, Any]) -> MiniBatching:
         """The loop's params among a node's (defaults filled)."""
-        return MiniBatching(**{name: params[name] for name in LOOP_PARAMS})
+        return MiniBatching(**{name: params[name] for name in LOOP_PARAMS if name in params})
 
 
 LOOP_PARAMS = tuple(f.name for f in fields(MiniBatching))
