@@ -234,9 +234,8 @@ def _hub_source(hub_id: str) -> str:
     cached snapshot's folder, or one error with the offline hint. One request decides:
     `from_pretrained` itself retries each file five times with back-off (~70 s for a
     tokenizer and its model) before it says the same."""
-    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub import constants, get_session, snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
-    from huggingface_hub.utils import get_session
 
     why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else None
     if why is None:

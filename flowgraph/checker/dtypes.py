@@ -11,29 +11,26 @@ given. A mask given is answered with the annotation that takes the one mask type
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 from flowgraph.contracts import MASK_DTYPE, TensorSpec
-
-if TYPE_CHECKING:
-    from flowgraph.checker.shapes import PortShape
 
 SHOWN = 3
 """Outputs a hint names at most."""
 
+Shaped = Mapping[tuple[str, str], tuple[TensorSpec, int | None]]
+"""Every output shaped so far, by (node, port): its contract and its rank (None: any)."""
 
-def dtype_hint(port: str, want: TensorSpec, got: TensorSpec,
-               outputs: Mapping[tuple[str, str], PortShape]) -> str:
-    """What to do about input `port` (taking `want`) wired to an output giving `got`;
-    `outputs`: every output shaped so far, by (node, port)."""
+
+def dtype_hint(port: str, want: TensorSpec, got: TensorSpec, outputs: Shaped) -> str:
+    """What to do about input `port` (taking `want`) wired to an output giving `got`."""
     if "binary" in got.constraints:  # a mask: every mask is one type, so the port is wrong
         return (f"a mask is {MASK_DTYPE} {{binary}} (every built-in gives one so): a custom "
                 f"kind takes it annotated `Int[Tensor, \"{want.dims}\"]`, or "
                 f"`Bool[Tensor, \"{want.dims}\"]` to get it as bool")
     rank = len(want.shape.fixed_axes())
-    fits = sorted((f"{node}.{out}" for (node, out), shape in outputs.items()
-                   if want.accepts_dtype(shape.spec)
-                   and (want.shape.variadic or shape.variadic or len(shape.dims) == rank)),
+    fits = sorted((f"{node}.{out}" for (node, out), (spec, dims) in outputs.items()
+                   if want.accepts_dtype(spec)
+                   and (want.shape.variadic or dims is None or dims == rank)),
                   key=lambda ref: ref.split(".", 1)[1] != port)
     if fits:
         named = ", ".join(f"`{ref}`" for ref in fits[:SHOWN])

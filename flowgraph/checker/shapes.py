@@ -334,7 +334,9 @@ def _unify_edge(ref: PortRef, node: NodeSpec, port: str, spec: TensorSpec, shape
         out.append(error("FG203", f"edge `{e.text}`: `{port}` takes {spec.dtype}, `{ref}` gives "
                          f"{shape.spec.dtype}", ref.pos, node=node.name, edge=e.text,
                          expected=spec.describe(), actual=shape.spec.describe(),
-                         hint=dtype_hint(port, spec, shape.spec, outputs)))
+                         hint=dtype_hint(port, spec, shape.spec, {
+                             k: (s.spec, None if s.variadic else len(s.dims))
+                             for k, s in outputs.items()})))
     pairs = _align(e, env, out)
     if pairs is None:
         return False
