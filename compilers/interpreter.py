@@ -101,15 +101,15 @@ class Interpreter:
         return self.dispatch(name, self.inputs(name, env), step, params, metrics)
 
     def inputs(self, name: str, env: Env) -> dict[str, Any]:
-        """Node `name`'s inputs in `env`, by port."""
-        return {i.port: env[i.ref] for i in self.placed[name].inputs}
+        """Node `name`'s inputs in `env`, by port, as their ports take them."""
+        return {i.port: _as_taken(env[i.ref], i.spec) for i in self.placed[name].inputs}
 
     def check_inputs(self, name: str, env: Env, step: int) -> None:
         """Every input of `name` against its port's contract (strict mode)."""
         for wired in self.placed[name].inputs:
             if wired.spec is not None:
                 self.contracts.check_edge(wired, name, wired.spec.tensor_spec(),
-                                          env[wired.ref], step)
+                                          _as_taken(env[wired.ref], wired.spec), step)
 
     def params(self, name: str, *, evaluation: bool = False) -> dict[str, Any]:
         """The node's params as the plan resolved them (at evaluation: a rollout's held-out
@@ -223,6 +223,14 @@ class Prologue:
             source = wired.ref[0]
             out |= {source} if ip.placed[source].category == "data" else self._sources(source)
         return out
+
+
+def _as_taken(value: Any, spec: Any) -> Any:
+    """A 0/1 mask (int64) as bool where its port takes bool: a custom kind annotated
+    `Bool[Tensor, ...]` (`TensorSpec.converts`; `check` let no other value reach one)."""
+    if spec is None or spec.dtype != "bool" or not isinstance(value, torch.Tensor):
+        return value
+    return value.bool()
 
 
 def join(values: list[Any]) -> Any:

@@ -68,6 +68,8 @@ def train(ctx: NodeContext, update: Update, params: Mapping[str, Any], *, rank: 
             f"optimizer={type(ctx.optimizer).__name__}"
         )
     loop = MiniBatching.of(params)
+    if ctx.step < loop.start_step:  # value warm-up: another update trains meanwhile
+        return
     B = update.rows
     M, m = _schedule(B, loop, size)
     if update.one_step and (loop.ppo_epochs != 1 or M < B):

@@ -11,8 +11,9 @@
 `compile` raises `CompileError` (its `diagnostics` are what `flowgraph check` prints)
 instead of returning a plan with errors; `run` runs a plan as it is, or compiles a
 graph first, and returns the run's folder and metric rows (`flowgraph.compilers.Run`);
-stopped by a signal it raises `Stopped`. Messages raised here name these functions'
-arguments, not the command line's flags (`flowgraph.spelling`). With the CLI, this module
+stopped by SIGTERM it raises `Stopped`, by Ctrl-C a `KeyboardInterrupt` that says the same.
+Messages raised here name these functions' arguments, not the command line's flags
+(`flowgraph.spelling`). With the CLI, this module
 is an entry point: the layer above the executors, the only one that starts them
 (`tests/test_boundaries.py`).
 """
@@ -229,7 +230,8 @@ def run(plan: ExecutionPlan | Graph | str | Path, *, target: str | None = None,
 
     Interrupted (Ctrl-C, a notebook's interrupt, SIGTERM) it stops at the next node, saves
     a checkpoint and raises `Stopped` (its `run_dir`, and the call that continues the run
-    in its message: `flowgraph.run(..., resume=True)`)."""
+    in its message: `flowgraph.run(..., resume=True)`); for Ctrl-C, a KeyboardInterrupt
+    with the same message, `run_dir` and `signum`."""
     from flowgraph.compilers import RunOptions
 
     not_in_a_worker(sys._getframe(1).f_globals, "flowgraph.run")
@@ -299,7 +301,7 @@ def _run(plan: ExecutionPlan, opts: Any) -> Run:
     raised without flowgraph's frames and their chain — its message says all: the node,
     step and your line, and where the full traceback was written (`debug=True` keeps
     them) — and a KeyboardInterrupt outside the run's own handling (while it starts or
-    ends) as the `Stopped` it would have been."""
+    ends) as the stop it would have been."""
     import signal
 
     from flowgraph.compilers import run as run_plan
@@ -308,15 +310,35 @@ def _run(plan: ExecutionPlan, opts: Any) -> Run:
     try:
         return run_plan(plan, opts)
     except Stopped as exc:
-        raise exc.with_traceback(None) from None
+        raise _as_raised(exc) from None
     except FlowgraphError as exc:
         if os.environ.get(DEBUG_ENV):
             raise
         raise exc.with_traceback(None) from None
     except KeyboardInterrupt:
-        raise stopped(plan, opts, signal.SIGINT, at_once=True,
-                      how="interrupted (KeyboardInterrupt) while the run started or ended"
-                      ).with_traceback(None) from None
+        raise _as_raised(stopped(
+            plan, opts, signal.SIGINT, at_once=True,
+            how="interrupted (KeyboardInterrupt) while the run started or ended")) from None
+
+
+def _as_raised(stop: Stopped) -> BaseException:
+    """A stop as `flowgraph.run` raises it: SIGTERM's as `Stopped`; Ctrl-C's as a
+    KeyboardInterrupt, so that a script's `except Exception:` (a sweep) does not carry on
+    past the user's Ctrl-C and its `except KeyboardInterrupt:` handlers run. The type
+    itself, not a subclass: CPython ends a script with Ctrl-C's status (130) only for an
+    uncaught KeyboardInterrupt proper. It carries `Stopped`'s message, `run_dir` and
+    `signum`, and shows in IPython as its message alone."""
+    import signal
+
+    if stop.signum != signal.SIGINT:
+        return stop.with_traceback(None)
+    interrupt = KeyboardInterrupt(str(stop))
+    shown = [f"KeyboardInterrupt: {line}" if i == 0 else line
+             for i, line in enumerate(str(stop).splitlines())]
+    for name, value in (("signum", stop.signum), ("run_dir", stop.run_dir),
+                        ("_render_traceback_", lambda: shown)):
+        setattr(interrupt, name, value)  # attributes a KeyboardInterrupt does not declare
+    return interrupt
 
 
 def _called_with(plan: Any) -> str:

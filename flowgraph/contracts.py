@@ -29,6 +29,12 @@ DTYPE_FAMILIES: dict[str, frozenset[str]] = {
 `object` ports carry a Python list with one value per row (a string; any value, such as
 verl's `extra_info` dicts) instead of a tensor."""
 
+MASK_DTYPE = "int"
+"""The one dtype a mask is given in: every built-in's mask output (the data's, generate's,
+an agent's, a filter's) is an int64 0/1 tensor, `int {binary}`. A built-in takes one as
+`mask {binary}` (any 0/1 tensor); a custom kind annotates it `Int[Tensor, "b T"]`, or
+`Bool[Tensor, "b T"]` to get it as bool (`TensorSpec.converts`)."""
+
 ROW_DTYPES = frozenset({"str", "object"})
 """Dtypes of ports that carry a Python list, one value per row."""
 
@@ -89,7 +95,12 @@ class TensorSpec:
         it is read, and strict mode checks a `str` port's every value then."""
         if produced.dtypes | self.dtypes <= ROW_DTYPES:
             return True
-        return produced.dtypes <= self.dtypes
+        return produced.dtypes <= self.dtypes or self.converts(produced)
+
+    def converts(self, produced: TensorSpec) -> bool:
+        """A 0/1 mask (`binary`) reaching a port that takes bool: the node gets it as bool
+        (the executor converts it; every value is 0 or 1, so nothing is lost)."""
+        return "binary" in produced.constraints and self.dtype == "bool"
 
     def describe(self) -> str:
         extra = f" {{{', '.join(self.constraints)}}}" if self.constraints else ""

@@ -135,6 +135,16 @@ class Diagnostic:
         where = f"{self.pos}: " if self.pos else ""
         return f"{where}{self.severity}[{self.code}]: {self.message}"
 
+    def summary(self, indent: str = "") -> str:
+        """`one_line`, then its expected and actual values, notes and hint on lines of
+        their own: what `flowgraph check` prints, less the source snippet (the message of
+        a Python API's error and a printed `CheckResult`, where the file:line is enough)."""
+        extra = [*([f"expected: {self.expected}"] if self.expected is not None else []),
+                 *([f"actual:   {self.actual}"] if self.actual is not None else []),
+                 *(f"note: {n}" for n in self.notes),
+                 *([f"hint: {self.hint}"] if self.hint else [])]
+        return "\n".join([indent + self.one_line(), *(f"{indent}  = {e}" for e in extra)])
+
     def to_json(self) -> dict[str, object]:
         pos = self.pos
         return {

@@ -45,10 +45,8 @@ class GraphError(FlowgraphError):
     def __init__(self, diagnostics: tuple[Diagnostic, ...]) -> None:
         self.diagnostics = diagnostics
         errors = [d for d in diagnostics if d.severity == "error"]
-        lines = [f"{len(errors)} error(s) in the graph:"]
-        for d in errors:
-            lines += [f"  {d.one_line()}", *([f"    hint: {d.hint}"] if d.hint else [])]
-        super().__init__("\n".join(lines))
+        super().__init__("\n".join([f"{len(errors)} error(s) in the graph:",
+                                    *(d.summary("  ") for d in errors)]))
 
 
 class CompileError(FlowgraphError):
@@ -57,8 +55,8 @@ class CompileError(FlowgraphError):
     def __init__(self, diagnostics: Sequence[Diagnostic]) -> None:
         self.diagnostics = tuple(diagnostics)
         errors = [d for d in self.diagnostics if d.is_error]
-        super().__init__("the graph does not compile:\n" + "\n".join(
-            d.one_line() for d in errors))
+        super().__init__("\n".join(["the graph does not compile:",
+                                    *(d.summary() for d in errors)]))
 
 
 class IRError(FlowgraphError, ValueError):
@@ -142,7 +140,8 @@ class WorkerLost(FlowgraphError):
 class Stopped(FlowgraphError):
     """A run stopped on SIGTERM or SIGINT (preemption, Ctrl-C), its work saved where it
     could be; `flowgraph run` exits with 128 + the signal's number (143, 130), and
-    `flowgraph.run` raises it, its message saying how to continue (`resume=True`)."""
+    `flowgraph.run` raises it, its message saying how to continue (`resume=True`) — for
+    Ctrl-C as a `KeyboardInterrupt` that carries the same (`flowgraph.api`)."""
 
     def __init__(self, signum: int, message: str, *, run_dir: Path | None = None) -> None:
         self.signum = signum

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from flowgraph.choices import DPO_LOSS_TYPES, KL_ESTIMATORS, LOSS_AGG_MODES
-from flowgraph.contracts import TensorSpec
+from flowgraph.contracts import MASK_DTYPE, TensorSpec
 from flowgraph.kindspec import KindSpec, LossSpec, ParamSpec, PortSpec
 from flowgraph.runtime.reward_call import FILTER_CALL, TRL_CALL, VERL_CALL
 
@@ -90,6 +90,10 @@ MINI_BATCH = (
     _i("micro_batch_size", None, "sequences per forward/backward on one rank (gradient "
        "accumulation); null: the rank's share of the mini-batch"),
     *BATCHING,
+    _i("start_step", 0, "the first training step this update trains at; before it the "
+       "update is skipped (its model, optimizer and LR schedule stay as they are): value "
+       "warm-up (VAPO, VC-PPO) is the actor's update starting at k while the critic's "
+       "trains from step 0", minimum=0),
 )
 """The update loop's params, which every update kind declares (`flowgraph.runtime.update.
 MiniBatching`; the loop reads them, the kind's implementation only `packing`)."""
@@ -119,7 +123,7 @@ _KINDS = (
         "prompts", "data", "Prompt dataset (verl parquet layout, or JSONL).",
         outputs=(
             _p("input_ids", "Bp P", "int"),
-            _p("attention_mask", "Bp P", "int", "binary"),
+            _p("attention_mask", "Bp P", MASK_DTYPE, "binary"),
             _p("ground_truth", "Bp", "object", optional=True),
             _p("data_source", "Bp", "object", optional=True),
             _p("extra_info", "Bp", "object", optional=True,
@@ -148,11 +152,11 @@ _KINDS = (
         "the prompt their shared first messages).",
         outputs=(
             _p("prompts", "Bp P", "int"),
-            _p("prompt_mask", "Bp P", "int", "binary"),
+            _p("prompt_mask", "Bp P", MASK_DTYPE, "binary"),
             _p("chosen", "Bp T", "int"),
-            _p("chosen_mask", "Bp T", "int", "binary"),
+            _p("chosen_mask", "Bp T", MASK_DTYPE, "binary"),
             _p("rejected", "Bp T", "int"),
-            _p("rejected_mask", "Bp T", "int", "binary"),
+            _p("rejected_mask", "Bp T", MASK_DTYPE, "binary"),
             _p("uid", "Bp", "int", doc="row id in the dataset"),
         ),
         params=(
@@ -172,10 +176,10 @@ _KINDS = (
         "response columns, or a chat `messages` list).",
         outputs=(
             _p("prompts", "Bp P", "int"),
-            _p("prompt_mask", "Bp P", "int", "binary"),
+            _p("prompt_mask", "Bp P", MASK_DTYPE, "binary"),
             _p("responses", "Bp T", "int"),
-            _p("response_mask", "Bp T", "int", "binary"),
-            _p("loss_mask", "Bp T", "int", "binary", optional=True,
+            _p("response_mask", "Bp T", MASK_DTYPE, "binary"),
+            _p("loss_mask", "Bp T", MASK_DTYPE, "binary", optional=True,
                doc="the response tokens trained on: all of a one-answer row, the assistant "
                    "turns of a multi-turn conversation"),
             _p("uid", "Bp", "int", doc="row id in the dataset"),
@@ -211,9 +215,9 @@ _KINDS = (
         ),
         outputs=(
             _p("prompts", "b*n P", "int"),
-            _p("prompt_mask", "b*n P", "int", "binary"),
+            _p("prompt_mask", "b*n P", MASK_DTYPE, "binary"),
             _p("responses", "b*n T", "int"),
-            _p("response_mask", "b*n T", "int", "binary"),
+            _p("response_mask", "b*n T", MASK_DTYPE, "binary"),
             _p("rollout_log_prob", "b*n T", "float", "nonpositive", optional=True),
             _p("index", "b*n", "int", doc="group id: the prompt's position in the batch"),
             _p("ground_truth", "b*n", "object", optional=True),
@@ -258,11 +262,11 @@ _KINDS = (
         outputs=(
             _p("prompts", "b*n*c P", "int", doc="the first prompt (a fork's row: the "
                                                 "fork's history, up to P), left-padded"),
-            _p("prompt_mask", "b*n*c P", "int", "binary"),
+            _p("prompt_mask", "b*n*c P", MASK_DTYPE, "binary"),
             _p("responses", "b*n*c T", "int", doc="every token after the first prompt: "
                                                   "the policy's turns and the messages "
                                                   "between"),
-            _p("response_mask", "b*n*c T", "int", "binary",
+            _p("response_mask", "b*n*c T", MASK_DTYPE, "binary",
                doc="1 exactly on the tokens the policy sampled (tool and user tokens are "
                    "holes): what losses and advantages read"),
             _p("rollout_log_prob", "b*n*c T", "float", "nonpositive", optional=True),
@@ -281,7 +285,7 @@ _KINDS = (
                    "the last one (for gae, reinforce_pp: credit per turn)"),
             _p("turn_rewards", "b*n*c K", "float", "finite", optional=True,
                doc="one reward per assistant turn (`Step.reward`, tools' rewards)"),
-            _p("turn_mask", "b*n*c K", "int", "binary", optional=True,
+            _p("turn_mask", "b*n*c K", MASK_DTYPE, "binary", optional=True,
                doc="1 on the turns the episode took"),
             _p("num_turns", "b*n*c", "int", optional=True),
             _p("tool_calls", "b*n*c", "int", optional=True),
@@ -442,7 +446,7 @@ _KINDS = (
                             doc="each row's other entries of a dict result (verl's "
                                 "reward_extra_info) and a TRL function's log_extra "
                                 "columns: the validation table's columns"),
-                 _p("score_mask", "b", "int", "binary", optional=True,
+                 _p("score_mask", "b", MASK_DTYPE, "binary", optional=True,
                     doc="0 where every function returned None (TRL: the row is "
                         "unscorable; its score is 0): wire it into grpo's score_mask to "
                         "leave the row out of its group's baseline, as TRL does")),
@@ -509,7 +513,7 @@ _KINDS = (
     KindSpec(
         "grpo", "advantage", "Group-normalised outcome advantage (Shao et al. 2024).",
         inputs=(SCORES, MASK, INDEX,
-                _p("score_mask", "b", "int", "binary", optional=True,
+                _p("score_mask", "b", MASK_DTYPE, "binary", optional=True,
                    doc="0 for a row no reward function scored (compute_score's "
                        "score_mask): left out of its group's mean and std, advantage 0 "
                        "(TRL)"), EPISODE),
@@ -733,9 +737,10 @@ _FILTER_KINDS = (
         "Keep the sample groups a predicate accepts (DAPO dynamic sampling); the run draws "
         "the next data batches until `groups` groups are kept.",
         inputs=FILTERED,
-        outputs=tuple(_p(p.name, p.spec.dims.replace("b", "g*n", 1), p.spec.dtype,
+        outputs=tuple(_p(p.name, p.spec.dims.replace("b", "g*n", 1),
+                         MASK_DTYPE if p.spec.dtype == "mask" else p.spec.dtype,
                          *p.spec.constraints, optional=p.optional, doc=p.doc)
-                      for p in FILTERED),
+                      for p in FILTERED),  # gives masks as generate does: one mask type
         params=(
             _s("metric", "std_nonzero", ("std_nonzero", "mean_in_range"),
                "std_nonzero (DAPO): keep groups whose scores are not all equal (a group of "

@@ -15,6 +15,15 @@ from `OPTIONS`; a message says *which* option, never how it is spelt.
 The entry point is an environment variable (`ENTRY_ENV`), so that every process of a run
 (fsdp ranks, Ray workers) speaks as the one that started it; the command line is the
 default.
+
+A hint that says what to change *in the graph* speaks as the graph was written, whatever
+the entry point: a graph file's YAML, or `GraphBuilder`'s keywords for a graph built in
+Python (`graph_written_in`, set by the checker for the graph it checks):
+
+    wiring("row", "gen.row")             `inputs: {row: gen.row}`  | `row=gen.row`
+    param_setting("old", "temperature", 0.7)
+                                         `nodes.old.params.temperature: 0.7`
+                                         | `params={'temperature': 0.7}` on node `old`
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import os
 import shlex
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 ENTRY_ENV = "FLOWGRAPH_ENTRY"
@@ -57,6 +67,12 @@ repeats it), `trainer.run_dir=` (an override), or `` (the overrides themselves).
 read off the parser (`flowgraph.cli.build_parser`, the entry layer, above every module
 that speaks): `tests/core/test_spelling.py` holds each flag to the parser's and each name
 to the API's arguments."""
+
+
+PYTHON_SOURCE = "<python>"
+"""`Graph.source` of a graph `GraphBuilder` built (no file)."""
+
+_GRAPH_IN_PYTHON: ContextVar[bool] = ContextVar("graph_in_python", default=False)
 
 
 class Word(str):
@@ -122,3 +138,28 @@ def _tokens(name: str, value: Any) -> list[str]:
     if value is True:
         return [flag]
     return [t for v in values for t in (flag, str(v))]
+
+
+@contextmanager
+def graph_written_in(source: str) -> Iterator[None]:
+    """Hints made in the body spell the graph as the front end it came from wrote it:
+    `source` is the graph's `Graph.source` (`PYTHON_SOURCE`: GraphBuilder)."""
+    token = _GRAPH_IN_PYTHON.set(source == PYTHON_SOURCE)
+    try:
+        yield
+    finally:
+        _GRAPH_IN_PYTHON.reset(token)
+
+
+def wiring(port: str, ref: str) -> str:
+    """Input `port` wired to `ref` (`node.port`), as the graph is written."""
+    if _GRAPH_IN_PYTHON.get():
+        return f"`{port}={ref}`"
+    return f"`inputs: {{{port}: {ref}}}`"
+
+
+def param_setting(node: str, name: str, value: Any) -> str:
+    """Param `name` of node `node` set to `value`, as the graph is written."""
+    if _GRAPH_IN_PYTHON.get():
+        return f"`params={{{name!r}: {value!r}}}` on node `{node}`"
+    return f"`nodes.{node}.params.{name}: {value}`"

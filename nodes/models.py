@@ -9,7 +9,10 @@ every executor sees the same weights and no machine needs a download. The cache 
 built in a private temporary folder and published by an atomic rename: two processes
 building at once both succeed, and a reader never sees a half-written folder.
 
-Any other path goes to `from_pretrained` (a local folder or a hub id).
+Any other path goes to `from_pretrained` (a local folder or a hub id). A hub id is
+looked up once, before `from_pretrained` (`_hub_source`): where the hub does not answer
+(no network, `HF_HUB_OFFLINE`), its cached copy loads, or one error says so — never
+Hugging Face's retries of every file, a minute and more before the same failure.
 
 Notation: V vocabulary size (`vocab_size` of the config).
 """
@@ -218,7 +221,41 @@ def _resolve(path: str, cache_dir: str | Path | None, build: bool = True) -> str
             f"model path `{path}` does not exist; give an existing local folder, a hub id "
             f"(`org/name`) or a built-in model ({builtins})"
         )
-    return path
+    return _hub_source(path)
+
+
+HUB_PROBE_TIMEOUT_S = 5.0
+"""How long the one look at the hub waits before it calls the hub unreachable."""
+
+
+def _hub_source(hub_id: str) -> str:
+    """What `from_pretrained` loads for `hub_id`: the id itself where the hub answers
+    (it downloads, or checks its cache is current); where the hub does not answer, the
+    cached snapshot's folder, or one error with the offline hint. One request decides:
+    `from_pretrained` itself retries each file five times with back-off (~70 s for a
+    tokenizer and its model) before it says the same."""
+    from huggingface_hub import constants, get_session, snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else None
+    if why is None:
+        try:
+            get_session().head(constants.ENDPOINT, timeout=HUB_PROBE_TIMEOUT_S)
+            return hub_id
+        # refused, unreachable, no DNS, timed out, a bad proxy: the client's own error
+        # types (httpx, httpx2 or requests, by huggingface_hub's version)
+        except Exception as exc:
+            why = f"{constants.ENDPOINT} does not answer ({type(exc).__name__}: {exc})"
+    try:
+        return snapshot_download(hub_id, local_files_only=True)
+    except LocalEntryNotFoundError:
+        raise FlowgraphError(
+            f"model `{hub_id}` is no local folder, so it names a Hugging Face hub model, "
+            f"and it is not in this machine's hub cache ({constants.HF_HUB_CACHE}); "
+            f"{why}. Download it where there is a network (`hf download {hub_id}`, or "
+            "`save_pretrained` to a folder) and copy the cache or the folder here, then "
+            "give that folder's path — or set HF_ENDPOINT to a mirror this machine "
+            "reaches") from None
 
 
 def check_model_path(path: str, cache_dir: str | Path | None = None) -> None:

@@ -32,7 +32,7 @@ from flowgraph.nodes.policy_losses import rollout_is_weights, vanilla
 from flowgraph.nodes.values import ValueModel
 from flowgraph.nodes.values import values as predict_values
 from flowgraph.runtime.context import Impl
-from flowgraph.runtime.update import Batch, Update
+from flowgraph.runtime.update import Batch, Update, policy_loss_problem
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -80,7 +80,11 @@ class PolicyLoss:
         mask = mb["response_mask"]
         # No old_log_prob: one optimizer step per rollout, π_old is the policy we start from.
         old = mb.get("old_log_prob", log_prob.detach())
-        pg_losses, metrics = self.fn(old, log_prob, mb["advantages"], mask, **self.params)
+        returned = self.fn(old, log_prob, mb["advantages"], mask, **self.params)
+        problem = policy_loss_problem(self.fn, returned, mask)
+        if problem is not None:
+            raise ValueError(problem)
+        pg_losses, metrics = returned
         if self.rollout_is is not None:
             weights, is_metrics = rollout_is_weights(
                 old, mb["rollout_log_prob"], mask, self.rollout_is, self.threshold,

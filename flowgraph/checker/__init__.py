@@ -36,6 +36,7 @@ from flowgraph.errors import PluginError, ToolSchemaError
 from flowgraph.ir import Graph, Plugin
 from flowgraph.registry import Registry, plugin_source
 from flowgraph.source import SourcePos
+from flowgraph.spelling import graph_written_in
 
 __all__ = ["CheckResult", "DimEnv", "EdgeInfo", "PortShape", "Resolved", "check_graph"]
 
@@ -80,7 +81,7 @@ class CheckResult:
         warnings = sum(d.severity == "warning" for d in self.diagnostics)
         head = (f"graph `{self.graph.name}`: {'ok' if not errors else 'failed'}, "
                 f"{errors} error(s), {warnings} warning(s); {len(self.shapes.edges)} edges")
-        return "\n".join([head, *(d.one_line() for d in self.diagnostics), "edges:",
+        return "\n".join([head, *(d.summary() for d in self.diagnostics), "edges:",
                           *(f"  {line}" for line in self.edge_lines())])
 
     def __repr__(self) -> str:
@@ -132,6 +133,13 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     target ray: pools are taken as declared unless `target` is `local` or `fsdp`."""
     registry = registry or Registry.default()
     dp = dp or graph.resources.nproc
+    with graph_written_in(graph.source):  # hints spell the fix as the graph is written
+        diags, table, shapes = _check(graph, registry, dp, target)
+    return CheckResult(graph, diags, table, shapes, registry, dp)
+
+
+def _check(graph: Graph, registry: Registry, dp: int, target: str | None
+           ) -> tuple[tuple[Diagnostic, ...], dict[str, Resolved], ShapeResult]:
     ranks, pools = ranks_of(graph, dp, target not in ("local", "fsdp"))
     out: list[Diagnostic] = []
     _load_plugins(graph, registry, out)
@@ -152,6 +160,5 @@ def check_graph(graph: Graph, registry: Registry | None = None, dp: int | None =
     check_staleness(graph, table, shapes, out)
     check_agents(graph, table, shapes.env, out)
     check_pool_gpus(graph, target, out)
-    diags = tuple(sorted(dict.fromkeys(out), key=sort_key))
-    return CheckResult(graph, diags, table, shapes, registry, dp)
+    return tuple(sorted(dict.fromkeys(out), key=sort_key)), table, shapes
 

@@ -24,6 +24,7 @@ from flowgraph.checker.structure import Resolved
 from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.ir import Graph, NodeSpec
 from flowgraph.plan.verify import upstream_of
+from flowgraph.spelling import wiring
 
 
 def check_filters(graph: Graph, table: dict[str, Resolved], shapes: ShapeResult,
@@ -51,7 +52,7 @@ def _check_groups(node: NodeSpec, table: dict[str, Resolved], shapes: ShapeResul
                          "is not a rollout's group index, so there are no groups to keep",
                          ref.pos if ref else node.pos, node=node.name,
                          hint="wire index from the `generate` node that sampled the "
-                              "responses: index: gen.index"))
+                              f"responses: {wiring('index', 'gen.index')}"))
         return
     own = env.value(env.locals_.get(f"{node.name}.n"))
     if own is not None and own != n:
@@ -95,4 +96,4 @@ def _check_optional(graph: Graph, node: NodeSpec, out: list[Diagnostic]) -> None
     for port in sorted(read - {p for p, _ in node.inputs}):
         out.append(error("FG304", f"`{node.name}.{port}` is read downstream, but the filter's "
                          f"input `{port}` is not wired, so it has nothing to pass through",
-                         node.pos, node=node.name, hint=f"wire {port}: gen.{port}"))
+                         node.pos, node=node.name, hint=f"wire {wiring(port, f'gen.{port}')}"))

@@ -24,6 +24,7 @@ from flowgraph.objects import PyObject
 from flowgraph.registry import ParamSpec, Registry, loss_names, loss_spec
 from flowgraph.runtime.reward_call import CallStyle, CallStyleError, call_style, function_name
 from flowgraph.source import SourcePos
+from flowgraph.spelling import wiring
 
 
 def check_functions(graph: Graph, table: dict[str, Resolved], out: list[Diagnostic]) -> None:
@@ -159,8 +160,8 @@ def _check_reads(node: NodeSpec, styles: list[tuple[object, CallStyle | None]],
             f"functions (their signatures name completions, prompts or completion_ids), "
             f"with the prompts and the dataset's columns of the input `{port}`, which it "
             f"does not wire", node.pos, node=node.name,
-            hint=f"wire `{port}: gen.{port}` (generate passes on the data's `{port}`: "
-                 f"`{port}: train.{port}`)"))
+            hint=f"wire {wiring(port, f'gen.{port}')} (generate passes on the data's "
+                 f"`{port}`: {wiring(port, f'train.{port}')})"))
 
 
 def _check_loss(node: str, spec: ParamSpec, owner: NodeSpec, out: list[Diagnostic]) -> None:

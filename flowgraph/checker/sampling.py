@@ -14,6 +14,7 @@ from __future__ import annotations
 from flowgraph.checker.structure import Resolved, param_value
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.ir import NodeSpec
+from flowgraph.spelling import param_setting
 
 
 def check_temperatures(table: dict[str, Resolved], out: list[Diagnostic]) -> None:
@@ -41,7 +42,7 @@ def check_temperatures(table: dict[str, Resolved], out: list[Diagnostic]) -> Non
             p.pos if p is not None else r.pos, node=r.name,
             edge=f"{ref.node}.{ref.port} -> {r.name}.responses" if ref else None,
             expected=f"temperature {drawn:g}", actual=f"temperature {scored:g}",
-            hint=f"set nodes.{r.name}.params.temperature: {drawn:g} (the PPO ratio compares "
+            hint=f"set {param_setting(r.name, 'temperature', drawn)} (the PPO ratio compares "
                  "log-probs of one distribution only when every node scores at the "
                  "sampling temperature)"))
 

@@ -14,8 +14,10 @@ the edges, with the explanations of its mismatches.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from flowgraph.checker.dtypes import dtype_hint
 from flowgraph.checker.structure import Resolved, param_value
 from flowgraph.contracts import TensorSpec
 from flowgraph.diagnostics import Diagnostic, error
@@ -290,7 +292,7 @@ def _unify_inputs(node: NodeSpec, r: Resolved, env: DimEnv, res: ShapeResult,
             continue
         if node.name not in res.batch:
             res.batch[node.name] = env.value(shape.dims[0]) if shape.dims else None
-        ok = _unify_edge(ref, node, port.name, port.spec, shape, env, out)
+        ok = _unify_edge(ref, node, port.name, port.spec, shape, env, out, res.outputs)
         label = env.label(shape.dims, shape.variadic)
         res.edges.append(EdgeInfo(ref, node.name, port.name, label, ok))
     return known
@@ -323,7 +325,8 @@ class _Edge:
 
 
 def _unify_edge(ref: PortRef, node: NodeSpec, port: str, spec: TensorSpec, shape: PortShape,
-                env: DimEnv, out: list[Diagnostic]) -> bool:
+                env: DimEnv, out: list[Diagnostic],
+                outputs: Mapping[tuple[str, str], PortShape]) -> bool:
     e = _Edge(ref, node.name, port, spec, shape)
     ok = True
     if not spec.accepts_dtype(shape.spec):
@@ -331,7 +334,9 @@ def _unify_edge(ref: PortRef, node: NodeSpec, port: str, spec: TensorSpec, shape
         out.append(error("FG203", f"edge `{e.text}`: `{port}` takes {spec.dtype}, `{ref}` gives "
                          f"{shape.spec.dtype}", ref.pos, node=node.name, edge=e.text,
                          expected=spec.describe(), actual=shape.spec.describe(),
-                         hint=_dtype_hint(spec, shape.spec)))
+                         hint=dtype_hint(port, spec, shape.spec, {
+                             k: (s.spec, None if s.variadic else len(s.dims))
+                             for k, s in outputs.items()})))
     pairs = _align(e, env, out)
     if pairs is None:
         return False
@@ -435,16 +440,6 @@ def _notes(e: _Edge, env: DimEnv) -> tuple[str, ...]:
 
 
 # --- hints ---------------------------------------------------------------------------
-
-
-def _dtype_hint(want: TensorSpec, got: TensorSpec) -> str:
-    if want.dtype in ("float",) and got.dtype in ("int", "mask", "bool"):
-        return "this input takes real values; wire a float output (log-probs, scores, values)"
-    if want.dtype in ("int",) and got.dtype == "float":
-        return "this input takes token ids or indices; wire an integer output"
-    if "str" in (want.dtype, got.dtype):
-        return "text (ground truth, data source names) and tensors do not mix"
-    return f"wire an output of dtype {want.dtype}"
 
 
 def _rank_hint(cons: tuple[object, ...], prod: tuple[Poly | None, ...], env: DimEnv) -> str:

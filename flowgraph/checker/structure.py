@@ -19,6 +19,7 @@ from flowgraph.objects import PyObject
 from flowgraph.paths import RULE, is_hub_dataset
 from flowgraph.registry import KindSpec, ParamSpec, PortSpec, Registry
 from flowgraph.source import SourcePos
+from flowgraph.spelling import wiring
 from flowgraph.trl_names import trl_hint
 
 Producer = NodeSpec | DataSpec
@@ -147,7 +148,7 @@ def check_ports(table: dict[str, Resolved], batch: Mapping[str, int | None],
         if kind.terms is not None and wired <= set(names):
             out.append(error("FG104", f"node `{node.name}` (kind {kind.name}) sums the "
                              "inputs you name, and none is wired", node.pos, node=node.name,
-                             hint="wire a term, e.g. `inputs: {acc: reward.scores}`"))
+                             hint=f"wire a term, e.g. {wiring('acc', 'reward.scores')}"))
         unwired = [p for p in kind.inputs if p.name not in wired]
         if unwired:
             _check_unwired(node, kind, unwired, batch.get(node.name), out)
@@ -163,7 +164,7 @@ def _check_unwired(node: NodeSpec, kind: KindSpec, unwired: list[PortSpec], batc
             out.append(error("FG104", f"node `{node.name}` (kind {kind.name}) has no "
                              f"input `{p.name}`{when}", node.pos, node=node.name,
                              expected=p.spec.describe(),
-                             hint=f"wire it: `inputs: {{{p.name}: <node>.<port>}}`"))
+                             hint=f"wire it: {wiring(p.name, '<node>.<port>')}"))
 
 
 def _check_ref(node: NodeSpec, port: str, ref: PortRef, table: dict[str, Resolved],

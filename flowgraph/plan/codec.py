@@ -5,7 +5,9 @@ graph's document experiment trackers record (`plan_document`).
 Records are written field by field; the run's settings (`RunSpec`) as the sections of a
 graph file (`flowgraph.frontend`, whose reader checks them again). A plan of the format
 before (version 6, which held the whole graph beside its node records) is converted as it
-is read, with a note.
+is read, with a note; its updates get the loop params declared since (`start_step`) at
+their defaults. A version 7 plan without them runs with their defaults too
+(`MiniBatching.of`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from flowgraph.plan.records import PLAN_VERSION, ExecutionPlan, NodePlan, RunSpe
 from flowgraph.plan.score import score_plan
 from flowgraph.plan.verify import repeated_edges, verify
 from flowgraph.registry import KindSpec, Registry, with_loss_implementations
+from flowgraph.runtime.update import LOOP_PARAMS
 from flowgraph.source import SourcePos
 
 MAX_PLAN_BYTES = 64 << 20
@@ -101,10 +104,22 @@ def _from_version_6(data: dict[str, Any]) -> dict[str, Any]:
         kind = registry.get(str(node.get("kind")))
         for key in ("params", "eval_params"):
             if kind is not None and _param_records(node.get(key)):
-                node[key] = _with_losses(kind, node[key])
+                node[key] = _with_losses(kind, _with_loop_defaults(kind, node[key]))
     run = {k: graph[k] for k in RUN_SECTIONS if k in graph}
     rest = {k: v for k, v in data.items() if k != "graph"}
     return {"run": run, **rest, "version": PLAN_VERSION}
+
+
+def _with_loop_defaults(kind: KindSpec, params: list[dict[str, str]]) -> list[dict[str, str]]:
+    """An update's params with the update loop's params declared since (`start_step`) at
+    their defaults, in the kind's order, as the compiler writes them now."""
+    if not kind.trains:
+        return params
+    given = {p["name"]: p for p in params}
+    loop = {p.name: {"name": p.name, "value": json.dumps(p.default, sort_keys=True)}
+            for p in kind.params if p.name in LOOP_PARAMS}
+    return [given.get(p.name) or loop[p.name] for p in kind.params
+            if p.name in given or p.name in loop]
 
 
 def _param_records(value: object) -> bool:

@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Protocol
 
+from flowgraph.objects import defined_at
+
 if TYPE_CHECKING:
     from torch import Tensor
 
@@ -95,11 +97,14 @@ class MiniBatching:
     micro_batch_size: int | None
     max_token_len: int | None
     packing: bool
+    start_step: int = 0
+    """Steps before it skip the update (value warm-up); a plan written before there was
+    one has none: 0."""
 
     @staticmethod
     def of(params: Mapping[str, Any]) -> MiniBatching:
         """The loop's params among a node's (defaults filled)."""
-        return MiniBatching(**{name: params[name] for name in LOOP_PARAMS})
+        return MiniBatching(**{name: params[name] for name in LOOP_PARAMS if name in params})
 
 
 LOOP_PARAMS = tuple(f.name for f in fields(MiniBatching))
@@ -116,3 +121,23 @@ def one_optimizer_step(params: Mapping[str, object], batch: int | None) -> bool:
     if mini is None:
         return True
     return batch is not None and isinstance(mini, int) and mini >= batch
+
+
+def policy_loss_problem(fn: Any, result: Any, response_mask: Tensor) -> str | None:
+    """Why what policy loss `fn` returned is not `(per-token losses (B, T), metrics)`,
+    naming the loss and where it is defined; None when it is. `ppo_actor_update` raises
+    it at run time, `flowgraph.testing.assert_policy_loss_honours_contract` before: a (B,)
+    loss would otherwise fail inside the aggregation, naming no loss — or, where B = T,
+    broadcast and train on the wrong numbers."""
+    where = defined_at(fn)
+    name = f"policy loss `{getattr(fn, '__qualname__', fn)}`" + (f" ({where})" if where else "")
+    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[1], Mapping)):
+        return (f"{name} returned {type(result).__name__}; a policy loss returns "
+                "(per-token losses, {metric name: float})")
+    shape = tuple(getattr(result[0], "shape", ()))
+    want = tuple(response_mask.shape)
+    if shape != want:
+        return (f"{name} returned losses of shape {shape}; a policy loss returns one loss "
+                f"per response token, (B, T) = {want}, which the update aggregates by "
+                "loss_agg_mode")
+    return None

@@ -5,7 +5,8 @@
 * the pytest plugin (installed with flowgraph) provides the same as the fixture
   `flowgraph_check`;
 * `flowgraph.testing.strategies` holds hypothesis strategies (imported on demand);
-* `assert_honours_contract(kind)` property-tests a kind's implementation against its contract.
+* `assert_honours_contract(kind)` property-tests a kind's implementation against its contract;
+* `assert_policy_loss_honours_contract(loss)` property-tests a `@policy_loss`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from flowgraph.diagnostics import render_text
 from flowgraph.errors import FlowgraphError, GraphError
 from flowgraph.frontend import load_graph
 from flowgraph.testing.contracts import assert_honours_contract
+from flowgraph.testing.losses import assert_policy_loss_honours_contract
 
-__all__ = ["assert_honours_contract", "check_file"]
+__all__ = ["assert_honours_contract", "assert_policy_loss_honours_contract", "check_file"]
 
 
 def check_file(path: str | Path, overrides: Sequence[str] = (), dp: int | None = None

@@ -6,12 +6,14 @@
         assert_honours_contract("my_kind")                 # a registered name, or a KindSpec
         assert_honours_contract(MY_KIND, fn=my_impl, model=tiny_model, max_examples=10)
 
-For each hypothesis example it draws dim sizes (b in 1..6, T in 1..8, P in 1..6; a
-group size n dividing b for kinds with an `index` input, and N = n for `generate`),
-builds well-formed values for every required input (optional inputs at random) from
-each port's `TensorSpec` — int tokens in [0, vocab) (the model config's vocabulary, else
-32), binary masks (response masks right-padded with at least one valid token per row,
-prompt masks left-padded), finite floats (<= 0 for `nonpositive`, >= 0 for
+For each hypothesis example it draws dim sizes (b in 1..6, T in 1..8 or 9..32 — a
+hard-coded `[:, :8]` meets a T it cuts —, P in 1..6; a group size n dividing b for kinds
+with an `index` input, and N = n for `generate`), builds well-formed values for every
+required input (optional inputs at random) from each port's `TensorSpec` — int tokens
+in [0, vocab) (the model config's vocabulary, else 32), binary masks (`masks`: response
+masks right-padded, in some examples with all-zero rows as an agent rollout's failed
+episodes give — a division by a row's mask sum meets a zero —, prompt masks left-padded
+with at least one valid token per row), finite floats (<= 0 for `nonpositive`, >= 0 for
 `nonnegative` ports), `index` group ids in groups of equal size, lists of digit
 strings for `str` ports — and calls the implementation through the calling convention
 of `flowgraph.runtime.context` with the kind's default params (and `params`
@@ -51,10 +53,14 @@ from flowgraph.registry import (
 from flowgraph.runtime.context import Impl, NodeContext, named_outputs
 from flowgraph.runtime.update import LOOP_PARAMS, Update
 
-__all__ = ["assert_honours_contract", "default_context", "output_problem"]
+__all__ = ["T_SIZES", "assert_honours_contract", "default_context", "masks", "output_problem"]
 
 DEFAULT_VOCAB = 32
 """Token ids are drawn below this when no model (with a config) is given."""
+
+T_SIZES = ((1, 8), (9, 32))
+"""The response lengths drawn, as ranges: short ones, and ones past 8 (a node that
+hard-codes a length, `[:, :8]`, breaks there)."""
 
 
 def default_context(kind: KindSpec | str, dims: Mapping[str, int], *, model: Any = None,
@@ -112,7 +118,7 @@ def _is_prompt(port: PortSpec) -> bool:
 
 
 def _make_input(port: PortSpec, shape: tuple[int, ...], *, vocab: int, group: int,
-                gen: Any, shuffle_groups: bool) -> Any:
+                gen: Any, shuffle_groups: bool, empty_rows: bool) -> Any:
     import torch
 
     spec = port.spec
@@ -137,7 +143,7 @@ def _make_input(port: PortSpec, shape: tuple[int, ...], *, vocab: int, group: in
         unused = torch.rand(shape, generator=gen) < 0.25  # row is its own here; -1 unused
         return torch.where(unused, -1, ids).long()
     if spec.dtype == "mask" or "binary" in spec.constraints:
-        return _mask(shape, prompt=_is_prompt(port), gen=gen)
+        return masks(shape, prompt=_is_prompt(port), gen=gen, empty_rows=empty_rows)
     if all(d.startswith(("int", "uint")) for d in spec.dtypes):
         return torch.randint(0, vocab, shape, generator=gen, dtype=torch.long)
     x = torch.randn(shape, generator=gen) * 2.0
@@ -150,8 +156,13 @@ def _make_input(port: PortSpec, shape: tuple[int, ...], *, vocab: int, group: in
     return x.float()
 
 
-def _mask(shape: tuple[int, ...], *, prompt: bool, gen: Any) -> Any:
-    """Right-padded (response) or left-padded (prompt) 0/1 rows, each with >= 1 valid token."""
+def masks(shape: tuple[int, ...], *, prompt: bool, gen: Any, empty_rows: bool = False
+          ) -> Any:
+    """0/1 rows (int64, as every built-in gives a mask): left-padded for a prompt, each
+    with >= 1 valid token; right-padded for a response, where `empty_rows` makes the
+    first row and about a third of the others all zero — an agent rollout's episode that
+    failed (`on_error: mask`) trains no token — and keeps the last valid (a batch with
+    no token at all is refused by the built-ins that whiten, by design)."""
     import torch
 
     if len(shape) != 2:
@@ -160,6 +171,10 @@ def _mask(shape: tuple[int, ...], *, prompt: bool, gen: Any) -> Any:
     if t == 0:
         return torch.zeros(shape, dtype=torch.long)
     lengths = torch.randint(1, t + 1, (b, 1), generator=gen)
+    if empty_rows and not prompt:
+        empty = torch.rand((b, 1), generator=gen) < 1 / 3
+        empty[0], empty[-1] = True, False
+        lengths = torch.where(empty, 0, lengths)
     pos = torch.arange(t).unsqueeze(0)
     valid = pos >= t - lengths if prompt else pos < lengths
     return valid.long()
@@ -308,7 +323,8 @@ def assert_honours_contract(
             n = draw(st.sampled_from([d for d in range(1, b + 1) if b % d == 0]), label="n")
         else:
             n = draw(st.integers(1, 3), label="n")
-        sizes = {"b": b, "n": n, "T": draw(st.integers(1, 8), label="T"),
+        t = st.one_of(*(st.integers(lo, hi) for lo, hi in T_SIZES))
+        sizes = {"b": b, "n": n, "T": draw(t, label="T"),
                  "P": draw(st.integers(1, 6), label="P")}
         present = [p.name for p in spec.inputs
                    if spec.needs(p, call_params) or draw(st.booleans(), label=f"wire {p.name}")]
@@ -316,7 +332,9 @@ def assert_honours_contract(
             present += [f"term{i}" for i in range(draw(st.integers(1, 3), label="terms"))]
         seed = draw(st.integers(0, 2**31 - 1), label="seed")
         shuffle = draw(st.booleans(), label="shuffle groups") if grouped else False
-        return {"sizes": sizes, "present": present, "seed": seed, "shuffle": shuffle}
+        empty = draw(st.booleans(), label="all-zero mask rows")
+        return {"sizes": sizes, "present": present, "seed": seed, "shuffle": shuffle,
+                "empty": empty}
 
     @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck), print_blob=False)
@@ -333,7 +351,8 @@ def assert_honours_contract(
         out_sizes = _output_sizes(spec, call_params, {**glob, **sizes})
         gen = torch.Generator().manual_seed(d["seed"])
         inputs = {p.name: _make_input(p, _shape(p.spec, {**glob, **sizes}), vocab=vocab,
-                                      group=n, gen=gen, shuffle_groups=d["shuffle"])
+                                      group=n, gen=gen, shuffle_groups=d["shuffle"],
+                                      empty_rows=d["empty"])
                   for p in spec.wired_inputs(d["present"]) if p.name in d["present"]}
         if given_ctx is None:
             node_ctx = default_context(spec, glob, model=model, tokenizer=tokenizer)

@@ -7,7 +7,9 @@ line's name flags; a new run leaves no earlier `traceback.txt`."""
 from __future__ import annotations
 
 import io
+import os
 import signal
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -17,7 +19,7 @@ import pytest
 
 import flowgraph
 from flowgraph.compilers.checkpoint.store import latest_checkpoint
-from flowgraph.errors import FlowgraphError, Stopped
+from flowgraph.errors import FlowgraphError
 
 ROOT = Path(__file__).resolve().parents[2]
 PLUGINS = ROOT / "tests" / "plugins"
@@ -96,9 +98,10 @@ def test_the_command_line_keeps_its_words(capsys: pytest.CaptureFixture[str]) ->
 
 def test_an_interrupt_saves_and_says_how_to_continue_in_python() -> None:
     """SIGINT (what a notebook's interrupt button sends) in step 1: the step finishes, is
-    saved, and `Stopped` names the call that continues the run; that call does."""
+    saved, and a KeyboardInterrupt names the call that continues the
+    run; that call does."""
     args = ["nodes.score.params.at=1", "nodes.score.params.signals=SIGINT", "trainer.steps=3"]
-    with pytest.raises(Stopped) as exc:
+    with pytest.raises(KeyboardInterrupt) as exc:
         _run("s.yaml", *args, run_dir="runs/s")
     assert exc.value.signum == signal.SIGINT and exc.value.run_dir == Path("runs/s")
     again = ("flowgraph.run('s.yaml', resume=True, overrides=['trainer.steps=2', "
@@ -107,7 +110,7 @@ def test_an_interrupt_saves_and_says_how_to_continue_in_python() -> None:
     assert str(exc.value) == (
         f"stopped by SIGINT; the last checkpoint is step 1; continue with: {again}")
     shown = exc.value._render_traceback_()
-    assert shown == [f"Stopped: {exc.value}"]
+    assert shown == [f"KeyboardInterrupt: {exc.value}"]
     resumed = eval(again.replace("flowgraph.run(", "_run("), {"_run": flowgraph.run})
     assert [r["step"] for r in resumed.rows] == [0, 1, 2]
 
@@ -128,7 +131,7 @@ def test_ipython_shows_the_message_without_frames() -> None:
         InteractiveShell.clear_instance()
         sys.displayhook, sys.excepthook = hooks
     text = shown.stdout + shown.stderr
-    assert "Stopped: stopped by SIGINT; the last checkpoint is step 0; continue with: " \
+    assert "KeyboardInterrupt: stopped by SIGINT; the last checkpoint is step 0; continue with: " \
            "flowgraph.run('s.yaml', resume=True" in text, text
     assert "File " not in text and "Traceback" not in text, text
 
@@ -150,14 +153,14 @@ def test_other_messages_through_the_python_api_name_its_arguments() -> None:
 def test_a_keyboard_interrupt_outside_the_runs_handling_is_a_stop_too(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Ctrl-C while the run starts (before its handlers are in place): the same
-    `Stopped`, with the call that starts it again, not a KeyboardInterrupt's frames."""
+    KeyboardInterrupt, with the call that starts it again, not the executors' frames."""
     from flowgraph.compilers import builtin_training
 
     def interrupted(*args: Any) -> None:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(builtin_training, "ensure_builtins", interrupted)
-    with pytest.raises(Stopped) as exc:
+    with pytest.raises(KeyboardInterrupt) as exc:
         _run("g.yaml", run_dir="runs/k")
     assert str(exc.value) == (
         "interrupted (KeyboardInterrupt) while the run started or ended; no checkpoint was "
@@ -215,3 +218,51 @@ def test_a_new_run_removes_an_earlier_attempts_traceback() -> None:
     _run("g.yaml", run_dir="runs/t")
     assert not Path("runs/t/traceback.txt").exists()
     assert Path("runs/t/metrics.jsonl").exists()
+
+
+SWEEP = """
+import io, sys
+import flowgraph
+
+def run(steps):
+    return flowgraph.run("s.yaml", overrides=[f"trainer.steps={steps}", "nodes.score.params.at=1",
+                         "nodes.score.params.signals=SIGINT"], tensorboard=False,
+                         out=io.StringIO(), overwrite=True, run_dir="runs/sweep")
+
+if sys.argv[1] == "handler":
+    try:
+        run(3)
+    except KeyboardInterrupt as exc:
+        print("handler ran:", type(exc).__name__, exc.run_dir, flush=True)
+        sys.exit(7)
+for steps in (3, 4):  # a sweep that carries on past a failed config
+    try:
+        run(steps)
+    except Exception as exc:
+        print("swallowed", type(exc).__name__, flush=True)
+print("the sweep went on", flush=True)
+"""
+
+
+@pytest.mark.parametrize("how", ["sweep", "handler"])
+def test_ctrl_c_in_a_script_is_a_keyboard_interrupt_after_saving(how: str) -> None:
+    """SIGINT in step 1 of a script's `flowgraph.run`: step 1 is saved, then a
+    KeyboardInterrupt leaves the run — `except Exception:` does not catch it (the script
+    ends as Ctrl-C ends one: killed by SIGINT, which a shell reports as exit status 130);
+    `except KeyboardInterrupt:` does. Before, `Stopped` (an Exception) was swallowed and
+    the sweep started its next run."""
+    Path("sweep.py").write_text(SWEEP)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(PLUGINS), *sys.path])}
+    done = subprocess.run([sys.executable, "sweep.py", how], env=env, text=True,
+                          capture_output=True, timeout=240)
+    found = latest_checkpoint(Path("runs/sweep"))
+    assert found is not None and found[0] == 1, done.stderr  # saved, as before
+    assert "swallowed" not in done.stdout and "went on" not in done.stdout, done.stdout
+    if how == "handler":
+        assert done.returncode == 7, done.stderr
+        assert done.stdout == "handler ran: KeyboardInterrupt runs/sweep\n"
+        return
+    assert done.returncode == -signal.SIGINT, (done.returncode, done.stderr)
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("KeyboardInterrupt: stopped by SIGINT; the last "
+                           "checkpoint is step 1; continue with: flowgraph.run("), last

@@ -24,9 +24,10 @@ from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from flowgraph.agent import Env, Step
+from flowgraph.contracts import TensorSpec
 from flowgraph.kinds import BUILTIN_KINDS
 from flowgraph.nodes.values import ValueModel
-from flowgraph.registry import KindSpec, node_kind
+from flowgraph.registry import KindSpec, PortSpec, node_kind
 from flowgraph.runtime import NodeContext
 from flowgraph.testing import assert_honours_contract
 from flowgraph.testing.contracts import output_problem
@@ -267,3 +268,30 @@ def test_the_readme_custom_node_and_its_property_test_run(tmp_path: Path) -> Non
                           timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert "1 passed" in proc.stdout
+
+
+def _seq_mean_unguarded(values: Tensor, response_mask: Tensor) -> dict[str, Tensor]:
+    return {"scores": (values * response_mask).sum(-1) / response_mask.sum(-1)}  # 0/0
+
+
+def _first_eight(values: Tensor, response_mask: Tensor) -> dict[str, Tensor]:
+    return {"scores": (values * response_mask)[:, :8]}  # T hard-coded
+
+
+def test_planted_mask_sum_and_fixed_length_bugs_are_caught() -> None:
+    """An unguarded division by a row's mask sum meets an all-zero row (an agent rollout's
+    failed episode); a hard-coded `[:, :8]` meets T > 8. Both passed when masks had a
+    valid token in every row and T was at most 8."""
+    values = PortSpec("values", TensorSpec("b T", "float", ("finite",)))
+    per_row = KindSpec("seq_mean", "transform", "a mean per row",
+                       inputs=(values, BUILTIN_KINDS["grpo"].input("response_mask")),
+                       outputs=BUILTIN_KINDS["reward"].outputs)
+    with pytest.raises(AssertionError, match=r"kind `seq_mean`.*output `scores`: .*not finite"
+                                             r"|kind `seq_mean`.*output `scores`.*nan"):
+        assert_honours_contract(per_row, fn=_seq_mean_unguarded)
+    per_token = KindSpec("first_eight", "transform", "per token",
+                         inputs=per_row.inputs,
+                         outputs=(PortSpec("scores", TensorSpec("b T", "float")),))
+    with pytest.raises(AssertionError, match=r"kind `first_eight`.*output `scores`: shape is "
+                                             r"\(\d+, 8\), expected"):
+        assert_honours_contract(per_token, fn=_first_eight)

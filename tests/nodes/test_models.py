@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import threading
 from pathlib import Path
 
@@ -167,3 +168,51 @@ def test_a_rank_other_than_0_builds_a_whole_builtin(
     monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
     final = models._ensure_builtin("tiny-lm", tmp_path)
     assert {"config.json", "model.safetensors"} <= {p.name for p in final.iterdir()}
+
+
+def _offline_hub(monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
+    """A hub endpoint nothing listens on (port 9, discard: refused at once, no network
+    needed) and an empty hub cache of our own."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+
+
+def test_a_hub_model_without_network_is_one_message_with_the_offline_hint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before, `from_pretrained` retried every file five times with back-off (~70 s,
+    ten `Retrying in 8s` lines) and then said `couldn't connect`; now one look at the hub
+    decides, and the error says what to do."""
+    import time
+
+    _offline_hub(monkeypatch, tmp_path / "hub")
+    began = time.monotonic()
+    for load in (load_tokenizer, load_model, models.check_model_path):
+        with pytest.raises(FlowgraphError) as exc:
+            load("someorg/somemodel")
+        assert str(exc.value).startswith(
+            "model `someorg/somemodel` is no local folder, so it names a Hugging Face hub "
+            f"model, and it is not in this machine's hub cache ({tmp_path / 'hub'}); "
+            "http://127.0.0.1:9 does not answer (ConnectError"), str(exc.value)
+        assert "`hf download someorg/somemodel`" in str(exc.value)
+    assert time.monotonic() - began < 15  # no retries with back-off
+
+
+def test_a_cached_hub_model_loads_without_network(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hub cache's snapshot of the id (here: tiny-lm's files under
+    `models--someorg--tiny/snapshots/<commit>`) loads when the hub does not answer."""
+    monkeypatch.setenv("FLOWGRAPH_CACHE", str(tmp_path / "fg"))
+    built = Path(models._resolve("builtin:tiny-lm", None))
+    repo = tmp_path / "hub" / "models--someorg--tiny"
+    commit = "0" * 40
+    shutil.copytree(built, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    _offline_hub(monkeypatch, tmp_path / "hub")
+    lm = load_model("someorg/tiny")
+    reference = load_model(str(built))
+    assert torch.equal(lm.get_input_embeddings().weight, reference.get_input_embeddings().weight)
+    assert load_tokenizer("someorg/tiny").get_vocab() == load_tokenizer(str(built)).get_vocab()

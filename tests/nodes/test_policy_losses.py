@@ -18,6 +18,7 @@ from flowgraph.kinds import POLICY_LOSSES
 from flowgraph.nodes._agg import agg_loss
 from flowgraph.nodes.policy_losses import rollout_is_weights
 from flowgraph.runtime.context import Impl
+from flowgraph.testing import assert_policy_loss_honours_contract
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "verl" / "policy_losses.pt"
 DATA = torch.load(FIXTURES, weights_only=False)
@@ -68,3 +69,59 @@ def test_policy_loss_equals_verls(case: str, name: str, mode: str, correction: s
 
 def test_every_builtin_loss_is_held_to_verl() -> None:
     assert set(DATA["own"]) == set(POLICY_LOSSES)
+
+
+def _per_sequence(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
+                  advantages: torch.Tensor, response_mask: torch.Tensor
+                  ) -> tuple[torch.Tensor, dict[str, float]]:
+    """A planted bug: (B,) where a policy loss returns (B, T)."""
+    return -(advantages * (log_prob - old_log_prob).exp()).mean(-1), {}
+
+
+def _unguarded(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
+               advantages: torch.Tensor, response_mask: torch.Tensor
+               ) -> tuple[torch.Tensor, dict[str, float]]:
+    """A planted bug: each row's loss divided by its token count, unguarded (0/0 on the
+    all-zero rows of an agent rollout's failed episodes)."""
+    lengths = response_mask.sum(-1, keepdim=True)
+    return -advantages * log_prob * response_mask / lengths, {}
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_every_builtin_loss_honours_the_policy_loss_contract(name: str) -> None:
+    assert_policy_loss_honours_contract(name, max_examples=10)
+
+
+def test_a_loss_of_the_wrong_shape_or_dividing_by_an_empty_row_is_caught_naming_it() -> None:
+    here = Path(__file__).name
+    with pytest.raises(AssertionError, match=rf"policy loss `_per_sequence` \(\S*{here}:\d+\) "
+                                             r"returned losses of shape \(\d+,\); a policy "
+                                             r"loss returns one loss per response token"):
+        assert_policy_loss_honours_contract(_per_sequence)
+    with pytest.raises(AssertionError, match=r"policy loss `_unguarded`, B=\d+ T=\d+, with "
+                                             r"all-zero mask rows: the per-token losses are "
+                                             r"not all finite"):
+        assert_policy_loss_honours_contract(_unguarded)
+
+
+def test_a_loss_of_the_wrong_shape_fails_the_update_naming_the_loss() -> None:
+    """At run time: before, a (B,) loss died in the aggregation (`The size of tensor a
+    (4) must match ...`) naming no loss — or, with B = T, broadcast and trained."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from flowgraph.nodes.update import ppo_actor_update
+
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=2))
+    b, p, t = 4, 3, 4  # B = T: the shapes broadcast, so only the check stops it
+    update = ppo_actor_update(
+        prompts=torch.randint(0, 32, (b, p)), prompt_mask=torch.ones(b, p, dtype=torch.long),
+        responses=torch.randint(0, 32, (b, t)), response_mask=torch.ones(b, t, dtype=torch.long),
+        advantages=torch.randn(b, t), old_log_prob=-torch.rand(b, t),
+        policy_loss=_per_sequence)
+    with pytest.raises(ValueError, match=r"^policy loss `_per_sequence` \(\S+:\d+\) returned "
+                                         r"losses of shape \(4,\); a policy loss returns one "
+                                         r"loss per response token, \(B, T\) = \(4, 4\)"):
+        update.loss(lm, update.batch)
