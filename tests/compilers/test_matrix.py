@@ -21,6 +21,7 @@ factors' values meets in at least one cell, refused pairs in a refused cell);
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import signal
@@ -222,10 +223,8 @@ def _finish(proc: subprocess.Popen[str], what: str) -> str:
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
     """SIGKILL the process group `proc` leads (its ranks, Ray's processes) if any live."""
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     proc.wait()
 
 
