@@ -15,6 +15,10 @@ resample loop: `flowgraph.compilers.batches`; metrics of a step:
 `flowgraph.compilers.metrics`; evaluation: `flowgraph.compilers.evaluation`; the buffer
 of asynchronous rollouts and the producer that fills it (in the loop, a process of its
 own, ray's rollout pool): `flowgraph.compilers.rollouts`.
+
+One module past ~450 lines: a step's order (draw, run, evaluate, log, save) and what a
+stop or a lost worker does in the middle of it (save, restart, say what was lost) are one
+sequence, read top to bottom; split, each half would need the other's state.
 """
 
 from __future__ import annotations

