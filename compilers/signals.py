@@ -339,25 +339,36 @@ _WATCHERS: list[subprocess.Popen[bytes]] = []
 """The running watchers, held: a Popen dropped while its process runs warns."""
 
 
-def reap_with_parent(roots: set[int]) -> None:
+REAP_MARK = "FLOWGRAPH_REAP_MARK"
+"""The environment variable that marks the processes a watcher takes along: set in the
+driver before it starts them, so every process below it (and below them, reparented or
+not) inherits it."""
+
+
+def reap_with_parent(roots: set[int], mark: str = "") -> None:
     """A watcher (a process of its own) that SIGKILLs `roots` and every process below
     them once this process is gone, however it died: an embedded Ray cluster's raylet
     and GCS die with their driver, but its agents (DashboardAgent, RuntimeEnvAgent)
-    then wait 60 s to report it to that GCS. It ends by itself when they are all gone
-    (the cluster shut down). Linux only."""
+    then wait 60 s to report it to that GCS. With `mark` (the value of `REAP_MARK` in
+    this process's environment when it started them) it also kills every process whose
+    environment holds it: one started in the second before the driver died, which the
+    watcher had not seen yet and whose parent died with the driver, reparented away from
+    `roots` (a Ray worker still starting then waits 60 s for the dead GCS). It ends by
+    itself when they are all gone (the cluster shut down). Linux only."""
     _WATCHERS[:] = [w for w in _WATCHERS if w.poll() is None]
     if not roots or not Path("/proc/self/stat").exists():
         return
     code = (f"import sys; sys.path[:0] = {[p for p in sys.path if p]!r}; "
             f"from flowgraph.compilers.signals import _reap; _reap({os.getpid()}, "
-            f"{sorted(roots)!r})")
+            f"{sorted(roots)!r}, {mark!r})")
     # a session of its own: a Ctrl-C or a kill of the driver's process group spares it
     _WATCHERS.append(subprocess.Popen([sys.executable, "-c", code],
                                       stdin=subprocess.DEVNULL, start_new_session=True))
 
 
-def _reap(parent: int, roots: list[int], interval: float = 1.0) -> None:
-    """The watcher's body: note the processes below `roots` while `parent` lives."""
+def _reap(parent: int, roots: list[int], mark: str = "", interval: float = 1.0) -> None:
+    """The watcher's body: note the processes below `roots` while `parent` lives; then
+    kill them, and those marked `mark`."""
     seen: dict[int, str] = {}
     while os.getppid() == parent:
         tree = _below(roots)
@@ -365,10 +376,32 @@ def _reap(parent: int, roots: list[int], interval: float = 1.0) -> None:
             return
         seen.update(tree)
         time.sleep(interval)
-    for pid, start in seen.items():
-        if _start_time(pid) == start:  # not a reused pid
+    _kill_all(seen)
+    for pause in (0.0, 0.5) if mark else ():  # a second look: one may have been mid-fork
+        time.sleep(pause)
+        _kill_all(_marked(mark))
+
+
+def _kill_all(processes: dict[int, str]) -> None:
+    """SIGKILL each pid (-> start time) still that process (not a reused pid), not this."""
+    for pid, start in processes.items():
+        if pid != os.getpid() and _start_time(pid) == start:
             with suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _marked(mark: str) -> dict[int, str]:
+    """pid -> start time of every live process whose environment holds `REAP_MARK=mark`."""
+    wanted = f"{REAP_MARK}={mark}".encode()
+    found = {}
+    for pid, (_, start) in _processes().items():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:  # gone meanwhile, or another user's
+            continue
+        if wanted in environ.split(b"\0"):
+            found[pid] = start
+    return found
 
 
 def _below(roots: list[int]) -> dict[int, str]:

@@ -19,6 +19,7 @@ import signal
 import stat
 import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable
@@ -69,11 +70,12 @@ def _flowgraph(args: list[str], log: Path, **env: str) -> subprocess.Popen[bytes
             env={**os.environ, "FLOWGRAPH_CACHE": cache, **env})
 
 
-def _until(ready: Callable[[], bool], seconds: float, log: Path) -> None:
+def _until(ready: Callable[[], bool], seconds: float, log: Path,
+           why: Callable[[], str] = str) -> None:
     deadline = time.monotonic() + seconds
     while not ready():
         if time.monotonic() > deadline:
-            pytest.fail(f"gave up after {seconds} s:\n{log.read_text()[-3000:]}")
+            pytest.fail(f"gave up after {seconds} s: {why()}\n{log.read_text()[-3000:]}")
         time.sleep(0.2)
 
 
@@ -203,12 +205,50 @@ def test_a_ray_run_on_one_machine_binds_loopback_keeps_its_token_and_dies_with_i
         proc.wait()
         # within 30 s, against Ray's 60+ s unaided; alone 2 s, but once in a loaded full
         # suite the last of them outlived 15 s
-        _until(lambda: not [p for p in cluster if _alive(p)], 30, log)
+        _until(lambda: not [p for p in cluster if _alive(p)], 30, log,
+               lambda: f"alive: {[(p, _name(p)) for p in cluster if _alive(p)]}")
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
         threading.Thread(target=_kill, args=(cluster,), daemon=True).start()
+
+
+def test_a_killed_driver_takes_along_what_its_watcher_had_not_seen(tmp_path: Path) -> None:
+    """The watcher kills what it saw below the cluster's roots and, after the driver
+    died, every process marked as the cluster's: here one started by an orphaned shell
+    the moment before the kill (a Ray worker starting as its raylet died), which no scan
+    saw below a root; unmarked processes live on."""
+    pids = tmp_path / "pids"
+    driver = textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        from flowgraph.compilers.signals import REAP_MARK, reap_with_parent
+        os.environ[REAP_MARK] = "run-1"
+        root = subprocess.Popen(["sleep", "300"])
+        reap_with_parent({{root.pid}}, "run-1")
+        time.sleep(1.5)  # the watcher has looked
+        late = subprocess.Popen("sleep 301 & echo $! > {pids}.late", shell=True)
+        env = {{k: v for k, v in os.environ.items() if k != REAP_MARK}}
+        other = subprocess.Popen(["sleep", "302"], env=env, start_new_session=True)
+        late.wait()
+        while not os.path.exists("{pids}.late"):
+            time.sleep(0.05)
+        with open("{pids}", "w") as f:
+            f.write(f"{{root.pid}} {{open('{pids}.late').read().strip()}} {{other.pid}}")
+        time.sleep(300)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", driver])
+    try:
+        _until(lambda: pids.exists() and len(pids.read_text().split()) == 3, 60, pids)
+        root, late, other = map(int, pids.read_text().split())
+        assert psutil.Process(late).ppid() != root  # not below the root: the shell exited
+        proc.kill()
+        proc.wait()
+        _until(lambda: not _alive(root) and not _alive(late), 10, pids)
+        assert _alive(other)
+    finally:
+        proc.kill()
+        _kill([int(p) for p in pids.read_text().split()] if pids.exists() else [])
 
 
 def _name(pid: int) -> str:

@@ -17,7 +17,7 @@ from typing import Any
 
 from flowgraph.compilers.loop import TrainingLoop
 from flowgraph.compilers.options import RunOptions
-from flowgraph.compilers.signals import child_pids, reap_with_parent, run_guard
+from flowgraph.compilers.signals import REAP_MARK, child_pids, reap_with_parent, run_guard
 from flowgraph.compilers.targets.ray.calls import namespace, run_name
 from flowgraph.compilers.targets.ray.cluster import watched
 from flowgraph.compilers.targets.ray.target import RayTarget
@@ -73,6 +73,7 @@ def start_ray(plan: ExecutionPlan, address: str | None) -> None:
     _unjoined_address()
     _private_token()
     before = child_pids()
+    mark = os.environ[REAP_MARK] = f"{os.getpid()}-{time.time_ns()}"  # inherited by them all
     with _loopback_node():
         # `local`: a cluster of its own, whatever `RAY_ADDRESS` or the `ray_current_cluster`
         # file in Ray's temp dir (left by a `ray start` that died) says; with no address
@@ -80,7 +81,7 @@ def start_ray(plan: ExecutionPlan, address: str | None) -> None:
         ray.init(address="local", num_cpus=cluster_cpus(plan), include_dashboard=False,
                  log_to_driver=True, configure_logging=False, runtime_env=env,
                  namespace=namespace(plan), _node_ip_address="127.0.0.1")
-    reap_with_parent(child_pids() - before)  # a killed driver takes the cluster along
+    reap_with_parent(child_pids() - before, mark)  # a killed driver takes the cluster along
 
 
 def _unjoined_address() -> None:
