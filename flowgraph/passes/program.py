@@ -45,7 +45,6 @@ from flowgraph.plan import (
     repeated,
     verify,
 )
-from flowgraph.plan.score import score_plan
 from flowgraph.registry import (
     KindSpec,
     PortSpec,
@@ -216,7 +215,6 @@ class Program:
             dropped=self.dropped, rewrites=self.rewrites,
             plugin_paths=plugin_paths(self.graph), source=self.graph.source,
             resample=self._resample(), asynchronous=self._async_plan(nodes),
-            score=score_plan(nodes),
             objects=plan_objects(self.graph, {
                 n.impl: declared_function(n.kind) for n in nodes if by_value(n.impl)}
                 | _session_losses(nodes))))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import sys
 import types
-from dataclasses import fields, is_dataclass, replace
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin, get_type_hints
 
@@ -25,7 +25,6 @@ from flowgraph.frontend import graph_from_document, graph_to_document
 from flowgraph.ir import Graph
 from flowgraph.objects import PyObject, rebuilt
 from flowgraph.plan.records import PLAN_VERSION, ExecutionPlan, NodePlan, RunSpec, require
-from flowgraph.plan.score import score_plan
 from flowgraph.plan.verify import repeated_edges, verify
 from flowgraph.registry import KindSpec, Registry, with_loss_implementations
 from flowgraph.runtime.update import LOOP_PARAMS
@@ -76,10 +75,9 @@ def plan_from_json(text: str) -> ExecutionPlan:
     if isinstance(edges, list):  # before decoding them: thousands of copies decode slowly
         require(repeated_edges([(e.get("src"), e.get("dst")) for e in edges
                                 if isinstance(e, dict)]), "execution plan")
+    data.pop("score", None)  # plans written while they stored it: derived from the nodes now
     plan = _decode(ExecutionPlan, data, "plan", source if isinstance(source, str) else "<plan>")
     assert isinstance(plan, ExecutionPlan)
-    if "score" not in data:  # written before plans said it: the rule says it from the nodes
-        plan = replace(plan, score=score_plan(plan.nodes))
     return verify(plan)
 
 

@@ -1,5 +1,5 @@
-"""Which scores a run reports: the rule (`score_plan`) the compiler writes into the plan
-and the verifier holds a plan to (`score_problems`).
+"""Which scores a run reports: the rule (`score_plan`) that `ExecutionPlan.score` applies
+to a plan's nodes (derived, so a plan file cannot say otherwise).
 
 The number on the console is the number trained on: the reported score is what the
 plan's advantage node reads, decided once from the wiring, never by looking for the
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from flowgraph.plan.records import ExecutionPlan, NodePlan, ScorePlan
+from flowgraph.plan.records import NodePlan, ScorePlan
 
 TOKEN_CHAIN = ("token_level_rewards", "token_level_scores")
 """The token-level inputs followed back to the per-sequence scores they were made from."""
@@ -69,15 +69,3 @@ def _before_filters(ref: tuple[str, str], by_name: dict[str, NodePlan]) -> tuple
 
 def _text(ref: tuple[str, str]) -> str:
     return f"{ref[0]}.{ref[1]}"
-
-
-def score_problems(plan: ExecutionPlan) -> list[str]:
-    """The plan's `score` is the rule's over its nodes."""
-    want = score_plan(plan.nodes)
-    if plan.score == want:
-        return []
-    said = "no score" if plan.score is None else f"score `{plan.score.scores}`"
-    wants = "no score (no advantage node reads scores)" if want is None else \
-        f"`{want.scores}`, the scores advantage `{want.advantage}` trains on"
-    return [f"the plan reports {said}; by its nodes' wiring the reported score is "
-            f"{wants}: compile the graph again, or edit `score` alike"]

@@ -29,7 +29,6 @@ from flowgraph.plan.records import (
     object_users,
     require,
 )
-from flowgraph.plan.score import score_problems
 from flowgraph.plan.shapes import shape_problems
 from flowgraph.registry import HOISTABLE_CATEGORIES, KindSpec
 
@@ -44,7 +43,7 @@ def verify(plan: ExecutionPlan) -> ExecutionPlan:
         problems = (_placement_problems(plan) + _order_problems(plan) + _edge_problems(plan)
                     + _resample_problems(plan) + _async_problems(plan)
                     + _fusion_problems(plan) + _category_problems(plan)
-                    + _object_problems(plan) + score_problems(plan)
+                    + _object_problems(plan)
                     + shape_problems(plan))
     require(problems, "execution plan")
     return plan

@@ -90,8 +90,7 @@ def test_json_layout() -> None:
     assert list(data) == ["run", "target", "nproc", "device", "dims", "nodes", "pools",
                           "stages", "edges", "memory", "dropped", "rewrites",
                           "plugin_paths", "source", "version", "resample", "asynchronous",
-                          "objects", "score"]
-    assert data["score"] is None  # DPO has no advantage node: no score is reported
+                          "objects"]
     assert data["version"] == PLAN_VERSION
     assert data["run"] == {"name": "dpo", "models": data["run"]["models"],
                            "data": data["run"]["data"], "trainer": data["run"]["trainer"]}
