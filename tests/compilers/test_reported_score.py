@@ -6,7 +6,6 @@ graphs compile to, with tensors made up so that every candidate differs."""
 from __future__ import annotations
 
 import json
-
 import textwrap
 from pathlib import Path
 
