@@ -95,3 +95,10 @@ DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge")
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm")
 """How token losses are averaged into one number (verl's `loss_agg_mode`)."""
+
+SHOW_TOOLS = ("template", "system", "none")
+"""How an episode's tools reach its prompt (the `agent_rollout` kind's `show_tools`):
+the chat template lists them (`apply_chat_template(tools=...)`; a template that does
+not is refused), a system message flowgraph writes lists them
+(`flowgraph.agent.render.tools_system_message`), or no prompt does (the model learned
+its tools in training, or the env's own prompt describes them)."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from flowgraph.choices import DPO_LOSS_TYPES, KL_ESTIMATORS, LOSS_AGG_MODES
+from flowgraph.choices import DPO_LOSS_TYPES, KL_ESTIMATORS, LOSS_AGG_MODES, SHOW_TOOLS
 from flowgraph.contracts import MASK_DTYPE, TensorSpec
 from flowgraph.kindspec import KindSpec, LossSpec, ParamSpec, PortSpec
 from flowgraph.runtime.reward_call import FILTER_CALL, TRL_CALL, VERL_CALL
@@ -346,6 +346,11 @@ _KINDS = (
                "in a thread of its own)"),
             replace(_s("chat_template", None, (), "a Jinja chat template (text or a .jinja "
                        "file) instead of the tokenizer's"), files=(".jinja",)),
+            _s("show_tools", "template", SHOW_TOOLS,
+               "how the tools reach the prompt: template (the chat template renders "
+               "`tools`; one that does not is refused), system (flowgraph lists their "
+               "JSON schemas in a system message, hermes format) or none (no prompt lists "
+               "them: a model trained on its tools, an env whose prompt describes them)"),
             _s("backend", "hf", ("hf", "vllm")),
             _i("n", None, "samples per prompt; null: the global N", dim="n"),
             _i("rows_per_episode", 1, "rows each episode takes (binds c: b·n·c rows): a "

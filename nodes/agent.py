@@ -161,6 +161,7 @@ def agent_rollout(
     on_error: str = "mask",
     concurrency: int = 64,
     chat_template: str | None = None,
+    show_tools: str = "template",
     backend: str = "hf",
     n: int | None = None,
     rows_per_episode: int = 1,
@@ -195,11 +196,12 @@ def agent_rollout(
         program = cast("Program", load_function(agent, {}, "agent_rollout agent"))
         episodes = Sessions(program, tokenizer, _template(chat_template), spec.stop_ids,
                             get_parser(parser), limits, P, ctx.node, temperature, top_p,
-                            concurrency, rows_each)
+                            concurrency, rows_each, show_tools)
     else:
         extra_tools = [as_tool(load_function(t, {}, "agent_rollout tools")) for t in tools]
         renderer = ChatRenderer(tokenizer, _template(chat_template),
-                                [t.schema() for t in extra_tools], spec.stop_ids)
+                                [t.schema() for t in extra_tools], spec.stop_ids,
+                                show_tools=show_tools)
         episodes = Episodes(_env_factory(env, env_params or {}), extra_tools, renderer,
                             get_parser(parser), limits, concurrency)
     rows = (ctx.row_offset + torch.arange(len(row))).tolist()

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 from flowgraph.agent.env import Env, Episode, Message, ToolResult, as_messages
 from flowgraph.agent.parsers import ToolCall, ToolCallParser
-from flowgraph.agent.render import ChatRenderer
+from flowgraph.agent.render import ChatRenderer, TemplateError
 from flowgraph.agent.tools import Tool, tools_of
 from flowgraph.errors import FlowgraphError
 
@@ -465,6 +465,8 @@ def apply_on_error(runs: list[Run], on_error: str) -> list[Run]:
     for i, run in enumerate(runs):
         if run.episode.status not in FAILED:
             continue
+        if isinstance(run.failure, TemplateError):  # the rollout's setting, not the episode's
+            raise TemplateError(str(run.failure)) from None
         if on_error == "raise":
             raise AgentError(
                 f"episode {i} (row {run.row}) ended with status `{run.episode.status}`: "

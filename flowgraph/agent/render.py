@@ -28,13 +28,15 @@ with the same renderer (`ChatRenderer.spans`). Torch-free: only the tokenizer.
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from flowgraph.agent.env import Message
+from flowgraph.choices import SHOW_TOOLS
 from flowgraph.errors import FlowgraphError
 
-__all__ = ["ChatRenderer", "TemplateError"]
+__all__ = ["ChatRenderer", "TemplateError", "tools_system_message"]
 
 _BASE: list[Message] = [{"role": "user", "content": "Hi."},
                         {"role": "assistant", "content": "Hello."}]
@@ -59,15 +61,22 @@ class TemplateError(FlowgraphError):
 class ChatRenderer:
     """A tokenizer's chat template (or `template`), rendering an episode's pieces.
 
-    `tools` are the episode's tool schemas (`Tool.schema()`), passed to the template as
+    `tools` are the episode's tool schemas (`Tool.schema()`), shown as `show_tools`
+    says (`SHOW_TOOLS`): by default passed to the template as
     `apply_chat_template(tools=...)` (a Qwen / Hermes template lists them in the system
     prompt). Raises `TemplateError` when the template does not extend a conversation as
-    a prefix.
+    a prefix, or is to show tools it does not render (TRL refuses such a template too:
+    the policy would be trained on prompts that never show its tools).
     """
 
     def __init__(self, tokenizer: Any, template: str | None = None,
                  tools: Sequence[dict[str, Any]] = (), stop_ids: Sequence[int] = (),
-                 probe: bool = True) -> None:
+                 probe: bool = True, show_tools: str = "template") -> None:
+        if show_tools not in SHOW_TOOLS:
+            raise ValueError(f"show_tools is {show_tools!r}; one of {', '.join(SHOW_TOOLS)}")
+        self.show_tools = show_tools
+        self._shown: dict[tuple[str, ...], list[str]] = {}
+        """Tool names -> those the template leaves out (probed once, shared by copies)."""
         if template is None and getattr(tokenizer, "chat_template", None) is None:
             raise TemplateError("the tokenizer has no chat template (a base model?); an agent "
                                 "rollout renders messages with one: give the rollout's "
@@ -80,20 +89,55 @@ class ChatRenderer:
         """What follows an assistant turn that ended with its stop token."""
         if probe:
             self.check()
+        if self.tools:
+            self.check_tools()
 
     def with_tools(self, tools: Sequence[dict[str, Any]]) -> ChatRenderer:
         """This renderer listing `tools` (schemas) instead (the template, once probed,
-        need not be again: what it writes after a turn does not depend on them)."""
+        need not be again: what it writes after a turn does not depend on them);
+        TemplateError when the template is to show them and does not."""
         if list(tools) == self.tools:
             return self
         other = copy.copy(self)
         other.tools = list(tools)
+        other.check_tools()
         return other
 
+    def check_tools(self) -> None:
+        """Refuse a template that leaves this renderer's tools out of the prompt when it is
+        the one to show them (`show_tools: template`): a first prompt rendered with the
+        tools must differ from one without them and name every tool."""
+        if self.show_tools != "template" or not self.tools:
+            return
+        names = tuple(_tool_name(t) for t in self.tools)
+        if names not in self._shown:
+            hi: list[Message] = [{"role": "user", "content": "Hi."}]
+            with_tools = self._render(hi, True, self.tools)
+            self._shown[names] = list(names) if with_tools == self._render(hi, True, []) \
+                else [n for n in names if n not in with_tools]
+        left_out = self._shown[names]
+        if left_out:
+            raise TemplateError(
+                f"the chat template does not show the episode's tools in the prompt "
+                f"(rendered with `tools=`, the prompt leaves out {', '.join(left_out)}): the "
+                "policy would be trained on prompts that never show its tools. Give the "
+                "rollout a `chat_template` that renders `tools` (the model's own, as Qwen's "
+                "and Llama 3's do), or set `show_tools: system` (flowgraph lists them in a "
+                "system message, in the hermes <tool_call> format), or `show_tools: none` "
+                "when no prompt is to list them (a model trained on its tools, an env "
+                "whose prompt describes them)")
+
     def text(self, messages: Sequence[Message], generation: bool) -> str:
+        return self._render(messages, generation, self.tools)
+
+    def _render(self, messages: Sequence[Message], generation: bool,
+                tools: Sequence[dict[str, Any]]) -> str:
+        given = list(messages)
+        if tools and self.show_tools == "system":
+            given = _with_tools_message(given, tools)
         out: str = self.tokenizer.apply_chat_template(
-            list(messages), tools=self.tools or None, chat_template=self.template,
-            add_generation_prompt=generation, tokenize=False)
+            given, tools=list(tools) or None if self.show_tools == "template" else None,
+            chat_template=self.template, add_generation_prompt=generation, tokenize=False)
         return out
 
     def ids(self, text: str) -> list[int]:
@@ -185,3 +229,30 @@ class ChatRenderer:
                 "a `chat_template` that keeps every turn as it was written (for Qwen3: "
                 "one that keeps reasoning_content in every turn); an SFT row: or split "
                 "it into one row per answer")
+
+
+def _tool_name(schema: dict[str, Any]) -> str:
+    function = schema.get("function")
+    return str((function if isinstance(function, dict) else schema).get("name", "?"))
+
+
+def tools_system_message(tools: Sequence[dict[str, Any]]) -> str:
+    """The tools' JSON schemas as a system message lists them (`show_tools: system`), with
+    how to call one in the hermes format the default parser reads."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return ("# Tools\n\nYou can call the functions whose JSON schemas are listed in "
+            f"<tools></tools>:\n<tools>\n{listed}\n</tools>\n\nTo call one, write its "
+            "name and arguments as a JSON object inside <tool_call></tool_call>:\n"
+            '<tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON '
+            "object>}\n</tool_call>")
+
+
+def _with_tools_message(messages: list[Message], tools: Sequence[dict[str, Any]]
+                        ) -> list[Message]:
+    """`messages` with the tools listed in their system message (appended to the first
+    message's content when it is one, else a system message of its own ahead)."""
+    listing = tools_system_message(tools)
+    if messages and messages[0]["role"] == "system" and isinstance(messages[0]["content"], str):
+        return [{**messages[0], "content": f"{messages[0]['content']}\n\n{listing}"},
+                *messages[1:]]
+    return [{"role": "system", "content": listing}, *messages]

@@ -305,14 +305,14 @@ class Sessions:
     def __init__(self, program: Program, tokenizer: Any, template: str | None,
                  stop_ids: Sequence[int], parser: ToolCallParser, limits: Limits,
                  prompt_tokens: int, model_name: str, temperature: float, top_p: float,
-                 concurrency: int = 64, rows: int = 1) -> None:
+                 concurrency: int = 64, rows: int = 1, show_tools: str = "template") -> None:
         self.program, self.tokenizer, self.template = program, tokenizer, template
         self.stop_ids, self.parser, self.limits = list(stop_ids), parser, limits
         self.prompt_tokens, self.model_name = prompt_tokens, model_name
         self.temperature, self.top_p, self.concurrency = temperature, top_p, concurrency
         self.rows = rows
         """Rows an episode may take: its forks' chains (`rows_per_episode`)."""
-        self.base = ChatRenderer(tokenizer, template, (), stop_ids)
+        self.base = ChatRenderer(tokenizer, template, (), stop_ids, show_tools=show_tools)
         """The chat template, probed (TemplateError here, before any episode starts)."""
         self.sessions: list[Session] = []
         missing = [m for m in ("fastapi", "uvicorn", "openai")

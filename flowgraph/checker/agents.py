@@ -57,6 +57,7 @@ import inspect
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from flowgraph.agent.adapters import ToolConfigError, VerlTools
 from flowgraph.agent.env import Env
@@ -70,10 +71,10 @@ from flowgraph.errors import EnvError
 from flowgraph.ir import Graph, NodeSpec, Param
 from flowgraph.objects import PyObject, defined_at
 from flowgraph.paths import RULE, written_file
-from flowgraph.registry import ParamSpec, loss_spec
+from flowgraph.registry import KindSpec, ParamSpec, loss_spec
 from flowgraph.source import SourcePos
 
-__all__ = ["check_agents"]
+__all__ = ["check_agents", "offered_schemas"]
 
 TIMEOUTS = ("tool_timeout_s", "turn_timeout_s", "episode_timeout_s")
 SCHEMA_HINT = ("a tool is a function with a type hint on every argument and a Google-style "
@@ -96,6 +97,20 @@ def check_agents(graph: Graph, table: dict[str, Resolved], dims: DimEnv,
         _check_timeouts(r, offered, out)
         _check_rows(r, table, out)
     _check_sequence_level(table, out)
+
+
+def offered_schemas(graph: Graph, node: NodeSpec, kind: KindSpec) -> list[dict[str, Any]]:
+    """The JSON schemas of the tools `node` offers that the checker finds and builds (the
+    `tools` param's, an `Env` subclass's), as the chat template's probe shows them to it
+    (FG606); what is wrong with them is reported by `check_agents`. A TRL or verl env's
+    tools are known when the env is made: the rollout probes them then."""
+    schemas = []
+    for tool, _ in _offered_tools(Resolved(node, kind), {p.module for p in graph.plugins}, []):
+        try:
+            schemas.append(tool.schema())
+        except Exception:
+            continue
+    return schemas
 
 
 def _is_agent(r: Resolved) -> bool:

@@ -30,6 +30,7 @@ from typing import Any
 
 from flowgraph.agent.render import ChatRenderer, TemplateError
 from flowgraph.builtin_models import BUILTIN_PREFIX, builtin_config
+from flowgraph.checker.agents import offered_schemas
 from flowgraph.checker.functions import called_functions
 from flowgraph.data.held import is_memory
 from flowgraph.data.readers import open_table, with_prompt
@@ -106,14 +107,16 @@ def check_data(graph: Graph, load_tokenizer: LoadTokenizer) -> list[Diagnostic]:
     for d in graph.data:
         diags += _check_source(graph, d, tokenizers)
     for node in graph.nodes:
-        diags += _check_agent_template(node, tokenizers)
+        diags += _check_agent_template(graph, node, tokenizers)
     return diags
 
 
-def _check_agent_template(node: NodeSpec, tokenizers: dict[str, Any]) -> list[Diagnostic]:
+def _check_agent_template(graph: Graph, node: NodeSpec, tokenizers: dict[str, Any]
+                          ) -> list[Diagnostic]:
     """An agent rollout's chat template (its `chat_template`, else its model's tokenizer's)
     probed as the rollout will probe it when it starts (`ChatRenderer`): it must extend a
-    conversation as a prefix, turn after turn (FG606)."""
+    conversation as a prefix, turn after turn, and show the tools the checker finds as
+    `show_tools` says (FG606)."""
     kind = Registry.default().get(node.kind)
     tok = tokenizers.get(node.model or "")
     if kind is None or not kind.multi_turn or tok is None:
@@ -129,13 +132,18 @@ def _check_agent_template(node: NodeSpec, tokenizers: dict[str, Any]) -> list[Di
             return [Diagnostic("FG606", "error", f"`{node.name}`: the chat template "
                                f"`{template}` cannot be read: {exc}", where, node=node.name,
                                hint=f"{RULE}; or give the template's text")]
+    show = node.params.find("show_tools")
     try:
-        ChatRenderer(tok, template if isinstance(template, str) else None)
+        ChatRenderer(tok, template if isinstance(template, str) else None,
+                     offered_schemas(graph, node, kind),
+                     show_tools=show.value if show is not None else "template")
     except TemplateError as exc:
         whose = "its `chat_template`" if given is not None else \
             f"the chat template of model `{node.model}`'s tokenizer"
         return [Diagnostic("FG606", "error", f"`{node.name}` cannot render its episodes turn "
                            f"by turn with {whose}: {exc}", where, node=node.name)]
+    except ValueError:  # a show_tools not of SHOW_TOOLS: FG112's
+        return []
     return []
 
 

@@ -13,6 +13,7 @@ import torch
 
 from flowgraph.agent.episodes import AgentError
 from flowgraph.agent.parsers import PARSERS, ToolCall
+from flowgraph.agent.render import TemplateError
 from flowgraph.agent.server import Server
 from flowgraph.agent.tools import as_tool
 from flowgraph.errors import FlowgraphError
@@ -76,7 +77,7 @@ def run(model, tok, rows=ROWS, **params):
     ctx = NodeContext("agent", "agent_rollout", step=3, seed=7, strict=True,
                       dims={"P": 48, "T": 40, "N": 2})
     kw = {"max_turns": 4, "max_turn_tokens": 6, "n": 2, "parser": "test_some_turns_call",
-          "max_tool_tokens": 8} | params
+          "max_tool_tokens": 8, "show_tools": "none"} | params  # the tiny template lists none
     return agent_rollout(ctx, model, tok, row=rows, **kw), ctx
 
 
@@ -100,6 +101,15 @@ def test_endpoint_rows_equal_the_native_env_rows(model_and_tok, monkeypatch):
     assert black["scores"].tolist() == pytest.approx((0.25 * black["tool_calls"]).tolist())
     assert ctx.metrics["agent/forks"] == 0.0
     assert {i["finish"] for i in black["reward_extra_info"]} <= {"stop", "length"}
+
+
+def test_a_template_that_leaves_the_programs_tools_out_stops_the_rollout(model_and_tok):
+    """The program's `tools=` reach the prompt as `show_tools` says: the tiny template
+    renders none, so with `show_tools: template` the rollout stops naming them, whatever
+    `on_error` says (the session's request is answered 500 meanwhile)."""
+    model, tok = model_and_tok
+    with pytest.raises(TemplateError, match="leaves out lookup"):
+        run(model, tok, agent=program, show_tools="template")
 
 
 async def rewriting(task, client):

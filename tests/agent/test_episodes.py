@@ -14,7 +14,7 @@ import pytest
 from flowgraph.agent import Env, Episode, Step
 from flowgraph.agent.episodes import CHARS_PER_TOKEN, AgentError, Episodes, Limits, cut_message
 from flowgraph.agent.parsers import get_parser
-from flowgraph.agent.render import ChatRenderer
+from flowgraph.agent.render import ChatRenderer, TemplateError, tools_system_message
 from flowgraph.agent.tools import tool
 from flowgraph.nodes.models import load_tokenizer
 
@@ -79,8 +79,10 @@ def limits(**over) -> Limits:
 
 
 def make(tok, env=Answer, tools=(mul,), **over) -> Episodes:
+    """Episodes over the tiny template, which lists no tools (`show_tools: none`)."""
     tools = [tool(t) for t in tools]
-    renderer = ChatRenderer(tok, tools=[t.schema() for t in tools], stop_ids=[tok.eos_token_id])
+    renderer = ChatRenderer(tok, tools=[t.schema() for t in tools], stop_ids=[tok.eos_token_id],
+                            show_tools="none")
     return Episodes(env, tools, renderer, get_parser("hermes"), limits(**over))
 
 
@@ -392,3 +394,57 @@ def test_the_template_lists_the_envs_tools_with_the_rollouts(tok):
     episodes = Episodes(WithHint, tools, renderer, get_parser("hermes"), limits())
     first = episodes.reset([{"prompt": "What is 6*7?"}])
     assert tok.decode(first[0]).startswith("<|system|>tools: mul hint<|user|>What is 6*7?")
+
+
+class GuessTRL:
+    """A TRL environment_factory class: its public methods are its tools."""
+
+    def reset(self, **row):
+        return "guess my number (1 to 10)"
+
+    def guess(self, number: int) -> str:
+        """Guess the number.
+
+        Args:
+            number: the guess
+        """
+        return "higher"
+
+
+def test_a_template_that_leaves_the_tools_out_is_refused(tok):
+    """TRL refuses a template that does not render `tools`; so does the rollout when the
+    template is to show them (the default): the policy would train on prompts that never
+    show its tools. `system` lists them in a system message, `none` in no prompt."""
+    schemas = [tool(mul).schema()]
+    with pytest.raises(TemplateError, match=r"does not show the episode's tools in the "
+                                            r"prompt \(rendered with `tools=`, the prompt "
+                                            r"leaves out mul\)"):
+        ChatRenderer(tok, tools=schemas)
+    with pytest.raises(TemplateError, match="leaves out mul"):
+        ChatRenderer(tok).with_tools(schemas)
+    assert ChatRenderer(tok, LISTING, schemas).text([{"role": "user", "content": "Hi"}], True) \
+        == "<|system|>tools: mul<|user|>Hi<|assistant|>"
+    hi = [{"role": "user", "content": "Hi"}]
+    assert ChatRenderer(tok, tools=schemas, show_tools="none").text(hi, True) \
+        == ChatRenderer(tok).text(hi, True) == "<|user|>Hi<|assistant|>"
+    listed = ChatRenderer(tok, tools=schemas, show_tools="system").text(hi, True)
+    assert listed == f"<|system|>{tools_system_message(schemas)}<|user|>Hi<|assistant|>"
+    assert '"name": "mul"' in listed and "<tool_call>" in listed
+    system = [{"role": "system", "content": "Be brief."}, *hi]
+    assert ChatRenderer(tok, tools=schemas, show_tools="system").text(system, True) == \
+        f"<|system|>Be brief.\n\n{tools_system_message(schemas)}<|user|>Hi<|assistant|>"
+
+
+@pytest.mark.parametrize("on_error", ["mask", "zero"])
+def test_a_trl_env_whose_tools_the_template_leaves_out_stops_the_rollout(tok, on_error):
+    """A TRL env's tools are known when it is made: the episode that finds them unshown
+    ends, and the rollout raises the template's error whatever `on_error` says (it is the
+    rollout's setting, not the episode's failure)."""
+    from flowgraph.agent.adapters import load_env
+
+    episodes = Episodes(load_env(GuessTRL), [], ChatRenderer(tok, stop_ids=[tok.eos_token_id]),
+                        get_parser("hermes"), limits(on_error=on_error))
+    episodes.reset([{"prompt": "x"}])
+    assert episodes.requests() == []
+    with pytest.raises(TemplateError, match="leaves out guess"):
+        episodes.finish()

@@ -47,7 +47,8 @@ nodes:
     kind: agent_rollout
     model: actor
     inputs: {{row: train.row}}
-    params: {{env: "again_env.py:Again", max_turns: 3, max_turn_tokens: 8, max_tool_tokens: 6}}
+    params: {{env: "again_env.py:Again", max_turns: 3, max_turn_tokens: 8, max_tool_tokens: 6,
+             show_tools: none}}
 """
 SEQUENCES = """      prompts: {src}.prompts
       prompt_mask: {src}.prompt_mask

@@ -39,7 +39,7 @@ PLUGINS = ROOT / "tests" / "plugins"
 AGENT = PLUGINS / "agent_turns.yaml"
 MODEL = "builtin:tiny-lm-sft"
 PARAMS = {"env_params": {"one_turn_from": 2}, "parser": "every_other", "max_turns": 3,
-          "max_turn_tokens": 10, "max_tool_tokens": 6}
+          "max_turn_tokens": 10, "max_tool_tokens": 6, "show_tools": "none"}
 """The graph's agent node (agent_turns.yaml) but its env."""
 
 

@@ -71,7 +71,8 @@ nodes:
     kind: agent_rollout
     model: actor
     inputs: {row: train.row}
-    params: {env: tools.yaml, max_turns: 2, max_turn_tokens: 8, max_tool_tokens: 8}
+    params: {env: tools.yaml, max_turns: 2, max_turn_tokens: 8, max_tool_tokens: 8,
+             show_tools: none}
   bonus:
     kind: bonus_in_a_subfolder
     inputs: {scores: agent.scores}
@@ -218,7 +219,7 @@ def test_the_readme_sandbox_snippet_checks(tmp_path: Path) -> None:
     del graph["nodes"]["bonus"]
     agent = graph["nodes"]["agent"]
     agent["params"] = {**snippet["params"], "max_turns": 2, "max_turn_tokens": 8,
-                       "max_tool_tokens": 8}
+                       "max_tool_tokens": 8, "show_tools": "none"}
     assert agent["kind"] == snippet["kind"]
     (tmp_path / "g.yaml").write_text(json.dumps(graph))
     result = flowgraph.check(tmp_path / "g.yaml")

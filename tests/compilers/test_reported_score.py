@@ -51,7 +51,8 @@ nodes:
     kind: agent_rollout
     model: actor
     inputs: {row: train.row}
-    params: {env: "tools_env.py:Tools", max_turns: 2, max_turn_tokens: 8, max_tool_tokens: 4}
+    params: {env: "tools_env.py:Tools", max_turns: 2, max_turn_tokens: 8, max_tool_tokens: 4,
+             show_tools: none}
   reward:
     kind: compute_score
     model: actor

@@ -346,26 +346,45 @@ THINKING = (  # Qwen3's way: an earlier assistant turn keeps only what follows <
     '{%- if add_generation_prompt %}<|assistant|>{%- endif %}')
 
 
-@pytest.mark.parametrize(("template", "expected"), [
-    (None, []),
-    ("think.jinja",
+LISTING = ("{% if tools %}<|system|>tools:{% for t in tools %} {{ t['function']['name'] }}"
+           "{% endfor %}{% endif %}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+           "{% if m['role'] == 'assistant' %}<|eos|>{% endif %}{% endfor %}"
+           "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+"""The tiny template, listing the tools first (as Qwen's lists them in its system prompt)."""
+
+
+@pytest.mark.parametrize(("template", "show", "expected"), [
+    (None, None,
+     ["FG606: `agent` cannot render its episodes turn by turn with the chat template of "
+      "model `actor`'s tokenizer: the chat template does not show the episode's tools in "
+      "the prompt (rendered with `tools=`, the prompt leaves out hint, lookup): the policy "
+      "would be trained on prompts that never show its tools."]),
+    (None, "none", []),
+    (None, "system", []),
+    ("listing.jinja", None, []),
+    ("think.jinja", "none",
      ["FG606: `agent` cannot render its episodes turn by turn with its `chat_template`: "
       "the chat template does not extend a conversation as a prefix"]),
-], ids=["the_tokenizers", "thinking"])
-def test_check_data_probes_the_chat_template(template: str | None, expected: list[str],
-                                             tmp_path: Path) -> None:
+], ids=["tools_left_out", "shown_by_none", "shown_by_system", "listed", "thinking"])
+def test_check_data_probes_the_chat_template(template: str | None, show: str | None,
+                                             expected: list[str], tmp_path: Path) -> None:
+    """FG606: a template that cannot render an episode turn by turn, or that leaves out
+    the tools the env (`Guess.hint`) and `tools` (`lookup`) offer when it is the one
+    to show them; `show_tools: system` or `none` says how else they reach the prompt."""
     from flowgraph.checker.data import check_data
     from flowgraph.nodes.models import load_tokenizer
 
     (tmp_path / "think.jinja").write_text(THINKING)
-    edit = ("      max_tool_tokens: 8\n",
-            f"      max_tool_tokens: 8\n      chat_template: {template}\n" if template
-            else "      max_tool_tokens: 8\n")
+    (tmp_path / "listing.jinja").write_text(LISTING)
+    added = "".join(f"      {k}: {v}\n" for k, v in (("chat_template", template),
+                                                     ("show_tools", show)) if v)
     (tmp_path / "envs.py").write_text(PLUGIN)
     path = tmp_path / "g.yaml"
-    path.write_text(GRAPH.replace(*edit))
+    path.write_text(GRAPH.replace("      max_tool_tokens: 8\n",
+                                  "      max_tool_tokens: 8\n" + added))
     graph, _ = load_graph(path)
     assert graph is not None
+    check_graph(graph)  # as `check --data` does first: it imports the plugins
     found = [f"{d.code}: {d.message}" for d in check_data(graph, load_tokenizer)
              if d.code == "FG606"]
     assert [f[:len(e)] for f, e in zip(found, expected, strict=True)] == expected
