@@ -18,6 +18,7 @@ node X (kind K) at step S" with the line of the node's own code (`node_error`).
 from __future__ import annotations
 
 import os
+import sys
 import sysconfig
 import time
 import traceback
@@ -39,6 +40,7 @@ from flowgraph.compilers.build import (
     load_tokenizers,
     make_optimizer,
 )
+from flowgraph.compilers.checkpoint.store import latest_checkpoint, load_from_run
 from flowgraph.compilers.signals import deadline
 from flowgraph.errors import (
     DEBUG_ENV,
@@ -148,7 +150,10 @@ class Worker:
             spec = self.plan.model(placed.name)
             if placed.base_of is not None:
                 continue
-            model = self.place(placed, spec, load_model(spec, placed, self.opts.device, seed))
+            built = load_model(spec, placed, self.opts.device, seed)
+            if spec.init_from is not None and not self._resumes():
+                self._init_from(spec, built)
+            model = self.place(placed, spec, built)
             self.models[spec.name] = model
             if spec.trainable and spec.name in self.trained:
                 self.optimizers[spec.name], self.schedulers[spec.name] = \
@@ -157,6 +162,20 @@ class Worker:
             if placed.base_of is not None:
                 self.models[placed.name] = self.models[placed.base_of]
                 self.adapters_off.add(placed.name)
+
+    def _resumes(self) -> bool:
+        """This run goes on from a checkpoint of its own (which holds its models)."""
+        return self.opts.resume and latest_checkpoint(self.opts.run_dir) is not None
+
+    def _init_from(self, spec: ModelSpec, model: torch.nn.Module) -> None:
+        """`spec.init_from`'s weights into `model` (whole, before it is sharded), said once."""
+        assert spec.init_from is not None
+        source = spec.init_from_model or spec.name
+        step = load_from_run(Path(spec.init_from), source, model)
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            print(f"model `{spec.name}` starts from model `{source}` of run "
+                  f"`{spec.init_from}` (checkpoint step {step}; init_from), with a fresh "
+                  "optimizer", file=self.opts.out or sys.stdout, flush=True)
 
     def saved_models(self) -> dict[str, torch.nn.Module]:
         """The models a checkpoint holds: the trained ones. A frozen model (a reference, a

@@ -115,6 +115,8 @@ class GraphBuilder:
                 f"{type(opt).__name__}", pos, hint="e.g. optimizer={'lr': 1e-5}"),))
         if isinstance(kw.get("tokenizer"), str):
             kw["tokenizer"] = resolve_path(kw["tokenizer"], Path.cwd(), hub=True)
+        if isinstance(kw.get("init_from"), str | Path):
+            kw["init_from"] = resolve_path(str(kw["init_from"]), Path.cwd())
         self._models.append(ModelSpec(name, resolve_path(path, Path.cwd(), hub=True),
                                       trainable=trainable, optimizer=opt,
                                       config=Params.of(config or {}, pos),

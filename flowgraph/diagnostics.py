@@ -50,6 +50,8 @@ CODES: dict[str, str] = {
     "FG123": "a dataset file or model folder that is not on this machine",
     "FG124": "partial rollouts (trainer.partial_rollouts) where no rollout runs ahead or "
              "none can take new weights between turns",
+    "FG125": "a model's init_from that names no trained model of a run with a checkpoint, "
+             "or one of another head, adapters or base",
     # contracts
     "FG201": "rank mismatch along an edge",
     "FG202": "dim mismatch along an edge",

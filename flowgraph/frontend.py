@@ -291,6 +291,8 @@ def _read_models(r: _Reader, node: YNode | None) -> tuple[ModelSpec, ...]:
         f["path"] = _resolved(value, "path", f["path"], hub=True)
         if f.get("tokenizer") is not None:
             f["tokenizer"] = _resolved(value, "tokenizer", f["tokenizer"], hub=True)
+        if f.get("init_from") is not None:
+            f["init_from"] = _resolved(value, "init_from", f["init_from"], hub=False)
         f["optimizer"] = _read_optimizer(r, f.get("optimizer"), f"{where}.optimizer")
         f["config"] = r.params(f.get("config"), f"{where}.config")
         f["lora"] = _read_lora(r, f.get("lora"), f"{where}.lora")

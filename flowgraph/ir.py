@@ -289,6 +289,16 @@ class ModelSpec:
                                           "is the base with the adapters off, no second copy.")
     offload: OffloadSpec | None = setting(None, "CPU offload of a sharded model's parameters "
                                                 "and optimizer state (fsdp and ray).")
+    init_from: str | None = setting(
+        None, "A flowgraph run dir whose newest intact checkpoint gives this model's "
+        "starting weights (over `path`'s, which still says the architecture and "
+        "tokenizer), with a fresh optimizer from step 0: a critic warmed up by another "
+        "graph (VAPO, VC-PPO's value pretraining). Its model of the same name, or "
+        "`init_from_model`; a relative path is relative to the graph file's folder. "
+        "`--resume` loads the run's own checkpoint instead.", written=(str,))
+    init_from_model: str | None = setting(
+        None, "The model of the `init_from` run to start from; default: this model's "
+        "name.", written=(str,))
     pos: SourcePos = field(default=UNKNOWN_POS, compare=False)
 
     def __post_init__(self) -> None:

@@ -16,6 +16,7 @@ from flowgraph.checker.agents import SCHEMA_HINT, check_agents
 from flowgraph.checker.batch import check_batches, ranks_of
 from flowgraph.checker.filters import check_filters
 from flowgraph.checker.functions import check_functions
+from flowgraph.checker.init_from import check_init_from
 from flowgraph.checker.resources import check_pool_gpus
 from flowgraph.checker.sampling import check_temperatures, check_val_sampling
 from flowgraph.checker.shapes import DimEnv, EdgeInfo, PortShape, ShapeResult, infer_shapes
@@ -147,6 +148,7 @@ def _check(graph: Graph, registry: Registry, dp: int, target: str | None
     check_params(table, out)
     check_functions(graph, table, out)
     check_models(graph, table, out)
+    check_init_from(graph, table, out)
     check_temperatures(table, out)
     check_val_sampling(table, out)
     check_held_out(graph, out)
