@@ -136,7 +136,7 @@ def _check_agent_template(graph: Graph, node: NodeSpec, tokenizers: dict[str, An
     try:
         ChatRenderer(tok, template if isinstance(template, str) else None,
                      offered_schemas(graph, node, kind),
-                     show_tools=show.value if show is not None else "template")
+                     show_tools=str(show.value) if show is not None else "template")
     except TemplateError as exc:
         whose = "its `chat_template`" if given is not None else \
             f"the chat template of model `{node.model}`'s tokenizer"
