@@ -13,7 +13,9 @@ model card, `README.md`: the graph, its data sources, the checkpoint's step and 
 run's final metrics, and how to load the folder (`model_card`).
 
 A run dir given as a model path (`models.actor.path: runs/sft`) is exported here too,
-once per checkpoint, into `RUN_DIR/export/<model>-step_N` (`from_run_dirs`).
+once per checkpoint, into `RUN_DIR/export/<model>-step_N` (`from_run_dirs`). A model
+that starts from another run's (`models.<m>.init_from`) takes that run's weights straight
+into the model its worker built, before it is sharded (`load_from_run`).
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ import os
 import shutil
 import sys
 import tempfile
+import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
+
+from torch import nn
 
 from flowgraph.compilers.build import lora_config
 from flowgraph.compilers.checkpoint.integrity import checkpoint_damage, load_tensors
@@ -37,6 +42,7 @@ from flowgraph.compilers.checkpoint.store import (
     has_dcp,
     intact_checkpoint,
     latest_checkpoint,
+    mismatch,
 )
 from flowgraph.errors import FlowgraphError, UsageError
 from flowgraph.ir import ModelSpec
@@ -222,3 +228,43 @@ def _checkpoint(run_dir: Path, step: int | None) -> tuple[int, Path]:
         raise FlowgraphError(f"checkpoint `{folder}` is damaged: {problem}; export another "
                              f"step ({option('step', Word('N'))})")
     return step, folder
+
+
+def load_from_run(run_dir: Path, name: str, model: nn.Module) -> int:
+    """Model `name`'s weights from the newest intact checkpoint of the run in `run_dir`
+    into `model` (built from its base, before it is sharded): what a graph's
+    `models.<m>.init_from` starts from. A checkpoint of any target (whole tensors or DCP
+    shards) loads; returns its step. A trained model's checkpoint holds every weight (a
+    LoRA model's: its adapters), which a frozen model takes too."""
+    found = intact_checkpoint(run_dir, lambda line: None)
+    if found is None:
+        raise FlowgraphError(f"`{run_dir}` holds no checkpoint to start model `{name}` from: "
+                             "train it first (init_from)")
+    step, folder = found
+    lora = any("lora_" in k for k in model.state_dict())
+    part: Any = TrainedPart(model) if lora else model
+    if has_dcp(folder):
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": part.state_dict()}
+        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(folder / DCP_DIR / name), no_dist=True)
+        weights = state["model"]
+    else:
+        file = folder / f"model.{name}.safetensors"
+        if not file.exists():
+            raise FlowgraphError(f"checkpoint `{folder}` holds no weights of model `{name}` "
+                                 "(a frozen model is never saved): name a trained model of "
+                                 "that run (init_from_model)")
+        weights = load_tensors(file)
+    try:
+        if lora:
+            TrainedPart(model).load_state_dict(weights)
+        else:  # every weight, frozen or not
+            missing, unexpected = model.load_state_dict(weights, strict=False)
+            if missing or unexpected:
+                raise FlowgraphError(mismatch(sorted(missing), sorted(unexpected)))
+    except FlowgraphError as exc:
+        raise FlowgraphError(f"model `{name}` of checkpoint `{folder}`: {exc}") from None
+    return step

@@ -2,7 +2,7 @@
 (`step_metrics`) and, on held-out data, the log-ratio to the reference and the text
 metrics of the responses (`HeldOut`). Which node is which is read from the kind facts
 its plan carries (`NodePlan.category`, `head`), never from its name; the score is the one
-the plan says the advantage trains on (`ExecutionPlan.score`), never the first node's
+the plan says the advantage trains on (`flowgraph.plan.score.score_plan`), never the first node's
 that has scores."""
 
 from __future__ import annotations
@@ -17,11 +17,12 @@ import torch
 
 from flowgraph.nodes.logprob import response_span
 from flowgraph.plan import ExecutionPlan, NodePlan, ScorePlan
+from flowgraph.plan.score import score_plan
 from flowgraph.runtime.evaluation import diversity_metrics, exact_match, pass_at_n
 
 STEP_METRICS = (
     ("critic/score/mean", "the scores the advantage node trains on, after every shaping "
-     "node, penalty, filter and weighted sum before it (`ExecutionPlan.score`): its `scores` "
+     "node, penalty, filter and weighted sum before it (`flowgraph.plan.score`): its `scores` "
      "input, or the scores a `token_reward` puts on the tokens its `token_level_rewards` "
      "come from (verl's score, before the KL penalty), or an agent's token rewards summed "
      "per sequence; none without an advantage node (DPO, SFT). Also the console's `score`, "
@@ -56,7 +57,7 @@ def _used_rows(env: dict[tuple[str, str], Any], rollout: str) -> torch.Tensor | 
 
 def step_metrics(plan: ExecutionPlan, env: dict[tuple[str, str], Any]) -> dict[str, float]:
     """verl's batch metrics: score, rewards, advantages, returns, values, lengths, tokens.
-    The score is what the advantage trains on (`plan.score`, `flowgraph.plan.score`); an
+    The score is what the advantage trains on (`score_plan`, `flowgraph.plan.score`); an
     output a kind does not declare is not reported (a custom advantage without
     `returns`)."""
     out: dict[str, float] = {}
@@ -80,7 +81,7 @@ def step_metrics(plan: ExecutionPlan, env: dict[tuple[str, str], Any]) -> dict[s
                     out[f"critic/{port}/mean"] = _masked_mean(env[(node.name, port)], mask)
         elif node.head == "scalar" and (node.name, "values") in env and mask is not None:
             out["critic/values/mean"] = _masked_mean(env[(node.name, "values")], mask)
-    return out | _score_metrics(plan.score, env)
+    return out | _score_metrics(score_plan(plan.nodes), env)
 
 
 def _score_metrics(score: ScorePlan | None, env: dict[tuple[str, str], Any]
@@ -216,7 +217,8 @@ class HeldOut:
         column = partial(_per_sample, env, judge, gen, index)
         truths, sources = column("ground_truth"), column("data_source")
         extras = env.get((judge.name, "reward_extra_info")) or [{}] * len(texts)
-        scores = sequence_scores(plan.score, env, rows=True) if plan.score else None
+        score = score_plan(plan.nodes)
+        scores = sequence_scores(score, env, rows=True) if score else None
         exact = judge.param_values().get("fn") == "exact_match"
         for r in keep:
             row = {"prompt_id": first + index[r] - skip, "prompt": prompts[opens[r]],

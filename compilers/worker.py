@@ -40,7 +40,8 @@ from flowgraph.compilers.build import (
     load_tokenizers,
     make_optimizer,
 )
-from flowgraph.compilers.checkpoint.store import latest_checkpoint, load_from_run
+from flowgraph.compilers.checkpoint.store import latest_checkpoint
+from flowgraph.compilers.export import load_from_run
 from flowgraph.compilers.signals import deadline
 from flowgraph.errors import (
     DEBUG_ENV,

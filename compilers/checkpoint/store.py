@@ -135,10 +135,10 @@ class TrainedPart:
         missing, unexpected = self.model.load_state_dict(state, strict=False)
         lost = sorted(set(missing) - frozen_names(self.model))
         if lost or unexpected:
-            raise FlowgraphError(_mismatch(lost, unexpected))
+            raise FlowgraphError(mismatch(lost, unexpected))
 
 
-def _mismatch(missing: list[str], unexpected: list[str]) -> str:
+def mismatch(missing: list[str], unexpected: list[str]) -> str:
     return ("the checkpoint does not match the model: "
             + "; ".join(f"{what}: {', '.join(names[:4])}{' ...' if len(names) > 4 else ''}"
                         for what, names in (("missing", missing), ("unexpected", unexpected))
@@ -345,46 +345,6 @@ def dcp_full_model(folder: Path, name: str, model: nn.Module) -> None:
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(folder / DCP_DIR / name), no_dist=True)
     part.load_state_dict(state["model"])
-
-
-def load_from_run(run_dir: Path, name: str, model: nn.Module) -> int:
-    """Model `name`'s weights from the newest intact checkpoint of the run in `run_dir`
-    into `model` (built from its base, before it is sharded): what a graph's
-    `models.<m>.init_from` starts from. A checkpoint of any target (whole tensors or DCP
-    shards) loads; returns its step. A trained model's checkpoint holds every weight (a
-    LoRA model's: its adapters), which a frozen model takes too."""
-    found = intact_checkpoint(run_dir, lambda line: None)
-    if found is None:
-        raise FlowgraphError(f"`{run_dir}` holds no checkpoint to start model `{name}` from: "
-                             "train it first (init_from)")
-    step, folder = found
-    lora = any("lora_" in k for k in model.state_dict())
-    part: Any = TrainedPart(model) if lora else model
-    if has_dcp(folder):
-        import torch.distributed.checkpoint as dcp
-
-        state = {"model": part.state_dict()}
-        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(folder / DCP_DIR / name), no_dist=True)
-        weights = state["model"]
-    else:
-        file = folder / f"model.{name}.safetensors"
-        if not file.exists():
-            raise FlowgraphError(f"checkpoint `{folder}` holds no weights of model `{name}` "
-                                 "(a frozen model is never saved): name a trained model of "
-                                 "that run (init_from_model)")
-        weights = load_tensors(file)
-    try:
-        if lora:
-            TrainedPart(model).load_state_dict(weights)
-        else:  # every weight, frozen or not
-            missing, unexpected = model.load_state_dict(weights, strict=False)
-            if missing or unexpected:
-                raise FlowgraphError(_mismatch(sorted(missing), sorted(unexpected)))
-    except FlowgraphError as exc:
-        raise FlowgraphError(f"model `{name}` of checkpoint `{folder}`: {exc}") from None
-    return step
 
 
 def has_dcp(folder: Path) -> bool:

@@ -515,7 +515,8 @@ class ScorePlan:
     score, `val/score/mean`, the validation table's `score`, Prometheus'
     `flowgraph_reward_mean`): the scores the advantage node trains on, after every
     shaping node, penalty and weighted sum before it. `flowgraph.plan.score.score_plan`
-    is the rule; `ExecutionPlan.score` derives it from the plan's nodes."""
+    is the rule, applied to a plan's nodes where the score is reported (derived, never
+    stored: a plan file cannot say otherwise)."""
 
     advantage: str
     """The advantage node (the first in the plan)."""
@@ -664,15 +665,6 @@ class ExecutionPlan:
         return next(n for n in self.nodes if n.name == name)
 
     # The run's settings, held once, in `run`.
-    @property
-    def score(self) -> ScorePlan | None:
-        """Where the reported score comes from, by the nodes' wiring
-        (`flowgraph.plan.score.score_plan`; derived, never stored); None: the plan has no
-        advantage node that reads scores (DPO, SFT), and reports no score."""
-        from flowgraph.plan.score import score_plan  # it reads these records
-
-        return score_plan(self.nodes)
-
     @property
     def name(self) -> str:
         return self.run.name

@@ -1,5 +1,5 @@
-"""Which scores a run reports: the rule (`score_plan`) that `ExecutionPlan.score` applies
-to a plan's nodes (derived, so a plan file cannot say otherwise).
+"""Which scores a run reports: the rule (`score_plan`) applied to a plan's nodes where the
+score is reported (derived, never stored: a plan file cannot say otherwise).
 
 The number on the console is the number trained on: the reported score is what the
 plan's advantage node reads, decided once from the wiring, never by looking for the

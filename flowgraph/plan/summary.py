@@ -11,6 +11,7 @@ from flowgraph.plan.records import (
     PoolPlan,
     object_users,
 )
+from flowgraph.plan.score import score_plan
 
 GIB = 1 << 30
 
@@ -85,7 +86,7 @@ def _summary_lines(plan: ExecutionPlan) -> list[str]:
 
 def _score_line(plan: ExecutionPlan) -> str:
     """Which scores the run reports as its score (`flowgraph.plan.score`)."""
-    score = plan.score
+    score = score_plan(plan.nodes)
     if score is None:
         return "score: none reported (no advantage node reads scores)"
     what = f"the sum per sequence of `{score.scores}`" if score.per_token \

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 from flowgraph.checker import check_graph
 from flowgraph.cli import main
 from flowgraph.compilers import read_metrics
-from flowgraph.compilers.checkpoint.store import load_from_run
+from flowgraph.compilers.export import load_from_run
 from flowgraph.frontend import load_graph
 from flowgraph.testing.targets import assert_same_numbers
 

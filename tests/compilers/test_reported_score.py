@@ -1,4 +1,4 @@
-"""The reported score is the one the advantage trains on (`ExecutionPlan.score`): the
+"""The reported score is the one the advantage trains on (`flowgraph.plan.score.score_plan`): the
 step's `critic/score/mean` (and so the console, `val/score/mean` and Prometheus, which
 read it) and the validation table's `score`, on the plans the shipped and the users'
 graphs compile to, with tensors made up so that every candidate differs."""
@@ -17,6 +17,7 @@ from flowgraph.frontend import load_graph
 from flowgraph.nodes.models import load_tokenizer
 from flowgraph.passes import compile_graph
 from flowgraph.plan import ExecutionPlan, ScorePlan, plan_from_json, plan_to_json
+from flowgraph.plan.score import score_plan
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,7 +89,7 @@ def _verl_wiring(tmp_path: Path) -> ExecutionPlan:
 def test_with_verls_wiring_the_score_is_compute_scores_not_the_tool_rewards(
         tmp_path: Path) -> None:
     plan = _verl_wiring(tmp_path)
-    assert plan.score == ScorePlan("adv", "reward.scores", "reward.scores",
+    assert score_plan(plan.nodes) == ScorePlan("adv", "reward.scores", "reward.scores",
                                    mask="agent.response_mask")
     mask = torch.ones(4, 3, dtype=torch.int64)
     env = {("agent", "scores"): torch.full((4,), -0.04),  # the tool rewards, unused
@@ -106,7 +107,7 @@ def test_dapos_score_is_the_penalised_one_the_advantage_saw() -> None:
     reports the kept, penalised scores; the validation table each response's penalised
     score (the filter's input: a row of each response), not the reward's."""
     plan = _plan(ROOT / "graphs" / "dapo.yaml")
-    assert plan.score == ScorePlan("adv", "keep.scores", "overlong.scores",
+    assert score_plan(plan.nodes) == ScorePlan("adv", "keep.scores", "overlong.scores",
                                    mask="keep.response_mask")
     tok = load_tokenizer("builtin:tiny-lm")
     rows = [tok(t, add_special_tokens=False).input_ids for t in ("7", "12", "3", "4")]
@@ -133,13 +134,13 @@ def test_dapos_score_is_the_penalised_one_the_advantage_saw() -> None:
 
 def test_ppos_score_is_verls_and_its_rewards_the_kl_penalised_ones() -> None:
     plan = _plan(ROOT / "graphs" / "ppo.yaml")
-    assert plan.score == ScorePlan("adv", "reward.scores", "reward.scores",
+    assert score_plan(plan.nodes) == ScorePlan("adv", "reward.scores", "reward.scores",
                                    mask="gen.response_mask", rewards="kl.token_level_rewards")
 
 
 def test_an_agents_token_rewards_are_summed_and_dpo_reports_no_score() -> None:
     plan = _plan(ROOT / "graphs" / "agent_guess.yaml")
-    assert plan.score == ScorePlan("adv", "agent.token_level_rewards",
+    assert score_plan(plan.nodes) == ScorePlan("adv", "agent.token_level_rewards",
                                    "agent.token_level_rewards", per_token=True,
                                    mask="agent.response_mask",
                                    rewards="agent.token_level_rewards")
@@ -150,7 +151,7 @@ def test_an_agents_token_rewards_are_summed_and_dpo_reports_no_score() -> None:
            ("adv", "advantages"): torch.zeros(2, 4), ("adv", "returns"): torch.zeros(2, 4)}
     metrics = step_metrics(plan, env)
     assert metrics["critic/score/mean"] == pytest.approx((1.1 + 0.0) / 2)
-    assert _plan(ROOT / "graphs" / "dpo.yaml").score is None
+    assert score_plan(_plan(ROOT / "graphs" / "dpo.yaml").nodes) is None
 
 
 def test_a_plan_file_cannot_report_another_score() -> None:
@@ -159,7 +160,7 @@ def test_a_plan_file_cannot_report_another_score() -> None:
     data = json.loads(plan_to_json(_plan(ROOT / "graphs" / "dapo.yaml")))
     assert "score" not in data
     data["score"] = {"advantage": "adv", "scores": "reward.scores", "rows": "reward.scores"}
-    assert plan_from_json(json.dumps(data)).score == ScorePlan(
+    assert score_plan(plan_from_json(json.dumps(data)).nodes) == ScorePlan(
         "adv", "keep.scores", "overlong.scores", mask="keep.response_mask")
 
 
