@@ -242,7 +242,12 @@ def test_a_kind_declared_in_this_process_is_found_by_name_and_by_function(
     honours_contract("test_contracts_brevity", max_examples=5)
 
 
-def test_a_broken_kind_is_caught_by_name() -> None:
+def test_a_broken_kind_is_caught_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flowgraph import registry
+
+    # declared for this test alone: `flowgraph kinds` in the same process lists no more
+    monkeypatch.setattr(registry, "_DECLARED", dict(registry._DECLARED))
+
     @node_kind("test_contracts_broken", outputs=["scores"], category="reward")
     def broken(response_mask: Int[Tensor, "b T"]) -> Float[Tensor, " b"]:
         return response_mask.sum().float()  # a scalar, not one score per sequence
