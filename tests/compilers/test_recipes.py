@@ -223,7 +223,9 @@ def test_sbatch_stopped_by_sigterm_saves_and_a_new_job_continues_with_resume(
         seen.append(line)
         if line.startswith("step 2/"):
             steps = _srun_steps(first.pid) + ([first.pid] if target == "ray" else [])
-            assert len(steps) >= 2, "no srun step found"
+            # fsdp: its one srun step (a task per node); ray: the batch script and the
+            # nodes' steps
+            assert len(steps) >= (1 if target == "fsdp" else 2), "no srun step found"
             for pid in steps:
                 os.kill(pid, signal.SIGTERM)
     assert first.wait(timeout=120) == 143, "".join(seen[-40:])
@@ -231,7 +233,8 @@ def test_sbatch_stopped_by_sigterm_saves_and_a_new_job_continues_with_resume(
     assert any(f"continue with: RESUME=1 GRAPH={GRAPH} RUN_DIR={tmp_path / 'run'} " in s
                and f"sbatch {ROOT / 'deploy' / 'slurm' / target}.sbatch (a new job; it runs "
                "flowgraph run " in s for s in seen), seen
-    assert not any(s.startswith("srun: error") for s in seen), seen
+    if target == "ray":  # fsdp: each node's launcher exits 143, which srun reports
+        assert not any(s.startswith("srun: error") for s in seen), seen
     assert not _processes_naming(temp), "the cluster's processes outlived the job"
 
     again = job(RESUME="1")
