@@ -25,7 +25,6 @@ import os
 import shutil
 import sys
 import tempfile
-import warnings
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -37,8 +36,8 @@ from flowgraph.compilers.checkpoint.integrity import checkpoint_damage, load_ten
 from flowgraph.compilers.checkpoint.store import (
     DCP_DIR,
     TrainedPart,
-    checkpoint_root,
     dcp_full_model,
+    dcp_whole,
     has_dcp,
     intact_checkpoint,
     latest_checkpoint,
@@ -47,7 +46,7 @@ from flowgraph.compilers.checkpoint.store import (
 from flowgraph.errors import FlowgraphError, UsageError
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import ExecutionPlan, plan_document, plan_from_json
-from flowgraph.runs import export_command, is_run_dir, trained_lm
+from flowgraph.runs import checkpoint_root, export_command, is_run_dir, trained_lm
 from flowgraph.spelling import Word, option
 
 
@@ -244,13 +243,7 @@ def load_from_run(run_dir: Path, name: str, model: nn.Module) -> int:
     lora = any("lora_" in k for k in model.state_dict())
     part: Any = TrainedPart(model) if lora else model
     if has_dcp(folder):
-        import torch.distributed.checkpoint as dcp
-
-        state = {"model": part.state_dict()}
-        with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
-            warnings.filterwarnings("ignore", "torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(folder / DCP_DIR / name), no_dist=True)
-        weights = state["model"]
+        weights = dcp_whole(folder, name, part.state_dict())
     else:
         file = folder / f"model.{name}.safetensors"
         if not file.exists():

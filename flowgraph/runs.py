@@ -9,12 +9,29 @@ the executors load it from the newest intact checkpoint
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from flowgraph.errors import FlowgraphError, PlanError
 from flowgraph.ir import ModelSpec
 from flowgraph.plan import plan_from_json
 from flowgraph.spelling import command
+
+_STEP = re.compile(r"^step_(\d+)$")
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def published_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every published checkpoint of a run, newest first (not verified:
+    `flowgraph.compilers.checkpoint.store.intact_checkpoint` reads their files)."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    return sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name))),
+                  reverse=True)
 
 
 def is_run_dir(path: str) -> bool:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -43,31 +42,18 @@ from flowgraph.compilers.checkpoint.integrity import (
     write_manifest,
 )
 from flowgraph.errors import FlowgraphError, NonFiniteError
+from flowgraph.runs import checkpoint_root, published_checkpoints
 from flowgraph.spelling import Word, option
 
-_STEP = re.compile(r"^step_(\d+)$")
 DCP_DIR = "dcp"
 """Sub-folder of a checkpoint that holds the DCP shards of models and optimizers."""
 BUFFER = "rollouts.pt"
 """The rollout buffer of an asynchronous run in a checkpoint folder."""
 
 
-def checkpoint_root(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
-
-
-def _published(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, folder) of every published checkpoint, newest first."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
-    return sorted(((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name))),
-                  reverse=True)
-
-
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     """(step, folder) of the newest published checkpoint (not verified), or None."""
-    found = _published(run_dir)
+    found = published_checkpoints(run_dir)
     return found[0] if found else None
 
 
@@ -76,7 +62,7 @@ def intact_checkpoint(run_dir: Path, say: Callable[[str], None]) -> tuple[int, P
     newer one is named through `say`. None when the run dir holds no checkpoint; one
     error when it holds only damaged ones."""
     damaged: list[str] = []
-    for step, folder in _published(run_dir):
+    for step, folder in published_checkpoints(run_dir):
         problem = checkpoint_damage(folder, step)
         if problem is None:
             if damaged:
@@ -193,7 +179,7 @@ def publish_checkpoint(tmp: Path, state: dict[str, Any], keep: int = 2,
         shutil.rmtree(final)
     os.rename(tmp, final)
     _fsync_dir(root)
-    _prune(root, keep)
+    _prune(root.parent, keep)
     return final
 
 
@@ -217,8 +203,8 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
 
 
-def _prune(root: Path, keep: int) -> None:
-    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)))
+def _prune(run_dir: Path, keep: int) -> None:
+    steps = published_checkpoints(run_dir)[::-1]  # oldest first
     for _, p in steps[:-keep] if keep > 0 else []:
         shutil.rmtree(p, ignore_errors=True)
 
@@ -337,14 +323,21 @@ def dcp_load(folder: Path, models: dict[str, nn.Module], optimizers: dict[str, A
 
 def dcp_full_model(folder: Path, name: str, model: nn.Module) -> None:
     """Load model `name` of a DCP checkpoint whole into a plain model, in one process."""
+    part = TrainedPart(model)
+    part.load_state_dict(dcp_whole(folder, name, part.state_dict()))
+
+
+def dcp_whole(folder: Path, name: str, template: dict[str, Any]) -> dict[str, Any]:
+    """Model `name` of a DCP checkpoint read whole in one process, into the tensors of
+    `template` (a state dict with the keys to read)."""
     import torch.distributed.checkpoint as dcp
 
-    part = TrainedPart(model)
-    state = {"model": part.state_dict()}
+    state = {"model": template}
     with warnings.catch_warnings():  # "assuming ... a single process": yes, on purpose
         warnings.filterwarnings("ignore", "torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(folder / DCP_DIR / name), no_dist=True)
-    part.load_state_dict(state["model"])
+    weights: dict[str, Any] = state["model"]
+    return weights
 
 
 def has_dcp(folder: Path) -> bool:

@@ -89,8 +89,7 @@ class ChatRenderer:
         """What follows an assistant turn that ended with its stop token."""
         if probe:
             self.check()
-        if self.tools:
-            self.check_tools()
+        self.check_tools()
 
     def with_tools(self, tools: Sequence[dict[str, Any]]) -> ChatRenderer:
         """This renderer listing `tools` (schemas) instead (the template, once probed,

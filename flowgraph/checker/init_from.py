@@ -7,12 +7,11 @@ LM's weights cannot start a critic) and adapters (a LoRA model's checkpoint hold
 adapters alone), and the run has written a checkpoint. A base (`path`) other than the
 source's is a warning: its weights must fit this architecture, which loading says
 otherwise. Which checkpoint is the newest intact one is decided when the run starts
-(`flowgraph.compilers.checkpoint.store.load_from_run`), as `--resume` decides it.
+(`flowgraph.compilers.export.load_from_run`), as `--resume` decides it.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 from flowgraph.checker.structure import Resolved
@@ -20,11 +19,9 @@ from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.errors import PlanError
 from flowgraph.ir import Graph, ModelSpec, NodeSpec
 from flowgraph.plan import ExecutionPlan, plan_from_json
+from flowgraph.runs import published_checkpoints
 
 __all__ = ["check_init_from"]
-
-_STEP = re.compile(r"^step_\d+$")
-
 
 def check_init_from(graph: Graph, table: dict[str, Resolved], out: list[Diagnostic]) -> None:
     for m in graph.models:
@@ -70,7 +67,7 @@ def _check(m: ModelSpec, run: str, head: str, out: list[Diagnostic]) -> None:
              + ("its checkpoints hold its adapters alone" if spec.lora else
                 "its checkpoints hold no adapters"),
              f"give models.{m.name} the same lora settings as `{source}` had")
-    elif not _has_checkpoint(Path(run)):
+    elif not published_checkpoints(Path(run)):
         fail(f"run `{run}` has written no checkpoint yet", "train it first (its "
              "trainer.checkpoint_every), then start this run")
     elif spec.path != m.path:
@@ -88,8 +85,3 @@ def _plan(run: Path) -> ExecutionPlan | str:
         return f"`{run}` is not a flowgraph run dir (no plan.json)"
     except (OSError, PlanError) as exc:
         return f"the plan.json of `{run}` cannot be read: {exc}"
-
-
-def _has_checkpoint(run: Path) -> bool:
-    root = run / "checkpoints"
-    return root.is_dir() and any(_STEP.match(p.name) for p in root.iterdir())

@@ -15,7 +15,6 @@ from flowgraph.compilers.checkpoint.integrity import load_plain
 from flowgraph.compilers.checkpoint.store import (
     Rollout,
     begin_checkpoint,
-    checkpoint_root,
     load_weights,
     publish_checkpoint,
     save_rng,
@@ -32,6 +31,7 @@ from flowgraph.errors import (
     WorkerLost,
 )
 from flowgraph.plan import ExecutionPlan
+from flowgraph.runs import checkpoint_root
 
 
 class FsdpTarget:
