@@ -304,9 +304,12 @@ class _Running:
     async def close(self) -> None:
         """Stop the server (stdin closed, then its group killed) and wait for it."""
         self.stop.set()
-        if self.task is not None and not self.task.done():
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(self.task, STOP_S)
+        if self.task is None or self.task.done():
+            return
+        if self.session is None:  # still starting (a server that never answers): the
+            self.task.cancel()    # client's shutdown runs all the same, shielded
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(self.task, STOP_S)
 
     async def failed(self, what: str) -> McpServerError:
         """The error saying `what`, with the tail of the server's stderr (a second allowed
