@@ -1,41 +1,27 @@
 """Tools from MCP servers: an `agent_rollout`'s `mcp_servers`, each a stdio server.
 
-    params:
-      mcp_servers:
-        calc: {command: [python, calc_mcp.py], env: {DIGITS: "12"}, cwd: ., check: true}
+    mcp_servers:
+      calc: {command: [python, calc_mcp.py], env: {DIGITS: "12"}, cwd: ., check: true}
 
-A server's tools, as its `list_tools` gives them, join the rollout's Python tools as
-`Tool`s whose `fn` awaits the server's `call_tool`: one more source of tools for the
-same machinery (`flowgraph.agent.episodes`): the arguments checked against the listed
-`inputSchema`, the rollout's `tool_timeout_s`, the statuses (a result with `isError`,
-a server that exits mid-call: the episode ends `error`, naming the server and its
-stderr), `max_tool_tokens`, the tools shown to the policy (`show_tools`).
+A server's tools (its `list_tools`) join the rollout's Python tools as `Tool`s whose `fn`
+awaits its `call_tool`: one more source of tools for the same machinery
+(`flowgraph.agent.episodes`: the argument check, the timeouts, the statuses,
+`max_tool_tokens`). A result with `isError`, or a server that exits mid-call, raises
+McpServerError: the episode ends `error`, as when a Python tool raises.
 
-Lifecycle, per process: a server starts the first time a rollout asks for its tools and
-serves every later episode, step and rollout node of the process (one declaration, one
-server). Its session lives on the agent event loop (`AgentLoop`), which the episodes'
-tool calls run on, so they call it concurrently. It stops when the process exits
-(`multiprocessing.util.Finalize`: a rank or a rollout process started by multiprocessing
-too): its stdin is closed, then its process group is killed (the `mcp` client's
-shutdown). A trainer killed with SIGKILL takes it along: a bootstrap sets Linux's
-`PR_SET_PDEATHSIG` in the server's process before its command is `exec`d (as
-`flowgraph.compilers.signals.die_with_parent` does for the run's own processes). A
-server that exited is started again at the next rollout call, said on stderr.
+Per process, a server starts the first time a rollout asks for its tools and serves the
+process's later episodes, steps and nodes; its session lives on the agent event loop
+(`AgentLoop`), which the tool calls run on. It stops at the process's exit
+(`multiprocessing.util.Finalize`: a multiprocessing child's too); a trainer killed with
+SIGKILL takes it along (`_BOOTSTRAP`: PR_SET_PDEATHSIG, as
+`flowgraph.compilers.signals.die_with_parent`). One that exited starts again at the next
+rollout call. It sees the `mcp` client's default environment and its `env`, never the
+trainer's keys.
 
-The sandbox's rule on environments holds: a server sees `HOME`, `LOGNAME`, `PATH`,
-`SHELL`, `TERM`, `USER` (the `mcp` client's defaults) and its `env`, never the trainer's
-keys. `python` (or `python3`) as a command's first word is the Python running flowgraph,
-so the server sees the packages the trainer has.
-
-Check is run: a server's `cwd` (default: the graph file's folder) is made absolute by
-the rule the checker finds files by (`resolved`, at compile time), and `flowgraph check`
-starts each server, lists its tools (their schemas: FG603, FG606's template probe) and
-refuses one that does not start (FG610), naming it and its stderr. `check: false`
-leaves a server that starts only where the run runs (a GPU machine, a cluster's file
-system) to the run, which then stops at step 0 with that message.
-
-The `mcp` package is imported when a server starts, never on import of this module:
-`flowgraph check` of a graph without servers needs neither it nor torch.
+Check is run: `cwd` (default: the graph file's folder) is made absolute at compile time
+(`resolved`), and `flowgraph check` starts each server, lists its tools and stops it
+(`probe`; FG610 where it does not start). `mcp` is imported when a server starts, never
+on import of this module.
 """
 
 from __future__ import annotations
@@ -43,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import json
 import math
 import multiprocessing.util
@@ -69,10 +56,8 @@ KEYS = ("command", "env", "cwd", "start_timeout_s", "check")
 """What one server's declaration may say."""
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 """What a server may be called (it names the server in messages and metrics)."""
-STDERR_BYTES = 8192
-"""Bytes of a server's stderr kept (its tail), for the message of a failure."""
-STDERR_SHOWN = 2000
-"""Characters of that tail a message shows."""
+STDERR_BYTES, STDERR_SHOWN = 8192, 2000
+"""Bytes of a server's stderr kept (its tail), and characters of it a message shows."""
 STOP_S = 15.0
 """Seconds a server's shutdown may take (the `mcp` client's own steps are bounded:
 stdin closed, 2 s, SIGTERM to its group, 2 s, SIGKILL)."""
@@ -91,10 +76,9 @@ try:
 except OSError as exc:
     sys.exit(f"flowgraph: cannot run {command[0]!r}: {exc.strerror}")
 """
-"""Runs first in the server's process (`python -I -S -c`): PR_SET_PDEATHSIG (1) with
-SIGKILL, so the server dies with the trainer's thread that started it (the agent
-loop's, which lives as long as the process); then `exec`s the server's command, so the
-process the `mcp` client holds (and kills at shutdown) is the server itself."""
+"""Runs first in the server's process (`python -I -S -c`): PR_SET_PDEATHSIG (1), SIGKILL
+when the trainer's thread that started it (the agent loop's: the process's life) dies;
+then `exec`s the command, so the process the `mcp` client stops is the server itself."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,12 +155,10 @@ def _one(name: str, spec: object, where: str) -> McpServer:
                                                for v in env.values()):
         raise McpServerError(f"{what}: `env` is {env!r}; give a mapping of variable names "
                              "to strings")
-    check = spec.get("check", True)
-    if not isinstance(check, bool):
-        raise McpServerError(f"{what}: `check` is {check!r}; true or false")
-    cwd = spec.get("cwd", ".")
-    if not isinstance(cwd, str):
-        raise McpServerError(f"{what}: `cwd` is {cwd!r}; give a folder")
+    check, cwd = spec.get("check", True), spec.get("cwd", ".")
+    if not isinstance(check, bool) or not isinstance(cwd, str):
+        raise McpServerError(f"{what}: `check` is {check!r} and `cwd` {cwd!r}; `check` is "
+                             "true or false, `cwd` a folder")
     try:
         return McpServer(name, tuple(command) if isinstance(command, Sequence) else (),
                          tuple((str(k), str(v)) for k, v in env.items()), cwd,
@@ -187,9 +169,8 @@ def _one(name: str, spec: object, where: str) -> McpServer:
 
 def resolved(value: object, pos: SourcePos) -> object:
     """The `mcp_servers` value written at `pos` with each server's `cwd` absolute, by the
-    rule a node's file params follow (`written_file`: relative to the graph file's folder;
-    no `cwd`: that folder). What is not a declaration is kept as it is (the checker says
-    what is wrong with it)."""
+    rule of a node's file params (`written_file`; no `cwd`: the graph file's folder); what
+    is not a declaration as it is (the checker says what is wrong with it)."""
     if not isinstance(value, Mapping):
         return value
     return {name: {**spec, "cwd": written_file(str(spec.get("cwd", ".")), pos)}
@@ -240,7 +221,7 @@ class _Running:
     task: asyncio.Task[None] | None = None
 
     @property
-    def exited(self) -> bool:
+    def exited(self) -> bool:  # its stderr closed, or its session ended
         return self.tail.ended.is_set() or (self.task is not None and self.task.done())
 
     async def start(self) -> None:
@@ -250,20 +231,20 @@ class _Running:
         self.task = asyncio.ensure_future(self._hold(ready))
         try:
             await asyncio.wait_for(asyncio.shield(ready), self.server.start_timeout_s)
-        except TimeoutError:
-            await self.close()
-            raise await self.failed(
-                "it did not answer `initialize` and `list_tools` within start_timeout_s = "
-                f"{self.server.start_timeout_s:g} s") from None
-        except McpServerError:
+            return
+        except McpServerError:  # no `mcp` here
             await self.close()
             raise
         except Exception as exc:
             await self.close()
-            await asyncio.to_thread(self.tail.ended.wait, 1.0)
-            raise await self.failed("it exited before it answered `initialize`"
-                                    if self.tail.ended.is_set()
-                                    else f"it did not start: {_leaf(exc)}") from None
+            if isinstance(exc, TimeoutError):
+                what = (f"it did not answer `initialize` and `list_tools` within "
+                        f"start_timeout_s = {self.server.start_timeout_s:g} s")
+            else:
+                await asyncio.to_thread(self.tail.ended.wait, 1.0)
+                what = ("it exited before it answered `initialize`" if self.tail.ended.is_set()
+                        else f"it did not start: {_leaf(exc)}")
+        raise await self.failed(what)
 
     async def _hold(self, ready: asyncio.Future[None]) -> None:
         """The server's whole life, in one task (the `mcp` client's contexts are anyio
@@ -312,8 +293,7 @@ class _Running:
             await asyncio.wait_for(self.task, STOP_S)
 
     async def failed(self, what: str) -> McpServerError:
-        """The error saying `what`, with the tail of the server's stderr (a second allowed
-        for the last of it to arrive)."""
+        """The error saying `what`, with its stderr's tail (a second for the last of it)."""
         await asyncio.to_thread(self.tail.ended.wait, 1.0)
         return McpServerError(f"MCP server {self.server.describe()}: {what}; its stderr: "
                               f"{self.tail.text()}")
@@ -325,20 +305,14 @@ class _Running:
             name = str(listed.get("name"))
             try:
                 out.append(Tool(name, str(listed.get("description") or ""),
-                                dict(listed.get("inputSchema") or {}), self._caller(name)))
+                                dict(listed.get("inputSchema") or {}),
+                                functools.partial(self.call, name)))
             except ToolSchemaError as exc:
                 raise McpServerError(f"MCP server {self.server.describe()} lists a tool that "
                                      f"cannot be offered to the policy: {exc}") from None
         return out
 
-    def _caller(self, name: str) -> Any:
-        async def call(**arguments: Any) -> str:
-            return await self.call(name, arguments)
-
-        call.__qualname__ = call.__name__ = f"{self.server.name}.{name}"
-        return call
-
-    async def call(self, name: str, arguments: dict[str, Any]) -> str:
+    async def call(self, name: str, /, **arguments: Any) -> str:
         """The text of one call's result. A result with `isError`, a server that exited
         or a failed request raise McpServerError: the episode ends `error`, as when a
         Python tool raises."""
@@ -371,8 +345,8 @@ def _text(result: Mapping[str, Any]) -> str:
 def _leaf(exc: BaseException) -> str:
     """`Type: message` of the first leaf of an exception group (anyio's task groups
     wrap what a server's session raised)."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
+    while inner := getattr(exc, "exceptions", ()):  # a BaseExceptionGroup (3.11)
+        exc = inner[0]
     return f"{type(exc).__name__}: {exc}".rstrip(": ")
 
 
@@ -447,9 +421,8 @@ def server_tools(servers: Sequence[McpServer], where: str, beside: Sequence[Tool
 
 
 def probe(server: McpServer) -> list[Tool]:
-    """`flowgraph check`'s look at a server: started, its tools listed, stopped; kept for
-    the process (the checker asks for one node's tools more than once). McpServerError
-    naming it and its stderr where it does not start."""
+    """`flowgraph check`'s look at a server: started, its tools listed, stopped (kept: the
+    checker asks more than once); McpServerError naming it and its stderr if it fails."""
     got = _Servers.probed.get(server)
     if got is None:
         got = _Servers.probed[server] = AgentLoop.run(_probed(server))
@@ -462,9 +435,6 @@ async def _probed(server: McpServer) -> list[Tool] | McpServerError:
     running = _Running(server)
     try:
         await running.start()
-    except McpServerError as exc:
-        return exc
-    try:
         return running.tools()
     except McpServerError as exc:
         return exc

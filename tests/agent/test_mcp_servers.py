@@ -62,7 +62,8 @@ def shared():
     ({"calc": {"env": {}}}, r"MCP server `calc` has no `command`"),
     ({"calc": {"command": []}}, r"MCP server `calc`: `command` is \[\]; give the program"),
     ({"calc": {"command": ["x"], "env": ["A=1"]}}, r"`env` is \['A=1'\]; give a mapping"),
-    ({"calc": {"command": ["x"], "check": "no"}}, r"`check` is 'no'; true or false"),
+    ({"calc": {"command": ["x"], "check": "no"}}, r"`check` is 'no' and `cwd` '\.'; `check` "
+                                                  r"is true or false"),
     ({"calc": {"command": ["x"], "start_timeout_s": 0}}, r"start_timeout_s=0 is not a "
                                                          r"positive, finite number"),
     ({"my calc": {"command": ["x"]}}, r"MCP server 'my calc': a server's name is 1 to 64"),
@@ -109,7 +110,9 @@ def test_the_show_tools_probe_and_the_timeout_check_see_a_servers_tools():
     text = (ROOT / "graphs" / "agent_mcp.yaml").read_text()
     graph = graph_from_yaml(text, file=str(ROOT / "graphs" / "agent_mcp.yaml"))
     (node,) = [n for n in graph.nodes if n.name == "agent"]
-    names = [s["function"]["name"] for s in offered_schemas(graph, node, Registry.default().get(node.kind))]
+    kind = Registry.default().get(node.kind)
+    assert kind is not None
+    names = [s["function"]["name"] for s in offered_schemas(graph, node, kind)]
     assert names == ["calculator"]
 
 
@@ -216,9 +219,9 @@ def test_a_server_that_exits_at_start_names_itself_and_its_stderr():
                          "n")
     with pytest.raises(McpServerError, match=r"node `agent`: MCP server `search` \(`python -c "
                                              r".*it exited before it answered `initialize`; "
-                                             r"its stderr: no index at ./idx"):
+                                             r"its stderr: no index at \./idx"):
         server_tools([server], "node `agent`")
-    with pytest.raises(McpServerError, match="no index at ./idx"):
+    with pytest.raises(McpServerError, match=r"no index at \./idx"):
         probe(server)  # check's look: the same message (FG610)
 
 
