@@ -34,7 +34,9 @@ def _run(graph: str, run_dir: Path, *overrides: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
 
 
-def test_the_mcp_example_runs_two_steps_on_the_local_target(tmp_path: Path) -> None:
+def test_the_mcp_example_runs_two_steps_on_the_local_target(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the server's folder is the graph file's, from anywhere
     rows = _run("agent_mcp.yaml", tmp_path / "run", *SMALL)
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["agent/status/error"] == 0 and r["agent/status/timeout"] == 0 for r in rows)
