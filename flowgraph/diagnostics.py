@@ -102,6 +102,8 @@ CODES: dict[str, str] = {
              "given with an env or tools",
     "FG608": "an agent rollout whose episodes take several rows (rows_per_episode) where "
              "a row would count as an episode",
+    "FG610": "an MCP server an agent rollout declares (mcp_servers) that is not a valid "
+             "declaration or does not start (check starts it and lists its tools)",
 }
 """Every diagnostic code and what it means; codes are stable across releases."""
 

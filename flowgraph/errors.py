@@ -125,6 +125,12 @@ class EnvError(FlowgraphError):
     (its frame is reported)."""
 
 
+class McpServerError(FlowgraphError):
+    """An MCP server an agent rollout declares (`mcp_servers`) is not a valid declaration,
+    did not start or list its tools (the message names the server, its command and the
+    tail of its stderr), or failed a call: it exited, or answered with an error."""
+
+
 class NodeError(FlowgraphError):
     """A node's implementation failed; the message names node, kind and step."""
 

@@ -320,6 +320,13 @@ _KINDS = (
                       doc="tools every episode may call besides the env's: functions "
                           "(typed, Google-style docstring) or `flowgraph.tool`s, as "
                           "`file.py:name`, `module:name` or the objects"),
+            ParamSpec("mcp_servers", ("mapping", "null"), None, agent="mcp",
+                      doc="tools from MCP servers besides `tools` and the env's: server "
+                          "name -> {command: [program, args...], env: {VAR: value}, cwd "
+                          "(default: the graph file's folder), start_timeout_s (30), check "
+                          "(true: `flowgraph check` starts it, FG610)}; stdio servers, one "
+                          "per process, their tools from list_tools "
+                          "(flowgraph.agent.mcp_servers)"),
             _s("parser", "hermes", (), "how tool calls are read from a turn: a name of "
                                       "flowgraph.agent.PARSERS (hermes: <tool_call>{json}"
                                       "</tool_call>, Qwen / ChatML)"),

@@ -80,10 +80,12 @@ class ParamSpec:
     """Read by the executor around the node's call (`timeout_s`), every kind has it
     (`NODE_PARAMS`); passed to the implementation only where it declares it."""
     agent: str | None = None
-    """`env` or `tools` (`agent_rollout`): the value names an agent environment (a class)
-    or tools, which `flowgraph check` finds in the plugins the graph lists and whose tools'
-    schemas it builds (`flowgraph.checker.agents`: FG603, FG605) instead of holding them
-    to a function's call style."""
+    """`env`, `tools` or `program` (`agent_rollout`): the value names an agent environment
+    (a class), tools or an agent program, which `flowgraph check` finds in the plugins the
+    graph lists and whose tools' schemas it builds (`flowgraph.checker.agents`: FG603,
+    FG605) instead of holding them to a function's call style. `mcp`: the value declares
+    MCP servers (`flowgraph.agent.mcp_servers`), whose `cwd` the compiler makes absolute
+    and which `flowgraph check` starts to list their tools (FG610)."""
     files: tuple[str, ...] = ()
     """Endings of a value that names a file (`env`: `.yaml`, a verl tool config;
     `chat_template`: `.jinja`): relative as a dataset path is (`flowgraph.paths.written_file`),

@@ -1,9 +1,11 @@
 """The calculator example's tool and environment (graphs/agent_calculator.yaml).
 
 `calculator` is a typed function with a Google-style docstring: the rollout turns it
-into a tool (its JSON schema from the hints). `CalculatorEnv` scores an episode: 1 when
+into a tool (its JSON schema from the hints). `Multiplication` scores an episode: 1 when
 the last assistant message is the product (the row's ground truth), else 0; its dict's
 `acc` is the validation table's `correct`, so `val/accuracy` is the held-out accuracy.
+`CalculatorEnv` is it with `calculator` at hand; `calc_mcp.py` serves the same function
+from an MCP server (graphs/agent_mcp.yaml).
 """
 
 from __future__ import annotations
@@ -62,11 +64,16 @@ def final_answer(episode: Episode) -> str:
     return str(answers[-1].get("content") or "").strip() if answers else ""
 
 
-class CalculatorEnv(Env):
-    """A multiplication (`builtin:mul`: `37*86=`) to answer, with a calculator at hand."""
-
-    tools = (calculator,)
+class Multiplication(Env):
+    """A multiplication (`builtin:mul`: `37*86=`) to answer: 1 for the product. Its tools
+    come from elsewhere: graphs/agent_mcp.yaml serves `calculator` from an MCP server."""
 
     def reward(self, episode: Episode) -> dict[str, float]:  # type: ignore[override]
         right = float(final_answer(episode) == ground_truth(episode.task))
         return {"score": right, "acc": right}
+
+
+class CalculatorEnv(Multiplication):
+    """A multiplication to answer, with a calculator at hand."""
+
+    tools = (calculator,)

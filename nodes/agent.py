@@ -57,6 +57,7 @@ from torch import Tensor
 
 from flowgraph.agent.env import STATUSES
 from flowgraph.agent.episodes import FAILED, AgentError, Episodes, Limits, Run
+from flowgraph.agent.mcp_servers import declared, server_tools
 from flowgraph.agent.parsers import get_parser
 from flowgraph.agent.render import ChatRenderer
 from flowgraph.agent.sessions import Program, Sessions
@@ -148,6 +149,7 @@ def agent_rollout(
     env: Any = None,
     env_params: Mapping[str, Any] | None = None,
     tools: Sequence[Any] = (),
+    mcp_servers: Mapping[str, Any] | None = None,
     agent: Any = None,
     parser: str = "hermes",
     max_turns: int = 4,
@@ -185,9 +187,10 @@ def agent_rollout(
     limits = Limits(max_turns, T, turn_tokens, max_tool_tokens, truncate_side,
                     tool_timeout_s, turn_timeout_s, episode_timeout_s, on_error)
     episodes: Episodes | Sessions
-    if agent is not None and (env is not None or tools):
-        raise FlowgraphError("agent_rollout: `agent` (a black-box program) with `env` or "
-                             "`tools`: the program brings its own tools; give one or the other")
+    if agent is not None and (env is not None or tools or mcp_servers):
+        raise FlowgraphError("agent_rollout: `agent` (a black-box program) with `env`, "
+                             "`tools` or `mcp_servers`: the program brings its own tools; "
+                             "give one or the other")
     if agent is None and rows_each != 1:
         raise FlowgraphError(f"agent_rollout: rows_per_episode {rows_each} holds a black-box "
                              "agent's forks (`agent`); an env's episode is one row: leave "
@@ -199,6 +202,8 @@ def agent_rollout(
                             concurrency, rows_each, show_tools)
     else:
         extra_tools = [as_tool(load_function(t, {}, "agent_rollout tools")) for t in tools]
+        where = f"agent_rollout `{ctx.node}`"  # MCP servers: started once per process
+        extra_tools += server_tools(declared(mcp_servers, where), where, extra_tools)
         renderer = ChatRenderer(tokenizer, _template(chat_template),
                                 [t.schema() for t in extra_tools], spec.stop_ids,
                                 show_tools=show_tools)

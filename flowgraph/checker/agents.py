@@ -27,6 +27,11 @@
   graph lists, as `flowgraph.checker.functions` finds reward functions (the plugin's
   own import failure is FG113, once, on its `plugins:` line).
 
+- FG610 (MCP servers): each server an `mcp_servers` param declares is started as the
+  run will start it (its `cwd` resolved by the compiler's rule), its tools listed (they
+  join the offered tools: FG602's names, FG606's probe) and stopped; a declaration that
+  is not one, or a server that does not start, is an error naming it and the tail of
+  its stderr. `check: false` leaves a server to the run (it stops at step 0 then).
 - FG607 (agent programs): a black-box agent (`agent: my_agent.py:run`) is called as
   `await run(task, client)`: an `async def` taking two arguments. It brings its own
   tools and plays its own episode, so an `env` or `tools` beside it would be ignored:
@@ -46,7 +51,7 @@ The chat template (FG606) needs the tokenizer: `check --data` probes it
 (`flowgraph.checker.data`); otherwise the rollout refuses it when it starts
 (`flowgraph.agent.render.ChatRenderer`).
 
-One module past ~450 lines, on purpose: one family of diagnostics (FG601-FG608) over the
+One module past ~450 lines, on purpose: one family of diagnostics (FG601-FG610) over the
 same rollout and update pairs, sharing the helpers that find them.
 """
 
@@ -61,14 +66,16 @@ from typing import Any
 
 from flowgraph.agent.adapters import ToolConfigError, VerlTools
 from flowgraph.agent.env import Env
+from flowgraph.agent.mcp_servers import declared, probe
+from flowgraph.agent.mcp_servers import resolved as mcp_resolved
 from flowgraph.agent.tools import Tool, as_tool, tools_of
 from flowgraph.checker.functions import plugin_module
 from flowgraph.checker.shapes import DimEnv
 from flowgraph.checker.structure import Resolved, param_value
 from flowgraph.diagnostics import Diagnostic, error, warning
 from flowgraph.document import did_you_mean
-from flowgraph.errors import EnvError
-from flowgraph.ir import Graph, NodeSpec, Param
+from flowgraph.errors import EnvError, McpServerError
+from flowgraph.ir import Graph, NodeSpec, Param, Params, to_python
 from flowgraph.objects import PyObject, defined_at
 from flowgraph.paths import RULE, written_file
 from flowgraph.registry import KindSpec, ParamSpec, loss_spec
@@ -223,7 +230,7 @@ def _check_timeouts(r: Resolved, offered: list[Offered], out: list[Diagnostic]) 
 
 
 def _no_timeout(r: Resolved, name: str, offered: list[Offered], out: list[Diagnostic]) -> None:
-    taking = dict.fromkeys(f"`{t.name}` ({defined_at(t.fn)})" for t, _ in offered
+    taking = dict.fromkeys(f"`{t.name}` ({_tool_at(t, origin)})" for t, origin in offered
                            if t.timeout_s is None)
     spec = r.kind.param(name) if r.kind is not None else None
     default = spec.default if spec is not None else None
@@ -256,7 +263,7 @@ def _check_program(r: Resolved, listed: set[str], out: list[Diagnostic]) -> None
     given = r.spec.params.find("agent")
     if given is None or given.value is None:
         return
-    beside = [p for p in ("env", "tools") if param_value(r, p)]
+    beside = [p for p in ("env", "tools", "mcp_servers") if param_value(r, p)]
     if beside:
         out.append(error(
             "FG607", f"`{r.name}` names the agent program `{_label(given.value)}` and "
@@ -302,6 +309,9 @@ def _offered_tools(r: Resolved, listed: set[str], out: list[Diagnostic]) -> list
     for spec in r.kind.params:
         given = r.spec.params.find(spec.name) if spec.agent is not None else None
         if given is None or given.value is None:
+            continue
+        if spec.agent == "mcp":
+            offered += _server_tools(r, given, out)
             continue
         refs = given.value if isinstance(given.value, tuple) else (given.value,)
         for ref in refs:
@@ -409,6 +419,46 @@ def _built(r: Resolved, spec: ParamSpec, given: Param, ref: object, obj: object,
             f"offered to the policy: {type(exc).__name__}: {exc}", given.pos, node=r.name,
             hint=SCHEMA_HINT))
         return []
+
+
+# --- FG610: MCP servers, started ------------------------------------------------------------
+
+
+def _server_tools(r: Resolved, given: Param, out: list[Diagnostic]) -> list[Offered]:
+    """The tools of the MCP servers `given` declares, each started as the run will start
+    it (its `cwd` resolved by the compiler's rule), listed and stopped (`probe`); FG610
+    for a declaration that is not one, or a server that does not start, naming it and
+    its stderr. A server declared `check: false` is left to the run."""
+    where = f"parameter `{given.name}` of `{r.name}`"
+    try:
+        servers = declared(mcp_resolved(to_python(given.value), given.pos), where)
+    except McpServerError as exc:
+        out.append(error("FG610", str(exc), given.pos, node=r.name, hint=MCP_HINT))
+        return []
+    offered: list[Offered] = []
+    for server in servers:
+        if not server.check:
+            continue
+        entry = given.value.find(server.name) if isinstance(given.value, Params) else None
+        try:
+            offered += [(t, f"MCP server `{server.name}`") for t in probe(server)]
+        except McpServerError as exc:
+            out.append(error(
+                "FG610", f"{where}: {exc}", entry.pos if entry is not None else given.pos,
+                node=r.name, hint="run the command in that folder to see it fail; a server "
+                "that can only start where the run runs (a GPU machine, a cluster's files) "
+                "takes `check: false`, and the run then stops at step 0 if it does not "
+                "start"))
+    return offered
+
+
+MCP_HINT = ("declare each server as `name: {command: [program, args...], env: {VAR: value}, "
+            "cwd: folder, start_timeout_s: 30, check: true}` (only `command` is needed)")
+
+
+def _tool_at(t: Tool, origin: str) -> str:
+    """Where a tool comes from, for messages: its function's file:line, or its MCP server."""
+    return origin if origin.startswith("MCP server") else defined_at(t.fn)
 
 
 # --- FG604: sequence-level losses on episodes ---------------------------------------------

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Protocol
 
+from flowgraph.agent.mcp_servers import resolved as mcp_resolved
 from flowgraph.checker import CheckResult
 from flowgraph.checker.shapes import has_batch_axis
 from flowgraph.diagnostics import Diagnostic
@@ -338,12 +339,15 @@ def resolved_plugins(graph: Graph) -> tuple[Plugin, ...]:
 
 def files_resolved(kind: KindSpec, node: NodeSpec) -> dict[str, Any]:
     """The params `node` sets, each file one names (`ParamSpec.files`: a verl tool config,
-    a `.jinja` chat template) made absolute by the rule the checker finds it by
-    (`written_file`): the run opens that file, from whatever folder it starts in."""
+    a `.jinja` chat template; an MCP server's `cwd`) made absolute by the rule the checker
+    finds it by (`written_file`): the run opens that file, from whatever folder it starts
+    in."""
     given = node.params.to_python()
     for spec in kind.params:
-        param = node.params.find(spec.name) if spec.files else None
-        if param is not None and isinstance(param.value, str) and \
+        param = node.params.find(spec.name) if spec.files or spec.agent == "mcp" else None
+        if param is not None and spec.agent == "mcp":  # each server's cwd
+            given[spec.name] = mcp_resolved(given[spec.name], param.pos)
+        elif param is not None and isinstance(param.value, str) and \
                 param.value.endswith(spec.files):
             given[spec.name] = written_file(param.value, param.pos)
     return given
