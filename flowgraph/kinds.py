@@ -493,11 +493,14 @@ _KINDS = (
         outputs=(SCORES,),
         params=(
             ParamSpec("template", ("str",), None, required=True,
+                      fields=(("prompt", "prompts"), ("response", "responses"),
+                              ("ground_truth", "ground_truth")),
                       doc="the rubric, a Python format string over the fields {prompt}, "
                           "{response} and {ground_truth} (wired); given to the judge as one "
                           "user message (through its chat template when it has one)"),
-            _s("policy", "actor", doc="the model whose tokenizer decodes the prompts and "
-                                      "responses (the one that sampled them)"),
+            replace(_s("policy", "actor", doc="the model whose tokenizer decodes the prompts "
+                                              "and responses (the one that sampled them)"),
+                    names_model=True),
             _i("max_new_tokens", 32, "tokens of the judge's reply (greedy)"),
             _s("score_pattern", r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)",
                doc="regular expression whose last match's first group is the score"),
@@ -505,8 +508,9 @@ _KINDS = (
             _f("max_score", 10.0, "the highest valid score"),
             _f("invalid_score", 0.0, "the score of a reply without a valid one (counted in "
                                      "judge/invalid)"),
-            _s("url", None, doc="an OpenAI-compatible server's base URL (`.../v1`) as the "
-                                "judge instead of a model of the graph"),
+            replace(_s("url", None, doc="an OpenAI-compatible server's base URL (`.../v1`) "
+                                        "as the judge instead of a model of the graph"),
+                    instead_of_model=True),
             _s("api_model", None, doc="the `model` a request to `url` names"),
             _s("api_key_env", None, doc="the environment variable holding the server's API "
                                         "key (sent as a bearer token); null: none"),

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from string import Formatter
 from typing import Any
 
 import torch
@@ -35,17 +34,10 @@ from flowgraph.nodes.judge_url import JudgeServer, ask_url
 from flowgraph.nodes.logprob import response_span
 from flowgraph.runtime import NodeContext
 
-__all__ = ["SCORE_PATTERN", "judge", "parse_score", "template_fields"]
+__all__ = ["SCORE_PATTERN", "judge", "parse_score"]
 
 SCORE_PATTERN = r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)"
 """The documented reply format: `Score: 7` (or `score=7.5`); the last one counts."""
-TEMPLATE_FIELDS = ("prompt", "response", "ground_truth")
-"""The fields a rubric template may name; `ground_truth` only when the input is wired."""
-
-
-def template_fields(template: str) -> list[str]:
-    """The field names `template` formats, in order (ValueError on a malformed one)."""
-    return [name for _, name, _, _ in Formatter().parse(template) if name is not None]
 
 
 def parse_score(reply: str, pattern: str, low: float, high: float) -> float | None:

@@ -1,0 +1,74 @@
+"""Judges (`judge`, a model scoring responses): what must hold before one can run (FG611).
+
+Read from the kind's params, never from its name:
+* a format-string param (`ParamSpec.fields`, the rubric `template`) names only its
+  fields, and each field's input port is wired (`{ground_truth}` reads `ground_truth`);
+* a param naming a model (`ParamSpec.names_model`, `policy`) names one of the graph's;
+* a param standing in for the model (`ParamSpec.instead_of_model`, `url`): the node
+  binds a model or sets it, not both, not neither.
+
+`check --data` then probes the judge itself (`flowgraph.checker.data`): the judge model's
+tokenizer renders the template, or the url answers one request.
+"""
+
+from __future__ import annotations
+
+from string import Formatter
+
+from flowgraph.checker.structure import Resolved
+from flowgraph.diagnostics import Diagnostic, error
+from flowgraph.document import did_you_mean
+from flowgraph.ir import Graph
+from flowgraph.source import SourcePos
+
+__all__ = ["check_judges", "template_fields"]
+
+
+def template_fields(template: str) -> list[str]:
+    """The field names a format string fills, in order (ValueError when malformed)."""
+    return [name for _, name, _, _ in Formatter().parse(template) if name is not None]
+
+
+def check_judges(graph: Graph, table: dict[str, Resolved], out: list[Diagnostic]) -> None:
+    models = [m.name for m in graph.models]
+    for r in table.values():
+        if r.kind is None:
+            continue
+        for spec in r.kind.params:
+            given = r.spec.params.find(spec.name)
+            value = given.value if given is not None else spec.default
+            where = given.pos if given is not None else r.pos
+            if spec.fields and isinstance(value, str):
+                _check_fields(r, spec.name, value, dict(spec.fields), where, out)
+            if spec.names_model and isinstance(value, str) and value not in models:
+                out.append(error("FG611", f"`{r.name}`: `{spec.name}` names model `{value}`, "
+                                 "which the graph does not declare", where, node=r.name,
+                                 hint=did_you_mean(value, models) if models else
+                                 "declare the model under models:"))
+            if spec.instead_of_model and (value is None) == (r.spec.model is None):
+                both = "both a model and" if value is not None else "neither a model nor"
+                out.append(error("FG611", f"`{r.name}` (kind {r.kind.name}) has {both} "
+                                 f"`{spec.name}`: it needs exactly one", where, node=r.name,
+                                 hint=f"bind the judge model (`model: judge`) or set "
+                                      f"`{spec.name}`"))
+
+
+def _check_fields(r: Resolved, param: str, template: str, ports: dict[str, str],
+                  where: SourcePos | None, out: list[Diagnostic]) -> None:
+    try:
+        named = template_fields(template)
+    except ValueError as exc:
+        out.append(error("FG611", f"`{r.name}`: `{param}` is not a format string: {exc}",
+                         where, node=r.name, hint="write a literal brace as {{ or }}"))
+        return
+    for field in dict.fromkeys(named):
+        port = ports.get(field)
+        if port is None:
+            out.append(error("FG611", f"`{r.name}`: `{param}` names the field {{{field}}}, "
+                             "which does not exist", where, node=r.name,
+                             expected=", ".join(f"{{{f}}}" for f in ports), actual=field,
+                             hint=did_you_mean(field, list(ports))))
+        elif r.spec.input(port) is None:
+            out.append(error("FG611", f"`{r.name}`: `{param}` names {{{field}}}, but its "
+                             f"input `{port}` is not wired", where, node=r.name,
+                             hint=f"wire `{port}` (e.g. gen.{port}) or drop {{{field}}}"))
