@@ -18,7 +18,7 @@ from string import Formatter
 from flowgraph.checker.structure import Resolved
 from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.document import did_you_mean
-from flowgraph.ir import Graph
+from flowgraph.ir import Graph, NodeSpec
 from flowgraph.source import SourcePos
 
 __all__ = ["check_judges", "template_fields"]
@@ -32,7 +32,7 @@ def template_fields(template: str) -> list[str]:
 def check_judges(graph: Graph, table: dict[str, Resolved], out: list[Diagnostic]) -> None:
     models = [m.name for m in graph.models]
     for r in table.values():
-        if r.kind is None:
+        if r.kind is None or not isinstance(r.spec, NodeSpec):
             continue
         for spec in r.kind.params:
             given = r.spec.params.find(spec.name)
