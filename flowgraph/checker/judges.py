@@ -13,15 +13,18 @@ tokenizer renders the template, or the url answers one request.
 
 from __future__ import annotations
 
+import os
 from string import Formatter
+from typing import Any
 
 from flowgraph.checker.structure import Resolved
 from flowgraph.diagnostics import Diagnostic, error
 from flowgraph.document import did_you_mean
 from flowgraph.ir import Graph, NodeSpec
+from flowgraph.registry import Registry
 from flowgraph.source import SourcePos
 
-__all__ = ["check_judges", "template_fields"]
+__all__ = ["check_judges", "probe_judges", "template_fields"]
 
 
 def template_fields(template: str) -> list[str]:
@@ -72,3 +75,59 @@ def _check_fields(r: Resolved, param: str, template: str, ports: dict[str, str],
             out.append(error("FG611", f"`{r.name}`: `{param}` names {{{field}}}, but its "
                              f"input `{port}` is not wired", where, node=r.name,
                              hint=f"wire `{port}` (e.g. gen.{port}) or drop {{{field}}}"))
+
+
+def probe_judges(graph: Graph, tokenizers: dict[str, Any]) -> list[Diagnostic]:
+    """`check --data`: each judge answers a probe. A url gets one chat completion of the
+    template filled with placeholder text (its `api_key_env` read as the run reads it);
+    a judge model's tokenizer renders that text as the run will (its chat template)."""
+    out: list[Diagnostic] = []
+    for node in graph.nodes:
+        spec = Registry.default().get(node.kind)
+        url = next((p for p in spec.params if p.instead_of_model), None) if spec else None
+        if spec is None or url is None:
+            continue
+        given = node.params.find(url.name)
+        text = "Task: probe\nAnswer: probe\nScore: 0"
+        if given is not None and isinstance(given.value, str):
+            problem = _ask(given.value, text, node.params.to_python())
+            where = f"the judge server {given.value}"
+        else:
+            problem = _render(tokenizers.get(node.model or ""), text)
+            where = f"model `{node.model}`'s tokenizer"
+        if problem:
+            out.append(error("FG611", f"`{node.name}`: {where} does not answer a probe: "
+                             f"{problem}", given.pos if given else node.pos, node=node.name,
+                             hint="start the server, check the URL and key, or fix the "
+                                  "model's chat template"))
+    return out
+
+
+def _ask(url: str, text: str, params: dict[str, Any]) -> str | None:
+    import httpx
+
+    key = params.get("api_key_env")
+    if isinstance(key, str) and not os.environ.get(key):
+        return f"api_key_env names `{key}`, which is not set in the environment"
+    headers = {"Authorization": f"Bearer {os.environ[key]}"} if isinstance(key, str) else {}
+    body = {"model": params.get("api_model") or "judge", "max_tokens": 8, "temperature": 0.0,
+            "messages": [{"role": "user", "content": text}]}
+    try:
+        got = httpx.post(url.rstrip("/") + "/chat/completions", json=body, headers=headers,
+                         timeout=float(params.get("request_timeout_s", 60.0)))
+        got.raise_for_status()
+        got.json()["choices"][0]["message"]["content"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _render(tok: Any, text: str) -> str | None:
+    if tok is None or not getattr(tok, "chat_template", None):
+        return None  # no tokenizer here (a hub id, said by FG509), or raw text
+    try:
+        tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                add_generation_prompt=True)
+    except Exception as exc:  # a template's own error: whatever jinja raises
+        return f"{type(exc).__name__}: {exc}"
+    return None

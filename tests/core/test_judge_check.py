@@ -43,3 +43,25 @@ def test_grpo_judge_checks_clean(tmp_path: Path) -> None:
 def test_judge_that_cannot_run(old: str, new: str, message: str, tmp_path: Path) -> None:
     assert old in GRAPH
     assert _errors(GRAPH.replace(old, new), tmp_path) == [message]
+
+
+def test_check_data_probes_the_judge(tmp_path: Path) -> None:
+    from flowgraph.checker.data import check_data
+    from flowgraph.nodes.models import load_tokenizer
+
+    def probed(text: str) -> list[str]:
+        path = tmp_path / "g.yaml"
+        path.write_text(text)
+        graph, _ = load_graph(path)
+        assert graph is not None
+        return [f"{d.code}: {d.message}" for d in check_data(graph, load_tokenizer)
+                if d.is_error]
+
+    assert probed(GRAPH) == []  # the judge model's tokenizer renders the rubric
+    # nothing listens on port 9 of loopback (discard): the probe fails, naming the url
+    url = GRAPH.replace("    kind: judge\n    model: judge\n", "    kind: judge\n").replace(
+        "      max_new_tokens: 8\n",
+        "      max_new_tokens: 8\n      url: http://127.0.0.1:9/v1\n")
+    assert [m.split(": [")[0] for m in probed(url)] == [
+        "FG611: `reward`: the judge server http://127.0.0.1:9/v1 does not answer a probe: "
+        "ConnectError"]
