@@ -42,7 +42,7 @@ def check_judges(graph: Graph, table: dict[str, Resolved], out: list[Diagnostic]
             value = given.value if given is not None else spec.default
             where = given.pos if given is not None else r.pos
             if spec.fields and isinstance(value, str):
-                _check_fields(r, spec.name, value, dict(spec.fields), where, out)
+                _check_fields(r.spec, spec.name, value, dict(spec.fields), where, out)
             if spec.names_model and isinstance(value, str) and value not in models:
                 out.append(error("FG611", f"`{r.name}`: `{spec.name}` names model `{value}`, "
                                  "which the graph does not declare", where, node=r.name,
@@ -56,24 +56,24 @@ def check_judges(graph: Graph, table: dict[str, Resolved], out: list[Diagnostic]
                                       f"`{spec.name}`"))
 
 
-def _check_fields(r: Resolved, param: str, template: str, ports: dict[str, str],
+def _check_fields(node: NodeSpec, param: str, template: str, ports: dict[str, str],
                   where: SourcePos | None, out: list[Diagnostic]) -> None:
     try:
         named = template_fields(template)
     except ValueError as exc:
-        out.append(error("FG611", f"`{r.name}`: `{param}` is not a format string: {exc}",
-                         where, node=r.name, hint="write a literal brace as {{ or }}"))
+        out.append(error("FG611", f"`{node.name}`: `{param}` is not a format string: {exc}",
+                         where, node=node.name, hint="write a literal brace as {{ or }}"))
         return
     for field in dict.fromkeys(named):
         port = ports.get(field)
         if port is None:
-            out.append(error("FG611", f"`{r.name}`: `{param}` names the field {{{field}}}, "
-                             "which does not exist", where, node=r.name,
+            out.append(error("FG611", f"`{node.name}`: `{param}` names the field {{{field}}}, "
+                             "which does not exist", where, node=node.name,
                              expected=", ".join(f"{{{f}}}" for f in ports), actual=field,
                              hint=did_you_mean(field, list(ports))))
-        elif r.spec.input(port) is None:
-            out.append(error("FG611", f"`{r.name}`: `{param}` names {{{field}}}, but its "
-                             f"input `{port}` is not wired", where, node=r.name,
+        elif node.input(port) is None:
+            out.append(error("FG611", f"`{node.name}`: `{param}` names {{{field}}}, but its "
+                             f"input `{port}` is not wired", where, node=node.name,
                              hint=f"wire `{port}` (e.g. gen.{port}) or drop {{{field}}}"))
 
 
