@@ -192,7 +192,8 @@ class Worker:
         return NodeContext(
             node=name, kind=node.kind, step=step, seed=self.plan.trainer.seed,
             device=self.opts.device, model=self.models.get(model),
-            tokenizer=self.tokenizers.get(model),
+            tokenizer=self.tokenizers.get(model), tokenizers=self.tokenizers,
+            run_dir=str(self.opts.run_dir),
             optimizer=self.optimizers.get(model) if trains else None,
             scheduler=self.schedulers.get(model) if trains else None,
             grad_clip=spec.optimizer.grad_clip if spec and spec.optimizer else 0.0,

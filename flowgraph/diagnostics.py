@@ -104,6 +104,9 @@ CODES: dict[str, str] = {
              "a row would count as an episode",
     "FG610": "an MCP server an agent rollout declares (mcp_servers) that is not a valid "
              "declaration or does not start (check starts it and lists its tools)",
+    "FG611": "a judge that cannot run: a template field that does not exist or whose input "
+             "is unwired, a policy that is not a model, neither or both of a model and a "
+             "url, or a judge model or url that does not answer a probe (check --data)",
 }
 """Every diagnostic code and what it means; codes are stable across releases."""
 

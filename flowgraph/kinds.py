@@ -482,6 +482,52 @@ _KINDS = (
         impl="flowgraph.nodes.reward:compute_score",
     ),
     KindSpec(
+        "judge", "reward",
+        "A model as judge: each prompt and response (decoded with the policy's tokenizer) "
+        "rendered into a rubric template and scored by a frozen model of the graph, "
+        "decoding greedily, or by an OpenAI-compatible server; the score is the number of "
+        "the reply's last `Score: <n>` (score_pattern), and a reply without one in "
+        "[min_score, max_score] scores invalid_score. Metrics judge/invalid, judge/mean.",
+        inputs=(*SEQUENCE_INPUTS, _p("ground_truth", "b", "object", optional=True,
+                                     doc="the template's `{ground_truth}`, when it names it")),
+        outputs=(SCORES,),
+        params=(
+            ParamSpec("template", ("str",), None, required=True,
+                      fields=(("prompt", "prompts"), ("response", "responses"),
+                              ("ground_truth", "ground_truth")),
+                      doc="the rubric, a Python format string over the fields {prompt}, "
+                          "{response} and {ground_truth} (wired); given to the judge as one "
+                          "user message (through its chat template when it has one)"),
+            replace(_s("policy", "actor", doc="the model whose tokenizer decodes the prompts "
+                                              "and responses (the one that sampled them)"),
+                    names_model=True),
+            _i("max_new_tokens", 32, "tokens of the judge's reply (greedy)"),
+            _s("score_pattern", r"(?i)score\s*[:=]\s*(-?\d+(?:\.\d+)?)",
+               doc="regular expression whose last match's first group is the score"),
+            _f("min_score", 0.0, "the lowest valid score"),
+            _f("max_score", 10.0, "the highest valid score"),
+            _f("invalid_score", 0.0, "the score of a reply without a valid one (counted in "
+                                     "judge/invalid)"),
+            replace(_s("url", None, doc="an OpenAI-compatible server's base URL (`.../v1`) "
+                                        "as the judge instead of a model of the graph"),
+                    instead_of_model=True),
+            _s("api_model", None, doc="the `model` a request to `url` names"),
+            _s("api_key_env", None, doc="the environment variable holding the server's API "
+                                        "key (sent as a bearer token); null: none"),
+            _i("concurrency", 8, "requests to `url` in flight at once"),
+            _i("retries", 3, "tries after a failed or timed-out request, waiting "
+                             "backoff_s * 2^k before the k-th", minimum=0),
+            _f("backoff_s", 1.0, "the first wait before a retry (seconds)", minimum=0),
+            _f("request_timeout_s", 60.0, "one request's time limit (seconds)", minimum=0),
+            _b("cache", True, "keep each reply of `url` under the run dir "
+                              "(judge_cache/<node>/), keyed by a hash of the request: a resumed "
+                              "or repeated run asks once"),
+        ),
+        model="optional",
+        head="lm",
+        impl="flowgraph.nodes.judge:judge",
+    ),
+    KindSpec(
         "reward_model", "reward", "Sequence classifier scored at the last valid token.",
         inputs=SEQUENCE_INPUTS,
         outputs=(SCORES,),

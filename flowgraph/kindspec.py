@@ -95,6 +95,16 @@ class ParamSpec:
     """Values of this param that weigh a whole sequence by one number (`rollout_is:
     sequence`, TIS of the sequence's ratio): on multi-turn episodes the sequence is the
     episode, which the checker says (FG604)."""
+    fields: tuple[tuple[str, str], ...] = ()
+    """Set on a format-string param (`judge`'s `template`): (field, input port) for each
+    field it may name, the port whose rows fill it; the checker holds the string to these
+    fields, each field's port wired (FG611)."""
+    names_model: bool = False
+    """The value names a model of the graph (`judge`'s `policy`: the tokenizer that decodes
+    its inputs); the checker holds it to the graph's models (FG611)."""
+    instead_of_model: bool = False
+    """Set (`judge`'s `url`) on a param that stands in for the node's model binding: the
+    node needs exactly one of the two (FG611), and `check --data` probes it."""
 
     def __post_init__(self) -> None:
         bad = [t for t in self.types if t not in PARAM_TYPES]

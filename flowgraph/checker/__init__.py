@@ -17,6 +17,7 @@ from flowgraph.checker.batch import check_batches, ranks_of
 from flowgraph.checker.filters import check_filters
 from flowgraph.checker.functions import check_functions
 from flowgraph.checker.init_from import check_init_from
+from flowgraph.checker.judges import check_judges
 from flowgraph.checker.resources import check_pool_gpus
 from flowgraph.checker.sampling import check_temperatures, check_val_sampling
 from flowgraph.checker.shapes import DimEnv, EdgeInfo, PortShape, ShapeResult, infer_shapes
@@ -161,6 +162,7 @@ def _check(graph: Graph, registry: Registry, dp: int, target: str | None
     check_filters(graph, table, shapes, out)
     check_staleness(graph, table, shapes, out)
     check_agents(graph, table, shapes.env, out)
+    check_judges(graph, table, out)
     check_pool_gpus(graph, target, out)
     return tuple(sorted(dict.fromkeys(out), key=sort_key)), table, shapes
 

@@ -32,6 +32,7 @@ from flowgraph.agent.render import ChatRenderer, TemplateError
 from flowgraph.builtin_models import BUILTIN_PREFIX, builtin_config
 from flowgraph.checker.agents import offered_schemas
 from flowgraph.checker.functions import called_functions
+from flowgraph.checker.judges import probe_judges
 from flowgraph.data.held import is_memory
 from flowgraph.data.readers import open_table, with_prompt
 from flowgraph.data.rendering import check_rendering, overlong, render_prompts, render_responses
@@ -108,7 +109,7 @@ def check_data(graph: Graph, load_tokenizer: LoadTokenizer) -> list[Diagnostic]:
         diags += _check_source(graph, d, tokenizers)
     for node in graph.nodes:
         diags += _check_agent_template(graph, node, tokenizers)
-    return diags
+    return diags + probe_judges(graph, tokenizers)
 
 
 def _check_agent_template(graph: Graph, node: NodeSpec, tokenizers: dict[str, Any]

@@ -66,6 +66,12 @@ class NodeContext:
     device: str = "cpu"
     model: Any = None
     tokenizer: Any = None
+    tokenizers: Mapping[str, Any] = field(default_factory=dict)
+    """Every model's tokenizer, by model name: a node that reads another model's tokens
+    (a judge decodes the policy's responses) asks for that model's."""
+    run_dir: str | None = None
+    """The run's folder, where a node keeps what lasts across resumes (a judge's cache of
+    replies); None outside a run."""
     optimizer: Any = None
     """For update nodes: the torch optimizer of the bound model (the update loop's)."""
     scheduler: Any = None

@@ -75,7 +75,7 @@ def tokenizer() -> Any:
 
 def test_every_builtin_kind_is_covered() -> None:
     covered = (DATA_KINDS + PURE_KINDS + WHITENING_KINDS + CAUSAL_KINDS + CRITIC_KINDS
-               + UPDATE_KINDS + FILTER_KINDS + AGENT_KINDS + ("reward", "compute_score"))
+               + UPDATE_KINDS + FILTER_KINDS + AGENT_KINDS + ("reward", "compute_score", "judge"))
     assert sorted(covered) == sorted(BUILTIN_KINDS)
 
 
@@ -134,6 +134,19 @@ def test_reward_honours_contract(tokenizer: Any) -> None:
 def test_compute_score_honours_contract(tokenizer: Any) -> None:
     assert_honours_contract("compute_score", tokenizer=tokenizer,
                             max_examples=EXAMPLES["reward"], params={"fn": "gsm8k"})
+
+
+def test_judge_honours_contract(tokenizer: Any) -> None:
+    # the judge model decodes greedily; its policy's tokenizer decodes the drawn ids
+    from flowgraph.nodes.models import load_model
+
+    ctx = NodeContext(node="judge", kind="judge", step=0, seed=0,
+                      tokenizers={"actor": tokenizer})
+    assert_honours_contract("judge", model=load_model("builtin:tiny-lm"), tokenizer=tokenizer,
+                            ctx=ctx, max_examples=4,
+                            params={"template": "{prompt} {response} Score:",
+                                    "max_new_tokens": 2})
+    assert set(ctx.metrics) == {"judge/invalid", "judge/mean"}
 
 
 def test_reward_with_default_params_honours_contract(tokenizer: Any) -> None:
