@@ -102,6 +102,8 @@ CODES: dict[str, str] = {
              "given with an env or tools",
     "FG608": "an agent rollout whose episodes take several rows (rows_per_episode) where "
              "a row would count as an episode",
+    "FG609": "an agent rollout's env per row (`envs`) that cannot route a row: a row "
+             "naming an env the node does not declare (check --data), envs beside env",
 }
 """Every diagnostic code and what it means; codes are stable across releases."""
 

@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from flowgraph.agent.render import ChatRenderer, TemplateError
-from flowgraph.builtin_models import BUILTIN_PREFIX, builtin_config
+from flowgraph.agent.routing import unrouted
+from flowgraph.builtin_models import BUILTIN_PREFIX, builtin_config, held_out_path
 from flowgraph.checker.agents import offered_schemas
 from flowgraph.checker.functions import called_functions
 from flowgraph.data.held import is_memory
@@ -45,7 +46,8 @@ from flowgraph.data.rows import (
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.document import did_you_mean
 from flowgraph.errors import FlowgraphError
-from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec
+from flowgraph.choices import ROUTE_COLUMN
+from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec, Param, Params
 from flowgraph.paths import RULE, is_hub_dataset, written_file
 from flowgraph.registry import KindSpec, Registry
 from flowgraph.runs import is_run_dir, trained_lm
@@ -231,6 +233,7 @@ def _check_source(graph: Graph, d: DataSpec, tokenizers: dict[str, Any]) -> list
     if missing:
         return missing
     columns = [diag for path in paths for diag in _column_problems(graph, d, path)]
+    columns += route_problems(graph, d)
     model = _data_model(graph, d)
     if model is None or model not in tokenizers:
         return [Diagnostic("FG509", "note", f"data source `{d.name}`: no local tokenizer to "
@@ -243,16 +246,63 @@ def _check_source(graph: Graph, d: DataSpec, tokenizers: dict[str, Any]) -> list
 
 
 def unmet_columns(graph: Graph) -> list[Diagnostic]:
-    """FG512 alone, on every local dataset (what `check --data` says of the columns a
-    reward function called as TRL calls one needs): `flowgraph run` checks it before the
-    models load, so that it is never the first batch's TypeError. No tokenizer, no torch."""
+    """FG512 and FG609 alone, on every local dataset (what `check --data` says of the
+    columns a reward function called as TRL calls one needs, and of the rows an agent
+    rollout routes to its `envs`): `flowgraph run` checks them before the models load, so
+    that neither is the first batch's error. No tokenizer, no torch."""
     found = []
     for d in graph.data:
         params = d.params.to_python()
         paths = [d.path] + ([str(params["eval_path"])] if params.get("eval_path") else [])
         found += [diag for path in paths if is_memory(path) or _local(path)
                   for diag in _column_problems(graph, d, path)]
+        found += route_problems(graph, d)
     return found
+
+
+def route_problems(graph: Graph, d: DataSpec) -> list[Diagnostic]:
+    """FG609 for each agent rollout with several `envs` whose rows come from `d`, on each
+    of `d`'s local tables (its held-out one too: evaluation routes its rows the same way)
+    that holds a row naming no env the node declares, by the rule the rollout routes by
+    (`flowgraph.agent.routing`); at the node's `envs` line, naming the first such row,
+    its value and the closest name."""
+    nodes = [(n, p) for n in graph.nodes if (p := n.params.find("envs")) is not None
+             and isinstance(p.value, Params) and p.value.items
+             and row_source(graph, n) == d.name]
+    if not nodes:
+        return []
+    params = d.params.to_python()
+    held = held_out_path(d.path, str(params["eval_path"]) if params.get("eval_path") else None)
+    diags = []
+    for path in dict.fromkeys(p for p in (d.path, held) if p is not None):
+        if not (is_memory(path) or _local(path)):
+            continue
+        try:
+            rows = open_table(path, str(params.get("format", "auto")), []).to_pylist()
+        except FlowgraphError:
+            continue  # the dataset's own check says why
+        for node, envs in nodes:
+            diags += _unrouted(node, envs, rows, path)
+    return diags
+
+
+def _unrouted(node: NodeSpec, envs: Param, rows: list[dict[str, Any]], path: str
+              ) -> list[Diagnostic]:
+    assert isinstance(envs.value, Params)
+    names = list(envs.value.names())
+    given = node.params.get("route_by", ROUTE_COLUMN)
+    route_by = given if isinstance(given, str) else ROUTE_COLUMN
+    bad = [(i, why) for i, row in enumerate(rows)
+           if (why := unrouted(row, route_by, names)) is not None]
+    if not bad:
+        return []
+    i, why = bad[0]
+    more = f" ({len(bad)} of its {len(rows)} rows name none of them)" if len(bad) > 1 else ""
+    return [Diagnostic(
+        "FG609", "error", f"`{node.name}` routes each row to one of its envs "
+        f"({', '.join(names)}) by `{route_by}`: row {i} (0-based) of dataset `{path}` {why}"
+        f"{more}", envs.pos, node=node.name,
+        hint="declare the env under `envs` by the name the rows use, or fix the rows")]
 
 
 def row_source(graph: Graph, node: NodeSpec, port: str = "row") -> str | None:
