@@ -192,9 +192,6 @@ def agent_rollout(
     limits = Limits(max_turns, T, turn_tokens, max_tool_tokens, truncate_side,
                     tool_timeout_s, turn_timeout_s, episode_timeout_s, on_error)
     episodes: Episodes | Sessions
-    if envs is not None and (env is not None or agent is not None):
-        raise FlowgraphError("agent_rollout: `envs` (an env per row) with `env` or `agent`: "
-                             "name the one env among `envs`, or give `env` alone")
     if agent is not None and (env is not None or tools):
         raise FlowgraphError("agent_rollout: `agent` (a black-box program) with `env` or "
                              "`tools`: the program brings its own tools; give one or the other")
@@ -217,15 +214,8 @@ def agent_rollout(
     rows = (ctx.row_offset + torch.arange(len(row))).tolist()
     tasks = [dict(task) for task in row for _ in range(n)]
     seeds = [sample_seed(ctx.seed, ctx.step, r, j) for r in rows for j in range(n)]
-    # a row's env is its own column's: the same on whichever worker the row lands
-    names = route(row, route_by, envs, f"agent_rollout `{ctx.node}`", ctx.row_offset) \
-        if envs is not None else []
-    named = [name for name in names for _ in range(n)]
-    if isinstance(episodes, Episodes) and envs is not None:
-        each = dict(env_params or {})  # with envs: each env's own params, by its name
-        made = {name: _env_factory(envs[name], each.get(name) or {})
-                for name in dict.fromkeys(names)}
-        episodes.route([made[name] for name in named])
+    named = _routed(ctx, row, n, episodes, envs or {}, env_params or {}, route_by,
+                    env is not None or agent is not None)
     first = episodes.reset(tasks, [r for r in rows for _ in range(n)], seeds)
     _check_prompts(first, P, rows, n)
     width = P + T - 1  # an active episode's history is shorter: one width every turn
@@ -250,14 +240,32 @@ def agent_rollout(
                        atol=sampler_tolerance(model, backend))
     out |= _objects(runs, n, rows_each, named, ground_truth, data_source, extra_info, row)
     _metrics(ctx, runs, out, rows_each)
-    if envs is not None:
-        _env_metrics(ctx, runs, named, list(envs), out["scores"][::rows_each])
+    _env_metrics(ctx, runs, named, list(envs or {}), out["scores"][::rows_each])
     _cut_calls(ctx, runs, turn_tokens)
     _failures(ctx, runs, on_error)
     out["index"] = torch.tensor(rows).repeat_interleave(n * rows_each)
     out["episode"] = _episode_ids(runs, rows, n, rows_each)
     device = next(model.parameters()).device
     return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in out.items()}
+
+
+def _routed(ctx: NodeContext, row: Sequence[Mapping[str, Any]], n: int,
+            episodes: Episodes | Sessions, envs: Mapping[str, Any],
+            env_params: Mapping[str, Any], route_by: str, beside: bool) -> list[str]:
+    """Each episode's env of `envs` (none without them), by its row's `route_by` column
+    (`flowgraph.agent.routing`), handed to `episodes` with each env's own `env_params`.
+    A row's env is its own column's: the same on whichever worker the row lands."""
+    if not envs:
+        return []
+    if beside or not isinstance(episodes, Episodes):
+        raise FlowgraphError("agent_rollout: `envs` (an env per row) with `env` or `agent`: "
+                             "name the one env among `envs`, or give `env` alone")
+    names = route(row, route_by, envs, f"agent_rollout `{ctx.node}`", ctx.row_offset)
+    made = {name: _env_factory(envs[name], env_params.get(name) or {})
+            for name in dict.fromkeys(names)}
+    named = [name for name in names for _ in range(n)]
+    episodes.route([made[name] for name in named])
+    return named
 
 
 def _template(chat_template: str | None) -> str | None:
@@ -446,6 +454,8 @@ def _env_metrics(ctx: NodeContext, runs: list[Run], named: list[str], declared: 
     worker's episodes; an env no row of the step named reports nothing. Every worker
     sums every declared env, its own rows naming some or none, so the collective's keys
     agree."""
+    if not declared:
+        return
     sums: dict[str, float] = {}
     for env in declared:
         mine = [e for e, name in enumerate(named) if name == env]

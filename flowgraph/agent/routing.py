@@ -36,10 +36,12 @@ def closest(name: str, names: Iterable[str]) -> str:
 
 def _named(row: Mapping[str, Any], route_by: str) -> tuple[str, object]:
     """(the column the row's env is read from, its value); the value is `None` where the
-    row has neither that column nor, for the default column, verl's."""
-    if route_by in row or route_by != ROUTE_COLUMN:
-        return route_by, row.get(route_by)
-    return ROUTE_ALIAS, row.get(ROUTE_ALIAS)
+    row has neither that column nor, for the default column, verl's (a column a table
+    holds for other rows is null in this one: as absent)."""
+    value = row.get(route_by)
+    if value is None and route_by == ROUTE_COLUMN:
+        return ROUTE_ALIAS, row.get(ROUTE_ALIAS)
+    return route_by, value
 
 
 def unrouted(row: Mapping[str, Any], route_by: str, names: Iterable[str]) -> str | None:
@@ -50,7 +52,7 @@ def unrouted(row: Mapping[str, Any], route_by: str, names: Iterable[str]) -> str
     if value is None:
         alias = f" (nor `{ROUTE_ALIAS}`, verl's name)" if column == ROUTE_ALIAS else ""
         shown = route_by if column == ROUTE_ALIAS else column
-        return (f"has no `{shown}` column{alias} naming its env: add it (one of "
+        return (f"has no `{shown}`{alias} naming its env: add the column (one of "
                 f"{', '.join(sorted(known))}), or set `route_by` to the column that names it")
     if str(value) in known:
         return None

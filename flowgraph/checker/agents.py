@@ -60,8 +60,8 @@ from pathlib import Path
 from typing import Any
 
 from flowgraph.agent.adapters import ToolConfigError, VerlTools
-from flowgraph.agent.routing import bad_env_names
 from flowgraph.agent.env import Env
+from flowgraph.agent.routing import bad_env_names
 from flowgraph.agent.tools import Tool, as_tool, tools_of
 from flowgraph.checker.functions import plugin_module
 from flowgraph.checker.shapes import DimEnv

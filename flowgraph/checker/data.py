@@ -33,6 +33,7 @@ from flowgraph.agent.routing import unrouted
 from flowgraph.builtin_models import BUILTIN_PREFIX, builtin_config, held_out_path
 from flowgraph.checker.agents import offered_schemas
 from flowgraph.checker.functions import called_functions
+from flowgraph.choices import ROUTE_COLUMN
 from flowgraph.data.held import is_memory
 from flowgraph.data.readers import open_table, with_prompt
 from flowgraph.data.rendering import check_rendering, overlong, render_prompts, render_responses
@@ -46,7 +47,6 @@ from flowgraph.data.rows import (
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.document import did_you_mean
 from flowgraph.errors import FlowgraphError
-from flowgraph.choices import ROUTE_COLUMN
 from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec, Param, Params
 from flowgraph.paths import RULE, is_hub_dataset, written_file
 from flowgraph.registry import KindSpec, Registry

@@ -381,11 +381,11 @@ def test_verls_agent_name_routes_a_row_without_env_class_and_route_by_names_anot
     ([{"prompt": "x", "env_class": "again"}, {"prompt": "y", "env_class": "one-shot"}],
      "env_class", "agent_rollout `agent`: row 6 names the env `one-shot` (column "
      "`env_class`), which the node does not declare in `envs`: did you mean `one_shot`?"),
-    ([{"prompt": "x"}], "env_class", "agent_rollout `agent`: row 5 has no `env_class` column "
-     "(nor `agent_name`, verl's name) naming its env: add it (one of again, one_shot), or "
-     "set `route_by` to the column that names it"),
+    ([{"prompt": "x"}], "env_class", "agent_rollout `agent`: row 5 has no `env_class` (nor "
+     "`agent_name`, verl's name) naming its env: add the column (one of again, one_shot), "
+     "or set `route_by` to the column that names it"),
     ([{"prompt": "x", "env_class": "again"}], "task", "agent_rollout `agent`: row 5 has no "
-     "`task` column naming its env"),
+     "`task` naming its env"),
 ])
 def test_a_row_naming_no_declared_env_is_refused_naming_the_row(rows, route_by, message):
     model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
@@ -396,5 +396,5 @@ def test_a_row_naming_no_declared_env_is_refused_naming_the_row(rows, route_by, 
 
 def test_envs_beside_env_is_refused():
     model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
-    with pytest.raises(FlowgraphError, match="`envs` .* with `env` or `agent`"):
+    with pytest.raises(FlowgraphError, match=r"`envs` \(an env per row\) with `env` or `agent`"):
         run(model, tok, ROUTED, envs=ENVS)
