@@ -346,7 +346,7 @@ def _objects(runs: list[Run], n: int, rows: int, named: list[str],
     """The episodes' objects, each on every one of its `rows` rows; with several envs
     (`named`: each episode's), its env in `reward_extra_info` (the validation table's
     `env` column, split by `HeldOut`)."""
-    envs = named or [None] * len(runs)
+    envs: list[str | None] = list(named) or [None] * len(runs)
     out: dict[str, list[Any]] = {
         "status": [run.episode.status for run in runs],
         "messages": [run.episode.messages for run in runs],
@@ -447,13 +447,18 @@ def _sums(runs: list[Run]) -> dict[str, float]:
                for s in STATUSES}}
 
 
+_NOT_PER_ENV = ("n", "forks", "tool_time_s")
+"""Counts `agent/*` reports that no env's own metrics do: a black-box agent's forks (an
+env never forks), the tools' seconds (wall clock, reported once for the step)."""
+
+
 def _env_metrics(ctx: NodeContext, runs: list[Run], named: list[str], declared: list[str],
                  scores: Tensor) -> None:
-    """Each env's own `agent/<env>/...` (the means `_metrics` reports, over its episodes)
-    and `rewards/<env>/mean`, `/std` (its episodes' `scores`, unbiased std), over every
-    worker's episodes; an env no row of the step named reports nothing. Every worker
-    sums every declared env, its own rows naming some or none, so the collective's keys
-    agree."""
+    """Each env's own `agent/<env>/...` (the means `_metrics` reports, over its episodes,
+    but `_NOT_PER_ENV`) and `rewards/<env>/mean`, `/std` (its episodes' `scores`, unbiased
+    std: NaN below 2 episodes, as TRL's), over every worker's episodes; an env no row of
+    the step named reports nothing. Every worker sums every declared env, its own rows
+    naming some or none, so the collective's keys agree."""
     if not declared:
         return
     sums: dict[str, float] = {}
@@ -468,11 +473,11 @@ def _env_metrics(ctx: NodeContext, runs: list[Run], named: list[str], declared: 
         if not n:
             continue
         for key in _sums([]):
-            if key != "n":
+            if key not in _NOT_PER_ENV:
                 ctx.metrics[f"agent/{env}/{key}"] = total[f"{env}/{key}"] / n
         mean = total[f"{env}/score"] / n
         ctx.metrics[f"rewards/{env}/mean"] = mean
-        var = (total[f"{env}/score2"] - n * mean * mean) / (n - 1) if n > 1 else math.nan
+        var = (total[f"{env}/score2"] - n * mean * mean) / max(n - 1, 1)
         ctx.metrics[f"rewards/{env}/std"] = math.sqrt(max(var, 0.0)) if n > 1 else math.nan
 
 
