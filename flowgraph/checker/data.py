@@ -29,11 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from flowgraph.agent.render import ChatRenderer, TemplateError
-from flowgraph.agent.routing import unrouted
-from flowgraph.builtin_models import BUILTIN_PREFIX, builtin_config, held_out_path
+from flowgraph.builtin_models import builtin_config
 from flowgraph.checker.agents import offered_schemas
 from flowgraph.checker.functions import called_functions
-from flowgraph.choices import ROUTE_COLUMN
+from flowgraph.checker.routes import route_problems, row_source
 from flowgraph.data.held import is_memory
 from flowgraph.data.readers import open_table, with_prompt
 from flowgraph.data.rendering import check_rendering, overlong, render_prompts, render_responses
@@ -47,8 +46,8 @@ from flowgraph.data.rows import (
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.document import did_you_mean
 from flowgraph.errors import FlowgraphError
-from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec, Param, Params
-from flowgraph.paths import RULE, is_hub_dataset, written_file
+from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec
+from flowgraph.paths import RULE, is_hub_dataset, is_local, written_file
 from flowgraph.registry import KindSpec, Registry
 from flowgraph.runs import is_run_dir, trained_lm
 from flowgraph.runtime.reward_call import TRL_NOT_COLUMNS, TRL_PASSES, unmet_parameters
@@ -77,10 +76,6 @@ def _path_pos(pos: SourcePos) -> SourcePos:
         if col >= 0:
             return SourcePos(pos.file, i + 1, col + 1)
     return pos
-
-
-def _local(path: str) -> bool:
-    return path.startswith(BUILTIN_PREFIX) or Path(path).expanduser().exists()
 
 
 def _missing(what: str, path: str, pos: SourcePos, code: str, node: str) -> Diagnostic:
@@ -155,12 +150,12 @@ def _check_model(m: ModelSpec, tokenizers: dict[str, Any], load_tokenizer: LoadT
     if is_run_dir(m.path):
         return _check_run_dir(m, tokenizers, load_tokenizer, pos)
     tok_path = m.tokenizer or m.path
-    missing = next((p for p in (m.path, tok_path) if Path(p).is_absolute() and not _local(p)),
+    missing = next((p for p in (m.path, tok_path) if Path(p).is_absolute() and not is_local(p)),
                    None)
     if missing is not None:  # resolved to a local path, not kept as a hub id
         return [_missing(f"model `{m.name}`: folder", missing, pos, "FG506", m.name)]
-    if not _local(m.path) or not _local(tok_path):
-        return [_skipped(f"model `{m.name}`:", m.path if not _local(m.path) else tok_path, pos)]
+    if not is_local(m.path) or not is_local(tok_path):
+        return [_skipped(f"model `{m.name}`:", m.path if not is_local(m.path) else tok_path, pos)]
     builtin = builtin_config(m.path)
     config = dict(builtin) if builtin is not None else _read_config(m.path)
     if isinstance(config, str):
@@ -229,7 +224,7 @@ def _check_source(graph: Graph, d: DataSpec, tokenizers: dict[str, Any]) -> list
     if hub:
         return [_skipped(f"data source `{d.name}`: hub dataset", hub[0], pos)]
     missing = [_missing(f"data source `{d.name}`: dataset file", path, pos, "FG501", d.name)
-               for path in paths if not _local(path) and not is_memory(path)]
+               for path in paths if not is_local(path) and not is_memory(path)]
     if missing:
         return missing
     columns = [diag for path in paths for diag in _column_problems(graph, d, path)]
@@ -254,69 +249,10 @@ def unmet_columns(graph: Graph) -> list[Diagnostic]:
     for d in graph.data:
         params = d.params.to_python()
         paths = [d.path] + ([str(params["eval_path"])] if params.get("eval_path") else [])
-        found += [diag for path in paths if is_memory(path) or _local(path)
+        found += [diag for path in paths if is_memory(path) or is_local(path)
                   for diag in _column_problems(graph, d, path)]
         found += route_problems(graph, d)
     return found
-
-
-def route_problems(graph: Graph, d: DataSpec) -> list[Diagnostic]:
-    """FG609 for each agent rollout with several `envs` whose rows come from `d`, on each
-    of `d`'s local tables (its held-out one too: evaluation routes its rows the same way)
-    that holds a row naming no env the node declares, by the rule the rollout routes by
-    (`flowgraph.agent.routing`); at the node's `envs` line, naming the first such row,
-    its value and the closest name."""
-    nodes = [(n, p) for n in graph.nodes if (p := n.params.find("envs")) is not None
-             and isinstance(p.value, Params) and p.value.items
-             and row_source(graph, n) == d.name]
-    if not nodes:
-        return []
-    params = d.params.to_python()
-    held = held_out_path(d.path, str(params["eval_path"]) if params.get("eval_path") else None)
-    diags = []
-    for path in dict.fromkeys(p for p in (d.path, held) if p is not None):
-        if not (is_memory(path) or _local(path)):
-            continue
-        try:
-            rows = open_table(path, str(params.get("format", "auto")), []).to_pylist()
-        except FlowgraphError:
-            continue  # the dataset's own check says why
-        for node, envs in nodes:
-            diags += _unrouted(node, envs, rows, path)
-    return diags
-
-
-def _unrouted(node: NodeSpec, envs: Param, rows: list[dict[str, Any]], path: str
-              ) -> list[Diagnostic]:
-    assert isinstance(envs.value, Params)
-    names = list(envs.value.names())
-    given = node.params.get("route_by", ROUTE_COLUMN)
-    route_by = given if isinstance(given, str) else ROUTE_COLUMN
-    bad = [(i, why) for i, row in enumerate(rows)
-           if (why := unrouted(row, route_by, names)) is not None]
-    if not bad:
-        return []
-    i, why = bad[0]
-    more = f" ({len(bad)} of its {len(rows)} rows name none of them)" if len(bad) > 1 else ""
-    return [Diagnostic(
-        "FG609", "error", f"`{node.name}` routes each row to one of its envs "
-        f"({', '.join(names)}) by `{route_by}`: row {i} (0-based) of dataset `{path}` {why}"
-        f"{more}", envs.pos, node=node.name,
-        hint="declare the env under `envs` by the name the rows use, or fix the rows")]
-
-
-def row_source(graph: Graph, node: NodeSpec, port: str = "row") -> str | None:
-    """The data source whose rows reach `node`'s input `port`: back along the wiring, each
-    node passing on its input of the output's name (`reward.row` <- `gen.row` <-
-    `train.row`); None when it starts at no data source."""
-    ref, seen = node.input(port), set()
-    while ref is not None and (ref.node, ref.port) not in seen:
-        seen.add((ref.node, ref.port))
-        if graph.data_source(ref.node) is not None:
-            return ref.node
-        producer = graph.node(ref.node)
-        ref = producer.input(ref.port) if producer is not None else None
-    return None
 
 
 def _column_problems(graph: Graph, d: DataSpec, path: str) -> list[Diagnostic]:
