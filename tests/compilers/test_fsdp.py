@@ -348,7 +348,7 @@ def test_agent_rollouts_equal_local(tmp_path: Path, tied: bool, local_reference:
     assert any(r["agent/status/error"] > 0 for r in fsdp), "masked episodes on rank 1"
 
 
-ROUTED = ("dims.Bp=4", "dims.N=2", "nodes.update.params.mini_batch_size=4",
+ROUTED = ("dims.Bp=4", "dims.N=2", "nodes.update.params.mini_batch_size=8",
           "trainer.steps=3", "trainer.eval_every=3", "trainer.val_before_train=false")
 """graphs/agent_mixed.yaml (the calculator and guess the number in one dataset) small:
 4 rows a step, 2 a rank, held-out evaluation after the last step."""
