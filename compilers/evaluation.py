@@ -43,6 +43,7 @@ def evaluate(batches: Batches, names: list[str], step: int, tokenizers: dict[str
     rows, size = min(len(ev) for ev in evals), batches.rows
     batches.run_prologue("eval", strict)  # once a run: usually done before the loop
     sums: dict[str, float] = {}
+    weights: dict[str, float] = {}
     held_out = HeldOut()
     with torch.no_grad():
         for fresh in new_rows_per_batch(rows, size):
@@ -56,10 +57,11 @@ def evaluate(batches: Batches, names: list[str], step: int, tokenizers: dict[str
             scratch.update(log_ratio_to_reference(ip.plan, env))
             held_out.add(ip.plan, env, tokenizers, skip=size - fresh)
             for k, v in scratch.items():
-                sums[k] = sums.get(k, 0.0) + v * fresh / max(rows, size)
-    for k, v in sums.items():
-        if not k.startswith("perf/"):
-            out["val/" + k.removeprefix("critic/")] = v
+                sums[k] = sums.get(k, 0.0) + v * fresh
+                weights[k] = weights.get(k, 0.0) + fresh
+    for k, v in sums.items():  # over the batches that report it (an env's: those it
+        if not k.startswith("perf/"):  # played in), each by its new rows
+            out["val/" + k.removeprefix("critic/")] = v / weights[k]
     out.update({f"val/{k}": v for k, v in held_out.metrics().items()})
     return out, held_out.rows()
 

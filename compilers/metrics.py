@@ -241,7 +241,8 @@ class HeldOut:
         n > 1 responses a prompt, also `accuracy/mean@n` and `accuracy/pass@n`); and per
         data source (when the rows come from several) `<source>/score/mean`,
         `<source>/accuracy` and `<source>/<key>/mean` of each numeric entry of the
-        reward's dict results."""
+        reward's dict results; and per env of an agent rollout with several (`env`, from its
+        `reward_extra_info`) `agent/<env>/accuracy` and `agent/<env>/score/mean`."""
         out = {}
         if self.tokens:
             out = {f"diversity/{k}": v for k, v in diversity_metrics(self.tokens).items()}
@@ -252,6 +253,10 @@ class HeldOut:
             out.update({f"{source}/{k}": v for k, v in _means(rows).items()})
             out.update({f"{source}/{k}": v for k, v in _accuracy(rows).items()
                         if k == "accuracy"})
+        for env in sorted({e for row in self.table if isinstance(e := row.get("env"), str)}):
+            rows = [row for row in self.table if row.get("env") == env]
+            out.update({f"agent/{env}/{k}": v for k, v in (_means(rows) | _accuracy(rows)).items()
+                        if k in ("score/mean", "accuracy")})
         return out
 
 

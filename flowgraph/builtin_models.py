@@ -19,7 +19,9 @@ strings, which leaves the RL graphs something to improve.
 
 `tiny-lm-calc` and `tiny-lm-guess` start the agent examples (graphs/agent_calculator.yaml,
 graphs/agent_guess.yaml): `tiny-lm` after SFT on warm-up conversations
-(`builtin:mul-sft`, `builtin:guess-sft`; `CALC_RECIPE`, `GUESS_RECIPE`).
+(`builtin:mul-sft`, `builtin:guess-sft`; `CALC_RECIPE`, `GUESS_RECIPE`);
+`tiny-lm-calc-guess` starts graphs/agent_mixed.yaml, whose one dataset holds both tasks
+(`builtin:calc-guess-sft`, `CALC_GUESS_RECIPE`).
 """
 
 from __future__ import annotations
@@ -140,10 +142,18 @@ GUESS_RECIPE = _agent_recipe(
     "# guesses, 4.6 guesses on average (binary search alone: 3.4).")
 """The SFT graph that trains `builtin:tiny-lm-guess`."""
 
+CALC_GUESS_RECIPE = _agent_recipe(
+    "sft-calc-guess", "calc-guess-sft", "Bp: 32, P: 12, T: 88", 800,
+    "The warm-up of `builtin:tiny-lm-calc-guess` (graphs/agent_mixed.yaml's start): the\n"
+    "# calculator's transcripts and the guessing games in one table (1,000 and 512), so\n"
+    "# one model plays both envs of one dataset.")
+"""The SFT graph that trains `builtin:tiny-lm-calc-guess`."""
+
 TRAINED_BUILTINS: dict[str, tuple[str, str]] = {
     "tiny-lm-sft": ("tiny-lm", SFT_RECIPE),
     "tiny-lm-calc": ("tiny-lm", CALC_RECIPE),
     "tiny-lm-guess": ("tiny-lm", GUESS_RECIPE),
+    "tiny-lm-calc-guess": ("tiny-lm", CALC_GUESS_RECIPE),
 }
 """Name -> (the built-in it starts from, the recipe graph that trains it; its model
 `policy` is the result)."""

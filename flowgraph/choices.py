@@ -96,6 +96,13 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                   "seq-mean-token-sum-norm")
 """How token losses are averaged into one number (verl's `loss_agg_mode`)."""
 
+ROUTE_COLUMN = "env_class"
+"""The dataset column an `agent_rollout` with several `envs` reads each row's env from by
+default (its `route_by`): SkyRL's name."""
+ROUTE_ALIAS = "agent_name"
+"""verl's name for that column (`AgentLoopManager` routes a row to the agent loop its
+`agent_name` names): read where a row has no `ROUTE_COLUMN` and `route_by` is left at it."""
+
 SHOW_TOOLS = ("template", "system", "none")
 """How an episode's tools reach its prompt (the `agent_rollout` kind's `show_tools`):
 the chat template lists them (`apply_chat_template(tools=...)`; a template that does

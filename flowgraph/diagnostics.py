@@ -102,6 +102,8 @@ CODES: dict[str, str] = {
              "given with an env or tools",
     "FG608": "an agent rollout whose episodes take several rows (rows_per_episode) where "
              "a row would count as an episode",
+    "FG609": "an agent rollout's env per row (`envs`) that cannot route a row: a row "
+             "naming an env the node does not declare (check --data), envs beside env",
     "FG610": "an MCP server an agent rollout declares (mcp_servers) that is not a valid "
              "declaration or does not start (check starts it and lists its tools)",
     "FG611": "a judge that cannot run: a template field that does not exist or whose input "

@@ -18,7 +18,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from flowgraph.choices import DPO_LOSS_TYPES, KL_ESTIMATORS, LOSS_AGG_MODES, SHOW_TOOLS
+from flowgraph.choices import (
+    DPO_LOSS_TYPES,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    ROUTE_ALIAS,
+    ROUTE_COLUMN,
+    SHOW_TOOLS,
+)
 from flowgraph.contracts import MASK_DTYPE, TensorSpec
 from flowgraph.kindspec import KindSpec, LossSpec, ParamSpec, PortSpec
 from flowgraph.runtime.reward_call import FILTER_CALL, TRL_CALL, VERL_CALL
@@ -309,13 +316,25 @@ _KINDS = (
                           "(the file listed under plugins:), `module:Name` or the class "
                           "itself, or a verl tool-config .yaml; null: a plain env over "
                           "`tools`"),
+            ParamSpec("envs", ("mapping", "null"), None, functions=(), agent="env",
+                      files=(".yaml", ".yml"),
+                      doc="several environments by name, one dataset: each row's episodes "
+                          "run in the env its `route_by` column names (SkyRL's env_class, "
+                          "verl's agent_name); each value is what `env` takes; null: the "
+                          "one `env`"),
+            _s("route_by", ROUTE_COLUMN, (),
+               "the dataset column naming each row's env of `envs` (a row without it: "
+               f"its `{ROUTE_ALIAS}` column, verl's name, when route_by is left "
+               f"`{ROUTE_COLUMN}`)"),
             ParamSpec("agent", ("str", "null"), None, functions=(), agent="program",
                       doc="a black-box agent program instead of an env: `async def "
                           "run(task, client) -> float | dict`, as `file.py:run`, "
                           "`module:run` or the function; `client` is an openai.AsyncOpenAI "
                           "on the rollout's endpoint (flowgraph.agent.sessions)"),
             ParamSpec("env_params", ("mapping", "null"), None,
-                      doc="keyword arguments the env is made with, once per episode"),
+                      doc="keyword arguments the env is made with, once per episode; "
+                          "with `envs`, each env's own by its name ({calc: {...}}; an env "
+                          "not named takes none)"),
             ParamSpec("tools", ("list",), (), functions=(), agent="tools",
                       doc="tools every episode may call besides the env's: functions "
                           "(typed, Google-style docstring) or `flowgraph.tool`s, as "

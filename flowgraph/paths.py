@@ -81,6 +81,11 @@ def resolve_data_path(path: str, folder: Path) -> str:
     return resolve_path(path, folder)
 
 
+def is_local(path: str) -> bool:
+    """Whether `path` is on this machine: a built-in (`builtin:...`) or an existing path."""
+    return path.startswith(BUILTIN_PREFIX) or Path(path).expanduser().exists()
+
+
 def is_hub_dataset(path: str, folder: Path | None = None) -> bool:
     """`org/name` with no file suffix and no such file or folder (in `folder`, else the
     working directory): a Hugging Face hub dataset (`trl-lib/tldr`)."""

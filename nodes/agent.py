@@ -47,6 +47,7 @@ length, K = max_turns, c = rows_per_episode (b·n·c rows out).
 from __future__ import annotations
 
 import hashlib
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -60,8 +61,10 @@ from flowgraph.agent.episodes import FAILED, AgentError, Episodes, Limits, Run
 from flowgraph.agent.mcp_servers import declared, server_tools
 from flowgraph.agent.parsers import get_parser
 from flowgraph.agent.render import ChatRenderer
+from flowgraph.agent.routing import route
 from flowgraph.agent.sessions import Program, Sessions
 from flowgraph.agent.tools import as_tool
+from flowgraph.choices import ROUTE_COLUMN
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.generate import SamplingSpec, decode, eval_mode, pad_id, sample_seed, stop_ids
 from flowgraph.nodes.logprob import logprob
@@ -148,6 +151,8 @@ def agent_rollout(
     extra_info: Sequence[Any] | None = None,
     env: Any = None,
     env_params: Mapping[str, Any] | None = None,
+    envs: Mapping[str, Any] | None = None,
+    route_by: str = ROUTE_COLUMN,
     tools: Sequence[Any] = (),
     mcp_servers: Mapping[str, Any] | None = None,
     agent: Any = None,
@@ -174,7 +179,9 @@ def agent_rollout(
     gpu_memory_utilization: float | None = None,
 ) -> dict[str, Any]:
     """The `agent_rollout` kind: n episodes per row, `rows_per_episode` rows each;
-    episodes of a row are consecutive, and so are the rows of an episode."""
+    episodes of a row are consecutive, and so are the rows of an episode. With `envs`,
+    each row's episodes play the env its `route_by` column names
+    (`flowgraph.agent.routing`)."""
     n, rows_each = n or ctx.dims.get("N"), rows_per_episode
     T, P = max_new_tokens or ctx.dims.get("T"), ctx.dims.get("P")
     if n is None or T is None or P is None:
@@ -212,6 +219,8 @@ def agent_rollout(
     rows = (ctx.row_offset + torch.arange(len(row))).tolist()
     tasks = [dict(task) for task in row for _ in range(n)]
     seeds = [sample_seed(ctx.seed, ctx.step, r, j) for r in rows for j in range(n)]
+    named = _routed(ctx, row, n, episodes, envs or {}, env_params or {}, route_by,
+                    env is not None or agent is not None)
     first = episodes.reset(tasks, [r for r in rows for _ in range(n)], seeds)
     _check_prompts(first, P, rows, n)
     width = P + T - 1  # an active episode's history is shorter: one width every turn
@@ -234,14 +243,34 @@ def agent_rollout(
         if not (top_k or top_p < 1.0):  # filtered sampling: log-probs of another distribution
             check_rows(ctx, model, out, runs, temperature if do_sample else 0.0,
                        atol=sampler_tolerance(model, backend))
-    out |= _objects(runs, n, rows_each, ground_truth, data_source, extra_info, row)
+    out |= _objects(runs, n, rows_each, named, ground_truth, data_source, extra_info, row)
     _metrics(ctx, runs, out, rows_each)
+    _env_metrics(ctx, runs, named, list(envs or {}), out["scores"][::rows_each])
     _cut_calls(ctx, runs, turn_tokens)
     _failures(ctx, runs, on_error)
     out["index"] = torch.tensor(rows).repeat_interleave(n * rows_each)
     out["episode"] = _episode_ids(runs, rows, n, rows_each)
     device = next(model.parameters()).device
     return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in out.items()}
+
+
+def _routed(ctx: NodeContext, row: Sequence[Mapping[str, Any]], n: int,
+            episodes: Episodes | Sessions, envs: Mapping[str, Any],
+            env_params: Mapping[str, Any], route_by: str, beside: bool) -> list[str]:
+    """Each episode's env of `envs` (none without them), by its row's `route_by` column
+    (`flowgraph.agent.routing`), handed to `episodes` with each env's own `env_params`.
+    A row's env is its own column's: the same on whichever worker the row lands."""
+    if not envs:
+        return []
+    if beside or not isinstance(episodes, Episodes):
+        raise FlowgraphError("agent_rollout: `envs` (an env per row) with `env` or `agent`: "
+                             "name the one env among `envs`, or give `env` alone")
+    names = route(row, route_by, envs, f"agent_rollout `{ctx.node}`", ctx.row_offset)
+    made = {name: _env_factory(envs[name], env_params.get(name) or {})
+            for name in dict.fromkeys(names)}
+    named = [name for name in names for _ in range(n)]
+    episodes.route([made[name] for name in named])
+    return named
 
 
 def _template(chat_template: str | None) -> str | None:
@@ -317,16 +346,20 @@ def _tensors(runs: list[Run], P: int, T: int, K: int, pad: int, rows: int
     return out
 
 
-def _objects(runs: list[Run], n: int, rows: int, *columns: Sequence[Any] | None
-             ) -> dict[str, list[Any]]:
-    """The episodes' objects, each on every one of its `rows` rows."""
+def _objects(runs: list[Run], n: int, rows: int, named: list[str],
+             *columns: Sequence[Any] | None) -> dict[str, list[Any]]:
+    """The episodes' objects, each on every one of its `rows` rows; with several envs
+    (`named`: each episode's), its env in `reward_extra_info` (the validation table's
+    `env` column, split by `HeldOut`)."""
+    envs: list[str | None] = list(named) or [None] * len(runs)
     out: dict[str, list[Any]] = {
         "status": [run.episode.status for run in runs],
         "messages": [run.episode.messages for run in runs],
         "reward_extra_info": [{"status": run.episode.status, "turns": run.episode.turns,
                                "tool_calls": run.episode.tool_calls, **run.extra,
+                               **({"env": name} if name is not None else {}),
                                **({"error": run.episode.error} if run.episode.error else {})}
-                              for run in runs],
+                              for run, name in zip(runs, envs, strict=True)],
     }
     out = {name: repeat_rows(values, rows) if rows > 1 else values
            for name, values in out.items()}
@@ -390,16 +423,10 @@ def _metrics(ctx: NodeContext, runs: list[Run], out: Mapping[str, Tensor], rows_
     `agent/status/<status>` (fractions), over every worker's episodes. With
     rows_per_episode > 1, `agent/rows` (rows an episode took) and `agent/forks_dropped`
     (forks whose chain so far was not trained: the episode had no row left)."""
-    sums = {"n": float(len(runs)),
-            "turns": float(sum(r.episode.turns for r in runs)),
-            "tool_calls": float(sum(r.episode.tool_calls for r in runs)),
-            "tool_time_s": sum(r.episode.tool_time_s for r in runs),
-            "forks": float(sum(r.extra.get("forks", 0) for r in runs)),
-            "finish/length": float(sum(r.cut for r in runs))}
+    sums = _sums(runs)
     if rows_each > 1:
         sums |= {"rows": float(sum(len(r.rows()) for r in runs)),
                  "forks_dropped": float(sum(r.dropped for r in runs))}
-    sums |= {f"status/{s}": float(sum(r.episode.status == s for r in runs)) for s in STATUSES}
     # the versions that sampled an episode's trained tokens, over the episodes with some
     version, mask = out["policy_version"], out["response_mask"].bool()
     versions = [version[k: k + rows_each][mask[k: k + rows_each]].unique().numel()
@@ -411,6 +438,52 @@ def _metrics(ctx: NodeContext, runs: list[Run], out: Mapping[str, Tensor], rows_
         if key != "n":
             ctx.metrics[f"agent/{key}"] = value / max(total["n"], 1.0)
     ctx.metrics["agent/versions_per_episode"] = versions_sum / max(trained, 1.0)
+
+
+def _sums(runs: list[Run]) -> dict[str, float]:
+    """The per-episode counts `agent/*` are the means of, summed over `runs`, and `n`."""
+    return {"n": float(len(runs)),
+            "turns": float(sum(r.episode.turns for r in runs)),
+            "tool_calls": float(sum(r.episode.tool_calls for r in runs)),
+            "tool_time_s": sum(r.episode.tool_time_s for r in runs),
+            "forks": float(sum(r.extra.get("forks", 0) for r in runs)),
+            "finish/length": float(sum(r.cut for r in runs)),
+            **{f"status/{s}": float(sum(r.episode.status == s for r in runs))
+               for s in STATUSES}}
+
+
+_NOT_PER_ENV = ("n", "forks", "tool_time_s")
+"""Counts `agent/*` reports that no env's own metrics do: a black-box agent's forks (an
+env never forks), the tools' seconds (wall clock, reported once for the step)."""
+
+
+def _env_metrics(ctx: NodeContext, runs: list[Run], named: list[str], declared: list[str],
+                 scores: Tensor) -> None:
+    """Each env's own `agent/<env>/...` (the means `_metrics` reports, over its episodes,
+    but `_NOT_PER_ENV`) and `rewards/<env>/mean`, `/std` (its episodes' `scores`, unbiased
+    std: NaN below 2 episodes, as TRL's), over every worker's episodes; an env no row of
+    the step named reports nothing. Every worker sums every declared env, its own rows
+    naming some or none, so the collective's keys agree."""
+    if not declared:
+        return
+    sums: dict[str, float] = {}
+    for env in declared:
+        mine = [e for e, name in enumerate(named) if name == env]
+        x = scores[mine].double()
+        sums |= {f"{env}/{k}": v for k, v in _sums([runs[e] for e in mine]).items()}
+        sums |= {f"{env}/score": float(x.sum()), f"{env}/score2": float((x * x).sum())}
+    total = ctx.workers.sum(sums)
+    for env in declared:
+        n = total[f"{env}/n"]
+        if not n:
+            continue
+        for key in _sums([]):
+            if key not in _NOT_PER_ENV:
+                ctx.metrics[f"agent/{env}/{key}"] = total[f"{env}/{key}"] / n
+        mean = total[f"{env}/score"] / n
+        ctx.metrics[f"rewards/{env}/mean"] = mean
+        var = (total[f"{env}/score2"] - n * mean * mean) / max(n - 1, 1)
+        ctx.metrics[f"rewards/{env}/std"] = math.sqrt(max(var, 0.0)) if n > 1 else math.nan
 
 
 def _episode_ids(runs: list[Run], rows: list[int], n: int, rows_each: int) -> Tensor:

@@ -92,8 +92,8 @@ def _factory(obj: object, where: str) -> EnvFactory:
             callable(v) for v in obj.values()):
         raise EnvError(f"{where + ': ' if where else ''}env: a mapping of environment "
                        f"factories ({', '.join(map(str, obj))}) is TRL's multi-environment "
-                       "form, which flowgraph does not take: give each environment its own "
-                       "agent_rollout node (and its rows)")
+                       "form: give it as the node's `envs` (each row's env named by its "
+                       "`route_by` column), not as one `env`")
     if isinstance(obj, Mapping | Path):
         return VerlTools.from_config(obj, where)
     if _has(obj, "create", "execute", "release") and inspect.iscoroutinefunction(

@@ -275,8 +275,14 @@ class Episodes:
         self.renderer, self.parser, self.limits = renderer, parser, limits
         self.concurrency = concurrency
         self.gate: asyncio.Semaphore | None = None
+        self.makers: list[Callable[[], Env] | None] = []
         self.runs: list[Run] = []
         self.started: list[Future[Any]] = []
+
+    def route(self, makers: Sequence[Callable[[], Env] | None]) -> None:
+        """Each episode's own env factory for the next `reset` (an `agent_rollout` with
+        several `envs`: the one its row names), instead of `make_env` for all."""
+        self.makers = list(makers)
 
     # -- the three phases ------------------------------------------------------------------
 
@@ -360,8 +366,9 @@ class Episodes:
 
     async def _reset(self, i: int) -> None:
         run = self.runs[i]
-        if self.make_env is not None:
-            run.env = await _call(self.make_env)
+        make_env = self.makers[i] if self.makers else self.make_env
+        if make_env is not None:
+            run.env = await _call(make_env)
         env = run.env
         env.row, env.seed = run.row, run.seed
         run.tools = {t.name: t for t in [*self.tools, *tools_of(env)]}

@@ -68,6 +68,7 @@ from flowgraph.agent.adapters import ToolConfigError, VerlTools
 from flowgraph.agent.env import Env
 from flowgraph.agent.mcp_servers import declared, probe
 from flowgraph.agent.mcp_servers import resolved as mcp_resolved
+from flowgraph.agent.routing import bad_env_names
 from flowgraph.agent.tools import Tool, as_tool, tools_of
 from flowgraph.checker.functions import plugin_module
 from flowgraph.checker.shapes import DimEnv
@@ -103,6 +104,7 @@ def check_agents(graph: Graph, table: dict[str, Resolved], dims: DimEnv,
         _check_budget(r, dims, out)
         _check_timeouts(r, offered, out)
         _check_rows(r, table, out)
+        _check_routing(r, out)
     _check_sequence_level(table, out)
 
 
@@ -263,7 +265,7 @@ def _check_program(r: Resolved, listed: set[str], out: list[Diagnostic]) -> None
     given = r.spec.params.find("agent")
     if given is None or given.value is None:
         return
-    beside = [p for p in ("env", "tools", "mcp_servers") if param_value(r, p)]
+    beside = [p for p in ("env", "envs", "tools", "mcp_servers") if param_value(r, p)]
     if beside:
         out.append(error(
             "FG607", f"`{r.name}` names the agent program `{_label(given.value)}` and "
@@ -313,12 +315,21 @@ def _offered_tools(r: Resolved, listed: set[str], out: list[Diagnostic]) -> list
         if spec.agent == "mcp":
             offered += _server_tools(r, given, out)
             continue
-        refs = given.value if isinstance(given.value, tuple) else (given.value,)
-        for ref in refs:
-            obj = _found(r, spec, given, ref, listed, out)
+        for at, ref in _refs(given):
+            obj = _found(r, spec, at, ref, listed, out)
             if obj is not None:
-                offered += _built(r, spec, given, ref, obj, out)
+                offered += _built(r, spec, at, ref, obj, out)
     return offered
+
+
+def _refs(given: Param) -> list[tuple[Param, object]]:
+    """Each reference a param holds and where it is written: a list's items, a mapping's
+    values (`envs`: each at its own line), or the one value."""
+    if isinstance(given.value, Params):
+        return [(p, p.value) for p in given.value.items]
+    if isinstance(given.value, tuple):
+        return [(given, ref) for ref in given.value]
+    return [(given, given.value)]
 
 
 def _found(r: Resolved, spec: ParamSpec, given: Param, ref: object, listed: set[str],
@@ -571,3 +582,44 @@ def _check_rows(r: Resolved, table: dict[str, Resolved], out: list[Diagnostic]) 
                 _pos(other, "loss_agg_mode"), node=other.name,
                 hint="token-mean (or seq-mean-token-sum, seq-mean-token-sum-norm): a "
                      "token's weight then does not depend on its episode's rows"))
+
+
+# --- FG609: an env per row ---------------------------------------------------------------
+
+
+def _check_routing(r: Resolved, out: list[Diagnostic]) -> None:
+    """`envs` names each row's env: not beside `env` (which would be ignored), not empty,
+    names that can be part of a metric name, and with it `env_params` is keyed by those
+    names. (A row naming an env `envs` does not declare: `check --data`, FG609 too.)"""
+    assert isinstance(r.spec, NodeSpec)
+    given = r.spec.params.find("envs")
+    if given is None or not isinstance(given.value, Params):
+        return  # unset, or not a mapping: FG112's
+    names = list(given.value.names())
+    if param_value(r, "env") is not None:
+        out.append(error(
+            "FG609", f"`{r.name}` names an env per row (`envs`: {', '.join(names)}) and the "
+            "one `env` beside them, which would never run", _pos(r, "env"), node=r.name,
+            hint="put that env among `envs` under a name, or drop `envs`"))
+    if not names:
+        out.append(error(
+            "FG609", f"`{r.name}.params.envs` is empty: no row could be routed", given.pos,
+            node=r.name, hint="name each env: `envs: {calc: \"my_env.py:CalcEnv\", ...}`, "
+                              "or use `env` for one"))
+    for name in bad_env_names(names):
+        out.append(error(
+            "FG609", f"`{r.name}.params.envs` names an env `{name}`: an env's name is part of "
+            "its metrics' names (agent/<env>/turns), so letters, digits, `_`, `.` and `-`",
+            given.pos, node=r.name, hint="rename it, and the rows' values with it"))
+    params = r.spec.params.find("env_params")
+    if params is None or not isinstance(params.value, Params):
+        return
+    for p in params.value.items:
+        if p.name not in names or not isinstance(p.value, Params | type(None)):
+            out.append(error(
+                "FG609", f"`{r.name}.params.env_params` has `{p.name}`"
+                + (f", which is no env of `envs` ({did_you_mean(p.name, names)})"
+                   if p.name not in names else ", which is not a mapping")
+                + ": with `envs`, env_params holds each env's own keyword arguments by its "
+                "name", p.pos, node=r.name,
+                hint="env_params: {<env>: {<argument>: <value>}} for the envs that take any"))

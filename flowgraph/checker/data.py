@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from flowgraph.agent.render import ChatRenderer, TemplateError
-from flowgraph.builtin_models import BUILTIN_PREFIX, builtin_config
+from flowgraph.builtin_models import builtin_config
 from flowgraph.checker.agents import offered_schemas
 from flowgraph.checker.functions import called_functions
 from flowgraph.checker.judges import probe_judges
+from flowgraph.checker.routes import route_problems, row_source
 from flowgraph.data.held import is_memory
 from flowgraph.data.readers import open_table, with_prompt
 from flowgraph.data.rendering import check_rendering, overlong, render_prompts, render_responses
@@ -47,7 +48,7 @@ from flowgraph.diagnostics import Diagnostic
 from flowgraph.document import did_you_mean
 from flowgraph.errors import FlowgraphError
 from flowgraph.ir import DataSpec, Graph, ModelSpec, NodeSpec
-from flowgraph.paths import RULE, is_hub_dataset, written_file
+from flowgraph.paths import RULE, is_hub_dataset, is_local, written_file
 from flowgraph.registry import KindSpec, Registry
 from flowgraph.runs import is_run_dir, trained_lm
 from flowgraph.runtime.reward_call import TRL_NOT_COLUMNS, TRL_PASSES, unmet_parameters
@@ -76,10 +77,6 @@ def _path_pos(pos: SourcePos) -> SourcePos:
         if col >= 0:
             return SourcePos(pos.file, i + 1, col + 1)
     return pos
-
-
-def _local(path: str) -> bool:
-    return path.startswith(BUILTIN_PREFIX) or Path(path).expanduser().exists()
 
 
 def _missing(what: str, path: str, pos: SourcePos, code: str, node: str) -> Diagnostic:
@@ -154,12 +151,12 @@ def _check_model(m: ModelSpec, tokenizers: dict[str, Any], load_tokenizer: LoadT
     if is_run_dir(m.path):
         return _check_run_dir(m, tokenizers, load_tokenizer, pos)
     tok_path = m.tokenizer or m.path
-    missing = next((p for p in (m.path, tok_path) if Path(p).is_absolute() and not _local(p)),
+    missing = next((p for p in (m.path, tok_path) if Path(p).is_absolute() and not is_local(p)),
                    None)
     if missing is not None:  # resolved to a local path, not kept as a hub id
         return [_missing(f"model `{m.name}`: folder", missing, pos, "FG506", m.name)]
-    if not _local(m.path) or not _local(tok_path):
-        return [_skipped(f"model `{m.name}`:", m.path if not _local(m.path) else tok_path, pos)]
+    if not is_local(m.path) or not is_local(tok_path):
+        return [_skipped(f"model `{m.name}`:", m.path if not is_local(m.path) else tok_path, pos)]
     builtin = builtin_config(m.path)
     config = dict(builtin) if builtin is not None else _read_config(m.path)
     if isinstance(config, str):
@@ -228,10 +225,11 @@ def _check_source(graph: Graph, d: DataSpec, tokenizers: dict[str, Any]) -> list
     if hub:
         return [_skipped(f"data source `{d.name}`: hub dataset", hub[0], pos)]
     missing = [_missing(f"data source `{d.name}`: dataset file", path, pos, "FG501", d.name)
-               for path in paths if not _local(path) and not is_memory(path)]
+               for path in paths if not is_local(path) and not is_memory(path)]
     if missing:
         return missing
     columns = [diag for path in paths for diag in _column_problems(graph, d, path)]
+    columns += route_problems(graph, d)
     model = _data_model(graph, d)
     if model is None or model not in tokenizers:
         return [Diagnostic("FG509", "note", f"data source `{d.name}`: no local tokenizer to "
@@ -244,30 +242,18 @@ def _check_source(graph: Graph, d: DataSpec, tokenizers: dict[str, Any]) -> list
 
 
 def unmet_columns(graph: Graph) -> list[Diagnostic]:
-    """FG512 alone, on every local dataset (what `check --data` says of the columns a
-    reward function called as TRL calls one needs): `flowgraph run` checks it before the
-    models load, so that it is never the first batch's TypeError. No tokenizer, no torch."""
+    """FG512 and FG609 alone, on every local dataset (what `check --data` says of the
+    columns a reward function called as TRL calls one needs, and of the rows an agent
+    rollout routes to its `envs`): `flowgraph run` checks them before the models load, so
+    that neither is the first batch's error. No tokenizer, no torch."""
     found = []
     for d in graph.data:
         params = d.params.to_python()
         paths = [d.path] + ([str(params["eval_path"])] if params.get("eval_path") else [])
-        found += [diag for path in paths if is_memory(path) or _local(path)
+        found += [diag for path in paths if is_memory(path) or is_local(path)
                   for diag in _column_problems(graph, d, path)]
+        found += route_problems(graph, d)
     return found
-
-
-def row_source(graph: Graph, node: NodeSpec, port: str = "row") -> str | None:
-    """The data source whose rows reach `node`'s input `port`: back along the wiring, each
-    node passing on its input of the output's name (`reward.row` <- `gen.row` <-
-    `train.row`); None when it starts at no data source."""
-    ref, seen = node.input(port), set()
-    while ref is not None and (ref.node, ref.port) not in seen:
-        seen.add((ref.node, ref.port))
-        if graph.data_source(ref.node) is not None:
-            return ref.node
-        producer = graph.node(ref.node)
-        ref = producer.input(ref.port) if producer is not None else None
-    return None
 
 
 def _column_problems(graph: Graph, d: DataSpec, path: str) -> list[Diagnostic]:

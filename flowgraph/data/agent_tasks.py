@@ -16,6 +16,12 @@
 * `builtin:guess-sft[:test]`: warm-up games from 8, half by binary search (3.4 guesses
   on average, at most 5), half one up or down at a time (5 on average, up to 9):
   plausible, and slow enough that RL has turns to save.
+* `builtin:calc-guess[:test]`: both tasks in one table, each row's env named by its
+  `env_class` column (`calc`, `guess`; graphs/agent_mixed.yaml routes by it): 256
+  multiplications and the 64 games four times (train), the first 32 held-out
+  multiplications and the 16 held-out games (test).
+* `builtin:calc-guess-sft[:test]`: both warm-ups in one table: every transcript of
+  `mul-sft` and the games of `guess-sft` four times (train).
 
 Plain Python: `flowgraph.data.tasks` names them, `flowgraph.data.readers` builds the tables.
 """
@@ -27,10 +33,13 @@ import random
 from typing import Any
 
 __all__ = [
+    "CALC_GUESS_ENVS",
     "GUESS_HIGH",
     "GUESS_PROMPT",
     "guess_games",
     "guess_problems",
+    "mixed_games",
+    "mixed_problems",
     "mul_problems",
     "mul_transcripts",
     "tool_call_text",
@@ -118,3 +127,22 @@ def guess_games(split: str = "train") -> list[list[dict[str, str]]]:
                                      "content": "higher" if int(number) > g else "lower"})
             out.append(messages)
     return out
+
+
+CALC_GUESS_ENVS = ("calc", "guess")
+"""The `env_class` values of `builtin:calc-guess`: the calculator's rows, then the games'."""
+
+
+def mixed_problems(split: str = "train") -> list[tuple[str, str, str, str]]:
+    """(question, answer, data source, env) rows of `builtin:calc-guess`, calculator
+    rows first (the data source shuffles them when it loads)."""
+    calc, guess = CALC_GUESS_ENVS
+    muls = mul_problems(split)[:32 if split == "test" else 256]
+    games = guess_problems(split) * (1 if split == "test" else 4)
+    return [(q, a, "mul", calc) for q, a in muls] + [(q, a, "guess", guess) for q, a in games]
+
+
+def mixed_games(split: str = "train") -> list[list[dict[str, str]]]:
+    """`builtin:calc-guess-sft`: the calculator's transcripts and the games (four times
+    when training: 512 games beside 1,000 transcripts), so one model learns both."""
+    return mul_transcripts(split) + guess_games(split) * (1 if split == "test" else 4)

@@ -12,7 +12,8 @@ shared by every prompt, so what training teaches on one prompt carries to held-o
 ones. Built-in tables also carry a `response` column (the answer), so `sft` reads them.
 The agent tasks (`flowgraph.data.agent_tasks`): `builtin:mul` (`37*86=`, for a
 calculator tool), `builtin:guess` (a number of 1-16) and their warm-up conversations
-`builtin:mul-sft` and `builtin:guess-sft` (a `messages` column).
+`builtin:mul-sft` and `builtin:guess-sft` (a `messages` column), and both in one table
+each: `builtin:calc-guess` (an `env_class` column) and `builtin:calc-guess-sft`.
 
 Plain Python: `flowgraph.data.readers` makes the columns a table.
 """
@@ -23,7 +24,14 @@ import random
 from typing import Any
 
 from flowgraph.builtin_models import BUILTIN_PREFIX
-from flowgraph.data.agent_tasks import guess_games, guess_problems, mul_problems, mul_transcripts
+from flowgraph.data.agent_tasks import (
+    guess_games,
+    guess_problems,
+    mixed_games,
+    mixed_problems,
+    mul_problems,
+    mul_transcripts,
+)
 from flowgraph.errors import FlowgraphError
 
 __all__ = ["arith_problems", "builtin_columns", "reverse_problems"]
@@ -58,7 +66,7 @@ def reverse_problems(split: str = "train") -> list[tuple[str, str]]:
 
 _TASKS = {"arith": arith_problems, "reverse": reverse_problems, "mul": mul_problems,
           "guess": guess_problems}
-_CHATS = {"mul-sft": mul_transcripts, "guess-sft": guess_games}
+_CHATS = {"mul-sft": mul_transcripts, "guess-sft": guess_games, "calc-guess-sft": mixed_games}
 """Built-in chat tables (a `messages` column: the `sft` kind's multi-turn layout)."""
 
 
@@ -71,7 +79,7 @@ def builtin_columns(name: str) -> dict[str, list[Any]]:
     """The columns of `builtin:<name>` (`arith`, `arith:test`, ...)."""
     task, _, split = name.partition(":")
     pairs = task == "arith-pairs"
-    known = (*_TASKS, "arith-pairs", *_CHATS)
+    known = (*_TASKS, "arith-pairs", "calc-guess", *_CHATS)
     if task not in known or split not in ("", "train", "test"):
         raise FlowgraphError(
             f"unknown built-in dataset `{BUILTIN_PREFIX}{name}`; known: "
@@ -79,6 +87,13 @@ def builtin_columns(name: str) -> dict[str, list[Any]]:
         )
     if task in _CHATS:
         return {"messages": _CHATS[task](split or "train")}
+    if task == "calc-guess":  # two envs in one table: `env_class` names each row's
+        rows = mixed_problems(split or "train")
+        return {"prompt": [[{"role": "user", "content": q}] for q, _, _, _ in rows],
+                "response": [a for _, a, _, _ in rows],
+                "data_source": [source for _, _, source, _ in rows],
+                "reward_model": [{"ground_truth": a} for _, a, _, _ in rows],
+                "env_class": [env for _, _, _, env in rows]}
     problems = _TASKS["arith" if pairs else task](split or "train")
     prompts = [[{"role": "user", "content": q}] for q, _ in problems]
     if pairs:

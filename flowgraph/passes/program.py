@@ -21,7 +21,7 @@ from flowgraph.diagnostics import Diagnostic
 from flowgraph.dims import resolved_text
 from flowgraph.errors import PlanError
 from flowgraph.frontend import graph_to_yaml
-from flowgraph.ir import Graph, NodeSpec, Plugin, PortRef
+from flowgraph.ir import Graph, NodeSpec, Params, Plugin, PortRef, to_python
 from flowgraph.objects import TAG, PyObject, by_value
 from flowgraph.paths import written_file
 from flowgraph.plan import (
@@ -350,6 +350,10 @@ def files_resolved(kind: KindSpec, node: NodeSpec) -> dict[str, Any]:
         elif param is not None and isinstance(param.value, str) and \
                 param.value.endswith(spec.files):
             given[spec.name] = written_file(param.value, param.pos)
+        if param is not None and isinstance(param.value, Params):  # `envs`: each value
+            given[spec.name] = {p.name: written_file(p.value, p.pos)
+                                if isinstance(p.value, str) and p.value.endswith(spec.files)
+                                else to_python(p.value) for p in param.value.items}
     return given
 
 

@@ -81,3 +81,27 @@ def test_the_guess_graph_learns_to_take_fewer_turns(tmp_path: Path) -> None:
     val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
     assert min(val) >= 0.9, val
     assert wall < 600, wall
+
+
+@pytest.mark.slow
+def test_the_mixed_graph_learns_the_calculator_routing_both_envs(tmp_path: Path) -> None:
+    """graphs/agent_mixed.yaml: one rollout routes each row of builtin:calc-guess to the
+    calculator or to guess the number by its env_class, both envs every step.
+
+    Measured (2 shared cores, 11.5 min; README "Examples that learn"): the calculator
+    learns as its own graph does (rewards/calc/mean 0.69 over the first five steps, 0.90
+    over the last five; tool calls 0.44 -> 0.98; val/agent/calc/accuracy 0.42 -> 0.92 ->
+    0.97 -> 0.89); guess the number does not yet (rewards/guess/mean 0.51, then 0.31:
+    more games run out of turns): not asserted here, an open item of issue 41, point 1
+    (both envs are played every step and held out: their metrics are asserted)."""
+    rows, wall = _run("agent_mixed.yaml", tmp_path / "run")
+    reward = {env: [r[f"rewards/{env}/mean"] for r in rows] for env in ("calc", "guess")}
+    assert _mean(reward["calc"][-5:]) >= _mean(reward["calc"][:5]) + 0.2, reward["calc"]
+    calls = [r["agent/calc/tool_calls"] for r in rows]
+    assert _mean(calls[-5:]) >= _mean(calls[:5]) + 0.3, calls
+    val = [r for r in rows if "val/agent/calc/accuracy" in r]
+    assert len(val) == 4 and val[-1]["val/agent/calc/accuracy"] >= \
+        val[0]["val/agent/calc/accuracy"] + 0.3, val
+    assert all("val/agent/guess/accuracy" in r for r in val), val
+    assert all(len(v) == len(rows) for v in reward.values()), reward
+    assert wall < 1200, wall

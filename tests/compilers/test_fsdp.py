@@ -348,6 +348,26 @@ def test_agent_rollouts_equal_local(tmp_path: Path, tied: bool, local_reference:
     assert any(r["agent/status/error"] > 0 for r in fsdp), "masked episodes on rank 1"
 
 
+ROUTED = ("dims.Bp=4", "dims.N=2", "nodes.update.params.mini_batch_size=8",
+          "trainer.steps=3", "trainer.eval_every=3", "trainer.val_before_train=false")
+"""graphs/agent_mixed.yaml (the calculator and guess the number in one dataset) small:
+4 rows a step, 2 a rank, held-out evaluation after the last step."""
+
+
+@pytest.mark.slow
+def test_envs_routed_per_row_equal_local(tmp_path: Path, local_run: Any) -> None:
+    """Each rank routes its half of the rows by their own `env_class`, so a rank whose
+    rows name one env sums both envs' counts beside the other's: the local run's numbers,
+    `agent/<env>/*`, `rewards/<env>/*` and the held-out `val/agent/<env>/*` included."""
+    graph = GRAPHS / "agent_mixed.yaml"
+    local = local_run(graph, tmp_path / "local", *ROUTED)
+    fsdp = _fsdp(graph, tmp_path / "fsdp", *ROUTED)
+    assert_same_numbers(fsdp, local)
+    for env in ("calc", "guess"):
+        assert any(f"rewards/{env}/mean" in r for r in fsdp), env
+        assert f"val/agent/{env}/accuracy" in fsdp[-1], env
+
+
 @pytest.mark.parametrize("packing", [False, True])
 def test_token_budgets_on_sharded_models_equal_local(tmp_path: Path, local_run: Any,
                                                      packing: bool) -> None:

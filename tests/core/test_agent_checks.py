@@ -4,6 +4,7 @@ check, run by test_graphs_dir."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from flowgraph.checker import check_graph
+from flowgraph.cli import main
 from flowgraph.diagnostics import Diagnostic
 from flowgraph.frontend import load_graph
 
@@ -523,3 +525,117 @@ def test_episodes_of_several_rows_count_as_episodes(
     assert _lines(found, tmp_path) == expected
     if not expected:  # and nothing else, the shapes included
         assert _check(tmp_path, *edits, plugin=PROGRAMS, code="FG") == []
+
+
+# --- FG609: an env per row ------------------------------------------------------------------
+
+ENVS = ("env: envs.py:Guess", "envs: {guess: envs.py:Guess, raw: envs.py:Raw}")
+"""Two envs by name; the rows name theirs in `env_class`."""
+RAW_TOOLS = ("class Raw(Env):\n    tools = [raw]", "class Raw(Env):\n    pass")
+
+
+def test_two_envs_by_name_check_clean_and_their_tools_are_checked(tmp_path: Path) -> None:
+    clean, raw, misspelt = (tmp_path / d for d in ("clean", "raw", "misspelt"))
+    for d in (clean, raw, misspelt):  # a plugin file is imported once per path
+        d.mkdir()
+    assert _check(clean, ENVS, plugin=PLUGIN.replace(*RAW_TOOLS), code="FG") == []
+    assert _lines(_check(raw, ENVS), raw) == [
+        "error FG603: parameter `envs` of `agent`: a tool of `envs.py:Raw` cannot be offered "
+        "to the policy: ToolSchemaError: tool `raw` (TMP/envs.py:15): has no docstring; add "
+        "a Google-style one: a line saying what the tool does, then `Args:` with one "
+        "`name: what it is` per argument"]
+    assert _lines(_check(misspelt, ("env: envs.py:Guess",
+                                    "envs: {guess: envs.py:Guess, raw: envs.py:Rw}")),
+                  misspelt) == ["error FG605: parameter `envs` of `agent` names `envs.py:Rw`, "
+                                "but `envs.py` has no `Rw` (TMP/envs.py)"]
+
+
+@pytest.mark.parametrize(("edits", "expected"), [
+    ([("tools: [envs.py:lookup]", "envs: {raw: envs.py:Raw}")],
+     "error FG609: `agent` names an env per row (`envs`: raw) and the one `env` beside "
+     "them, which would never run"),
+    ([("env: envs.py:Guess", "envs: {}")],
+     "error FG609: `agent.params.envs` is empty: no row could be routed"),
+    ([("env: envs.py:Guess", "envs: {a/b: envs.py:Guess}")],
+     "error FG609: `agent.params.envs` names an env `a/b`: an env's name is part of its "
+     "metrics' names (agent/<env>/turns), so letters, digits, `_`, `.` and `-`"),
+    ([ENVS, ("max_turns: 3", "max_turns: 3\n      env_params: {gues: {n: 1}}")],
+     "error FG609: `agent.params.env_params` has `gues`, which is no env of `envs` (did "
+     "you mean `guess`?): with `envs`, env_params holds each env's own keyword arguments "
+     "by its name"),
+], ids=["beside_env", "empty", "slash", "params_by_name"])
+def test_envs_that_cannot_route_are_fg609(edits: list[tuple[str, str]], expected: str,
+                                          tmp_path: Path) -> None:
+    plugin = PLUGIN.replace(*RAW_TOOLS)
+    assert _lines(_check(tmp_path, *edits, plugin=plugin, code="FG609"), tmp_path) == \
+        [expected]
+
+
+def _routed(tmp_path: Path, rows: list[dict[str, str]], route_by: str = "") -> Path:
+    (tmp_path / "envs.py").write_text(PLUGIN.replace(*RAW_TOOLS))
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    text = GRAPH.replace(*ENVS).replace('path: "builtin:reverse"', "path: q.jsonl")
+    if route_by:
+        text = text.replace("max_turns: 3", f"max_turns: 3\n      route_by: {route_by}")
+    path = tmp_path / "g.yaml"
+    path.write_text(text)
+    return path
+
+
+ROWS = [{"prompt": "1+1=", "env_class": "guess"}, {"prompt": "2+2=", "env_class": "raw"},
+        {"prompt": "3+3=", "env_class": "gess"}, {"prompt": "4+4=", "env_class": "rav"}]
+
+
+@pytest.mark.parametrize(("rows", "route_by", "expected"), [
+    (ROWS[:2], "", None),
+    ([{"prompt": "1+1=", "agent_name": "raw"}, *ROWS[:1]], "", None),  # verl's name
+    ([{"prompt": "1+1=", "task": "raw"}], "task", None),
+    (ROWS, "", "`agent` routes each row to one of its envs (guess, raw) by `env_class`: row "
+     "2 (0-based) of dataset `TMP/q.jsonl` names the env `gess` (column `env_class`), which "
+     "the node does not declare in `envs`: did you mean `guess`? (2 of its 4 rows name none "
+     "of them)"),
+    ([*ROWS[:1], {"prompt": "2+2="}], "", "`agent` routes each row to one of its envs "
+     "(guess, raw) by `env_class`: row 1 (0-based) of dataset `TMP/q.jsonl` has no "
+     "`env_class` (nor `agent_name`, verl's name) naming its env: add the column (one of "
+     "guess, raw), or set `route_by` to the column that names it"),
+    (ROWS[:2], "task", "`agent` routes each row to one of its envs (guess, raw) by `task`: "
+     "row 0 (0-based) of dataset `TMP/q.jsonl` has no `task` naming its env: add the column "
+     "(one of guess, raw), or set `route_by` to the column that names it (2 of its 2 rows "
+     "name none of them)"),
+], ids=["routed", "agent_name", "route_by", "unknown", "no_column", "other_column"])
+def test_check_data_refuses_a_row_naming_no_declared_env_as_fg609(
+        rows: list[dict[str, str]], route_by: str, expected: str | None, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`check --data` reads every row by the rule the rollout routes by, and `run` stops
+    on the same diagnostic before the models load."""
+    graph = _routed(tmp_path, rows, route_by)
+    main(["check", str(graph), "--data", "--format", "json"])
+    found = [d for d in json.loads(capsys.readouterr().out) if d["code"] == "FG609"]
+    assert [d["message"].replace(str(tmp_path), "TMP") for d in found] == \
+        ([expected] if expected else [])
+    if expected is None:
+        return
+    assert found[0]["line"] == _line_of(graph, "envs:") and found[0]["node"] == "agent"
+    assert main(["run", str(graph), f"trainer.run_dir={tmp_path / 'run'}"]) == 1
+    assert "error[FG609]" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def _line_of(path: Path, needle: str) -> int:
+    return next(i for i, line in enumerate(path.read_text().splitlines(), 1) if needle in line)
+
+
+def test_the_readmes_fg609_is_what_check_data_says_of_the_mixed_example(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    graphs = ROOT / "graphs"
+    for name in ("agent_calculator.py", "agent_guess.py"):
+        (tmp_path / name).write_text((graphs / name).read_text())
+    graph = tmp_path / "agent_mixed.yaml"
+    graph.write_text((graphs / "agent_mixed.yaml").read_text().replace(
+        'guess: "agent_guess.py:GuessEnv"', 'gues: "agent_guess.py:GuessEnv"'))
+    main(["check", str(graph), "--data", "--format", "json"])
+    found = [d for d in json.loads(capsys.readouterr().out) if d["code"] == "FG609"]
+    assert len(found) == 2  # the training rows and the held-out ones
+    d = found[0]
+    said = f"graphs/agent_mixed.yaml:{d['line']}:{d['column']}: error[FG609]: {d['message']}"
+    assert said in (ROOT / "README.md").read_text()

@@ -12,11 +12,12 @@ import torch
 import flowgraph.nodes.agent as agent_node
 import flowgraph.nodes.logprob as logprob_mod
 from flowgraph.agent import Env, Step
+from flowgraph.agent.routing import RouteError
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.agent import agent_rollout
 from flowgraph.nodes.logprob import logprob
 from flowgraph.nodes.models import load_model, load_tokenizer
-from flowgraph.runtime.context import NodeContext
+from flowgraph.runtime.context import NodeContext, Workers
 
 
 class Again(Env):
@@ -283,3 +284,117 @@ def test_without_partial_rollouts_every_token_is_the_version_of_the_step(model_a
     mask = out["response_mask"].bool()
     assert (out["policy_version"][mask] == 3).all() and (out["policy_version"][~mask] == -1).all()
     assert ctx.metrics["agent/versions_per_episode"] == 1.0
+
+
+# --- an env per row (`envs`, routed by a column) -------------------------------------------
+
+
+class OneShot(Env):
+    """Ends the episode at its first answer, reward 0 (the default `Env`'s step)."""
+
+    def reset(self, task):
+        return task["prompt"]
+
+
+ROUTED = [{"prompt": "reverse 123", "env_class": "again"},
+          {"prompt": "reverse 4567", "env_class": "one_shot"},
+          {"prompt": "reverse 89", "env_class": "again"},
+          {"prompt": "reverse 31", "env_class": "one_shot"}]
+ENVS = {"again": Again, "one_shot": OneShot}
+
+
+class Recorded(Workers):
+    """One worker that records the keys of each `sum` (a collective's on several)."""
+
+    def __init__(self):
+        self.keys: list[set[str]] = []
+
+    def sum(self, values):
+        self.keys.append(set(values))
+        return dict(values)
+
+
+def routed(model, tok, rows=ROUTED, offset=0, **params):
+    return run(model, tok, rows, offset, env=None, envs=ENVS, **params)
+
+
+def test_each_row_plays_the_env_its_column_names_and_groups_never_mix_envs():
+    """Rows 0 and 2 name `again` (two replies of 0.5, then 1 at the end), rows 1 and 3
+    `one_shot` (one turn, 0): each row's n = 2 episodes play its env, so a GRPO group
+    (one `index`) is one env's; the per-env metrics are the means over that env's
+    episodes, from the same counts as agent/*."""
+    model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
+    out, ctx = routed(model, tok)
+    envs = [info["env"] for info in out["reward_extra_info"]]
+    assert envs == ["again"] * 2 + ["one_shot"] * 2 + ["again"] * 2 + ["one_shot"] * 2
+    turns, scores = out["num_turns"].tolist(), out["scores"].tolist()
+    for env, t, s in zip(envs, turns, scores, strict=True):
+        if env == "one_shot":
+            assert (t, s) == (1, 0.0)
+        else:  # 0.5 a reply (a third turn ends it, or T does), 1 at the end
+            assert t >= 2 and s == pytest.approx(0.5 * t + 1.0)
+    index = out["index"].tolist()
+    assert {i: {e for e, j in zip(envs, index, strict=True) if j == i} for i in index} == \
+        {0: {"again"}, 1: {"one_shot"}, 2: {"again"}, 3: {"one_shot"}}
+    again = [k for k, e in enumerate(envs) if e == "again"]
+    m = ctx.metrics
+    assert m["agent/one_shot/turns"] == 1.0 and m["rewards/one_shot/mean"] == 0.0
+    assert m["rewards/one_shot/std"] == 0.0
+    assert m["agent/again/turns"] == pytest.approx(sum(turns[k] for k in again) / 4)
+    assert m["rewards/again/mean"] == pytest.approx(sum(scores[k] for k in again) / 4)
+    assert m["rewards/again/std"] == pytest.approx(
+        float(torch.tensor([scores[k] for k in again]).std()))
+    assert m["agent/turns"] == pytest.approx((m["agent/again/turns"] +
+                                              m["agent/one_shot/turns"]) / 2)
+    assert m["agent/again/status/completed"] + m["agent/again/status/context_exhausted"] == 1
+
+
+def test_a_workers_rows_route_as_the_whole_batchs_and_every_worker_sums_every_env():
+    """Rows split across two workers (offsets 0 and 2, as fsdp and ray split them): each
+    half's episodes are the whole batch's, and a worker whose rows name one env still
+    sums both envs' counts (a collective's keys agree on every worker)."""
+    model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
+    whole, _ = routed(model, tok)
+    halves = [routed(model, tok, ROUTED[k:k + 2], offset=k)[0] for k in (0, 2)]
+    for port in ("responses", "response_mask", "num_turns", "scores", "index"):
+        assert torch.equal(whole[port], torch.cat([h[port] for h in halves])), port
+    assert whole["reward_extra_info"] == [i for h in halves for i in h["reward_extra_info"]]
+    workers = Recorded()
+    ctx = NodeContext("agent", "agent_rollout", step=3, seed=7, dims={"P": 16, "T": 40},
+                      workers=workers)
+    agent_rollout(ctx, model, tok, row=[ROUTED[1]], envs=ENVS, n=2, max_turns=4,
+                  max_turn_tokens=8)
+    assert any({"again/n", "one_shot/n", "again/score"} <= keys for keys in workers.keys)
+    assert "agent/one_shot/turns" in ctx.metrics and "agent/again/turns" not in ctx.metrics
+
+
+def test_verls_agent_name_routes_a_row_without_env_class_and_route_by_names_another():
+    model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
+    verl = [{"prompt": r["prompt"], "agent_name": r["env_class"]} for r in ROUTED]
+    task = [{"prompt": r["prompt"], "task": r["env_class"]} for r in ROUTED]
+    want = routed(model, tok)[0]["reward_extra_info"]
+    assert routed(model, tok, verl)[0]["reward_extra_info"] == want
+    assert routed(model, tok, task, route_by="task")[0]["reward_extra_info"] == want
+
+
+@pytest.mark.parametrize(("rows", "route_by", "message"), [
+    ([{"prompt": "x", "env_class": "again"}, {"prompt": "y", "env_class": "one-shot"}],
+     "env_class", "agent_rollout `agent`: row 6 names the env `one-shot` (column "
+     "`env_class`), which the node does not declare in `envs`: did you mean `one_shot`?"),
+    ([{"prompt": "x"}], "env_class", "agent_rollout `agent`: row 5 has no `env_class` (nor "
+     "`agent_name`, verl's name) naming its env: add the column (one of again, one_shot), "
+     "or set `route_by` to the column that names it"),
+    ([{"prompt": "x", "env_class": "again"}], "task", "agent_rollout `agent`: row 5 has no "
+     "`task` naming its env"),
+])
+def test_a_row_naming_no_declared_env_is_refused_naming_the_row(rows, route_by, message):
+    model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
+    with pytest.raises(RouteError) as info:
+        routed(model, tok, rows, offset=5, route_by=route_by)
+    assert str(info.value).startswith(message)
+
+
+def test_envs_beside_env_is_refused():
+    model, tok = load_model("builtin:tiny-lm"), load_tokenizer("builtin:tiny-lm")
+    with pytest.raises(FlowgraphError, match=r"`envs` \(an env per row\) with `env` or `agent`"):
+        run(model, tok, ROUTED, envs=ENVS)
