@@ -40,6 +40,7 @@ from torch import Tensor, nn
 
 from flowgraph.choices import MODEL_DTYPES, TENSOR_BYTES
 from flowgraph.compilers.build import compute_dtype
+from flowgraph.compilers.signals import child_pids, reap_with_parent
 from flowgraph.compilers.vllm import weight_sync
 from flowgraph.errors import FlowgraphError
 from flowgraph.nodes.generate import SamplingSpec
@@ -199,6 +200,7 @@ def _start(key: str, model: PreTrainedModel, tokenizer: Any, memory: Memory,
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder.name)
     tokenizer.save_pretrained(folder.name)
+    before = child_pids()
     try:
         llm = LLM(
             model=folder.name,
@@ -215,6 +217,9 @@ def _start(key: str, model: PreTrainedModel, tokenizer: Any, memory: Memory,
             f"the vLLM engine for `{key}` did not start with {memory.describe()}: {exc}. "
             "If memory is short, free some (vLLM on CPU counts the free memory of NUMA node "
             "0 only) or lower the rollout batch, P or T") from exc
+    # vLLM's engine core and its worker outlive a SIGKILLed run (on a GPU holding the
+    # memory the resumed run needs): a watcher takes them along.
+    reap_with_parent(child_pids() - before)
     # A process started by `multiprocessing` (a rank under torch's launcher) joins its
     # children — the engine's — before its atexit hooks run, and vLLM shuts them down in
     # those: the rank would wait forever. Multiprocessing's own exit finalizers run

@@ -214,6 +214,32 @@ def test_a_ray_run_on_one_machine_binds_loopback_keeps_its_token_and_dies_with_i
         threading.Thread(target=_kill, args=(cluster,), daemon=True).start()
 
 
+@pytest.mark.slow
+def test_a_killed_run_takes_its_vllm_engine_along(tmp_path: Path) -> None:
+    """vLLM's engine core and its worker (processes of their own) die within seconds of
+    a SIGKILLed run; unaided they lived on (on a GPU holding the memory the resumed run
+    needs)."""
+    log = tmp_path / "run.log"
+    proc = _flowgraph(["nodes.gen.params.backend=vllm", "trainer.steps=200",
+                       "trainer.checkpoint_every=0", f"trainer.run_dir={tmp_path / 'run'}"],
+                      log)
+    engine: list[int] = []
+    try:
+        _until(lambda: "step 1/" in log.read_text() or proc.poll() is not None, 300, log)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        engine = _tree(proc.pid)[1:]
+        assert any(_name(p).startswith("VLLM") for p in engine), [_name(p) for p in engine]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _until(lambda: not [p for p in engine if _alive(p)], 30, log,
+               lambda: f"alive: {[(p, _name(p)) for p in engine if _alive(p)]}")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        _kill(engine)
+
+
 def test_a_killed_driver_takes_along_what_its_watcher_had_not_seen(tmp_path: Path) -> None:
     """The watcher kills what it saw below the cluster's roots and, after the driver
     died, every process marked as the cluster's: here one started by an orphaned shell

@@ -31,7 +31,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -140,20 +140,26 @@ def _pairs(cell: Cell) -> set[tuple[tuple[str, str], tuple[str, str]]]:
     return {(a, b) for a, b in itertools.combinations(items, 2)}
 
 
-def pairwise(cells: Sequence[Cell]) -> list[Cell]:
-    """A small subset of `cells` covering every pair they cover (greedy: each next cell
-    the one covering most pairs not yet covered, the first such in `cells`' order)."""
-    wanted = set().union(*(_pairs(c) for c in cells))
-    chosen: list[Cell] = []
-    while wanted:
-        best = max(cells, key=lambda c: len(_pairs(c) & wanted))
-        chosen.append(best)
-        wanted -= _pairs(best)
-    return chosen
-
-
 CELLS = every_cell()
-PAIRWISE = set(pairwise(CELLS))
+PAIRWISE = {cell for cell in CELLS if cell.id in (
+    "local-generate-bfloat16-sync-on-graph_dir",
+    "local-generate-float32-stale-on-python",
+    "local-env-bfloat16-partial-on-other_dir",
+    "local-agent-float32-sync-on-graph_dir",
+    "local-agent-bfloat16-stale-off-other_dir",
+    "fsdp-generate-float32-sync-on-other_dir",
+    "fsdp-env-float32-stale-off-graph_dir",
+    "fsdp-agent-bfloat16-partial-off-python",
+    "ray-generate-bfloat16-stale-off-other_dir",
+    "ray-env-float32-sync-off-python",
+    "ray-agent-float32-partial-on-graph_dir",
+    "ray-generate-bfloat16-partial-on-other_dir",  # refused: FG124
+)}
+"""A pairwise-covering subset (`test_the_covering_subset_covers_every_pair` proves it
+covers): 11 cells that run and one refused, chosen for the least launch time (each target
+meets each value of a three-valued factor, so at least three cells a target; the local
+cells are the cheap ones, Ray's the dear ones, and a bf16 cell on 2 workers launches once
+more for its reference)."""
 
 
 def _params() -> Iterator[Any]:
@@ -278,7 +284,8 @@ def _uninterrupted(cell: Cell, launch: Launch, run_dir: Path) -> list[dict[str, 
 
 def test_the_covering_subset_covers_every_pair() -> None:
     """Every pair of two factors' values meets in a cell of the subset (a refused pair in
-    its refused cell), and at most 12 of its cells run."""
+    its refused cell), each named cell exists, and 11 of them run."""
+    assert len(PAIRWISE) == 12, "a cell of PAIRWISE names no cell"
     assert set().union(*(_pairs(c) for c in PAIRWISE)) == set().union(
         *(_pairs(c) for c in CELLS))
-    assert len([c for c in PAIRWISE if c.refused() is None]) <= 12, PAIRWISE
+    assert len([c for c in PAIRWISE if c.refused() is None]) == 11
