@@ -350,7 +350,7 @@ def files_resolved(kind: KindSpec, node: NodeSpec) -> dict[str, Any]:
         elif param is not None and isinstance(param.value, str) and \
                 param.value.endswith(spec.files):
             given[spec.name] = written_file(param.value, param.pos)
-        if param is not None and isinstance(param.value, Params):  # `envs`: each value
+        elif param is not None and isinstance(param.value, Params):  # `envs`: each value
             given[spec.name] = {p.name: written_file(p.value, p.pos)
                                 if isinstance(p.value, str) and p.value.endswith(spec.files)
                                 else to_python(p.value) for p in param.value.items}
