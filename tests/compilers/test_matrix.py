@@ -16,10 +16,10 @@ graph's folder with a relative path, another folder, a Python script). Each cell
    or for bf16 on 2 workers the cell launched once more, uninterrupted (bf16 rounds a
    batch split over two workers otherwise than the whole batch on one).
 
-`python -m pytest -m pairwise` runs a pairwise-covering subset (`PAIRWISE`: every pair
-of two factors' values meets in at least one cell, refused pairs in a refused cell; 13
-cells, ~11 min on 2 idle cores, more than the default suite's budget has left: it is not
-in the default suite yet), `python -m pytest -m matrix` every cell (hours).
+The default suite runs a pairwise-covering subset (`PAIRWISE`: every pair of two
+factors' values meets in at least one cell, refused pairs in a refused cell; 12 cells;
+`python -m pytest -m pairwise` runs it alone), `python -m pytest -m matrix` every cell
+(hours).
 """
 
 from __future__ import annotations
