@@ -201,12 +201,7 @@ def test_a_ray_run_on_one_machine_binds_loopback_keeps_its_token_and_dies_with_i
         assert [(a, n) for a, n in named.items() if not _loopback(a[0])] == [], named
         assert set(named.values()) >= RAY_SERVERS, named
         assert {proc.pid, *workers["actor_rollout_ref"]} <= set(seen.values()), named
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        # within 30 s, against Ray's 60+ s unaided; alone 2 s, but once in a loaded full
-        # suite the last of them outlived 15 s
-        _until(lambda: not [p for p in cluster if _alive(p)], 30, log,
-               lambda: f"alive: {[(p, _name(p)) for p in cluster if _alive(p)]}")
+        _kill_and_outlive(proc, cluster, log)  # against Ray's 60+ s unaided
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -229,10 +224,7 @@ def test_a_killed_run_takes_its_vllm_engine_along(tmp_path: Path) -> None:
         assert proc.poll() is None, log.read_text()[-3000:]
         engine = _tree(proc.pid)[1:]
         assert any(_name(p).startswith("VLLM") for p in engine), [_name(p) for p in engine]
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        _until(lambda: not [p for p in engine if _alive(p)], 30, log,
-               lambda: f"alive: {[(p, _name(p)) for p in engine if _alive(p)]}")
+        _kill_and_outlive(proc, engine, log)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -275,6 +267,15 @@ def test_a_killed_driver_takes_along_what_its_watcher_had_not_seen(tmp_path: Pat
     finally:
         proc.kill()
         _kill([int(p) for p in pids.read_text().split()] if pids.exists() else [])
+
+
+def _kill_and_outlive(proc: subprocess.Popen[bytes], below: list[int], log: Path) -> None:
+    """SIGKILL the run `proc`; the processes `below` it must be gone within 30 s (alone
+    2 s, but once in a loaded full suite the last of a Ray cluster outlived 15 s)."""
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    _until(lambda: not [p for p in below if _alive(p)], 30, log,
+           lambda: f"alive: {[(p, _name(p)) for p in below if _alive(p)]}")
 
 
 def _name(pid: int) -> str:

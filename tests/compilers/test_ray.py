@@ -105,16 +105,19 @@ def _proved_one_run_dir(run_dir: Path) -> None:
         for i in range(len(pids))}, workers
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("graph", ["ppo", "grpo", "dpo",
-                                   pytest.param("agent", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(("graph", "tied"), [
+    pytest.param(graph, tied, id=f"{graph}-{'tied' if tied else 'untied'}",
+                 marks=[pytest.mark.slow] if graph == "agent" or (tied and graph != "grpo") else [])
+    for graph in ("ppo", "grpo", "dpo", "agent") for tied in (False, True)])
 def test_ray_gives_the_numbers_of_the_local_run(
         graph: str, tied: bool, cluster: Any, tmp_path: Path, devnull: Any,
         local_reference: Any, local_run: Any, equal_overrides: dict[str, tuple[str, ...]],
         tied_models: Any, graph_path: Any) -> None:
     """Untied (`builtin:tiny-lm`) and tied (`builtin:tiny-tied`: the LM head is the
-    input embedding) models alike; resumed by the local target from a ray checkpoint.
-    `agent` (slow): multi-turn episodes calling a tool (tests/plugins/agent_turns.yaml),
+    input embedding) models alike (tied: GRPO in the default suite, with
+    `test_a_local_checkpoint_of_a_tied_model_resumes_on_ray`; PPO's and DPO's `-m slow`);
+    resumed by the local target from a ray checkpoint. `agent` (slow):
+    multi-turn episodes calling a tool (tests/plugins/agent_turns.yaml),
     each worker running its half of the episodes, `agent/*` metrics included."""
     from flowgraph.compilers.targets.ray.driver import run_ray
 
@@ -195,7 +198,8 @@ def test_async_rollouts_on_a_rollout_pool_equal_a_local_producer_process_and_res
 def test_partial_rollouts_on_the_rollout_pool_take_each_update_between_turns(
         admission: str, cluster: Any, tmp_path: Path, devnull: Any, graph_path: Any) -> None:
     """`trainer.partial_rollouts` on ray(2): the agent graph's episodes (each tool call
-    and env reply 0.2 s: a rollout outlasts the trainer's update) are produced on the
+    and env reply 0.5 s: a rollout outlasts the trainer's update, also when the update
+    shares the cores with another xdist worker; at 0.2 s it once did not) are produced on the
     rollout pool, which is sent every new version while it produces: a step's episodes
     were sampled by two versions, so its staleness is below its max, and no token is
     more than one update old. Under `block` every rollout is trained once, in order:
@@ -204,7 +208,7 @@ def test_partial_rollouts_on_the_rollout_pool_take_each_update_between_turns(
     from flowgraph.compilers.targets.ray.driver import run_ray
 
     overrides = ("trainer.max_staleness=1", "trainer.partial_rollouts=true",
-                 f"trainer.admission={admission}", "nodes.agent.params.env_params.slow_s=0.2")
+                 f"trainer.admission={admission}", "nodes.agent.params.env_params.slow_s=0.5")
     plan = _plan("agent", tmp_path / "ray", overrides, graph_path("agent"))
     assert plan.asynchronous.pool is not None and plan.asynchronous.partial
     run_ray(plan, RunOptions(out=devnull, shutdown=False))
