@@ -29,7 +29,8 @@ import torch
 from torch import Tensor, nn
 
 from flowgraph.errors import FlowgraphError
-from flowgraph.nodes.generate import SamplingSpec, decode, eval_mode, pad_id, stop_ids
+from flowgraph.nodes.data.padding import pad, pad_id
+from flowgraph.nodes.generate import SamplingSpec, decode, eval_mode, stop_ids
 from flowgraph.nodes.judge_url import JudgeServer, ask_url
 from flowgraph.nodes.logprob import response_span
 from flowgraph.runtime import NodeContext
@@ -62,12 +63,10 @@ def _ask_model(model: nn.Module, tokenizer: Any, texts: list[str], max_new_token
                                                tokenize=False, add_generation_prompt=True)
                  for t in texts]
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-    width, pad = max(len(i) for i in ids), pad_id(tokenizer)
-    # left-padded, as decode expects: (b, Pj)
-    prompts = torch.tensor([[pad] * (width - len(i)) + i for i in ids])
-    prompt_mask = torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in ids])
+    filler = pad_id(tokenizer)
+    prompts, prompt_mask = pad(ids, None, filler, left=True)  # as decode expects: (b, Pj)
     device = next(model.parameters()).device
-    spec = SamplingSpec(max_new_tokens, 0.0, 1.0, 0, True, stop_ids(model, tokenizer), pad)
+    spec = SamplingSpec(max_new_tokens, 0.0, 1.0, 0, True, stop_ids(model, tokenizer), filler)
     with eval_mode(model):
         out = decode(model, prompts.to(device), prompt_mask.to(device), [0] * len(ids), spec,
                      ctx.workers)
